@@ -1,0 +1,35 @@
+"""Settings of one MoE layer: the router, token dropping and the expert shapes.
+
+The `[moe]` section of a job config fills the router and capacity fields; a model
+flavor fills the shapes. Nothing here knows about parallelism.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    moe_ffn_dim: int = 64  # width of one routed expert
+    shared_ffn_dim: int = 0  # width of the shared expert; 0 = none
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w_gate) scales the shared expert
+
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = False  # renormalize the k chosen probabilities to sum to 1
+
+    # None = dropless; otherwise capacity = ceil(tokens * top_k * capacity_factor / num_experts)
+    capacity_factor: float | None = None
+    pad_to_capacity: bool = False  # every expert gets exactly `capacity` slots: static shapes
+    drop_policy: Literal["probs", "position"] = "probs"
+    drop_scope: Literal["sub_sequence", "full_sequence"] = "sub_sequence"
+
+    load_balance: Literal["aux_loss", "seq_aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    aux_free_bias_update_rate: float = 1e-3
+
+    # multiply the routing probability into the activation before w2, so the router's
+    # gradient needs no saved expert output (seeds/003, section 3); False = after w2
+    prob_before_w2: bool = True
