@@ -1,0 +1,366 @@
+"""The two folded device meshes of MoE Parallel Folding, and the checks that come before them.
+
+Attention layers run on ("pp", "dp_replicate", "dp_shard", "cp", "tp"), MoE layers on
+("pp", "edp", "ep", "etp"); both meshes cover the same ranks, row-major with the last name
+fastest, and only pp is common to both. That ordering is Megatron-Core's `RankGenerator` with
+order "tp-cp-ep-dp-pp" (first name fastest): the attention generator has ep=1, the expert
+generator cp=1. See docs/layouts.md for worked examples.
+
+`Layout` subclasses torchtitan's `ParallelDims` so torchtitan's Trainer, set_determinism,
+optimizer, metrics and checkpoint code accept it; `get_mesh` / `get_optional_mesh` answer
+torchtitan's names ("batch", "loss", "fsdp", "efsdp", ...) and ours ("dp", "dp_cp", ...).
+"""
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+__all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED"]
+
+ATTENTION_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+# flattened views: name -> (mesh, the dims it spans, in mesh order)
+FLATTENED = {
+    "dp": ("attention", ("dp_replicate", "dp_shard")),  # data loading
+    "dp_shard_cp": ("attention", ("dp_shard", "cp")),  # FSDP of dense parameters
+    "dp_cp": ("attention", ("dp_replicate", "dp_shard", "cp")),  # loss, gradient reduction
+    "ep_etp": ("expert", ("ep", "etp")),  # the whole expert-model-parallel group
+}
+# torchtitan's names for the same groups
+ALIASES = {"batch": "dp", "loss": "dp_cp", "fsdp": "dp_shard_cp", "efsdp": "edp"}
+
+
+class LayoutError(ValueError):
+    """Degrees that cannot form both meshes (raised before any process group exists)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(value: int, candidates: list[int], k: int = 3) -> list[int]:
+    # nearest on a log scale: degrees are mostly powers of two
+    ranked = sorted(candidates, key=lambda c: (abs(math.log2(c) - math.log2(max(value, 1))), c))
+    return sorted(ranked[:k])
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values) if values else "none"
+
+
+@dataclass(init=False)
+class Layout(ParallelDims):
+    """Degrees of both meshes; `edp` (and `dp_shard`) -1 means derived from world_size."""
+
+    edp: int = -1
+
+    def __init__(
+        self,
+        world_size: int,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        etp: int = 1,
+        edp: int = -1,
+    ):
+        self.world_size = world_size
+        self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp = pp, dp_replicate, dp_shard, cp, tp
+        self.ep, self.etp, self.edp = ep, etp, edp
+        self._meshes = {}
+        self._world_mesh = None
+        self._attention: DeviceMesh | None = None
+        self._expert: DeviceMesh | None = None
+        self._multi: dict[tuple[str, ...], DeviceMesh] = {}
+        self.__post_init__()  # ParallelDims.__post_init__ -> self._validate()
+
+    # ---- validation (pure arithmetic, no process group) ----
+
+    def _validate(self):
+        w = self.world_size
+        if not isinstance(w, int) or w < 1:
+            raise LayoutError(f"world_size must be an integer >= 1, got {w!r}")
+        for name in ("pp", "dp_replicate", "cp", "tp", "ep", "etp"):
+            d = getattr(self, name)
+            if not isinstance(d, int) or d < 1:
+                raise LayoutError(f"{name} must be an integer >= 1, got {d!r}")
+        for name in ("dp_shard", "edp"):
+            d = getattr(self, name)
+            if not isinstance(d, int) or not (d == -1 or d >= 1):
+                raise LayoutError(f"{name} must be -1 (derived) or an integer >= 1, got {d!r}")
+
+        pp, dpr, cp, tp, ep, etp = self.pp, self.dp_replicate, self.cp, self.tp, self.ep, self.etp
+        if w % pp:
+            raise LayoutError(
+                f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(_nearest(pp, _divisors(w)))}"
+            )
+        per_stage = w // pp
+
+        # attention: pp * dp_replicate * dp_shard * cp * tp == world_size
+        fixed = dpr * cp * tp
+        if self.dp_shard == -1:
+            if per_stage % fixed:
+                raise LayoutError(
+                    f"attention mesh: dp_replicate({dpr}) * cp({cp}) * tp({tp}) = {fixed} must divide "
+                    f"world_size / pp = {w} / {pp} = {per_stage} so that dp_shard can be derived; "
+                    + self._attention_neighbours(per_stage)
+                )
+            self.dp_shard = per_stage // fixed
+        if pp * dpr * self.dp_shard * cp * tp != w:
+            raise LayoutError(
+                f"attention mesh: pp({pp}) * dp_replicate({dpr}) * dp_shard({self.dp_shard}) * cp({cp}) "
+                f"* tp({tp}) = {pp * dpr * self.dp_shard * cp * tp} != world_size({w}); "
+                + self._attention_neighbours(per_stage)
+            )
+
+        # experts: pp * edp * ep * etp == world_size
+        if self.edp == -1:
+            if per_stage % (ep * etp):
+                raise LayoutError(
+                    f"expert mesh: ep({ep}) * etp({etp}) = {ep * etp} must divide world_size / pp = "
+                    f"{w} / {pp} = {per_stage} so that edp can be derived; "
+                    + self._expert_neighbours(per_stage)
+                )
+            self.edp = per_stage // (ep * etp)
+        if pp * self.edp * ep * etp != w:
+            hint = (
+                f"edp=-1 derives it ({per_stage // (ep * etp)})"
+                if per_stage % (ep * etp) == 0
+                else self._expert_neighbours(per_stage)
+            )
+            raise LayoutError(
+                f"expert mesh: pp({pp}) * edp({self.edp}) * ep({ep}) * etp({etp}) = "
+                f"{pp * self.edp * ep * etp} != world_size({w}); {hint}"
+            )
+
+    def _attention_neighbours(self, per_stage: int) -> str:
+        dpr, cp, tp = self.dp_replicate, self.cp, self.tp
+        hints = []
+        if per_stage % (dpr * cp * tp) == 0:
+            hints.append(f"dp_shard={per_stage // (dpr * cp * tp)} (or -1 to derive it)")
+        hints.append(f"tp in {{{_fmt(_nearest(tp, _divisors(per_stage // math.gcd(per_stage, dpr * cp))))}}}")
+        hints.append(f"cp in {{{_fmt(_nearest(cp, _divisors(per_stage // math.gcd(per_stage, dpr * tp))))}}}")
+        hints.append(f"dp_replicate in {{{_fmt(_nearest(dpr, _divisors(per_stage // math.gcd(per_stage, cp * tp))))}}}")
+        return "valid neighbours: " + "; ".join(hints)
+
+    def _expert_neighbours(self, per_stage: int) -> str:
+        ep, etp = self.ep, self.etp
+        valid_ep = [d for d in _divisors(per_stage) if per_stage % (d * etp) == 0]
+        valid_etp = [d for d in _divisors(per_stage) if per_stage % (ep * d) == 0]
+        return (
+            f"valid neighbours: ep in {{{_fmt(_nearest(ep, valid_ep))}}} (with etp={etp}); "
+            f"etp in {{{_fmt(_nearest(etp, valid_etp))}}} (with ep={ep})"
+        )
+
+    def validate(
+        self,
+        num_experts: int | None = None,
+        moe_ffn_dim: int | None = None,
+        n_heads: int | None = None,
+        n_kv_heads: int | None = None,
+        seq_len: int | None = None,
+        sequence_parallel: bool = True,
+    ) -> "Layout":
+        """Check the degrees against the model's sizes; None skips a check. Returns self."""
+        per_stage = self.world_size // self.pp
+        ep, etp, tp, cp = self.ep, self.etp, self.tp, self.cp
+        if num_experts is not None and num_experts % ep:
+            valid = [d for d in _divisors(num_experts) if per_stage % (d * etp) == 0]
+            raise LayoutError(
+                f"num_experts({num_experts}) % ep({ep}) = {num_experts % ep} != 0: every EP rank holds "
+                f"num_experts / ep experts; valid ep (dividing {num_experts} and world_size / pp / etp): "
+                f"{_fmt(_nearest(ep, valid))}"
+            )
+        if moe_ffn_dim is not None and moe_ffn_dim % etp:
+            valid = [d for d in _divisors(per_stage // math.gcd(per_stage, ep)) if moe_ffn_dim % d == 0]
+            raise LayoutError(
+                f"moe_ffn_dim({moe_ffn_dim}) % etp({etp}) = {moe_ffn_dim % etp} != 0: ETP shards the "
+                f"expert ffn width; valid etp: {_fmt(_nearest(etp, valid))}"
+            )
+        tp_room = per_stage // math.gcd(per_stage, self.dp_replicate * cp)
+        for what, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if heads is not None and heads % tp:
+                valid = [d for d in _divisors(tp_room) if heads % d == 0 and (n_heads or heads) % d == 0]
+                raise LayoutError(
+                    f"{what}({heads}) % tp({tp}) = {heads % tp} != 0: TP shards attention heads; "
+                    f"valid tp: {_fmt(_nearest(tp, valid))}"
+                )
+        if seq_len is not None:
+            need = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel and tp > 1 else 1)
+            if seq_len % need:
+                parts = []
+                if cp > 1:
+                    parts.append(f"2 * cp({cp}) (load-balanced causal split)")
+                if sequence_parallel and tp > 1:
+                    parts.append(f"tp({tp}) (sequence parallel)")
+                valid_up = (seq_len // need + 1) * need
+                raise LayoutError(
+                    f"seq_len({seq_len}) % {' * '.join(parts)} = seq_len % {need} = {seq_len % need} != 0; "
+                    f"nearest valid seq_len: {seq_len - seq_len % need or need}, {valid_up}"
+                )
+        return self
+
+    # ---- meshes ----
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self, mesh: str) -> dict[str, int]:
+        names = ATTENTION_DIMS if mesh == "attention" else EXPERT_DIMS
+        return {name: getattr(self, name) for name in names}
+
+    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """Build both meshes and the flattened views; returns the attention mesh.
+
+        Degree-1 dims (and flattened views of size 1) get the "fake" backend: no real process group.
+        """
+        if device_type is None:
+            import torchtitan.tools.utils as tt_utils  # read at call time: titan_fold.device settles it
+
+            device_type = tt_utils.device_type
+
+        def build(names):
+            sizes = tuple(getattr(self, n) for n in names)
+            fake = {n: "fake" for n, s in zip(names, sizes) if s == 1}
+            return init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=fake or None)
+
+        self._attention = build(ATTENTION_DIMS)
+        self._expert = build(EXPERT_DIMS)
+        meshes = {"attention": self._attention, "expert": self._expert}
+        self._meshes = {n: self._attention[n] for n in ATTENTION_DIMS}
+        self._meshes.update({n: self._expert[n] for n in EXPERT_DIMS if n != "pp"})
+        for name, (mesh, dims) in FLATTENED.items():
+            size = math.prod(getattr(self, d) for d in dims)
+            self._meshes[name] = meshes[mesh][dims]._flatten(name, "fake" if size == 1 else None)
+        self._world_mesh = self._attention
+        return self._attention
+
+    @property
+    def attention(self) -> DeviceMesh:
+        if self._attention is None:
+            self.build_mesh()
+        return self._attention
+
+    @property
+    def expert(self) -> DeviceMesh:
+        if self._expert is None:
+            self.build_mesh()
+        return self._expert
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        return self.attention
+
+    def size(self, name: str) -> int:
+        """Degree of one (possibly flattened or torchtitan-named) dim, no mesh needed."""
+        name = ALIASES.get(name, name)
+        if name in FLATTENED:
+            return math.prod(getattr(self, d) for d in FLATTENED[name][1])
+        if name in ATTENTION_DIMS or name in EXPERT_DIMS:
+            return getattr(self, name)
+        raise ValueError(f"Invalid mesh dim: '{name}'. Valid: {self.mesh_names()}")
+
+    @staticmethod
+    def mesh_names() -> list[str]:
+        return list(dict.fromkeys(ATTENTION_DIMS + EXPERT_DIMS + tuple(FLATTENED) + tuple(ALIASES)))
+
+    def _exists(self, name: str) -> bool:
+        # torchtitan keeps efsdp whenever EP is on: FSDP wraps the experts for mixed precision
+        if name == "efsdp":
+            return self.ep > 1 or self.edp > 1
+        return self.size(name) > 1
+
+    def get_optional_mesh(self, dims: str | list[str]) -> DeviceMesh | None:
+        """torchtitan's semantics: None when any requested dim has size 1.
+
+        Several names are sliced out of the one mesh that holds them all (attention or expert);
+        torchtitan's ["dp_replicate", "fsdp"] (HSDP) is attention["dp_replicate", "dp_shard_cp"].
+        """
+        names = [dims] if isinstance(dims, str) else list(dims)
+        for name in names:
+            if ALIASES.get(name, name) not in self.mesh_names():
+                raise ValueError(f"Invalid mesh dim: '{name}'. Valid dimensions are: {self.mesh_names()}")
+        if not all(self._exists(n) for n in names):
+            return None
+        canonical = [ALIASES.get(n, n) for n in names]
+        if not self._meshes:
+            self.build_mesh()
+        if len(canonical) == 1:
+            return self._meshes[canonical[0]]
+        key = tuple(canonical)
+        if key not in self._multi:
+            self._multi[key] = self._multi_dim_mesh(key)
+        return self._multi[key]
+
+    def _multi_dim_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
+        # torchtitan's HSDP of experts: edp = dp_replicate x (edp / dp_replicate) when the
+        # expert-model-parallel block (ep x etp) folds inside one dp_replicate slice
+        if names == ("dp_replicate", "edp"):
+            inner = self.dp_shard * self.cp * self.tp
+            if inner % (self.ep * self.etp):
+                raise LayoutError(
+                    f"expert HSDP needs ep({self.ep}) * etp({self.etp}) to divide dp_shard({self.dp_shard}) "
+                    f"* cp({self.cp}) * tp({self.tp}) = {inner}: here the EP group spans dp_replicate; "
+                    f"shard experts over 'edp' alone"
+                )
+            sizes = (self.dp_replicate, self.edp // self.dp_replicate)
+            return self._meshes["edp"]._unflatten(0, sizes, ("dp_replicate", "efsdp"))
+        for mesh in (self._attention, self._expert):
+            dims = mesh.mesh_dim_names
+            expanded = [d for n in names for d in (FLATTENED[n][1] if n in FLATTENED else (n,))]
+            if not set(expanded) <= set(dims):
+                continue
+            if all(n in dims for n in names):
+                return mesh[names]
+            # a flattened name among others: unflatten the span instead of slicing a flattened
+            # dim out of the root mesh (deprecated in torch 2.11)
+            if [dims.index(d) for d in expanded] != list(range(dims.index(expanded[0]), dims.index(expanded[0]) + len(expanded))):
+                break
+            known = [f for f, (_, fdims) in FLATTENED.items() if list(fdims) == expanded]
+            span = self._meshes[known[0]] if known else mesh[tuple(expanded)]._flatten("_".join(expanded))
+            return span._unflatten(0, tuple(self.size(n) for n in names), names)
+        raise ValueError(f"Mesh dims {names} do not form one contiguous span of the attention or expert mesh")
+
+    def __repr__(self) -> str:
+        att = ", ".join(f"{k}={v}" for k, v in self.degrees("attention").items())
+        exp = ", ".join(f"{k}={v}" for k, v in self.degrees("expert").items())
+        return f"Layout(world_size={self.world_size}; attention: {att}; expert: {exp})"
+
+    def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
+        if not self._meshes:
+            self.build_mesh()
+        return {k: v for k, v in self._meshes.items() if v.size() > 1}
+
+    def _validate_meshes(self):
+        for name, mesh in self._meshes.items():
+            if mesh.size() != self.size(name):
+                raise AssertionError(f"mesh '{name}' has size {mesh.size()}, expected {self.size(name)}")
+
+    # ---- whole-world group lists (for the layout tool and tests) ----
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of one (possibly flattened) dim over the whole world, from the mesh tensor.
+
+        Each group lists its global ranks in mesh order; groups are sorted by their first rank.
+        Read off the root mesh tensor, so no process group per group is needed.
+        """
+        name = ALIASES.get(name, name)
+        if name in FLATTENED:
+            mesh_name, dims = FLATTENED[name]
+        elif name in EXPERT_DIMS and name != "pp":
+            mesh_name, dims = "expert", (name,)
+        elif name in ATTENTION_DIMS:
+            mesh_name, dims = "attention", (name,)
+        else:
+            raise ValueError(f"Invalid mesh dim: '{name}'. Valid: {self.mesh_names()}")
+        mesh = self.attention if mesh_name == "attention" else self.expert
+        full = mesh.mesh  # [*degrees] global ranks; the root mesh tensor is the whole world
+        keep = [mesh.mesh_dim_names.index(d) for d in dims]
+        rest = [i for i in range(full.ndim) if i not in keep]
+        rows = full.permute(*rest, *keep).reshape(-1, math.prod(full.shape[i] for i in keep))
+        return sorted(rows.tolist(), key=lambda g: g[0])
