@@ -1,0 +1,65 @@
+"""Job config: TOML + CLI through torchtitan's ConfigManager, titan_fold's keys and rules."""
+
+import pytest
+
+from titan_fold.config import ConfigError, parse_args
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_and_cli_override(tmp_path):
+    path = write(tmp_path, '[moe]\ncapacity_factor = 1.25\nscore_func = "sigmoid"\n'
+                           "[parallelism]\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 2\n")
+    config = parse_args(["--job.config_file", path, "--moe.top_k", "3", "--parallelism.expert_data_parallel_degree", "2"])
+    assert config.moe.capacity_factor == 1.25
+    assert config.moe.score_func == "sigmoid"
+    assert config.moe.top_k == 3
+    assert config.moe.drop_policy is None  # unset keeps the flavor's value
+    assert config.parallelism.expert_parallel_degree == 4
+    assert config.parallelism.expert_tensor_parallel_degree == 2
+    assert config.parallelism.expert_data_parallel_degree == 2
+
+
+def test_defaults_without_file():
+    config = parse_args([])
+    assert config.parallelism.expert_data_parallel_degree == -1
+    assert config.moe.capacity_factor is None
+
+
+def test_bare_name_found_in_packaged_configs():
+    config = parse_args(["--job.config_file", "debug_moe.toml"])
+    assert config.model.name == "qwen2_moe" and config.model.flavor == "debug"
+
+
+def test_missing_file_names_it():
+    with pytest.raises(ConfigError, match="nothere.toml' does not exist.*debug_moe.toml"):
+        parse_args(["--job.config_file", "nothere.toml"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[moe]\nfoo = 1\n", "unknown key 'moe.foo'"),
+        ("[parallelism]\nexpert_parallel = 2\n", "unknown key 'parallelism.expert_parallel'"),
+        ("[nonsense]\na = 1\n", "unknown key 'nonsense'"),
+        ('[moe]\nscore_func = "tanh"\n', r"moe.score_func = 'tanh': must be one of \['softmax', 'sigmoid'\]"),
+        ('[moe]\nload_balance = "aux"\n', "moe.load_balance = 'aux'"),
+        ('[moe]\ndrop_scope = "sequence"\n', "moe.drop_scope"),
+        ("[moe]\ncapacity_factor = 0.0\n", "moe.capacity_factor = 0.0: must be > 0"),
+        ("[moe]\npad_to_capacity = true\n", "moe.pad_to_capacity = True needs moe.capacity_factor"),
+        ('[moe]\ndrop_policy = "position"\n', "moe.drop_policy = 'position' needs moe.capacity_factor"),
+        ("[moe]\ntop_k = 0\n", "moe.top_k = 0: must be >= 1"),
+        ("[moe]\naux_loss_coeff = -0.1\n", "moe.aux_loss_coeff = -0.1: must be >= 0"),
+        ('[moe]\nload_balance = "aux_free"\naux_loss_coeff = 0.01\n', "has no effect"),
+        ("[parallelism]\nexpert_parallel_degree = 0\n", "parallelism.expert_parallel_degree = 0: must be >= 1"),
+        ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
+        ("[moe\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_key_and_rule(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--job.config_file", write(tmp_path, text)])

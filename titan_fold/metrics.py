@@ -1,0 +1,142 @@
+"""Step metrics: one readable line per logged step and one JSON object in metrics.jsonl.
+
+torchtitan's MetricsProcessor keeps the counters (tokens since the last log, data-loading
+times) and the TensorBoard/W&B loggers; this subclass adds the MoE statistics, a memory
+monitor that also works on the CPU, and the JSON-lines file.
+
+MFU = flops_per_token * tokens_per_sec / peak_flops, where flops_per_token counts the
+activated parameters (6 * N_active) plus causal attention (see
+`TransformerArgs.get_nparams_and_flops`); null where the peak is unknown (the CPU).
+"""
+
+import json
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor, _build_metric_logger
+from torchtitan.tools import utils
+from torchtitan.tools.logging import logger
+
+from titan_fold.moe import moe_stats
+
+METRICS_FILE = "metrics.jsonl"
+GIB = 1024**3
+
+
+class HostMemoryMonitor:
+    """The CPU stand-in for torchtitan's DeviceMemoryMonitor: the process's peak RSS."""
+
+    device_name = "cpu"
+
+    def get_peak_gib(self) -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
+
+    def get_peak_stats(self):
+        return _Peak(self.get_peak_gib())
+
+    def reset_peak_stats(self) -> None:
+        pass  # a process's peak RSS cannot be reset
+
+
+class _Peak:
+    def __init__(self, gib: float):
+        self.max_active_gib = self.max_reserved_gib = gib
+        self.max_active_pct = self.max_reserved_pct = float("nan")
+        self.num_alloc_retries = self.num_ooms = 0
+
+
+class FoldMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        # torchtitan's __init__ builds a CUDA memory monitor; set up the same fields here
+        self.logger = _build_metric_logger(job_config, parallel_dims, tag)
+        self.parallel_dims = parallel_dims
+        self.job_config = job_config
+        if torch.cuda.is_available():
+            self.device_memory_monitor = DeviceMemoryMonitor(f"cuda:{torch.cuda.current_device()}")
+            self.gpu_peak_flops = utils.get_peak_flops(self.device_memory_monitor.device_name)
+        else:
+            self.device_memory_monitor = HostMemoryMonitor()
+            self.gpu_peak_flops = float("nan")
+        self.color = utils.NoColor() if job_config.metrics.disable_color_printing else utils.Color()
+        self.ntokens_since_last_log = 0
+        self.data_loading_times = []
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+        self.num_flops_per_token = -1
+        self.optimizers = None
+        self.lr_schedulers = None
+        self.model_parts = None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.jsonl_path = os.path.join(job_config.job.dump_folder, METRICS_FILE) if rank == 0 else None
+        if self.jsonl_path:
+            os.makedirs(job_config.job.dump_folder, exist_ok=True)
+
+    def _moe_stats(self) -> dict[str, float | None]:
+        stats = moe_stats(self.model_parts or [])
+        keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance")
+        values = torch.tensor([float(stats.get(k, float("nan"))) for k in keys], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # mean over the ranks that hold MoE layers (NaN marks a rank without any, e.g. a PP stage)
+            have = (~values.isnan()).to(torch.float64)
+            both = torch.cat([values.nan_to_num(0.0), have]).to(_comm_device())
+            dist.all_reduce(both)
+            values, have = both[:3].cpu(), both[3:].cpu()
+            values = values / have
+        return {k: (None if v != v else float(v)) for k, v in zip(keys, values.tolist())}
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None):
+        time_delta = time.perf_counter() - self.time_last_log
+        # tokens per second per device, as torchtitan counts them
+        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
+        flops = self.num_flops_per_token * tps
+        mfu = 100 * flops / self.gpu_peak_flops
+        memory = self.device_memory_monitor.get_peak_stats()
+        extra = dict(extra_metrics or {})
+        record = {
+            "step": step,
+            "loss": global_avg_loss,
+            "max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "lr": extra.pop("lr", None),
+            "tokens_per_sec": tps,
+            "tflops": flops / 1e12,
+            "mfu": None if mfu != mfu else mfu,
+            "max_memory_gib": memory.max_reserved_gib,
+            **self._moe_stats(),
+            "time_per_step_s": time_delta / max(1, self._steps_since_last_log(step)),
+            **extra,
+        }
+        self.logger.log(record, step)
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self._last_logged_step = step
+        c = self.color
+        mfu_text = "n/a" if record["mfu"] is None else f"{record['mfu']:.2f}%"
+        aux = record["moe_aux_loss"]
+        logger.info(
+            f"{c.red}step {step:4d}  {c.green}loss {global_avg_loss:8.4f}  {c.orange}grad_norm {grad_norm:7.4f}  "
+            f"{c.turquoise}mem {memory.max_reserved_gib:6.2f}GiB  {c.blue}tps {round(tps):,}  "
+            f"{c.magenta}mfu {mfu_text}  {c.yellow}aux {'n/a' if aux is None else f'{aux:.4f}'}  "
+            f"drop {record['dropped_token_frac'] or 0:.3f}  imbalance {record['expert_load_imbalance'] or 0:.2f}{c.reset}"
+        )
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+
+    def _steps_since_last_log(self, step: int) -> int:
+        return step - getattr(self, "_last_logged_step", 0)
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None) -> FoldMetricsProcessor:
+    return FoldMetricsProcessor(job_config, parallel_dims, tag)

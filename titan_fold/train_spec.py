@@ -1,0 +1,37 @@
+"""The TrainSpecs torchtitan's Trainer builds from: one per model family.
+
+`[model] name` picks the family ("qwen2_moe" or "mixtral"), `[model] flavor` its size.
+"""
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+from titan_fold.data import build_dataloader, build_tokenizer
+from titan_fold.metrics import build_metrics_processor
+from titan_fold.models import FLAVORS, Transformer
+from titan_fold.parallel.parallelize import parallelize
+
+
+def _train_spec(family: str) -> TrainSpec:
+    return TrainSpec(
+        model_cls=Transformer,
+        model_args=FLAVORS[family],
+        parallelize_fn=parallelize,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_dataloader,
+        build_tokenizer_fn=build_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_metrics_processor_fn=build_metrics_processor,
+    )
+
+
+def register_train_specs() -> None:
+    for family in FLAVORS:
+        try:
+            get_train_spec(family)
+        except ValueError:
+            register_train_spec(family, _train_spec(family))
