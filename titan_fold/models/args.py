@@ -1,0 +1,92 @@
+"""Shape and routing settings of the decoder-only MoE transformer (Qwen2-MoE, Mixtral).
+
+A flavor (flavors.py) fills every field; the job config then sets the sequence length and
+any `[moe]` value the user chose. Parameter and FLOP counts for MFU live here too, because
+torchtitan's trainer asks the model args for them.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from torch import nn
+from torchtitan.protocols.model import BaseModelArgs
+
+from titan_fold.moe import MoEArgs
+
+
+@dataclass
+class TransformerArgs(BaseModelArgs):
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads // n_kv_heads query heads share one K/V head
+    head_dim: int | None = None  # None = dim // n_heads
+    vocab_size: int = 512
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    qkv_bias: bool = False  # Qwen2 has biases on wq, wk, wv (never on wo)
+    max_seq_len: int = 2048  # RoPE table length; the job's training.seq_len replaces it
+
+    # Layer i is MoE when i >= first_k_dense and i % moe_layer_freq == 0 (Megatron-Core's
+    # and DeepSeek's convention; 1 = every layer). Other layers use a dense SwiGLU of ffn_dim.
+    ffn_dim: int = 256
+    moe_layer_freq: int = 1
+    first_k_dense: int = 0
+
+    tie_embeddings: bool = False  # output head reuses tok_embeddings.weight
+    moe: MoEArgs = field(default_factory=MoEArgs)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        """Take the job's sequence length and every `[moe]` value the user set (not None).
+
+        self.moe is replaced by a copy, so the flavor's MoEArgs in FLAVORS stays untouched;
+        a `[moe]` key that MoEArgs does not have raises TypeError.
+        """
+        self.max_seq_len = job_config.training.seq_len
+        moe_config = getattr(job_config, "moe", None)
+        if moe_config is not None:
+            overrides = {
+                f.name: getattr(moe_config, f.name)
+                for f in dataclasses.fields(moe_config)
+                if getattr(moe_config, f.name) is not None
+            }
+            self.moe = dataclasses.replace(self.moe, **overrides)
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Total parameters and training FLOPs per token (forward + backward).
+
+        flops_per_token = 6 * N_active + 6 * n_layers * n_heads * head_dim * seq_len
+
+        N_active: the parameters one token multiplies through: attention (with biases),
+        norms, dense FFNs, shared experts and their gate, routers, the output head, and
+        top_k / num_experts of the routed experts. The embedding lookup does no
+        multiply, so an untied tok_embeddings table is left out; a tied one is counted
+        once, as the output head. Each active parameter costs 2 FLOPs (multiply-add) in
+        the forward and 4 in the backward (input and weight gradients): 6 in all.
+
+        Attention scores: a query at position t (0-based) takes t + 1 dot products of
+        head_dim with the keys (QK^T) and as many multiply-adds with the values (PV), per
+        head: 2 * 2 * n_heads * head_dim * (t + 1) forward FLOPs. Averaged over a causal
+        sequence of seq_len tokens, t + 1 ~ seq_len / 2 (exactly (seq_len + 1) / 2; we take
+        seq_len / 2), so the forward costs 2 * n_heads * head_dim * seq_len per layer and
+        forward + backward 3x that: 6 * n_layers * n_heads * head_dim * seq_len. A
+        non-causal count would double it (the 12 of the usual non-causal formula).
+        Softmax, RoPE, norms and the router's top-k are not counted.
+        """
+        total = sum(p.numel() for p in model.parameters())
+        routed = sum(p.numel() for name, p in model.named_parameters() if ".moe.experts." in name)
+        embedding = 0 if self.tie_embeddings else model.tok_embeddings.weight.numel()
+        active = total - embedding - routed + routed * self.moe.top_k // self.moe.num_experts
+        attention = 6 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return total, 6 * active + attention

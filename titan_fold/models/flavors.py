@@ -1,0 +1,118 @@
+"""Named model sizes: FLAVORS[model_name][flavor] -> TransformerArgs.
+
+Real sizes come from the models' Hugging Face config.json files (named per flavor);
+`debug` flavors are tiny and train in seconds on a CPU (vocab >= 258 for the byte tokenizer).
+The `[moe]` section of a job config may override the router settings of any flavor.
+"""
+
+from titan_fold.models.args import TransformerArgs
+from titan_fold.moe import MoEArgs
+
+# Qwen2-MoE: qkv bias, a shared expert scaled by sigmoid(x @ w_gate), softmax scores
+# used as they are (norm_topk_prob false).
+QWEN2_MOE = {
+    "debug": TransformerArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        qkv_bias=True,
+        max_seq_len=2048,
+        ffn_dim=128,
+        moe=MoEArgs(
+            num_experts=8,
+            top_k=2,
+            moe_ffn_dim=32,
+            shared_ffn_dim=64,
+            shared_expert_gate=True,
+            score_func="softmax",
+            norm_topk_prob=False,
+        ),
+    ),
+    # Qwen/Qwen2-57B-A14B: 57.4B parameters, 14.2B activated counting the embedding table
+    "57B-A14B": TransformerArgs(
+        dim=3584,  # hidden_size
+        n_layers=28,  # num_hidden_layers
+        n_heads=28,  # num_attention_heads (head_dim 128)
+        n_kv_heads=4,  # num_key_value_heads
+        vocab_size=151936,
+        norm_eps=1e-6,  # rms_norm_eps
+        rope_theta=1e6,
+        qkv_bias=True,
+        max_seq_len=32768,  # max_position_embeddings
+        ffn_dim=18944,  # intermediate_size; unused while every layer is MoE (decoder_sparse_step 1)
+        moe=MoEArgs(
+            num_experts=64,
+            top_k=8,  # num_experts_per_tok
+            moe_ffn_dim=2560,  # moe_intermediate_size
+            shared_ffn_dim=20480,  # shared_expert_intermediate_size
+            shared_expert_gate=True,
+            score_func="softmax",
+            norm_topk_prob=False,
+            aux_loss_coeff=1e-3,  # router_aux_loss_coef
+        ),
+    ),
+}
+
+# Mixtral: softmax over all experts, then the top-k weights renormalized to sum to one
+# (the same as a softmax over the k chosen logits); no biases, no shared expert.
+MIXTRAL = {
+    "debug": TransformerArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=2048,
+        ffn_dim=128,
+        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=128, norm_topk_prob=True),
+    ),
+    # mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B activated
+    "8x7B": TransformerArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        ffn_dim=14336,  # intermediate_size, the width of each expert
+        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=14336, norm_topk_prob=True, aux_loss_coeff=2e-2),
+    ),
+    # mistralai/Mixtral-8x22B-v0.1: 141B parameters, 39B activated
+    "8x22B": TransformerArgs(
+        dim=6144,
+        n_layers=56,
+        n_heads=48,
+        n_kv_heads=8,
+        vocab_size=32768,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=65536,
+        ffn_dim=16384,
+        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=16384, norm_topk_prob=True, aux_loss_coeff=1e-3),
+    ),
+    # The paper's fine-grained Mixtral-8x22B (section 4, "fine-grained upcycling"): each expert
+    # split 8 ways, 64 experts of 16384 / 8 = 2048, top-8. Same 141B total; a token passes
+    # through one original expert's width instead of two: 22.3B activated.
+    "8x22B-G8T8": TransformerArgs(
+        dim=6144,
+        n_layers=56,
+        n_heads=48,
+        n_kv_heads=8,
+        vocab_size=32768,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=65536,
+        ffn_dim=16384,
+        moe=MoEArgs(num_experts=64, top_k=8, moe_ffn_dim=2048, norm_topk_prob=True, aux_loss_coeff=1e-3),
+    ),
+}
+
+FLAVORS = {"qwen2_moe": QWEN2_MOE, "mixtral": MIXTRAL}

@@ -1,0 +1,190 @@
+"""Decoder-only MoE transformer: Qwen2-MoE and Mixtral are flavors of this one model.
+
+    tokens [b, s] -> tok_embeddings -> n_layers x TransformerBlock -> norm -> output -> logits [b, s, vocab]
+    block: h = x + attention(attention_norm(x)); out = h + (moe | feed_forward)(ffn_norm(h))
+
+Module names follow torchtitan's (tok_embeddings, layers["i"], attention.wq, ...), so its
+parallel plans, activation checkpointing (one TransformerBlock = layers["i"]) and pipeline
+splitting (stages set tok_embeddings / norm / output to None and drop layers) apply as is.
+Layers read their local head count from tensor shapes, so tensor parallelism that shards
+wq/wk/wv by heads needs no change here.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtitan.protocols.model import ModelProtocol
+
+from titan_fold.models.args import TransformerArgs
+from titan_fold.moe import MoE
+
+
+def rope_cos_sin(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, [max_seq_len, head_dim], float32.
+
+    Half-split layout (HF Qwen2 / Mixtral): dimension i pairs with i + head_dim/2, so
+    checkpoints converted from HF need no permutation of wq / wk.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # [max_seq_len, head_dim]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [b, s, heads, head_dim]; cos, sin [s, head_dim] or [b, s, head_dim]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    xf = x.float()  # rotate in float32: bf16 angles lose precision at long positions
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """softmax(q k^T / sqrt(head_dim) + causal mask) v on [b, heads, s, head_dim] tensors.
+
+    Its own module so context parallelism can swap in a version that gathers K/V over
+    the cp ranks and masks by global position; q, k, v arrive after RoPE.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # enable_gqa: SDPA broadcasts each K/V head to its group of query heads without a copy
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.inner_attention = CausalSelfAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1: the heads this rank holds (all of them without tensor parallelism)
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, head_dim]
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def init_weights(self, init_std: float, out_std: float):
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_(linear.weight, init_std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        trunc_normal_(self.wo.weight, out_std)
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float, out_std: float):
+        trunc_normal_(self.w1.weight, init_std)
+        trunc_normal_(self.w3.weight, init_std)
+        trunc_normal_(self.w2.weight, out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TransformerArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, init_std: float):
+        # Depth-scaled output projections: every block adds to the residual stream, so the
+        # writes shrink with depth to keep its variance from growing with n_layers.
+        out_std = init_std / math.sqrt(2 * (self.layer_id + 1))
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+        if self.moe_enabled:
+            self.moe.init_weights(out_std)
+        else:
+            self.feed_forward.init_weights(init_std, out_std)
+
+
+class Transformer(ModelProtocol):
+    def __init__(self, args: TransformerArgs):
+        super().__init__(args)
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # non-persistent: recomputed by init_weights, never saved in checkpoints
+        cos, sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | None = None):
+        """Fill every parameter and buffer, e.g. after building on meta and `to_empty()`."""
+        args, init_std = self.args, 0.02
+        buffer_device = buffer_device or self.rope_cos.device
+        with torch.device(buffer_device):
+            self.rope_cos, self.rope_sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+        if args.tie_embeddings:
+            # to_empty() gives each module its own new tensor: tie again
+            self.output.weight = self.tok_embeddings.weight
+        if self.tok_embeddings is not None:
+            # untied: unit-scale rows, as the first RMSNorm expects; tied: the output head's scale
+            nn.init.normal_(self.tok_embeddings.weight, std=args.dim**-0.5 if args.tie_embeddings else 1.0)
+        for layer in self.layers.values():
+            layer.init_weights(init_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not args.tie_embeddings:
+            trunc_normal_(self.output.weight, args.dim**-0.5)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
+
+        positions: global positions of these tokens, [s] or [b, s] int64, for context
+        parallelism where a rank holds non-contiguous chunks; None = 0 .. s-1.
+        Returns logits [b, s, vocab] (hidden states on a stage without the output head).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [b, s, dim]
+        if positions is None:
+            if h.shape[1] > self.args.max_seq_len:
+                raise ValueError(f"sequence length {h.shape[1]} > max_seq_len {self.args.max_seq_len}")
+            cos, sin = self.rope_cos[: h.shape[1]], self.rope_sin[: h.shape[1]]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def trunc_normal_(weight: torch.Tensor, std: float):
+    # truncated at 3 standard deviations: no rare huge weights at start
+    nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
