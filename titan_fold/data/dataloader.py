@@ -1,0 +1,148 @@
+"""Layout-invariant data loading: dp rank r reads its slice of the global batch.
+
+With local batch b and dp degree D, micro-batch c of dp rank r is the sequences
+[start + c*b*D + r*b, start + c*b*D + (r+1)*b). With gradient accumulation
+A = global_batch / (b*D), step s reads micro-batches s*A .. s*A+A-1 on every rank, i.e.
+exactly the sequences [start + s*G, start + (s+1)*G) for every (D, b) with the same G.
+The checkpointed state is that one global count, so a run may resume with another layout.
+"""
+
+import os
+from dataclasses import asdict
+
+import torch
+from torch.utils.data import Sampler
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.tools.logging import logger
+
+from titan_fold.data.dataset import HFTextCorpus, StdlibCorpus, TokenWindows
+
+DATASETS = ("stdlib", "hf")
+# local file suffix -> datasets' builder
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this dp rank's micro-batches of global sequence indices, forever."""
+
+    def __init__(self, dp_rank: int, dp_world_size: int, local_batch_size: int):
+        self.dp_rank, self.dp_world_size, self.local_batch_size = dp_rank, dp_world_size, local_batch_size
+        self.start = 0  # global sequences consumed before this iterator
+
+    def __iter__(self):
+        b, stride = self.local_batch_size, self.local_batch_size * self.dp_world_size
+        first = self.start + self.dp_rank * b
+        while True:
+            yield list(range(first, first + b))
+            first += stride
+
+
+def collate(samples):
+    """[({"input": [s]}, [s])] * b -> ({"input": [b, s]}, [b, s])"""
+    return {"input": torch.stack([x["input"] for x, _ in samples])}, torch.stack([y for _, y in samples])
+
+
+class FoldDataLoader(ParallelAwareDataloader):
+    """torchtitan's stateful dataloader over TokenWindows with the global-index sampler.
+
+    state_dict holds only layout-free keys (the global count of sequences consumed, seq_len,
+    the corpus fingerprint): unlike torchtitan's per-dp-rank keys, every rank of any new
+    layout finds them in a DCP checkpoint, so the dp degree and local batch may change.
+    """
+
+    def __init__(self, dataset: TokenWindows, dp_rank: int, dp_world_size: int, local_batch_size: int, **kwargs):
+        self._batches = GlobalBatchSampler(dp_rank, dp_world_size, local_batch_size)
+        self.consumed_sequences = 0
+        super().__init__(dataset, dp_rank, dp_world_size, batch_sampler=self._batches, collate_fn=collate, **kwargs)
+
+    def __iter__(self):
+        self._batches.start = self.consumed_sequences
+        step = self._batches.local_batch_size * self.dp_world_size
+        for batch in super().__iter__():
+            # counted before the caller sees the batch: a checkpoint taken now excludes it
+            self.consumed_sequences += step
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {
+            "consumed_sequences": self.consumed_sequences,
+            "seq_len": self.dataset.seq_len,
+            "dataset": self.dataset.corpus.fingerprint,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not state_dict:
+            return
+        if "consumed_sequences" not in state_dict:
+            raise ValueError(f"dataloader state has no 'consumed_sequences' (keys: {sorted(state_dict)}): not a titan_fold checkpoint")
+        if state_dict["seq_len"] != self.dataset.seq_len:
+            raise ValueError(
+                f"training.seq_len = {self.dataset.seq_len} but the checkpoint was taken with seq_len "
+                f"{state_dict['seq_len']}: sequence indices would point elsewhere in the stream"
+            )
+        if state_dict["dataset"] != self.dataset.corpus.fingerprint:
+            logger.warning(f"dataloader: checkpoint read {state_dict['dataset']}, now reading {self.dataset.corpus.fingerprint}")
+        self.consumed_sequences = int(state_dict["consumed_sequences"])
+
+
+def load_hf_dataset(path: str):
+    """A map-style `datasets.Dataset` (split "train") from a local file, folder or hub name.
+
+    Local files by suffix (.txt: one document per line; .json/.jsonl/.parquet/.csv: a "text"
+    column); a folder written by save_to_disk or holding data files; else a hub name,
+    "owner/name" or "owner/name:config". Streaming datasets are not supported (sequences are
+    indexed into the whole tokenized stream).
+    """
+    import datasets
+
+    if os.path.isfile(path):
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in _FILE_BUILDERS:
+            raise ValueError(f"training.dataset_path = '{path}': unsupported file type '{suffix}' (supported: {sorted(_FILE_BUILDERS)})")
+        return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=path, split="train")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "dataset_dict.json")):
+            ds = datasets.load_from_disk(path)
+            return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+        return datasets.load_dataset(path, split="train")
+    if path.startswith(("/", ".", "~")) or os.path.splitext(path)[1].lower() in _FILE_BUILDERS:
+        raise FileNotFoundError(f"training.dataset_path = '{path}' does not exist")
+    name, _, config = path.partition(":")
+    return datasets.load_dataset(name, config or None, split="train")
+
+
+def build_dataset(tokenizer, job_config) -> TokenWindows:
+    tr = job_config.training
+    if tr.dataset == "stdlib":
+        if tr.dataset_path:
+            raise ValueError(
+                f"training.dataset_path = '{tr.dataset_path}' is set but training.dataset = 'stdlib' reads "
+                "the Python standard library; use training.dataset = 'hf' to read the path"
+            )
+        corpus = StdlibCorpus(tokenizer)
+    elif tr.dataset == "hf":
+        if not tr.dataset_path:
+            raise ValueError("training.dataset = 'hf' needs training.dataset_path (a local file, folder or HF hub name)")
+        corpus = HFTextCorpus(load_hf_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
+    else:
+        raise ValueError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
+    return TokenWindows(corpus, tr.seq_len)
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FoldDataLoader:
+    """torchtitan TrainSpec.build_dataloader_fn: yields ({"input": [b, s]}, labels [b, s])."""
+    tr = job_config.training
+    b = tr.local_batch_size
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} outside dp degree {dp_world_size}")
+    if b < 1 or tr.seq_len < 1:
+        raise ValueError(f"training.local_batch_size = {b} and training.seq_len = {tr.seq_len} must be >= 1")
+    global_batch = tr.global_batch_size if tr.global_batch_size > 0 else b * dp_world_size
+    if global_batch % (b * dp_world_size):
+        raise ValueError(
+            f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size x "
+            f"dp degree = {b} x {dp_world_size}"
+        )
+    return FoldDataLoader(
+        build_dataset(tokenizer, job_config), dp_rank, dp_world_size, b, **asdict(tr.dataloader)
+    )
