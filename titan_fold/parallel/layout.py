@@ -142,9 +142,9 @@ class Layout(ParallelDims):
         hints = []
         if per_stage % (dpr * cp * tp) == 0:
             hints.append(f"dp_shard={per_stage // (dpr * cp * tp)} (or -1 to derive it)")
-        hints.append(f"tp in {{{_fmt(_nearest(tp, _divisors(per_stage // math.gcd(per_stage, dpr * cp))))}}}")
-        hints.append(f"cp in {{{_fmt(_nearest(cp, _divisors(per_stage // math.gcd(per_stage, dpr * tp))))}}}")
-        hints.append(f"dp_replicate in {{{_fmt(_nearest(dpr, _divisors(per_stage // math.gcd(per_stage, cp * tp))))}}}")
+        for name, others in (("tp", dpr * cp), ("cp", dpr * tp), ("dp_replicate", cp * tp)):
+            valid = [d for d in _divisors(per_stage) if per_stage % (d * others) == 0]
+            hints.append(f"{name} in {{{_fmt(_nearest(getattr(self, name), valid))}}}")
         return "valid neighbours: " + "; ".join(hints)
 
     def _expert_neighbours(self, per_stage: int) -> str:
@@ -343,24 +343,25 @@ class Layout(ParallelDims):
 
     # ---- whole-world group lists (for the layout tool and tests) ----
 
-    def groups(self, name: str) -> list[list[int]]:
+    def groups(self, name: str, mesh: str | None = None) -> list[list[int]]:
         """Every group of one (possibly flattened) dim over the whole world, from the mesh tensor.
 
         Each group lists its global ranks in mesh order; groups are sorted by their first rank.
-        Read off the root mesh tensor, so no process group per group is needed.
+        `mesh` picks the mesh for "pp" (both hold it; default attention). Read off the root mesh
+        tensor, so it needs no process group per group.
         """
         name = ALIASES.get(name, name)
         if name in FLATTENED:
-            mesh_name, dims = FLATTENED[name]
-        elif name in EXPERT_DIMS and name != "pp":
-            mesh_name, dims = "expert", (name,)
+            mesh, dims = FLATTENED[name][0], FLATTENED[name][1]
+        elif name in EXPERT_DIMS and (name != "pp" or mesh == "expert"):
+            mesh, dims = "expert", (name,)
         elif name in ATTENTION_DIMS:
-            mesh_name, dims = "attention", (name,)
+            mesh, dims = "attention", (name,)
         else:
             raise ValueError(f"Invalid mesh dim: '{name}'. Valid: {self.mesh_names()}")
-        mesh = self.attention if mesh_name == "attention" else self.expert
-        full = mesh.mesh  # [*degrees] global ranks; the root mesh tensor is the whole world
-        keep = [mesh.mesh_dim_names.index(d) for d in dims]
+        root = self.attention if mesh == "attention" else self.expert
+        full = root.mesh  # [*degrees] global ranks: a root mesh tensor is the whole world
+        keep = [root.mesh_dim_names.index(d) for d in dims]
         rest = [i for i in range(full.ndim) if i not in keep]
         rows = full.permute(*rest, *keep).reshape(-1, math.prod(full.shape[i] for i in keep))
         return sorted(rows.tolist(), key=lambda g: g[0])

@@ -1,0 +1,307 @@
+"""Layout tests on the fake process group, against an independent Megatron-Core reference."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import titan_fold  # noqa: F401  (settles the device before torchtitan modules read it)
+from titan_fold import layout as layout_cli
+from titan_fold.parallel.layout import Layout, LayoutError
+
+
+# ---- independent reference: Megatron-Core's RankGenerator from its definition ----
+# A rank's coordinates come from its index with the first name of the order fastest
+# (order tp-cp-ep-dp-pp; dp split as dp_shard (fast) x dp_replicate for our HSDP names).
+# The groups of a set of names are the ranks that differ only in those names; inside a
+# group, ranks are ordered by their index over those names (first name fastest).
+
+ORDER = ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")
+
+
+def megatron_groups(world: int, sizes: dict[str, int], names: set[str]) -> list[list[int]]:
+    assert set(names) <= set(ORDER)
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for rank in range(world):
+        rest, coords = rank, {}
+        for n in ORDER:
+            rest, coords[n] = divmod(rest, sizes.get(n, 1))
+        assert rest == 0
+        key = tuple(coords[n] for n in ORDER if n not in names)
+        inner, stride = 0, 1
+        for n in ORDER:
+            if n in names:
+                inner += coords[n] * stride
+                stride *= sizes.get(n, 1)
+        groups.setdefault(key, []).append((inner, rank))
+    out = [[r for _, r in sorted(g)] for g in groups.values()]
+    return sorted(out, key=lambda g: g[0])
+
+
+def reference(world, pp, dpr, dps, cp, tp, ep, etp) -> dict[str, list[list[int]]]:
+    """Every named group of both meshes: attention generator has ep=1, expert generator cp=1."""
+    att = dict(tp=tp, cp=cp, ep=1, dp_shard=dps, dp_replicate=dpr, pp=pp)
+    edp = world // (pp * ep * etp)
+    exp = dict(tp=etp, cp=1, ep=ep, dp_shard=edp, dp_replicate=1, pp=pp)
+    dp = {"dp_shard", "dp_replicate"}
+    return {
+        "pp": megatron_groups(world, att, {"pp"}),
+        "dp_replicate": megatron_groups(world, att, {"dp_replicate"}),
+        "dp_shard": megatron_groups(world, att, {"dp_shard"}),
+        "cp": megatron_groups(world, att, {"cp"}),
+        "tp": megatron_groups(world, att, {"tp"}),
+        "dp": megatron_groups(world, att, dp),
+        "dp_shard_cp": megatron_groups(world, att, {"dp_shard", "cp"}),
+        "dp_cp": megatron_groups(world, att, dp | {"cp"}),
+        "expert.pp": megatron_groups(world, exp, {"pp"}),
+        "edp": megatron_groups(world, exp, {"dp_shard"}),
+        "ep": megatron_groups(world, exp, {"ep"}),
+        "etp": megatron_groups(world, exp, {"tp"}),
+        "ep_etp": megatron_groups(world, exp, {"ep", "tp"}),
+    }
+
+
+def test_reference_matches_paper_figure_2():
+    # the reference itself against the paper's text: 4 GPUs, TP=ETP=2, EP=2
+    ref = reference(4, pp=1, dpr=1, dps=2, cp=1, tp=2, ep=2, etp=2)
+    assert ref["etp"] == [[0, 1], [2, 3]]
+    assert ref["ep"] == [[0, 2], [1, 3]]
+    assert ref["tp"] == [[0, 1], [2, 3]]
+    assert ref["dp"] == [[0, 2], [1, 3]]
+
+
+# (world, pp, dp_replicate, dp_shard, cp, tp, ep, etp)
+CONFIGS = [
+    (1, 1, 1, 1, 1, 1, 1, 1),
+    (4, 1, 1, 2, 1, 2, 2, 2),  # paper Figure 2
+    (8, 1, 1, 1, 8, 1, 8, 1),  # CP8 x EP8 folded on 8 GPUs
+    (16, 1, 1, 2, 2, 4, 8, 1),  # EP(8) > dp(2)
+    (16, 1, 1, 4, 1, 4, 16, 1),  # EP over the whole world
+    (16, 1, 2, 4, 1, 2, 2, 4),  # ETP(4) > TP(2), dp_replicate
+    (16, 1, 1, 2, 1, 8, 4, 1),  # ETP(1) < TP(8)
+    (16, 1, 2, 2, 1, 4, 16, 1),  # EP spans dp_replicate
+    (32, 1, 2, 2, 2, 4, 4, 2),  # everything > 1 but pp
+    (64, 2, 2, 4, 2, 2, 2, 2),  # the paper's listing degrees (with dp split)
+    (64, 4, 1, 4, 1, 4, 4, 1),  # pp > 1
+    (128, 2, 1, 4, 4, 4, 16, 2),  # pp, CP x TP attention, EP x ETP = 32 spans dp
+    (256, 8, 2, 4, 2, 2, 8, 1),
+    (1024, 4, 2, 8, 2, 8, 64, 2),
+    (1024, 8, 1, 64, 1, 2, 8, 1),  # Mixtral-8x22B-like folding at 1024 GPUs
+    (1024, 1, 4, 16, 4, 4, 256, 4),  # EP x ETP = world
+]
+
+
+@pytest.fixture
+def fake_world():
+    def init(world, rank=0):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "w{}_pp{}_dpr{}_dps{}_cp{}_tp{}_ep{}_etp{}".format(*c))
+def test_groups_match_megatron(cfg, fake_world):
+    world, pp, dpr, dps, cp, tp, ep, etp = cfg
+    ref = reference(*cfg)
+    for rank in sorted({0, world // 3, world - 1}):
+        fake_world(world, rank)
+        layout = Layout(world, pp=pp, dp_replicate=dpr, cp=cp, tp=tp, ep=ep, etp=etp)  # dp_shard, edp derived
+        assert (layout.dp_shard, layout.edp) == (dps, world // (pp * ep * etp))
+        layout.build_mesh("cpu")
+        assert layout.attention.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        assert layout.expert.mesh_dim_names == ("pp", "edp", "ep", "etp")
+        for name, groups in ref.items():
+            mesh, dim = ("expert", "pp") if name == "expert.pp" else (None, name)
+            if rank == 0:  # whole-world lists (what the layout tool prints)
+                assert layout.groups(dim, mesh) == groups, name
+            # the real (flattened) DeviceMesh this rank holds is its reference group
+            mine = [g for g in groups if rank in g]
+            assert len(mine) == 1
+            real = (layout.expert["pp"] if name == "expert.pp" else layout._meshes[name]).mesh.tolist()
+            assert real == mine[0], (name, rank)
+
+
+def test_torchtitan_names(fake_world):
+    fake_world(32, rank=5)
+    layout = Layout(32, pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4, etp=1)
+    ref = reference(32, 2, 2, 2, 2, 2, 4, 1)
+    group = lambda n: next(g for g in ref[n] if 5 in g)  # noqa: E731
+    for tt, ours in (("batch", "dp"), ("loss", "dp_cp"), ("fsdp", "dp_shard_cp"), ("efsdp", "edp")):
+        assert layout.get_mesh(tt) is layout.get_mesh(ours)
+        assert layout.get_mesh(tt).mesh.tolist() == group(ours)
+    for n in ("pp", "cp", "tp", "ep", "dp_replicate", "dp_shard"):
+        assert layout.get_mesh(n).mesh.tolist() == group(n)
+    assert layout.get_optional_mesh("etp") is None  # size 1 -> None (torchtitan semantics)
+    with pytest.raises(ValueError, match="not available"):
+        layout.get_mesh("etp")
+    with pytest.raises(ValueError, match="Invalid mesh dim"):
+        layout.get_mesh("nope")
+    # torchtitan's HSDP: dp_replicate x fsdp; expert HSDP: dp_replicate x (edp / dp_replicate)
+    hsdp = layout.get_mesh(["dp_replicate", "fsdp"])
+    assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert sorted(hsdp.mesh.flatten().tolist()) == group("dp_cp")
+    assert hsdp["dp_shard_cp"].mesh.tolist() == group("dp_shard_cp")
+    ehsdp = layout.get_mesh(["dp_replicate", "efsdp"])
+    assert ehsdp.shape == (2, 2) and sorted(ehsdp.mesh.flatten().tolist()) == group("edp")
+    assert ehsdp["dp_replicate"].mesh.tolist() == group("dp_replicate")
+    assert layout.get_optional_mesh(["ep", "etp"]) is None
+    assert layout.get_mesh(["ep"]).mesh.tolist() == group("ep")
+    assert set(layout.get_all_one_dimensional_meshes()) == {
+        "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "edp", "ep", "ep_etp"
+    }
+    # ParallelDims properties the trainer reads
+    assert layout.dp_enabled and layout.pp_enabled and layout.ep_enabled and not layout.etp_enabled
+    assert layout.fsdp_gradient_divide_factor == 8 and layout.seq_len_divisor == 8
+    assert layout.world_mesh is layout.attention
+
+
+def test_efsdp_kept_with_ep_even_at_size_1(fake_world):
+    fake_world(8)
+    layout = Layout(8, tp=2, ep=8)  # edp = 1
+    assert layout.get_optional_mesh("edp") is None
+    assert layout.get_mesh("efsdp").size() == 1  # torchtitan wraps experts in FSDP whenever EP is on
+    with pytest.raises(LayoutError, match="spans dp_replicate"):
+        Layout(8, dp_replicate=2, tp=2, ep=8).get_mesh(["dp_replicate", "efsdp"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, pieces",
+    [
+        (dict(world_size=8, tp=3), ["tp(3) = 3 must divide", "world_size / pp = 8 / 1 = 8", "tp in {2, 4, 8}"]),
+        (
+            dict(world_size=8, dp_shard=3, tp=2),
+            ["pp(1) * dp_replicate(1) * dp_shard(3) * cp(1) * tp(2) = 6 != world_size(8)", "dp_shard=4"],
+        ),
+        (dict(world_size=8, ep=3), ["ep(3) * etp(1) = 3 must divide", "ep in {2, 4, 8}"]),
+        (dict(world_size=8, ep=4, etp=4), ["ep(4) * etp(4) = 16", "ep in {1, 2}", "etp in {1, 2}"]),
+        (dict(world_size=8, ep=4, edp=4), ["pp(1) * edp(4) * ep(4) * etp(1) = 16 != world_size(8)", "edp=-1 derives it (2)"]),
+        (dict(world_size=8, pp=3), ["pp(3) must divide world_size(8)", "valid pp: 2, 4, 8"]),
+        (dict(world_size=8, tp=0), ["tp must be an integer >= 1, got 0"]),
+        (dict(world_size=8, dp_shard=0), ["dp_shard must be -1 (derived) or an integer >= 1, got 0"]),
+        (dict(world_size=12, dp_replicate=8), ["dp_replicate(8)", "tp in {none}", "dp_replicate in {4, 6, 12}"]),
+    ],
+)
+def test_degree_errors(kwargs, pieces):
+    assert not dist.is_initialized()
+    with pytest.raises(LayoutError) as err:
+        Layout(**kwargs)
+    for piece in pieces:
+        assert piece in str(err.value), (piece, str(err.value))
+    assert isinstance(err.value, ValueError)
+    assert not dist.is_initialized()  # rejected before any process group
+
+
+@pytest.mark.parametrize(
+    "layout_kwargs, model, pieces",
+    [
+        (dict(ep=4), dict(num_experts=6), ["num_experts(6) % ep(4) = 2 != 0", "valid ep", ": 1, 2"]),
+        (dict(ep=1, etp=8), dict(moe_ffn_dim=100), ["moe_ffn_dim(100) % etp(8) = 4 != 0", "valid etp: 1, 2, 4"]),
+        (dict(tp=4), dict(n_heads=6), ["n_heads(6) % tp(4) = 2 != 0", "valid tp: 1, 2"]),
+        (dict(tp=4), dict(n_heads=8, n_kv_heads=2), ["n_kv_heads(2) % tp(4) = 2 != 0", "valid tp: 1, 2"]),
+        (dict(cp=4, tp=2), dict(seq_len=100), ["2 * cp(4)", "tp(2)", "seq_len % 16 = 4", "96, 112"]),
+        (dict(cp=2), dict(seq_len=6), ["seq_len(6) % 2 * cp(2)", "= 2 != 0"]),
+        (dict(tp=8), dict(seq_len=4), ["seq_len(4) % tp(8)"]),
+    ],
+)
+def test_model_size_errors(layout_kwargs, model, pieces):
+    layout = Layout(8, **layout_kwargs)
+    with pytest.raises(LayoutError) as err:
+        layout.validate(**model)
+    for piece in pieces:
+        assert piece in str(err.value), (piece, str(err.value))
+    assert not dist.is_initialized()
+
+
+def test_model_sizes_accepted():
+    layout = Layout(8, tp=2, cp=2, ep=8)
+    assert layout.validate(num_experts=64, moe_ffn_dim=2560, n_heads=28, n_kv_heads=4, seq_len=4096) is layout
+    Layout(8, tp=8).validate(seq_len=4, sequence_parallel=False)  # no SP: tp needs no divisibility
+
+
+FIGURE_2 = {
+    "world_size": 4,
+    "attention": {
+        "degrees": {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2},
+        "groups": {
+            "pp": [[0], [1], [2], [3]],
+            "dp": [[0, 2], [1, 3]],
+            "cp": [[0], [1], [2], [3]],
+            "tp": [[0, 1], [2, 3]],
+            "dp_cp": [[0, 2], [1, 3]],
+        },
+    },
+    "expert": {
+        "degrees": {"pp": 1, "edp": 1, "ep": 2, "etp": 2},
+        "groups": {
+            "pp": [[0], [1], [2], [3]],
+            "edp": [[0], [1], [2], [3]],
+            "ep": [[0, 2], [1, 3]],
+            "etp": [[0, 1], [2, 3]],
+            "ep_etp": [[0, 1, 2, 3]],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:12:2])
+def test_json_report_shape(cfg, fake_world):
+    world, pp, dpr, dps, cp, tp, ep, etp = cfg
+    fake_world(world)
+    args = layout_cli.make_parser().parse_args(
+        f"--world-size {world} --pp {pp} --dp-replicate {dpr} --cp {cp} --tp {tp} --ep {ep} --etp {etp}".split()
+    )
+    rep = json.loads(json.dumps(layout_cli.report(layout_cli.build_layout(args))))
+    ref = reference(*cfg)
+    assert list(rep) == ["world_size", "attention", "expert"] and rep["world_size"] == world
+    assert rep["attention"]["degrees"] == dict(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp)
+    assert rep["expert"]["degrees"] == dict(pp=pp, edp=world // (pp * ep * etp), ep=ep, etp=etp)
+    assert rep["attention"]["groups"] == {n: ref[n] for n in ("pp", "dp", "cp", "tp", "dp_cp")}
+    assert rep["expert"]["groups"] == {
+        "pp": ref["expert.pp"], "edp": ref["edp"], "ep": ref["ep"], "etp": ref["etp"], "ep_etp": ref["ep_etp"]
+    }
+
+
+def test_table_and_png(fake_world, tmp_path):
+    fake_world(16)
+    args = layout_cli.make_parser().parse_args("--world-size 16 --tp 2 --cp 2 --ep 8".split())
+    rep = layout_cli.report(layout_cli.build_layout(args))
+    text = layout_cli.table(rep, gpus_per_node=8)
+    assert "16 GPUs" not in text and "2 nodes" in text
+    lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.strip().startswith(("att.", "exp."))}
+    assert "crossing 0/2 " in lines["exp.ep"] and "crossing 4/4 " in lines["att.dp"]
+    assert "crossing 0/8 " in lines["att.tp"] and "crossing 8/8 " in lines["exp.edp"]
+    rank9 = next(ln.split() for ln in text.splitlines() if ln.split()[:2] == ["9", "1"])
+    assert rank9[2:] == ["9", "1*", "5", "4", "1*", "1*", "1", "9", "1"]
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "l.png"
+    layout_cli.png(rep, str(out), gpus_per_node=8)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_world_4096_is_fast(fake_world):
+    fake_world(4096)
+    t = time.perf_counter()
+    args = layout_cli.make_parser().parse_args("--world-size 4096 --pp 4 --tp 4 --cp 2 --ep 16 --etp 2".split())
+    rep = layout_cli.report(layout_cli.build_layout(args))
+    layout_cli.table(rep, gpus_per_node=8)
+    assert time.perf_counter() - t < 5.0
+    assert len(rep["expert"]["groups"]["ep"]) == 256 and rep["expert"]["groups"]["ep"][1][:2] == [1, 3]
+
+
+def test_cli_subprocess_json_and_error(capsys):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "titan_fold.layout", "--world-size", "4", "--tp", "2", "--ep", "2", "--etp", "2"]
+    out = subprocess.run(cmd + ["--format", "json"], capture_output=True, text=True, env=env, check=True)
+    assert json.loads(out.stdout) == FIGURE_2
+    assert layout_cli.main(["--world-size", "4", "--ep", "3"]) == 2
+    assert "LayoutError: expert mesh: ep(3) * etp(1) = 3 must divide" in capsys.readouterr().err
+    assert not dist.is_initialized()
