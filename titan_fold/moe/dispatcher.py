@@ -1,0 +1,265 @@
+"""Token dispatcher: capacity, permutation, EP x ETP exchange, expert compute, combine.
+
+One class serves every folding: it only sees "the tokens of this rank". With both
+degrees 1 every collective below is the identity and no count leaves the device, so the
+single-rank layer is this same code.
+
+Forward of one layer (rank r, N = T * top_k assignments):
+
+    keep mask        token drop only: capacity per expert, by probs or by position,
+                     on local tokens (sub_sequence) or on the whole sequences (full_sequence)
+    permute          rows grouped by destination expert; dropped ones last (or padded slots)
+    counts           all-to-all over ep, all-gather over etp, ONE .tolist() (none if padded)
+    all-to-all-v     over ep: rows go to the rank that owns their expert
+    all-gather-v     over etp: every etp rank sees all rows of its local experts
+    group            rows sorted by local expert -> grouped GEMM on the ffn shard
+    reduce-scatter-v over etp: partial w2 products summed, each rank gets its rows back
+    all-to-all-v     over ep, back
+    combine          index_add rows into their tokens (the probability is already applied)
+
+All collectives are functional and autograd-aware: backward mirrors forward (all-to-all
+reversed, all-gather <-> reduce-scatter) without hand-written communication code.
+Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_fold.moe.args import MoEArgs
+from titan_fold.moe.experts import GroupedExperts, local
+
+
+def capacity(num_tokens: int, args: MoEArgs) -> int:
+    return math.ceil(num_tokens * args.top_k * args.capacity_factor / args.num_experts)
+
+
+def group_by(key: torch.Tensor, num_groups: int):
+    """key [N] int64 in [0, num_groups) -> (order [N], counts [num_groups], pos [N]).
+
+    order lists the items grouped by key, stable (original order within a group);
+    pos[i] is item i's position inside its group.
+    """
+    n = key.numel()
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=key.device).index_add(0, key, torch.ones_like(key))
+    starts = counts.cumsum(0) - counts
+    rank_in_group = torch.arange(n, device=key.device) - starts[key[order]]
+    pos = torch.empty_like(key).scatter(0, order, rank_in_group)
+    return order, counts, pos
+
+
+def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, cap: int, policy: str) -> torch.Tensor:
+    """probs, experts [T, k] -> keep [T, k] bool: at most `cap` assignments per expert.
+
+    policy "probs": the highest routing weights win (ties: earlier assignment);
+    "position": the first arrivals in token order win.
+    """
+    flat = experts.flatten()  # [N], token-major order
+    if policy == "probs":
+        prio = torch.sort(probs.flatten(), descending=True, stable=True).indices
+    else:
+        prio = torch.arange(flat.numel(), device=flat.device)
+    _, _, pos = group_by(flat[prio], num_experts)  # position within expert, in priority order
+    keep = torch.empty(flat.numel(), dtype=torch.bool, device=flat.device).scatter(0, prio, pos < cap)
+    return keep.view_as(experts)
+
+
+# ---- collectives over a 1-D mesh; None means degree 1 (identity) -------------------------
+
+def _size(mesh: DeviceMesh | None) -> int:
+    return 1 if mesh is None else mesh.size()
+
+
+def _a2a(x: torch.Tensor, out_splits, in_splits, mesh: DeviceMesh | None) -> torch.Tensor:
+    if mesh is None:
+        return x
+    return funcol.all_to_all_single_autograd(x, out_splits, in_splits, mesh)
+
+
+def _all_gather_v(x: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.Tensor:
+    """[n_me, ...] -> [sum(sizes), ...], rank order; sizes None = all equal."""
+    if mesh is None:
+        return x
+    n = mesh.size()
+    send = x.repeat(n, *[1] * (x.dim() - 1))  # every rank gets the whole chunk
+    return funcol.all_to_all_single_autograd(send, sizes, None if sizes is None else [x.shape[0]] * n, mesh)
+
+
+def _reduce_scatter_v(y: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.Tensor:
+    """[sum(sizes), ...] -> [sizes[me], ...] summed over ranks; sizes None = all equal."""
+    if mesh is None:
+        return y
+    n = mesh.size()
+    mine = y.shape[0] // n if sizes is None else sizes[mesh.get_local_rank()]
+    parts = funcol.all_to_all_single_autograd(y, None if sizes is None else [mine] * n, sizes, mesh)
+    return parts.view(n, mine, *y.shape[1:]).sum(0)
+
+
+def _gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    # no gradient: counts and drop decisions
+    n = mesh.size()
+    return funcol.all_to_all_single(x.repeat(n, *[1] * (x.dim() - 1)), None, None, mesh)
+
+
+@dataclass
+class _Splits:
+    send: list[int] | None  # rows to each ep rank
+    recv: list[int] | None  # rows from each ep rank
+    gather: list[int] | None  # rows of each etp rank after its all-to-all
+
+
+class TokenDispatcher(nn.Module):
+    """ep_mesh, etp_mesh: 1-D meshes of the expert mapping (None = degree 1).
+    seq_mesh: 1-D mesh of the ranks holding the other parts of this rank's sequences
+    (attention cp x tp), used only by full_sequence dropping. Local token slices must be
+    contiguous chunks of the sequences, in mesh-rank order."""
+
+    def __init__(self, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
+                 seq_mesh: DeviceMesh | None = None):
+        super().__init__()
+        self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
+        self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
+
+    def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
+        """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
+        if args.capacity_factor is None:
+            return None, None
+        T, k = experts.shape
+        if args.drop_scope == "sub_sequence" or _size(self.seq_mesh) == 1:
+            cap = capacity(T, args)
+            return capacity_keep(probs, experts, args.num_experts, cap, args.drop_policy), cap
+        # full_sequence: decide on the whole sequences exactly as one rank holding them would
+        n = self.seq_mesh.size()
+        packed = torch.cat([probs.detach().double(), experts.double()], dim=-1)  # [T, 2k], ids exact in f64
+        full = _gather_even(packed, self.seq_mesh)  # [n * T, 2k], rank-major
+        full = full.view(n, num_seqs, T // num_seqs, 2 * k).transpose(0, 1).reshape(n * T, 2 * k)  # sequence order
+        cap = capacity(n * T, args)
+        keep = capacity_keep(full[:, :k], full[:, k:].long(), args.num_experts, cap, args.drop_policy)
+        mine = keep.view(num_seqs, n, T // num_seqs, k)[:, self.seq_mesh.get_local_rank()]
+        return mine.reshape(T, k), cap
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor,
+                experts: GroupedExperts, args: MoEArgs, num_seqs: int):
+        """x [T, dim], probs/experts_idx [T, k] -> (y [T, dim], keep [T, k] bool or None)."""
+        T, k = experts_idx.shape
+        E, N = args.num_experts, T * k
+        keep, cap = self.keep_mask(probs, experts_idx, num_seqs, args)
+
+        key = experts_idx.flatten()  # [N] destination expert of each assignment
+        if keep is not None:
+            key = torch.where(keep.flatten(), key, E)  # dropped -> an extra last group
+        order, counts, pos = group_by(key, E + 1)
+        counts = counts[:E]  # [E] kept rows per expert
+        weights = probs.flatten()  # [N]
+
+        if keep is not None and args.pad_to_capacity:
+            # static shapes: expert e owns rows [e*C, (e+1)*C); empty slots point at
+            # assignment N (token 0 with weight 0, so they add nothing)
+            C = min(cap, T)  # one expert cannot get more than T of this rank's assignments
+            slot = torch.where(key < E, key * C + pos, E * C)  # [N]; dropped -> a spare slot
+            assign = torch.full((E * C + 1,), N, dtype=torch.int64, device=x.device)
+            assign = assign.scatter(0, slot, torch.arange(N, device=x.device))[: E * C]  # [E*C]
+            token_of_row = torch.where(assign < N, assign // k, 0)
+            weight_of_row = torch.cat([weights, weights.new_zeros(1)])[assign]
+            rows_per_expert = C
+        else:
+            token_of_row = order // k  # [N], dropped rows last
+            weight_of_row = weights[order]
+            rows_per_expert = counts
+
+        x_rows = x[token_of_row]  # [R, dim]
+        if self.ep * self.etp == 1:
+            if keep is not None and not args.pad_to_capacity:
+                n = int(counts.sum())  # dynamic shapes: the layer's one host sync
+                x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
+            y_rows = experts(x_rows, rows_per_expert, weight_of_row, args.prob_before_w2)
+        else:
+            y_rows = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args)
+        token_of_row = token_of_row[: y_rows.shape[0]]  # dropped rows were cut off
+        y = x.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, y_rows)  # [T, dim], sum over k
+        return y, keep
+
+    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device):
+        """Exchange counts and bring the split sizes to the host: the layer's one sync.
+
+        -> (_Splits, rows_of_source [etp*ep, E_loc] on device: rows each (etp, ep) source
+        sends to each local expert)."""
+        ep, etp = self.ep, self.etp
+        if isinstance(counts, int):  # padded: every split is E_loc * C rows
+            full = torch.full((etp * ep, E_loc), counts, dtype=torch.int64, device=device)
+            return _Splits(None, None, None), full
+        recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
+        gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
+        host = torch.cat([counts, gathered]).tolist()
+        sent, got = host[: ep * E_loc], host[ep * E_loc :]
+        block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
+        me = 0 if etp == 1 else self.etp_mesh.get_local_rank()
+        splits = _Splits(
+            send=[block(sent, d) for d in range(ep)],
+            recv=[block(got, me * ep + s) for s in range(ep)],
+            gather=[sum(block(got, j * ep + s) for s in range(ep)) for j in range(etp)],
+        )
+        return splits, gathered.view(etp * ep, E_loc)
+
+    def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs):
+        E_loc = args.num_experts // self.ep
+        assert local(experts.w1).shape[0] == E_loc, "expert weights are not sharded on ep"
+        sp, rows_of_source = self._splits(counts, E_loc, x_rows.device)
+        if sp.send is not None:
+            x_rows, w_rows = x_rows[: sum(sp.send)], w_rows[: sum(sp.send)]  # drop the dropped
+
+        x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh)  # [sum(recv), dim], by (ep source, expert)
+        w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)
+        x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
+        w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
+
+        # group rows by local expert (stable: keeps source order inside an expert)
+        expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(rows_of_source.shape[0])
+        expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=x_all.shape[0])
+        perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
+        local_counts = rows_of_source.sum(0) if sp.send is not None else rows_of_source.shape[0] * counts
+        y_sorted = experts(x_all[perm], local_counts, w_all[perm], args.prob_before_w2)
+        y_all = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)  # back to arrival order
+
+        y_in = _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
+        return _a2a(y_in, sp.send, sp.recv, self.ep_mesh)  # [sum(send), dim]
+
+
+# ---- placing expert weights ---------------------------------------------------------------
+
+def expert_shard(w: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int) -> torch.Tensor:
+    """This rank's slice of a full stacked expert weight.
+
+    w1, w3 [E, ffn, dim] -> [E/ep, ffn/etp, dim]; w2 [E, dim, ffn] -> [E/ep, dim, ffn/etp].
+    Contiguous chunks, the same as DTensor Shard(0) on ep and Shard(1) (w1, w3) /
+    Shard(2) (w2) on etp."""
+    E = w.shape[0]
+    ffn_axis = 2 if name == "w2" else 1
+    ffn = w.shape[ffn_axis]
+    assert E % ep == 0 and ffn % etp == 0, f"{name}: {E} experts / ep {ep}, ffn {ffn} / etp {etp}"
+    w = w[ep_rank * (E // ep) : (ep_rank + 1) * (E // ep)]
+    return w.narrow(ffn_axis, etp_rank * (ffn // etp), ffn // etp)
+
+
+def install_dispatcher(moe: nn.Module, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
+                       seq_mesh: DeviceMesh | None = None, shard_weights: bool = True) -> None:
+    """Make `moe` (a titan_fold.moe.MoE) dispatch over ep x etp.
+
+    shard_weights=True replaces the full expert weights by this rank's slice as plain
+    Parameters (call it before building the optimizer). Pass False when the weights are
+    already local, or are DTensors on the (ep, etp) mesh placed (Shard(0), Shard(1)) for
+    w1/w3 and (Shard(0), Shard(2)) for w2: the experts read `.to_local()`.
+    """
+    if shard_weights:
+        ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
+        etp_rank = 0 if etp_mesh is None else etp_mesh.get_local_rank()
+        for name in ("w1", "w2", "w3"):
+            full = getattr(moe.experts, name)
+            part = expert_shard(full.detach(), name, ep_rank, _size(ep_mesh), etp_rank, _size(etp_mesh))
+            setattr(moe.experts, name, nn.Parameter(part.clone(), requires_grad=full.requires_grad))
+    moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)

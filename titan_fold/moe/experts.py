@@ -1,0 +1,86 @@
+"""Routed experts as stacked weights, one grouped GEMM for all (local) experts.
+
+Under expert parallelism the module holds only its shard: E/ep experts, ffn/etp of each
+expert's width (w1, w3 sliced on their ffn rows, w2 on its ffn columns). SwiGLU is
+elementwise over ffn, so each etp rank computes a partial w2 product that the
+dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+def local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
+    # CPU eager takes fp32 and bf16; compiled graphs and CUDA take bf16; rows must be
+    # 16-byte aligned
+    if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 or (ffn_dim * x.element_size()) % 16:
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor | int, probs: torch.Tensor, prob_before_w2: bool
+    ) -> torch.Tensor:
+        """x [R, dim] rows grouped by local expert; probs [R] routing weight of each row.
+
+        counts: [E_local] int tensor of rows per expert, summing to R (torch._grouped_mm
+        leaves rows past its last offset uninitialized, so there must be none), or an int
+        C meaning R = E_local * C (padded, static shapes: batched GEMM).
+        Returns [R, dim], already multiplied by probs. With etp > 1 it is a partial sum.
+        """
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        p = probs.to(x.dtype).unsqueeze(-1)  # [R, 1]
+        if isinstance(counts, int):
+            y = _swiglu_padded(x.view(w1.shape[0], counts, -1), w1, w2, w3, p.view(w1.shape[0], counts, 1), prob_before_w2)
+            return y.flatten(0, 1)
+        if _grouped_mm_ok(x, w1.shape[1]):
+            return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2)
+        return _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2)
+
+    def init_weights(self, init_std: float):
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+def _apply(h, p, y_fn, prob_before_w2):
+    # before w2: the router's gradient needs only h (saved anyway), not the expert output
+    return y_fn(h * p) if prob_before_w2 else y_fn(h) * p
+
+
+def _swiglu_padded(x, w1, w2, w3, p, prob_before_w2):
+    # x [E, C, dim], p [E, C, 1]
+    h = F.silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))  # [E, C, ffn]
+    return _apply(h, p, lambda h: torch.bmm(h, w2.transpose(1, 2)), prob_before_w2)  # [E, C, dim]
+
+
+def _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2):
+    offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
+    h = F.silu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
+        x, w3.transpose(1, 2), offs=offs
+    )  # [R, ffn]
+    return _apply(h, p, lambda h: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), prob_before_w2)
+
+
+def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
+    # fallback (float64 tests, no _grouped_mm): one GEMM chain per expert
+    sizes = counts.tolist()
+    ys = []
+    for e, (xe, pe) in enumerate(zip(x.split(sizes), p.split(sizes))):
+        h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)  # [n_e, ffn]
+        ys.append(_apply(h, pe, lambda h: h @ w2[e].T, prob_before_w2))
+    return torch.cat(ys)

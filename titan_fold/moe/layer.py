@@ -1,0 +1,99 @@
+"""The MoE layer: router -> dispatcher (routed experts) + shared expert."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_fold.moe.args import MoEArgs
+from titan_fold.moe.dispatcher import TokenDispatcher
+from titan_fold.moe.experts import GroupedExperts
+from titan_fold.moe.router import AddAuxLoss, Router
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through (Qwen2-MoE)."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.moe_ffn_dim, args.num_experts)
+        self.shared_expert = SharedExpert(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
+        # replaceable: the parallelize step installs an EP x ETP one (dispatcher.install_dispatcher)
+        self.dispatcher = TokenDispatcher()
+        # local_tokens / global_tokens of the micro-batch, set by the trainer, so the aux
+        # losses' gradients are normalized like the LM loss
+        self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
+        # metrics since the last moe_stats(): sums of (balance loss, dropped frac, imbalance), calls
+        self.register_buffer("stats", torch.zeros(4), persistent=False)
+        # aux_free: routed assignments per expert since the last update_expert_bias()
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        tokens = x.reshape(b * s, dim)  # [T, dim]
+        routing = self.router(tokens, s, self.aux_loss_scale)
+        y, keep = self.dispatcher(tokens, routing.probs, routing.experts, self.experts, self.args, b)  # [T, dim]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            y = y + shared
+        if self.args.load_balance in ("aux_loss", "seq_aux_loss") or self.args.z_loss_coeff > 0:
+            y = AddAuxLoss.apply(y, routing.loss)
+        self._record(routing.balance_loss, keep, routing.tokens_per_expert)
+        return y.view(b, s, dim)
+
+    @torch.no_grad()
+    def _record(self, balance_loss, keep, tokens_per_expert):
+        # device-side accumulation: no host sync inside forward
+        dropped = torch.zeros((), device=self.stats.device) if keep is None else 1.0 - keep.float().mean()
+        imbalance = tokens_per_expert.max() / tokens_per_expert.mean()
+        one = torch.ones((), device=self.stats.device)
+        self.stats.add_(torch.stack([balance_loss.float(), dropped.float(), imbalance, one]))
+        if self.args.load_balance == "aux_free":
+            self.tokens_per_expert.add_(tokens_per_expert)
+
+    def init_weights(self, init_std: float):
+        self.router.init_weights(0.02)
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            for lin in (self.shared_expert.w1, self.shared_expert.w2, self.shared_expert.w3):
+                nn.init.trunc_normal_(lin.weight, mean=0.0, std=init_std)
+        if self.shared_expert_gate is not None:
+            nn.init.trunc_normal_(self.shared_expert_gate.weight, mean=0.0, std=init_std)
+        # buffers made on the meta device hold garbage after to_empty()
+        self.aux_loss_scale.fill_(1.0)
+        self.stats.zero_()
+        self.tokens_per_expert.zero_()
+
+
+@torch.no_grad()
+def moe_stats(model_parts) -> dict:
+    """Averages over MoE layers (each over its calls since the last moe_stats), then reset.
+
+    One host sync, here, outside forward. Returns {} when no layer ran.
+    """
+    per_layer = []
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, MoE):
+                if module.stats[3] > 0:
+                    per_layer.append(module.stats[:3] / module.stats[3])
+                module.stats.zero_()
+    if not per_layer:
+        return {}
+    aux, dropped, imbalance = torch.stack(per_layer).mean(0).tolist()
+    return {"moe_aux_loss": aux, "dropped_token_frac": dropped, "expert_load_imbalance": imbalance}

@@ -1,0 +1,129 @@
+"""Top-k router: scores, expert choice, load-balancing and z losses.
+
+The router only decides; moving tokens is the dispatcher's job. Scores are computed in
+float32 at least (float64 stays float64, so the tests can compare against a float64
+reference without a float32 bottleneck).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from titan_fold.moe.args import MoEArgs
+
+
+@dataclass
+class Routing:
+    probs: torch.Tensor  # [T, k] combine weights of the chosen experts (float32+)
+    experts: torch.Tensor  # [T, k] int64 chosen expert ids
+    loss: torch.Tensor  # scalar: coeff-weighted aux + z loss that enters backward
+    balance_loss: torch.Tensor  # scalar, detached: E * sum_e f_e * P_e over this call's tokens (metric)
+    tokens_per_expert: torch.Tensor  # [E] float32, detached: routed assignments before any drop
+
+
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch/GShard load-balancing loss E * sum_e f_e * P_e over a group of tokens.
+
+    scores [T, E]: per-token scores normalized to sum 1 (softmax is already; sigmoid is
+    renormalized by the caller). f_e = share of the T*k assignments that went to e (no
+    gradient), P_e = mean score of e. Equals 1 when routing is perfectly uniform.
+    """
+    T, k = experts.shape
+    counts = torch.zeros(num_experts, dtype=scores.dtype, device=scores.device)
+    counts = counts.index_add(0, experts.flatten(), torch.ones_like(experts.flatten(), dtype=scores.dtype))
+    f = counts / (T * k)  # [E]
+    P = scores.mean(0)  # [E]
+    return num_experts * (f * P).sum()
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # aux_free: added to the scores for the choice only, never to the combine weights
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+
+    def forward(self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0) -> Routing:
+        """x [T, dim] with T = b * seq_len tokens, sequences contiguous."""
+        args = self.args
+        E, k = args.num_experts, args.top_k
+        logits = self.gate(x)  # [T, E]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if args.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+
+        choice = scores + self.expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
+        experts = choice.topk(k, dim=-1).indices  # [T, k]
+        probs = scores.gather(-1, experts)  # [T, k]
+        if args.norm_topk_prob:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+
+        # balance losses see scores that sum to 1 per token (sigmoid scores do not)
+        dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        whole = balance_loss(dist, experts, E)
+        loss = torch.zeros((), dtype=scores.dtype, device=scores.device)
+        if args.load_balance == "aux_loss":
+            loss = loss + args.aux_loss_coeff * whole
+        elif args.load_balance == "seq_aux_loss":
+            b = experts.shape[0] // seq_len
+            per_seq = torch.vmap(balance_loss, in_dims=(0, 0, None))(
+                dist.view(b, seq_len, E), experts.view(b, seq_len, k), E
+            )  # [b]
+            loss = loss + args.aux_loss_coeff * per_seq.mean()
+        if args.z_loss_coeff > 0:
+            loss = loss + args.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+        tokens_per_expert = torch.zeros(E, dtype=torch.float32, device=x.device)
+        tokens_per_expert = tokens_per_expert.index_add(
+            0, experts.flatten(), torch.ones(experts.numel(), dtype=torch.float32, device=x.device)
+        )
+        return Routing(probs, experts, loss * loss_scale, whole.detach(), tokens_per_expert)
+
+    def init_weights(self, init_std: float):
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+        self.expert_bias.zero_()
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Identity on `out`; in backward, gives `loss` the gradient 1 so it is minimized too.
+
+    Lets the router's losses reach backward without changing the model's output or the
+    trainer's loss function.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad_out, torch.ones(shape, dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def update_expert_bias(model_parts, all_reduce=None) -> None:
+    """aux_free load balancing, called after optimizer.step().
+
+    bias_e += rate * sign(mean_load - load_e): overloaded experts become less attractive.
+    `all_reduce(t) -> t` sums the load over the ranks whose tokens share a router (it may
+    work in place and return None); without it each rank uses its own load.
+    """
+    from titan_fold.moe.layer import MoE
+
+    for part in model_parts:
+        for module in part.modules():
+            if not isinstance(module, MoE) or module.args.load_balance != "aux_free":
+                continue
+            load = module.tokens_per_expert.clone()
+            if all_reduce is not None:
+                reduced = all_reduce(load)
+                load = load if reduced is None else reduced
+            delta = module.args.aux_free_bias_update_rate * torch.sign(load.mean() - load)
+            module.router.expert_bias.add_(delta.to(module.router.expert_bias.dtype))
+            module.tokens_per_expert.zero_()
