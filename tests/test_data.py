@@ -193,3 +193,48 @@ def test_hf_local_file_with_tokenizer_json(tmp_path):
     ref = [sorted(windows(stream, 8, s * G, G)) for s in range(n_steps)]
     for D, b, A in [(1, 6, 1), (2, 1, 3), (3, 2, 1), (6, 1, 1)]:
         assert steps(loaders(jc(D, b), D), A, n_steps) == ref, (D, b, A)
+
+
+def test_hf_text_file_with_byte_tokenizer(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text("\n".join(LINES[:5] + [""] + LINES[5:12]) + "\n")  # the empty line adds no tokens
+    stream = frame([line.encode() for line in LINES[:12]])
+    jc = job("hf", seq_len=10, local_batch_size=2, global_batch_size=4, dataset_path=str(data))
+    assert isinstance(build_tokenizer(jc), ByteTokenizer)
+    n_steps = len(stream) // 44 + 2
+    ref = [sorted(windows(stream, 10, s * 4, 4)) for s in range(n_steps)]
+    assert steps(loaders(jc, 2), 1, n_steps) == ref
+    assert steps(loaders(job("hf", seq_len=10, local_batch_size=1, global_batch_size=4, dataset_path=str(data)), 1), 4, n_steps) == ref
+
+
+def test_clear_errors(tmp_path):
+    def build(jc, dp=1):
+        return loaders(jc, dp)
+
+    with pytest.raises(ValueError, match=r"training.dataset = 'c4'.*\['stdlib', 'hf'\]"):
+        build(job("c4"))
+    with pytest.raises(ValueError, match="needs training.dataset_path"):
+        build(job("hf"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build(job("hf", dataset_path=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(ValueError, match="use training.dataset = 'hf'"):
+        build(job("stdlib", dataset_path=str(tmp_path)))
+    bad = tmp_path / "corpus.xml"
+    bad.write_text("<a/>")
+    with pytest.raises(ValueError, match="unsupported file type '.xml'"):
+        build(job("hf", dataset_path=str(bad)))
+    nocol = tmp_path / "nocol.jsonl"
+    nocol.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"no 'text' column \(columns: \['body'\]\)"):
+        build(job("hf", dataset_path=str(nocol)))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no tokens"):  # found when first read (lengths are lazy)
+        next(iter(build(job("hf", dataset_path=str(empty)))[0]))
+    with pytest.raises(ValueError, match="multiple of training.local_batch_size x dp degree = 2 x 2"):
+        build(job(local_batch_size=2, global_batch_size=6), dp=2)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        build_tokenizer(job(assets=str(tmp_path / "nope")))
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds none of"):
+        build_tokenizer(job(assets=str(tmp_path / "weights")))
