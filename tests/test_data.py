@@ -193,6 +193,12 @@ def test_hf_local_file_with_tokenizer_json(tmp_path):
     ref = [sorted(windows(stream, 8, s * G, G)) for s in range(n_steps)]
     for D, b, A in [(1, 6, 1), (2, 1, 3), (3, 2, 1), (6, 1, 1)]:
         assert steps(loaders(jc(D, b), D), A, n_steps) == ref, (D, b, A)
+    # the stdlib corpus through the same tokenizer: lengths found lazily, only the first file read
+    (dl,) = loaders(job("stdlib", seq_len=8, local_batch_size=3, assets=str(tmp_path / "assets")), 1)
+    first = stdlib_reference_files()[0].read_text()
+    x, y = next(iter(dl))
+    assert torch.cat([x["input"], y[:, -1:]], 1).tolist() == [list(w) for w in windows([bos, *ref_tok.encode(first).ids], 8, 0, 3)]
+    assert dl.dataset.total_tokens is None and len(dl.dataset._ends) == 1
 
 
 def test_hf_text_file_with_byte_tokenizer(tmp_path):
