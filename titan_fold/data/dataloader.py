@@ -126,7 +126,10 @@ def build_dataset(tokenizer, job_config) -> TokenWindows:
         corpus = HFTextCorpus(load_hf_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
     else:
         raise ValueError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
-    return TokenWindows(corpus, tr.seq_len)
+    windows = TokenWindows(corpus, tr.seq_len)
+    epoch = f"{windows.total_tokens:,} tokens per epoch" if windows.total_tokens else "epoch length found while reading"
+    logger.info(f"dataset {corpus.fingerprint}: {len(corpus):,} documents, {epoch}")
+    return windows
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FoldDataLoader:
