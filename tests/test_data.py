@@ -144,9 +144,9 @@ def test_resume_with_another_dp_degree(stdlib_ref, tmp_path):
     # through DCP: a checkpoint of a 2-rank layout loads into rank 2 of a 3-rank layout
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"dataloader": first[1]}, checkpoint_id=str(tmp_path / "ckpt"))
+    dcp.save({"dataloader": first[1]}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     third = loaders(job(local_batch_size=4, global_batch_size=G), 3)
-    dcp.load({"dataloader": third[2]}, checkpoint_id=str(tmp_path / "ckpt"))
+    dcp.load({"dataloader": third[2]}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert third[2].consumed_sequences == 2 * G
     x, _ = next(iter(third[2]))
     assert torch.equal(x["input"], torch.tensor([w[:-1] for w in windows(stream, 16, 2 * G + 8, 4)]))
