@@ -1,0 +1,140 @@
+"""EP x ETP dispatcher on 8 gloo ranks against the float64 per-token reference.
+
+One launch runs every case (importing torch on 8 ranks is most of the cost). Each rank
+holds its own tokens. The reference is per token, so the reference over all tokens is
+the union of per-rank references: each rank checks its own rows, and the weight
+gradients (sums over tokens) are summed over the world on both sides. Full-sequence
+dropping couples the ranks of one sequence group: there every rank of the group runs the
+reference on the group's whole sequences and keeps its slice.
+"""
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from test_moe_layer import DIM, make_layer
+from test_moe_reference import reference_moe
+
+WORLD = 8
+B, S_LOC = 2, 6  # sequences per rank, tokens of each sequence on this rank
+FFN = 16  # divisible by etp 4, 16-byte aligned shards in fp32
+
+LAYOUTS = [(4, 1), (2, 2), (1, 4), (4, 2)]  # (ep, etp); edp = 8 / (ep * etp)
+
+# (top_k, num_experts, capacity_factor, drop_policy, skew, pad, seq_n, dtype, prob_before_w2)
+# seq_n > 1: full-sequence dropping over groups of seq_n consecutive ranks
+CASES = [
+    (1, 8, None, "probs", 0.3, False, 1, torch.float64, True),
+    (2, 8, None, "probs", 0.0, False, 1, torch.float64, False),
+    (8, 16, None, "probs", 0.3, False, 1, torch.float64, True),
+    (2, 8, None, "probs", 0.3, False, 1, torch.float32, True),
+    (2, 8, 1.0, "probs", 0.0, False, 1, torch.float64, True),
+    (1, 8, 1.25, "position", 0.3, False, 1, torch.float32, True),
+    (2, 8, 1.0, "probs", 0.3, True, 1, torch.float64, True),
+    (8, 16, 0.5, "position", 0.3, True, 1, torch.float64, False),
+    (2, 8, 1.0, "probs", 0.3, False, 2, torch.float64, True),
+    (2, 8, 0.75, "position", 0.0, True, 4, torch.float64, True),
+]
+
+
+def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes):
+    from titan_fold.moe import MoEArgs, install_dispatcher
+    from titan_fold.moe.dispatcher import expert_shard
+
+    top_k, E, cf, policy, skew, pad, n, dtype, before = case
+    rank = dist.get_rank()
+    args = MoEArgs(num_experts=E, top_k=top_k, moe_ffn_dim=FFN, capacity_factor=cf, drop_policy=policy,
+                   pad_to_capacity=pad, drop_scope="full_sequence" if n > 1 else "sub_sequence",
+                   load_balance="none", prob_before_w2=before)
+
+    # the sequences of this rank's group, [B, n * S_LOC, DIM]; this rank holds chunk i of each
+    group, i = rank // n, rank % n
+    gen = torch.Generator().manual_seed(1000 * case_id + group)
+    X = torch.randn(B, n * S_LOC, DIM, generator=gen, dtype=torch.float64)
+    X = X.abs() + 0.5 if skew else X
+    U = torch.randn(B, n * S_LOC, DIM, generator=gen, dtype=torch.float64)  # upstream gradient
+    mine = slice(i * S_LOC, (i + 1) * S_LOC)
+
+    moe = make_layer(args, dtype, seed=case_id, skew=skew)
+    full = {k: v.detach().double().clone().requires_grad_() for k, v in moe.named_parameters()}
+    ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
+    etp_rank = 0 if etp_mesh is None else etp_mesh.get_local_rank()
+    ep, etp = (1 if m is None else m.size() for m in (ep_mesh, etp_mesh))
+    install_dispatcher(moe, ep_mesh, etp_mesh, seq_meshes.get(n))
+
+    x = X[:, mine].to(dtype).clone().requires_grad_()
+    y = moe(x)
+    (y * U[:, mine].to(dtype)).sum().backward()
+    with torch.no_grad():
+        routing = moe.router(x.flatten(0, 1), S_LOC)
+        keep, _ = moe.dispatcher.keep_mask(routing.probs, routing.experts, B, args)
+
+    # layer gradients in full shapes, summed over the world
+    grads = {"router.gate.weight": moe.router.gate.weight.grad.double()}
+    for name in ("w1", "w2", "w3"):
+        g = torch.zeros_like(full[f"experts.{name}"])
+        expert_shard(g, name, ep_rank, ep, etp_rank, etp).copy_(getattr(moe.experts, name).grad)
+        grads[f"experts.{name}"] = g
+
+    # reference on the group's whole sequences (n = 1: this rank's tokens)
+    Xr = X.flatten(0, 1).clone().requires_grad_()
+    y_ref, kept, _ = reference_moe(Xr, full["router.gate.weight"], full["experts.w1"], full["experts.w2"],
+                                   full["experts.w3"], args)
+    (y_ref * U.flatten(0, 1)).sum().backward()
+    ref_grads = {k: full[k].grad / n for k in grads}  # n ranks of the group each ran it
+
+    flat = torch.cat([g.flatten() for g in grads.values()] + [g.flatten() for g in ref_grads.values()])
+    dist.all_reduce(flat)
+    half = flat.numel() // 2
+
+    # all collectives done: now compare
+    rows = (torch.arange(B)[:, None] * n * S_LOC + i * S_LOC + torch.arange(S_LOC)[None]).flatten()
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y.detach().double().flatten(0, 1), y_ref.detach()[rows], **tol, msg="output")
+    torch.testing.assert_close(x.grad.double().flatten(0, 1), Xr.grad[rows], **tol, msg="input grad")
+    torch.testing.assert_close(flat[:half], flat[half:], **tol, msg="router / expert weight grads")
+    if cf is not None:
+        kept_ref = torch.tensor([[(int(r), j) in kept for j in range(top_k)] for r in rows])
+        assert torch.equal(keep, kept_ref), "drop decision differs from the single-rank reference"
+        assert len(kept) < B * n * S_LOC * top_k, "the case drops nothing"
+
+
+def worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    failures = []
+    seq_meshes = {n: init_device_mesh("cpu", (WORLD // n, n), mesh_dim_names=("dp", "seq"))["seq"] for n in (2, 4)}
+    for ep, etp in LAYOUTS:
+        mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
+        ep_mesh = mesh["ep"] if ep > 1 else None
+        etp_mesh = mesh["etp"] if etp > 1 else None
+        for case_id, case in enumerate(CASES):
+            try:
+                run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes)
+            except AssertionError:
+                failures.append(f"ep={ep} etp={etp} case {case}:\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dispatcher_matches_reference(tmp_path):
+    mp.spawn(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    failures = [open(tmp_path / f"rank{r}.txt").read() for r in range(WORLD)]
+    failures = [f for f in failures if f]
+    assert not failures, "\n".join(failures)[:20000]
