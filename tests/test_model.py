@@ -115,6 +115,9 @@ def test_layer_frequency():
     for layer in model.layers.values():
         assert hasattr(layer, "moe") != hasattr(layer, "feed_forward")
     assert model.layers["1"].feed_forward.w1.weight.shape == (args.ffn_dim, args.dim)
+    total, flops = args.get_nparams_and_flops(model, 64)
+    want_total, _, want_flops = hand_counts(args, 64)
+    assert (total, flops) == (want_total, want_flops)
 
 
 def test_meta_init_is_deterministic():

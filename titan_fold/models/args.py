@@ -20,7 +20,9 @@ class TransformerArgs(BaseModelArgs):
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2  # grouped-query attention: n_heads // n_kv_heads query heads share one K/V head
-    head_dim: int | None = None  # None = dim // n_heads
+    # None = dim // n_heads, filled in at construction: dataclasses.replace(args, dim=...) keeps
+    # the old value, so pass head_dim=None with a new dim or n_heads
+    head_dim: int | None = None
     vocab_size: int = 512
     norm_eps: float = 1e-6
     rope_theta: float = 1e6

@@ -21,6 +21,11 @@ from titan_fold.models.args import TransformerArgs
 from titan_fold.moe import MoE
 
 
+def trunc_normal_(weight: torch.Tensor, std: float):
+    # truncated at 3 standard deviations: no rare huge weights at start
+    nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
+
+
 def rope_cos_sin(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * frequency, [max_seq_len, head_dim], float32.
 
@@ -183,8 +188,3 @@ class Transformer(ModelProtocol):
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
-
-
-def trunc_normal_(weight: torch.Tensor, std: float):
-    # truncated at 3 standard deviations: no rare huge weights at start
-    nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
