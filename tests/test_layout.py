@@ -275,7 +275,7 @@ def test_table_and_png(fake_world, tmp_path):
     args = layout_cli.make_parser().parse_args("--world-size 16 --tp 2 --cp 2 --ep 8".split())
     rep = layout_cli.report(layout_cli.build_layout(args))
     text = layout_cli.table(rep, gpus_per_node=8)
-    assert "16 GPUs" not in text and "2 nodes" in text
+    assert "world_size 16, 8 GPUs per node, 2 node(s)" in text
     lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.strip().startswith(("att.", "exp."))}
     assert "crossing 0/2 " in lines["exp.ep"] and "crossing 4/4 " in lines["att.dp"]
     assert "crossing 0/8 " in lines["att.tp"] and "crossing 8/8 " in lines["exp.edp"]

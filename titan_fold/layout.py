@@ -88,7 +88,7 @@ def table(rep: dict, gpus_per_node: int | None = None) -> str:
     groups = {d: rep[d[0]]["groups"][d[1]] for d in dims}
     lines = [
         f"world_size {w}"
-        + (f", {gpus_per_node} GPUs per node, {-(-w // gpus_per_node)} nodes" if gpus_per_node else ""),
+        + (f", {gpus_per_node} GPUs per node, {-(-w // gpus_per_node)} node(s)" if gpus_per_node else ""),
         "attention: " + " ".join(f"{k}={v}" for k, v in rep["attention"]["degrees"].items()),
         "expert:    " + " ".join(f"{k}={v}" for k, v in rep["expert"]["degrees"].items()),
         "",
