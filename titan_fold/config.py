@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Parallelism as TitanParallelism
+from torchtitan.config.job_config import Training as TitanTraining
 
 PACKAGED_CONFIGS = Path(__file__).parent / "train_configs"
 
@@ -34,6 +35,12 @@ class Parallelism(TitanParallelism):
     expert_data_parallel_degree: int = -1
     """Data-parallel degree of the expert mesh (edp). -1 = derived:
     world / (pp * expert_parallel_degree * expert_tensor_parallel_degree)."""
+
+
+@dataclass
+class Training(TitanTraining):
+    dataset: str = "stdlib"
+    """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF datasets."""
 
 
 @dataclass
@@ -59,6 +66,7 @@ class MoE:
 
 @dataclass
 class JobConfig(TitanJobConfig):
+    training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
 
