@@ -40,7 +40,7 @@ def _worker(rank: int, store_path: str):
     for cfg in LAYOUTS:
         world, pp, dpr, dps, cp, tp, ep, etp = cfg
         layout = Layout(world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, etp=etp)
-        layout.build_mesh()
+        layout.build_mesh("cpu")  # a CPU gloo world, also on a GPU machine
         ref = reference(*cfg)
         mine = {name: next(g for g in groups if rank in g) for name, groups in ref.items()}
         for name, mesh in layout._meshes.items():  # every named 1-D group, degree 1 (fake) included
