@@ -305,3 +305,14 @@ def test_cli_subprocess_json_and_error(capsys):
     assert layout_cli.main(["--world-size", "4", "--ep", "3"]) == 2
     assert "LayoutError: expert mesh: ep(3) * etp(1) = 3 must divide" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_torchtitan_set_determinism_takes_a_layout(fake_world):
+    import torch
+    from torchtitan.config.job_config import Debug
+    from torchtitan.distributed.utils import set_determinism
+
+    fake_world(16, rank=9)
+    layout = Layout(16, pp=2, tp=2, ep=8)
+    set_determinism(layout, torch.device("cpu"), Debug(seed=42), distinct_seed_mesh_dims=["pp"])
+    assert torch.initial_seed() == 42 + 1  # rank 9 is in the second pipeline stage

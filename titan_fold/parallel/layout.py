@@ -237,7 +237,9 @@ class Layout(ParallelDims):
         for name, (mesh, dims) in FLATTENED.items():
             size = math.prod(getattr(self, d) for d in dims)
             self._meshes[name] = meshes[mesh][dims]._flatten(name, "fake" if size == 1 else None)
+        self._multi = {}
         self._world_mesh = self._attention
+        self._validate_meshes()
         return self._attention
 
     @property
