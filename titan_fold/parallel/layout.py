@@ -280,8 +280,9 @@ class Layout(ParallelDims):
     def get_optional_mesh(self, dims: str | list[str]) -> DeviceMesh | None:
         """torchtitan's semantics: None when any requested dim has size 1.
 
-        Several names are sliced out of the one mesh that holds them all (attention or expert);
-        torchtitan's ["dp_replicate", "fsdp"] (HSDP) is attention["dp_replicate", "dp_shard_cp"].
+        Several names come from the one mesh that holds them all (attention or expert): sliced
+        when they are mesh dims, else their span is unflattened, e.g. torchtitan's HSDP
+        ["dp_replicate", "fsdp"] is dp_cp unflattened to (dp_replicate, dp_shard_cp).
         """
         names = [dims] if isinstance(dims, str) else list(dims)
         for name in names:
