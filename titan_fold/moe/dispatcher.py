@@ -106,6 +106,14 @@ def _gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return funcol.all_to_all_single(x.repeat(n, *[1] * (x.dim() - 1)), None, None, mesh)
 
 
+def _rows(n: int, upper: int | None) -> int:
+    # tell torch.compile what a count from the device may be (an unbacked size)
+    torch._check(n >= 0)
+    if upper is not None:
+        torch._check(n <= upper)
+    return n
+
+
 @dataclass
 class _Splits:
     send: list[int] | None  # rows to each ep rank
@@ -175,7 +183,7 @@ class TokenDispatcher(nn.Module):
         x_rows = x[token_of_row]  # [R, dim]
         if self.ep * self.etp == 1:
             if keep is not None and not args.pad_to_capacity:
-                n = int(counts.sum())  # dynamic shapes: the layer's one host sync
+                n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
             y_rows = experts(x_rows, rows_per_expert, weight_of_row, args.prob_before_w2)
         else:
@@ -195,7 +203,7 @@ class TokenDispatcher(nn.Module):
             return _Splits(None, None, None), full
         recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
         gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
-        host = torch.cat([counts, gathered]).tolist()
+        host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
         sent, got = host[: ep * E_loc], host[ep * E_loc :]
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
         me = 0 if etp == 1 else self.etp_mesh.get_local_rank()
@@ -208,10 +216,11 @@ class TokenDispatcher(nn.Module):
 
     def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs):
         E_loc = args.num_experts // self.ep
-        assert local(experts.w1).shape[0] == E_loc, "expert weights are not sharded on ep"
+        # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
         sp, rows_of_source = self._splits(counts, E_loc, x_rows.device)
         if sp.send is not None:
-            x_rows, w_rows = x_rows[: sum(sp.send)], w_rows[: sum(sp.send)]  # drop the dropped
+            n = _rows(sum(sp.send), x_rows.shape[0])
+            x_rows, w_rows = x_rows[:n], w_rows[:n]  # cut the dropped rows off
 
         x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh)  # [sum(recv), dim], by (ep source, expert)
         w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)

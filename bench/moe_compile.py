@@ -1,0 +1,129 @@
+"""Eager vs torch.compile time of one MoE layer (forward + backward), with graph breaks.
+
+    python bench/moe_compile.py                        # CPU, small shapes, fp32
+    python bench/moe_compile.py --preset qwen2 --out bench/results/moe_compile_h100.json   # GPU, bf16
+
+For each mode (dropless, token drop, pad-to-capacity) it reports eager and compiled
+milliseconds per step, the graph breaks found by torch._dynamo.explain, the graphs
+compiled during the timed steps after warm-up (recompiles), and whether
+fullgraph=True compiles.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from titan_fold.moe import MoE, MoEArgs
+
+PRESETS = {
+    # tokens per rank, hidden, expert ffn, experts, top-k, shared ffn
+    "tiny": dict(tokens=2048, dim=256, ffn=128, experts=8, top_k=2, shared_ffn=256),
+    "qwen2": dict(tokens=8192, dim=3584, ffn=2560, experts=64, top_k=8, shared_ffn=20480),
+    "mixtral": dict(tokens=8192, dim=6144, ffn=16384, experts=8, top_k=2, shared_ffn=0),
+}
+
+MODES = {
+    "dropless": dict(capacity_factor=None, pad_to_capacity=False),
+    "drop": dict(capacity_factor=1.0, pad_to_capacity=False),
+    "pad": dict(capacity_factor=1.0, pad_to_capacity=True),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step(layer, x, grad):
+    y = layer(x)
+    y.backward(grad)
+
+
+def timed(layer, x, grad, iters, warmup, device):
+    for _ in range(warmup):
+        step(layer, x, grad)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step(layer, x, grad)
+    sync(device)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len):
+    args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
+                   shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["shared_ffn"] > 0, **MODES[mode])
+    torch.manual_seed(0)
+    layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
+    layer.init_weights(0.02)
+    x = torch.randn(shape["tokens"] // seq_len, seq_len, shape["dim"], device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    row = {"mode": mode, "eager_ms": timed(layer, x, grad, iters, warmup, device)}
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(layer)(x)
+    row["graphs"] = explain.graph_count
+    row["graph_breaks"] = explain.graph_break_count
+    row["break_reasons"] = sorted({str(b.reason).splitlines()[0][:120] for b in explain.break_reasons})
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    for _ in range(warmup):
+        step(compiled, x, grad)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    row["compiled_ms"] = timed(compiled, x, grad, iters, 0, device)
+    row["recompiles_after_warmup"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    row["speedup"] = row["eager_ms"] / row["compiled_ms"]
+
+    torch._dynamo.reset()
+    try:
+        step(torch.compile(layer, fullgraph=True), x, grad)
+        row["fullgraph"] = "ok"
+    except Exception as e:  # report, do not stop the other modes
+        row["fullgraph"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=PRESETS, default=None, help="shapes (default: tiny on CPU, qwen2 on GPU)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--modes", default="dropless,drop,pad")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    preset = a.preset or ("qwen2" if device.type == "cuda" else "tiny")
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    shape = PRESETS[preset]
+    seq_len = min(a.seq_len, shape["tokens"])
+
+    rows = [bench_mode(m, shape, dtype, device, a.iters, a.warmup, seq_len) for m in a.modes.split(",")]
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"MoE layer fwd+bwd, {preset} {shape}, {dtype}, {name}, torch {torch.__version__}")
+    print(f"{'mode':<9} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} {'graphs':>7} {'breaks':>7} {'recomp':>7}  fullgraph")
+    for r in rows:
+        print(f"{r['mode']:<9} {r['eager_ms']:>9.2f} {r['compiled_ms']:>12.2f} {r['speedup']:>8.2f} "
+              f"{r['graphs']:>7} {r['graph_breaks']:>7} {r['recompiles_after_warmup']:>7}  {r['fullgraph']}")
+        for reason in r["break_reasons"]:
+            print(f"{'':<9} break: {reason}")
+
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": name,
+                       "torch": torch.__version__, "preset": preset, "shape": shape, "dtype": str(dtype),
+                       "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
