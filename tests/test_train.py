@@ -6,12 +6,8 @@ divided by the global token count. So the 2-rank run must reproduce the 1-rank l
 and gradient norms, not just run.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from conftest import read_metrics, torchrun
 
 from titan_fold.config import ConfigError, parse_args
 from titan_fold.parallel.layout import LayoutError
@@ -20,25 +16,10 @@ from titan_fold.train import preflight
 STEPS = 20
 
 
-def torchrun(nproc: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titan_fold.train", "--job.config_file", "debug_moe.toml", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
-def read_metrics(folder) -> list[dict]:
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, seed_checkpoint):
     root = tmp_path_factory.mktemp("train")
-    torchrun(1, "--job.dump_folder", str(root / "seed"), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
-    seed = str(root / "seed" / "checkpoint" / "step-0")
-    common = ("--checkpoint.enable", "--checkpoint.initial_load_path", seed, "--checkpoint.interval", "1000",
+    common = ("--checkpoint.enable", "--checkpoint.initial_load_path", seed_checkpoint, "--checkpoint.interval", "1000",
               "--training.steps", str(STEPS), "--metrics.log_freq", "1")
     torchrun(1, "--job.dump_folder", str(root / "r1"), *common)
     torchrun(2, "--job.dump_folder", str(root / "r2"), *common)

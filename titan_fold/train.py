@@ -18,6 +18,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 from titan_fold.config import ConfigError, JobConfig, parse_args
+from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import MoE, update_expert_bias
 from titan_fold.parallel.layout import Layout
 from titan_fold.parallel.parallelize import check_supported
@@ -74,6 +75,11 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
             f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
         )
     return layout
+
+
+# torchtitan's Trainer clips through this module attribute; ours also handles parameters
+# spread over the attention and expert meshes (and is the same for one mesh)
+dist_utils.clip_grad_norm_ = clip_grad_norm_
 
 
 class FoldTrainer(Trainer):

@@ -1,4 +1,5 @@
-"""Apply the layout to a model from outside: activation checkpointing, compile, FSDP2.
+"""Apply the layout to a model from outside: experts on the expert mesh, activation
+checkpointing, compile, FSDP2 on each mesh's data-parallel dims.
 
 The model knows nothing about parallelism; this function wraps it. Attention TP/SP/CP and
 pipelining are applied by their own modules as they land; until then `check_supported`
@@ -8,14 +9,16 @@ rejects those degrees before any process group exists.
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
+from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
 from titan_fold.parallel.layout import Layout, LayoutError
 
 # degrees this build can apply; the rest are rejected up front
-_NOT_YET = ("tp", "cp", "pp", "ep", "etp")
+_NOT_YET = ("tp", "cp", "pp")
 
 
 def check_supported(layout: Layout) -> None:
@@ -23,13 +26,16 @@ def check_supported(layout: Layout) -> None:
     if unsupported:
         degrees = ", ".join(f"{k}={v}" for k, v in unsupported.items())
         raise LayoutError(
-            f"{degrees}: this build applies data parallelism (dp_replicate x dp_shard, FSDP2) only; "
-            "set these degrees to 1"
+            f"{degrees}: this build applies data parallelism on the attention mesh (dp_replicate x "
+            "dp_shard, FSDP2) and ep x etp x edp on the expert mesh; set these degrees to 1"
         )
 
 
 def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     check_supported(layout)
+    experts_on_own_mesh = layout.ep * layout.etp > 1
+    if experts_on_own_mesh:
+        apply_expert_parallel(model, layout)
     ac = job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
@@ -40,14 +46,16 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
             model.layers.register_module(layer_id, torch.compile(block, backend=job_config.compile.backend))
         logger.info("Compiled each transformer block with torch.compile")
     if layout.dp_replicate > 1 or layout.fsdp_enabled:
-        apply_fsdp(model, layout, job_config)
+        apply_fsdp(model, layout, job_config, experts_on_own_mesh)
     return model
 
 
-def apply_fsdp(model: nn.Module, layout: Layout, job_config) -> None:
-    """FSDP2 over dp_shard x cp, HSDP when dp_replicate > 1; gradients summed, not averaged.
+def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh: bool) -> None:
+    """FSDP2 over dp_shard x cp (HSDP when dp_replicate > 1) for dense parameters and over
+    edp for routed experts on the expert mesh; gradients summed, not averaged.
 
     The loss is already divided by the global token count, so FSDP must not divide again.
+    Experts are wrapped even when edp is 1, so that mixed precision casts them as well.
     """
     dims = [d for d, on in (("dp_replicate", layout.dp_replicate > 1), ("fsdp", layout.fsdp_enabled)) if on]
     mesh = layout.get_mesh(dims)
@@ -58,10 +66,20 @@ def apply_fsdp(model: nn.Module, layout: Layout, job_config) -> None:
         reduce_dtype=torch.float32,
     )
     reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
-    units = [*model.layers.values(), model]
-    for unit in units:
+    expert_units = [moe.experts for moe in moe_layers(model)] if experts_on_own_mesh else []
+    if expert_units:
+        edp_mesh = layout.expert["edp"]
+        local_experts = expert_units[0].w1.to_local().shape[0]
+        # FSDP shards dim 0 by default; with fewer local experts than edp ranks shard the
+        # ffn dim instead (every w has it at dim 1 or 2, divisible in any real model)
+        placement = (lambda p: Shard(1)) if local_experts < layout.edp else None
+        for unit in expert_units:
+            fully_shard(unit, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
+                        shard_placement_fn=placement)
+    dense_units = [*model.layers.values(), model]
+    for unit in dense_units:
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard and unit is not model)
-    for unit in units:
+    for unit in expert_units + dense_units:
         unit.set_gradient_divide_factor(1.0)
         if not on_gpu:
             # gloo has no PREMUL_SUM

@@ -1,0 +1,53 @@
+"""Global gradient-norm clipping over parameters that live on different meshes.
+
+Attention parameters are DTensors on the attention mesh, routed experts on the expert
+mesh, and one `torch.nn.utils.get_total_norm` cannot mix meshes. Each mesh's norm is
+computed on its own (a DTensor reduction over that mesh), the p-th powers are summed, and
+pipeline stages are summed over pp. The result equals the one-rank norm.
+"""
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+    **_torchtitan_kwargs,
+) -> torch.Tensor:
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for params in by_mesh.values():
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    norms = torch.stack([n.float() for n in norms])
+    if math.isinf(norm_type):
+        total = norms.max()
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+    else:
+        total = (norms**norm_type).sum()
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        total = total ** (1.0 / norm_type)
+    for params in by_mesh.values():
+        # one foreach call per mesh, for the same reason as above
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
