@@ -1,0 +1,637 @@
+"""Folding planner: memory, communication and a roofline step time for every parallel mapping.
+
+Pure functions over data classes; `titan_fold.plan` is the command line. The model is the
+titan_fold trainer as it runs (FSDP2 over dp_shard x cp for dense parameters and over edp for
+experts, torchtitan's 1F1B pipeline, sequence parallel whenever tp > 1, the EP x ETP
+dispatcher of design.md), with these simplifications (docs/planning.md lists them again):
+
+- one sequence per micro-batch; micro-batches per step m = global_batch / dp;
+- bf16 compute, fp32 master weights, fp32 gradients, two fp32 AdamW moments: 16 bytes per
+  sharded parameter, plus the unsharded bf16 copies FSDP2 gathers;
+- activations counted tensor by tensor for one block (see `activation_bytes`); flash attention
+  (no score matrix), the log-sum-exp kept in fp32;
+- communication volumes are bytes each rank sends, ring algorithms ((n-1)/n of the gathered
+  size), all-to-all ((ep-1)/ep of the routed tokens leave the rank); a group that spans two
+  nodes runs at the inter-node bandwidth (rings) or splits its bytes by the share of peers
+  on other nodes (all-to-all);
+- TP/SP, CP, EP, ETP and PP transfers sit on the critical path (no overlap); FSDP/EDP
+  gathers and reduce-scatters and HSDP all-reduces overlap with compute and only their
+  excess over the step's compute is charged;
+- step = (m + pp - 1) x (compute + exposed communication of one micro-batch on the busiest
+  stage) + exposed FSDP; the pp - 1 extra slots are the 1F1B bubble (no virtual stages).
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_fold.models import FLAVORS, Transformer, TransformerArgs
+from titan_fold.parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, Layout, LayoutError
+
+GIB = 1024**3
+BF16, FP32 = 2, 4
+# per sharded parameter: fp32 master weight + fp32 gradient + two fp32 AdamW moments
+STATE_BYTES = FP32 + FP32 + 2 * FP32
+RECOMPUTE = ("none", "selective", "full")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    intra_node_gbps: float = 450.0  # GB/s per GPU, one direction (NVLink 4 on H100)
+    inter_node_gbps: float = 50.0  # GB/s per GPU (400 Gb/s InfiniBand per GPU)
+    tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM)
+    # achieved / peak: GEMMs reach ~0.6-0.8 of peak at these shapes (design.md: 588-641 TFLOP/s
+    # grouped, 797 dense on H200); the rest of the step (norms, softmax, permutes) is slower
+    compute_efficiency: float = 0.6
+    comm_efficiency: float = 0.7  # NCCL bus bandwidth / link bandwidth at tens of MiB
+    reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+@dataclass
+class Workload:
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    capacity_factor: float | None = None  # None: dropless
+    # dropless: routed rows per rank relative to a perfectly balanced router (1.0); the
+    # worst case (every token of the EP group to one rank) is reported separately
+    dropless_imbalance: float = 1.0
+    compute_bytes: int = BF16  # activations, gathered parameters, communication (4: fp32 CPU runs)
+
+
+@dataclass
+class ModelSizes:
+    """Parameter counts read off the trainer's own model built on the meta device."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_moe_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    num_experts: int
+    top_k: int
+    moe_ffn_dim: int
+    shared_ffn_dim: int
+    dense_ffn_dim: int
+    tp_params_per_layer: dict  # {"moe": n, "dense": n}: parameters TP shards (attention, shared expert, FFN)
+    rep_params_per_layer: dict  # norms, router, shared-expert gate: replicated over tp
+    expert_params_per_layer: int  # routed experts of one MoE layer
+    embedding_params: int
+    head_params: int  # output projection + final norm
+    total_params: int
+    flops_per_token: int  # the trainer's count (6 N_active + causal attention) at seq_len
+    flops_per_token_layer: dict  # {"moe": f, "dense": f} at seq_len (forward + backward)
+    flops_per_token_head: int
+
+
+def resolve_flavor(spec: str) -> tuple[str, str]:
+    """"family/flavor" or a flavor name found in exactly one family."""
+    if "/" in spec:
+        family, flavor = spec.split("/", 1)
+        if family in FLAVORS and flavor in FLAVORS[family]:
+            return family, flavor
+        raise ValueError(f"unknown model '{spec}'; known: {known_flavors()}")
+    hits = [(f, spec) for f in FLAVORS if spec in FLAVORS[f]]
+    if len(hits) != 1:
+        what = "ambiguous" if hits else "unknown"
+        raise ValueError(f"{what} flavor '{spec}' (use family/flavor); known: {known_flavors()}")
+    return hits[0]
+
+
+def known_flavors() -> str:
+    return ", ".join(f"{f}/{v}" for f in FLAVORS for v in FLAVORS[f])
+
+
+def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSizes:
+    """Count parameters by role from the trainer's module tree (meta device: no memory)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    tp_sharded = {"moe": 0, "dense": 0}
+    replicated = {"moe": 0, "dense": 0}
+    experts = 0
+    moe_layer, dense_layer = None, None
+    for lid, block in model.layers.items():
+        kind = "moe" if args.is_moe_layer(int(lid)) else "dense"
+        if (moe_layer if kind == "moe" else dense_layer) is not None:
+            continue  # every layer of a kind has the same parameters
+        for fqn, p in block.named_parameters():
+            if ".experts." in f".{fqn}":
+                experts += p.numel()
+            elif p.ndim == 1 or "router" in fqn or "shared_expert_gate" in fqn:
+                replicated[kind] += p.numel()  # norms, biases of 1-d shape are sharded too, but tiny
+            else:
+                tp_sharded[kind] += p.numel()
+        if kind == "moe":
+            moe_layer = lid
+        else:
+            dense_layer = lid
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    head = model.output.weight.numel() + model.norm.weight.numel()
+    embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
+    total, flops = args.get_nparams_and_flops(model, seq_len)
+    attention = 6 * args.n_heads * args.head_dim * seq_len
+    m = args.moe
+    per_layer = {
+        "moe": 6 * (tp_sharded["moe"] + replicated["moe"] + experts * m.top_k // m.num_experts) + attention,
+        "dense": 6 * (tp_sharded["dense"] + replicated["dense"]) + attention,
+    }
+    return ModelSizes(
+        name=name, dim=args.dim, n_layers=args.n_layers, n_moe_layers=n_moe, n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, vocab=args.vocab_size,
+        num_experts=m.num_experts, top_k=m.top_k, moe_ffn_dim=m.moe_ffn_dim,
+        shared_ffn_dim=m.shared_ffn_dim, dense_ffn_dim=args.ffn_dim,
+        tp_params_per_layer=tp_sharded, rep_params_per_layer=replicated,
+        expert_params_per_layer=experts, embedding_params=embedding, head_params=head,
+        total_params=total, flops_per_token=flops, flops_per_token_layer=per_layer,
+        flops_per_token_head=6 * model.output.weight.numel(),
+    )
+
+
+# ---------------------------------------------------------------- mappings
+
+
+@dataclass(frozen=True)
+class Mapping:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    etp: int
+    edp: int
+    recompute: str = "none"
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def folded(self) -> bool:
+        """Not expressible in the legacy scheme (EP a subgroup of DP, expert TP == TP)."""
+        return not (self.etp == self.tp and self.dp % self.ep == 0)
+
+    def layout(self) -> Layout:
+        return _GroupLayout(self.world, pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                            cp=self.cp, tp=self.tp, ep=self.ep, etp=self.etp, edp=self.edp)
+
+    def short(self) -> str:
+        att = f"pp{self.pp} dp{self.dp_replicate}x{self.dp_shard} cp{self.cp} tp{self.tp}"
+        return f"{att} | ep{self.ep} etp{self.etp} edp{self.edp}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict | None = None) -> list[Mapping]:
+    """Every degree set the trainer's Layout validation accepts for this model (recompute 'none').
+
+    The loops only propose degrees whose products fill the world; whether a proposal is
+    valid is decided by `Layout(...).validate(...)`, the trainer's own check.
+    """
+    fixed = fixed or {}
+    ok = lambda name, v: fixed.get(name, v) == v  # noqa: E731
+    out = []
+    for pp in _divisors(world):
+        if not ok("pp", pp):
+            continue
+        s = world // pp
+        for tp in _divisors(s):
+            for cp in _divisors(s // tp):
+                for dpr in _divisors(s // (tp * cp)):
+                    dps = s // (tp * cp * dpr)
+                    if not (ok("tp", tp) and ok("cp", cp) and ok("dp_replicate", dpr) and ok("dp_shard", dps)):
+                        continue
+                    for ep in _divisors(s):
+                        for etp in _divisors(s // ep):
+                            if not (ok("ep", ep) and ok("etp", etp)):
+                                continue
+                            try:
+                                lay = Layout(world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, etp=etp)
+                                lay.validate(num_experts=sizes.num_experts, moe_ffn_dim=sizes.moe_ffn_dim,
+                                             n_heads=sizes.n_heads, n_kv_heads=sizes.n_kv_heads, seq_len=seq_len)
+                            except LayoutError:
+                                continue
+                            out.append(Mapping(pp, dpr, dps, cp, tp, ep, etp, lay.edp))
+    return out
+
+
+class _GroupLayout(Layout):
+    """The trainer's Layout whose meshes are built without process groups.
+
+    `Layout.groups` reads group membership off the root mesh tensors; init_device_mesh lays
+    those out as arange(world).reshape(degrees). Here the same DeviceMesh objects are made
+    with _init_backend=False, so thousands of candidates cost milliseconds, not a fake
+    process group each (tests compare both on several layouts).
+    """
+
+    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        def build(names):
+            shape = tuple(getattr(self, n) for n in names)
+            return DeviceMesh("cpu", torch.arange(self.world_size).reshape(shape), mesh_dim_names=names,
+                              _init_backend=False, _rank=0)
+
+        self._attention, self._expert = build(ATTENTION_DIMS), build(EXPERT_DIMS)
+        return self._attention
+
+
+def min_gpus(sizes: ModelSizes, seq_len: int, fixed: dict, folded: bool, limit: int = 4096) -> tuple[int, Mapping] | None:
+    """Fewest GPUs with a valid mapping that has the `fixed` degrees (legacy scheme if not folded)."""
+    n = 1
+    while n <= limit:
+        for m in enumerate_mappings(n, sizes, seq_len, fixed):
+            if folded or not m.folded:
+                return n, m
+        n += 1
+    return None
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass
+class Memory:
+    params: float  # bytes per GPU, busiest stage
+    grads: float
+    optimizer: float
+    unsharded: float  # FSDP2's gathered bf16 parameters and unsharded gradients
+    activations: float  # all micro-batches in flight
+    dispatcher: float  # one layer's send/receive buffers
+    logits: float
+    total: float
+    total_worst_dropless: float  # every token of an EP group routed to this rank, in every layer
+
+    def gib(self) -> dict:
+        return {k: v / GIB for k, v in asdict(self).items()}
+
+
+def _layers_per_stage(sizes: ModelSizes, pp: int) -> dict:
+    return {"moe": math.ceil(sizes.n_moe_layers / pp), "dense": math.ceil((sizes.n_layers - sizes.n_moe_layers) / pp)}
+
+
+def routed_rows(sizes: ModelSizes, m: Mapping, work: Workload, worst: bool = False) -> float:
+    """Token copies one rank receives from the EP all-to-all, per MoE layer and micro-batch."""
+    tokens = work.seq_len / (m.cp * m.tp)  # [tokens of this rank] after SP / CP
+    if worst:  # every rank of the EP group sends all of its copies for our local experts
+        return tokens * m.ep * min(sizes.top_k, sizes.num_experts // m.ep)
+    factor = work.capacity_factor if work.capacity_factor is not None else work.dropless_imbalance
+    return tokens * sizes.top_k * factor
+
+
+def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = "moe",
+                     recompute: str = "none", worst: bool = False) -> float:
+    """Bytes one block keeps for backward, per rank and micro-batch (one sequence).
+
+    T tokens per rank at the block boundary (sequence parallel: S / (cp tp)); Ta = S / cp
+    tokens inside TP regions. 'full' keeps the block input only; 'selective' drops the
+    element-wise outputs (SiLU and its products) of the experts and the shared expert.
+    """
+    h, S, A = sizes.dim, work.seq_len, work.compute_bytes
+    T, Ta = S / (m.cp * m.tp), S / m.cp
+    if recompute == "full":
+        return A * h * T
+    qkv = (sizes.n_heads + 2 * sizes.n_kv_heads) * sizes.head_dim / m.tp
+    att = A * (4 * h * T + Ta * qkv + Ta * sizes.n_heads * sizes.head_dim / m.tp)  # norms in/out x2, q k v, out
+    att += FP32 * Ta * sizes.n_heads / m.tp  # flash-attention log-sum-exp
+    if m.cp > 1:  # K and V of the whole sequence, gathered over cp, saved for backward
+        att += A * S * 2 * sizes.n_kv_heads * sizes.head_dim / m.tp
+    keep = 2 if recompute == "selective" else 4  # of: w1 out, w3 out, silu(w1)*w3, * prob
+    if kind == "dense":
+        ffn = A * Ta * sizes.dense_ffn_dim / m.tp * (keep - 1) + A * h * Ta
+        return att + ffn
+    rows = routed_rows(sizes, m, work, worst) * m.etp  # after the ETP all-gather
+    moe = 2 * FP32 * T * sizes.num_experts  # router logits and probabilities
+    moe += A * rows * h + A * rows * sizes.moe_ffn_dim / m.etp * keep
+    if sizes.shared_ffn_dim:
+        moe += A * Ta * h + A * Ta * sizes.shared_ffn_dim / m.tp * (keep - 1)
+    return att + moe
+
+
+def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
+    """Peak bytes per GPU on the busiest pipeline stage (max of first and last)."""
+    A = work.compute_bytes
+    layers = _layers_per_stage(sizes, m.pp)
+    fsdp, edp = m.dp_shard * m.cp, m.edp
+    mb = work.global_batch // m.dp
+    in_flight = min(m.pp, mb)  # 1F1B: the first stage holds pp micro-batches
+
+    def dense_local(first: bool, last: bool) -> float:  # this rank's TP shard of the stage's dense params
+        n = sum(layers[k] * (sizes.tp_params_per_layer[k] / m.tp + sizes.rep_params_per_layer[k]) for k in layers)
+        return n + (sizes.embedding_params / m.tp if first else 0) + (sizes.head_params / m.tp if last else 0)
+
+    expert_local = layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp)
+    # biggest FSDP unit gathered at once: one block, the embedding or the output head
+    unit = max(
+        sizes.tp_params_per_layer["moe"] / m.tp + sizes.expert_params_per_layer / (m.ep * m.etp) if layers["moe"] else 0,
+        sizes.tp_params_per_layer["dense"] / m.tp if layers["dense"] else 0,
+        sizes.embedding_params / m.tp, sizes.head_params / m.tp,
+    )
+
+    stages = []
+    for first, last in ((True, m.pp == 1), (False, True)) if m.pp > 1 else ((True, True),):
+        dense = dense_local(first, last)
+        sharded = dense / fsdp + expert_local / edp
+        # two units of bf16 parameters (current + prefetched), one unit of bf16 + fp32 gradients
+        unsharded = unit * (3 * A + FP32)
+        if m.pp > 1:
+            # torch.distributed.pipelining keeps FSDP2 modules unsharded after backward and defers
+            # gradient sync to the last micro-batch: bf16 parameters and fp32 accumulated
+            # gradients of the whole stage stay unsharded through the step
+            unsharded += (dense + expert_local) * (A + FP32)
+        flight = in_flight if first else 1
+
+        def acts(worst, rc=m.recompute):
+            per_mb = sum(layers[k] * activation_bytes(sizes, m, work, k, rc, worst) for k in layers)
+            if rc == "full":  # one block is recomputed at a time and holds all its tensors
+                per_mb += activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst)
+            return per_mb * flight
+
+        T = work.seq_len / (m.cp * m.tp)
+        disp = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work)) if layers["moe"] else 0
+        disp_worst = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work, True)) if layers["moe"] else 0
+        logits = (A + FP32) * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
+        base = sharded * STATE_BYTES + unsharded + logits
+        stages.append(Memory(
+            params=sharded * FP32, grads=sharded * FP32, optimizer=sharded * 2 * FP32, unsharded=unsharded,
+            activations=acts(False), dispatcher=disp, logits=logits,
+            total=base + acts(False) + disp, total_worst_dropless=base + acts(True) + disp_worst,
+        ))
+    return max(stages, key=lambda s: s.total)
+
+
+# ---------------------------------------------------------------- communication
+
+
+@dataclass
+class GroupComm:
+    name: str
+    bytes_per_step: float  # sent by one rank
+    collective: str  # "ring" or "a2a" or "p2p"
+    overlapped: bool
+    size: int
+    crossing: int = 0  # groups of this dim that span more than one node
+    groups: int = 0
+    inter_fraction: float = 0.0  # worst group: share of a rank's peers on other nodes
+    seconds: float = 0.0
+
+
+def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, GroupComm]:
+    """Bytes each rank sends per step, by group (only groups of size > 1)."""
+    h, S, A = sizes.dim, work.seq_len, work.compute_bytes
+    T, Ta = S / (m.cp * m.tp), S / m.cp
+    layers = _layers_per_stage(sizes, m.pp)
+    mb = work.global_batch // m.dp
+    fwd = 1.5 if m.recompute == "full" else 1.0  # full recompute repeats the forward collectives
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    out = {}
+    if m.tp > 1:
+        # per block: AG before and RS after attention, the same around the shared expert / dense FFN
+        per_layer = {k: 2 + (2 if (k == "dense" or sizes.shared_ffn_dim) else 0) for k in layers}
+        n = sum(layers[k] * per_layer[k] for k in layers)
+        out["tp"] = GroupComm("tp", mb * n * 2 * fwd * A * h * Ta * ring(m.tp), "ring", False, m.tp)
+    n_layers = layers["moe"] + layers["dense"]
+    if m.cp > 1:  # K, V all-gather forward, reduce-scatter of their grads backward
+        kv = A * S * 2 * sizes.n_kv_heads * sizes.head_dim / m.tp * ring(m.cp)
+        out["cp"] = GroupComm("cp", mb * n_layers * 2 * fwd * kv, "ring", False, m.cp)
+    rows = routed_rows(sizes, m, work)  # what this rank sends equals what it receives, on average
+    if m.ep > 1:  # dispatch + combine, forward and backward
+        out["ep"] = GroupComm("ep", mb * layers["moe"] * 4 * fwd * A * h * rows * ring(m.ep), "a2a", False, m.ep)
+    if m.etp > 1:  # AG-v of the received tokens + RS-v of the partial outputs, forward and backward
+        out["etp"] = GroupComm("etp", mb * layers["moe"] * 4 * fwd * A * h * rows * (m.etp - 1), "ring", False, m.etp)
+    if m.pp > 1:  # activations forward, their gradients backward, at one stage boundary
+        out["pp"] = GroupComm("pp", mb * 2 * A * h * T, "p2p", False, m.pp)
+    # FSDP2: AG forward and backward every micro-batch (reshard after forward); gradient RS every
+    # micro-batch without PP, once per step with PP (PipelineStage defers gradient sync)
+    syncs = 1 if m.pp > 1 else mb
+    dense = sum(layers[k] * sizes.tp_params_per_layer[k] / m.tp for k in layers) + (
+        (sizes.embedding_params + sizes.head_params) / m.tp if m.pp == 1 else max(sizes.embedding_params, sizes.head_params) / m.tp)
+    experts = layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp)
+    fsdp = m.dp_shard * m.cp
+    if fsdp > 1:
+        out["dp_shard_cp"] = GroupComm("dp_shard_cp", dense * ring(fsdp) * (2 * mb * A + syncs * FP32), "ring", True, fsdp)
+    if m.edp > 1:
+        out["edp"] = GroupComm("edp", experts * ring(m.edp) * (2 * mb * A + syncs * FP32), "ring", True, m.edp)
+    if m.dp_replicate > 1:  # HSDP: all-reduce of the sharded dense gradients
+        out["dp_replicate"] = GroupComm("dp_replicate", syncs * dense / fsdp * FP32 * 2 * ring(m.dp_replicate),
+                                        "ring", True, m.dp_replicate)
+    return out
+
+
+def _node_stats(groups: list[list[int]], gpus_per_node: int) -> tuple[int, float]:
+    crossing, worst = 0, 0.0
+    for g in groups:
+        nodes = [r // gpus_per_node for r in g]
+        if len(set(nodes)) > 1:
+            crossing += 1
+            off = sum(sum(1 for o in nodes if o != n) for n in nodes) / (len(g) * (len(g) - 1))
+            worst = max(worst, off)
+    return crossing, worst
+
+
+def _product(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    """Groups spanning two dims of one row-major mesh: rank offsets along the dims add up."""
+    of_a = {r: g for g in a for r in g}
+    out = {}
+    for g in b:
+        for r in g:
+            members = sorted({x + y - r for x in of_a[r] for y in g})
+            out[members[0]] = members
+    return sorted(out.values())
+
+
+def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[int]]]:
+    """Every group of each communicating dim, from the trainer's Layout.
+
+    legacy=True: Megatron-Core's order without folding (tp-cp-ep-dp-pp, EP inside DP, expert
+    TP = TP). Its expert groups are the attention mesh's groups of a Layout whose dp is split
+    as dp_replicate = dp / ep (slow) x dp_shard = ep (fast): ep = that layout's dp_shard groups,
+    edp = its dp_replicate x cp groups.
+    """
+    lay = m.layout()
+    names = {"tp": "tp", "cp": "cp", "dp_shard_cp": "dp_shard_cp", "dp_replicate": "dp_replicate",
+             "ep": "ep", "etp": "etp", "edp": "edp"}
+    out = {k: lay.groups(v, "expert" if k in ("ep", "etp", "edp") else "attention") for k, v in names.items()}
+    out["pp"] = lay.groups("pp")
+    if legacy:
+        old = Mapping(m.pp, m.dp // m.ep, m.ep, m.cp, m.tp, 1, 1, m.world // m.pp).layout()
+        out["ep"] = old.groups("dp_shard")
+        out["etp"] = old.groups("tp")
+        out["edp"] = _product(old.groups("dp_replicate"), old.groups("cp"))
+    return out
+
+
+# ---------------------------------------------------------------- step time
+
+
+@dataclass
+class Estimate:
+    mapping: Mapping
+    memory: Memory
+    comm: dict
+    compute_s: float  # per micro-batch, busiest stage
+    exposed_comm_s: float  # per micro-batch: TP, CP, EP, ETP, PP
+    exposed_fsdp_s: float  # per step
+    bubble_s: float
+    step_s: float
+    mfu: float
+    fits: bool
+    headroom_gib: float
+    legacy_groups: bool = False
+    dominant: str = ""
+    reasons: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return 0.0 if not self.step_s else self._tokens / self.step_s / self.mapping.world
+
+    _tokens: int = 0
+
+
+def _seconds(c: GroupComm, cluster: Cluster) -> float:
+    intra = cluster.intra_node_gbps * 1e9 * cluster.comm_efficiency
+    inter = cluster.inter_node_gbps * 1e9 * cluster.comm_efficiency
+    if not c.crossing:
+        return c.bytes_per_step / intra
+    if c.collective == "a2a":  # bytes to peers on this node and on others go in parallel
+        return max(c.bytes_per_step * (1 - c.inter_fraction) / intra, c.bytes_per_step * c.inter_fraction / inter)
+    return c.bytes_per_step / inter
+
+
+def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
+             membership: dict | None = None, legacy: bool = False) -> Estimate:
+    """Step time and memory of one mapping; membership None = every group inside a node (a lower bound)."""
+    mem = memory(sizes, m, work)
+    comm = comm_volumes(sizes, m, work)
+    for name, c in comm.items():
+        if membership is not None:
+            gs = membership[name]
+            c.groups = len(gs)
+            c.crossing, c.inter_fraction = _node_stats(gs, cluster.gpus_per_node)
+        c.seconds = _seconds(c, cluster)
+    layers = _layers_per_stage(sizes, m.pp)
+    per_token = sum(layers[k] * sizes.flops_per_token_layer[k] for k in layers)
+    if m.recompute == "full":
+        per_token *= 8 / 6  # one more forward
+    per_token += sizes.flops_per_token_head  # bound: the busiest stage also holds the head
+    flops_rate = cluster.tflops * 1e12 * cluster.compute_efficiency
+    mb = work.global_batch // m.dp
+    compute = per_token * work.seq_len / (m.cp * m.tp) / flops_rate
+    exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
+    fsdp = max(0.0, sum(c.seconds for c in comm.values() if c.overlapped) - mb * compute)
+    slot = compute + exposed
+    bubble = (m.pp - 1) * slot
+    step = mb * slot + bubble + fsdp
+    tokens = work.global_batch * work.seq_len
+    mfu = sizes.flops_per_token * tokens / (m.world * cluster.tflops * 1e12 * step)
+    capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
+    est = Estimate(m, mem, comm, compute, exposed, fsdp, bubble, step, mfu, mem.total <= capacity,
+                   (capacity - mem.total) / GIB, legacy_groups=legacy, _tokens=tokens)
+    costs = {"compute": mb * compute, "pp bubble": bubble, "fsdp/edp (exposed)": fsdp}
+    costs.update({f"{n} comm": c.seconds for n, c in comm.items() if not c.overlapped})
+    est.dominant = max(costs, key=costs.get)
+    cross = [f"{n}({c.crossing}/{c.groups})" for n, c in comm.items() if c.crossing]
+    est.reasons = [
+        f"dominant: {est.dominant} {costs[est.dominant]:.2f}s of {step:.2f}s",
+        f"headroom {est.headroom_gib:.1f} GiB" + ("" if est.fits else " (OOM)"),
+        "crossing nodes: " + (", ".join(cross) if cross else "none"),
+    ]
+    return est
+
+
+@dataclass
+class Plan:
+    ranked: list  # Estimates that fit, best first (top K)
+    best_legacy: Estimate | None  # best mapping the legacy (unfolded) scheme can express, legacy groups
+    candidates: int  # degree sets x recompute choices considered
+    rejected: dict  # reason -> count
+
+
+def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
+         recompute: tuple = RECOMPUTE) -> Plan:
+    """Rank every valid mapping by estimated step time (exact for the top K and the best legacy).
+
+    Branch and bound: the estimate with every group inside a node is a lower bound (inter-node
+    links are the slower ones), so candidates are evaluated with their real group membership
+    in order of that bound until the bound exceeds the K-th best time found.
+    """
+    rejected = {"global batch % dp != 0": 0, "pp > n_layers": 0, "out of memory": 0}
+    bounds = []
+    degree_sets = enumerate_mappings(cluster.gpus, sizes, work.seq_len)
+    for d in degree_sets:
+        if work.global_batch % d.dp:
+            rejected["global batch % dp != 0"] += 1
+            continue
+        if d.pp > sizes.n_layers:
+            rejected["pp > n_layers"] += 1
+            continue
+        for rc in recompute:
+            m = Mapping(**{**asdict(d), "recompute": rc})
+            lb = estimate(sizes, m, work, cluster)
+            if not lb.fits:
+                rejected["out of memory"] += 1
+                continue
+            bounds.append(lb)
+    bounds.sort(key=lambda e: e.step_s)
+
+    def best_of(cands, k, legacy):
+        exact = []
+        for lb in cands:
+            if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
+                break
+            e = estimate(sizes, lb.mapping, work, cluster, group_membership(lb.mapping, legacy), legacy)
+            exact.append(e)
+            exact.sort(key=lambda e: (e.step_s, -e.headroom_gib))
+        return exact[:k]
+
+    legacy = best_of([b for b in bounds if not b.mapping.folded], 1, True)
+    return Plan(best_of(bounds, top, False), legacy[0] if legacy else None,
+                len(degree_sets) * len(recompute), rejected)
+
+
+# ---------------------------------------------------------------- trainer config
+
+
+def job_toml(family: str, flavor: str, m: Mapping, work: Workload) -> str:
+    """A job config for `titan_fold.train` (parses with titan_fold.config.parse_args)."""
+    mb = work.global_batch // m.dp
+    # PP: one micro-batch per sequence of the rank's batch; otherwise gradient accumulation
+    local = mb if m.pp > 1 else 1
+    ac = {"none": 'mode = "none"', "selective": 'mode = "selective"\nselective_ac_option = "op"', "full": 'mode = "full"'}
+    lines = [
+        f"# written by `python -m titan_fold.plan`: {m.short()}, recompute {m.recompute}"
+        + (" (folded)" if m.folded else ""),
+        "[job]", f'dump_folder = "./outputs/{family}_{flavor}"', "",
+        "[model]", f'name = "{family}"', f'flavor = "{flavor}"', "",
+        "[training]", f"seq_len = {work.seq_len}", f"global_batch_size = {work.global_batch}",
+        f"local_batch_size = {local}", "",
+        "[parallelism]",
+        f"pipeline_parallel_degree = {m.pp}",
+        f"data_parallel_replicate_degree = {m.dp_replicate}",
+        f"data_parallel_shard_degree = {m.dp_shard}",
+        f"context_parallel_degree = {m.cp}",
+        f"tensor_parallel_degree = {m.tp}",
+        f"expert_parallel_degree = {m.ep}",
+        f"expert_tensor_parallel_degree = {m.etp}",
+        f"expert_data_parallel_degree = {m.edp}",
+    ]
+    if m.pp > 1:
+        lines += ["pipeline_parallel_microbatch_size = 1"]
+    lines += ["", "[activation_checkpoint]", ac[m.recompute]]
+    if work.capacity_factor is not None:
+        lines += ["", "[moe]", f"capacity_factor = {work.capacity_factor}"]
+    return "\n".join(lines) + "\n"
