@@ -42,9 +42,10 @@ CASES = [
 ]
 
 
-def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes):
+def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device):
     from titan_fold.moe import MoEArgs, install_dispatcher
     from titan_fold.moe.dispatcher import expert_shard
+    from titan_fold.moe.experts import local
 
     top_k, E, cf, policy, skew, pad, n, dtype, before = case
     rank = dist.get_rank()
@@ -65,20 +66,24 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes):
     ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
     etp_rank = 0 if etp_mesh is None else etp_mesh.get_local_rank()
     ep, etp = (1 if m is None else m.size() for m in (ep_mesh, etp_mesh))
-    install_dispatcher(moe, ep_mesh, etp_mesh, seq_meshes.get(n))
+    moe.to(device)
+    # odd cases: expert weights as DTensors on the (ep, etp) mesh, even: plain local slices
+    install_dispatcher(moe, ep_mesh, etp_mesh, seq_meshes.get(n), weights_mesh=weights_mesh if case_id % 2 else None)
 
-    x = X[:, mine].to(dtype).clone().requires_grad_()
+    x = X[:, mine].to(device, dtype).clone().requires_grad_()
     y = moe(x)
-    (y * U[:, mine].to(dtype)).sum().backward()
+    (y * U[:, mine].to(device, dtype)).sum().backward()
+    y, x_grad = y.detach().cpu(), x.grad.cpu()
     with torch.no_grad():
         routing = moe.router(x.flatten(0, 1), S_LOC)
         keep, _ = moe.dispatcher.keep_mask(routing.probs, routing.experts, B, args)
+        keep = None if keep is None else keep.cpu()
 
     # layer gradients in full shapes, summed over the world
-    grads = {"router.gate.weight": moe.router.gate.weight.grad.double()}
+    grads = {"router.gate.weight": moe.router.gate.weight.grad.double().cpu()}
     for name in ("w1", "w2", "w3"):
         g = torch.zeros_like(full[f"experts.{name}"])
-        expert_shard(g, name, ep_rank, ep, etp_rank, etp).copy_(getattr(moe.experts, name).grad)
+        expert_shard(g, name, ep_rank, ep, etp_rank, etp).copy_(local(getattr(moe.experts, name).grad))
         grads[f"experts.{name}"] = g
 
     # reference on the group's whole sequences (n = 1: this rank's tokens)
@@ -89,14 +94,16 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes):
     ref_grads = {k: full[k].grad / n for k in grads}  # n ranks of the group each ran it
 
     flat = torch.cat([g.flatten() for g in grads.values()] + [g.flatten() for g in ref_grads.values()])
+    flat = flat.to(device)
     dist.all_reduce(flat)
+    flat = flat.cpu()
     half = flat.numel() // 2
 
     # all collectives done: now compare
     rows = (torch.arange(B)[:, None] * n * S_LOC + i * S_LOC + torch.arange(S_LOC)[None]).flatten()
     tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(y.detach().double().flatten(0, 1), y_ref.detach()[rows], **tol, msg="output")
-    torch.testing.assert_close(x.grad.double().flatten(0, 1), Xr.grad[rows], **tol, msg="input grad")
+    torch.testing.assert_close(y.double().flatten(0, 1), y_ref.detach()[rows], **tol, msg="output")
+    torch.testing.assert_close(x_grad.double().flatten(0, 1), Xr.grad[rows], **tol, msg="input grad")
     torch.testing.assert_close(flat[:half], flat[half:], **tol, msg="router / expert weight grads")
     if cf is not None:
         kept_ref = torch.tensor([[(int(r), j) in kept for j in range(top_k)] for r in rows])
@@ -104,21 +111,28 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes):
         assert len(kept) < B * n * S_LOC * top_k, "the case drops nothing"
 
 
-def worker(rank, port, out_dir):
+def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     from torch.distributed.device_mesh import init_device_mesh
 
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
     failures = []
-    seq_meshes = {n: init_device_mesh("cpu", (WORLD // n, n), mesh_dim_names=("dp", "seq"))["seq"] for n in (2, 4)}
-    for ep, etp in LAYOUTS:
-        mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
+    seq_meshes = {n: init_device_mesh(device_type, (world // n, n), mesh_dim_names=("dp", "seq"))["seq"]
+                  for n in (2, 4) if world % n == 0}
+    for ep, etp in layouts:
+        mesh = init_device_mesh(device_type, (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
         ep_mesh = mesh["ep"] if ep > 1 else None
         etp_mesh = mesh["etp"] if etp > 1 else None
         for case_id, case in enumerate(CASES):
+            if case[6] not in seq_meshes and case[6] > 1:
+                continue
             try:
-                run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes)
+                run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, mesh["ep", "etp"], device)
             except AssertionError:
                 failures.append(f"ep={ep} etp={etp} case {case}:\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
@@ -133,8 +147,23 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
+    mp.spawn(worker, args=(_free_port(), str(out_dir), world, layouts, device_type), nprocs=world, join=True)
+    failures = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(world)]
+    return [f for f in failures if f]
+
+
 def test_dispatcher_matches_reference(tmp_path):
-    mp.spawn(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    failures = [open(tmp_path / f"rank{r}.txt").read() for r in range(WORLD)]
-    failures = [f for f in failures if f]
+    failures = launch(tmp_path)
     assert not failures, "\n".join(failures)[:20000]
+
+
+if __name__ == "__main__":
+    # on GPUs (NCCL): python tests/test_dispatcher.py OUT_DIR
+    import sys
+
+    n = torch.cuda.device_count()
+    layouts = [(ep, n // ep) for ep in (n, 2, 1) if ep <= n and n % ep == 0]
+    failures = launch(sys.argv[1], n, sorted(set(layouts)), "cuda")
+    print("\n".join(failures) if failures else f"dispatcher on {n} GPUs: all cases match the reference")
+    sys.exit(1 if failures else 0)

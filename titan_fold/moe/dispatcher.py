@@ -29,6 +29,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.experts import GroupedExperts, local
@@ -256,19 +257,32 @@ def expert_shard(w: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: in
 
 
 def install_dispatcher(moe: nn.Module, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
-                       seq_mesh: DeviceMesh | None = None, shard_weights: bool = True) -> None:
+                       seq_mesh: DeviceMesh | None = None, shard_weights: bool = True,
+                       weights_mesh: DeviceMesh | None = None) -> None:
     """Make `moe` (a titan_fold.moe.MoE) dispatch over ep x etp.
 
-    shard_weights=True replaces the full expert weights by this rank's slice as plain
-    Parameters (call it before building the optimizer). Pass False when the weights are
-    already local, or are DTensors on the (ep, etp) mesh placed (Shard(0), Shard(1)) for
-    w1/w3 and (Shard(0), Shard(2)) for w2: the experts read `.to_local()`.
+    shard_weights=True replaces the full expert weights (same values on every rank) by
+    this rank's slice, as new Parameters: call it before building the optimizer.
+    weights_mesh: None = plain local tensors; else a mesh whose dims are named "ep"
+    and/or "etp" (e.g. the expert mesh["ep", "etp"]): the slices become DTensors with
+    Shard(0) on ep and Shard(1) (w1, w3) / Shard(2) (w2) on etp, so FSDP2 and DCP see
+    the global shapes. shard_weights=False: the weights are already placed (plain local
+    slices or such DTensors); the experts read `.to_local()`.
     """
     if shard_weights:
         ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
         etp_rank = 0 if etp_mesh is None else etp_mesh.get_local_rank()
         for name in ("w1", "w2", "w3"):
             full = getattr(moe.experts, name)
-            part = expert_shard(full.detach(), name, ep_rank, _size(ep_mesh), etp_rank, _size(etp_mesh))
-            setattr(moe.experts, name, nn.Parameter(part.clone(), requires_grad=full.requires_grad))
+            part = expert_shard(full.detach(), name, ep_rank, _size(ep_mesh), etp_rank, _size(etp_mesh)).clone()
+            if weights_mesh is not None:
+                part = DTensor.from_local(part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names),
+                                          run_check=False)
+            setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
     moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)
+
+
+def expert_placements(name: str, mesh_dim_names) -> tuple:
+    """DTensor placements of experts.<name> on a mesh with dims among "ep", "etp"."""
+    ffn_axis = 2 if name == "w2" else 1
+    return tuple(Shard(0) if d == "ep" else Shard(ffn_axis) for d in mesh_dim_names)
