@@ -64,6 +64,9 @@ def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len):
     grad = torch.randn_like(x)
 
     row = {"mode": mode, "eager_ms": timed(layer, x, grad, iters, warmup, device)}
+    # fwd + bwd = 3 x forward; a SwiGLU forward is 3 GEMMs of 2 * dim * ffn per row
+    # (dropless work: token-drop modes compute a little less or, padded, a little more)
+    row["tflop"] = 18 * shape["tokens"] * shape["dim"] * (shape["top_k"] * shape["ffn"] + shape["shared_ffn"]) / 1e12
 
     torch._dynamo.reset()
     explain = torch._dynamo.explain(layer)(x)
@@ -79,6 +82,7 @@ def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len):
     row["compiled_ms"] = timed(compiled, x, grad, iters, 0, device)
     row["recompiles_after_warmup"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     row["speedup"] = row["eager_ms"] / row["compiled_ms"]
+    row["compiled_tflops"] = row["tflop"] / row["compiled_ms"] * 1e3
 
     torch._dynamo.reset()
     try:
@@ -110,9 +114,10 @@ def main():
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"MoE layer fwd+bwd, {preset} {shape}, {dtype}, {name}, torch {torch.__version__}")
-    print(f"{'mode':<9} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} {'graphs':>7} {'breaks':>7} {'recomp':>7}  fullgraph")
+    print(f"{'mode':<9} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} {'TFLOP/s':>8} {'graphs':>7} {'breaks':>7} "
+          f"{'recomp':>7}  fullgraph")
     for r in rows:
-        print(f"{r['mode']:<9} {r['eager_ms']:>9.2f} {r['compiled_ms']:>12.2f} {r['speedup']:>8.2f} "
+        print(f"{r['mode']:<9} {r['eager_ms']:>9.2f} {r['compiled_ms']:>12.2f} {r['speedup']:>8.2f} {r['compiled_tflops']:>8.1f} "
               f"{r['graphs']:>7} {r['graph_breaks']:>7} {r['recompiles_after_warmup']:>7}  {r['fullgraph']}")
         for reason in r["break_reasons"]:
             print(f"{'':<9} break: {reason}")
