@@ -1,0 +1,201 @@
+"""One 8-rank gloo launch: TP/SP, CP and TP x CP give the one-rank model's loss and gradients.
+
+Every rank builds the single-rank reference model itself (same seed, fp32), then for each
+(flavor, layout) builds the model on the meta device, applies apply_tp / apply_cp, runs
+to_empty + init_weights, copies the reference weights in (each rank slicing its DTensor
+shards) and compares the loss and every parameter gradient. Experts stay plain tensors
+(no EP here): the MoE runs on this rank's tokens with the single-rank dispatcher, and in
+dropless mode without balance losses it is per-token, hence layout independent; expert
+gradients are then partial sums over the ranks holding different tokens (tp under SP, cp).
+"""
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import titan_fold  # noqa: F401  (settles the device once in the parent; ranks inherit it)
+
+WORLD = 8
+B, S = 2, 32
+RTOL = 1e-5
+# (tp, cp, sequence_parallel, loss_parallel); the rest of the 8 ranks are dp-like replicas
+CASES = [
+    (2, 1, True, True),
+    (4, 1, True, False),
+    (2, 1, False, False),
+    (1, 2, True, False),
+    (1, 4, True, False),
+    (2, 2, True, True),
+]
+
+
+def _flavors():
+    from titan_fold.models import FLAVORS
+
+    out = {}
+    for name in ("qwen2_moe", "mixtral"):
+        args = FLAVORS[name]["debug"]
+        # balance losses are means over a rank's tokens (layout dependent): off here
+        moe = dataclasses.replace(args.moe, load_balance="none")
+        # mixtral with one dense first layer: the dense FFN path too
+        # 8 query / 4 kv heads: GQA that tp4 can still split
+        out[name] = dataclasses.replace(
+            args, moe=moe, first_k_dense=1 if name == "mixtral" else 0, n_layers=3, n_heads=8, n_kv_heads=4, head_dim=None
+        )
+    return out
+
+
+def _loss(logits, labels):
+    # sum over tokens / global token count, as the trainer does
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / (B * S)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report):
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from titan_fold.models import Transformer
+    from titan_fold.parallel.attention import apply_cp, apply_tp, cp_shard
+    from titan_fold.parallel.layout import Layout
+    from titan_fold.parallel.plan import placement_plan
+
+    layout = Layout(WORLD, tp=tp, cp=cp)
+    layout.build_mesh("cpu")
+    tp_mesh, cp_mesh = layout.attention["tp"], layout.attention["cp"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    if tp > 1:
+        apply_tp(model, tp_mesh, loss_parallel=lp, sequence_parallel=sp)
+    if cp > 1:
+        apply_cp(model, cp_mesh)
+    model.to_empty(device="cpu")
+    model.init_weights()
+
+    plan = placement_plan(args, layout)
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements):
+            # init_weights on a meta-built model gave every tp rank the same replicated weights
+            total = p.to_local().detach().clone()
+            dist.all_reduce(total, group=tp_mesh.get_group())
+            report(f"init replicated {name}", _rel(total / tp, p.to_local().detach()), 1e-6)
+        if sp and name in plan and plan[name].mesh == "attention":
+            # the applied layout is the plan's
+            placed = plan[name]
+            got = tuple(p.placements) if isinstance(p, DTensor) else ()
+            assert got == placed.placements, (name, got, placed.placements)
+            assert tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape) == placed.local_shape(layout), name
+        full = ref.state_dict()[name]
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(full)
+
+    positions = None
+    if cp > 1:
+        tokens, labels, positions = cp_shard(tokens, labels, cp_mesh)
+    logits = model(tokens, positions)
+    if lp:
+        assert isinstance(logits, DTensor) and logits.placements[0].dim in (-1, 2), logits.placements
+        with loss_parallel():
+            loss = _loss(logits, labels)
+            loss.backward()
+        loss = loss.full_tensor()
+    else:
+        loss = _loss(logits, labels)
+        loss.backward()
+    total = loss.detach().double().clone()
+    if cp > 1:
+        dist.all_reduce(total, group=cp_mesh.get_group())
+    ref_loss = ref.loss
+    report("loss", abs(total.item() - ref_loss) / abs(ref_loss), RTOL)
+
+    for name, p in model.named_parameters():
+        ref_grad = ref.grads[name]
+        g = p.grad
+        assert g is not None, name
+        if isinstance(g, DTensor):
+            # reduced over tp already: Replicate gradients must not be left Partial
+            assert tuple(g.placements) == tuple(p.placements), (name, g.placements, p.placements)
+            local = g.to_local().clone()
+            if cp > 1:
+                dist.all_reduce(local, group=cp_mesh.get_group())
+            if all(isinstance(q, Replicate) for q in g.placements):
+                full = local  # router, gates, norms: each tp rank's own copy must be right
+            else:
+                full = DTensor.from_local(local, g.device_mesh, g.placements).full_tensor()
+        else:
+            full = g.clone()
+            # ranks holding different tokens: tp under sequence parallel, cp
+            if tp > 1 and sp:
+                dist.all_reduce(full, group=tp_mesh.get_group())
+            if cp > 1:
+                dist.all_reduce(full, group=cp_mesh.get_group())
+        kind = "router" if "router.gate" in name else ("expert" if ".experts." in name else "grad")
+        report(f"{kind} {name}", _rel(full, ref_grad), RTOL)
+
+
+def _worker(rank: int, store: str, out_dir: str):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    from titan_fold.models import Transformer
+
+    results = []
+    t0 = time.time()
+    for flavor, args in _flavors().items():
+        torch.manual_seed(0)
+        ref = Transformer(args)
+        ref.init_weights()
+        tokens = torch.randint(0, args.vocab_size, (B, S))
+        labels = torch.randint(0, args.vocab_size, (B, S))
+        loss = _loss(ref(tokens), labels)
+        loss.backward()
+        ref.loss = loss.item()
+        ref.grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        for tp, cp, sp, lp in CASES:
+            case = f"{flavor} tp{tp} cp{cp} sp={sp} loss_parallel={lp}"
+
+            def report(what, err, tol, case=case):
+                results.append((case, what, err, tol))
+
+            t = time.time()
+            try:
+                _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report)
+            except Exception as e:  # keep the other ranks' collectives in step: report, stop
+                results.append((case, f"exception {type(e).__name__}: {e}", float("inf"), 0.0))
+                raise
+            report("seconds", time.time() - t, float("inf"))
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"results": results, "seconds": time.time() - t0}, f)
+    dist.destroy_process_group()
+
+
+def test_attention_parallel_matches_one_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        # fork: the ranks inherit the parent's imports (8 fresh interpreters importing torch on
+        # 2 cores cost more than all the cases)
+        mp.start_processes(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=WORLD, start_method="fork")
+        per_rank = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(WORLD)]
+    bad, worst = [], {}
+    for r, data in enumerate(per_rank):
+        for case, what, err, tol in data["results"]:
+            key = (case, what.split()[0])
+            worst[key] = max(worst.get(key, 0.0), err)
+            if not err <= tol:
+                bad.append(f"rank {r} {case} {what}: {err:.3g} > {tol}")
+    for (case, kind), err in sorted(worst.items()):
+        print(f"{case:46s} {kind:8s} " + (f"{err:.1f} s" if kind == "seconds" else f"max rel err {err:.2e}"))
+    print(f"cases ran in {max(d['seconds'] for d in per_rank):.1f} s per rank")
+    # every case checked the router gradient (MoE layers in both flavors)
+    assert {c for c, k in worst if k == "router"} == {c for c, _ in worst}
+    assert not bad, "\n".join(bad[:30])

@@ -1,0 +1,271 @@
+"""The attention side of the layout: tensor + sequence parallelism (tp) and context parallelism (cp).
+
+    apply_tp(model, tp_mesh, loss_parallel)   DTensor styles derived from plan.py's tp entries
+    apply_cp(model, cp_mesh)                  inner attention over K/V gathered across cp
+    cp_shard(tokens, labels, cp_mesh)         the load-balanced split the trainer feeds the model
+
+Both apply_* work on a model built on the meta device (before `to_empty()` + `init_weights()`)
+and come before FSDP2. Data flow of one block on a rank, with sequence parallelism:
+
+    x [b, s/(cp*tp), dim] (DTensor Shard(1) over tp)
+    attention_norm -> all-gather seq over tp -> wq/wk/wv colwise (local heads) -> RoPE
+      -> CP: all-gather K, V over cp -> SDPA on local tensors -> wo rowwise -> reduce-scatter seq
+    ffn_norm -> MoE on this rank's tokens [b, s/(cp*tp), dim] as a plain tensor
+      (router and shared_expert_gate: replicated weights on local token rows; shared expert:
+      all-gather rows -> colwise w1/w3 -> rowwise w2 -> reduce-scatter rows)
+
+The residual stream stays a DTensor between blocks, so the model's own `h.shape[1]` is the
+(cp-local) sequence length and its RoPE tables line up without the model knowing about tp.
+"""
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+# ---------------------------------------------------------------- tensor / sequence parallel
+
+
+class TokenwiseReplicate(ParallelStyle):
+    """A module with replicated weights applied row by row to this rank's tokens [T_local, dim].
+
+    For the router gate and shared_expert_gate under sequence parallelism: inputs become
+    DTensors `Shard(0)` (each tp rank holds different token rows), weights `Replicate`, the
+    output goes back to a plain local tensor. DTensor then knows the weight gradient is a sum
+    over tp ranks (it comes out `Partial`); `_grads_like_params` reduces it.
+    """
+
+    @staticmethod
+    def _replicate(name, module, mesh):
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            # from_local: every rank built the same weights (meta, or one seed); no broadcast
+            module.register_parameter(
+                p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False))
+            )
+
+    @staticmethod
+    def _input(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)
+
+    @staticmethod
+    def _output(module, output, mesh):
+        return output.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate, self._input, self._output)
+
+
+def _grads_like_params(model: nn.Module) -> None:
+    """Give every DTensor parameter's gradient the parameter's own placements.
+
+    Autograd leaves them wherever the backward ops put them: norms, router gate and
+    shared_expert_gate see different tokens on each tp rank, so their gradients come out
+    `Partial` (correct values, reduction deferred); the embedding's comes out `Replicate`.
+    FSDP2 redistributes them itself before its reduce-scatter (and replaces these parameters,
+    so these hooks never run under it); without FSDP the optimizer and the gradient norm
+    would each redistribute again on every use, so do it once, as each gradient is complete:
+    an all-reduce over tp for Partial -> Replicate, a local slice for Replicate -> Shard.
+    """
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(placements=param.placements)
+
+    def register(module, args) -> None:
+        # at forward, not now: to_empty() after parallelizing a meta model swaps every
+        # parameter's contents and drops hooks registered on it (the marker goes with them)
+        for param in module.parameters():
+            if isinstance(param, DTensor) and not getattr(param, "_grads_like_params", False):
+                param.register_post_accumulate_grad_hook(hook)
+                param._grads_like_params = True
+
+    model.register_forward_pre_hook(register)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool = True) -> None:
+    """Tensor parallelism over tp_mesh following plan.py's tp placements.
+
+    sequence_parallel: norms and the MoE run on sequence shards [b, s/tp, dim] between the
+    attention / FFN blocks (each rank routes a different tp-th of the tokens). Without it
+    every tp rank runs norms and the whole MoE on the full sequence (same tokens, same
+    expert gradients on every tp rank): plain replicated norms, router and gates.
+    loss_parallel: the output head returns logits sharded on vocab (DTensor `Shard(-1)`),
+    to be consumed inside `torch.distributed.tensor.parallel.loss_parallel()`.
+    Works on meta-device models; call before FSDP2 (and before activation checkpointing /
+    compile, which wrap the blocks this walks).
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    # residual stream: a DTensor sharded on seq under SP; plain full tensors otherwise
+    keep_dtensor = sequence_parallel
+    top = {
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not keep_dtensor
+        )
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        if block.moe_enabled:
+            plan.update(_moe_plan(block.moe, sequence_parallel))
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        if block.moe_enabled and sequence_parallel:
+            # The MoE takes and returns this rank's tokens as a plain tensor [b, s/tp, dim]:
+            # its dispatcher only ever sees "the tokens of this rank", whatever the attention layout.
+            parallelize_module(
+                block.moe, tp_mesh,
+                PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True),
+            )
+            parallelize_module(
+                block.moe, tp_mesh,
+                PrepareModuleOutput(output_layouts=(seq,), desired_output_layouts=(seq,), use_local_output=False),
+            )
+
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # each style made its own DTensor of the shared table (both Shard(0)): tie again
+        model.output.weight = model.tok_embeddings.weight
+    _grads_like_params(model)
+
+
+def _moe_plan(moe: nn.Module, sequence_parallel: bool) -> dict:
+    # Inside the MoE, rows are tokens [T_local, dim]: Shard(0) over tp when the sequence is
+    # sharded (each rank holds different rows), the same rows on every rank otherwise.
+    rows = Shard(0) if sequence_parallel else Replicate()
+    plan = {}
+    if moe.shared_expert is not None:
+        plan.update({
+            # all-gather this rank's rows: the shared expert's tp shards need every token
+            "moe.shared_expert": PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),)),
+            "moe.shared_expert.w1": ColwiseParallel(),
+            "moe.shared_expert.w3": ColwiseParallel(),
+            # back to this rank's rows: reduce-scatter under SP, all-reduce otherwise
+            "moe.shared_expert.w2": RowwiseParallel(output_layouts=rows),
+        })
+    if sequence_parallel:
+        plan["moe.router.gate"] = TokenwiseReplicate()
+        if moe.shared_expert_gate is not None:
+            plan["moe.shared_expert_gate"] = TokenwiseReplicate()
+    return plan
+
+
+# ---------------------------------------------------------------- context parallel
+
+
+def _chunks_of(cp_rank: int, cp: int) -> tuple[int, int]:
+    # load balance under the causal mask: an early chunk (little to attend to) with a late one
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def cp_shard(
+    tokens: torch.Tensor, labels: torch.Tensor, cp_mesh: DeviceMesh
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's part of the batch: sequence chunks i and 2*cp-1-i of 2*cp.
+
+    tokens, labels [b, s] -> tokens_local, labels_local [b, s/cp] and positions_local [s/cp]
+    int64, the global positions of the local tokens (the model's `positions` argument:
+    RoPE angles). Under tp as well, every tp rank of a cp group gets the same part and
+    sequence parallelism splits it further into contiguous tp pieces.
+    """
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    s = tokens.shape[1]
+    if s % (2 * cp):
+        raise ValueError(f"sequence length {s} must be divisible by 2 * cp = {2 * cp} (load-balanced causal split)")
+    c = s // (2 * cp)
+    first, second = _chunks_of(rank, cp)
+    positions = torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+    positions = positions.to(tokens.device)
+    return tokens.index_select(1, positions), labels.index_select(1, positions), positions
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this cp rank's queries over the whole sequence's keys and values.
+
+    q [b, heads, 2c, head_dim], k, v [b, kv_heads, 2c, head_dim]: the two chunks cp_shard gave
+    this rank, after RoPE at their global positions. K and V are all-gathered over cp (kv heads
+    only, before any GQA repeat) with an autograd collective, whose backward reduce-scatters
+    their gradients. Each query chunk g then attends to the key prefix of chunks 0..g with a
+    lower-right causal mask: the masked-out future chunks are never computed.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        # read once, outside forward: plain ints for torch.compile
+        self.cp, self.cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp, rank = self.cp, self.cp_rank
+        b, h, s_local, d = q.shape
+        c = s_local // 2
+        # [b, kv_heads, cp * 2c, head_dim], rank order: rank j contributes chunks j, 2cp-1-j
+        k_all = funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
+        v_all = funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
+        # to global chunk order: chunk g sits at gathered slot 2j (g = j) or 2j+1 (g = 2cp-1-j)
+        order = [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
+        index = torch.tensor(order, device=q.device)
+        k_all = k_all.unflatten(2, (2 * cp, c)).index_select(2, index).flatten(2, 3)
+        v_all = v_all.unflatten(2, (2 * cp, c)).index_select(2, index).flatten(2, 3)
+        if h != k_all.shape[1]:
+            # GQA: repeat the gathered kv heads for their query groups (SDPA with an explicit
+            # mask does not take enable_gqa on every backend)
+            k_all = k_all.repeat_interleave(h // k_all.shape[1], dim=1)
+            v_all = v_all.repeat_interleave(h // v_all.shape[1], dim=1)
+        out = []
+        for half, g in enumerate(_chunks_of(rank, cp)):
+            keys = (g + 1) * c
+            q_pos = g * c + torch.arange(c, device=q.device)
+            mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[:, None]  # [c, keys]
+            out.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, half * c : (half + 1) * c], k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask
+                )
+            )
+        return torch.cat(out, dim=2)  # [b, heads, 2c, head_dim]
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Swap every block's inner attention for the context-parallel one (no parameters).
+
+    The trainer must feed `cp_shard`'s tokens and pass its positions to the model. Composes
+    with apply_tp in either order: the inner attention sees local tensors of this tp rank's heads.
+    """
+    for block in model.layers.values():
+        block.attention.inner_attention = ContextParallelAttention(cp_mesh)
