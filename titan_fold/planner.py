@@ -21,8 +21,9 @@ dispatcher of design.md), with these simplifications (docs/planning.md lists the
   stage) + exposed FSDP; the pp - 1 extra slots are the 1F1B bubble (no virtual stages).
 """
 
+import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -153,7 +154,7 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
         tp_params_per_layer=tp_sharded, rep_params_per_layer=replicated,
         expert_params_per_layer=experts, embedding_params=embedding, head_params=head,
         total_params=total, flops_per_token=flops, flops_per_token_layer=per_layer,
-        flops_per_token_head=6 * model.output.weight.numel(),
+        flops_per_token_head=6 * head,  # the trainer counts the final norm as active too
     )
 
 
@@ -475,6 +476,12 @@ def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[in
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def node_stats(m: Mapping, gpus_per_node: int, legacy: bool = False) -> dict[str, tuple[int, int, float]]:
+    """{dim: (groups crossing a node boundary, worst share of peers off-node, groups)}; m.recompute ignored."""
+    return {name: (*_node_stats(gs, gpus_per_node), len(gs)) for name, gs in group_membership(m, legacy).items()}
+
+
 # ---------------------------------------------------------------- step time
 
 
@@ -513,15 +520,15 @@ def _seconds(c: GroupComm, cluster: Cluster) -> float:
 
 
 def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
-             membership: dict | None = None, legacy: bool = False) -> Estimate:
-    """Step time and memory of one mapping; membership None = every group inside a node (a lower bound)."""
+             groups: bool = True, legacy: bool = False) -> Estimate:
+    """Step time and memory of one mapping; groups=False: every group inside a node (a lower bound);
+    legacy: the legacy (unfolded) scheme's expert groups."""
     mem = memory(sizes, m, work)
     comm = comm_volumes(sizes, m, work)
+    stats = node_stats(replace(m, recompute="none"), cluster.gpus_per_node, legacy) if groups else {}
     for name, c in comm.items():
-        if membership is not None:
-            gs = membership[name]
-            c.groups = len(gs)
-            c.crossing, c.inter_fraction = _node_stats(gs, cluster.gpus_per_node)
+        if groups:
+            c.crossing, c.inter_fraction, c.groups = stats[name]
         c.seconds = _seconds(c, cluster)
     layers = _layers_per_stage(sizes, m.pp)
     per_token = sum(layers[k] * sizes.flops_per_token_layer[k] for k in layers)
@@ -570,6 +577,7 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
     in order of that bound until the bound exceeds the K-th best time found.
     """
     rejected = {"global batch % dp != 0": 0, "pp > n_layers": 0, "out of memory": 0}
+    capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
     bounds = []
     degree_sets = enumerate_mappings(cluster.gpus, sizes, work.seq_len)
     for d in degree_sets:
@@ -580,12 +588,11 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
             rejected["pp > n_layers"] += 1
             continue
         for rc in recompute:
-            m = Mapping(**{**asdict(d), "recompute": rc})
-            lb = estimate(sizes, m, work, cluster)
-            if not lb.fits:
+            m = replace(d, recompute=rc)
+            if memory(sizes, m, work).total > capacity:
                 rejected["out of memory"] += 1
                 continue
-            bounds.append(lb)
+            bounds.append(estimate(sizes, m, work, cluster, groups=False))
     bounds.sort(key=lambda e: e.step_s)
 
     def best_of(cands, k, legacy):
@@ -593,7 +600,7 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
         for lb in cands:
             if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
                 break
-            e = estimate(sizes, lb.mapping, work, cluster, group_membership(lb.mapping, legacy), legacy)
+            e = estimate(sizes, lb.mapping, work, cluster, True, legacy)
             exact.append(e)
             exact.sort(key=lambda e: (e.step_s, -e.headroom_gib))
         return exact[:k]
