@@ -11,6 +11,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.metrics import build_metrics_processor
 from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.hf import ADAPTERS
 from titan_fold.parallel.parallelize import parallelize
 
 
@@ -26,6 +27,7 @@ def _train_spec(family: str) -> TrainSpec:
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_metrics_processor,
+        state_dict_adapter=ADAPTERS[family],
     )
 
 

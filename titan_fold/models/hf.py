@@ -1,0 +1,220 @@
+"""Hugging Face <-> titan_fold state dicts for Qwen2-MoE and Mixtral.
+
+The HF names are those of the checkpoints on the Hub (and of what transformers 5.x
+`save_pretrained` writes, although it fuses experts in memory): one tensor per expert,
+
+    Qwen2MoeForCausalLM   model.layers.{i}.mlp.gate.weight                     [E, dim]
+                          model.layers.{i}.mlp.experts.{e}.gate_proj.weight    [ffn, dim]
+                          ...up_proj.weight [ffn, dim], ...down_proj.weight    [dim, ffn]
+                          model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight
+                          model.layers.{i}.mlp.shared_expert_gate.weight       [1, dim]
+    MixtralForCausalLM    model.layers.{i}.block_sparse_moe.gate.weight        [E, dim]
+                          model.layers.{i}.block_sparse_moe.experts.{e}.w1/w3  [ffn, dim], w2 [dim, ffn]
+
+while ours stacks them: moe.experts.w1 / w3 [E, ffn, dim], w2 [E, dim, ffn]
+(gate_proj = w1, up_proj = w3, down_proj = w2). Attention (q/k/v/o_proj), norms,
+embeddings and the head map one to one; RoPE is half-split on both sides, so wq / wk need
+no permutation. The aux-free `router.expert_bias` has no HF counterpart: export drops it,
+import leaves it at its initial zeros.
+
+Under expert parallelism the stacked weights are DTensors (ep x etp, FSDP over edp).
+`to_hf` then hands out whole per-expert tensors (every rank gathers every expert: HF
+import and export hold the routed experts of the whole model once per rank, fine up to
+mid-size models; convert the biggest ones with `python -m titan_fold.hf` on one process
+and resume the resulting DCP checkpoint under any layout), and `from_hf` cuts each rank's
+shard back out of the stacked result with the parameter's own mesh and placements.
+"""
+
+import re
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from titan_fold.models.args import TransformerArgs
+
+# ours (inside layers.{i}.) -> HF (inside model.layers.{i}.), same for both families
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    # dense layers (Qwen2-MoE's mlp_only_layers; HF Mixtral has none)
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+class MoEStateDictAdapter(StateDictAdapter):
+    """Family-specific names of the MoE block come from the subclass."""
+
+    moe_prefix: str  # "mlp" or "block_sparse_moe"
+    expert_names: dict[str, str]  # ours (w1, w2, w3) -> HF name of one expert's matrix
+    moe_layer: dict[str, str]  # ours (inside moe.) -> HF (inside moe_prefix.), not routed experts
+
+    def __init__(self, model_args: TransformerArgs, hf_assets_path: str | None = None):
+        super().__init__(model_args, hf_assets_path)
+        self.model_args = model_args
+        # mesh and placements of our DTensor expert weights, seen by to_hf, used by from_hf
+        self._expert_layout: dict[str, tuple] = {}
+
+    def _native_to_hf_key(self, key: str) -> str | None:
+        if key in _TOP:
+            return None if key == "output.weight" and self.model_args.tie_embeddings else _TOP[key]
+        m = _LAYER_KEY.fullmatch(key)
+        if m is None:
+            raise KeyError(f"no Hugging Face name for {key!r}")
+        i, rest = m.groups()
+        if rest in _LAYER:
+            return f"model.layers.{i}.{_LAYER[rest]}"
+        if rest.startswith("moe."):
+            inner = rest[len("moe.") :]
+            if inner == "router.expert_bias":
+                return None
+            if inner in self.moe_layer:
+                return f"model.layers.{i}.{self.moe_prefix}.{self.moe_layer[inner]}"
+        raise KeyError(f"no Hugging Face name for {key!r}")
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        hf = {}
+        for key, value in state_dict.items():
+            m = _LAYER_KEY.fullmatch(key)
+            if m is not None and m.group(2) in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
+                i, name = m.group(1), m.group(2).rsplit(".", 1)[1]
+                if isinstance(value, DTensor):
+                    self._expert_layout[key] = (value.device_mesh, value.placements)
+                    value = value.full_tensor()  # [E, ...] on every rank
+                for e in range(value.shape[0]):
+                    hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[name]}"] = value[e]
+                continue
+            hf_key = self._native_to_hf_key(key)
+            if hf_key is not None:
+                hf[hf_key] = value
+        return hf
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        inverse_layer = {v: k for k, v in _LAYER.items()}
+        inverse_moe = {v: k for k, v in self.moe_layer.items()}
+        inverse_expert = {v: k for k, v in self.expert_names.items()}
+        expert_re = re.compile(rf"{re.escape(self.moe_prefix)}\.experts\.(\d+)\.(.+)")
+        native: dict[str, Any] = {}
+        experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked key -> {e: matrix}
+        for hf_key, value in hf_state_dict.items():
+            top = {v: k for k, v in _TOP.items()}.get(hf_key)
+            if top is not None:
+                native[top] = value
+                continue
+            m = _HF_LAYER_KEY.fullmatch(hf_key)
+            if m is None:
+                raise KeyError(f"unknown Hugging Face key {hf_key!r}")
+            i, rest = m.groups()
+            e = expert_re.fullmatch(rest)
+            if e is not None and e.group(2) in inverse_expert:
+                experts.setdefault(f"layers.{i}.moe.experts.{inverse_expert[e.group(2)]}", {})[int(e.group(1))] = value
+            elif rest in inverse_layer:
+                native[f"layers.{i}.{inverse_layer[rest]}"] = value
+            elif rest.startswith(self.moe_prefix + ".") and rest[len(self.moe_prefix) + 1 :] in inverse_moe:
+                native[f"layers.{i}.moe.{inverse_moe[rest[len(self.moe_prefix) + 1:]]}"] = value
+            else:
+                raise KeyError(f"unknown Hugging Face key {hf_key!r}")
+        for key, by_expert in experts.items():
+            n = self.model_args.moe.num_experts
+            if sorted(by_expert) != list(range(n)):
+                raise ValueError(f"{key}: the Hugging Face checkpoint has experts {sorted(by_expert)}, the model {n}")
+            stacked = torch.stack([by_expert[e] for e in range(n)])  # [E, ...]
+            if key in self._expert_layout:
+                mesh, placements = self._expert_layout[key]
+                # every rank holds the whole stack: cut out its own shard, no communication
+                stacked = distribute_tensor(stacked, mesh, placements, src_data_rank=None)
+            native[key] = stacked
+        return native
+
+
+class Qwen2MoEStateDictAdapter(MoEStateDictAdapter):
+    moe_prefix = "mlp"
+    expert_names = {"w1": "gate_proj.weight", "w3": "up_proj.weight", "w2": "down_proj.weight"}
+    moe_layer = {
+        "router.gate.weight": "gate.weight",
+        "shared_expert.w1.weight": "shared_expert.gate_proj.weight",
+        "shared_expert.w3.weight": "shared_expert.up_proj.weight",
+        "shared_expert.w2.weight": "shared_expert.down_proj.weight",
+        "shared_expert_gate.weight": "shared_expert_gate.weight",
+    }
+
+
+class MixtralStateDictAdapter(MoEStateDictAdapter):
+    moe_prefix = "block_sparse_moe"
+    expert_names = {"w1": "w1.weight", "w3": "w3.weight", "w2": "w2.weight"}
+    moe_layer = {"router.gate.weight": "gate.weight"}
+
+
+ADAPTERS = {"qwen2_moe": Qwen2MoEStateDictAdapter, "mixtral": MixtralStateDictAdapter}
+
+
+def hf_config(family: str, args: TransformerArgs) -> dict:
+    """config.json of the HF model with the same shapes and routing (for export)."""
+    moe = args.moe
+    if moe.score_func != "softmax":
+        raise ValueError(f"{family}: Hugging Face routers use softmax scores, the model has {moe.score_func!r}")
+    common = {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "num_experts_per_tok": moe.top_k,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if family == "qwen2_moe":
+        if args.first_k_dense or args.moe_layer_freq != 1:
+            dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
+        else:
+            dense = []
+        return {
+            **common,
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "model_type": "qwen2_moe",
+            "qkv_bias": args.qkv_bias,
+            "intermediate_size": args.ffn_dim,
+            "num_experts": moe.num_experts,
+            "moe_intermediate_size": moe.moe_ffn_dim,
+            "shared_expert_intermediate_size": moe.shared_ffn_dim,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+            "use_sliding_window": False,
+        }
+    if family == "mixtral":
+        if not moe.norm_topk_prob or moe.shared_ffn_dim or args.qkv_bias:
+            raise ValueError("mixtral: HF Mixtral renormalizes the top-k weights and has no shared expert or qkv bias")
+        if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
+            raise ValueError("mixtral: HF Mixtral has no dense layers")
+        return {
+            **common,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": moe.moe_ffn_dim,
+            "num_local_experts": moe.num_experts,
+            "sliding_window": None,
+        }
+    raise ValueError(f"unknown family {family!r}")
