@@ -1,0 +1,161 @@
+"""Shared pieces of the GPU benchmarks: environment record, timing, FLOP counts, result files.
+
+Every benchmark writes `<out_dir>/<name>.json` (default out_dir: bench/results) holding
+the exact command, the machine (GPU name and count, torch / CUDA / NCCL versions), the
+date, and every figure it measured. Timings follow bench practice on a GPU: warm-up
+first, CUDA events around each repeat, the median reported.
+"""
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SCHEMA_KEYS = ("name", "command", "date_utc", "env", "figures")
+
+
+def env_info() -> dict:
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda and hasattr(torch.cuda, "nccl"):
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # no NCCL in this build
+            nccl = None
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "device_count": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that reproduces this run (as typed, from the repository root)."""
+    argv = sys.argv if argv is None else argv
+    launcher = os.environ.get("BENCH_LAUNCHER")  # set by run_all.sh when it wraps us in torchrun
+    cmd = " ".join(shlex.quote(a) for a in argv)
+    prefix = launcher + " " if launcher else ("python " if argv and argv[0].endswith(".py") else "")
+    return prefix + cmd
+
+
+def write_result(name: str, figures: dict, out_dir: str | None = None, command: str | None = None,
+                 extra: dict | None = None) -> str:
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    record = {
+        "name": name,
+        "command": command or command_line(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "env": env_info(),
+        "figures": figures,
+        **(extra or {}),
+    }
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(_clean(record), f, indent=1, sort_keys=False, default=_jsonable)
+        f.write("\n")
+    return path
+
+
+def _clean(x):
+    """NaN and inf are not JSON: write null."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    return x
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return str(x)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def time_ms(fn, warmup: int, iters: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn() after `warmup` calls.
+
+    CUDA: a pair of events around each call (device time, no host sync inside the loop);
+    CPU: wall clock around each call."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) for s, e in events]
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, iters: int = 10) -> float:
+    """bf16 n x n x n matrix product rate on random data, rotating over 3 input sets
+    (the ceiling the MoE layer is compared with, measured in the same run)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    sets = [(torch.randn(n, n, device=device, dtype=dtype, generator=gen),
+             torch.randn(n, n, device=device, dtype=dtype, generator=gen)) for _ in range(3)]
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    i = [0]
+
+    def mm():
+        a, b = sets[i[0] % 3]
+        i[0] += 1
+        torch.mm(a, b, out=out)
+
+    ms = median(time_ms(mm, warmup, iters, device))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def moe_layer_flops(tokens: int, dim: int, ffn: int, top_k: int, num_experts: int, shared_ffn: int = 0,
+                    shared_gate: bool = False, kept_frac: float = 1.0) -> dict:
+    """Forward + backward FLOPs of one MoE layer (SwiGLU experts), by part.
+
+    A matmul of an [m, k] by a [k, n] costs 2mkn forward and 4mkn backward (input and
+    weight gradients): 6mkn. Per token:
+      routed experts  6 * top_k * 3 * dim * ffn   (w1, w3, w2; times kept_frac under token drop)
+      shared expert   6 * 3 * dim * shared_ffn
+      router          6 * dim * num_experts
+      shared gate     6 * dim
+    Elementwise work (SiLU, products, softmax, top-k, permutation) is not counted.
+    """
+    routed = 6 * tokens * top_k * kept_frac * 3 * dim * ffn
+    shared = 6 * tokens * 3 * dim * shared_ffn
+    router = 6 * tokens * dim * num_experts
+    gate = 6 * tokens * dim if shared_gate else 0
+    return {"routed": routed, "shared": shared, "router": router, "shared_gate": gate,
+            "total": routed + shared + router + gate}
+
+
+def peak_flops(device_name: str) -> float:
+    """Datasheet dense bf16 peak used for MFU (the same table torchtitan uses)."""
+    if "H100" in device_name or "H200" in device_name:
+        return 989e12
+    if "A100" in device_name:
+        return 312e12
+    return float("nan")

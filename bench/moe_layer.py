@@ -1,0 +1,300 @@
+"""Forward + backward TFLOP/s of one titan_fold MoE layer at real shapes, with a breakdown.
+
+    python bench/moe_layer.py                                   # 1 GPU: 3 shapes x (dropless, cf 1.0) x (eager, compiled)
+    torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2,etp2 --name moe_layer_2gpu
+    python bench/moe_layer.py --smoke                           # CPU, tiny shapes (what the tests run)
+
+FLOPs per step (bench.common.moe_layer_flops): 6 * tokens * top_k * 3 * dim * ffn for the
+routed experts (times the kept fraction under token drop), plus 6 * tokens * 3 * dim *
+shared_ffn for the shared expert, 6 * tokens * dim * num_experts for the router and 6 *
+tokens * dim for the shared expert's gate. With ep or etp > 1 every rank holds `tokens`
+tokens and, on average over a balanced routing, does the work of that formula, so the
+figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run.
+
+Breakdown (eager, torch.profiler over 2 steps): forward GPU time of each part (router,
+permute = sort/group, count exchange, all-to-all, all-gather-v, grouped GEMM,
+reduce-scatter-v, rest of the dispatcher = row gather + combine, shared expert), and the
+GPU time of the whole step (forward + backward) by kernel class, plus the idle time of
+the GPU inside a step (host overhead and the split-size sync).
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from titan_fold.moe import MoE, MoEArgs, install_dispatcher, moe_stats  # noqa: E402
+import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
+
+SHAPES = {
+    # Qwen2-57B-A14B: 64 experts of 2560, top-8, a gated shared expert of 20480
+    "qwen2_57b_a14b": dict(dim=3584, ffn=2560, experts=64, top_k=8, shared_ffn=20480, gate=True, norm_topk=False),
+    # Mixtral-8x22B: 8 experts of 16384, top-2
+    "mixtral_8x22b": dict(dim=6144, ffn=16384, experts=8, top_k=2, shared_ffn=0, gate=False, norm_topk=True),
+    # the paper's fine-grained Mixtral-8x22B: 64 experts of 2048, top-8
+    "mixtral_8x22b_g8t8": dict(dim=6144, ffn=2048, experts=64, top_k=8, shared_ffn=0, gate=False, norm_topk=True),
+    # CPU smoke test
+    "tiny": dict(dim=64, ffn=32, experts=8, top_k=2, shared_ffn=64, gate=True, norm_topk=False),
+}
+MODES = {"dropless": None, "cf1.0": 1.0}
+
+
+def build_layer(shape: dict, capacity_factor, device, dtype) -> MoE:
+    args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
+                   shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["gate"],
+                   norm_topk_prob=shape["norm_topk"], capacity_factor=capacity_factor)
+    torch.manual_seed(0)
+    layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
+    layer.init_weights(0.02)
+    return layer
+
+
+# ---- breakdown ------------------------------------------------------------------------------
+
+_WRAPPED = {  # module-level functions of the dispatcher, each timed as one part
+    "group_by": "moe::permute_sort",
+    "_a2a": "moe::all_to_all",
+    "_all_gather_v": "moe::all_gather_v",
+    "_reduce_scatter_v": "moe::reduce_scatter_v",
+}
+
+
+@contextlib.contextmanager
+def annotated(layer: MoE):
+    """Name the parts of the layer's forward with profiler ranges (eager only)."""
+    from torch.profiler import record_function
+
+    originals = {fn: getattr(dispatcher_mod, fn) for fn in _WRAPPED}
+    original_splits = dispatcher_mod.TokenDispatcher._splits
+
+    def wrap(fn, label):
+        def inner(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return inner
+
+    for fn, label in _WRAPPED.items():
+        setattr(dispatcher_mod, fn, wrap(originals[fn], label))
+    dispatcher_mod.TokenDispatcher._splits = wrap(original_splits, "moe::count_exchange")
+    handles, stack = [], []
+    parts = {"router": layer.router, "grouped_gemm": layer.experts, "dispatcher": layer.dispatcher,
+             "shared_expert": layer.shared_expert, "shared_gate": layer.shared_expert_gate}
+    for label, module in parts.items():
+        if module is None:
+            continue
+
+        def pre(_m, _a, label=label):
+            rf = record_function(f"moe::{label}")
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(_m, _a, _o):
+            stack.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for fn in _WRAPPED:
+            setattr(dispatcher_mod, fn, originals[fn])
+        dispatcher_mod.TokenDispatcher._splits = original_splits
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if any(s in n for s in ("gemm", "cutlass", "xmma", "nvjet", "gmma", "matmul", "grouped_mm")):
+        return "gemm"
+    if any(s in n for s in ("sort", "radix", "scan", "cub::")):
+        return "sort_scan"
+    if any(s in n for s in ("index", "scatter", "gather")):
+        return "index_scatter_gather"
+    if any(s in n for s in ("reduce", "sum")):
+        return "reduce"
+    return "elementwise_other"
+
+
+def _dev_time(evt, on_gpu: bool) -> float:
+    """Microseconds of GPU time under evt (kernels it launched and its children's); on the
+    CPU, where there are no kernels, its CPU time, so the smoke test sees the same logic."""
+    if not on_gpu:
+        return evt.cpu_time_total
+    return evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+
+
+def profile_step(step, layer: MoE, device, steps: int = 2) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with annotated(layer):
+        step()  # warm the wrappers
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    events = prof.events()
+    on_gpu = device.type == "cuda"
+    forward = {}
+    for evt in events:
+        if evt.name.startswith("moe::"):
+            key = evt.name[len("moe::"):]
+            forward[key] = forward.get(key, 0.0) + _dev_time(evt, on_gpu) / 1e3 / steps
+    inner = ("grouped_gemm", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "reduce_scatter_v")
+    if "dispatcher" in forward:
+        forward["dispatcher_rest_gather_combine"] = forward["dispatcher"] - sum(forward.get(k, 0.0) for k in inner)
+    kernels, top = {}, {}
+    for evt in events:
+        if evt.device_type == DeviceType.CUDA:
+            ms = _dev_time(evt, True) / 1e3 / steps
+            cls = kernel_class(evt.name)
+            kernels[cls] = kernels.get(cls, 0.0) + ms
+            top[evt.name] = top.get(evt.name, 0.0) + ms
+    busy = sum(kernels.values())
+    return {
+        "forward_ms_by_part": {k: round(v, 3) for k, v in sorted(forward.items())},
+        "step_gpu_ms_by_kernel_class": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])},
+        "step_gpu_busy_ms": round(busy, 3),
+        "top_kernels_ms": {k[:120]: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+    }
+
+
+# ---- one configuration ------------------------------------------------------------------------
+
+def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh) -> list[dict]:
+    shape = SHAPES[shape_name]
+    layer = build_layer(shape, MODES[mode], device, dtype)
+    if dispatch != "none":
+        ep_mesh = mesh if dispatch.startswith("ep") else None
+        etp_mesh = mesh if dispatch.startswith("etp") else None
+        install_dispatcher(layer, ep_mesh, etp_mesh)
+    b = max(1, a.tokens // a.seq_len)
+    gen = torch.Generator(device=device).manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
+    x = torch.randn(b, a.tokens // b, shape["dim"], device=device, dtype=dtype, generator=gen).requires_grad_()
+    grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
+    rows = []
+    for compiled in compile_modes:
+        row = {"shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled, "tokens_per_gpu": a.tokens}
+        try:
+            if compiled:
+                torch._dynamo.reset()
+                fn = torch.compile(layer)
+            else:
+                fn = layer
+
+            def step():
+                x.grad = None
+                layer.zero_grad(set_to_none=True)
+                fn(x).backward(grad)
+
+            moe_stats([layer])  # reset
+            times = time_ms(step, a.warmup, a.iters, device)
+            stats = moe_stats([layer])
+            kept = 1.0 - (stats.get("dropped_token_frac") or 0.0)
+            flops = moe_layer_flops(a.tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"],
+                                    shape["shared_ffn"], shape["gate"], kept_frac=kept)
+            ms = median(times)
+            tflops = flops["total"] / (ms * 1e-3) / 1e12
+            row.update(
+                median_ms=round(ms, 3), min_ms=round(min(times), 3), max_ms=round(max(times), 3),
+                tflops=round(tflops, 3), kept_frac=round(kept, 4),
+                expert_load_imbalance=round(stats.get("expert_load_imbalance") or 0.0, 3),
+                gflop_per_step={k: round(v / 1e9, 4) for k, v in flops.items()},
+                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3),
+            )
+            if a.dense_tflops:
+                row["ratio_to_dense_gemm"] = round(tflops / a.dense_tflops, 3)
+            if not compiled and a.profile:
+                row["breakdown"] = profile_step(step, layer, device)
+        except Exception as e:  # one failing case must not lose the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        rows.append(row)
+        _print_row(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _print_row(row):
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    what = f"{row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} {'compiled' if row['compiled'] else 'eager':8s}"
+    if "error" in row:
+        print(f"{what} ERROR {row['error']}", flush=True)
+    else:
+        print(f"{what} {row['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  ratio {row.get('ratio_to_dense_gemm')}  "
+              f"kept {row['kept_frac']}", flush=True)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8")
+    p.add_argument("--modes", default="dropless,cf1.0")
+    p.add_argument("--compile", default="both", choices=["off", "on", "both"])
+    p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (seq 4096 x batch 2)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager (for tests)")
+    p.add_argument("--name", default="moe_layer")
+    p.add_argument("--out-dir", default=None)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.device, a.shapes, a.tokens, a.seq_len, a.warmup, a.iters = "cpu", "tiny", 256, 128, 1, 2
+        a.compile = "off" if a.compile == "both" else a.compile
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    device = torch.device(a.device)
+    dtype = torch.bfloat16
+    mesh = None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend)
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("x",))
+    elif device.type == "cuda":
+        device = torch.device("cuda", 0)
+    a.dense_tflops = dense_gemm_tflops(device) if device.type == "cuda" else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s", flush=True)
+    compile_modes = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
+    rows = []
+    figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
+               "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}
+    for dispatch in a.dispatch.split(","):
+        if dispatch != "none" and mesh is None:
+            raise SystemExit(f"--dispatch {dispatch} needs torchrun --nproc_per_node 2")
+        for shape_name in a.shapes.split(","):
+            for mode in a.modes.split(","):
+                rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh)
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""End-to-end tokens/s, MFU and peak memory of titan_fold's trainer on a proxy model.
+
+    python bench/train_step.py --cases 1gpu_eager,1gpu_compiled --gpus 0
+    python bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1
+    python bench/train_step.py --cases debug50 --gpus 0          # issue 2's bf16 acceptance run
+    python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
+
+The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
+FLAVORS[family][base] with n_layers = n and vocab_size = 32768, registered in the worker
+process before titan_fold.train.main runs (the default: qwen2_moe 57B-A14B-L2). Each
+case is one `torchrun` of this file in worker mode; the trainer writes metrics.jsonl
+(per-device tokens/s, MFU on a 989 TFLOP/s peak, peak reserved memory per logged step,
+log_freq 1) and the parent reports medians over the steps after `--warmup-steps`.
+
+Settings: seq 4096, local batch 2, bf16 compute with fp32 master weights
+(training.mixed_precision_param = bfloat16: FSDP2's mixed precision on 2 GPUs, torchtitan's
+AMP autocast on 1 GPU), no activation checkpointing, AdamW.
+
+The worker also counts which expert kernel path ran (grouped GEMM or the per-expert
+loop fallback), because the loop is several times slower.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# attention dp2 (FSDP2) with three expert foldings of the same 2 GPUs
+FOLDINGS = {
+    "dp2_ep2": dict(ep=2, etp=1, edp=1),
+    "dp2_etp2": dict(ep=1, etp=2, edp=1),
+    "dp2_edp2": dict(ep=1, etp=1, edp=2),
+}
+
+
+def register_proxy(family: str, proxy: str) -> None:
+    """FLAVORS[family][proxy] = the base flavor with fewer layers (and a 32K vocabulary)."""
+    from titan_fold.models import FLAVORS
+
+    base, _, layers = proxy.rpartition("-L")
+    if not base or not layers.isdigit():
+        raise ValueError(f"proxy flavor {proxy!r}: expected '<base flavor>-L<layers>'")
+    args = FLAVORS[family][base]
+    vocab = args.vocab_size if base == "debug" else 32768
+    FLAVORS[family][proxy] = dataclasses.replace(args, n_layers=int(layers), vocab_size=vocab)
+
+
+def case_plan(case: str, a) -> tuple[int, list[str]]:
+    """-> (processes, titan_fold.train arguments) of one case."""
+    common = ["--job.config_file", "debug_moe.toml", "--metrics.log_freq", "1", "--optimizer.lr", "3e-4",
+              "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none"]
+    if case == "debug50":
+        # issue 2: the debug config itself, bf16 on one GPU
+        return 1, ["--job.config_file", "debug_moe.toml", "--training.steps", "50",
+                   "--training.mixed_precision_param", "bfloat16"]
+    if case.startswith("1gpu"):  # 1gpu_eager, 1gpu_compiled, 1gpu_bf16params_eager
+        nproc, degrees = 1, dict(ep=1, etp=1, edp=-1)
+    else:
+        nproc, degrees = 2, FOLDINGS[case.removesuffix("_compiled")]
+    args = common + [
+        "--model.name", a.family, "--model.flavor", a.proxy,
+        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.local_batch),
+        "--training.global_batch_size", str(a.local_batch * nproc), "--training.steps", str(a.steps),
+        "--training.mixed_precision_param", a.param_dtype,
+        "--parallelism.data_parallel_shard_degree", str(nproc),
+        "--parallelism.expert_parallel_degree", str(degrees["ep"]),
+        "--parallelism.expert_tensor_parallel_degree", str(degrees["etp"]),
+        "--parallelism.expert_data_parallel_degree", str(degrees["edp"]),
+    ]
+    if case.endswith("compiled"):
+        args.append("--compile.enable")
+    if "_bf16params" in case:
+        # diagnostic: bf16 parameters (no AMP autocast), activations reach the experts in bf16
+        args += ["--training.dtype", "bfloat16"]
+    return nproc, args
+
+
+def summarize(records: list[dict], warmup_steps: int) -> dict:
+    """Medians over the logged steps after warm-up (peak memory: the max)."""
+    def med(xs):
+        xs = sorted(x for x in xs if x is not None)
+        if not xs:
+            return None
+        n = len(xs)
+        return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+    steady = [r for r in records if r["step"] > warmup_steps]
+    mem = [r["max_memory_gib"] for r in steady if r.get("max_memory_gib") is not None]
+    out = {
+        "steps_logged": len(records),
+        "steps_measured": len(steady),
+        "tokens_per_sec_per_gpu": med([r["tokens_per_sec"] for r in steady]),
+        "mfu_pct": med([r.get("mfu") for r in steady]),
+        "tflops_per_gpu": med([r.get("tflops") for r in steady]),
+        "step_time_s": med([r.get("time_per_step_s") for r in steady]),
+        "peak_memory_gib": max(mem) if mem else None,
+        "loss_first": records[0]["loss"] if records else None,
+        "loss_last": records[-1]["loss"] if records else None,
+        "expert_load_imbalance": med([r.get("expert_load_imbalance") for r in steady]),
+    }
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_case(case: str, a) -> dict:
+    nproc, train_args = case_plan(case, a)
+    dump = os.path.join(a.work_dir, case)
+    os.makedirs(dump, exist_ok=True)
+    for stale in ("metrics.jsonl", "expert_path.json"):
+        if os.path.exists(os.path.join(dump, stale)):
+            os.remove(os.path.join(dump, stale))
+    worker = ["bench/train_step.py", "--worker", "--family", a.family, "--proxy", a.proxy, "--"]
+    launch = ["--nproc_per_node", str(nproc), "--master_port", str(a.port)] + worker + train_args + [
+        "--job.dump_folder", dump]
+    cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
+    env = dict(os.environ)
+    if a.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = a.gpus
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    log_path = os.path.join(a.work_dir, f"{case}.log")
+    shown = " ".join(shlex.quote(c) for c in ["torchrun"] + launch)
+    print(f"[train_step] {case}: {shown}", flush=True)
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=a.case_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    records = read_jsonl(os.path.join(dump, "metrics.jsonl"))
+    warm = 0 if case == "debug50" else a.warmup_steps
+    row = {"case": case, "nproc": nproc, "returncode": rc, "command": shown, **summarize(records, warm)}
+    if case != "debug50":
+        row["folding"] = FOLDINGS.get(case.removesuffix("_compiled"), dict(ep=1, etp=1, edp=1))
+        row["compiled"] = case.endswith("compiled")
+    path_file = os.path.join(dump, "expert_path.json")
+    if os.path.exists(path_file):
+        with open(path_file) as f:
+            row["expert_path_calls"] = json.load(f)
+    if rc != 0:
+        with open(log_path) as f:
+            row["log_tail"] = f.read()[-1500:]
+    print(f"[train_step] {case}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
+          flush=True)
+    return row
+
+
+def worker(argv: list[str], family: str, proxy: str) -> None:
+    """Runs under torchrun: register the proxy flavor, count the expert path, train."""
+    import torch
+
+    import titan_fold.moe.experts as experts_mod
+    from titan_fold.train import main as train_main
+
+    register_proxy(family, proxy)
+    calls = {"grouped_mm": 0, "loop": 0, "padded": 0}
+
+    def counted(fn, key):
+        def inner(*args, **kwargs):
+            if not torch.compiler.is_compiling():
+                calls[key] += 1
+            return fn(*args, **kwargs)
+        return inner
+
+    experts_mod._swiglu_grouped = counted(experts_mod._swiglu_grouped, "grouped_mm")
+    experts_mod._swiglu_loop = counted(experts_mod._swiglu_loop, "loop")
+    experts_mod._swiglu_padded = counted(experts_mod._swiglu_padded, "padded")
+    try:
+        train_main(argv)
+    finally:
+        if int(os.environ.get("RANK", "0")) == 0:
+            dump = argv[argv.index("--job.dump_folder") + 1]
+            with open(os.path.join(dump, "expert_path.json"), "w") as f:
+                json.dump(calls, f)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="1gpu_eager,1gpu_compiled")
+    p.add_argument("--family", default="qwen2_moe")
+    p.add_argument("--proxy", default="57B-A14B-L2")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--local-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--param-dtype", default="bfloat16")
+    p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES for the cases")
+    p.add_argument("--port", type=int, default=29511)
+    p.add_argument("--case-timeout", type=int, default=420)
+    p.add_argument("--work-dir", default="/tmp/titan_fold_bench")
+    p.add_argument("--name", default="train_step")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, debug-width proxy, 4 steps (tests)")
+    p.add_argument("--worker", action="store_true")
+    a, rest = p.parse_known_args(argv)
+    if a.smoke:
+        a.proxy, a.seq_len, a.steps, a.warmup_steps, a.param_dtype = "debug-L2", 128, 4, 1, "float32"
+    return a, rest
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        split = argv.index("--")
+        a, _ = parse(argv[:split])
+        worker(argv[split + 1:], a.family, a.proxy)
+        return {}
+    a, _ = parse(argv)
+    from bench.common import command_line, write_result
+
+    rows = []
+    figures = {"family": a.family, "proxy_flavor": a.proxy, "seq_len": a.seq_len, "local_batch": a.local_batch,
+               "steps": a.steps, "warmup_steps": a.warmup_steps, "mixed_precision_param": a.param_dtype,
+               "rows": rows}
+    for case in a.cases.split(","):
+        rows.append(run_case(case, a))
+        by_case = {r["case"]: r for r in rows}
+        for kind in ("", "_compiled"):
+            folded, unfolded = by_case.get("dp2_ep2" + kind), by_case.get("dp2_etp2" + kind)
+            if folded and unfolded and folded["tokens_per_sec_per_gpu"] and unfolded["tokens_per_sec_per_gpu"]:
+                figures[f"ep2_over_etp2{kind}"] = folded["tokens_per_sec_per_gpu"] / unfolded["tokens_per_sec_per_gpu"]
+        # after every case: a cut-off run keeps what it had
+        write_result(a.name, figures, a.out_dir, command=command_line(["bench/train_step.py"] + argv))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""torchtitan 0.2.2's own qwen3 MoE trainer at the proxy's widths, beside titan_fold's.
+
+    python bench/vs_torchtitan.py --cases eager,compiled --gpus 0 --ours bench/results/train_step_1gpu.json
+    python bench/vs_torchtitan.py --smoke                         # CPU, debug widths (tests)
+
+torchtitan's model: its Qwen3 MoE (torchtitan.models.qwen3) with a flavor registered in
+the worker process: dim 3584, 2 layers, 28 heads of 128 (4 KV heads), 64 experts of 2560,
+top-8, softmax scores not renormalized, 8 shared experts of 2560 = one shared SwiGLU of
+20480, vocab 32768. Differences from titan_fold's Qwen2-MoE proxy: Qwen3 has q/k RMSNorm
+and no qkv bias, its shared expert has no sigmoid gate (3584 parameters per layer), and
+its load balancing is the aux-loss-free expert bias (torchtitan's default) where ours
+uses the aux loss. Data and tokenizer are titan_fold's (the stdlib byte corpus, the same
+token stream), plugged into torchtitan's TrainSpec. Settings as bench/train_step.py: seq
+4096, local batch 2, bf16 AMP with fp32 weights on one GPU, no activation checkpointing,
+AdamW, log every step, medians after warm-up.
+
+MFU is given twice: torchtitan's own count, and titan_fold's formula (6 * N_active +
+6 * n_layers * n_heads * head_dim * seq) for the titan_fold proxy, so both trainers are
+measured against one FLOP count per token. The ratio is titan_fold / torchtitan tokens/s,
+read from `--ours` (a bench/train_step.py result of the same machine call).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.train_step import read_jsonl, summarize  # noqa: E402
+
+SPEC_NAME = "qwen3_titan_fold_bench"
+
+
+def qwen3_args(proxy: str):
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+    if proxy == "debug":
+        return Qwen3ModelArgs(vocab_size=512, max_seq_len=4096, head_dim=16, dim=64, n_layers=2, n_heads=4,
+                              n_kv_heads=2, qk_norm=True, hidden_dim=128, moe_enabled=True, moe_inter_dim=32,
+                              moe_args=MoEArgs(num_experts=8, num_shared_experts=2, top_k=2, score_func="softmax",
+                                               route_norm=False, score_before_experts=False))
+    layers = int(proxy.rpartition("-L")[2])
+    return Qwen3ModelArgs(
+        vocab_size=32768, max_seq_len=4096, head_dim=128, dim=3584, n_layers=layers, n_heads=28, n_kv_heads=4,
+        qk_norm=True, hidden_dim=18944, rope_theta=1e6, moe_enabled=True, moe_inter_dim=2560,
+        moe_args=MoEArgs(num_experts=64, num_shared_experts=8, top_k=8, score_func="softmax", route_norm=False,
+                         score_before_experts=False),
+    )
+
+
+def register(proxy: str) -> None:
+    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+    from titan_fold.data import build_dataloader, build_tokenizer
+
+    spec = get_train_spec("qwen3")
+    register_train_spec(SPEC_NAME, dataclasses.replace(
+        spec, model_args={proxy: qwen3_args(proxy)}, build_dataloader_fn=build_dataloader,
+        build_tokenizer_fn=build_tokenizer, build_validator_fn=None))
+
+
+def worker(argv: list[str], proxy: str) -> None:
+    """Under torchrun: torchtitan's Trainer as torchtitan.train.main runs it, plus a JSON line
+    per logged step (its metric logger's dict) in <dump_folder>/metrics.jsonl."""
+    import torch
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+    from torchtitan.train import Trainer
+
+    import titan_fold  # noqa: F401  (settles the device type before torchtitan reads it)
+
+    init_logger()
+    register(proxy)
+    config = ConfigManager().parse_args(argv)
+    trainer = Trainer(config)
+    path = os.path.join(config.job.dump_folder, "metrics.jsonl")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    original = trainer.metrics_processor.logger.log
+
+    def log(metrics, step):
+        original(metrics, step)
+        if rank0:
+            with open(path, "a") as f:
+                f.write(json.dumps({
+                    "step": step, "loss": metrics["loss_metrics/global_avg_loss"],
+                    "tokens_per_sec": metrics["throughput(tps)"], "tflops": metrics["tflops"],
+                    "mfu": metrics["mfu(%)"] if metrics["mfu(%)"] == metrics["mfu(%)"] else None,
+                    "max_memory_gib": metrics["memory/max_reserved(GiB)"],
+                    "time_per_step_s": metrics["time_metrics/end_to_end(s)"],
+                }) + "\n")
+
+    trainer.metrics_processor.logger.log = log
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def our_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
+    """titan_fold's FLOP count per token for its proxy, built on the meta device."""
+    import torch
+
+    from bench.train_step import register_proxy
+    from titan_fold.models import FLAVORS, Transformer
+
+    register_proxy(family, proxy)
+    args = dataclasses.replace(FLAVORS[family][proxy], max_seq_len=seq_len)
+    with torch.device("meta"):
+        model = Transformer(args)
+    return args.get_nparams_and_flops(model, seq_len)[1]
+
+
+def run_case(case: str, a) -> dict:
+    dump = os.path.join(a.work_dir, f"torchtitan_{case}")
+    os.makedirs(dump, exist_ok=True)
+    if os.path.exists(os.path.join(dump, "metrics.jsonl")):
+        os.remove(os.path.join(dump, "metrics.jsonl"))
+    train_args = [
+        "--model.name", SPEC_NAME, "--model.flavor", a.tt_flavor, "--training.dataset", "stdlib",
+        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.local_batch),
+        "--training.steps", str(a.steps), "--training.mixed_precision_param", a.param_dtype,
+        "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--optimizer.lr", "3e-4",
+        "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none", "--job.dump_folder", dump,
+    ]
+    if case == "compiled":
+        train_args += ["--compile.enable"]
+    launch = ["--nproc_per_node", "1", "--master_port", str(a.port), "bench/vs_torchtitan.py", "--worker",
+              "--tt-flavor", a.tt_flavor, "--"] + train_args
+    cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
+    env = dict(os.environ)
+    if a.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = a.gpus
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    shown = " ".join(shlex.quote(c) for c in ["torchrun"] + launch)
+    print(f"[vs_torchtitan] {case}: {shown}", flush=True)
+    log_path = os.path.join(a.work_dir, f"torchtitan_{case}.log")
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=a.case_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    row = {"case": case, "returncode": rc, "command": shown,
+           **summarize(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup_steps)}
+    if rc != 0:
+        with open(log_path) as f:
+            row["log_tail"] = f.read()[-1500:]
+    print(f"[vs_torchtitan] {case}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
+          flush=True)
+    return row
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="eager,compiled")
+    p.add_argument("--family", default="qwen2_moe")
+    p.add_argument("--proxy", default="57B-A14B-L2", help="titan_fold's proxy flavor (for the FLOP count)")
+    p.add_argument("--tt-flavor", default="57B-A14B-L2")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--local-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--param-dtype", default="bfloat16")
+    p.add_argument("--gpus", default=None)
+    p.add_argument("--port", type=int, default=29521)
+    p.add_argument("--case-timeout", type=int, default=420)
+    p.add_argument("--work-dir", default="/tmp/titan_fold_bench")
+    p.add_argument("--ours", default=None, help="bench/train_step.py result JSON with 1gpu_eager / 1gpu_compiled")
+    p.add_argument("--name", default="vs_torchtitan")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--worker", action="store_true")
+    if "--worker" in argv:
+        split = argv.index("--")
+        a = p.parse_args(argv[:split])
+        worker(argv[split + 1:], a.tt_flavor)
+        return {}
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.tt_flavor, a.proxy, a.seq_len, a.steps, a.warmup_steps, a.param_dtype = "debug", "debug-L2", 128, 4, 1, "float32"
+    from bench.common import command_line, env_info, peak_flops, write_result
+
+    fpt = our_flops_per_token(a.family, a.proxy, a.seq_len)
+    peak = peak_flops(env_info()["device"])
+    rows = []
+    ours = {}
+    if a.ours and os.path.exists(a.ours):
+        with open(a.ours) as f:
+            ours = {r["case"]: r for r in json.load(f)["figures"]["rows"]}
+    for case in a.cases.split(","):
+        row = run_case(case, a)
+        tps = row["tokens_per_sec_per_gpu"]
+        row["mfu_pct_titan_fold_formula"] = 100 * fpt * tps / peak if tps and peak == peak else None
+        mine = ours.get(f"1gpu_{case}")
+        if mine and mine.get("tokens_per_sec_per_gpu") and tps:
+            row["titan_fold_tokens_per_sec"] = mine["tokens_per_sec_per_gpu"]
+            row["titan_fold_mfu_pct"] = mine.get("mfu_pct")
+            row["ratio_titan_fold_over_torchtitan"] = mine["tokens_per_sec_per_gpu"] / tps
+        rows.append(row)
+    figures = {"torchtitan_flavor": a.tt_flavor, "titan_fold_proxy": a.proxy, "seq_len": a.seq_len,
+               "local_batch": a.local_batch, "steps": a.steps, "warmup_steps": a.warmup_steps,
+               "titan_fold_flops_per_token": fpt, "peak_flops": peak, "ours_file": a.ours, "rows": rows}
+    write_result(a.name, figures, a.out_dir, command=command_line(["bench/vs_torchtitan.py"] + argv))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""CPU checks of the benchmark logic: FLOP counts, the result schema, timing, summaries,
+proxy flavors, and one tiny MoE-layer benchmark end to end (bench/moe_layer.py --smoke)."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common, moe_layer, train_step, vs_torchtitan  # noqa: E402
+from titan_fold.models import FLAVORS, Transformer  # noqa: E402
+from titan_fold.moe import MoE, MoEArgs  # noqa: E402
+
+
+def test_moe_layer_flops_match_parameter_count():
+    # independent count: 6 FLOPs per activated weight per token, activated weights read off a real layer
+    dim, ffn, E, k, shared = 48, 24, 8, 2, 40
+    layer = MoE(dim, MoEArgs(num_experts=E, top_k=k, moe_ffn_dim=ffn, shared_ffn_dim=shared, shared_expert_gate=True))
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    active = n(layer.experts) * k / E + n(layer.shared_expert) + n(layer.router) + n(layer.shared_expert_gate)
+    tokens = 1000
+    f = common.moe_layer_flops(tokens, dim, ffn, k, E, shared, True)
+    assert f["total"] == pytest.approx(6 * tokens * active)
+    assert f["routed"] == pytest.approx(6 * tokens * n(layer.experts) * k / E)
+    # token drop: only kept assignments run
+    assert common.moe_layer_flops(tokens, dim, ffn, k, E, kept_frac=0.75)["routed"] == pytest.approx(0.75 * f["routed"])
+
+
+def test_qwen2_shape_flops_by_hand():
+    f = common.moe_layer_flops(8192, 3584, 2560, 8, 64, 20480, True)
+    assert f["routed"] == 6 * 8192 * 8 * 3 * 3584 * 2560  # 10.82 TFLOP
+    assert f["shared"] == 6 * 8192 * 3 * 3584 * 20480
+    assert f["total"] == f["routed"] + f["shared"] + 6 * 8192 * 3584 * 64 + 6 * 8192 * 3584
+
+
+def test_write_result_schema(tmp_path):
+    path = common.write_result("x", {"a": 1.5, "nan": float("nan")}, str(tmp_path), command="python bench/x.py --y")
+    with open(path) as f:
+        rec = json.load(f)
+    assert set(common.SCHEMA_KEYS) <= set(rec)
+    assert rec["command"] == "python bench/x.py --y" and rec["figures"]["a"] == 1.5
+    assert rec["figures"]["nan"] is None  # NaN is not JSON
+    assert {"device", "torch", "cuda", "nccl"} <= set(rec["env"]) and rec["env"]["torch"] == torch.__version__
+
+
+def test_command_line_reproduces_launch(monkeypatch):
+    monkeypatch.delenv("BENCH_LAUNCHER", raising=False)
+    assert common.command_line(["bench/a.py", "--x", "a b"]) == "python bench/a.py --x 'a b'"
+    monkeypatch.setenv("BENCH_LAUNCHER", "torchrun --nproc_per_node 2")
+    assert common.command_line(["bench/a.py"]) == "torchrun --nproc_per_node 2 bench/a.py"
+
+
+def test_time_ms_counts_calls():
+    calls = []
+    times = common.time_ms(lambda: calls.append(1), warmup=2, iters=5, device=torch.device("cpu"))
+    assert len(calls) == 7 and len(times) == 5 and all(t >= 0 for t in times)
+    assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([1.0, 2.0, 3.0, 4.0]) == 2.5
+
+
+def test_kernel_classes():
+    assert moe_layer.kernel_class("ncclDevKernel_SendRecv") == "nccl"
+    assert moe_layer.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert moe_layer.kernel_class("void cub::DeviceRadixSortOnesweepKernel") == "sort_scan"
+    assert moe_layer.kernel_class("void at::native::index_elementwise_kernel") == "index_scatter_gather"
+    assert moe_layer.kernel_class("void at::native::vectorized_elementwise_kernel<silu>") == "elementwise_other"
+
+
+def test_moe_layer_smoke(tmp_path):
+    fig = moe_layer.main(["--smoke", "--out-dir", str(tmp_path)])
+    rows = {r["mode"]: r for r in fig["rows"]}
+    assert set(rows) == {"dropless", "cf1.0"} and not any("error" in r for r in rows.values())
+    assert rows["dropless"]["kept_frac"] == 1.0 and 0 < rows["cf1.0"]["kept_frac"] <= 1.0
+    for r in rows.values():
+        # TFLOP/s is the FLOP count over the median time
+        flops = r["gflop_per_step"]["total"] * 1e9
+        assert r["tflops"] == pytest.approx(flops / (r["median_ms"] * 1e-3) / 1e12, rel=2e-2, abs=1e-3)
+        parts = r["breakdown"]["forward_ms_by_part"]
+        assert {"router", "dispatcher", "grouped_gemm", "permute_sort", "shared_expert"} <= set(parts)
+        inner = sum(parts.get(k, 0.0) for k in ("grouped_gemm", "permute_sort", "count_exchange",
+                                                 "all_to_all", "all_gather_v", "reduce_scatter_v"))
+        assert parts["dispatcher_rest_gather_combine"] == pytest.approx(parts["dispatcher"] - inner, abs=2e-3)
+    with open(tmp_path / "moe_layer.json") as f:
+        assert json.load(f)["figures"]["rows"][0]["shape"] == "tiny"
+
+
+def test_train_step_summary_and_plans():
+    recs = [{"step": s, "loss": 10.0 - s, "tokens_per_sec": 100.0 * s, "mfu": float(s), "tflops": 1.0,
+             "max_memory_gib": 5.0 + (s == 2), "time_per_step_s": 1.0 / s} for s in range(1, 8)]
+    out = train_step.summarize(recs, warmup_steps=3)
+    assert out["steps_measured"] == 4
+    assert out["tokens_per_sec_per_gpu"] == 550.0  # median of 400..700
+    assert out["mfu_pct"] == 5.5 and out["peak_memory_gib"] == 5.0  # step 2's peak is warm-up
+    assert out["loss_first"] == 9.0 and out["loss_last"] == 3.0
+
+    class A:
+        family, proxy, seq_len, local_batch, steps, param_dtype = "qwen2_moe", "57B-A14B-L2", 4096, 2, 20, "bfloat16"
+
+    nproc, args = train_step.case_plan("dp2_etp2", A)
+    get = lambda k: args[args.index(k) + 1]  # noqa: E731
+    assert nproc == 2 and get("--parallelism.expert_tensor_parallel_degree") == "2"
+    assert get("--parallelism.expert_parallel_degree") == "1" and get("--training.global_batch_size") == "4"
+    nproc, args = train_step.case_plan("1gpu_compiled", A)
+    assert nproc == 1 and "--compile.enable" in args and get("--training.mixed_precision_param") == "bfloat16"
+
+
+def test_proxy_flavor_keeps_widths():
+    try:
+        train_step.register_proxy("qwen2_moe", "57B-A14B-L2")
+        base, proxy = FLAVORS["qwen2_moe"]["57B-A14B"], FLAVORS["qwen2_moe"]["57B-A14B-L2"]
+        assert proxy.n_layers == 2 and proxy.vocab_size == 32768 and base.n_layers == 28
+        assert dataclasses.replace(proxy, n_layers=base.n_layers, vocab_size=base.vocab_size) == base
+    finally:
+        FLAVORS["qwen2_moe"].pop("57B-A14B-L2", None)
+
+
+def test_torchtitan_proxy_has_our_widths():
+    """torchtitan's qwen3 proxy and ours: the same routed and shared expert weights per layer;
+    attention differs only by Qwen3's q/k norms and Qwen2's qkv biases."""
+    from torchtitan.models.qwen3 import Qwen3Model
+
+    try:
+        train_step.register_proxy("qwen2_moe", "57B-A14B-L2")
+        ours_args = FLAVORS["qwen2_moe"]["57B-A14B-L2"]
+        with torch.device("meta"):
+            ours = Transformer(ours_args)
+            theirs = Qwen3Model(vs_torchtitan.qwen3_args("57B-A14B-L2"))
+        count = lambda m, key: sum(p.numel() for n, p in m.named_parameters() if key in n)  # noqa: E731
+        assert count(ours, ".moe.experts.") == count(theirs, ".moe.experts.") == 2 * 64 * 3 * 3584 * 2560
+        assert count(ours, ".moe.shared_expert.") == count(theirs, ".moe.shared_experts.") == 2 * 3 * 3584 * 20480
+        assert count(ours, "tok_embeddings") == count(theirs, "tok_embeddings") == 32768 * 3584
+        fpt = vs_torchtitan.our_flops_per_token("qwen2_moe", "57B-A14B-L2", 4096)
+        assert fpt == ours_args.get_nparams_and_flops(ours, 4096)[1]
+    finally:
+        FLAVORS["qwen2_moe"].pop("57B-A14B-L2", None)
