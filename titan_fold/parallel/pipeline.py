@@ -1,0 +1,217 @@
+"""Pipeline parallelism: the layer stack cut at block boundaries into stages, run by a
+`torch.distributed.pipelining` schedule (1F1B, Interleaved1F1B, GPipe).
+
+Both meshes lead with the same "pp" dim, so a stage holds whole blocks: its attention and
+its experts live on the pp rank's slice of the attention and expert meshes, and
+`parallelize_fn` applies experts / FSDP / AC / compile to each stage model as to a whole
+model. Stage s runs on pp rank s % pp ("loop" placement: rank r holds r, r + pp, ...).
+
+Normalization. Without PP the trainer divides each micro-batch's loss sum by the global
+token count before backward, and sets each MoE layer's aux_loss_scale to the micro-batch's
+share of those tokens. Under PP the schedule calls backward itself, once per pipeline
+micro-batch, so both happen here instead:
+- the schedule's loss is `TokenNormalizedLoss`: loss sum * (1 / global tokens), its scale
+  set by `pipeline_forward_backward` before every `step` (torchtitan 0.2.2 leaves the sum
+  unnormalized, so gradients grow with the number of tokens);
+- each pipeline micro-batch carries a kwarg `aux_loss_scale` [micro-batch size] (each
+  sequence's valid tokens / global tokens); the schedule splits it with the batch and
+  delivers it to every stage, where a forward pre-hook sums it and hands it to the
+  stage's MoE layers. A stage without MoE layers drops it.
+The loss is all-reduced over pp so that every rank (rank 0 writes metrics) reports it.
+"""
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    get_schedule_class,
+)
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
+
+from titan_fold.moe import MoE
+from titan_fold.parallel.layout import Layout, LayoutError
+
+# schedules tested here; zero-bubble ones split backward in two, V ones place stages otherwise
+SUPPORTED_SCHEDULES = (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
+AUX_SCALE_KWARG = "aux_loss_scale"
+
+
+def schedule_class(name: str) -> type:
+    cls = get_schedule_class(name)
+    if cls not in SUPPORTED_SCHEDULES:
+        names = ", ".join(c.__name__.removeprefix("Schedule") for c in SUPPORTED_SCHEDULES)
+        raise LayoutError(f"parallelism.pipeline_parallel_schedule = {name!r}: supported are {names}")
+    return cls
+
+
+def split_layers(n_layers: int, num_stages: int, first_less: int = 1, last_less: int = 1) -> list[list[str]]:
+    """Module FQNs of each stage: contiguous blocks, at least one per stage, balanced so
+    that the embedding counts as `first_less` blocks and norm + output as `last_less`."""
+    if n_layers < num_stages:
+        raise LayoutError(f"{num_stages} pipeline stages need at least as many layers; the model has {n_layers}")
+    counts = [1] * num_stages
+    load = [1 + first_less * (s == 0) + last_less * (s == num_stages - 1) for s in range(num_stages)]
+    for _ in range(n_layers - num_stages):
+        s = load.index(min(load))  # lightest stage, earliest on ties
+        counts[s] += 1
+        load[s] += 1
+    stages, start = [], 0
+    for s, n in enumerate(counts):
+        fqns = [f"layers.{i}" for i in range(start, start + n)]
+        start += n
+        stages.append((["tok_embeddings"] if s == 0 else []) + fqns + (["norm", "output"] if s == num_stages - 1 else []))
+    return stages
+
+
+def stage_fqns(parallelism, n_layers: int, pp: int) -> list[list[str]]:
+    """Every stage's module FQNs from [parallelism]: module_fqns_per_model_part as given,
+    else pipeline_parallel_layers_per_stage (stage count = ceil((layers + first_less +
+    last_less) / layers_per_stage)), else one stage per rank (two for looped schedules)."""
+    single = issubclass(schedule_class(parallelism.pipeline_parallel_schedule), PipelineScheduleSingle)
+    first_less = parallelism.pipeline_parallel_first_stage_less_layers
+    last_less = parallelism.pipeline_parallel_last_stage_less_layers
+    if parallelism.module_fqns_per_model_part is not None:
+        stages = [list(s) for s in parallelism.module_fqns_per_model_part]
+        expected = ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+        if [f for s in stages for f in s] != expected or not all(stages):
+            raise LayoutError(
+                "parallelism.module_fqns_per_model_part: non-empty stages that list tok_embeddings, "
+                f"layers.0 .. layers.{n_layers - 1}, norm, output once each, in this order; got {stages}"
+            )
+    elif parallelism.pipeline_parallel_layers_per_stage is not None:
+        per_stage = parallelism.pipeline_parallel_layers_per_stage
+        stages = split_layers(n_layers, math.ceil((n_layers + first_less + last_less) / per_stage), first_less, last_less)
+    else:
+        stages = split_layers(n_layers, pp * (1 if single else 2), first_less, last_less)
+    if len(stages) % pp or (single and len(stages) != pp):
+        kind = "one stage per rank" if single else "a multiple of pp stages"
+        raise LayoutError(
+            f"{len(stages)} pipeline stages over pp = {pp}: schedule "
+            f"{parallelism.pipeline_parallel_schedule} needs {kind}"
+        )
+    return stages
+
+
+def stage_model(model: nn.Module, fqns: list[str]) -> nn.Module:
+    """A copy of the (meta) model with only these modules; the rest set to None / deleted."""
+    stage = copy.deepcopy(model)
+    keep = set(fqns)
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in keep:
+            setattr(stage, name, None)
+    for layer_id in list(stage.layers.keys()):
+        if f"layers.{layer_id}" not in keep:
+            del stage.layers[layer_id]
+    return stage
+
+
+class TokenNormalizedLoss:
+    """loss_fn(pred, labels) * scale, with scale = 1 / global valid tokens set per step."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+        self.scale: torch.Tensor | float = 1.0
+
+    def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(pred, labels) * self.scale
+
+
+class StageHooks:
+    """Forward hooks on one stage model.
+
+    Pre-hook: pops the `aux_loss_scale` kwarg [micro-batch size] and gives its sum to the
+    stage's MoE layers as a new tensor (not `fill_`: under 1F1B the next micro-batch's
+    forward runs before this one's backward, which still needs the old value).
+
+    The schedule's first `step` runs each stage once on stand-in inputs to learn shapes;
+    the MoE statistics that forward accumulates (stats, expert loads) are put back.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.shape_pass = True
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        model.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
+        model.register_forward_hook(self.post_forward)
+
+    def _statistics(self) -> list[torch.Tensor]:
+        return [b for m in self.moes for n, b in m.named_buffers(recurse=False) if n != AUX_SCALE_KWARG]
+
+    def pre_forward(self, module, args, kwargs):
+        scale = kwargs.pop(AUX_SCALE_KWARG, None)
+        if self.shape_pass:
+            self.saved = [(b, b.clone()) for b in self._statistics()]
+        if scale is not None and not scale.is_meta:
+            value = scale.sum()  # []
+            for moe in self.moes:
+                moe.aux_loss_scale = value
+        return args, kwargs
+
+    @torch.no_grad()
+    def post_forward(self, module, args, output):
+        if self.shape_pass:
+            for buf, before in self.saved:
+                buf.copy_(before)
+            self.saved, self.shape_pass = [], False
+
+
+def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device, model_args, parallelize_fn, loss_fn):
+    """torchtitan's TrainSpec.pipelining_fn: -> (schedule, model_parts, has_first_stage, has_last_stage)."""
+    p = job_config.parallelism
+    if p.pipeline_parallel_schedule_csv:
+        raise LayoutError("parallelism.pipeline_parallel_schedule_csv: not supported; name a schedule instead")
+    if model_args.tie_embeddings:
+        raise LayoutError("pipeline parallelism with tied embeddings: the first and last stages would share a weight")
+    cls = schedule_class(p.pipeline_parallel_schedule)
+    mb_size, local_batch = p.pipeline_parallel_microbatch_size, job_config.training.local_batch_size
+    if local_batch % mb_size:
+        raise LayoutError(f"training.local_batch_size = {local_batch}: not a multiple of "
+                          f"parallelism.pipeline_parallel_microbatch_size = {mb_size}")
+    all_fqns = stage_fqns(p, model_args.n_layers, layout.pp)
+    pp_mesh = layout.get_mesh("pp")
+    pp_rank, num_stages = pp_mesh.get_local_rank(), len(all_fqns)
+    stages, model_parts = [], []
+    for s in range(pp_rank, num_stages, layout.pp):
+        part = parallelize_fn(stage_model(model, all_fqns[s]), layout, job_config)
+        StageHooks(part)
+        model_parts.append(part)
+        stages.append(PipelineStage(part, s, num_stages, device, group=pp_mesh.get_group()))
+        logger.info(f"Pipeline stage {s} of {num_stages} on pp rank {pp_rank}: {all_fqns[s]}")
+    token_loss = TokenNormalizedLoss(loss_fn)
+    n_microbatches = local_batch // mb_size
+    single = issubclass(cls, PipelineScheduleSingle)
+    schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=token_loss, scale_grads=False)
+    # pipeline_forward_backward sets its scale every step
+    schedule.token_loss = token_loss
+    logger.info(f"Pipeline schedule {cls.__name__}: {n_microbatches} micro-batches, {num_stages} stages")
+    return schedule, model_parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+
+def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+    """The PP branch of FoldTrainer.forward_backward_step: forward and backward of one
+    local batch through the schedule; returns loss sum / global tokens (on every pp rank)."""
+    schedule = trainer.pp_schedule
+    inputs, labels, extra_inputs, extra_kwargs = trainer.post_dataloading_process(input_dict, labels)
+    schedule.token_loss.scale = 1.0 / global_valid_tokens
+    # each sequence's share of the global tokens, split into micro-batches with the batch
+    aux_scale = (labels != IGNORE_INDEX).sum(dim=1).float() / global_valid_tokens  # [local_batch]
+    last = trainer.pp_has_last_stage
+    losses = [] if last else None
+    with trainer.train_context():
+        inputs = (inputs,) if trainer.pp_has_first_stage else ()
+        extra = extra_inputs if trainer.pp_has_first_stage else {}
+        schedule.step(*inputs, **extra, **extra_kwargs, **{AUX_SCALE_KWARG: aux_scale},
+                      target=labels if last else None, losses=losses, return_outputs=False)
+    loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=trainer.device)
+    loss = loss.to(trainer.device).float()
+    dist.all_reduce(loss, group=trainer.parallel_dims.get_mesh("pp").get_group())
+    return loss
