@@ -10,13 +10,15 @@ GPUs that hold those degrees with and without folding.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict
 
 from titan_fold.models import FLAVORS
 from titan_fold.planner import (
-    GIB, RECOMPUTE, Cluster, Estimate, Workload, job_toml, min_gpus, model_sizes, plan, resolve_flavor,
+    GIB, RECOMPUTE, Cluster, Estimate, Workload, enumerate_mappings, estimate, job_toml, min_gpus,
+    model_sizes, plan, resolve_flavor,
 )
 
 
@@ -39,6 +41,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--write-config", default=None, metavar="FILE.toml", help="job config of the best mapping")
     p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--mapping", action="append", default=[], metavar="DIM=N,...",
+                   help="also estimate this mapping (e.g. pp=4,tp=2,ep=4,etp=1; unset dims: dp_replicate 1, "
+                        "others derived or 1), with the best recompute choice; unfolded ones also with the "
+                        "legacy group order; repeatable")
     p.add_argument("--min-gpus", nargs="+", default=None, metavar="DIM=N",
                    help="fewest GPUs with these degrees (e.g. cp=8 ep=8), folded vs legacy")
     return p
@@ -66,6 +72,25 @@ def _as_dict(e: Estimate) -> dict:
                      "groups": c.groups, "overlapped": c.overlapped} for n, c in e.comm.items()},
         "reasons": e.reasons,
     }
+
+
+def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, recompute) -> list[tuple[str, Estimate]]:
+    """Estimates of user-named mappings: (label, estimate), the fastest recompute choice that fits."""
+    out = []
+    for spec in specs:
+        fixed = {k: int(v) for k, v in (kv.split("=") for kv in spec.replace(" ", ",").split(",") if kv)}
+        fixed.setdefault("dp_replicate", 1)
+        for k in ("cp", "tp", "ep", "etp", "pp"):
+            fixed.setdefault(k, 1)
+        found = enumerate_mappings(cluster.gpus, sizes, work.seq_len, fixed)
+        if not found:
+            raise ValueError(f"--mapping {spec}: not a valid mapping on {cluster.gpus} GPUs")
+        for legacy in (False, True) if not found[0].folded else (False,):
+            ests = [estimate(sizes, m, work, cluster, True, legacy) for m in
+                    (dataclasses.replace(found[0], recompute=rc) for rc in recompute)]
+            fit = [e for e in ests if e.fits] or [min(ests, key=lambda e: e.memory.total)]
+            out.append(("lgcy" if legacy else "given", min(fit, key=lambda e: e.step_s)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(args.seq_len, args.global_batch, args.capacity_factor)
     result = plan(sizes, work, cluster, args.top, tuple(args.recompute))
     best, legacy = (result.ranked[0] if result.ranked else None), result.best_legacy
+    try:
+        given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
 
     if args.format == "json":
         print(json.dumps({
@@ -105,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             "candidates": result.candidates, "rejected": result.rejected,
             "ranked": [_as_dict(e) for e in result.ranked],
             "best_legacy": _as_dict(legacy) if legacy else None,
+            "given": [{"label": label, **_as_dict(e)} for label, e in given],
         }, indent=1))
     else:
         nodes = -(-args.gpus // args.gpus_per_node)
@@ -129,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             print("no unfolded (legacy) mapping fits")
         if not best:
             print("no mapping fits in memory")
+        if given:
+            print("given mappings ('lgcy': legacy group order):")
+            for label, e in given:
+                print(_row(label, e))
     if args.write_config:
         if not best:
             return 1

@@ -5,7 +5,7 @@ titan_fold trainer as it runs (FSDP2 over dp_shard x cp for dense parameters and
 experts, torchtitan's 1F1B pipeline, sequence parallel whenever tp > 1, the EP x ETP
 dispatcher of design.md), with these simplifications (docs/planning.md lists them again):
 
-- one sequence per micro-batch; micro-batches per step m = global_batch / dp;
+- micro-batches of `micro_batch` sequences (the search uses 1): m = global_batch / (dp x micro_batch);
 - bf16 compute, fp32 master weights, fp32 gradients, two fp32 AdamW moments: 16 bytes per
   sharded parameter, plus the unsharded bf16 copies FSDP2 gathers;
 - activations counted tensor by tensor for one block (see `activation_bytes`); flash attention
@@ -17,6 +17,8 @@ dispatcher of design.md), with these simplifications (docs/planning.md lists the
 - TP/SP, CP, EP, ETP and PP transfers sit on the critical path (no overlap); FSDP/EDP
   gathers and reduce-scatters and HSDP all-reduces overlap with compute and only their
   excess over the step's compute is charged;
+- FSDP2 gathers every micro-batch without PP and once per step with PP (the written config
+  sets fsdp_reshard_after_forward = "never" then; the stage stays unsharded anyway);
 - step = (m + pp - 1) x (compute + exposed communication of one micro-batch on the busiest
   stage) + exposed FSDP; the pp - 1 extra slots are the 1F1B bubble (no virtual stages).
 """
@@ -65,6 +67,10 @@ class Workload:
     # worst case (every token of the EP group to one rank) is reported separately
     dropless_imbalance: float = 1.0
     compute_bytes: int = BF16  # activations, gathered parameters, communication (4: fp32 CPU runs)
+    micro_batch: int = 1  # sequences per micro-batch (the planner searches 1 only)
+
+    def microbatches(self, dp: int) -> int:
+        return self.global_batch // (dp * self.micro_batch)
 
 
 @dataclass
@@ -328,8 +334,7 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
     A = work.compute_bytes
     layers = _layers_per_stage(sizes, m.pp)
     fsdp, edp = m.dp_shard * m.cp, m.edp
-    mb = work.global_batch // m.dp
-    in_flight = min(m.pp, mb)  # 1F1B: the first stage holds pp micro-batches
+    in_flight = min(m.pp, work.microbatches(m.dp))  # 1F1B: the first stage holds pp micro-batches
 
     def dense_local(first: bool, last: bool) -> float:  # this rank's TP shard of the stage's dense params
         n = sum(layers[k] * (sizes.tp_params_per_layer[k] / m.tp + sizes.rep_params_per_layer[k]) for k in layers)
@@ -360,12 +365,12 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
             per_mb = sum(layers[k] * activation_bytes(sizes, m, work, k, rc, worst) for k in layers)
             if rc == "full":  # one block is recomputed at a time and holds all its tensors
                 per_mb += activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst)
-            return per_mb * flight
+            return per_mb * flight * work.micro_batch
 
         T = work.seq_len / (m.cp * m.tp)
-        disp = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work)) if layers["moe"] else 0
-        disp_worst = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work, True)) if layers["moe"] else 0
-        logits = (A + FP32) * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
+        disp = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work)) * work.micro_batch if layers["moe"] else 0
+        disp_worst = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work, True)) * work.micro_batch if layers["moe"] else 0
+        logits = (A + FP32) * work.micro_batch * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
         base = sharded * STATE_BYTES + unsharded + logits
         stages.append(Memory(
             params=sharded * FP32, grads=sharded * FP32, optimizer=sharded * 2 * FP32, unsharded=unsharded,
@@ -396,7 +401,7 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
     h, S, A = sizes.dim, work.seq_len, work.compute_bytes
     T, Ta = S / (m.cp * m.tp), S / m.cp
     layers = _layers_per_stage(sizes, m.pp)
-    mb = work.global_batch // m.dp
+    mb = work.global_batch // m.dp  # sequences per rank and step: activation traffic is per sequence
     fwd = 1.5 if m.recompute == "full" else 1.0  # full recompute repeats the forward collectives
     ring = lambda n: (n - 1) / n  # noqa: E731
     out = {}
@@ -416,17 +421,20 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
         out["etp"] = GroupComm("etp", mb * layers["moe"] * 4 * fwd * A * h * rows * (m.etp - 1), "ring", False, m.etp)
     if m.pp > 1:  # activations forward, their gradients backward, at one stage boundary
         out["pp"] = GroupComm("pp", mb * 2 * A * h * T, "p2p", False, m.pp)
-    # FSDP2: AG forward and backward every micro-batch (reshard after forward); gradient RS every
-    # micro-batch without PP, once per step with PP (PipelineStage defers gradient sync)
-    syncs = 1 if m.pp > 1 else mb
+    # FSDP2 without PP: AG forward and backward, gradient RS, every micro-batch (reshard after
+    # forward). With PP the pipeline keeps the stage unsharded after backward and defers gradient
+    # sync to the last micro-batch; with fsdp_reshard_after_forward = "never" (job_toml writes it)
+    # the stage is gathered once per step
+    gathers = 1 if m.pp > 1 else 2 * work.microbatches(m.dp)
+    syncs = 1 if m.pp > 1 else work.microbatches(m.dp)
     dense = sum(layers[k] * sizes.tp_params_per_layer[k] / m.tp for k in layers) + (
         (sizes.embedding_params + sizes.head_params) / m.tp if m.pp == 1 else max(sizes.embedding_params, sizes.head_params) / m.tp)
     experts = layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp)
     fsdp = m.dp_shard * m.cp
     if fsdp > 1:
-        out["dp_shard_cp"] = GroupComm("dp_shard_cp", dense * ring(fsdp) * (2 * mb * A + syncs * FP32), "ring", True, fsdp)
+        out["dp_shard_cp"] = GroupComm("dp_shard_cp", dense * ring(fsdp) * (gathers * A + syncs * FP32), "ring", True, fsdp)
     if m.edp > 1:
-        out["edp"] = GroupComm("edp", experts * ring(m.edp) * (2 * mb * A + syncs * FP32), "ring", True, m.edp)
+        out["edp"] = GroupComm("edp", experts * ring(m.edp) * (gathers * A + syncs * FP32), "ring", True, m.edp)
     if m.dp_replicate > 1:  # HSDP: all-reduce of the sharded dense gradients
         out["dp_replicate"] = GroupComm("dp_replicate", syncs * dense / fsdp * FP32 * 2 * ring(m.dp_replicate),
                                         "ring", True, m.dp_replicate)
@@ -536,8 +544,8 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
         per_token *= 8 / 6  # one more forward
     per_token += sizes.flops_per_token_head  # bound: the busiest stage also holds the head
     flops_rate = cluster.tflops * 1e12 * cluster.compute_efficiency
-    mb = work.global_batch // m.dp
-    compute = per_token * work.seq_len / (m.cp * m.tp) / flops_rate
+    mb = work.microbatches(m.dp)
+    compute = per_token * work.micro_batch * work.seq_len / (m.cp * m.tp) / flops_rate
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
     fsdp = max(0.0, sum(c.seconds for c in comm.values() if c.overlapped) - mb * compute)
     slot = compute + exposed
@@ -615,9 +623,9 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
 
 def job_toml(family: str, flavor: str, m: Mapping, work: Workload) -> str:
     """A job config for `titan_fold.train` (parses with titan_fold.config.parse_args)."""
-    mb = work.global_batch // m.dp
-    # PP: one micro-batch per sequence of the rank's batch; otherwise gradient accumulation
-    local = mb if m.pp > 1 else 1
+    # PP: the rank's whole batch, cut into micro-batches by the schedule; otherwise one
+    # micro-batch per forward/backward and gradient accumulation over global / (local x dp)
+    local = work.global_batch // m.dp if m.pp > 1 else work.micro_batch
     ac = {"none": 'mode = "none"', "selective": 'mode = "selective"\nselective_ac_option = "op"', "full": 'mode = "full"'}
     lines = [
         f"# written by `python -m titan_fold.plan`: {m.short()}, recompute {m.recompute}"
@@ -636,8 +644,8 @@ def job_toml(family: str, flavor: str, m: Mapping, work: Workload) -> str:
         f"expert_tensor_parallel_degree = {m.etp}",
         f"expert_data_parallel_degree = {m.edp}",
     ]
-    if m.pp > 1:
-        lines += ["pipeline_parallel_microbatch_size = 1"]
+    if m.pp > 1:  # the stage stays gathered through the step (what the planner's estimate assumes)
+        lines += [f"pipeline_parallel_microbatch_size = {work.micro_batch}", 'fsdp_reshard_after_forward = "never"']
     lines += ["", "[activation_checkpoint]", ac[m.recompute]]
     if work.capacity_factor is not None:
         lines += ["", "[moe]", f"capacity_factor = {work.capacity_factor}"]
