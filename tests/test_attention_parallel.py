@@ -9,6 +9,7 @@ dropless mode without balance losses it is per-token, hence layout independent; 
 gradients are then partial sums over the ranks holding different tokens (tp under SP, cp).
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -25,14 +26,19 @@ import titan_fold  # noqa: F401  (settles the device once in the parent; ranks i
 WORLD = 8
 B, S = 2, 32
 RTOL = 1e-5
-# (tp, cp, sequence_parallel, loss_parallel); the rest of the 8 ranks are dp-like replicas
+# (tp, cp, sequence_parallel, loss_parallel, fsdp, stages); the rest of the 8 ranks are
+# dp-like replicas fed the same batch. fsdp: FSDP2 over dp_shard x cp on top (as parallelize
+# does), whose summed gradients are then dp_shard x the one-rank ones. stages 2: the model
+# cut into two pipeline stages (run back to back here) that hand each other plain tensors.
 CASES = [
-    (2, 1, True, True),
-    (4, 1, True, False),
-    (2, 1, False, False),
-    (1, 2, True, False),
-    (1, 4, True, False),
-    (2, 2, True, True),
+    (2, 1, True, True, False, 1),
+    (4, 1, True, False, False, 1),
+    (2, 1, False, False, False, 1),
+    (1, 2, True, False, False, 1),
+    (1, 4, True, False, False, 1),
+    (2, 2, True, True, False, 1),
+    (2, 2, True, True, True, 1),
+    (2, 2, True, True, False, 2),
 ]
 
 
@@ -47,7 +53,7 @@ def _flavors():
         # mixtral with one dense first layer: the dense FFN path too
         # 8 query / 4 kv heads: GQA that tp4 can still split
         out[name] = dataclasses.replace(
-            args, moe=moe, first_k_dense=1 if name == "mixtral" else 0, n_layers=3, n_heads=8, n_kv_heads=4, head_dim=None
+            args, moe=moe, first_k_dense=1 if name == "mixtral" else 0, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=None
         )
     return out
 
@@ -61,7 +67,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report):
+def _fully_shard(model, layout):
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = layout.get_optional_mesh("dp_shard_cp")
+    units = [*model.layers.values(), model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=unit is not model)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def _stages(model, n: int):
+    # pipeline cut at the block boundary: stage 0 keeps the embedding and layer 0
+    if n == 1:
+        return [model]
+    first, last = model, copy.deepcopy(model)
+    first.norm, first.output = None, None
+    del first.layers["1"]
+    last.tok_embeddings = None
+    del last.layers["0"]
+    return [first, last]
+
+
+def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -74,16 +103,19 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report):
     layout.build_mesh("cpu")
     tp_mesh, cp_mesh = layout.attention["tp"], layout.attention["cp"]
     with torch.device("meta"):
-        model = Transformer(args)
-    if tp > 1:
-        apply_tp(model, tp_mesh, loss_parallel=lp, sequence_parallel=sp)
-    if cp > 1:
-        apply_cp(model, cp_mesh)
-    model.to_empty(device="cpu")
-    model.init_weights()
+        parts = _stages(Transformer(args), stages)
+    for model in parts:
+        if tp > 1:
+            apply_tp(model, tp_mesh, loss_parallel=lp, sequence_parallel=sp)
+        if cp > 1:
+            apply_cp(model, cp_mesh)
+        model.to_empty(device="cpu")
+        model.init_weights()
+    named = [(n, p) for model in parts for n, p in model.named_parameters()]
+    assert sorted(n for n, _ in named) == sorted(ref.grads)
 
     plan = placement_plan(args, layout)
-    for name, p in model.named_parameters():
+    for name, p in named:
         if isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements):
             # init_weights on a meta-built model gave every tp rank the same replicated weights
             total = p.to_local().detach().clone()
@@ -102,10 +134,21 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report):
             else:
                 p.copy_(full)
 
+    if fsdp:
+        for model in parts:
+            _fully_shard(model, layout)
+        named = [(n, p) for model in parts for n, p in model.named_parameters()]  # FSDP's own parameters
+
     positions = None
     if cp > 1:
         tokens, labels, positions = cp_shard(tokens, labels, cp_mesh)
-    logits = model(tokens, positions)
+    h = tokens
+    for i, model in enumerate(parts):
+        if i > 0:
+            # what a pipeline stage can send: this rank's plain [b, s/(cp*tp), dim] shard
+            assert type(h) is torch.Tensor and h.shape[1] == S // (cp * tp if sp else cp), (type(h), h.shape)
+        h = model(h, positions)
+    logits = h
     if lp:
         assert isinstance(logits, DTensor) and logits.placements[0].dim in (-1, 2), logits.placements
         with loss_parallel():
@@ -121,11 +164,18 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report):
     ref_loss = ref.loss
     report("loss", abs(total.item() - ref_loss) / abs(ref_loss), RTOL)
 
-    for name, p in model.named_parameters():
+    for name, p in named:
         ref_grad = ref.grads[name]
         g = p.grad
         assert g is not None, name
-        if isinstance(g, DTensor):
+        if fsdp:
+            # FSDP2 reduce-scattered over dp_shard x cp and left the tp placements as planned
+            assert tuple(g.placements[1:]) == tuple(p.placements[1:]), (name, g.placements, p.placements)
+            full = g.full_tensor()
+            if ".experts." in name and tp > 1:  # plain expert tensors: partial over tp too
+                dist.all_reduce(full, group=tp_mesh.get_group())
+            ref_grad = ref_grad * layout.dp_shard
+        elif isinstance(g, DTensor):
             # reduced over tp already: Replicate gradients must not be left Partial
             assert tuple(g.placements) == tuple(p.placements), (name, g.placements, p.placements)
             local = g.to_local().clone()
@@ -162,15 +212,16 @@ def _worker(rank: int, store: str, out_dir: str):
         loss.backward()
         ref.loss = loss.item()
         ref.grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
-        for tp, cp, sp, lp in CASES:
-            case = f"{flavor} tp{tp} cp{cp} sp={sp} loss_parallel={lp}"
+        for tp, cp, sp, lp, fsdp, stages in CASES:
+            case = f"{flavor} tp{tp} cp{cp} sp={sp} loss_parallel={lp}" + (" fsdp" if fsdp else "")
+            case += " 2 stages" if stages > 1 else ""
 
             def report(what, err, tol, case=case):
                 results.append((case, what, err, tol))
 
             t = time.time()
             try:
-                _run_case(args, ref, tokens, labels, tp, cp, sp, lp, report)
+                _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report)
             except Exception as e:  # keep the other ranks' collectives in step: report, stop
                 results.append((case, f"exception {type(e).__name__}: {e}", float("inf"), 0.0))
                 raise

@@ -123,6 +123,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     if sequence_parallel:
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+    if sequence_parallel:
+        # pipeline stages hand plain tensors to each other: a stage without the embedding
+        # takes this rank's sequence shard [b, s/tp, dim], one without the output head returns it
+        if model.tok_embeddings is None:
+            model.register_forward_pre_hook(
+                lambda module, args: (DTensor.from_local(args[0], tp_mesh, [seq], run_check=False), *args[1:])
+            )
+        if model.output is None:
+            model.register_forward_hook(lambda module, args, out: out.to_local() if isinstance(out, DTensor) else out)
 
     for block in model.layers.values():
         plan = {
