@@ -2,6 +2,7 @@
 
     python bench/moe_compile.py                        # CPU, small shapes, fp32
     python bench/moe_compile.py --preset qwen2 --out bench/results/moe_compile_h100.json   # GPU, bf16
+    torchrun --nproc_per_node 2 bench/moe_compile.py --ep 2   # the EP x ETP dispatcher (ep * etp | ranks)
 
 For each mode (dropless, token drop, pad-to-capacity) it reports eager and compiled
 milliseconds per step, the graph breaks found by torch._dynamo.explain, the graphs
@@ -16,8 +17,9 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
-from titan_fold.moe import MoE, MoEArgs
+from titan_fold.moe import MoE, MoEArgs, install_dispatcher
 
 PRESETS = {
     # tokens per rank, hidden, expert ffn, experts, top-k, shared ffn
@@ -38,6 +40,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def log(msg):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
 def step(layer, x, grad):
     y = layer(x)
     y.backward(grad)
@@ -54,12 +61,14 @@ def timed(layer, x, grad, iters, warmup, device):
     return (time.perf_counter() - t0) / iters * 1e3
 
 
-def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len):
+def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len, meshes):
     args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
                    shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["shared_ffn"] > 0, **MODES[mode])
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
+    if meshes is not None:
+        install_dispatcher(layer, *meshes)  # every rank holds all tokens' worth of its own batch
     x = torch.randn(shape["tokens"] // seq_len, seq_len, shape["dim"], device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -68,12 +77,14 @@ def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len):
     # (dropless work: token-drop modes compute a little less or, padded, a little more)
     row["tflop"] = 18 * shape["tokens"] * shape["dim"] * (shape["top_k"] * shape["ffn"] + shape["shared_ffn"]) / 1e12
 
+    log(f"{mode}: eager {row['eager_ms']:.2f} ms; explain")
     torch._dynamo.reset()
     explain = torch._dynamo.explain(layer)(x)
     row["graphs"] = explain.graph_count
     row["graph_breaks"] = explain.graph_break_count
     row["break_reasons"] = sorted({str(b.reason).splitlines()[0][:120] for b in explain.break_reasons})
 
+    log(f"{mode}: compile")
     torch._dynamo.reset()
     compiled = torch.compile(layer)
     for _ in range(warmup):
@@ -84,6 +95,7 @@ def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len):
     row["speedup"] = row["eager_ms"] / row["compiled_ms"]
     row["compiled_tflops"] = row["tflop"] / row["compiled_ms"] * 1e3
 
+    log(f"{mode}: fullgraph")
     torch._dynamo.reset()
     try:
         step(torch.compile(layer, fullgraph=True), x, grad)
@@ -101,19 +113,37 @@ def main():
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ep", type=int, default=None, help="under torchrun: expert parallel degree (default: all ranks)")
+    p.add_argument("--etp", type=int, default=1, help="under torchrun: expert tensor parallel degree")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world, meshes = int(os.environ.get("WORLD_SIZE", 1)), None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        ep = a.ep or world // a.etp
+        mesh = init_device_mesh(device.type, (world // (ep * a.etp), ep, a.etp), mesh_dim_names=("edp", "ep", "etp"))
+        meshes = (mesh["ep"] if ep > 1 else None, mesh["etp"] if a.etp > 1 else None)
     preset = a.preset or ("qwen2" if device.type == "cuda" else "tiny")
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     shape = PRESETS[preset]
     seq_len = min(a.seq_len, shape["tokens"])
 
-    rows = [bench_mode(m, shape, dtype, device, a.iters, a.warmup, seq_len) for m in a.modes.split(",")]
+    rows = [bench_mode(m, shape, dtype, device, a.iters, a.warmup, seq_len, meshes) for m in a.modes.split(",")]
+    if world > 1:
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) > 0:
+            return
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"MoE layer fwd+bwd, {preset} {shape}, {dtype}, {name}, torch {torch.__version__}")
+    layout = f"{world} ranks, ep {ep}, etp {a.etp}, tokens per rank" if world > 1 else "1 rank"
+    print(f"MoE layer fwd+bwd, {preset} {shape}, {dtype}, {name}, {layout}, torch {torch.__version__}")
     print(f"{'mode':<9} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} {'TFLOP/s':>8} {'graphs':>7} {'breaks':>7} "
           f"{'recomp':>7}  fullgraph")
     for r in rows:
@@ -125,7 +155,7 @@ def main():
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": name,
+            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": name, "layout": layout,
                        "torch": torch.__version__, "preset": preset, "shape": shape, "dtype": str(dtype),
                        "results": rows}, f, indent=2)
 
