@@ -1,0 +1,261 @@
+"""Checkpoint safety around torchtitan's CheckpointManager: check before load, trust nothing.
+
+What torchtitan 0.2.2 + DCP already guarantee (read from their source, tested here):
+- completeness: DCP writes every rank's `__r_i.distcp` first, then the coordinator writes
+  `.metadata.tmp` (fsync) and renames it to `.metadata`; `CheckpointManager._find_load_step`
+  only considers `step-N` folders holding `.metadata` (or, for HF exports,
+  `model.safetensors.index.json`, written by the consolidation at the very end). A save cut
+  by a kill has no `.metadata` and is never picked as the latest, so no marker of our own
+  is needed; `complete(folder)` states the same rule for our tools.
+- resharding: DCP reads any saved DTensor layout into any other (model, optimizer).
+
+What this module adds (`install_checkpoint_hooks(trainer)`, called once by FoldTrainer):
+- before any tensor is read, the checkpoint's shapes are compared with the model's
+  (`validate_against`): a wrong flavor, vocabulary or family fails with one message that
+  names the tensors, and the model is not touched;
+- the trust boundary of DCP's files: `.metadata` is a pickle, and DCP's default planner
+  reads non-tensor values (train_state, the data loader's and RNG state) with
+  `torch.load(weights_only=False)`. Before DCP reads anything, `read_metadata` unpickles
+  `.metadata` with an allow-list (DCP's metadata classes, torch.Size / dtype, builtin
+  containers) and every non-tensor entry is test-loaded with `torch.load(weights_only=True)`;
+  a checkpoint that would need anything else is refused. HF safetensors are parsed as
+  JSON headers + raw bytes (never pickle). Any torch.load here uses weights_only=True;
+- the RNG state (torch's CPU generator, and CUDA's when present) in the checkpoint;
+- a fault-injection hook for tests, read in one place: TITAN_FOLD_FAULT_AT_STEP=k (and
+  TITAN_FOLD_FAULT_RANK, default 0) kills that rank with SIGKILL in the middle of step k
+  (after forward / backward, before the optimizer step) in the first torchrun attempt only
+  (TORCHELASTIC_RESTART_COUNT == 0), so `torchrun --max-restarts 1` resumes.
+"""
+
+import io
+import json
+import os
+import pickle
+import signal
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def complete(folder: str) -> bool:
+    """A DCP checkpoint is complete once its `.metadata` exists (written last, atomically)."""
+    return os.path.isfile(os.path.join(folder, ".metadata")) or os.path.isfile(
+        os.path.join(folder, "model.safetensors.index.json")
+    )
+
+
+# ---------------------------------------------------------------- trusted reading
+
+_ALLOWED_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # every class of DCP's metadata module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.distributed.checkpoint._extension": None,
+    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+              "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2", "contiguous_format",
+              "channels_last", "strided", "device"},
+    "torch.serialization": {"_get_layout"},
+    "torch._utils": {"_rebuild_tensor_v2"},
+    "collections": {"OrderedDict", "defaultdict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict", "getattr", "slice", "bytes", "int", "float"},
+    "copyreg": {"_reconstructor"},
+    "enum": {"Enum"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = _ALLOWED_GLOBALS.get(module, ())
+        if allowed is None or name in allowed:
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to unpickle {module}.{name}: not part of DCP's metadata")
+
+
+def read_metadata(folder: str) -> Metadata:
+    """DCP `.metadata` of `folder`, unpickled with an allow-list; errors name the folder."""
+    path = os.path.join(folder, ".metadata")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder}: no .metadata, not a complete DCP checkpoint")
+    try:
+        with open(path, "rb") as f:
+            metadata = _RestrictedUnpickler(f).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except Exception as e:  # truncated or garbage file
+        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def check_bytes_entries(folder: str, metadata: Metadata) -> None:
+    """Every non-tensor value must load with weights_only=True (DCP itself uses weights_only=False)."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, BytesStorageMetadata):
+            continue
+        info = metadata.storage_data.get(MetadataIndex(fqn))
+        if info is None:
+            raise CheckpointError(f"{folder}: no storage for {fqn!r}")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{folder}: {fqn!r} is stored with transforms {info.transform_descriptors}")
+        with open(os.path.join(folder, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{folder}: entry {fqn!r} is not plain data ({type(e).__name__}); refusing to load") from None
+
+
+def read_hf_folder(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files of an HF folder (no pickle involved)."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files")
+    sd = {}
+    for name in files:
+        sd.update(load_file(os.path.join(folder, name)))
+    return sd
+
+
+def hf_shapes(folder: str) -> dict[str, tuple[list[int], str]]:
+    """{key: (shape, dtype)} from the JSON headers of an HF folder's safetensors files."""
+    shapes = {}
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files")
+    for name in files:
+        with open(os.path.join(folder, name), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        shapes.update({k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _shape(value: Any) -> list[int] | None:
+    if isinstance(value, DTensor):
+        return list(value.shape)  # global shape
+    if isinstance(value, torch.Tensor):
+        return list(value.shape)
+    return None
+
+
+def compare_shapes(where: str, saved: dict[str, list[int]], wanted: dict[str, list[int]]) -> None:
+    """Raise one CheckpointError listing every tensor the model wants that `saved` lacks or shapes differently."""
+    missing = sorted(k for k in wanted if k not in saved)
+    wrong = sorted(k for k in wanted if k in saved and list(saved[k]) != list(wanted[k]))
+    if not missing and not wrong:
+        return
+    lines = [f"{where} does not fit this model; nothing was loaded."]
+    for k in wrong[:8]:
+        lines.append(f"  {k}: checkpoint {list(saved[k])}, model {list(wanted[k])}")
+    if len(wrong) > 8:
+        lines.append(f"  ... and {len(wrong) - 8} more shape mismatches")
+    if missing:
+        lines.append(f"  missing from the checkpoint ({len(missing)}): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    hints = []
+    if any(k.endswith(("tok_embeddings.weight", "output.weight", "embed_tokens.weight", "lm_head.weight")) for k in wrong):
+        hints.append("the vocabulary size differs")
+    if wrong or missing:
+        hints.append("check --model.name / --model.flavor (and the [moe] shapes) against the run that saved it")
+    lines.append("  hint: " + "; ".join(hints))
+    raise CheckpointError("\n".join(lines))
+
+
+def validate_against(checkpoint_id: str, state_dict: dict[str, Any], from_hf_state_dict: dict[str, Any] | None = None) -> None:
+    """Compare the checkpoint's tensor shapes with what is about to be loaded into, before any read.
+
+    state_dict: the (flattened) states torchtitan passes to dcp.load; for an HF load,
+    from_hf_state_dict is the adapter's to_hf of the model state dict instead.
+    """
+    if from_hf_state_dict is not None:
+        saved = {k: shape for k, (shape, _) in hf_shapes(checkpoint_id).items()}
+        wanted = {k: s for k, v in from_hf_state_dict.items() if (s := _shape(v)) is not None}
+        compare_shapes(f"Hugging Face checkpoint {checkpoint_id}", saved, wanted)
+        return
+    metadata = read_metadata(checkpoint_id)
+    check_bytes_entries(checkpoint_id, metadata)
+    saved = {
+        k: list(md.size) for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+    }
+    # model tensors are top-level keys; optimizer / scheduler / data states are nested and
+    # DCP checks them itself (they follow the model's shapes)
+    wanted = {k: s for k, v in state_dict.items() if (s := _shape(v)) is not None}
+    compare_shapes(f"checkpoint {checkpoint_id}", saved, wanted)
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+class RNGState(Stateful):
+    """torch's CPU generator state (and the current CUDA device's), saved as uint8 tensors.
+
+    A plain tensor in DCP is saved once (rank 0's copy) and loaded on every rank: all
+    ranks resume with rank 0's state. torchtitan seeds every rank alike (apart from pp
+    stages), so this is the state every rank had.
+    """
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state_dict["cpu"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+# ---------------------------------------------------------------- faults (tests)
+
+FAULT_STEP_ENV, FAULT_RANK_ENV = "TITAN_FOLD_FAULT_AT_STEP", "TITAN_FOLD_FAULT_RANK"
+
+
+def maybe_fault(step: int) -> None:
+    """Kill this process (SIGKILL: no cleanup, no flush) when the fault env vars say so."""
+    at = os.environ.get(FAULT_STEP_ENV)
+    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if int(os.environ.get("RANK", "0")) == int(os.environ.get(FAULT_RANK_ENV, "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- trainer hooks
+
+
+def install_checkpoint_hooks(trainer) -> None:
+    """Called once at the end of FoldTrainer.__init__ (before train() loads anything)."""
+    ckpt = trainer.checkpointer
+    if getattr(ckpt, "enable", False):
+        ckpt.states["rng"] = RNGState()
+        dcp_load = ckpt.dcp_load
+
+        def validated_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
+            hf = ckpt.sd_adapter.to_hf(dict(state_dict)) if from_hf else None
+            validate_against(checkpoint_id, state_dict, hf)
+            return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+
+        ckpt.dcp_load = validated_dcp_load
+
+    forward_backward_step = trainer.forward_backward_step
+
+    def forward_backward_then_maybe_fault(*args, **kwargs):
+        loss = forward_backward_step(*args, **kwargs)
+        maybe_fault(trainer.step)
+        return loss
+
+    trainer.forward_backward_step = forward_backward_then_maybe_fault
