@@ -198,6 +198,10 @@ def _moe_plan(moe: nn.Module, sequence_parallel: bool) -> dict:
 # ---------------------------------------------------------------- context parallel
 
 
+# autograd all-gather (backward: reduce-scatter); torch 2.13 renamed it, 2.11 has the old name
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
 def _chunks_of(cp_rank: int, cp: int) -> tuple[int, int]:
     # load balance under the causal mask: an early chunk (little to attend to) with a late one
     return cp_rank, 2 * cp - 1 - cp_rank
@@ -244,14 +248,18 @@ class ContextParallelAttention(nn.Module):
         cp, rank = self.cp, self.cp_rank
         b, h, s_local, d = q.shape
         c = s_local // 2
-        # [b, kv_heads, cp * 2c, head_dim], rank order: rank j contributes chunks j, 2cp-1-j
-        k_all = funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
-        v_all = funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
         # to global chunk order: chunk g sits at gathered slot 2j (g = j) or 2j+1 (g = 2cp-1-j)
         order = [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
         index = torch.tensor(order, device=q.device)
-        k_all = k_all.unflatten(2, (2 * cp, c)).index_select(2, index).flatten(2, 3)
-        v_all = v_all.unflatten(2, (2 * cp, c)).index_select(2, index).flatten(2, 3)
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            # sequence first: the collective gathers dim 0 without an extra concat copy
+            x = _all_gather(x.permute(2, 0, 1, 3).contiguous(), gather_dim=0, group=self.cp_mesh)
+            # [cp * 2c, b, kv_heads, head_dim] in rank order (rank j: chunks j, 2cp-1-j)
+            x = x.unflatten(0, (2 * cp, c)).index_select(0, index).flatten(0, 1)
+            return x.permute(1, 2, 0, 3)  # [b, kv_heads, s, head_dim], global order
+
+        k_all, v_all = gather(k), gather(v)
         if h != k_all.shape[1]:
             # GQA: repeat the gathered kv heads for their query groups (SDPA with an explicit
             # mask does not take enable_gqa on every backend)
