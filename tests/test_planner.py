@@ -108,15 +108,19 @@ def test_memory_by_hand():
     sharded = (2 * (192 + 48) + 128 + 136) / 2 + 2 * 768 / 2  # 372 dense + 768 experts
     assert mem.params == sharded * 4 and mem.grads == sharded * 4 and mem.optimizer == sharded * 8
     assert mem.unsharded == (192 + 768 / 2) * (3 * 4 + 4)  # biggest unit: 2 param copies + grad, + fp32 grad
-    attention = 4 * (4 * 8 * 16 + 16 * (2 + 1 + 1) * 4 + 16 * 2 * 4) + 4 * 16 * 2  # norms, qkv, out; lse
-    moe = 2 * 4 * 16 * 4 + 4 * 32 * 8 + 4 * 32 * 8 * 4  # router logits+probs; 32 routed rows: input, 4 ffn tensors
+    # attention: 2 norms x 3 h-wide tensors, q (8) k v (4 each), out (8); fp32 log-sum-exp (2 heads), 2 x 1/rms
+    attention = 4 * (6 * 8 * 16 + 16 * 16 + 16 * 8) + 4 * (16 * 2 + 2 * 16)
+    # router input, fp32 logits, int64 top-2; 32 routed rows: int64 indices, input + w2 out (2h), prob, 6 x ffn 8
+    moe = 4 * 8 * 16 + 4 * 16 * 4 + 8 * 16 * 2 + 16 * 32 + 4 * 32 * (2 * 8 + 1 + 6 * 8)
+    assert (attention, moe) == (4864, 9856)
     assert mem.activations == 2 * (attention + moe)
+    assert mem.backward == attention + moe  # gradients of one block's tensors during its backward
     assert mem.dispatcher == 4 * 8 * (16 * 2 + 32)
-    assert mem.logits == (4 + 4) * 16 * 16
-    assert mem.total == 18240 + 9216 + 2 * 9344 + 2048 + 2048 == 50240
+    assert mem.logits == (4 + 4 + 4) * 16 * 16  # logits, log-softmax, gradient
+    assert mem.total == 18240 + 9216 + 3 * (4864 + 9856) + 2048 + 3072 == 76736
     # dropless worst case: both EP ranks send all their copies for our 2 experts: 64 rows, not 32
-    worst_moe = 2 * 4 * 16 * 4 + 4 * 64 * 8 + 4 * 64 * 8 * 4
-    assert mem.total_worst_dropless == 50240 - 2 * moe + 2 * worst_moe + 4 * 8 * 32
+    worst_moe = 4 * 8 * 16 + 4 * 16 * 4 + 8 * 16 * 2 + 16 * 64 + 4 * 64 * (2 * 8 + 1 + 6 * 8)
+    assert mem.total_worst_dropless == 76736 - 3 * moe + 3 * worst_moe + 4 * 8 * 32
     # full recompute keeps the block inputs (2 x 16 x 8 x 4 bytes) plus one block being recomputed
     full = memory(sizes, Mapping(1, 1, 2, 1, 1, 2, 1, 1, "full"), Workload(16, 4, compute_bytes=4))
     assert full.activations == 2 * 16 * 8 * 4 + attention + moe

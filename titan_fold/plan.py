@@ -34,6 +34,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes")
     p.add_argument("--tflops", type=float, default=989.0, help="peak bf16 TFLOP/s per GPU")
     p.add_argument("--compute-efficiency", type=float, default=0.6)
+    p.add_argument("--gemm-half-rows", type=float, default=128.0,
+                   help="GEMM rows at which efficiency halves (small expert GEMMs, short CP chunks)")
     p.add_argument("--comm-efficiency", type=float, default=0.7)
     p.add_argument("--reserve-gib", type=float, default=4.0, help="memory kept for CUDA/NCCL/fragmentation")
     p.add_argument("--capacity-factor", type=float, default=None, help="token drop; unset = dropless")
@@ -117,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{k:<7} {want}: " + (f"{v['gpus']} GPUs  ({v['mapping']})" if v else "none up to 4096 GPUs"))
         return 0
 
-    cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory_gib, args.intra_node_gbps,
-                      args.inter_node_gbps, args.tflops, args.compute_efficiency, args.comm_efficiency,
-                      args.reserve_gib)
+    cluster = Cluster(
+        args.gpus, args.gpus_per_node, args.gpu_memory_gib, intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps, tflops=args.tflops, compute_efficiency=args.compute_efficiency,
+        gemm_half_rows=args.gemm_half_rows, comm_efficiency=args.comm_efficiency, reserve_gib=args.reserve_gib,
+    )
     work = Workload(args.seq_len, args.global_batch, args.capacity_factor)
     result = plan(sizes, work, cluster, args.top, tuple(args.recompute))
     best, legacy = (result.ranked[0] if result.ranked else None), result.best_legacy

@@ -54,6 +54,10 @@ class Cluster:
     # achieved / peak: GEMMs reach ~0.6-0.8 of peak at these shapes (design.md: 588-641 TFLOP/s
     # grouped, 797 dense on H200); the rest of the step (norms, softmax, permutes) is slower
     compute_efficiency: float = 0.6
+    # GEMMs with few rows run below compute_efficiency: factor (t / (t + half)) / (1024 / (1024 + half)),
+    # capped at 1, for t rows (tokens of a dense GEMM, routed rows of one expert); 1024 rows per
+    # expert is where design.md measured 588 TFLOP/s grouped on H200 (about 0.6 of peak)
+    gemm_half_rows: float = 128.0
     comm_efficiency: float = 0.7  # NCCL bus bandwidth / link bandwidth at tens of MiB
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
 
@@ -278,8 +282,9 @@ class Memory:
     optimizer: float
     unsharded: float  # FSDP2's gathered bf16 parameters and unsharded gradients
     activations: float  # all micro-batches in flight
+    backward: float  # gradients of one block's saved tensors while that block runs backward
     dispatcher: float  # one layer's send/receive buffers
-    logits: float
+    logits: float  # logits, fp32 log-softmax, fp32 logit gradients
     total: float
     total_worst_dropless: float  # every token of an EP group routed to this rank, in every layer
 
@@ -304,28 +309,36 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
                      recompute: str = "none", worst: bool = False) -> float:
     """Bytes one block keeps for backward, per rank and micro-batch (one sequence).
 
+    The inventory of what autograd saves in the trainer's eager block (checked with
+    saved_tensors_hooks on the debug model, docs/planning.md), per token:
+      attention: each RMSNorm keeps its input, normalized input and output (3h) and 1/rms
+      (fp32); q, k, v, the attention output and the flash log-sum-exp (fp32);
+      MoE: the router input copy (h), logits (E, fp32), top-k and permutation indices (int64);
+      per routed row: its input (h), six ffn-wide tensors (w1 out, w3 out, SiLU, its product,
+      the probability product and w2's input), the probability and w2's output (h);
+      shared expert: input (h), three ffn-wide tensors, gate and output (h).
     T tokens per rank at the block boundary (sequence parallel: S / (cp tp)); Ta = S / cp
-    tokens inside TP regions. 'full' keeps the block input only; 'selective' drops the
-    element-wise outputs (SiLU and its products) of the experts and the shared expert.
+    tokens inside TP regions. 'full' keeps the block input only; 'selective' (torchtitan's op
+    policy: matmul outputs saved, element-wise ops recomputed) keeps two ffn-wide tensors.
     """
     h, S, A = sizes.dim, work.seq_len, work.compute_bytes
     T, Ta = S / (m.cp * m.tp), S / m.cp
     if recompute == "full":
         return A * h * T
     qkv = (sizes.n_heads + 2 * sizes.n_kv_heads) * sizes.head_dim / m.tp
-    att = A * (4 * h * T + Ta * qkv + Ta * sizes.n_heads * sizes.head_dim / m.tp)  # norms in/out x2, q k v, out
-    att += FP32 * Ta * sizes.n_heads / m.tp  # flash-attention log-sum-exp
+    att = A * (6 * h * T + Ta * qkv + Ta * sizes.n_heads * sizes.head_dim / m.tp)  # 2 norms x 3h, q k v, out
+    att += FP32 * (Ta * sizes.n_heads / m.tp + 2 * T)  # log-sum-exp, 1/rms of both norms
     if m.cp > 1:  # K and V of the whole sequence, gathered over cp, saved for backward
         att += A * S * 2 * sizes.n_kv_heads * sizes.head_dim / m.tp
-    keep = 2 if recompute == "selective" else 4  # of: w1 out, w3 out, silu(w1)*w3, * prob
+    selective = recompute == "selective"
     if kind == "dense":
-        ffn = A * Ta * sizes.dense_ffn_dim / m.tp * (keep - 1) + A * h * Ta
-        return att + ffn
+        return att + A * Ta * (h + sizes.dense_ffn_dim / m.tp * (2 if selective else 3))
     rows = routed_rows(sizes, m, work, worst) * m.etp  # after the ETP all-gather
-    moe = 2 * FP32 * T * sizes.num_experts  # router logits and probabilities
-    moe += A * rows * h + A * rows * sizes.moe_ffn_dim / m.etp * keep
+    moe = A * h * T + FP32 * T * sizes.num_experts + 8 * T * sizes.top_k  # router input, logits, top-k
+    moe += 16 * rows / m.etp  # permutation indices (int64, both directions)
+    moe += A * rows * (2 * h + 1 + sizes.moe_ffn_dim / m.etp * (2 if selective else 6))
     if sizes.shared_ffn_dim:
-        moe += A * Ta * h + A * Ta * sizes.shared_ffn_dim / m.tp * (keep - 1)
+        moe += A * Ta * (h + sizes.shared_ffn_dim / m.tp * (2 if selective else 3)) + A * T * (h + 1)
     return att + moe
 
 
@@ -367,15 +380,19 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
                 per_mb += activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst)
             return per_mb * flight * work.micro_batch
 
+        def grads_of_block(worst):
+            return activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst) * work.micro_batch
+
         T = work.seq_len / (m.cp * m.tp)
         disp = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work)) * work.micro_batch if layers["moe"] else 0
         disp_worst = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work, True)) * work.micro_batch if layers["moe"] else 0
-        logits = (A + FP32) * work.micro_batch * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
+        logits = (A + 2 * FP32) * work.micro_batch * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
         base = sharded * STATE_BYTES + unsharded + logits
         stages.append(Memory(
             params=sharded * FP32, grads=sharded * FP32, optimizer=sharded * 2 * FP32, unsharded=unsharded,
-            activations=acts(False), dispatcher=disp, logits=logits,
-            total=base + acts(False) + disp, total_worst_dropless=base + acts(True) + disp_worst,
+            activations=acts(False), backward=grads_of_block(False), dispatcher=disp, logits=logits,
+            total=base + acts(False) + grads_of_block(False) + disp,
+            total_worst_dropless=base + acts(True) + grads_of_block(True) + disp_worst,
         ))
     return max(stages, key=lambda s: s.total)
 
@@ -539,13 +556,22 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
             c.crossing, c.inter_fraction, c.groups = stats[name]
         c.seconds = _seconds(c, cluster)
     layers = _layers_per_stage(sizes, m.pp)
-    per_token = sum(layers[k] * sizes.flops_per_token_layer[k] for k in layers)
-    if m.recompute == "full":
-        per_token *= 8 / 6  # one more forward
-    per_token += sizes.flops_per_token_head  # bound: the busiest stage also holds the head
+    routed = 6 * sizes.expert_params_per_layer * sizes.top_k / sizes.num_experts * layers["moe"]
+    dense = sum(layers[k] * sizes.flops_per_token_layer[k] for k in layers) - routed
+    if m.recompute == "full":  # one more forward
+        dense, routed = dense * 8 / 6, routed * 8 / 6
+    dense += sizes.flops_per_token_head  # bound: the busiest stage also holds the head
+
+    def gemm(rows: float) -> float:
+        half = cluster.gemm_half_rows
+        return min(1.0, rows / (rows + half) * (1024 + half) / 1024)
+
+    expert_rows = routed_rows(sizes, m, work) * m.etp * work.micro_batch / (sizes.num_experts / m.ep)
+    dense_rows = work.seq_len * work.micro_batch / m.cp
     flops_rate = cluster.tflops * 1e12 * cluster.compute_efficiency
     mb = work.microbatches(m.dp)
-    compute = per_token * work.micro_batch * work.seq_len / (m.cp * m.tp) / flops_rate
+    tokens = work.micro_batch * work.seq_len / (m.cp * m.tp)  # per rank, per micro-batch
+    compute = tokens * (dense / gemm(dense_rows) + routed / gemm(expert_rows)) / flops_rate
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
     fsdp = max(0.0, sum(c.seconds for c in comm.values() if c.overlapped) - mb * compute)
     slot = compute + exposed
