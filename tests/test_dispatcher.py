@@ -111,6 +111,25 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
         assert len(kept) < B * n * S_LOC * top_k, "the case drops nothing"
 
 
+def check_dtensor_init(ep_mesh, etp_mesh, weights_mesh):
+    """Expert weights placed as DTensors initialize to the one-rank values."""
+    from titan_fold.moe import MoE, MoEArgs, install_dispatcher
+
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN)
+    with torch.device("meta"):
+        moe = MoE(DIM, args)
+    install_dispatcher(moe, ep_mesh, etp_mesh, weights_mesh=weights_mesh)
+    moe.to_empty(device=weights_mesh.device_type)
+    torch.manual_seed(3)
+    moe.init_weights(0.1)
+    full = {n: getattr(moe.experts, n).full_tensor().cpu() for n in ("w1", "w2", "w3")}
+    ref = MoE(DIM, args)
+    torch.manual_seed(3)
+    ref.init_weights(0.1)
+    for n, w in full.items():
+        assert torch.equal(w, getattr(ref.experts, n).detach()), f"DTensor init of {n} depends on the layout"
+
+
 def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -128,6 +147,10 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
         mesh = init_device_mesh(device_type, (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
         ep_mesh = mesh["ep"] if ep > 1 else None
         etp_mesh = mesh["etp"] if etp > 1 else None
+        try:
+            check_dtensor_init(ep_mesh, etp_mesh, mesh["ep", "etp"])
+        except AssertionError:
+            failures.append(f"ep={ep} etp={etp}:\n{traceback.format_exc()}")
         for case_id, case in enumerate(CASES):
             if case[6] not in seq_meshes and case[6] > 1:
                 continue

@@ -9,7 +9,7 @@ dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def local(w: torch.Tensor) -> torch.Tensor:
@@ -52,9 +52,17 @@ class GroupedExperts(nn.Module):
             return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2)
         return _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2)
 
+    @torch.no_grad()
     def init_weights(self, init_std: float):
         for w in (self.w1, self.w2, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+            if isinstance(w, DTensor):
+                # draw the full tensor and keep our slice: the same values as a one-rank
+                # init whatever the (ep, etp) layout
+                full = torch.empty(w.shape, dtype=w.dtype, device=w.to_local().device)
+                nn.init.trunc_normal_(full, mean=0.0, std=init_std)
+                w.to_local().copy_(distribute_tensor(full, w.device_mesh, w.placements, src_data_rank=None).to_local())
+            else:
+                nn.init.trunc_normal_(w, mean=0.0, std=init_std)
 
 
 def _apply(h, p, y_fn, prob_before_w2):
