@@ -126,42 +126,39 @@ class TokenNormalizedLoss:
 
 
 class StageHooks:
-    """Forward hooks on one stage model.
+    """A forward pre-hook on one stage model.
 
-    Pre-hook: pops the `aux_loss_scale` kwarg [micro-batch size] and gives its sum to the
+    It pops the `aux_loss_scale` kwarg [micro-batch size] and gives its sum to the
     stage's MoE layers as a new tensor (not `fill_`: under 1F1B the next micro-batch's
     forward runs before this one's backward, which still needs the old value).
 
-    The schedule's first `step` runs each stage once on stand-in inputs to learn shapes;
-    the MoE statistics that forward accumulates (stats, expert loads) are put back.
+    The schedule's first `step` runs each stage once on stand-in inputs to learn shapes
+    (torch 2.13 also runs backward, which recomputes checkpointed blocks); the MoE
+    statistics this accumulates (stats, expert loads) are put back before the first real
+    micro-batch, i.e. at the stage's second forward.
     """
 
     def __init__(self, model: nn.Module):
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]
         self.shape_pass = True
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, before the shape pass)
         model.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
-        model.register_forward_hook(self.post_forward)
 
     def _statistics(self) -> list[torch.Tensor]:
         return [b for m in self.moes for n, b in m.named_buffers(recurse=False) if n != AUX_SCALE_KWARG]
 
+    @torch.no_grad()
     def pre_forward(self, module, args, kwargs):
         scale = kwargs.pop(AUX_SCALE_KWARG, None)
-        if self.shape_pass:
-            self.saved = [(b, b.clone()) for b in self._statistics()]
+        for buf, before in self.saved:
+            buf.copy_(before)
+        self.saved = [(b, b.clone()) for b in self._statistics()] if self.shape_pass else []
+        self.shape_pass = False
         if scale is not None and not scale.is_meta:
             value = scale.sum()  # []
             for moe in self.moes:
                 moe.aux_loss_scale = value
         return args, kwargs
-
-    @torch.no_grad()
-    def post_forward(self, module, args, output):
-        if self.shape_pass:
-            for buf, before in self.saved:
-                buf.copy_(before)
-            self.saved, self.shape_pass = [], False
 
 
 def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device, model_args, parallelize_fn, loss_fn):
