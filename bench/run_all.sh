@@ -4,7 +4,9 @@
 #   bash bench/run_all.sh A     # 1-GPU work, both GPUs busy side by side:
 #                               #   GPU0: train_step 1gpu eager+compiled, then torchtitan eager+compiled
 #                               #   GPU1: moe_layer eager, train_step debug50 + bf16-params, moe_layer compiled
-#   bash bench/run_all.sh B     # 2-GPU work: collectives, moe_layer ep2/etp2, train_step foldings
+#   bash bench/run_all.sh B     # torchtitan vs titan_fold (eager; AMP / bf16 params), then 2-GPU work:
+#                               #   collectives, moe_layer ep2/etp2, train_step foldings
+#   bash bench/run_all.sh C     # moe_layer eager on 1 GPU and ep2/etp2 on 2 GPUs (breakdowns)
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -21,6 +23,7 @@ phase=${1:-A}
 note() { echo "[run_all $(date -u +%H:%M:%S)] $*"; }
 
 if [ "$phase" = A ]; then
+  # first call (2026-11-22): every 1-GPU benchmark, both GPUs busy side by side
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$LOGS/nvidia_smi.txt"
   (
     note "GPU0 train_step 1gpu"
@@ -29,7 +32,6 @@ if [ "$phase" = A ]; then
     note "GPU0 vs_torchtitan"
     timeout 250 $PY bench/vs_torchtitan.py --cases eager,compiled --gpus 0 --port 29521 \
       --ours "$OUT/train_step_1gpu.json" --out-dir "$OUT" --case-timeout 160 > "$LOGS/gpu0_vs_torchtitan.log" 2>&1
-    note "GPU0 done"
   ) &
   gpu0=$!
   (
@@ -42,21 +44,48 @@ if [ "$phase" = A ]; then
     note "GPU1 moe_layer compiled"
     CUDA_VISIBLE_DEVICES=1 timeout 220 $PY bench/moe_layer.py --compile on --no-profile --name moe_layer_compiled \
       --out-dir "$OUT" > "$LOGS/gpu1_moe_layer_compiled.log" 2>&1
-    note "GPU1 done"
   ) &
   gpu1=$!
   wait $gpu0 $gpu1
-else
-  note "collectives"
-  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 90 $PY -m torch.distributed.run --nproc_per_node 2 --master_port 29541 bench/collectives.py --out-dir "$OUT" \
-    > "$LOGS/collectives.log" 2>&1
+elif [ "$phase" = C ]; then
+  # third call: the MoE-layer breakdowns again (the first runs double-counted the
+  # profiler's GPU-side range spans; fixed in profile_step)
+  note "moe_layer eager 1 GPU"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 $PY bench/moe_layer.py --compile off --name moe_layer_eager \
+    --out-dir "$OUT" > "$LOGS/moe_layer_eager.log" 2>&1
   note "moe_layer 2gpu"
-  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 150 $PY -m torch.distributed.run --nproc_per_node 2 --master_port 29542 \
-    bench/moe_layer.py --dispatch ep2,etp2 --compile off --name moe_layer_2gpu --out-dir "$OUT" \
-    > "$LOGS/moe_layer_2gpu.log" 2>&1
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 120 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29542 bench/moe_layer.py --dispatch ep2,etp2 --compile off --name moe_layer_2gpu \
+    --out-dir "$OUT" > "$LOGS/moe_layer_2gpu.log" 2>&1
+else
+  # second call: torchtitan beside titan_fold on one GPU each (eager; AMP and bf16 params),
+  # then the 2-GPU work
+  (
+    note "GPU0 torchtitan eager (AMP, fp32 weights)"
+    timeout 130 $PY bench/vs_torchtitan.py --cases eager --gpus 0 --port 29521 --name vs_torchtitan_amp \
+      --out-dir "$OUT" --case-timeout 120 > "$LOGS/gpu0_vs_torchtitan.log" 2>&1
+  ) &
+  gpu0=$!
+  (
+    note "GPU1 titan_fold bf16 params, then torchtitan bf16 params"
+    timeout 80 $PY bench/train_step.py --cases 1gpu_bf16params_eager --gpus 1 --port 29531 \
+      --name train_step_1gpu_bf16params --out-dir "$OUT" --case-timeout 75 > "$LOGS/gpu1_train_step.log" 2>&1
+    timeout 100 $PY bench/vs_torchtitan.py --cases bf16params_eager --gpus 1 --port 29532 \
+      --ours "$OUT/train_step_1gpu_bf16params.json" --name vs_torchtitan_bf16params \
+      --out-dir "$OUT" --case-timeout 95 > "$LOGS/gpu1_vs_torchtitan.log" 2>&1
+  ) &
+  gpu1=$!
+  wait $gpu0 $gpu1
+  note "collectives"
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 60 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29541 bench/collectives.py --out-dir "$OUT" > "$LOGS/collectives.log" 2>&1
+  note "moe_layer 2gpu"
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 100 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29542 bench/moe_layer.py --dispatch ep2,etp2 --compile off --name moe_layer_2gpu \
+    --out-dir "$OUT" > "$LOGS/moe_layer_2gpu.log" 2>&1
   note "train_step foldings"
-  timeout 290 $PY bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1 --port 29543 \
-    --name train_step_2gpu --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_2gpu.log" 2>&1
+  timeout 200 $PY bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1 --port 29543 --steps 15 \
+    --name train_step_2gpu --out-dir "$OUT" --case-timeout 65 > "$LOGS/train_step_2gpu.log" 2>&1
 fi
 note "phase $phase finished"
 cp /tmp/titan_fold_bench/*.log "$LOGS/" 2>/dev/null

@@ -3,6 +3,7 @@
     python bench/train_step.py --cases 1gpu_eager,1gpu_compiled --gpus 0
     python bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1
     python bench/train_step.py --cases debug50 --gpus 0          # issue 2's bf16 acceptance run
+    python bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0   # bf16 weights (training.dtype)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -114,6 +116,18 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def run_group(cmd: list[str], env: dict, log, timeout: float):
+    """Run cmd in its own process group; on timeout kill the whole group (torchrun's workers
+    too, so they free the GPU for the next case). -> return code or "timeout"."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timeout"
+
+
 def run_case(case: str, a) -> dict:
     nproc, train_args = case_plan(case, a)
     dump = os.path.join(a.work_dir, case)
@@ -133,11 +147,7 @@ def run_case(case: str, a) -> dict:
     shown = " ".join(shlex.quote(c) for c in ["torchrun"] + launch)
     print(f"[train_step] {case}: {shown}", flush=True)
     with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=a.case_timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_group(cmd, env, log, a.case_timeout)
     records = read_jsonl(os.path.join(dump, "metrics.jsonl"))
     warm = 0 if case == "debug50" else a.warmup_steps
     row = {"case": case, "nproc": nproc, "returncode": rc, "command": shown, **summarize(records, warm)}

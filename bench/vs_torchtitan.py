@@ -1,7 +1,12 @@
 """torchtitan 0.2.2's own qwen3 MoE trainer at the proxy's widths, beside titan_fold's.
 
-    python bench/vs_torchtitan.py --cases eager,compiled --gpus 0 --ours bench/results/train_step_1gpu.json
-    python bench/vs_torchtitan.py --smoke                         # CPU, debug widths (tests)
+    python bench/vs_torchtitan.py --cases eager,compiled --gpus 0 --ours <train_step result with 1gpu_eager, 1gpu_compiled>
+    python bench/vs_torchtitan.py --cases bf16params_eager --gpus 1 --ours <train_step result with 1gpu_bf16params_eager>
+
+Cases: eager / compiled (bf16 autocast over fp32 weights, torchtitan's default on one GPU)
+and bf16params_eager (training.dtype = bfloat16: bf16 weights, as titan_fold's
+1gpu_bf16params_eager case). The worker needs a GPU: torchtitan's trainer and MoE assume
+CUDA (tests check the widths and FLOP count on the CPU instead).
 
 torchtitan's model: its Qwen3 MoE (torchtitan.models.qwen3) with a flavor registered in
 the worker process: dim 3584, 2 layers, 28 heads of 128 (4 KV heads), 64 experts of 2560,
@@ -31,7 +36,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.train_step import read_jsonl, summarize  # noqa: E402
+from bench.train_step import read_jsonl, run_group, summarize  # noqa: E402
 
 SPEC_NAME = "qwen3_titan_fold_bench"
 
@@ -40,11 +45,6 @@ def qwen3_args(proxy: str):
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3 import Qwen3ModelArgs
 
-    if proxy == "debug":
-        return Qwen3ModelArgs(vocab_size=512, max_seq_len=4096, head_dim=16, dim=64, n_layers=2, n_heads=4,
-                              n_kv_heads=2, qk_norm=True, hidden_dim=128, moe_enabled=True, moe_inter_dim=32,
-                              moe_args=MoEArgs(num_experts=8, num_shared_experts=2, top_k=2, score_func="softmax",
-                                               route_norm=False, score_before_experts=False))
     layers = int(proxy.rpartition("-L")[2])
     return Qwen3ModelArgs(
         vocab_size=32768, max_seq_len=4096, head_dim=128, dim=3584, n_layers=layers, n_heads=28, n_kv_heads=4,
@@ -130,8 +130,11 @@ def run_case(case: str, a) -> dict:
         "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--optimizer.lr", "3e-4",
         "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none", "--job.dump_folder", dump,
     ]
-    if case == "compiled":
+    if case.endswith("compiled"):
         train_args += ["--compile.enable"]
+    if case.startswith("bf16params"):
+        # bf16 parameters, no autocast: like titan_fold's 1gpu_bf16params case
+        train_args += ["--training.dtype", "bfloat16"]
     launch = ["--nproc_per_node", "1", "--master_port", str(a.port), "bench/vs_torchtitan.py", "--worker",
               "--tt-flavor", a.tt_flavor, "--"] + train_args
     cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
@@ -143,11 +146,7 @@ def run_case(case: str, a) -> dict:
     print(f"[vs_torchtitan] {case}: {shown}", flush=True)
     log_path = os.path.join(a.work_dir, f"torchtitan_{case}.log")
     with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=a.case_timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_group(cmd, env, log, a.case_timeout)
     row = {"case": case, "returncode": rc, "command": shown,
            **summarize(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup_steps)}
     if rc != 0:
@@ -177,7 +176,6 @@ def main(argv=None) -> dict:
     p.add_argument("--ours", default=None, help="bench/train_step.py result JSON with 1gpu_eager / 1gpu_compiled")
     p.add_argument("--name", default="vs_torchtitan")
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--smoke", action="store_true")
     p.add_argument("--worker", action="store_true")
     if "--worker" in argv:
         split = argv.index("--")
@@ -185,8 +183,6 @@ def main(argv=None) -> dict:
         worker(argv[split + 1:], a.tt_flavor)
         return {}
     a = p.parse_args(argv)
-    if a.smoke:
-        a.tt_flavor, a.proxy, a.seq_len, a.steps, a.warmup_steps, a.param_dtype = "debug", "debug-L2", 128, 4, 1, "float32"
     from bench.common import command_line, env_info, peak_flops, write_result
 
     fpt = our_flops_per_token(a.family, a.proxy, a.seq_len)

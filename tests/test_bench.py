@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common, moe_layer, train_step, vs_torchtitan  # noqa: E402
+from bench import common, moe_layer, report, train_step, vs_torchtitan  # noqa: E402
 from titan_fold.models import FLAVORS, Transformer  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs  # noqa: E402
 
@@ -136,3 +136,13 @@ def test_torchtitan_proxy_has_our_widths():
         assert fpt == ours_args.get_nparams_and_flops(ours, 4096)[1]
     finally:
         FLAVORS["qwen2_moe"].pop("57B-A14B-L2", None)
+
+
+def test_report_tables(tmp_path):
+    assert report.report(str(tmp_path)) == ""  # no results, no tables
+    common.write_result("train_step_2gpu", {"rows": [
+        {"case": "dp2_ep2", "nproc": 2, "returncode": 0, "folding": {"ep": 2, "etp": 1, "edp": 1},
+         "tokens_per_sec_per_gpu": 44141.3, "tflops_per_gpu": 287.8, "mfu_pct": 29.1, "peak_memory_gib": 59.0,
+         "step_time_s": 0.186, "loss_first": 10.9, "loss_last": 2.6}]}, str(tmp_path), command="x")
+    text = report.report(str(tmp_path))
+    assert "| dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | 44,141 | 287.8 | 29.1 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text

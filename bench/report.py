@@ -1,0 +1,137 @@
+"""Markdown tables of the benchmark results (the tables of docs/benchmarks.md).
+
+    python bench/report.py [--results bench/results] > /tmp/tables.md
+
+Reads the JSON files the benchmarks wrote; a missing file leaves its table out.
+"""
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(results: str, name: str):
+    path = os.path.join(results, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _f(x, digits=1):
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def moe_layer_table(results: str) -> list[str]:
+    rows = []
+    for name in ("moe_layer_eager", "moe_layer_compiled", "moe_layer_2gpu"):
+        rec = _load(results, name)
+        if rec:
+            dense = rec["figures"]["dense_bf16_gemm_tflops"]
+            rows += [(r, dense) for r in rec["figures"]["rows"]]
+    if not rows:
+        return []
+    out = ["| shape | mode | dispatch | eager/compiled | ms / step | TFLOP/s | dense GEMM TFLOP/s | ratio | kept |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for r, dense in rows:
+        if "error" in r:
+            out.append(f"| {r['shape']} | {r['mode']} | {r['dispatch']} | {'compiled' if r['compiled'] else 'eager'} "
+                       f"| error: {r['error'][:60]} | | | | |")
+            continue
+        out.append(f"| {r['shape']} | {r['mode']} | {r['dispatch']} | {'compiled' if r['compiled'] else 'eager'} | "
+                   f"{_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {_f(dense)} | {_f(r.get('ratio_to_dense_gemm'), 3)} | "
+                   f"{_f(r['kept_frac'], 3)} |")
+    return out
+
+
+def breakdown_table(results: str) -> list[str]:
+    parts = ("router", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "grouped_gemm",
+             "reduce_scatter_v", "dispatcher_rest_gather_combine", "shared_expert")
+    classes = ("gemm", "nccl", "index_scatter_gather", "elementwise_other", "sort_scan", "reduce")
+    out = ["| shape | mode | dispatch | step ms | " + " | ".join(f"fwd {p}" for p in parts) + " | "
+           + " | ".join(f"step {c}" for c in classes) + " |",
+           "|---|---|---|---:|" + "---:|" * (len(parts) + len(classes))]
+    n = 0
+    for name in ("moe_layer_eager", "moe_layer_2gpu"):
+        rec = _load(results, name)
+        for r in (rec or {}).get("figures", {}).get("rows", []):
+            b = r.get("breakdown")
+            if not b:
+                continue
+            fwd, cls = b["forward_ms_by_part"], b["step_gpu_ms_by_kernel_class"]
+            out.append(f"| {r['shape']} | {r['mode']} | {r['dispatch']} | {_f(r['median_ms'], 1)} | "
+                       + " | ".join(_f(fwd.get(p), 2) if fwd.get(p) else "-" for p in parts) + " | "
+                       + " | ".join(_f(cls.get(c), 1) if cls.get(c) else "-" for c in classes) + " |")
+            n += 1
+    return out if n else []
+
+
+def train_table(results: str) -> list[str]:
+    out = ["| run | GPUs | attention | experts (ep, etp, edp) | tokens/s per GPU | TFLOP/s per GPU | MFU % | "
+           "peak memory GiB | step s | loss first -> last |",
+           "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    n = 0
+    for name in ("train_step_1gpu_bf16params", "train_step_2gpu", "train_step_1gpu_call1",
+                 "train_step_1gpu_extra_call1"):
+        rec = _load(results, name)
+        for r in (rec or {}).get("figures", {}).get("rows", []):
+            fold = r.get("folding")
+            experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
+            status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
+            out.append(f"| {r['case']}{status} | {r['nproc']} | {'dp2 FSDP' if r['nproc'] == 2 else 'single'} | "
+                       f"{experts} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
+                       f"{_f(r['mfu_pct'])} | {_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
+                       f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
+            n += 1
+    return out if n else []
+
+
+def vs_table(results: str) -> list[str]:
+    out = ["| precision | torchtitan tokens/s | torchtitan MFU % (its count / ours) | titan_fold tokens/s | "
+           "titan_fold MFU % | ratio titan_fold / torchtitan | torchtitan peak GiB |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    n = 0
+    for name in ("vs_torchtitan_amp", "vs_torchtitan_bf16params"):
+        rec = _load(results, name)
+        for r in (rec or {}).get("figures", {}).get("rows", []):
+            out.append(f"| {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} / "
+                       f"{_f(r.get('mfu_pct_titan_fold_formula'))} | {_f(r.get('titan_fold_tokens_per_sec'), 0)} | "
+                       f"{_f(r.get('titan_fold_mfu_pct'))} | {_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} | "
+                       f"{_f(r['peak_memory_gib'])} |")
+            n += 1
+    return out if n else []
+
+
+def collectives_table(results: str) -> list[str]:
+    rec = _load(results, "collectives")
+    if not rec:
+        return []
+    cases = ("raw_all_to_all", "dispatcher_a2a_even", "dispatcher_a2a_uneven", "raw_all_gather", "dispatcher_all_gather_v")
+    out = ["| payload | buffer MiB | " + " | ".join(f"{c} GB/s (ms)" for c in cases)
+           + " | a2a dispatcher/raw | all-gather dispatcher/raw |",
+           "|---|---:|" + "---:|" * (len(cases) + 2)]
+    for r in rec["figures"]["rows"]:
+        out.append(f"| {r['payload']} | {_f(r['buffer_mib'])} | "
+                   + " | ".join(f"{_f(r[c]['out_GBps'])} ({_f(r[c]['median_ms'], 3)})" for c in cases)
+                   + f" | {_f(r['dispatcher_over_raw_a2a'], 2)} | {_f(r['dispatcher_over_raw_all_gather'], 2)} |")
+    return out
+
+
+def report(results: str) -> str:
+    sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
+                ("Trainer, proxy Qwen2-57B-A14B-L2", train_table), ("titan_fold vs torchtitan 0.2.2", vs_table),
+                ("Collectives (2 GPUs)", collectives_table)]
+    text = []
+    for title, fn in sections:
+        lines = fn(results)
+        if lines:
+            text += [f"### {title}", ""] + lines + [""]
+    return "\n".join(text)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=os.path.join(HERE, "results"))
+    print(report(p.parse_args().results))
