@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     get_schedule_class,
 )
+from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
@@ -209,6 +210,8 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
         schedule.step(*inputs, **extra, **extra_kwargs, **{AUX_SCALE_KWARG: aux_scale},
                       target=labels if last else None, losses=losses, return_outputs=False)
     loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=trainer.device)
+    if isinstance(loss, DTensor):  # loss parallel under tp
+        loss = loss.full_tensor()
     loss = loss.to(trainer.device).float()
     dist.all_reduce(loss, group=trainer.parallel_dims.get_mesh("pp").get_group())
     return loss
