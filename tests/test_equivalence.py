@@ -1,8 +1,9 @@
-"""Folded layouts reproduce the one-rank run: loss and gradient norm of the first steps.
+"""Folded layouts reproduce the one-rank run: loss, gradient norm and aux loss of the first steps.
 
 Every run starts from the same seed checkpoint, sees the same global batch (8 sequences)
-in micro-batches of one sequence (so the per-micro-batch aux loss sees the same tokens in
-every layout), in fp32, dropless. The one-rank run accumulates 8 micro-batches per step.
+in micro-batches of one sequence (the aux loss is a mean over a micro-batch, gathered over
+the cp x tp ranks that hold its pieces), in fp32, dropless, with the aux and z losses on.
+The one-rank run accumulates 8 micro-batches per step.
 """
 
 import pytest
@@ -11,11 +12,23 @@ from conftest import read_metrics, torchrun
 STEPS = 5
 BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
 
+def degrees(tp=1, cp=1, dp_replicate=1, ep=1, etp=1) -> tuple[str, ...]:
+    return ("--parallelism.tensor_parallel_degree", str(tp), "--parallelism.context_parallel_degree", str(cp),
+            "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
+            "--parallelism.expert_parallel_degree", str(ep), "--parallelism.expert_tensor_parallel_degree", str(etp))
+
+
 LAYOUTS = {
     # attention dp 4; experts ep 2 x etp 1 x edp 2
-    "dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2")),
+    "dp4_ep2_edp2": (4, degrees(ep=2)),
     # attention dp 8; experts ep 4 x etp 2 x edp 1: EP and ETP fold over data-parallel ranks
-    "dp8_ep4_etp2": (8, ("--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "2")),
+    "dp8_ep4_etp2": (8, degrees(ep=4, etp=2)),
+    # the parallelize issue's layouts (a), (b), (c), (e), (f)
+    "a_tp2_cp2_dp2_ep4_etp2": (8, degrees(tp=2, cp=2, ep=4, etp=2)),
+    "b_tp2_dp4_ep8": (8, degrees(tp=2, ep=8)),
+    "c_cp4_dp2_ep2_etp2_edp2": (8, degrees(cp=4, ep=2, etp=2)),
+    "e_hsdp2x2_tp2_ep2_etp2_edp2": (8, degrees(tp=2, dp_replicate=2, ep=2, etp=2)),
+    "f_tp4_dp2_ep2_edp4": (8, degrees(tp=4, ep=2)),
 }
 
 

@@ -58,6 +58,8 @@ def reference(world, pp, dpr, dps, cp, tp, ep, etp) -> dict[str, list[list[int]]
         "dp": megatron_groups(world, att, dp),
         "dp_shard_cp": megatron_groups(world, att, {"dp_shard", "cp"}),
         "dp_cp": megatron_groups(world, att, dp | {"cp"}),
+        "cp_tp": megatron_groups(world, att, {"cp", "tp"}),
+        "stage": megatron_groups(world, att, dp | {"cp", "tp"}),
         "expert.pp": megatron_groups(world, exp, {"pp"}),
         "edp": megatron_groups(world, exp, {"dp_shard"}),
         "ep": megatron_groups(world, exp, {"ep"}),
@@ -156,8 +158,13 @@ def test_torchtitan_names(fake_world):
     assert layout.get_optional_mesh(["ep", "etp"]) is None
     assert layout.get_mesh(["ep"]).mesh.tolist() == group("ep")
     assert set(layout.get_all_one_dimensional_meshes()) == {
-        "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "edp", "ep", "ep_etp"
+        "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "cp_tp", "stage",
+        "edp", "ep", "ep_etp",
     }
+    # cp and tp are the fastest dims: a sequence's ranks are 4 consecutive ones; pp is the
+    # slowest: a stage is 16 consecutive ranks
+    assert layout.get_mesh("cp_tp").mesh.tolist() == [4, 5, 6, 7]
+    assert layout.get_mesh("stage").mesh.tolist() == list(range(16))
     # ParallelDims properties the trainer reads
     assert layout.dp_enabled and layout.pp_enabled and layout.ep_enabled and not layout.etp_enabled
     assert layout.fsdp_gradient_divide_factor == 8 and layout.seq_len_divisor == 8
@@ -316,3 +323,20 @@ def test_torchtitan_set_determinism_takes_a_layout(fake_world):
     layout = Layout(16, pp=2, tp=2, ep=8)
     set_determinism(layout, torch.device("cpu"), Debug(seed=42), distinct_seed_mesh_dims=["pp"])
     assert torch.initial_seed() == 42 + 1  # rank 9 is in the second pipeline stage
+
+
+def test_cli_placements_print_the_plan(capsys):
+    argv = ["--world-size", "8", "--tp", "2", "--cp", "2", "--ep", "4", "--etp", "2", "--model", "qwen2_moe/debug"]
+    assert layout_cli.main(argv + ["--placements"]) == 0
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    # experts: 8 of [32, 64] split 4 ways by expert and 2 ways by width
+    assert lines["layers.0-3.moe.experts.w1"][1:6] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "8x32x64", "2x16x64"]
+    assert lines["layers.0-3.moe.experts.w2"][4:6] == ["8x64x32", "2x64x16"]
+    assert lines["layers.0-3.attention.wo.weight"][1:3] == ["attention", "tp:Shard(1)"]
+    assert lines["layers.0-3.moe.router.gate.weight"][2] == "tp:Replicate"
+    # the model's sizes are checked too: 8 experts do not split 16 ways
+    assert layout_cli.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"]) == 2
+    assert "num_experts" in capsys.readouterr().err
+    assert layout_cli.main(["--world-size", "8", "--placements"]) == 2
+    if dist.is_initialized():
+        dist.destroy_process_group()

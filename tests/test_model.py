@@ -130,8 +130,9 @@ def test_meta_init_is_deterministic():
     assert not torch.equal(sa["layers.0.attention.wq.weight"], sc["layers.0.attention.wq.weight"])
     # non-persistent RoPE buffers are rebuilt by init_weights, not saved
     assert "rope_cos" not in sa
-    pos, inv = torch.arange(args.max_seq_len).double(), args.rope_theta ** (-torch.arange(0, 16, 2).double() / 16)
-    torch.testing.assert_close(a.rope_cos[:, :8].double(), torch.cos(pos[:, None] * inv), rtol=0, atol=1e-4)
+    hd = args.dim // args.n_heads
+    pos, inv = torch.arange(args.max_seq_len).double(), args.rope_theta ** (-torch.arange(0, hd, 2).double() / hd)
+    torch.testing.assert_close(a.rope_cos[:, : hd // 2].double(), torch.cos(pos[:, None] * inv), rtol=0, atol=1e-4)
     # depth-scaled residual writes; biases start at zero
     assert a.layers["3"].attention.wo.weight.std() < 0.6 * a.layers["0"].attention.wo.weight.std()
     assert a.layers["0"].attention.wq.bias.abs().max() == 0

@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 
 from titan_fold.parallel.layout import Layout, LayoutError
+from titan_fold.parallel.plan import format_plan, placement_plan
 
 ATTENTION_GROUPS = ("pp", "dp", "cp", "tp", "dp_cp")
 EXPERT_GROUPS = ("pp", "edp", "ep", "etp", "ep_etp")
@@ -35,15 +36,31 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--format", choices=("table", "json", "png"), default="table")
     p.add_argument("--out", default=None, help="file to write (png needs it; default layout.png)")
+    p.add_argument("--model", default=None,
+                   help="family/flavor (or a unique flavor), e.g. qwen2_moe/57B-A14B: check the degrees against its sizes")
+    p.add_argument("--seq-len", type=int, default=None, help="with --model: check the sequence-length divisibilities")
+    p.add_argument("--placements", action="store_true", help="print where each parameter of --model lives")
     return p
 
 
-def build_layout(args: argparse.Namespace) -> Layout:
+def _model_args(spec: str):
+    from titan_fold.models import FLAVORS
+    from titan_fold.planner import resolve_flavor
+
+    family, flavor = resolve_flavor(spec)
+    return FLAVORS[family][flavor]
+
+
+def build_layout(args: argparse.Namespace, model_args=None) -> Layout:
     """Validate (no process group yet), then build both meshes on a fake world as rank 0."""
     layout = Layout(
         args.world_size, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard,
         cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, edp=args.edp,
     )
+    if model_args is not None:
+        moe = model_args.moe
+        layout.validate(num_experts=moe.num_experts, moe_ffn_dim=moe.moe_ffn_dim, n_heads=model_args.n_heads,
+                        n_kv_heads=model_args.n_kv_heads, seq_len=getattr(args, "seq_len", None))
     if not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -161,11 +178,23 @@ def png(rep: dict, out: str, gpus_per_node: int | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    try:
-        layout = build_layout(args)
-    except LayoutError as e:
-        print(f"LayoutError: {e}", file=sys.stderr)
+    if args.placements and args.model is None:
+        print("--placements needs --model", file=sys.stderr)
         return 2
+    try:
+        model_args = _model_args(args.model) if args.model else None
+        layout = build_layout(args, model_args)
+    except (LayoutError, ValueError) as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.placements:
+        text = format_plan(placement_plan(model_args, layout), layout) + "\n"
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        else:
+            sys.stdout.write(text)
+        return 0
     rep = report(layout)
     if args.format == "png":
         out = args.out or "layout.png"

@@ -17,7 +17,9 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
+from titan_fold.checkpoint import install_checkpoint_hooks
 from titan_fold.config import ConfigError, JobConfig, parse_args
+from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import MoE, update_expert_bias
 from titan_fold.parallel.layout import Layout
@@ -91,9 +93,12 @@ class FoldTrainer(Trainer):
 
     def __init__(self, job_config: JobConfig):
         super().__init__(job_config)
+        # RNG state in checkpoints, shape checks before any load, fault-injection hook for tests
+        install_checkpoint_hooks(self)
         if self.model_args.moe.load_balance == "aux_free":
-            loss_mesh = self.parallel_dims.get_optional_mesh("loss")
-            group = loss_mesh.get_group() if loss_mesh is not None else None
+            # the expert load of every token this stage routed
+            stage_mesh = self.parallel_dims.get_optional_mesh("stage")
+            group = stage_mesh.get_group() if stage_mesh is not None else None
 
             def all_reduce(t: torch.Tensor) -> torch.Tensor:
                 if group is not None:
@@ -104,9 +109,21 @@ class FoldTrainer(Trainer):
                 lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
             )
 
+    def post_dataloading_process(self, input_dict, labels):
+        # torchtitan's version would apply torch's context_parallel; ours shards the batch
+        inputs = input_dict["input"]
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        extra_kwargs = {}
+        layout = self.parallel_dims
+        if layout.cp > 1:
+            # load-balanced causal split; the model needs the global positions for RoPE
+            inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
+        return inputs, labels, extra_inputs, extra_kwargs
+
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        # aux losses are token means over this micro-batch; weigh them like the LM loss,
-        # whose sum is divided by the global token count
+        # aux losses are token means over this micro-batch's sequences (the router gathers
+        # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
+        # by the global token count. `labels` is still the whole micro-batch here.
         scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
         for part in self.model_parts:
             for module in part.modules():

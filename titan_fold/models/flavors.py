@@ -11,11 +11,12 @@ from titan_fold.moe import MoEArgs
 # Qwen2-MoE: qkv bias, a shared expert scaled by sigmoid(x @ w_gate), softmax scores
 # used as they are (norm_topk_prob false).
 QWEN2_MOE = {
+    # 8 query / 4 kv heads (GQA) so that every tp up to 4 divides them
     "debug": TransformerArgs(
         dim=64,
         n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
+        n_heads=8,
+        n_kv_heads=4,
         vocab_size=512,
         norm_eps=1e-6,
         rope_theta=1e6,

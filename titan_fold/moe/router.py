@@ -8,7 +8,9 @@ reference without a float32 bottleneck).
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.moe.args import MoEArgs
 
@@ -17,24 +19,37 @@ from titan_fold.moe.args import MoEArgs
 class Routing:
     probs: torch.Tensor  # [T, k] combine weights of the chosen experts (float32+)
     experts: torch.Tensor  # [T, k] int64 chosen expert ids
-    loss: torch.Tensor  # scalar: coeff-weighted aux + z loss that enters backward
-    balance_loss: torch.Tensor  # scalar, detached: E * sum_e f_e * P_e over this call's tokens (metric)
+    loss: torch.Tensor  # scalar: coeff-weighted aux + z loss terms of this rank's tokens; enters backward
+    balance_loss: torch.Tensor  # scalar, detached: E * sum_e f_e * P_e over the sequence group's tokens (metric)
     tokens_per_expert: torch.Tensor  # [E] float32, detached: routed assignments before any drop
 
 
-def balance_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Switch/GShard load-balancing loss E * sum_e f_e * P_e over a group of tokens.
+def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    # statistics only (no gradient): counts and detached score sums
+    return t if mesh is None else funcol.all_reduce(t, "sum", mesh)
 
-    scores [T, E]: per-token scores normalized to sum 1 (softmax is already; sigmoid is
-    renormalized by the caller). f_e = share of the T*k assignments that went to e (no
-    gradient), P_e = mean score of e. Equals 1 when routing is perfectly uniform.
+
+def balance_terms(scores: torch.Tensor, experts: torch.Tensor, num_experts: int, mesh: DeviceMesh | None):
+    """Switch/GShard load balancing E * sum_e f_e * P_e over groups of tokens.
+
+    scores [G, T, E]: per-token scores normalized to sum 1; experts [G, T, k]; G groups
+    (1 = the whole micro-batch, b = each sequence). f_e = share of the group's T*k
+    assignments that went to e (no gradient), P_e = mean score of e. `mesh` holds the
+    other parts of the same tokens (cp x tp): f and P are over the whole group, so the
+    loss equals the one-rank value; this rank's term carries the gradient of its own
+    tokens' scores, and the terms of all ranks of `mesh` add up to the loss.
+    Returns (term [G] with gradient, loss [G] detached: the whole group's value).
     """
-    T, k = experts.shape
-    counts = torch.zeros(num_experts, dtype=scores.dtype, device=scores.device)
-    counts = counts.index_add(0, experts.flatten(), torch.ones_like(experts.flatten(), dtype=scores.dtype))
-    f = counts / (T * k)  # [E]
-    P = scores.mean(0)  # [E]
-    return num_experts * (f * P).sum()
+    G, T, k = experts.shape
+    n = 1 if mesh is None else mesh.size()
+    counts = torch.zeros(G, num_experts, dtype=scores.dtype, device=scores.device)
+    counts = counts.scatter_add(1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=scores.dtype))
+    score_sums = scores.sum(1)  # [G, E]
+    both = _group_sum(torch.cat([counts, score_sums.detach()], dim=-1), mesh)  # [G, 2E]
+    f = both[:, :num_experts] / (n * T * k)  # [G, E]
+    term = num_experts * (f * score_sums / (n * T)).sum(-1)  # [G]
+    loss = num_experts * (f * both[:, num_experts:] / (n * T)).sum(-1)  # [G]
+    return term, loss
 
 
 class Router(nn.Module):
@@ -44,11 +59,15 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
         # aux_free: added to the scores for the choice only, never to the combine weights
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+        # ranks holding the other parts of this rank's sequences (attention cp x tp), set
+        # by the parallelize step: the balance and z losses are computed over all of them
+        self.seq_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0) -> Routing:
         """x [T, dim] with T = b * seq_len tokens, sequences contiguous."""
         args = self.args
         E, k = args.num_experts, args.top_k
+        T = x.shape[0]
         logits = self.gate(x)  # [T, E]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if args.score_func == "softmax":
@@ -64,24 +83,23 @@ class Router(nn.Module):
 
         # balance losses see scores that sum to 1 per token (sigmoid scores do not)
         dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        whole = balance_loss(dist, experts, E)
+        term, whole = balance_terms(dist[None], experts[None], E, self.seq_mesh)
         loss = torch.zeros((), dtype=scores.dtype, device=scores.device)
         if args.load_balance == "aux_loss":
-            loss = loss + args.aux_loss_coeff * whole
+            loss = loss + args.aux_loss_coeff * term[0]
         elif args.load_balance == "seq_aux_loss":
-            b = experts.shape[0] // seq_len
-            per_seq = torch.vmap(balance_loss, in_dims=(0, 0, None))(
-                dist.view(b, seq_len, E), experts.view(b, seq_len, k), E
-            )  # [b]
+            b = T // seq_len
+            per_seq, _ = balance_terms(dist.view(b, seq_len, E), experts.view(b, seq_len, k), E, self.seq_mesh)
             loss = loss + args.aux_loss_coeff * per_seq.mean()
         if args.z_loss_coeff > 0:
-            loss = loss + args.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+            n = 1 if self.seq_mesh is None else self.seq_mesh.size()
+            loss = loss + args.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / (n * T)
 
         tokens_per_expert = torch.zeros(E, dtype=torch.float32, device=x.device)
         tokens_per_expert = tokens_per_expert.index_add(
             0, experts.flatten(), torch.ones(experts.numel(), dtype=torch.float32, device=x.device)
         )
-        return Routing(probs, experts, loss * loss_scale, whole.detach(), tokens_per_expert)
+        return Routing(probs, experts, loss * loss_scale, whole[0], tokens_per_expert)
 
     def init_weights(self, init_std: float):
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)

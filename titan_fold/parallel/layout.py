@@ -26,6 +26,8 @@ FLATTENED = {
     "dp": ("attention", ("dp_replicate", "dp_shard")),  # data loading
     "dp_shard_cp": ("attention", ("dp_shard", "cp")),  # FSDP of dense parameters
     "dp_cp": ("attention", ("dp_replicate", "dp_shard", "cp")),  # loss, gradient reduction
+    "cp_tp": ("attention", ("cp", "tp")),  # the ranks holding parts of the same sequences: MoE aux statistics
+    "stage": ("attention", ("dp_replicate", "dp_shard", "cp", "tp")),  # every rank of one pipeline stage
     "ep_etp": ("expert", ("ep", "etp")),  # the whole expert-model-parallel group
 }
 # torchtitan's names for the same groups

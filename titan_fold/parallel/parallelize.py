@@ -1,9 +1,10 @@
-"""Apply the layout to a model from outside: experts on the expert mesh, activation
-checkpointing, compile, FSDP2 on each mesh's data-parallel dims.
+"""Apply the layout to a model from outside, in this order: TP/SP and CP on the attention
+mesh, routed experts on the expert mesh, activation checkpointing, compile per block,
+FSDP2 on each mesh's data-parallel dims.
 
-The model knows nothing about parallelism; this function wraps it. Attention TP/SP/CP and
-pipelining are applied by their own modules as they land; until then `check_supported`
-rejects those degrees before any process group exists.
+The model knows nothing about parallelism; this function wraps it (on the meta device,
+before `to_empty` and `init_weights`). Pipelining is applied by its own module as it
+lands; until then `check_supported` rejects pp before any process group exists.
 """
 
 import torch
@@ -14,11 +15,12 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
+from titan_fold.parallel.attention import apply_cp, apply_tp
 from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
 from titan_fold.parallel.layout import Layout, LayoutError
 
 # degrees this build can apply; the rest are rejected up front
-_NOT_YET = ("tp", "cp", "pp")
+_NOT_YET = ("pp",)
 
 
 def check_supported(layout: Layout) -> None:
@@ -26,13 +28,22 @@ def check_supported(layout: Layout) -> None:
     if unsupported:
         degrees = ", ".join(f"{k}={v}" for k, v in unsupported.items())
         raise LayoutError(
-            f"{degrees}: this build applies data parallelism on the attention mesh (dp_replicate x "
-            "dp_shard, FSDP2) and ep x etp x edp on the expert mesh; set these degrees to 1"
+            f"{degrees}: this build applies tp, cp and dp on the attention mesh and ep x etp x edp "
+            "on the expert mesh, not pipelining yet; set these degrees to 1"
         )
 
 
 def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     check_supported(layout)
+    if layout.tp > 1:
+        loss_parallel = not job_config.parallelism.disable_loss_parallel
+        apply_tp(model, layout.attention["tp"], loss_parallel=loss_parallel)
+    if layout.cp > 1:
+        apply_cp(model, layout.attention["cp"])
+    seq_mesh = layout.get_optional_mesh("cp_tp")
+    for moe in moe_layers(model):
+        # aux-loss statistics over whole sequences, whatever cp x tp cut them into
+        moe.router.seq_mesh = seq_mesh
     experts_on_own_mesh = layout.ep * layout.etp > 1
     if experts_on_own_mesh:
         apply_expert_parallel(model, layout)
