@@ -100,3 +100,31 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     assert sorted(before) == sorted(after)
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+def test_cli_import_export_round_trip(tmp_path):
+    """`python -m titan_fold.hf import` then `export`: same tensors, and transformers opens the export."""
+    from titan_fold.hf import main
+
+    args = FLAVORS["mixtral"]["debug"]
+    hf = random_hf_model("mixtral", args, tmp_path / "hf")
+    main(["import", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model.name", "mixtral", "--model.flavor", "debug"])
+    main(["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model.name", "mixtral", "--model.flavor", "debug"])
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    reloaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, args.vocab_size, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, hf(tokens).logits, rtol=0, atol=0)
+
+
+def test_cli_import_rejects_other_flavor(tmp_path):
+    from titan_fold.checkpoint import CheckpointError
+    from titan_fold.hf import main
+
+    random_hf_model("mixtral", FLAVORS["mixtral"]["debug"], tmp_path / "hf")
+    with pytest.raises(ValueError, match="has 8 experts .*the model 64"):
+        main(["import", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model.name", "mixtral", "--model.flavor", "8x22B-G8T8"])
+    # same expert count, other widths: the shapes are named
+    with pytest.raises(CheckpointError, match=r"tok_embeddings.weight: checkpoint \[512, 64\], model \[32768, 6144\]"):
+        main(["import", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model.name", "mixtral", "--model.flavor", "8x22B"])

@@ -142,6 +142,23 @@ def hf_shapes(folder: str) -> dict[str, tuple[list[int], str]]:
     return shapes
 
 
+def read_model_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """The model's tensors of a DCP checkpoint (model-only or full), whole, on one process."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_metadata(folder)
+    model_prefixes = ("tok_embeddings.", "layers.", "norm.", "output.")
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata) and k.startswith(model_prefixes)
+    }
+    if not sd:
+        raise CheckpointError(f"{folder}: no model tensors")
+    dcp.load(sd, checkpoint_id=folder)
+    return sd
+
+
 # ---------------------------------------------------------------- validation
 
 
@@ -156,7 +173,11 @@ def _shape(value: Any) -> list[int] | None:
 def compare_shapes(where: str, saved: dict[str, list[int]], wanted: dict[str, list[int]]) -> None:
     """Raise one CheckpointError listing every tensor the model wants that `saved` lacks or shapes differently."""
     missing = sorted(k for k in wanted if k not in saved)
-    wrong = sorted(k for k in wanted if k in saved and list(saved[k]) != list(wanted[k]))
+    # embedding and head first: a vocabulary or width change shows there at once
+    wrong = sorted(
+        (k for k in wanted if k in saved and list(saved[k]) != list(wanted[k])),
+        key=lambda k: (not k.startswith(("tok_embeddings.", "output.")), k),
+    )
     if not missing and not wrong:
         return
     lines = [f"{where} does not fit this model; nothing was loaded."]

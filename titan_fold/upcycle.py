@@ -106,24 +106,6 @@ def upcycle_state_dict(
     return out
 
 
-def read_dense_dcp(folder: str) -> dict[str, torch.Tensor]:
-    """Model tensors of a DCP checkpoint (model-only or full), read on one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from titan_fold.checkpoint import read_metadata
-
-    metadata = read_metadata(folder)
-    model_prefixes = ("tok_embeddings.", "layers.", "norm.", "output.")
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in metadata.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata) and k.startswith(model_prefixes)
-    }
-    dcp.load(sd, checkpoint_id=folder)
-    return sd
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dense", required=True, help="dense DCP checkpoint folder (or HF folder with --hf)")
@@ -147,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
 
         dense = ADAPTERS[a.name](dataclasses.replace(args), None).from_hf(read_hf_folder(a.dense))
     else:
-        dense = read_dense_dcp(a.dense)
+        from titan_fold.checkpoint import read_model_tensors
+
+        dense = read_model_tensors(a.dense)
     sd = upcycle_state_dict(dense, args, a.granularity, router_std, a.seed)
     dcp.save(sd, checkpoint_id=a.out)
     print(f"upcycled {a.dense} -> {a.out} ({a.name} {a.flavor}, granularity {a.granularity})")

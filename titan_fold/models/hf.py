@@ -134,7 +134,10 @@ class MoEStateDictAdapter(StateDictAdapter):
         for key, by_expert in experts.items():
             n = self.model_args.moe.num_experts
             if sorted(by_expert) != list(range(n)):
-                raise ValueError(f"{key}: the Hugging Face checkpoint has experts {sorted(by_expert)}, the model {n}")
+                raise ValueError(
+                    f"{key}: the Hugging Face checkpoint has {len(by_expert)} experts ({sorted(by_expert)}), "
+                    f"the model {n}: check --model.name / --model.flavor"
+                )
             stacked = torch.stack([by_expert[e] for e in range(n)])  # [E, ...]
             if key in self._expert_layout:
                 mesh, placements = self._expert_layout[key]
