@@ -73,8 +73,8 @@ def train_table(results: str) -> list[str]:
            "peak memory GiB | step s | loss first -> last |",
            "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
-    for name in ("train_step_1gpu_bf16params", "train_step_2gpu", "train_step_1gpu_call1",
-                 "train_step_1gpu_extra_call1"):
+    for name in ("train_step_1gpu_bf16params", "train_step_1gpu_b4", "train_step_1gpu_profile", "train_step_2gpu",
+                 "train_step_1gpu_call1", "train_step_1gpu_extra_call1"):
         rec = _load(results, name)
         for r in (rec or {}).get("figures", {}).get("rows", []):
             fold = r.get("folding")
@@ -86,6 +86,20 @@ def train_table(results: str) -> list[str]:
                        f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
             n += 1
     return out if n else []
+
+
+def profile_table(results: str) -> list[str]:
+    rec = _load(results, "train_step_1gpu_profile")
+    rows = [r for r in (rec or {}).get("figures", {}).get("rows", []) if r.get("trace_summary")]
+    if not rows:
+        return []
+    out = ["| run | step wall ms | GPU busy ms | kernel class | ms | share of step |", "|---|---:|---:|---|---:|---:|"]
+    for r in rows:
+        t = r["trace_summary"]
+        for i, (cls, ms) in enumerate(t["kernel_ms_by_class"].items()):
+            head = f"| {r['case']} | {_f(t['step_wall_ms'])} | {_f(t['gpu_busy_ms'])} " if i == 0 else "| | | "
+            out.append(head + f"| {cls} | {_f(ms)} | {_f(100 * ms / t['step_wall_ms'])}% |")
+    return out
 
 
 def vs_table(results: str) -> list[str]:
@@ -121,7 +135,9 @@ def collectives_table(results: str) -> list[str]:
 
 def report(results: str) -> str:
     sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
-                ("Trainer, proxy Qwen2-57B-A14B-L2", train_table), ("titan_fold vs torchtitan 0.2.2", vs_table),
+                ("Trainer, proxy Qwen2-57B-A14B-L2", train_table),
+                ("One profiled trainer step (1 GPU, bf16 parameters, local batch 2)", profile_table),
+                ("titan_fold vs torchtitan 0.2.2", vs_table),
                 ("Collectives (2 GPUs)", collectives_table)]
     text = []
     for title, fn in sections:

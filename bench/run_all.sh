@@ -7,6 +7,7 @@
 #   bash bench/run_all.sh B     # torchtitan vs titan_fold (eager; AMP / bf16 params), then 2-GPU work:
 #                               #   collectives, moe_layer ep2/etp2, train_step foldings
 #   bash bench/run_all.sh C     # moe_layer eager on 1 GPU and ep2/etp2 on 2 GPUs (breakdowns)
+#   bash bench/run_all.sh D     # trainer: profiled step, and local batch 4 (bf16 parameters)
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -57,6 +58,13 @@ elif [ "$phase" = C ]; then
   BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 120 $PY -m torch.distributed.run --nproc_per_node 2 \
     --master_port 29542 bench/moe_layer.py --dispatch ep2,etp2 --compile off --name moe_layer_2gpu \
     --out-dir "$OUT" > "$LOGS/moe_layer_2gpu.log" 2>&1
+elif [ "$phase" = D ]; then
+  # fourth call: a profiled trainer step (bf16 parameters) and local batch 4, one GPU each
+  timeout 100 $PY bench/train_step.py --cases 1gpu_bf16params_profile --steps 12 --gpus 0 --port 29511 \
+    --name train_step_1gpu_profile --out-dir "$OUT" --case-timeout 95 > "$LOGS/gpu0_train_step.log" 2>&1 &
+  timeout 100 $PY bench/train_step.py --cases 1gpu_bf16params_b4_eager --gpus 1 --port 29531 \
+    --name train_step_1gpu_b4 --out-dir "$OUT" --case-timeout 95 > "$LOGS/gpu1_train_step.log" 2>&1 &
+  wait
 else
   # second call: torchtitan beside titan_fold on one GPU each (eager; AMP and bf16 params),
   # then the 2-GPU work

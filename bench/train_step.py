@@ -4,6 +4,7 @@
     python bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1
     python bench/train_step.py --cases debug50 --gpus 0          # issue 2's bf16 acceptance run
     python bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0   # bf16 weights (training.dtype)
+    (suffixes: _b4 doubles the local batch; _profile traces step 10 and sums its kernels by class)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -61,7 +62,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         # issue 2: the debug config itself, bf16 on one GPU
         return 1, ["--job.config_file", "debug_moe.toml", "--training.steps", "50",
                    "--training.mixed_precision_param", "bfloat16"]
-    if case.startswith("1gpu"):  # 1gpu_eager, 1gpu_compiled, 1gpu_bf16params_eager
+    if case.startswith("1gpu"):  # 1gpu_eager, 1gpu_compiled, 1gpu_bf16params_{eager,b4_eager,profile}
         nproc, degrees = 1, dict(ep=1, etp=1, edp=-1)
     else:
         nproc, degrees = 2, FOLDINGS[case.removesuffix("_compiled")]
@@ -78,8 +79,14 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     if case.endswith("compiled"):
         args.append("--compile.enable")
     if "_bf16params" in case:
-        # diagnostic: bf16 parameters (no AMP autocast), activations reach the experts in bf16
+        # bf16 parameters (no AMP autocast), activations reach the experts in bf16
         args += ["--training.dtype", "bfloat16"]
+    if "_b4" in case:  # local batch 4: the optimizer step amortised over twice the tokens
+        batch = args.index("--training.local_batch_size")
+        args[batch + 1] = str(2 * a.local_batch)
+        args[args.index("--training.global_batch_size") + 1] = str(2 * a.local_batch * nproc)
+    if case.endswith("_profile"):  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
+        args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args
 
 
@@ -154,6 +161,11 @@ def run_case(case: str, a) -> dict:
     if case != "debug50":
         row["folding"] = FOLDINGS.get(case.removesuffix("_compiled"), dict(ep=1, etp=1, edp=1))
         row["compiled"] = case.endswith("compiled")
+    if case.endswith("_profile"):
+        from bench.trace_summary import find_trace, summarize_trace
+
+        trace = find_trace(dump)
+        row["trace_summary"] = summarize_trace(trace) if trace else None
     path_file = os.path.join(dump, "expert_path.json")
     if os.path.exists(path_file):
         with open(path_file) as f:

@@ -146,3 +146,27 @@ def test_report_tables(tmp_path):
          "step_time_s": 0.186, "loss_first": 10.9, "loss_last": 2.6}]}, str(tmp_path), command="x")
     text = report.report(str(tmp_path))
     assert "| dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | 44,141 | 287.8 | 29.1 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text
+
+
+def test_trace_summary(tmp_path):
+    from bench import trace_summary
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#10", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "_ZN7cutlass13device_kernel_GemmUniversal", "ts": 0, "dur": 400},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 400, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel", "ts": 500, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 450, "dur": 200},  # overlaps
+        {"ph": "X", "cat": "kernel", "name": "void at::native::multi_tensor_apply_kernel<Adam>", "ts": 800, "dur": 50},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 900, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+    ]
+    path = tmp_path / "iteration_10" / "rank0_trace.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert trace_summary.find_trace(str(tmp_path)) == str(path)
+    s = trace_summary.summarize_trace(str(path))
+    assert s["step_wall_ms"] == 1.0
+    assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "dense_gemm": 0.1, "attention": 0.1,
+                                       "optimizer": 0.05, "memcpy_memset": 0.01}
+    assert s["gpu_busy_ms"] == pytest.approx(0.71)  # [0, 650] + [800, 850] + [900, 910]

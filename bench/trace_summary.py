@@ -1,0 +1,79 @@
+"""GPU time of one profiled training step by kernel class, from a Chrome trace.
+
+    python bench/trace_summary.py outputs/.../profile_traces/iteration_10/rank0_trace.json
+
+torchtitan's profiler (`--profiling.enable_profiling`) writes one trace per profiled step;
+this reads it and sums kernel durations by what they do, so a step's time can be split
+between the MoE experts, dense layers, attention, the optimizer and the rest without
+keeping the (large) trace file.
+"""
+
+import argparse
+import glob
+import json
+import os
+
+# (class, substrings of the kernel name), first match wins
+CLASSES = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("optimizer", ("multi_tensor_apply", "adam", "foreach")),
+    ("grouped_gemm", ("cutlass",)),  # torch._grouped_mm on sm90
+    ("dense_gemm", ("nvjet", "gemm", "xmma", "gmma", "matmul")),
+    ("sort_scan", ("sort", "radix", "scan", "cub::")),
+    ("index_scatter_gather", ("index", "scatter", "gather")),
+    ("reduce_norm_loss", ("reduce", "norm", "softmax", "cross_entropy", "nll", "log_softmax")),
+)
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in n for k in keys):
+            return cls
+    return "elementwise_other"
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total / 1e3
+
+
+def summarize_trace(path: str) -> dict:
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    by_class, top, spans = {}, {}, []
+    step_ms = None
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, cat, dur = e.get("name", ""), e.get("cat", ""), float(e.get("dur", 0.0))
+        if name.startswith("ProfilerStep#"):
+            step_ms = dur / 1e3
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            cls = kernel_class(name) if cat == "kernel" else "memcpy_memset"
+            by_class[cls] = by_class.get(cls, 0.0) + dur / 1e3
+            top[name] = top.get(name, 0.0) + dur / 1e3
+            spans.append((float(e["ts"]), float(e["ts"]) + dur))
+    return {
+        "step_wall_ms": step_ms,
+        "gpu_busy_ms": round(_union_ms(spans), 3),  # overlapping streams counted once
+        "kernel_ms_by_class": {k: round(v, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]},
+    }
+
+
+def find_trace(dump_folder: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(dump_folder, "**", "rank0_trace.json"), recursive=True))
+    return found[-1] if found else None
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("trace")
+    print(json.dumps(summarize_trace(p.parse_args().trace), indent=1))
