@@ -50,9 +50,12 @@ def test_enumeration_is_exactly_what_layout_accepts(family):
         for m in got:  # explicit degrees (nothing derived) pass too
             Layout(world, pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp,
                    ep=m.ep, etp=m.etp, edp=m.edp).validate(
-                num_experts=8, moe_ffn_dim=args.moe.moe_ffn_dim, n_heads=4, n_kv_heads=2, seq_len=seq_len)
-    # the model's sizes prune: 8 experts never allow ep 16, 2 kv heads never allow tp 4
-    assert not [m for m in enumerate_mappings(16, sizes, seq_len) if m.ep == 16 or m.tp == 4]
+                num_experts=args.moe.num_experts, moe_ffn_dim=args.moe.moe_ffn_dim, n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads, seq_len=seq_len)
+    # the model's sizes prune: 8 experts never allow ep 16; tp takes exactly the divisors of the kv heads
+    got = enumerate_mappings(16, sizes, seq_len)
+    assert {m.ep for m in got} == {1, 2, 4, 8}
+    assert {m.tp for m in got} == {d for d in (1, 2, 4, 8, 16) if args.n_kv_heads % d == 0}
 
 
 def test_folded_flag_and_legacy_groups():
