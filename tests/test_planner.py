@@ -13,8 +13,8 @@ from titan_fold.models import FLAVORS, TransformerArgs
 from titan_fold.moe import MoEArgs
 from titan_fold.parallel.layout import Layout, LayoutError
 from titan_fold.planner import (
-    Cluster, Mapping, Workload, enumerate_mappings, estimate, group_membership, job_toml, memory, min_gpus,
-    model_sizes, plan,
+    Cluster, Mapping, Workload, activation_bytes, enumerate_mappings, estimate, group_membership, job_toml, memory,
+    min_gpus, model_sizes, plan,
 )
 
 
@@ -183,3 +183,38 @@ def test_written_config_with_pipeline_and_capacity_parses(tmp_path):
     assert config.parallelism.pipeline_parallel_degree == 8 and config.parallelism.context_parallel_degree == 4
     assert config.training.local_batch_size == 1024 // 2  # all of the rank's sequences, one per micro-batch
     assert config.moe.capacity_factor == 1.0 and config.activation_checkpoint.mode == "selective"
+
+
+def test_activation_inventory_matches_autograd():
+    """What the planner counts per block vs the bytes autograd saves in one more eager block (fp32)."""
+    import dataclasses
+
+    import torch
+
+    from titan_fold.models import Transformer
+
+    seq, batch = 256, 2
+
+    def saved_bytes(n_layers):
+        args = dataclasses.replace(FLAVORS["qwen2_moe"]["debug"], n_layers=n_layers)
+        torch.manual_seed(0)
+        model = Transformer(args)
+        model.init_weights()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:  # weights saved for backward are not activations
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, args.vocab_size, (batch, seq)))
+        return sum(seen.values()), args
+
+    one, args = saved_bytes(1)
+    two, _ = saved_bytes(2)
+    planned = activation_bytes(model_sizes(args, seq), Mapping(1, 1, 1, 1, 1, 1, 1, 1), Workload(seq, batch, compute_bytes=4))
+    ratio = planned * batch / (two - one)
+    assert 0.95 < ratio < 1.15, ratio
