@@ -523,15 +523,14 @@ class Estimate:
     mfu: float
     fits: bool
     headroom_gib: float
+    tokens_per_step: int
     legacy_groups: bool = False
     dominant: str = ""
     reasons: list = field(default_factory=list)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
-        return 0.0 if not self.step_s else self._tokens / self.step_s / self.mapping.world
-
-    _tokens: int = 0
+        return self.tokens_per_step / self.step_s / self.mapping.world
 
 
 def _seconds(c: GroupComm, cluster: Cluster) -> float:
@@ -570,8 +569,8 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
     dense_rows = work.seq_len * work.micro_batch / m.cp
     flops_rate = cluster.tflops * 1e12 * cluster.compute_efficiency
     mb = work.microbatches(m.dp)
-    tokens = work.micro_batch * work.seq_len / (m.cp * m.tp)  # per rank, per micro-batch
-    compute = tokens * (dense / gemm(dense_rows) + routed / gemm(expert_rows)) / flops_rate
+    rank_tokens = work.micro_batch * work.seq_len / (m.cp * m.tp)  # per rank and micro-batch
+    compute = rank_tokens * (dense / gemm(dense_rows) + routed / gemm(expert_rows)) / flops_rate
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
     fsdp = max(0.0, sum(c.seconds for c in comm.values() if c.overlapped) - mb * compute)
     slot = compute + exposed
@@ -581,7 +580,7 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
     mfu = sizes.flops_per_token * tokens / (m.world * cluster.tflops * 1e12 * step)
     capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
     est = Estimate(m, mem, comm, compute, exposed, fsdp, bubble, step, mfu, mem.total <= capacity,
-                   (capacity - mem.total) / GIB, legacy_groups=legacy, _tokens=tokens)
+                   (capacity - mem.total) / GIB, tokens, legacy_groups=legacy)
     costs = {"compute": mb * compute, "pp bubble": bubble, "fsdp/edp (exposed)": fsdp}
     costs.update({f"{n} comm": c.seconds for n, c in comm.items() if not c.overlapped})
     est.dominant = max(costs, key=costs.get)
