@@ -34,11 +34,13 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# attention dp2 (FSDP2) with three expert foldings of the same 2 GPUs
+# expert foldings of the same 2 GPUs, under attention dp2 (FSDP2) or tp2 (sequence parallel)
 FOLDINGS = {
     "dp2_ep2": dict(ep=2, etp=1, edp=1),
     "dp2_etp2": dict(ep=1, etp=2, edp=1),
     "dp2_edp2": dict(ep=1, etp=1, edp=2),
+    "tp2_ep2": dict(tp=2, ep=2, etp=1, edp=1),  # folded: EP over the TP ranks
+    "tp2_etp2": dict(tp=2, ep=1, etp=2, edp=1),  # unfolded: ETP = TP
 }
 
 
@@ -66,12 +68,14 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         nproc, degrees = 1, dict(ep=1, etp=1, edp=-1)
     else:
         nproc, degrees = 2, FOLDINGS[case.removesuffix("_compiled")]
+    tp = degrees.get("tp", 1)
     args = common + [
         "--model.name", a.family, "--model.flavor", a.proxy,
         "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.local_batch),
-        "--training.global_batch_size", str(a.local_batch * nproc), "--training.steps", str(a.steps),
+        "--training.global_batch_size", str(a.local_batch * nproc // tp), "--training.steps", str(a.steps),
         "--training.mixed_precision_param", a.param_dtype,
-        "--parallelism.data_parallel_shard_degree", str(nproc),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.data_parallel_shard_degree", str(nproc // tp),
         "--parallelism.expert_parallel_degree", str(degrees["ep"]),
         "--parallelism.expert_tensor_parallel_degree", str(degrees["etp"]),
         "--parallelism.expert_data_parallel_degree", str(degrees["edp"]),
@@ -84,7 +88,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     if "_b4" in case:  # local batch 4: the optimizer step amortised over twice the tokens
         batch = args.index("--training.local_batch_size")
         args[batch + 1] = str(2 * a.local_batch)
-        args[args.index("--training.global_batch_size") + 1] = str(2 * a.local_batch * nproc)
+        args[args.index("--training.global_batch_size") + 1] = str(2 * a.local_batch * nproc // tp)
     if case.endswith("_profile"):  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args

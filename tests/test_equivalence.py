@@ -32,9 +32,11 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, seed_checkpoint):
-    return run(tmp_path_factory.mktemp("ref"), 1, (), seed_checkpoint)
+# token drop with decisions over whole sequences: must equal the one-rank decisions
+FULL_SEQUENCE_DROP = ("--moe.capacity_factor", "1.0", "--moe.drop_scope", "full_sequence")
+DROP_LAYOUTS = {
+    "tp2_dp4_ep4_etp2_drop": (8, degrees(tp=2, ep=4, etp=2)),
+}
 
 
 def run(folder, nproc, args, seed_checkpoint) -> list[dict]:
@@ -44,12 +46,32 @@ def run(folder, nproc, args, seed_checkpoint) -> list[dict]:
     return read_metrics(folder)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, seed_checkpoint):
+    return run(tmp_path_factory.mktemp("ref"), 1, (), seed_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def drop_reference(tmp_path_factory, seed_checkpoint):
+    return run(tmp_path_factory.mktemp("ref_drop"), 1, FULL_SEQUENCE_DROP, seed_checkpoint)
+
+
+def assert_same(reference, folded, name):
+    assert len(folded) == len(reference) == STEPS
+    for ref, got in zip(reference, folded):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "dropped_token_frac"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (name, key, ref["step"])
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_matches_one_rank(name, reference, tmp_path, seed_checkpoint):
     nproc, args = LAYOUTS[name]
-    folded = run(tmp_path, nproc, args, seed_checkpoint)
-    assert len(folded) == len(reference) == STEPS
-    for ref, got in zip(reference, folded):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, ref["step"])
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, ref["step"])
-        assert got["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-4), (name, ref["step"])
+    assert_same(reference, run(tmp_path, nproc, args, seed_checkpoint), name)
+
+
+@pytest.mark.parametrize("name", sorted(DROP_LAYOUTS))
+def test_full_sequence_dropping_matches_one_rank(name, drop_reference, tmp_path, seed_checkpoint):
+    nproc, args = DROP_LAYOUTS[name]
+    folded = run(tmp_path, nproc, (*args, *FULL_SEQUENCE_DROP), seed_checkpoint)
+    assert drop_reference[0]["dropped_token_frac"] > 0.01  # the capacity really bites
+    assert_same(drop_reference, folded, name)

@@ -236,3 +236,18 @@ def test_aux_free_bias():
     r = moe.router(logits, seq_len=4)
     assert r.experts.flatten().tolist() == [2, 2, 2, 2]
     torch.testing.assert_close(r.probs[:, 0], logits.softmax(-1)[:, 2])
+
+
+def test_autocast_bf16_matches_fp32():
+    # one-GPU training runs the layer under autocast with fp32 parameters and inputs
+    torch.manual_seed(0)
+    moe = MoE(64, MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32, shared_expert_gate=True))
+    moe.init_weights(0.02)
+    x = torch.randn(2, 16, 64)
+    ref = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - ref).norm() / ref.norm() < 2e-2
+    y.float().sum().backward()
+    assert moe.experts.w1.grad.dtype == torch.float32 and moe.experts.w1.grad.abs().sum() > 0

@@ -70,6 +70,12 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
         seq_len=config.training.seq_len,
     )
     check_supported(layout)
+    if moe.capacity_factor is not None and moe.drop_scope == "full_sequence" and layout.cp > 1:
+        raise ConfigError(
+            "moe.drop_scope = 'full_sequence' with context_parallel_degree > 1: the load-balanced cp split "
+            "gives each rank non-contiguous chunks, which full-sequence dropping does not reorder yet; "
+            "use drop_scope = 'sub_sequence' or cp = 1"
+        )
     tokenizer = spec.build_tokenizer_fn(config)
     if tokenizer.get_vocab_size() > model_args.vocab_size:
         raise ConfigError(

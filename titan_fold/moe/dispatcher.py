@@ -190,7 +190,8 @@ class TokenDispatcher(nn.Module):
         else:
             y_rows = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args)
         token_of_row = token_of_row[: y_rows.shape[0]]  # dropped rows were cut off
-        y = x.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, y_rows)  # [T, dim], sum over k
+        # [T, dim], sum over k; in the experts' dtype (bf16 under autocast)
+        y = y_rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, y_rows)
         return y, keep
 
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device):

@@ -43,8 +43,11 @@ class GroupedExperts(nn.Module):
         C meaning R = E_local * C (padded, static shapes: batched GEMM).
         Returns [R, dim], already multiplied by probs. With etp > 1 it is a partial sum.
         """
-        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        p = probs.to(x.dtype).unsqueeze(-1)  # [R, 1]
+        # autocast does not cover grouped GEMMs: cast rows and weights as it would a matmul
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
+        p = probs.to(dtype).unsqueeze(-1)  # [R, 1]
         if isinstance(counts, int):
             y = _swiglu_padded(x.view(w1.shape[0], counts, -1), w1, w2, w3, p.view(w1.shape[0], counts, 1), prob_before_w2)
             return y.flatten(0, 1)

@@ -40,13 +40,15 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
         apply_tp(model, layout.attention["tp"], loss_parallel=loss_parallel)
     if layout.cp > 1:
         apply_cp(model, layout.attention["cp"])
-    seq_mesh = layout.get_optional_mesh("cp_tp")
-    for moe in moe_layers(model):
-        # aux-loss statistics over whole sequences, whatever cp x tp cut them into
-        moe.router.seq_mesh = seq_mesh
     experts_on_own_mesh = layout.ep * layout.etp > 1
     if experts_on_own_mesh:
         apply_expert_parallel(model, layout)
+    seq_mesh = layout.get_optional_mesh("cp_tp")
+    for moe in moe_layers(model):
+        # aux-loss statistics and full-sequence drop decisions over whole sequences,
+        # whatever cp x tp cut them into
+        moe.router.seq_mesh = seq_mesh
+        moe.dispatcher.seq_mesh = seq_mesh
     ac = job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
