@@ -43,6 +43,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--write-config", default=None, metavar="FILE.toml", help="job config of the best mapping")
     p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--fix", nargs="+", default=[], metavar="DIM=N",
+                   help="search only mappings with these degrees, e.g. pp=1 (the trainer does not pipeline yet)")
     p.add_argument("--mapping", action="append", default=[], metavar="DIM=N,...",
                    help="also estimate this mapping (e.g. pp=4,tp=2,ep=4,etp=1; unset dims: dp_replicate 1, "
                         "others derived or 1), with the best recompute choice; unfolded ones also with the "
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         gemm_half_rows=args.gemm_half_rows, comm_efficiency=args.comm_efficiency, reserve_gib=args.reserve_gib,
     )
     work = Workload(args.seq_len, args.global_batch, args.capacity_factor)
-    result = plan(sizes, work, cluster, args.top, tuple(args.recompute))
+    fixed = {k: int(v) for k, v in (kv.split("=") for kv in args.fix)}
+    result = plan(sizes, work, cluster, args.top, tuple(args.recompute), fixed)
     best, legacy = (result.ranked[0] if result.ranked else None), result.best_legacy
     try:
         given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))

@@ -602,8 +602,10 @@ class Plan:
 
 
 def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
-         recompute: tuple = RECOMPUTE) -> Plan:
-    """Rank every valid mapping by estimated step time (exact for the top K and the best legacy).
+         recompute: tuple = RECOMPUTE, fixed: dict | None = None) -> Plan:
+    """Rank every valid mapping (with the `fixed` degrees) by estimated step time.
+
+    Exact for the top K and the best legacy mapping.
 
     Branch and bound: the estimate with every group inside a node is a lower bound (inter-node
     links are the slower ones), so candidates are evaluated with their real group membership
@@ -612,7 +614,7 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
     rejected = {"global batch % dp != 0": 0, "pp > n_layers": 0, "out of memory": 0}
     capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
     bounds = []
-    degree_sets = enumerate_mappings(cluster.gpus, sizes, work.seq_len)
+    degree_sets = enumerate_mappings(cluster.gpus, sizes, work.seq_len, fixed)
     for d in degree_sets:
         if work.global_batch % d.dp:
             rejected["global batch % dp != 0"] += 1
