@@ -156,13 +156,14 @@ def test_cli_json_and_written_config_parse(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "titan_fold.plan", "--model", "qwen2_moe/debug", "--gpus", "8", "--gpus-per-node", "4",
          "--gpu-memory-gib", "1", "--reserve-gib", "0", "--seq-len", "128", "--global-batch", "16", "--top", "3",
-         "--format", "json", "--write-config", str(cfg)],
+         "--fix", "pp=1", "--format", "json", "--write-config", str(cfg)],
         capture_output=True, text=True, timeout=120, check=True,
     )
     rep = json.loads(out.stdout)
     assert len(rep["ranked"]) == 3
     times = [e["step_s"] for e in rep["ranked"]]
     assert times == sorted(times) and all(e["fits"] for e in rep["ranked"])
+    assert all(e["mapping"]["pp"] == 1 for e in rep["ranked"])  # --fix pp=1
     best = rep["ranked"][0]["mapping"]
     config = parse_args(["--job.config_file", str(cfg)])
     p = config.parallelism
