@@ -15,8 +15,9 @@ dispatcher of design.md), with these simplifications (docs/planning.md lists the
   nodes runs at the inter-node bandwidth (rings) or splits its bytes by the share of peers
   on other nodes (all-to-all);
 - TP/SP, CP, EP, ETP and PP transfers sit on the critical path (no overlap); FSDP/EDP
-  gathers and reduce-scatters and HSDP all-reduces overlap with compute and only their
-  excess over the step's compute is charged;
+  gathers and reduce-scatters and HSDP all-reduces overlap with compute: charged is their
+  excess over the step's compute, but at least one FSDP unit's share (nothing to overlap the
+  first gather and the last reduce-scatter with);
 - FSDP2 gathers every micro-batch without PP and once per step with PP (the written config
   sets fsdp_reshard_after_forward = "never" then; the stage stays unsharded anyway);
 - step = (m + pp - 1) x (compute + exposed communication of one micro-batch on the busiest
@@ -411,6 +412,7 @@ class GroupComm:
     groups: int = 0
     inter_fraction: float = 0.0  # worst group: share of a rank's peers on other nodes
     seconds: float = 0.0
+    units: int = 1  # FSDP units the volume is spread over: one unit's gather cannot overlap
 
 
 def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, GroupComm]:
@@ -448,13 +450,16 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
         (sizes.embedding_params + sizes.head_params) / m.tp if m.pp == 1 else max(sizes.embedding_params, sizes.head_params) / m.tp)
     experts = layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp)
     fsdp = m.dp_shard * m.cp
+    dense_units = n_layers + (2 if m.pp == 1 else 1)  # blocks, embedding and/or head
     if fsdp > 1:
-        out["dp_shard_cp"] = GroupComm("dp_shard_cp", dense * ring(fsdp) * (gathers * A + syncs * FP32), "ring", True, fsdp)
+        out["dp_shard_cp"] = GroupComm("dp_shard_cp", dense * ring(fsdp) * (gathers * A + syncs * FP32), "ring", True,
+                                       fsdp, units=dense_units)
     if m.edp > 1:
-        out["edp"] = GroupComm("edp", experts * ring(m.edp) * (gathers * A + syncs * FP32), "ring", True, m.edp)
+        out["edp"] = GroupComm("edp", experts * ring(m.edp) * (gathers * A + syncs * FP32), "ring", True, m.edp,
+                               units=max(layers["moe"], 1))
     if m.dp_replicate > 1:  # HSDP: all-reduce of the sharded dense gradients
         out["dp_replicate"] = GroupComm("dp_replicate", syncs * dense / fsdp * FP32 * 2 * ring(m.dp_replicate),
-                                        "ring", True, m.dp_replicate)
+                                        "ring", True, m.dp_replicate, units=dense_units)
     return out
 
 
@@ -572,7 +577,10 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
     rank_tokens = work.micro_batch * work.seq_len / (m.cp * m.tp)  # per rank and micro-batch
     compute = rank_tokens * (dense / gemm(dense_rows) + routed / gemm(expert_rows)) / flops_rate
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
-    fsdp = max(0.0, sum(c.seconds for c in comm.values() if c.overlapped) - mb * compute)
+    # FSDP traffic hides behind compute, except one unit's share: the first gather of a pass
+    # and the last reduce-scatter have nothing to overlap with
+    overlapped = [c for c in comm.values() if c.overlapped]
+    fsdp = max(sum(c.seconds / c.units for c in overlapped), sum(c.seconds for c in overlapped) - mb * compute)
     slot = compute + exposed
     bubble = (m.pp - 1) * slot
     step = mb * slot + bubble + fsdp
