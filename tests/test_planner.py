@@ -219,3 +219,29 @@ def test_activation_inventory_matches_autograd():
     planned = activation_bytes(model_sizes(args, seq), Mapping(1, 1, 1, 1, 1, 1, 1, 1), Workload(seq, batch, compute_bytes=4))
     ratio = planned * batch / (two - one)
     assert 0.95 < ratio < 1.15, ratio
+
+
+def test_two_gpu_trainer_measurements():
+    """Memory within 5% and the same ranking as the measured 2 x H200 foldings (bench/results)."""
+    import dataclasses
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "bench" / "results" / "train_step_2gpu.json"
+    if not path.exists():
+        pytest.skip("no 2-GPU bench results")
+    fig = json.loads(path.read_text())["figures"]
+    base, _, layers = fig["proxy_flavor"].rpartition("-L")
+    args = dataclasses.replace(FLAVORS[fig["family"]][base], n_layers=int(layers), vocab_size=32768)
+    sizes = model_sizes(args, fig["seq_len"])
+    rows = [r for r in fig["rows"] if r["returncode"] == 0 and r["nproc"] == 2]
+    assert len(rows) == 3
+    work = Workload(fig["seq_len"], 2 * fig["local_batch"], micro_batch=fig["local_batch"])
+    est = {}
+    for r in rows:
+        f = r["folding"]
+        e = estimate(sizes, Mapping(1, 1, 2, 1, 1, f["ep"], f["etp"], f["edp"]), work,
+                     Cluster(2, gpus_per_node=2, gpu_memory_gib=139))
+        assert abs(e.memory.total / 2**30 / r["peak_memory_gib"] - 1) < 0.05, (r["case"], e.memory.gib())
+        est[r["case"]] = e.step_s
+    measured = sorted(rows, key=lambda r: r["step_time_s"])
+    assert [r["case"] for r in measured] == sorted(est, key=est.get)
