@@ -198,10 +198,15 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
     """The PP branch of FoldTrainer.forward_backward_step: forward and backward of one
     local batch through the schedule; returns loss sum / global tokens (on every pp rank)."""
     schedule = trainer.pp_schedule
-    inputs, labels, extra_inputs, extra_kwargs = trainer.post_dataloading_process(input_dict, labels)
-    schedule.token_loss.scale = 1.0 / global_valid_tokens
-    # each sequence's share of the global tokens, split into micro-batches with the batch
+    # each whole sequence's share of the global tokens (as without PP: the router gathers its
+    # statistics over cp x tp), split into micro-batches with the batch
     aux_scale = (labels != IGNORE_INDEX).sum(dim=1).float() / global_valid_tokens  # [local_batch]
+    inputs, labels, extra_inputs, extra_kwargs = trainer.post_dataloading_process(input_dict, labels)
+    positions = extra_kwargs.get("positions")
+    if positions is not None and positions.dim() == 1:
+        # cp: one row of global positions [s/cp] for the batch; the schedule splits kwargs on dim 0
+        extra_kwargs["positions"] = positions.expand(inputs.shape[0], -1)  # [local_batch, s/cp]
+    schedule.token_loss.scale = 1.0 / global_valid_tokens
     last = trainer.pp_has_last_stage
     losses = [] if last else None
     with trainer.train_context():
