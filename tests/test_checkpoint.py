@@ -1,0 +1,211 @@
+"""Checkpoints: exact resume, resume under another folding, faults, and loading safely.
+
+The trainer runs share one seed checkpoint, aux-free routing (so the router biases are
+state that must come back), micro-batches of one sequence (aux statistics then see the
+same tokens in every layout) and fp32 on CPU:
+
+    A  = 2 ranks, attention dp 2, experts ep 2          uninterrupted, saves step 3
+    R1 = 1 rank                                         uninterrupted, saves step 3
+    to_one:  A's step 3 -> 1 rank           (ep 2 -> 1, dp 2 -> 1, world 2 -> 1) vs R1
+    to_four: R1's step 3 -> 4 ranks ep 2 x etp 2 (dp 1 -> 4, ep 1 -> 2, etp 1 -> 2) vs R1
+    fault:   A with rank 1 SIGKILLed in step 5 under torchrun: the restart resumes from
+             step 3 on the same layout, and steps 4..6 equal A's bit for bit (this is
+             also the exact-resume test: stopped at step 5, resumed from step 3)
+
+R1 is the reference at every layout: folded layouts equal the one-rank run up to float
+rounding (tests/test_equivalence.py; here checked again between A and R1 at 1e-5).
+"""
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import read_metrics, torchrun
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from titan_fold.checkpoint import CheckpointError, complete, read_metadata, validate_against
+
+STEPS = 6
+COMMON = (
+    "--training.local_batch_size", "1", "--training.global_batch_size", "8",
+    "--moe.load_balance", "aux_free", "--moe.aux_loss_coeff", "0",
+    "--metrics.log_freq", "1", "--training.steps", str(STEPS),
+    "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",
+)
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+
+
+def losses(folder) -> dict[int, float]:
+    # a restarted run appends: the last record of a step wins
+    return {r["step"]: r["loss"] for r in read_metrics(folder)}
+
+
+def run(folder, nproc, *args, seed=None):
+    extra = ("--checkpoint.initial_load_path", seed) if seed else ()
+    torchrun(nproc, "--job.dump_folder", str(folder), *COMMON, *extra, *args)
+    return losses(folder)
+
+
+def resume(folder, checkpoint, nproc, *args):
+    """A new run folder whose checkpoint/ holds only `checkpoint` (a step-N folder)."""
+    os.makedirs(folder / "checkpoint")
+    shutil.copytree(checkpoint, folder / "checkpoint" / os.path.basename(checkpoint))
+    return run(folder, nproc, *args)
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory, seed_checkpoint):
+    folder = tmp_path_factory.mktemp("a")
+    return folder, run(folder, 2, *EP2, seed=seed_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def run_one(tmp_path_factory, seed_checkpoint):
+    folder = tmp_path_factory.mktemp("one")
+    return folder, run(folder, 1, seed=seed_checkpoint)
+
+
+def close(got: dict, ref: dict, steps, rel=1e-5):
+    for s in steps:
+        assert got[s] == pytest.approx(ref[s], rel=rel), (s, got[s], ref[s])
+
+
+def test_checkpoint_holds_every_state(run_a):
+    folder, _ = run_a
+    step3 = str(folder / "checkpoint" / "step-3")
+    md = read_metadata(step3).state_dict_metadata
+    # experts' Adam moments: one global [E, ffn, dim] tensor, written by the ep shards
+    exp_avg = md["optimizer.state.layers.0.moe.experts.w1.exp_avg"]
+    assert isinstance(exp_avg, TensorStorageMetadata) and list(exp_avg.size) == [8, 32, 64]
+    assert len(exp_avg.chunks) == 2  # one chunk per ep rank
+    for key in ("lr_scheduler.last_epoch", "dataloader.consumed_sequences", "train_state.step"):
+        assert isinstance(md[key], BytesStorageMetadata), key
+    assert isinstance(md["rng.cpu"], TensorStorageMetadata)
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "layers.0.moe.router.expert_bias": torch.zeros(8),
+        "train_state": {"step": 0},
+        "lr_scheduler": {"last_epoch": 0},
+        "dataloader": {"consumed_sequences": 0},
+    }
+    dcp.load(state, checkpoint_id=step3)
+    assert state["train_state"]["step"] == 3
+    assert state["lr_scheduler"]["last_epoch"] == 3
+    assert state["dataloader"]["consumed_sequences"] == 3 * 8  # global position, not per rank
+    assert state["layers.0.moe.router.expert_bias"].abs().sum() > 0  # aux-free biases moved
+
+
+def test_layouts_agree_uninterrupted(run_a, run_one):
+    close(run_a[1], run_one[1], range(1, STEPS + 1))
+
+
+def test_resume_two_ranks_ep2_on_one_rank(run_a, run_one, tmp_path):
+    got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 1)
+    close(got, run_one[1], (4, 5, 6))
+
+
+def test_resume_one_rank_on_four_ranks_ep2_etp2(run_one, tmp_path):
+    got = resume(tmp_path, run_one[0] / "checkpoint" / "step-3", 4, *EP2,
+                 "--parallelism.expert_tensor_parallel_degree", "2")
+    close(got, run_one[1], (4, 5, 6))
+
+
+def test_killed_rank_restarts_from_last_complete_checkpoint(run_a, seed_checkpoint, tmp_path):
+    """Rank 1 dies (SIGKILL) inside step 5 under torchrun --max-restarts.
+
+    The run folder starts with the seed as checkpoint/step-0 (torchtitan loads step 0 model
+    only) and a half-written step-5 folder (data, no .metadata: what a kill during a save
+    leaves). Neither attempt may take step-5; the restart resumes from step-3, and steps
+    4..6 equal the uninterrupted run A: nothing lost, nothing seen twice.
+    """
+    _, ref = run_a
+    shutil.copytree(seed_checkpoint, tmp_path / "checkpoint" / "step-0")
+    partial = tmp_path / "checkpoint" / "step-5"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half written")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "-m", "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path),
+           *COMMON, *EP2]
+    # torch 2.13's torchrun shares one TCPStore across restarts: the restarted ranks can read
+    # the dead attempt's gloo addresses from it and hang in init_process_group. A fresh
+    # store per attempt (rank 0 hosts it) avoids that.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               TITAN_FOLD_FAULT_AT_STEP="5", TITAN_FOLD_FAULT_RANK="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert "exitcode: -9" in log, log[-3000:]  # rank 1 died of SIGKILL
+    loads = [line.split("Loading the checkpoint from ")[1].strip(" .") for line in log.splitlines()
+             if "Loading the checkpoint from" in line]
+    assert {os.path.basename(p) for p in loads} == {"step-0", "step-3"}, loads
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    # first attempt: steps 1..4 (step 5 never finished); restart from step 3: 4..6
+    assert steps == [1, 2, 3, 4, 4, 5, 6], steps
+    got = losses(tmp_path)
+    for s in range(1, STEPS + 1):
+        assert got[s] == ref[s], (s, got[s], ref[s])
+    assert complete(str(tmp_path / "checkpoint" / "step-6")) and not complete(str(partial))
+
+
+# ---------------------------------------------------------------- no launch
+
+
+def test_find_load_step_skips_incomplete(seed_checkpoint, tmp_path):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    for step in (3, 7):
+        shutil.copytree(seed_checkpoint, tmp_path / f"step-{step}")
+    os.remove(tmp_path / "step-7" / ".metadata")  # killed before DCP's last write
+
+    class Probe:
+        folder = str(tmp_path)
+
+    assert CheckpointManager._find_load_step(Probe()) == 3
+    assert complete(str(tmp_path / "step-3")) and not complete(str(tmp_path / "step-7"))
+
+
+def test_mismatched_checkpoint_fails_clearly(seed_checkpoint):
+    md = read_metadata(seed_checkpoint).state_dict_metadata
+    good = {k: torch.empty(m.size) for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
+    validate_against(seed_checkpoint, good)  # fits
+    wrong_vocab = dict(good, **{"tok_embeddings.weight": torch.empty(1000, 64)})
+    with pytest.raises(CheckpointError, match=r"tok_embeddings.weight: checkpoint \[512, 64\], model \[1000, 64\][\s\S]*vocabulary"):
+        validate_against(seed_checkpoint, wrong_vocab)
+    other_model = dict(good, **{"layers.9.attention.wq.weight": torch.empty(64, 64)})
+    with pytest.raises(CheckpointError, match="missing from the checkpoint.*layers.9.attention.wq.weight"):
+        validate_against(seed_checkpoint, other_model)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_is_unpickled_with_an_allow_list(seed_checkpoint, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(seed_checkpoint, bad)
+    (bad / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match="refusing to unpickle (posix|os).system"):
+        read_metadata(str(bad))
+    (bad / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match="unreadable DCP metadata"):
+        read_metadata(str(bad))
+
+
+def test_non_tensor_entries_must_load_weights_only(tmp_path):
+    """DCP stores non-tensor values with torch.save and reads them with weights_only=False:
+    such an entry holding a callable is refused before DCP reads anything."""
+    import torch.distributed.checkpoint as dcp
+
+    from titan_fold.checkpoint import check_bytes_entries
+
+    dcp.save({"w": torch.zeros(2), "train_state": {"step": 3}}, checkpoint_id=str(tmp_path / "ok"))
+    check_bytes_entries(str(tmp_path / "ok"), read_metadata(str(tmp_path / "ok")))
+    dcp.save({"w": torch.zeros(2), "train_state": {"step": _Evil()}}, checkpoint_id=str(tmp_path / "bad"))
+    with pytest.raises(CheckpointError, match="train_state.step"):
+        check_bytes_entries(str(tmp_path / "bad"), read_metadata(str(tmp_path / "bad")))
