@@ -137,9 +137,9 @@ LAYOUTS = {
     # the parallelize issue's layout (d): attention pp2 tp2 dp2, experts pp2 ep4 etp1 (tp folded into ep)
     "d_pp2_tp2_dp2_ep4_1F1B": (8, ("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                                    "--parallelism.expert_parallel_degree", "4"), "1F1B"),
-    # attention pp2 dp2, experts pp2 ep2: 2 grad-accumulation steps of 2 micro-batches
-    "pp2_dp2_ep2_Interleaved1F1B": (
-        4, ("--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"), "Interleaved1F1B"),
+    # attention pp2 cp2, experts pp2 ep2: 8 micro-batches of one sequence cut in cp chunks
+    "pp2_cp2_ep2_Interleaved1F1B": (4, ("--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                                        "--parallelism.expert_parallel_degree", "2"), "Interleaved1F1B"),
 }
 
 
@@ -174,8 +174,9 @@ def test_pipeline_matches_one_rank(name, reference, tmp_path, seed_checkpoint):
     got = run(tmp_path, nproc, (*args, "--parallelism.pipeline_parallel_degree", "2",
                                 "--parallelism.pipeline_parallel_schedule", schedule), seed_checkpoint)
     assert len(got) == len(reference) == STEPS
-    # the load imbalance is measured per rank's tokens: under tp (sequence parallel) on a shard
-    keys = ("loss", "grad_norm", "moe_aux_loss") + (() if "tp2" in name else ("expert_load_imbalance",))
+    # the load imbalance is measured on each rank's tokens: a sequence shard under tp (sequence
+    # parallel) or cp
+    keys = ("loss", "grad_norm", "moe_aux_loss") + (() if "tp2" in name or "cp2" in name else ("expert_load_imbalance",))
     for ref, pp in zip(reference, got):
         for key in keys:
             assert pp[key] == pytest.approx(ref[key], rel=1e-4), (name, key, ref["step"])
