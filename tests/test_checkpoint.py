@@ -7,7 +7,10 @@ same tokens in every layout) and fp32 on CPU:
     A  = 2 ranks, attention dp 2, experts ep 2          uninterrupted, saves step 3
     R1 = 1 rank                                         uninterrupted, saves step 3
     to_one:  A's step 3 -> 1 rank           (ep 2 -> 1, dp 2 -> 1, world 2 -> 1) vs R1
-    to_four: R1's step 3 -> 4 ranks ep 2 x etp 2 (dp 1 -> 4, ep 1 -> 2, etp 1 -> 2) vs R1
+    to_cp:   A's step 3 -> 2 ranks, attention cp 2, experts etp 2 (dp 2 -> 1, cp 1 -> 2,
+             ep 2 -> 1, etp 1 -> 2) vs R1
+    to_four: R1's step 3 -> 4 ranks, attention tp 2 x dp 2, experts ep 2 x etp 2
+             (tp 1 -> 2, dp 1 -> 2, ep 1 -> 2, etp 1 -> 2, world 1 -> 4) vs R1
     fault:   A with rank 1 SIGKILLed in step 5 under torchrun: the restart resumes from
              step 3 on the same layout, and steps 4..6 equal A's bit for bit (this is
              also the exact-resume test: stopped at step 5, resumed from step 3)
@@ -109,9 +112,15 @@ def test_resume_two_ranks_ep2_on_one_rank(run_a, run_one, tmp_path):
     close(got, run_one[1], (4, 5, 6))
 
 
-def test_resume_one_rank_on_four_ranks_ep2_etp2(run_one, tmp_path):
+def test_resume_one_rank_on_four_ranks_tp2_ep2_etp2(run_one, tmp_path):
     got = resume(tmp_path, run_one[0] / "checkpoint" / "step-3", 4, *EP2,
-                 "--parallelism.expert_tensor_parallel_degree", "2")
+                 "--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2")
+    close(got, run_one[1], (4, 5, 6))
+
+
+def test_resume_two_ranks_dp2_ep2_on_cp2_etp2(run_a, run_one, tmp_path):
+    got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 2,
+                 "--parallelism.context_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
     close(got, run_one[1], (4, 5, 6))
 
 
