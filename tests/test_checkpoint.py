@@ -190,6 +190,20 @@ def test_mismatched_checkpoint_fails_clearly(seed_checkpoint):
         validate_against(seed_checkpoint, other_model)
 
 
+def test_truncated_data_file_fails_before_loading(seed_checkpoint, tmp_path):
+    bad = tmp_path / "step-0"
+    shutil.copytree(seed_checkpoint, bad)
+    data = next(p for p in bad.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:1000])
+    md = read_metadata(str(bad)).state_dict_metadata
+    want = {k: torch.empty(m.size) for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
+    with pytest.raises(CheckpointError, match="truncated"):
+        validate_against(str(bad), want)
+    data.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        validate_against(str(bad), want)
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned",))

@@ -12,7 +12,8 @@ What torchtitan 0.2.2 + DCP already guarantee (read from their source, tested he
 What this module adds (`install_checkpoint_hooks(trainer)`, called once by FoldTrainer):
 - before any tensor is read, the checkpoint's shapes are compared with the model's
   (`validate_against`): a wrong flavor, vocabulary or family fails with one message that
-  names the tensors, and the model is not touched;
+  names the tensors, and the model is not touched; missing or truncated data files are
+  caught the same way (bit flips inside a file are not: DCP keeps no checksums);
 - the trust boundary of DCP's files: `.metadata` is a pickle, and DCP's default planner
   reads non-tensor values (train_state, the data loader's and RNG state) with
   `torch.load(weights_only=False)`. Before DCP reads anything, `read_metadata` unpickles
@@ -94,6 +95,20 @@ def read_metadata(folder: str) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def check_storage_files(folder: str, metadata: Metadata) -> None:
+    """Every data file the metadata points into exists and is long enough (a truncated or
+    missing .distcp is caught here, before DCP has copied any tensor into the model)."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{folder}: data file {name} is missing")
+        if os.path.getsize(path) < end:
+            raise CheckpointError(f"{folder}: data file {name} is truncated ({os.path.getsize(path)} < {end} bytes)")
 
 
 def check_bytes_entries(folder: str, metadata: Metadata) -> None:
@@ -208,6 +223,7 @@ def validate_against(checkpoint_id: str, state_dict: dict[str, Any], from_hf_sta
         compare_shapes(f"Hugging Face checkpoint {checkpoint_id}", saved, wanted)
         return
     metadata = read_metadata(checkpoint_id)
+    check_storage_files(checkpoint_id, metadata)
     check_bytes_entries(checkpoint_id, metadata)
     saved = {
         k: list(md.size) for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
