@@ -85,8 +85,9 @@ def test_unknown_and_missing_experts():
 
 
 def test_trainer_imports_and_exports_hf(tmp_path):
-    """`--checkpoint.initial_load_in_hf` then `--checkpoint.last_save_in_hf` on 2 ranks with the
-    experts on ep=2 (DTensor stacks): with lr 0 the exported safetensors equal the imported ones."""
+    """`--checkpoint.initial_load_in_hf` then `--checkpoint.last_save_in_hf` on 2 ranks, attention
+    on tp=2 and experts on ep=2 (DTensors everywhere): with lr 0 the exported safetensors equal
+    the imported ones."""
     from conftest import torchrun
 
     args = dataclasses.replace(FLAVORS["qwen2_moe"]["debug"], max_seq_len=128)
@@ -94,7 +95,7 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     torchrun(2, "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.enable",
              "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
              "--checkpoint.last_save_in_hf", "--optimizer.lr", "0", "--training.steps", "1",
-             "--parallelism.expert_parallel_degree", "2")
+             "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2")
     before = load_file(tmp_path / "hf" / "model.safetensors")
     after = load_file(tmp_path / "out" / "checkpoint" / "step-1" / "model-00001-of-00001.safetensors")
     assert sorted(before) == sorted(after)
