@@ -110,11 +110,12 @@ class MoEStateDictAdapter(StateDictAdapter):
         inverse_layer = {v: k for k, v in _LAYER.items()}
         inverse_moe = {v: k for k, v in self.moe_layer.items()}
         inverse_expert = {v: k for k, v in self.expert_names.items()}
+        inverse_top = {v: k for k, v in _TOP.items()}
         expert_re = re.compile(rf"{re.escape(self.moe_prefix)}\.experts\.(\d+)\.(.+)")
         native: dict[str, Any] = {}
         experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked key -> {e: matrix}
         for hf_key, value in hf_state_dict.items():
-            top = {v: k for k, v in _TOP.items()}.get(hf_key)
+            top = inverse_top.get(hf_key)
             if top is not None:
                 native[top] = value
                 continue
@@ -189,10 +190,7 @@ def hf_config(family: str, args: TransformerArgs) -> dict:
         "torch_dtype": "float32",
     }
     if family == "qwen2_moe":
-        if args.first_k_dense or args.moe_layer_freq != 1:
-            dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
-        else:
-            dense = []
+        dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
         return {
             **common,
             "architectures": ["Qwen2MoeForCausalLM"],
