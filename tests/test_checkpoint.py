@@ -215,6 +215,12 @@ def test_metadata_is_unpickled_with_an_allow_list(seed_checkpoint, tmp_path):
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="refusing to unpickle (posix|os).system"):
         read_metadata(str(bad))
+    # a name the allowed module merely imports (metadata.py imports os) is refused too
+    module, name = b"torch.distributed.checkpoint.metadata", b"os.system"
+    sneaky = b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93."
+    (bad / ".metadata").write_bytes(sneaky)
+    with pytest.raises(CheckpointError, match="refusing to unpickle torch.distributed.checkpoint.metadata.os.system"):
+        read_metadata(str(bad))
     (bad / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(CheckpointError, match="unreadable DCP metadata"):
         read_metadata(str(bad))

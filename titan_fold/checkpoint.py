@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 
 class CheckpointError(RuntimeError):
@@ -55,19 +54,13 @@ def complete(folder: str) -> bool:
 # ---------------------------------------------------------------- trusted reading
 
 _ALLOWED_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": None,  # every class of DCP's metadata module
+    # what torch 2.13's DCP pickles into .metadata, nothing callable beyond constructors
+    "torch.distributed.checkpoint.metadata": None,  # the classes defined in DCP's metadata module
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
-    "torch.distributed.checkpoint._extension": None,
     "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-              "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2", "contiguous_format",
-              "channels_last", "strided", "device"},
-    "torch.serialization": {"_get_layout"},
-    "torch._utils": {"_rebuild_tensor_v2"},
-    "collections": {"OrderedDict", "defaultdict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict", "getattr", "slice", "bytes", "int", "float"},
-    "copyreg": {"_reconstructor"},
-    "enum": {"Enum"},
+              "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2"},
+    "torch.serialization": {"_get_layout"},  # a lookup of torch.strided & co by name
+    "collections": {"OrderedDict"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
 }
 
@@ -75,8 +68,12 @@ _ALLOWED_GLOBALS = {
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         allowed = _ALLOWED_GLOBALS.get(module, ())
-        if allowed is None or name in allowed:
+        if allowed is not None and name in allowed:
             return super().find_class(module, name)
+        if allowed is None:  # a module's own classes only, not what it imports
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         raise CheckpointError(f"refusing to unpickle {module}.{name}: not part of DCP's metadata")
 
 
@@ -178,11 +175,8 @@ def read_model_tensors(folder: str) -> dict[str, torch.Tensor]:
 
 
 def _shape(value: Any) -> list[int] | None:
-    if isinstance(value, DTensor):
-        return list(value.shape)  # global shape
-    if isinstance(value, torch.Tensor):
-        return list(value.shape)
-    return None
+    # a DTensor's shape is its global shape, which is what DCP records
+    return list(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def compare_shapes(where: str, saved: dict[str, list[int]], wanted: dict[str, list[int]]) -> None:
