@@ -17,8 +17,8 @@ What this module adds (`install_checkpoint_hooks(trainer)`, called once by FoldT
 - the trust boundary of DCP's files: `.metadata` is a pickle, and DCP's default planner
   reads non-tensor values (train_state, the data loader's and RNG state) with
   `torch.load(weights_only=False)`. Before DCP reads anything, `read_metadata` unpickles
-  `.metadata` with an allow-list (DCP's metadata classes, torch.Size / dtype, builtin
-  containers) and every non-tensor entry is test-loaded with `torch.load(weights_only=True)`;
+  `.metadata` with an allow-list (DCP's metadata classes, torch.Size / dtype, paths,
+  OrderedDict) and every non-tensor entry is test-loaded with `torch.load(weights_only=True)`;
   a checkpoint that would need anything else is refused. HF safetensors are parsed as
   JSON headers + raw bytes (never pickle). Any torch.load here uses weights_only=True;
 - the RNG state (torch's CPU generator, and CUDA's when present) in the checkpoint;
