@@ -188,13 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if args.placements:
-        text = format_plan(placement_plan(model_args, layout), layout) + "\n"
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
-        else:
-            sys.stdout.write(text)
-        return 0
+        return _emit(format_plan(placement_plan(model_args, layout), layout) + "\n", args.out)
     rep = report(layout)
     if args.format == "png":
         out = args.out or "layout.png"
@@ -202,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
     text = json.dumps(rep) + "\n" if args.format == "json" else table(rep, args.gpus_per_node)
-    if args.out:
-        with open(args.out, "w") as f:
+    return _emit(text, args.out)
+
+
+def _emit(text: str, out: str | None) -> int:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
     else:
         sys.stdout.write(text)
