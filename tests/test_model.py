@@ -35,7 +35,9 @@ def test_forward_shape_and_causality(name):
     changed = tokens.clone()
     changed[:, t] = (changed[:, t] + 1) % args.vocab_size
     logits2 = model(changed)
-    torch.testing.assert_close(logits2[:, :t], logits[:, :t], rtol=0, atol=0)
+    # not bit-equal: the changed token moves between experts, so the expert GEMMs run on
+    # other row counts and may round differently (~1e-7); a causality leak is far larger
+    torch.testing.assert_close(logits2[:, :t], logits[:, :t], rtol=0, atol=1e-5)
     assert (logits2[:, t] - logits[:, t]).abs().max() > 1e-3
 
 

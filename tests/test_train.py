@@ -68,3 +68,19 @@ def test_preflight_rejects_before_any_process_group(args, world, error, message)
     with pytest.raises(error, match=message):
         preflight(config, world)
     assert not dist.is_initialized()
+
+
+def test_overrides_leave_the_flavor_alone():
+    """A job's `[moe]` overrides reach its model args, never FLAVORS (tests run many jobs per process)."""
+    from titan_fold.models import FLAVORS
+    from titan_fold.train import model_args_from_config
+
+    before = repr(FLAVORS["qwen2_moe"]["debug"])
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.top_k", "64"])
+    with pytest.raises(ConfigError):
+        preflight(config, 1)
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.top_k", "3"])
+    _, args = model_args_from_config(config)
+    args.update_from_config(config)
+    assert args.moe.top_k == 3
+    assert repr(FLAVORS["qwen2_moe"]["debug"]) == before

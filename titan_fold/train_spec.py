@@ -3,6 +3,9 @@
 `[model] name` picks the family ("qwen2_moe" or "mixtral"), `[model] flavor` its size.
 """
 
+import copy
+from collections.abc import Mapping
+
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
@@ -15,10 +18,30 @@ from titan_fold.models.hf import ADAPTERS
 from titan_fold.parallel.parallelize import parallelize
 
 
+class FlavorCopies(Mapping):
+    """A family's flavors that hand out copies.
+
+    torchtitan's Trainer calls update_from_config on the args it looks up; a copy keeps
+    one job's `[moe]` overrides out of the next job started in the same process.
+    """
+
+    def __init__(self, flavors: dict):
+        self._flavors = flavors
+
+    def __getitem__(self, flavor: str):
+        return copy.deepcopy(self._flavors[flavor])
+
+    def __iter__(self):
+        return iter(self._flavors)
+
+    def __len__(self) -> int:
+        return len(self._flavors)
+
+
 def _train_spec(family: str) -> TrainSpec:
     return TrainSpec(
         model_cls=Transformer,
-        model_args=FLAVORS[family],
+        model_args=FlavorCopies(FLAVORS[family]),
         parallelize_fn=parallelize,
         pipelining_fn=None,
         build_optimizers_fn=build_optimizers,

@@ -52,8 +52,8 @@ class TransformerArgs(BaseModelArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
         """Take the job's sequence length and every `[moe]` value the user set (not None).
 
-        self.moe is replaced by a copy, so the flavor's MoEArgs in FLAVORS stays untouched;
-        a `[moe]` key that MoEArgs does not have raises TypeError.
+        This changes self: the train specs hand out copies of the flavors (FlavorCopies),
+        so FLAVORS stays untouched. A `[moe]` key that MoEArgs does not have raises TypeError.
         """
         self.max_seq_len = job_config.training.seq_len
         moe_config = getattr(job_config, "moe", None)
