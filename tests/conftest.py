@@ -21,9 +21,26 @@ def read_metrics(folder) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args: str) -> list[dict]:
+    """Train `steps` steps from the seed checkpoint, logging every step; -> the metrics."""
+    torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
+             seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(steps),
+             "--metrics.log_freq", "1", *args)
+    return read_metrics(folder)
+
+
 @pytest.fixture(scope="session")
 def seed_checkpoint(tmp_path_factory) -> str:
     """Initial weights of the debug model, made once on one rank (torchtitan's seed flow)."""
     root = tmp_path_factory.mktemp("seed")
     torchrun(1, "--job.dump_folder", str(root), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
     return str(root / "checkpoint" / "step-0")
+
+
+@pytest.fixture(scope="session")
+def one_rank_reference(tmp_path_factory, seed_checkpoint) -> list[dict]:
+    """5 steps on one rank from the seed checkpoint: the global batch of 8 sequences in 8
+    micro-batches of one (so each MoE aux loss is a mean over one sequence, as in the
+    folded runs that compare against it)."""
+    return train_from_seed(tmp_path_factory.mktemp("ref"), 1, seed_checkpoint, 5,
+                           "--training.local_batch_size", "1", "--training.global_batch_size", "8")

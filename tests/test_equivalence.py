@@ -7,7 +7,7 @@ The one-rank run accumulates 8 micro-batches per step.
 """
 
 import pytest
-from conftest import read_metrics, torchrun
+from conftest import train_from_seed
 
 STEPS = 5
 BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
@@ -40,15 +40,7 @@ DROP_LAYOUTS = {
 
 
 def run(folder, nproc, args, seed_checkpoint) -> list[dict]:
-    torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
-             seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(STEPS),
-             "--metrics.log_freq", "1", *BATCH, *args)
-    return read_metrics(folder)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, seed_checkpoint):
-    return run(tmp_path_factory.mktemp("ref"), 1, (), seed_checkpoint)
+    return train_from_seed(folder, nproc, seed_checkpoint, STEPS, *BATCH, *args)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +56,9 @@ def assert_same(reference, folded, name):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_layout_matches_one_rank(name, reference, tmp_path, seed_checkpoint):
+def test_layout_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
     nproc, args = LAYOUTS[name]
-    assert_same(reference, run(tmp_path, nproc, args, seed_checkpoint), name)
+    assert_same(one_rank_reference, run(tmp_path, nproc, args, seed_checkpoint), name)
 
 
 @pytest.mark.parametrize("name", sorted(DROP_LAYOUTS))

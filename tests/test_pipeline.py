@@ -5,12 +5,11 @@ sequences) in micro-batches of one sequence (so every MoE aux loss sees the same
 in fp32, dropless; loss, grad norm and aux loss of 5 steps equal the one-rank run.
 """
 
-import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, torchrun
+from conftest import train_from_seed
 
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.moe import MoE
@@ -71,6 +70,29 @@ def test_stage_split(config, n_layers, pp, expected):
 def test_stage_split_rejects(config, n_layers, pp, match):
     with pytest.raises(LayoutError, match=match):
         stage_fqns(config, n_layers, pp)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("--training.local_batch_size", "1"), "1 pipeline micro-batches .* 1F1B needs at least pp = 2"),
+        (("--training.local_batch_size", "5", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+         "Interleaved1F1B needs a multiple of 2"),
+        (("--training.local_batch_size", "3", "--parallelism.pipeline_parallel_microbatch_size", "2"), "not a multiple"),
+        (("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), "supported are"),
+    ],
+)
+def test_preflight_checks_the_pipeline(args, match):
+    import torch.distributed as dist
+
+    from titan_fold.config import parse_args
+    from titan_fold.train import preflight
+
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--parallelism.pipeline_parallel_degree", "2",
+                         "--training.global_batch_size", "40", *args])
+    with pytest.raises(LayoutError, match=match):
+        preflight(config, 2)
+    assert not dist.is_initialized()
 
 
 def test_stage_models_chain_to_the_whole_model():
@@ -143,40 +165,19 @@ LAYOUTS = {
 }
 
 
-def trainer_runs_pipelines() -> bool:
-    from titan_fold.parallel.pipeline import pipeline
-    from titan_fold.train import FoldTrainer
-    from titan_fold.train_spec import _train_spec
-
-    return (_train_spec("qwen2_moe").pipelining_fn is pipeline
-            and "pipeline_forward_backward" in inspect.getsource(FoldTrainer.forward_backward_step))
-
-
-needs_trainer = pytest.mark.skipif(not trainer_runs_pipelines(), reason="FoldTrainer does not call the pipeline yet")
-
-
 def run(folder, nproc, args, seed_checkpoint) -> list[dict]:
-    torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
-             seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(STEPS),
-             "--metrics.log_freq", "1", *BATCH, *args)
-    return read_metrics(folder)
+    return train_from_seed(folder, nproc, seed_checkpoint, STEPS, *BATCH, *args)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, seed_checkpoint):
-    return run(tmp_path_factory.mktemp("ref"), 1, ("--training.local_batch_size", "1"), seed_checkpoint)
-
-
-@needs_trainer
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_pipeline_matches_one_rank(name, reference, tmp_path, seed_checkpoint):
+def test_pipeline_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
     nproc, args, schedule = LAYOUTS[name]
     got = run(tmp_path, nproc, (*args, "--parallelism.pipeline_parallel_degree", "2",
                                 "--parallelism.pipeline_parallel_schedule", schedule), seed_checkpoint)
-    assert len(got) == len(reference) == STEPS
+    assert len(got) == len(one_rank_reference) == STEPS
     # the load imbalance is measured on each rank's tokens: a sequence shard under tp (sequence
     # parallel) or cp
     keys = ("loss", "grad_norm", "moe_aux_loss") + (() if "tp2" in name or "cp2" in name else ("expert_load_imbalance",))
-    for ref, pp in zip(reference, got):
+    for ref, pp in zip(one_rank_reference, got):
         for key in keys:
             assert pp[key] == pytest.approx(ref[key], rel=1e-4), (name, key, ref["step"])

@@ -7,7 +7,7 @@ and gradient norms, not just run.
 """
 
 import pytest
-from conftest import read_metrics, torchrun
+from conftest import train_from_seed
 
 from titan_fold.config import ConfigError, parse_args
 from titan_fold.parallel.layout import LayoutError
@@ -19,11 +19,7 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint):
     root = tmp_path_factory.mktemp("train")
-    common = ("--checkpoint.enable", "--checkpoint.initial_load_path", seed_checkpoint, "--checkpoint.interval", "1000",
-              "--training.steps", str(STEPS), "--metrics.log_freq", "1")
-    torchrun(1, "--job.dump_folder", str(root / "r1"), *common)
-    torchrun(2, "--job.dump_folder", str(root / "r2"), *common)
-    return read_metrics(root / "r1"), read_metrics(root / "r2")
+    return train_from_seed(root / "r1", 1, seed_checkpoint, STEPS), train_from_seed(root / "r2", 2, seed_checkpoint, STEPS)
 
 
 def test_metrics_file_has_every_field(runs):

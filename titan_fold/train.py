@@ -23,7 +23,7 @@ from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import MoE, update_expert_bias
 from titan_fold.parallel.layout import Layout
-from titan_fold.parallel.parallelize import check_supported
+from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.train_spec import register_train_specs
 
 
@@ -69,7 +69,8 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
         n_kv_heads=model_args.n_kv_heads,
         seq_len=config.training.seq_len,
     )
-    check_supported(layout)
+    if layout.pp > 1:
+        check_pipeline(config, model_args, layout.pp)
     if moe.capacity_factor is not None and moe.drop_scope == "full_sequence" and layout.cp > 1:
         raise ConfigError(
             "moe.drop_scope = 'full_sequence' with context_parallel_degree > 1: the load-balanced cp split "
@@ -127,6 +128,10 @@ class FoldTrainer(Trainer):
         return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if self.parallel_dims.pp_enabled:
+            return pipeline_forward_backward(
+                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
         # aux losses are token means over this micro-batch's sequences (the router gathers
         # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
         # by the global token count. `labels` is still the whole micro-batch here.

@@ -16,6 +16,7 @@ from titan_fold.metrics import build_metrics_processor
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf import ADAPTERS
 from titan_fold.parallel.parallelize import parallelize
+from titan_fold.parallel.pipeline import pipeline
 
 
 class FlavorCopies(Mapping):
@@ -43,7 +44,7 @@ def _train_spec(family: str) -> TrainSpec:
         model_cls=Transformer,
         model_args=FlavorCopies(FLAVORS[family]),
         parallelize_fn=parallelize,
-        pipelining_fn=None,
+        pipelining_fn=pipeline,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader,

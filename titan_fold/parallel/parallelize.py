@@ -3,8 +3,8 @@ mesh, routed experts on the expert mesh, activation checkpointing, compile per b
 FSDP2 on each mesh's data-parallel dims.
 
 The model knows nothing about parallelism; this function wraps it (on the meta device,
-before `to_empty` and `init_weights`). Pipelining is applied by its own module as it
-lands; until then `check_supported` rejects pp before any process group exists.
+before `to_empty` and `init_weights`). Under pipelining, `parallel/pipeline.py` cuts the
+model into stages and calls this function on each stage model.
 """
 
 import torch
@@ -17,24 +17,9 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.parallel.attention import apply_cp, apply_tp
 from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
-from titan_fold.parallel.layout import Layout, LayoutError
-
-# degrees this build can apply; the rest are rejected up front
-_NOT_YET = ("pp",)
-
-
-def check_supported(layout: Layout) -> None:
-    unsupported = {name: getattr(layout, name) for name in _NOT_YET if getattr(layout, name) > 1}
-    if unsupported:
-        degrees = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise LayoutError(
-            f"{degrees}: this build applies tp, cp and dp on the attention mesh and ep x etp x edp "
-            "on the expert mesh, not pipelining yet; set these degrees to 1"
-        )
-
+from titan_fold.parallel.layout import Layout
 
 def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
-    check_supported(layout)
     if layout.tp > 1:
         loss_parallel = not job_config.parallelism.disable_loss_parallel
         apply_tp(model, layout.attention["tp"], loss_parallel=loss_parallel)
@@ -78,7 +63,10 @@ def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param] if on_gpu else None,
         reduce_dtype=torch.float32,
     )
-    reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
+    # as torchtitan: under PP a stage runs several micro-batches' forwards before their
+    # backwards, so by default it keeps the gathered parameters
+    mode = job_config.parallelism.fsdp_reshard_after_forward
+    reshard = mode == "always" or (mode == "default" and layout.pp == 1)
     expert_units = [moe.experts for moe in moe_layers(model)] if experts_on_own_mesh else []
     if expert_units:
         edp_mesh = layout.expert["edp"]

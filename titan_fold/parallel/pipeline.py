@@ -162,8 +162,9 @@ class StageHooks:
         return args, kwargs
 
 
-def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device, model_args, parallelize_fn, loss_fn):
-    """torchtitan's TrainSpec.pipelining_fn: -> (schedule, model_parts, has_first_stage, has_last_stage)."""
+def check_pipeline(job_config, model_args, pp: int) -> tuple[type, list[list[str]], int]:
+    """Validate the [parallelism] pipeline settings against the model, before any process
+    group: -> (schedule class, every stage's module FQNs, pipeline micro-batches per step)."""
     p = job_config.parallelism
     if p.pipeline_parallel_schedule_csv:
         raise LayoutError("parallelism.pipeline_parallel_schedule_csv: not supported; name a schedule instead")
@@ -174,7 +175,21 @@ def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device,
     if local_batch % mb_size:
         raise LayoutError(f"training.local_batch_size = {local_batch}: not a multiple of "
                           f"parallelism.pipeline_parallel_microbatch_size = {mb_size}")
-    all_fqns = stage_fqns(p, model_args.n_layers, layout.pp)
+    stages, n_microbatches = stage_fqns(p, model_args.n_layers, pp), local_batch // mb_size
+    # the schedules' own rules, which they would otherwise raise after the process groups exist
+    rounds = max(1, n_microbatches // pp)
+    if (cls is Schedule1F1B and n_microbatches < pp) or (cls is ScheduleInterleaved1F1B and n_microbatches % rounds):
+        need = f"at least pp = {pp}" if cls is Schedule1F1B else f"a multiple of {rounds} (rounds of pp = {pp})"
+        raise LayoutError(
+            f"{n_microbatches} pipeline micro-batches per step (training.local_batch_size {local_batch} / "
+            f"parallelism.pipeline_parallel_microbatch_size {mb_size}): {p.pipeline_parallel_schedule} needs {need}"
+        )
+    return cls, stages, n_microbatches
+
+
+def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device, model_args, parallelize_fn, loss_fn):
+    """torchtitan's TrainSpec.pipelining_fn: -> (schedule, model_parts, has_first_stage, has_last_stage)."""
+    cls, all_fqns, n_microbatches = check_pipeline(job_config, model_args, layout.pp)
     pp_mesh = layout.get_mesh("pp")
     pp_rank, num_stages = pp_mesh.get_local_rank(), len(all_fqns)
     stages, model_parts = [], []
@@ -185,7 +200,6 @@ def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device,
         stages.append(PipelineStage(part, s, num_stages, device, group=pp_mesh.get_group()))
         logger.info(f"Pipeline stage {s} of {num_stages} on pp rank {pp_rank}: {all_fqns[s]}")
     token_loss = TokenNormalizedLoss(loss_fn)
-    n_microbatches = local_batch // mb_size
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=token_loss, scale_grads=False)
     # pipeline_forward_backward sets its scale every step
