@@ -57,6 +57,7 @@ def test_missing_file_names_it():
         ('[moe]\nload_balance = "aux_free"\naux_loss_coeff = 0.01\n', "has no effect"),
         ("[parallelism]\nexpert_parallel_degree = 0\n", "parallelism.expert_parallel_degree = 0: must be >= 1"),
         ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
+        ('[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n', "choose one"),
         ("[moe\n", "not valid TOML"),
     ],
 )

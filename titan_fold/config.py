@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from torchtitan.config import ConfigManager
+from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
@@ -41,6 +42,13 @@ class Parallelism(TitanParallelism):
 class Training(TitanTraining):
     dataset: str = "stdlib"
     """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF datasets."""
+
+
+@dataclass
+class ActivationCheckpoint(TitanActivationCheckpoint):
+    moe_layer_recompute: bool = False
+    """Recompute only the MoE layers (router, dispatch, experts, shared expert) in backward,
+    as Megatron-Core's --moe-layer-recompute; with mode = "none"."""
 
 
 @dataclass
@@ -68,6 +76,7 @@ class MoE:
 class JobConfig(TitanJobConfig):
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     moe: MoE = field(default_factory=MoE)
 
 
@@ -144,6 +153,12 @@ def validate(config: JobConfig) -> None:
         value = getattr(par, key)
         if value != -1 and value < 1:
             raise ConfigError(f"parallelism.{key} = {value}: must be >= 1, or -1 to derive it")
+    ac = config.activation_checkpoint
+    if ac.moe_layer_recompute and ac.mode != "none":
+        raise ConfigError(
+            f"activation_checkpoint.moe_layer_recompute with activation_checkpoint.mode = '{ac.mode}': "
+            "choose one; moe_layer_recompute needs mode = 'none'"
+        )
     if tr.seq_len < 1 or tr.local_batch_size < 1 or tr.steps < 0:
         raise ConfigError("training.seq_len and training.local_batch_size must be >= 1, training.steps >= 0")
 

@@ -1,6 +1,6 @@
 """Apply the layout to a model from outside, in this order: TP/SP and CP on the attention
-mesh, routed experts on the expert mesh, activation checkpointing, compile per block,
-FSDP2 on each mesh's data-parallel dims.
+mesh, routed experts on the expert mesh, activation checkpointing (whole blocks, or only
+the MoE layers), compile per block, FSDP2 on each mesh's data-parallel dims.
 
 The model knows nothing about parallelism; this function wraps it (on the meta device,
 before `to_empty` and `init_weights`). Under pipelining, `parallel/pipeline.py` cuts the
@@ -9,6 +9,7 @@ model into stages and calls this function on each stage model.
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -38,6 +39,8 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
         apply_ac(model, ac, model_compile_enabled=compile_model, base_folder=job_config.job.dump_folder)
+    if ac.moe_layer_recompute:
+        apply_moe_recompute(model)
     if compile_model:
         # per block: blocks repeat, so one compiled graph serves all of them
         for layer_id, block in model.layers.named_children():
@@ -46,6 +49,19 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     if layout.dp_replicate > 1 or layout.fsdp_enabled:
         apply_fsdp(model, layout, job_config, experts_on_own_mesh)
     return model
+
+
+def apply_moe_recompute(model: nn.Module) -> None:
+    """Checkpoint each block's MoE layer: backward runs its forward again (router, dispatch
+    collectives, experts) instead of keeping the routed activations, which grow with top_k.
+
+    A recompute may count the layer's statistics again; they are ratios and signs (aux loss
+    mean, dropped fraction, load imbalance, aux-free load direction), so they stay the same.
+    """
+    for block in model.layers.values():
+        if block.moe_enabled:
+            block.moe = checkpoint_wrapper(block.moe, preserve_rng_state=False)
+    logger.info("Recomputing the MoE layers in backward (moe_layer_recompute)")
 
 
 def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh: bool) -> None:
