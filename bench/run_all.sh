@@ -8,6 +8,8 @@
 #                               #   collectives, moe_layer ep2/etp2, train_step foldings
 #   bash bench/run_all.sh C     # moe_layer eager on 1 GPU and ep2/etp2 on 2 GPUs (breakdowns)
 #   bash bench/run_all.sh D     # trainer: profiled step, and local batch 4 (bf16 parameters)
+#   bash bench/run_all.sh E     # 2-GPU trainer foldings side by side, all in bf16 compute
+#                               #   (tp-only layouts autocast since 2026-11-22), and pp2
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -65,6 +67,10 @@ elif [ "$phase" = D ]; then
   timeout 100 $PY bench/train_step.py --cases 1gpu_bf16params_b4_eager --gpus 1 --port 29531 \
     --name train_step_1gpu_b4 --out-dir "$OUT" --case-timeout 95 > "$LOGS/gpu1_train_step.log" 2>&1 &
   wait
+elif [ "$phase" = E ]; then
+  # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
+  timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
+    --name train_step_2gpu_bf16 --out-dir "$OUT" --case-timeout 115 > "$LOGS/train_step_2gpu.log" 2>&1
 else
   # second call: torchtitan beside titan_fold on one GPU each (eager; AMP and bf16 params),
   # then the 2-GPU work

@@ -41,6 +41,7 @@ FOLDINGS = {
     "dp2_edp2": dict(ep=1, etp=1, edp=2),
     "tp2_ep2": dict(tp=2, ep=2, etp=1, edp=1),  # folded: EP over the TP ranks
     "tp2_etp2": dict(tp=2, ep=1, etp=2, edp=1),  # unfolded: ETP = TP
+    "pp2": dict(pp=2, ep=1, etp=1, edp=1),  # one stage per GPU, 1F1B over the local batch's sequences
 }
 
 
@@ -68,14 +69,15 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         nproc, degrees = 1, dict(ep=1, etp=1, edp=-1)
     else:
         nproc, degrees = 2, FOLDINGS[case.removesuffix("_compiled")]
-    tp = degrees.get("tp", 1)
+    tp, pp = degrees.get("tp", 1), degrees.get("pp", 1)
+    dp = nproc // (tp * pp)
     args = common + [
         "--model.name", a.family, "--model.flavor", a.proxy,
         "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.local_batch),
-        "--training.global_batch_size", str(a.local_batch * nproc // tp), "--training.steps", str(a.steps),
+        "--training.global_batch_size", str(a.local_batch * dp), "--training.steps", str(a.steps),
         "--training.mixed_precision_param", a.param_dtype,
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.data_parallel_shard_degree", str(nproc // tp),
+        "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.data_parallel_shard_degree", str(dp),
         "--parallelism.expert_parallel_degree", str(degrees["ep"]),
         "--parallelism.expert_tensor_parallel_degree", str(degrees["etp"]),
         "--parallelism.expert_data_parallel_degree", str(degrees["edp"]),
@@ -88,7 +90,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     if "_b4" in case:  # local batch 4: the optimizer step amortised over twice the tokens
         batch = args.index("--training.local_batch_size")
         args[batch + 1] = str(2 * a.local_batch)
-        args[args.index("--training.global_batch_size") + 1] = str(2 * a.local_batch * nproc // tp)
+        args[args.index("--training.global_batch_size") + 1] = str(2 * a.local_batch * dp)
     if case.endswith("_profile"):  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args

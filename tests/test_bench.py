@@ -105,6 +105,21 @@ def test_train_step_summary_and_plans():
     assert get("--parallelism.expert_parallel_degree") == "1" and get("--training.global_batch_size") == "4"
     nproc, args = train_step.case_plan("1gpu_compiled", A)
     assert nproc == 1 and "--compile.enable" in args and get("--training.mixed_precision_param") == "bfloat16"
+    nproc, args = train_step.case_plan("pp2", A)
+    assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
+    assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
+    # every case's command passes the trainer's checks for its world size
+    from titan_fold.config import parse_args
+    from titan_fold.models import FLAVORS
+    from titan_fold.train import preflight
+
+    train_step.register_proxy(A.family, A.proxy)
+    try:
+        for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager"]:
+            nproc, args = train_step.case_plan(case, A)
+            preflight(parse_args(args), nproc)
+    finally:
+        FLAVORS[A.family].pop(A.proxy, None)
 
 
 def test_proxy_flavor_keeps_widths():

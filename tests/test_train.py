@@ -80,3 +80,29 @@ def test_overrides_leave_the_flavor_alone():
     args.update_from_config(config)
     assert args.moe.top_k == 3
     assert repr(FLAVORS["qwen2_moe"]["debug"]) == before
+
+
+@pytest.mark.parametrize(
+    "degrees, dtype, autocast",
+    [
+        (dict(tp=2), "bfloat16", True),  # torchtitan 0.2.2 would compute this in fp32
+        (dict(pp=2), "bfloat16", True),
+        (dict(), "bfloat16", True),  # one device, or experts on ep only
+        (dict(dp_shard=2), "bfloat16", False),  # FSDP2's mixed precision casts
+        (dict(tp=2, cp=2), "bfloat16", False),
+        (dict(tp=2), "float32", False),
+    ],
+)
+def test_mixed_precision_in_every_layout(degrees, dtype, autocast):
+    import math
+
+    import torch
+
+    from titan_fold.parallel.layout import Layout
+    from titan_fold.train import maybe_enable_amp
+
+    layout = Layout(world_size=math.prod(degrees.values()), **degrees)
+    amp = maybe_enable_amp(layout, dtype, "cpu")
+    assert isinstance(amp, torch.autocast) == autocast
+    if autocast:
+        assert amp.fast_dtype == torch.bfloat16

@@ -7,11 +7,13 @@ values, degrees against the world size and the model, tokenizer against the voca
 is checked in `preflight` before the first collective.
 """
 
+import contextlib
 import os
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
@@ -86,9 +88,21 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
     return layout
 
 
-# torchtitan's Trainer clips through this module attribute; ours also handles parameters
-# spread over the attention and expert meshes (and is the same for one mesh)
+def maybe_enable_amp(parallel_dims, mixed_precision_param: str, device_type: str):
+    """Compute in `training.mixed_precision_param` in every layout: FSDP2 casts where it wraps
+    the model (any dp or cp), autocast everywhere else. torchtitan 0.2.2 computes tp or pp
+    layouts without data parallelism in fp32, e.g. the folded tp 2 x ep 2 on 2 GPUs."""
+    dtype = TORCH_DTYPE_MAP[mixed_precision_param]
+    if parallel_dims.dp_cp_enabled or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+# torchtitan's Trainer clips and picks mixed precision through these module attributes.
+# Our clipping also handles parameters spread over the attention and expert meshes (and is
+# the same for one mesh).
 dist_utils.clip_grad_norm_ = clip_grad_norm_
+dist_utils.maybe_enable_amp = maybe_enable_amp
 
 
 class FoldTrainer(Trainer):

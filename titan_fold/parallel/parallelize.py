@@ -46,7 +46,7 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
         for layer_id, block in model.layers.named_children():
             model.layers.register_module(layer_id, torch.compile(block, backend=job_config.compile.backend))
         logger.info("Compiled each transformer block with torch.compile")
-    if layout.dp_replicate > 1 or layout.fsdp_enabled:
+    if layout.dp_cp_enabled:
         apply_fsdp(model, layout, job_config, experts_on_own_mesh)
     return model
 

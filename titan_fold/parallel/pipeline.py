@@ -223,7 +223,7 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
     schedule.token_loss.scale = 1.0 / global_valid_tokens
     last = trainer.pp_has_last_stage
     losses = [] if last else None
-    with trainer.train_context():
+    with trainer.train_context(), trainer.maybe_enable_amp:
         inputs = (inputs,) if trainer.pp_has_first_stage else ()
         extra = extra_inputs if trainer.pp_has_first_stage else {}
         schedule.step(*inputs, **extra, **extra_kwargs, **{AUX_SCALE_KWARG: aux_scale},
