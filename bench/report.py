@@ -74,6 +74,7 @@ def train_table(results: str) -> list[str]:
            "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
     for name in ("train_step_1gpu_bf16params", "train_step_1gpu_b4", "train_step_1gpu_profile", "train_step_2gpu",
+                 "train_step_2gpu_bf16",
                  "train_step_1gpu_call1", "train_step_1gpu_extra_call1"):
         rec = _load(results, name)
         for r in (rec or {}).get("figures", {}).get("rows", []):
