@@ -60,60 +60,36 @@ QWEN2_MOE = {
 
 # Mixtral: softmax over all experts, then the top-k weights renormalized to sum to one
 # (the same as a softmax over the k chosen logits); no biases, no shared expert.
+def _mixtral(dim, n_layers, n_heads, vocab_size, max_seq_len, ffn_dim, num_experts=8, top_k=2, n_kv_heads=8,
+             aux_loss_coeff=1e-3) -> TransformerArgs:
+    return TransformerArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=vocab_size,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=max_seq_len,
+        ffn_dim=ffn_dim,  # intermediate_size, the width of each original expert
+        moe=MoEArgs(num_experts=num_experts, top_k=top_k, moe_ffn_dim=ffn_dim // (num_experts // 8),
+                    norm_topk_prob=True, aux_loss_coeff=aux_loss_coeff),
+    )
+
+
 MIXTRAL = {
-    "debug": TransformerArgs(
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=512,
-        norm_eps=1e-5,
-        rope_theta=1e6,
-        max_seq_len=2048,
-        ffn_dim=128,
-        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=128, norm_topk_prob=True),
-    ),
+    "debug": _mixtral(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=2048, ffn_dim=128,
+                      aux_loss_coeff=0.01),
     # mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B activated
-    "8x7B": TransformerArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=32000,
-        norm_eps=1e-5,
-        rope_theta=1e6,
-        max_seq_len=32768,
-        ffn_dim=14336,  # intermediate_size, the width of each expert
-        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=14336, norm_topk_prob=True, aux_loss_coeff=2e-2),
-    ),
+    "8x7B": _mixtral(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, max_seq_len=32768, ffn_dim=14336,
+                     aux_loss_coeff=2e-2),
     # mistralai/Mixtral-8x22B-v0.1: 141B parameters, 39B activated
-    "8x22B": TransformerArgs(
-        dim=6144,
-        n_layers=56,
-        n_heads=48,
-        n_kv_heads=8,
-        vocab_size=32768,
-        norm_eps=1e-5,
-        rope_theta=1e6,
-        max_seq_len=65536,
-        ffn_dim=16384,
-        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=16384, norm_topk_prob=True, aux_loss_coeff=1e-3),
-    ),
+    "8x22B": _mixtral(dim=6144, n_layers=56, n_heads=48, vocab_size=32768, max_seq_len=65536, ffn_dim=16384),
     # The paper's fine-grained Mixtral-8x22B (section 4, "fine-grained upcycling"): each expert
     # split 8 ways, 64 experts of 16384 / 8 = 2048, top-8. Same 141B total; a token passes
     # through one original expert's width instead of two: 22.3B activated.
-    "8x22B-G8T8": TransformerArgs(
-        dim=6144,
-        n_layers=56,
-        n_heads=48,
-        n_kv_heads=8,
-        vocab_size=32768,
-        norm_eps=1e-5,
-        rope_theta=1e6,
-        max_seq_len=65536,
-        ffn_dim=16384,
-        moe=MoEArgs(num_experts=64, top_k=8, moe_ffn_dim=2048, norm_topk_prob=True, aux_loss_coeff=1e-3),
-    ),
+    "8x22B-G8T8": _mixtral(dim=6144, n_layers=56, n_heads=48, vocab_size=32768, max_seq_len=65536, ffn_dim=16384,
+                           num_experts=64, top_k=8),
 }
 
 FLAVORS = {"qwen2_moe": QWEN2_MOE, "mixtral": MIXTRAL}
