@@ -81,12 +81,21 @@ def train_table(results: str) -> list[str]:
             fold = r.get("folding")
             experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
             status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
-            out.append(f"| {r['case']}{status} | {r['nproc']} | {'dp2 FSDP' if r['nproc'] == 2 else 'single'} | "
+            out.append(f"| {r['case']}{status} | {r['nproc']} | {_attention(r)} | "
                        f"{experts} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
                        f"{_f(r['mfu_pct'])} | {_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
                        f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
             n += 1
     return out if n else []
+
+
+def _attention(row: dict) -> str:
+    fold = row.get("folding") or {}
+    if fold.get("tp", 1) > 1:
+        return f"tp{fold['tp']} SP"
+    if fold.get("pp", 1) > 1:
+        return f"pp{fold['pp']}"
+    return f"dp{row['nproc']} FSDP" if row["nproc"] > 1 else "single"
 
 
 def profile_table(results: str) -> list[str]:

@@ -176,10 +176,15 @@ def run_case(case: str, a) -> dict:
     if os.path.exists(path_file):
         with open(path_file) as f:
             row["expert_path_calls"] = json.load(f)
-    if rc != 0:
+    return finish_row("train_step", row, log_path)
+
+
+def finish_row(tag: str, row: dict, log_path: str) -> dict:
+    """Attach the log's tail to a failed case's row and print the row (without the command)."""
+    if row["returncode"] != 0:
         with open(log_path) as f:
             row["log_tail"] = f.read()[-1500:]
-    print(f"[train_step] {case}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
+    print(f"[{tag}] {row['case']}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
           flush=True)
     return row
 

@@ -36,7 +36,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.train_step import read_jsonl, run_group, summarize  # noqa: E402
+from bench.train_step import finish_row, read_jsonl, run_group, summarize  # noqa: E402
 
 SPEC_NAME = "qwen3_titan_fold_bench"
 
@@ -149,12 +149,7 @@ def run_case(case: str, a) -> dict:
         rc = run_group(cmd, env, log, a.case_timeout)
     row = {"case": case, "returncode": rc, "command": shown,
            **summarize(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup_steps)}
-    if rc != 0:
-        with open(log_path) as f:
-            row["log_tail"] = f.read()[-1500:]
-    print(f"[vs_torchtitan] {case}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
-          flush=True)
-    return row
+    return finish_row("vs_torchtitan", row, log_path)
 
 
 def main(argv=None) -> dict:
