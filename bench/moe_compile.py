@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_fold.moe import MoE, MoEArgs, install_dispatcher
+from titan_fold.moe import MoE, MoEArgs
+from titan_fold.parallel.experts import shard_moe
 
 PRESETS = {
     # tokens per rank, hidden, expert ffn, experts, top-k, shared ffn
@@ -68,7 +69,7 @@ def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len, meshes):
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
     if meshes is not None:
-        install_dispatcher(layer, *meshes)  # every rank holds all tokens' worth of its own batch
+        shard_moe(layer, *meshes)  # every rank holds all tokens' worth of its own batch
     x = torch.randn(shape["tokens"] // seq_len, seq_len, shape["dim"], device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
 

@@ -30,7 +30,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
-from titan_fold.moe import MoE, MoEArgs, install_dispatcher, moe_stats  # noqa: E402
+from titan_fold.moe import MoE, MoEArgs, moe_stats  # noqa: E402
+from titan_fold.parallel.experts import shard_moe  # noqa: E402
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 
 SHAPES = {
@@ -183,7 +184,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
     if dispatch != "none":
         ep_mesh = mesh if dispatch.startswith("ep") else None
         etp_mesh = mesh if dispatch.startswith("etp") else None
-        install_dispatcher(layer, ep_mesh, etp_mesh)
+        shard_moe(layer, ep_mesh, etp_mesh)
     b = max(1, a.tokens // a.seq_len)
     gen = torch.Generator(device=device).manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
     x = torch.randn(b, a.tokens // b, shape["dim"], device=device, dtype=dtype, generator=gen).requires_grad_()

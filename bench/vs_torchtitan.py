@@ -30,7 +30,6 @@ import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

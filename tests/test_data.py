@@ -1,7 +1,6 @@
 """Data pipeline: byte tokenizer, stdlib corpus, layout invariance, resume across layouts, HF path."""
 
 import json
-import os
 import pathlib
 import sysconfig
 import time
@@ -11,7 +10,6 @@ import torch
 
 from titan_fold.config import JobConfig
 from titan_fold.data import ByteTokenizer, build_dataloader, build_tokenizer
-from titan_fold.data.dataloader import FoldDataLoader
 
 BOS, EOS = 256, 257
 

@@ -43,9 +43,9 @@ CASES = [
 
 
 def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device):
-    from titan_fold.moe import MoEArgs, install_dispatcher
-    from titan_fold.moe.dispatcher import expert_shard
+    from titan_fold.moe import MoEArgs
     from titan_fold.moe.experts import local
+    from titan_fold.parallel.experts import expert_slice, shard_moe
 
     top_k, E, cf, policy, skew, pad, n, dtype, before = case
     rank = dist.get_rank()
@@ -63,12 +63,9 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
 
     moe = make_layer(args, dtype, seed=case_id, skew=skew)
     full = {k: v.detach().double().clone().requires_grad_() for k, v in moe.named_parameters()}
-    ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
-    etp_rank = 0 if etp_mesh is None else etp_mesh.get_local_rank()
-    ep, etp = (1 if m is None else m.size() for m in (ep_mesh, etp_mesh))
     moe.to(device)
     # odd cases: expert weights as DTensors on the (ep, etp) mesh, even: plain local slices
-    install_dispatcher(moe, ep_mesh, etp_mesh, seq_meshes.get(n), weights_mesh=weights_mesh if case_id % 2 else None)
+    shard_moe(moe, ep_mesh, etp_mesh, seq_meshes.get(n), weights_mesh=weights_mesh if case_id % 2 else None)
 
     x = X[:, mine].to(device, dtype).clone().requires_grad_()
     y = moe(x)
@@ -83,7 +80,7 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
     grads = {"router.gate.weight": moe.router.gate.weight.grad.double().cpu()}
     for name in ("w1", "w2", "w3"):
         g = torch.zeros_like(full[f"experts.{name}"])
-        expert_shard(g, name, ep_rank, ep, etp_rank, etp).copy_(local(getattr(moe.experts, name).grad))
+        expert_slice(g, name, ep_mesh, etp_mesh).copy_(local(getattr(moe.experts, name).grad))
         grads[f"experts.{name}"] = g
 
     # reference on the group's whole sequences (n = 1: this rank's tokens)
@@ -113,12 +110,13 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
 
 def check_dtensor_init(ep_mesh, etp_mesh, weights_mesh):
     """Expert weights placed as DTensors initialize to the one-rank values."""
-    from titan_fold.moe import MoE, MoEArgs, install_dispatcher
+    from titan_fold.moe import MoE, MoEArgs
+    from titan_fold.parallel.experts import shard_moe
 
     args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN)
     with torch.device("meta"):
         moe = MoE(DIM, args)
-    install_dispatcher(moe, ep_mesh, etp_mesh, weights_mesh=weights_mesh)
+    shard_moe(moe, ep_mesh, etp_mesh, weights_mesh=weights_mesh)
     moe.to_empty(device=weights_mesh.device_type)
     torch.manual_seed(3)
     moe.init_weights(0.1)

@@ -155,11 +155,11 @@ LAYOUTS = {
     # with full activation checkpointing: backward recomputes the MoE layers
     "pp2_1F1B_ac": (2, ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"), "1F1B"),
     "pp2_GPipe": (2, ("--training.local_batch_size", "4"), "GPipe"),
-    "pp2_Interleaved1F1B": (2, ("--training.local_batch_size", "4"), "Interleaved1F1B"),
     # the parallelize issue's layout (d): attention pp2 tp2 dp2, experts pp2 ep4 etp1 (tp folded into ep)
     "d_pp2_tp2_dp2_ep4_1F1B": (8, ("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                                    "--parallelism.expert_parallel_degree", "4"), "1F1B"),
-    # attention pp2 cp2, experts pp2 ep2: 8 micro-batches of one sequence cut in cp chunks
+    # attention pp2 cp2, experts pp2 ep2: 8 micro-batches of one sequence cut in cp chunks,
+    # two stages per rank
     "pp2_cp2_ep2_Interleaved1F1B": (4, ("--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                                         "--parallelism.expert_parallel_degree", "2"), "Interleaved1F1B"),
 }

@@ -29,10 +29,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from titan_fold.moe.args import MoEArgs
-from titan_fold.moe.experts import GroupedExperts, local
+from titan_fold.moe.experts import GroupedExperts
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -241,49 +240,9 @@ class TokenDispatcher(nn.Module):
         return _a2a(y_in, sp.send, sp.recv, self.ep_mesh)  # [sum(send), dim]
 
 
-# ---- placing expert weights ---------------------------------------------------------------
-
-def expert_shard(w: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int) -> torch.Tensor:
-    """This rank's slice of a full stacked expert weight.
-
-    w1, w3 [E, ffn, dim] -> [E/ep, ffn/etp, dim]; w2 [E, dim, ffn] -> [E/ep, dim, ffn/etp].
-    Contiguous chunks, the same as DTensor Shard(0) on ep and Shard(1) (w1, w3) /
-    Shard(2) (w2) on etp."""
-    E = w.shape[0]
-    ffn_axis = 2 if name == "w2" else 1
-    ffn = w.shape[ffn_axis]
-    assert E % ep == 0 and ffn % etp == 0, f"{name}: {E} experts / ep {ep}, ffn {ffn} / etp {etp}"
-    w = w[ep_rank * (E // ep) : (ep_rank + 1) * (E // ep)]
-    return w.narrow(ffn_axis, etp_rank * (ffn // etp), ffn // etp)
-
-
 def install_dispatcher(moe: nn.Module, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
-                       seq_mesh: DeviceMesh | None = None, shard_weights: bool = True,
-                       weights_mesh: DeviceMesh | None = None) -> None:
-    """Make `moe` (a titan_fold.moe.MoE) dispatch over ep x etp.
-
-    shard_weights=True replaces the full expert weights (same values on every rank) by
-    this rank's slice, as new Parameters: call it before building the optimizer.
-    weights_mesh: None = plain local tensors; else a mesh whose dims are named "ep"
-    and/or "etp" (e.g. the expert mesh["ep", "etp"]): the slices become DTensors with
-    Shard(0) on ep and Shard(1) (w1, w3) / Shard(2) (w2) on etp, so FSDP2 and DCP see
-    the global shapes. shard_weights=False: the weights are already placed (plain local
-    slices or such DTensors); the experts read `.to_local()`.
-    """
-    if shard_weights:
-        ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
-        etp_rank = 0 if etp_mesh is None else etp_mesh.get_local_rank()
-        for name in ("w1", "w2", "w3"):
-            full = getattr(moe.experts, name)
-            part = expert_shard(full.detach(), name, ep_rank, _size(ep_mesh), etp_rank, _size(etp_mesh)).clone()
-            if weights_mesh is not None:
-                part = DTensor.from_local(part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names),
-                                          run_check=False)
-            setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
+                       seq_mesh: DeviceMesh | None = None) -> None:
+    """Make `moe` (a titan_fold.moe.MoE) dispatch over ep x etp. Its expert weights must
+    already hold this rank's experts and ffn slice (plain tensors or DTensors; the experts
+    read `.to_local()`): `titan_fold.parallel.experts` places them."""
     moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)
-
-
-def expert_placements(name: str, mesh_dim_names) -> tuple:
-    """DTensor placements of experts.<name> on a mesh with dims among "ep", "etp"."""
-    ffn_axis = 2 if name == "w2" else 1
-    return tuple(Shard(0) if d == "ep" else Shard(ffn_axis) for d in mesh_dim_names)

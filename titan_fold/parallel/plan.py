@@ -91,6 +91,12 @@ _EXPERT_RULES = {
 _EXPERT_HIDDEN_DIM = {"experts.w1": 2, "experts.w3": 2, "experts.w2": 1}
 
 
+def expert_placements(name: str, dims) -> tuple[Placement, ...]:
+    """Placements of the stacked experts.<name> (w1, w2, w3) on mesh dims among "ep", "etp"."""
+    by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[f"experts.{name}"]))
+    return tuple(by_dim[d] for d in dims)
+
+
 def _rule(fqn: str, rules: dict):
     # longest matching suffix on a dot boundary ("norm.weight" must not catch "ffn_norm.weight")
     for suffix in sorted(rules, key=len, reverse=True):
@@ -118,10 +124,9 @@ def placement_plan(model_args, layout: Layout) -> dict[str, Placed]:
         expert = _rule(fqn, _EXPERT_RULES)
         if expert is not None:
             dims = on("ep", "etp")
-            by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[expert]))
             fsdp_dim = _EXPERT_HIDDEN_DIM[expert] if experts_per_rank < layout.edp else 0
             plan[fqn] = Placed(
-                EXPERT, dims, tuple(by_dim[d] for d in dims), shape, (), on("edp"), fsdp_dim
+                EXPERT, dims, expert_placements(expert.removeprefix("experts."), dims), shape, (), on("edp"), fsdp_dim
             )
             continue
         suffix = _rule(fqn, _TP_RULES)
