@@ -8,6 +8,7 @@ is checked in `preflight` before the first collective.
 """
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -116,6 +117,8 @@ class FoldTrainer(Trainer):
         super().__init__(job_config)
         # RNG state in checkpoints, shape checks before any load, fault-injection hook for tests
         install_checkpoint_hooks(self)
+        # fused optimizers apply the clip coefficient as they read the gradients (parallel/clip.py)
+        dist_utils.clip_grad_norm_ = functools.partial(clip_grad_norm_, optimizers=self.optimizers.optimizers)
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")

@@ -4,6 +4,13 @@ Attention parameters are DTensors on the attention mesh, routed experts on the e
 mesh, and one `torch.nn.utils.get_total_norm` cannot mix meshes. Each mesh's norm is
 computed on its own (a DTensor reduction over that mesh), the p-th powers are summed, and
 pipeline stages are summed over pp. The result equals the one-rank norm.
+
+Applying the clip: torch's clip multiplies every gradient by max_norm / norm, one more
+pass over all gradients (18 ms of a 147 ms step on one H200, docs/benchmarks.md). When
+the trainer hands its optimizers over and every one is a fused Adam / AdamW, the
+multiply is left to them instead: a fused Adam divides each gradient by its
+`grad_scale` attribute (the hook GradScaler uses) as it reads it, so setting
+grad_scale = norm / max_norm (at least 1) clips inside the optimizer step, at no cost.
 """
 
 import math
@@ -24,6 +31,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     pp_mesh: DeviceMesh | None = None,
+    optimizers: list[torch.optim.Optimizer] | None = None,
     **_torchtitan_kwargs,
 ) -> torch.Tensor:
     by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
@@ -47,7 +55,17 @@ def clip_grad_norm_(
         if pp_mesh is not None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total ** (1.0 / norm_type)
+    if optimizers and all(_divides_by_grad_scale(o) for o in optimizers):
+        # the same coefficient as clip_grads_with_norm_, as a divisor
+        grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0)  # []
+        for opt in optimizers:
+            opt.grad_scale = grad_scale
+        return total
     for params in by_mesh.values():
         # one foreach call per mesh, for the same reason as above
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def _divides_by_grad_scale(opt: torch.optim.Optimizer) -> bool:
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in opt.param_groups)

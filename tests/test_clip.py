@@ -1,0 +1,50 @@
+"""Gradient clipping: the norm, and the clip applied by the multiply or inside a fused optimizer.
+
+The multi-mesh norm (attention and expert meshes, pp stages) equals the one-rank run's in
+every trainer equivalence test (tests/test_equivalence.py, test_pipeline.py); here the
+two ways of applying it are checked against torch's own clip on one process.
+"""
+
+import pytest
+import torch
+
+from titan_fold.parallel.clip import clip_grad_norm_
+
+
+def model_with_grads(scale: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * scale
+    return model
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3])  # clipped, and below max_norm
+def test_fused_optimizer_clips_like_the_multiply(scale):
+    max_norm = 1.0
+    ours, reference = model_with_grads(scale), model_with_grads(scale)
+    grads_before = [p.grad.clone() for p in ours.parameters()]
+
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    torch.optim.AdamW(reference.parameters(), lr=0.1, fused=True).step()
+
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.1, fused=True)
+    norm = clip_grad_norm_(list(ours.parameters()), max_norm, optimizers=[opt])
+    torch.testing.assert_close(norm, ref_norm)
+    # the gradients are left alone; the optimizer divides by grad_scale as it reads them
+    assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads_before))
+    assert opt.grad_scale.item() == pytest.approx(max(1.0, (ref_norm.item() + 1e-6) / max_norm), rel=1e-6)
+    opt.step()
+    for p, r in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+def test_other_optimizers_get_clipped_gradients():
+    max_norm = 1.0
+    ours, reference = model_with_grads(1.0), model_with_grads(1.0)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.1, foreach=True)  # no grad_scale support
+    clip_grad_norm_(list(ours.parameters()), max_norm, optimizers=[opt])
+    assert not hasattr(opt, "grad_scale")
+    for p, r in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
