@@ -10,6 +10,8 @@
 #   bash bench/run_all.sh D     # trainer: profiled step, and local batch 4 (bf16 parameters)
 #   bash bench/run_all.sh E     # 2-GPU trainer foldings side by side, all in bf16 compute
 #                               #   (tp-only layouts autocast since 2026-11-22), and pp2
+#   bash bench/run_all.sh F     # 1 GPU: the clip applied inside the fused AdamW; titan_fold
+#                               #   (local batch 2 and 4) then torchtitan, bf16 parameters
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -67,6 +69,13 @@ elif [ "$phase" = D ]; then
   timeout 100 $PY bench/train_step.py --cases 1gpu_bf16params_b4_eager --gpus 1 --port 29531 \
     --name train_step_1gpu_b4 --out-dir "$OUT" --case-timeout 95 > "$LOGS/gpu1_train_step.log" 2>&1 &
   wait
+elif [ "$phase" = F ]; then
+  # sixth call, one GPU: the optimizer step without the separate clip multiply
+  timeout 170 $PY bench/train_step.py --cases 1gpu_bf16params_eager,1gpu_bf16params_b4_eager --gpus 0 --port 29511 \
+    --steps 15 --name train_step_1gpu_fusedclip --out-dir "$OUT" --case-timeout 80 > "$LOGS/train_step.log" 2>&1
+  timeout 110 $PY bench/vs_torchtitan.py --cases bf16params_eager --gpus 0 --port 29521 --steps 15 \
+    --ours "$OUT/train_step_1gpu_fusedclip.json" --name vs_torchtitan_fusedclip --out-dir "$OUT" \
+    --case-timeout 100 > "$LOGS/vs_torchtitan.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
