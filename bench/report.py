@@ -74,7 +74,7 @@ def train_table(results: str) -> list[str]:
            "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
     for name in ("train_step_1gpu_bf16params", "train_step_1gpu_b4", "train_step_1gpu_profile", "train_step_2gpu",
-                 "train_step_2gpu_bf16",
+                 "train_step_2gpu_bf16", "train_step_1gpu_fusedclip",
                  "train_step_1gpu_call1", "train_step_1gpu_extra_call1"):
         rec = _load(results, name)
         for r in (rec or {}).get("figures", {}).get("rows", []):
@@ -117,7 +117,7 @@ def vs_table(results: str) -> list[str]:
            "titan_fold MFU % | ratio titan_fold / torchtitan | torchtitan peak GiB |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     n = 0
-    for name in ("vs_torchtitan_amp", "vs_torchtitan_bf16params"):
+    for name in ("vs_torchtitan_amp", "vs_torchtitan_bf16params", "vs_torchtitan_fusedclip"):
         rec = _load(results, name)
         for r in (rec or {}).get("figures", {}).get("rows", []):
             out.append(f"| {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} / "
