@@ -11,8 +11,9 @@ same tokens in every layout) and fp32 on CPU:
              ep 2 -> 1, etp 1 -> 2) vs R1
     to_four: R1's step 3 -> 4 ranks, attention tp 2 x dp 2, experts ep 2 x etp 2
              (tp 1 -> 2, dp 1 -> 2, ep 1 -> 2, etp 1 -> 2, world 1 -> 4) vs R1
-    to_pp:   A's step 3 -> 4 ranks, pp 2 with attention dp 2 x experts ep 2 per stage
-             (pp 1 -> 2, world 2 -> 4: each stage loads only its layers) vs R1
+    to_pp:   A's step 3 -> 4 ranks, pp 2 with attention dp 2 and experts edp 2 per stage
+             (pp 1 -> 2, ep 2 -> 1, edp 1 -> 2: expert weights and Adam moments move from
+             ep shards to FSDP shards; world 2 -> 4; each stage loads only its layers) vs R1
     fault:   A with rank 1 SIGKILLed in step 5 under torchrun: the restart resumes from
              step 3 on the same layout, and steps 4..6 equal A's bit for bit (this is
              also the exact-resume test: stopped at step 5, resumed from step 3)
@@ -114,9 +115,9 @@ def test_resume_two_ranks_ep2_on_one_rank(run_a, run_one, tmp_path):
     close(got, run_one[1], (4, 5, 6))
 
 
-def test_resume_two_ranks_on_pipeline_pp2(run_a, run_one, tmp_path):
+def test_resume_two_ranks_ep2_on_pipeline_pp2_edp2(run_a, run_one, tmp_path):
     # 4 pipeline micro-batches of one sequence per rank and step
-    got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 4, *EP2, "--parallelism.pipeline_parallel_degree", "2",
+    got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 4, "--parallelism.pipeline_parallel_degree", "2",
                  "--training.local_batch_size", "4")
     close(got, run_one[1], (4, 5, 6))
 

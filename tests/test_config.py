@@ -64,3 +64,13 @@ def test_missing_file_names_it():
 def test_bad_config_names_key_and_rule(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--job.config_file", write(tmp_path, text)])
+
+
+@pytest.mark.parametrize("name, world", [("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)])
+def test_packaged_configs_fit_their_world(name, world):
+    """The real-size configs' degrees, pipeline schedule and micro-batches pass the trainer's
+    checks at the world size they are written for (their tokenizers are not in the repo)."""
+    from titan_fold.train import check_layout
+
+    layout = check_layout(parse_args(["--job.config_file", name]), world)
+    assert layout.world_size == world and layout.ep > 1

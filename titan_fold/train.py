@@ -59,7 +59,20 @@ def model_args_from_config(config: JobConfig):
 
 def preflight(config: JobConfig, world_size: int) -> Layout:
     """Reject bad input before any process group, file or model exists."""
+    layout = check_layout(config, world_size)
     spec, model_args = model_args_from_config(config)
+    tokenizer = spec.build_tokenizer_fn(config)
+    if tokenizer.get_vocab_size() > model_args.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model {config.model.name} "
+            f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
+        )
+    return layout
+
+
+def check_layout(config: JobConfig, world_size: int) -> Layout:
+    """The config's degrees, pipeline and MoE settings against the model and the world size."""
+    _, model_args = model_args_from_config(config)
     model_args.update_from_config(config)
     moe = model_args.moe
     if moe.top_k > moe.num_experts:
@@ -79,12 +92,6 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
             "moe.drop_scope = 'full_sequence' with context_parallel_degree > 1: the load-balanced cp split "
             "gives each rank non-contiguous chunks, which full-sequence dropping does not reorder yet; "
             "use drop_scope = 'sub_sequence' or cp = 1"
-        )
-    tokenizer = spec.build_tokenizer_fn(config)
-    if tokenizer.get_vocab_size() > model_args.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model {config.model.name} "
-            f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
         )
     return layout
 
