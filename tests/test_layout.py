@@ -338,5 +338,16 @@ def test_cli_placements_print_the_plan(capsys):
     assert layout_cli.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"]) == 2
     assert "num_experts" in capsys.readouterr().err
     assert layout_cli.main(["--world-size", "8", "--placements"]) == 2
+    # under pp the stages follow the plan: the debug model's 4 blocks, embedding and head
+    # counted as one block each
+    pp = ["--world-size", "4", "--pp", "2", "--ep", "2", "--model", "qwen2_moe/debug", "--placements"]
+    assert layout_cli.main(pp) == 0
+    assert capsys.readouterr().out.endswith(
+        "pipeline stages (1F1B):\n"
+        "stage 0 on pp rank 0: tok_embeddings, layers.0-1\n"
+        "stage 1 on pp rank 1: layers.2-3, norm, output\n"
+    )
+    assert layout_cli.main(pp + ["--pp-schedule", "ZBVZeroBubble"]) == 2
+    assert "supported are" in capsys.readouterr().err
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -14,7 +14,9 @@ import sys
 
 import torch.distributed as dist
 
+from titan_fold.config import Parallelism
 from titan_fold.parallel.layout import Layout, LayoutError
+from titan_fold.parallel.pipeline import format_stages, stage_fqns
 from titan_fold.parallel.plan import format_plan, placement_plan
 
 ATTENTION_GROUPS = ("pp", "dp", "cp", "tp", "dp_cp")
@@ -40,6 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="family/flavor (or a unique flavor), e.g. qwen2_moe/57B-A14B: check the degrees against its sizes")
     p.add_argument("--seq-len", type=int, default=None, help="with --model: check the sequence-length divisibilities")
     p.add_argument("--placements", action="store_true", help="print where each parameter of --model lives")
+    p.add_argument("--pp-schedule", default="1F1B",
+                   help="with --placements and --pp > 1: the schedule whose default stage split is printed")
     return p
 
 
@@ -188,7 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if args.placements:
-        return _emit(format_plan(placement_plan(model_args, layout), layout) + "\n", args.out)
+        text = format_plan(placement_plan(model_args, layout), layout) + "\n"
+        if layout.pp > 1:
+            try:
+                stages = stage_fqns(Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp)
+            except LayoutError as e:
+                print(f"LayoutError: {e}", file=sys.stderr)
+                return 2
+            text += f"\npipeline stages ({args.pp_schedule}):\n" + format_stages(stages, layout.pp) + "\n"
+        return _emit(text, args.out)
     rep = report(layout)
     if args.format == "png":
         out = args.out or "layout.png"

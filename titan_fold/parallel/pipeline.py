@@ -102,6 +102,19 @@ def stage_fqns(parallelism, n_layers: int, pp: int) -> list[list[str]]:
     return stages
 
 
+def format_stages(stages: list[list[str]], pp: int) -> str:
+    """One line per stage: its pp rank and modules, consecutive layers as a range."""
+    lines = []
+    for s, fqns in enumerate(stages):
+        layers = [int(f.split(".")[1]) for f in fqns if f.startswith("layers.")]
+        names = [f for f in fqns if not f.startswith("layers.")]
+        if layers:
+            span = f"layers.{layers[0]}" if len(layers) == 1 else f"layers.{layers[0]}-{layers[-1]}"
+            names.insert(1 if fqns[0] == "tok_embeddings" else 0, span)
+        lines.append(f"stage {s} on pp rank {s % pp}: {', '.join(names)}")
+    return "\n".join(lines)
+
+
 def stage_model(model: nn.Module, fqns: list[str]) -> nn.Module:
     """A copy of the (meta) model with only these modules; the rest set to None / deleted."""
     stage = copy.deepcopy(model)
