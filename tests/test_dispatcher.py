@@ -128,6 +128,36 @@ def check_dtensor_init(ep_mesh, etp_mesh, weights_mesh):
         assert torch.equal(w, getattr(ref.experts, n).detach()), f"DTensor init of {n} depends on the layout"
 
 
+def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
+    """The shared expert runs after the tokens' all-to-all is issued and before the routed
+    experts read them (functional collectives wait at first use)."""
+    import titan_fold.moe.dispatcher as dispatcher_mod
+    from titan_fold.moe import MoE, MoEArgs
+    from titan_fold.parallel.experts import shard_moe
+
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, shared_ffn_dim=FFN, shared_expert_gate=True)
+    torch.manual_seed(0)
+    moe = MoE(DIM, args)
+    moe.init_weights(0.1)
+    moe.to(device)
+    shard_moe(moe, ep_mesh, etp_mesh)
+    events, a2a = [], dispatcher_mod._a2a
+
+    def recorded_a2a(*a, **kw):
+        events.append("all_to_all")
+        return a2a(*a, **kw)
+
+    moe.experts.register_forward_pre_hook(lambda *_: events.append("experts"))
+    moe.shared_expert.register_forward_pre_hook(lambda *_: events.append("shared"))
+    dispatcher_mod._a2a = recorded_a2a
+    try:
+        moe(torch.randn(2, S_LOC, DIM, device=device))
+    finally:
+        dispatcher_mod._a2a = a2a
+    # tokens and weights out, shared expert, routed experts, results back
+    assert events == ["all_to_all", "all_to_all", "shared", "experts", "all_to_all"], events
+
+
 def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -147,6 +177,7 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
         etp_mesh = mesh["etp"] if etp > 1 else None
         try:
             check_dtensor_init(ep_mesh, etp_mesh, mesh["ep", "etp"])
+            check_shared_expert_overlap(ep_mesh, etp_mesh, device)
         except AssertionError:
             failures.append(f"ep={ep} etp={etp}:\n{traceback.format_exc()}")
         for case_id, case in enumerate(CASES):

@@ -152,8 +152,14 @@ class TokenDispatcher(nn.Module):
         return mine.reshape(T, k), cap
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor,
-                experts: GroupedExperts, args: MoEArgs, num_seqs: int):
-        """x [T, dim], probs/experts_idx [T, k] -> (y [T, dim], keep [T, k] bool or None)."""
+                experts: GroupedExperts, args: MoEArgs, num_seqs: int, overlap=None):
+        """x [T, dim], probs/experts_idx [T, k] -> (y [T, dim], keep [T, k] bool or None,
+        overlap() or None).
+
+        overlap: work that does not depend on the routed experts (the shared expert), run
+        while the tokens are on their way: after the EP all-to-all is issued and before its
+        result is read (functional collectives wait at first use), so that on a GPU its
+        kernels run beside the exchange; without an exchange, after the experts."""
         T, k = experts_idx.shape
         E, N = args.num_experts, T * k
         keep, cap = self.keep_mask(probs, experts_idx, num_seqs, args)
@@ -181,17 +187,24 @@ class TokenDispatcher(nn.Module):
             rows_per_expert = counts
 
         x_rows = x[token_of_row]  # [R, dim]
+        overlapped = []
+
+        def run_overlap():  # once, at the first of its two places
+            if overlap is not None and not overlapped:
+                overlapped.append(overlap())
+
         if self.ep * self.etp == 1:
             if keep is not None and not args.pad_to_capacity:
                 n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
             y_rows = experts(x_rows, rows_per_expert, weight_of_row, args.prob_before_w2)
         else:
-            y_rows = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args)
+            y_rows = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args, run_overlap)
+        run_overlap()
         token_of_row = token_of_row[: y_rows.shape[0]]  # dropped rows were cut off
         # [T, dim], sum over k; in the experts' dtype (bf16 under autocast)
         y = y_rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, y_rows)
-        return y, keep
+        return y, keep, overlapped[0] if overlapped else None
 
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device):
         """Exchange counts and bring the split sizes to the host: the layer's one sync.
@@ -215,7 +228,7 @@ class TokenDispatcher(nn.Module):
         )
         return splits, gathered.view(etp * ep, E_loc)
 
-    def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs):
+    def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs, while_in_flight):
         E_loc = args.num_experts // self.ep
         # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
         sp, rows_of_source = self._splits(counts, E_loc, x_rows.device)
@@ -225,6 +238,7 @@ class TokenDispatcher(nn.Module):
 
         x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh)  # [sum(recv), dim], by (ep source, expert)
         w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)
+        while_in_flight()
         x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
         w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
 

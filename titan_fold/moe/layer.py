@@ -45,16 +45,23 @@ class MoE(nn.Module):
         b, s, dim = x.shape
         tokens = x.reshape(b * s, dim)  # [T, dim]
         routing = self.router(tokens, s, self.aux_loss_scale)
-        y, keep = self.dispatcher(tokens, routing.probs, routing.experts, self.experts, self.args, b)  # [T, dim]
-        if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
-            y = y + shared
+        # the shared expert runs while the routed tokens are exchanged (Megatron-Core's
+        # shared-expert overlap)
+        shared = (lambda: self._shared(tokens)) if self.shared_expert is not None else None
+        y, keep, shared_y = self.dispatcher(tokens, routing.probs, routing.experts, self.experts, self.args, b,
+                                            overlap=shared)  # [T, dim]
+        if shared_y is not None:
+            y = y + shared_y
         if self.args.load_balance in ("aux_loss", "seq_aux_loss") or self.args.z_loss_coeff > 0:
             y = AddAuxLoss.apply(y, routing.loss)
         self._record(routing.balance_loss, keep, routing.tokens_per_expert)
         return y.view(b, s, dim)
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(tokens)  # [T, dim]
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        return shared
 
     @torch.no_grad()
     def _record(self, balance_loss, keep, tokens_per_expert):
