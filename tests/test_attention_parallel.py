@@ -250,3 +250,13 @@ def test_attention_parallel_matches_one_rank():
     # every case checked the router gradient (MoE layers in both flavors)
     assert {c for c, k in worst if k == "router"} == {c for c, _ in worst}
     assert not bad, "\n".join(bad[:30])
+
+
+def test_sequence_positions_of_the_cp_tp_ranks():
+    from titan_fold.parallel.attention import sequence_positions
+
+    # 8 tokens, cp 2 x tp 2: cp rank 0 holds chunks 0 and 3 ([0, 1], [6, 7]), cp rank 1 chunks
+    # 1 and 2; sequence parallelism gives each tp rank one contiguous half of that
+    assert sequence_positions(2, 2, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert sequence_positions(1, 4, 3).tolist() == list(range(12))  # tp alone: contiguous
+    assert sorted(sequence_positions(4, 2, 4).tolist()) == list(range(32))

@@ -33,10 +33,13 @@ LAYOUTS = {
 }
 
 
-# token drop with decisions over whole sequences: must equal the one-rank decisions
-FULL_SEQUENCE_DROP = ("--moe.capacity_factor", "1.0", "--moe.drop_scope", "full_sequence")
+# token drop with decisions over whole sequences: must equal the one-rank decisions; by
+# position (the first tokens of a sequence win), so the token order must be restored too
+FULL_SEQUENCE_DROP = ("--moe.capacity_factor", "1.0", "--moe.drop_scope", "full_sequence",
+                      "--moe.drop_policy", "position")
 DROP_LAYOUTS = {
-    "tp2_dp4_ep4_etp2_drop": (8, degrees(tp=2, ep=4, etp=2)),
+    # the drop decision gathers each sequence from cp x tp ranks and undoes cp's chunk order
+    "cp2_tp2_dp2_ep4_etp2_drop": (8, degrees(tp=2, cp=2, ep=4, etp=2)),
 }
 
 

@@ -87,12 +87,6 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     )
     if layout.pp > 1:
         check_pipeline(config, model_args, layout.pp)
-    if moe.capacity_factor is not None and moe.drop_scope == "full_sequence" and layout.cp > 1:
-        raise ConfigError(
-            "moe.drop_scope = 'full_sequence' with context_parallel_degree > 1: the load-balanced cp split "
-            "gives each rank non-contiguous chunks, which full-sequence dropping does not reorder yet; "
-            "use drop_scope = 'sub_sequence' or cp = 1"
-        )
     return layout
 
 

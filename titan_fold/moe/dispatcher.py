@@ -132,6 +132,9 @@ class TokenDispatcher(nn.Module):
         super().__init__()
         self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
+        # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
+        # of each token, rank after rank; None: every rank holds one contiguous chunk
+        self.seq_positions = None
 
     def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
         """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
@@ -142,13 +145,20 @@ class TokenDispatcher(nn.Module):
             cap = capacity(T, args)
             return capacity_keep(probs, experts, args.num_experts, cap, args.drop_policy), cap
         # full_sequence: decide on the whole sequences exactly as one rank holding them would
-        n = self.seq_mesh.size()
+        n, L = self.seq_mesh.size(), T // num_seqs
         packed = torch.cat([probs.detach().double(), experts.double()], dim=-1)  # [T, 2k], ids exact in f64
         full = _gather_even(packed, self.seq_mesh)  # [n * T, 2k], rank-major
-        full = full.view(n, num_seqs, T // num_seqs, 2 * k).transpose(0, 1).reshape(n * T, 2 * k)  # sequence order
+        full = full.view(n, num_seqs, L, 2 * k).transpose(0, 1).reshape(num_seqs, n * L, 2 * k)  # by sequence
+        pos = None if self.seq_positions is None else self.seq_positions(L).to(full.device)  # [n * L]
+        if pos is not None:  # e.g. cp's load-balanced chunks: put each sequence in order
+            full = full.index_select(1, torch.argsort(pos))
+        full = full.reshape(num_seqs * n * L, 2 * k)
         cap = capacity(n * T, args)
         keep = capacity_keep(full[:, :k], full[:, k:].long(), args.num_experts, cap, args.drop_policy)
-        mine = keep.view(num_seqs, n, T // num_seqs, k)[:, self.seq_mesh.get_local_rank()]
+        keep = keep.view(num_seqs, n * L, k)
+        if pos is not None:
+            keep = keep.index_select(1, pos)  # back to rank-major
+        mine = keep.view(num_seqs, n, L, k)[:, self.seq_mesh.get_local_rank()]
         return mine.reshape(T, k), cap
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor,

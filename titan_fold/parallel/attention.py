@@ -207,6 +207,22 @@ def _chunks_of(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
+def cp_positions(cp_rank: int, cp: int, seq_len: int) -> torch.Tensor:
+    """Global positions [seq_len / cp] of the tokens cp rank `cp_rank` holds: chunks
+    cp_rank and 2*cp-1-cp_rank of 2*cp (`_chunks_of`)."""
+    c = seq_len // (2 * cp)
+    first, second = _chunks_of(cp_rank, cp)
+    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+
+
+def sequence_positions(cp: int, tp: int, local_len: int) -> torch.Tensor:
+    """Global position of every token of one sequence as the cp x tp ranks hold it, rank
+    after rank in cp_tp mesh order (cp outer, tp inner): each cp rank's part, cut into tp
+    contiguous pieces by sequence parallelism. [cp * tp * local_len] int64."""
+    seq_len = cp * tp * local_len
+    return torch.cat([cp_positions(r, cp, seq_len) for r in range(cp)])
+
+
 def cp_shard(
     tokens: torch.Tensor, labels: torch.Tensor, cp_mesh: DeviceMesh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,10 +237,7 @@ def cp_shard(
     s = tokens.shape[1]
     if s % (2 * cp):
         raise ValueError(f"sequence length {s} must be divisible by 2 * cp = {2 * cp} (load-balanced causal split)")
-    c = s // (2 * cp)
-    first, second = _chunks_of(rank, cp)
-    positions = torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
-    positions = positions.to(tokens.device)
+    positions = cp_positions(rank, cp, s).to(tokens.device)
     return tokens.index_select(1, positions), labels.index_select(1, positions), positions
 
 

@@ -7,6 +7,8 @@ before `to_empty` and `init_weights`). Under pipelining, `parallel/pipeline.py` 
 model into stages and calls this function on each stage model.
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -16,7 +18,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
-from titan_fold.parallel.attention import apply_cp, apply_tp
+from titan_fold.parallel.attention import apply_cp, apply_tp, sequence_positions
 from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
 from titan_fold.parallel.layout import Layout
 
@@ -35,6 +37,8 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
         # whatever cp x tp cut them into
         moe.router.seq_mesh = seq_mesh
         moe.dispatcher.seq_mesh = seq_mesh
+        if layout.cp > 1:
+            moe.dispatcher.seq_positions = functools.partial(sequence_positions, layout.cp, layout.tp)
     ac = job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
