@@ -188,17 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args = _model_args(args.model) if args.model else None
         layout = build_layout(args, model_args)
+        stages = None
+        if args.placements and layout.pp > 1:
+            stages = stage_fqns(Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp)
     except (LayoutError, ValueError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if args.placements:
         text = format_plan(placement_plan(model_args, layout), layout) + "\n"
-        if layout.pp > 1:
-            try:
-                stages = stage_fqns(Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp)
-            except LayoutError as e:
-                print(f"LayoutError: {e}", file=sys.stderr)
-                return 2
+        if stages is not None:
             text += f"\npipeline stages ({args.pp_schedule}):\n" + format_stages(stages, layout.pp) + "\n"
         return _emit(text, args.out)
     rep = report(layout)

@@ -197,24 +197,18 @@ class TokenDispatcher(nn.Module):
             rows_per_expert = counts
 
         x_rows = x[token_of_row]  # [R, dim]
-        overlapped = []
-
-        def run_overlap():  # once, at the first of its two places
-            if overlap is not None and not overlapped:
-                overlapped.append(overlap())
-
         if self.ep * self.etp == 1:
             if keep is not None and not args.pad_to_capacity:
                 n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
             y_rows = experts(x_rows, rows_per_expert, weight_of_row, args.prob_before_w2)
+            overlapped = overlap() if overlap is not None else None
         else:
-            y_rows = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args, run_overlap)
-        run_overlap()
+            y_rows, overlapped = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args, overlap)
         token_of_row = token_of_row[: y_rows.shape[0]]  # dropped rows were cut off
         # [T, dim], sum over k; in the experts' dtype (bf16 under autocast)
         y = y_rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, y_rows)
-        return y, keep, overlapped[0] if overlapped else None
+        return y, keep, overlapped
 
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device):
         """Exchange counts and bring the split sizes to the host: the layer's one sync.
@@ -238,7 +232,8 @@ class TokenDispatcher(nn.Module):
         )
         return splits, gathered.view(etp * ep, E_loc)
 
-    def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs, while_in_flight):
+    def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs, overlap):
+        """-> (y_rows of this rank's rows, overlap() or None, run while the tokens travel)."""
         E_loc = args.num_experts // self.ep
         # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
         sp, rows_of_source = self._splits(counts, E_loc, x_rows.device)
@@ -248,7 +243,7 @@ class TokenDispatcher(nn.Module):
 
         x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh)  # [sum(recv), dim], by (ep source, expert)
         w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)
-        while_in_flight()
+        overlapped = overlap() if overlap is not None else None
         x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
         w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
 
@@ -261,7 +256,7 @@ class TokenDispatcher(nn.Module):
         y_all = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)  # back to arrival order
 
         y_in = _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
-        return _a2a(y_in, sp.send, sp.recv, self.ep_mesh)  # [sum(send), dim]
+        return _a2a(y_in, sp.send, sp.recv, self.ep_mesh), overlapped  # [sum(send), dim]
 
 
 def install_dispatcher(moe: nn.Module, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,

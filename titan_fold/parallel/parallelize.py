@@ -22,6 +22,7 @@ from titan_fold.parallel.attention import apply_cp, apply_tp, sequence_positions
 from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
 from titan_fold.parallel.layout import Layout
 
+
 def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     if layout.tp > 1:
         loss_parallel = not job_config.parallelism.disable_loss_parallel
