@@ -130,7 +130,8 @@ def check_dtensor_init(ep_mesh, etp_mesh, weights_mesh):
 
 def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
     """The shared expert runs after the tokens' all-to-all is issued and before the routed
-    experts read them (functional collectives wait at first use)."""
+    experts read them (functional collectives wait at first use); with the overlap off it
+    runs first. Both give the same output."""
     import titan_fold.moe.dispatcher as dispatcher_mod
     from titan_fold.moe import MoE, MoEArgs
     from titan_fold.parallel.experts import shard_moe
@@ -141,6 +142,7 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
     moe.init_weights(0.1)
     moe.to(device)
     shard_moe(moe, ep_mesh, etp_mesh)
+    x = torch.randn(2, S_LOC, DIM, device=device)
     events, a2a = [], dispatcher_mod._a2a
 
     def recorded_a2a(*a, **kw):
@@ -150,12 +152,19 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
     moe.experts.register_forward_pre_hook(lambda *_: events.append("experts"))
     moe.shared_expert.register_forward_pre_hook(lambda *_: events.append("shared"))
     dispatcher_mod._a2a = recorded_a2a
+    outputs, orders = [], []
     try:
-        moe(torch.randn(2, S_LOC, DIM, device=device))
+        for overlap in (True, False):
+            moe.args.shared_expert_overlap = overlap
+            events.clear()
+            outputs.append(moe(x))
+            orders.append(list(events))
     finally:
         dispatcher_mod._a2a = a2a
     # tokens and weights out, shared expert, routed experts, results back
-    assert events == ["all_to_all", "all_to_all", "shared", "experts", "all_to_all"], events
+    assert orders[0] == ["all_to_all", "all_to_all", "shared", "experts", "all_to_all"], orders[0]
+    assert orders[1] == ["shared", "all_to_all", "all_to_all", "experts", "all_to_all"], orders[1]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
 
 
 def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):

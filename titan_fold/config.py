@@ -68,6 +68,8 @@ class MoE:
     norm_topk_prob: bool | None = None
     """Renormalize the top-k probabilities to sum to one."""
     load_balance: Literal["aux_loss", "seq_aux_loss", "aux_free", "none"] | None = None
+    shared_expert_overlap: bool | None = None
+    """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""
     aux_loss_coeff: float | None = None
     z_loss_coeff: float | None = None
 

@@ -15,6 +15,9 @@ class MoEArgs:
     moe_ffn_dim: int = 64  # width of one routed expert
     shared_ffn_dim: int = 0  # width of the shared expert; 0 = none
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w_gate) scales the shared expert
+    # run the shared expert while the routed tokens are exchanged (Megatron-Core's
+    # --moe-shared-expert-overlap); False: before the routed experts
+    shared_expert_overlap: bool = True
 
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = False  # renormalize the k chosen probabilities to sum to 1

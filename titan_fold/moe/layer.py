@@ -45,11 +45,16 @@ class MoE(nn.Module):
         b, s, dim = x.shape
         tokens = x.reshape(b * s, dim)  # [T, dim]
         routing = self.router(tokens, s, self.aux_loss_scale)
-        # the shared expert runs while the routed tokens are exchanged (Megatron-Core's
-        # shared-expert overlap)
-        shared = (lambda: self._shared(tokens)) if self.shared_expert is not None else None
-        y, keep, shared_y = self.dispatcher(tokens, routing.probs, routing.experts, self.experts, self.args, b,
-                                            overlap=shared)  # [T, dim]
+        shared_y = overlap = None
+        if self.shared_expert is not None and self.args.shared_expert_overlap:
+            # run while the routed tokens are exchanged (Megatron-Core's shared-expert overlap)
+            overlap = lambda: self._shared(tokens)  # noqa: E731
+        elif self.shared_expert is not None:
+            shared_y = self._shared(tokens)
+        y, keep, overlapped = self.dispatcher(tokens, routing.probs, routing.experts, self.experts, self.args, b,
+                                              overlap=overlap)  # [T, dim]
+        if overlapped is not None:
+            shared_y = overlapped
         if shared_y is not None:
             y = y + shared_y
         if self.args.load_balance in ("aux_loss", "seq_aux_loss") or self.args.z_loss_coeff > 0:
