@@ -74,7 +74,7 @@ def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh
     edp for routed experts on the expert mesh; gradients summed, not averaged.
 
     The loss is already divided by the global token count, so FSDP must not divide again.
-    Experts are wrapped even when edp is 1, so that mixed precision casts them as well.
+    With edp = 1 the routed experts stay out of FSDP.
     """
     dims = [d for d, on in (("dp_replicate", layout.dp_replicate > 1), ("fsdp", layout.fsdp_enabled)) if on]
     mesh = layout.get_mesh(dims)
@@ -89,7 +89,14 @@ def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh
     mode = job_config.parallelism.fsdp_reshard_after_forward
     reshard = mode == "always" or (mode == "default" and layout.pp == 1)
     expert_units = [moe.experts for moe in moe_layers(model)] if experts_on_own_mesh else []
-    if expert_units:
+    ignored = set()
+    if expert_units and layout.edp == 1:
+        # nothing to shard or reduce: FSDP over a one-rank mesh would only copy the weights
+        # in and out (and again in backward). The experts cast their weights to the
+        # activations' dtype themselves; autograd keeps that copy until backward.
+        ignored = {p for unit in expert_units for p in unit.parameters()}
+        expert_units = []
+    elif expert_units:
         edp_mesh = layout.expert["edp"]
         local_experts = expert_units[0].w1.to_local().shape[0]
         # FSDP shards dim 0 by default; with fewer local experts than edp ranks shard the
@@ -100,7 +107,8 @@ def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh
                         shard_placement_fn=placement)
     dense_units = [*model.layers.values(), model]
     for unit in dense_units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard and unit is not model)
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard and unit is not model,
+                    ignored_params=ignored)
     for unit in expert_units + dense_units:
         unit.set_gradient_divide_factor(1.0)
         if not on_gpu:
