@@ -251,3 +251,49 @@ def test_autocast_bf16_matches_fp32():
     assert (y.float() - ref).norm() / ref.norm() < 2e-2
     y.float().sum().backward()
     assert moe.experts.w1.grad.dtype == torch.float32 and moe.experts.w1.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["dropless", "dropped", "padded"])
+def test_dispatch_and_combine_are_gathers_with_the_indexing_gradients(case):
+    """_Dispatch / _Combine (gathers both ways) against x[token_of_row] and index_add, float64:
+    same values, same gradients, and gradcheck (padded: rows of empty slots get token 0's
+    gradient, which their zero weight stops)."""
+    from titan_fold.moe.dispatcher import _Combine, _Dispatch, _inverse, _PermuteRows, group_by
+
+    torch.manual_seed(0)
+    T, k, E, dim = 12, 3, 4, 5
+    key = torch.randint(0, E, (T * k,))
+    if case != "dropless":
+        key[::4] = E  # dropped assignments: an extra last group
+    order, counts, pos = group_by(key, E + 1)
+    if case == "padded":
+        C = int(counts[:E].max())
+        slot = torch.where(key < E, key * C + pos, E * C)
+        assign = torch.full((E * C + 1,), T * k).scatter(0, slot, torch.arange(T * k))[: E * C]
+        token_of_row, kept = torch.where(assign < T * k, assign // k, 0), assign < T * k
+    else:
+        token_of_row, slot = order // k, _inverse(order)
+        kept = torch.arange(T * k) < int(counts[:E].sum())
+    x = torch.randn(T, dim, dtype=torch.float64, requires_grad=True)
+    dropped = case != "dropless"
+    rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)
+    torch.testing.assert_close(rows, x[token_of_row])
+    R = int(kept.sum()) if case == "dropped" else rows.shape[0]
+    y_rows = torch.randn(R, dim, dtype=torch.float64, requires_grad=True)
+    y = _Combine.apply(y_rows, token_of_row[:R], slot.clamp(max=R), k, dropped)
+    live = kept[:R].unsqueeze(-1)  # padded: empty slots hold no assignment
+    ref = torch.zeros(T, dim, dtype=torch.float64).index_add(0, token_of_row[:R], y_rows * live)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn(rows.shape, dtype=torch.float64) * kept.unsqueeze(-1)
+    (gx,) = torch.autograd.grad(rows, x, g)
+    (gx_ref,) = torch.autograd.grad(x[token_of_row], x, g)
+    torch.testing.assert_close(gx, gx_ref)
+    gy = torch.randn(T, dim, dtype=torch.float64)
+    (grows,) = torch.autograd.grad(y, y_rows, gy)
+    torch.testing.assert_close(grows * live, gy[token_of_row[:R]] * live)  # empty slots: weight 0, unused
+    if case != "padded":
+        assert torch.autograd.gradcheck(lambda r: _Combine.apply(r, token_of_row[:R], slot.clamp(max=R), k, dropped),
+                                        (y_rows.detach().requires_grad_(),))
+    perm = torch.randperm(T)
+    assert torch.autograd.gradcheck(lambda t: _PermuteRows.apply(t, perm, _inverse(perm)),
+                                    (torch.randn(T, dim, dtype=torch.float64, requires_grad=True),))

@@ -69,6 +69,69 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
     return keep.view_as(experts)
 
 
+# ---- row movement whose backward is a gather too -------------------------------------------
+# x[idx] differentiates into an atomic (sort-based on CUDA) scatter-add, and index_add is an
+# atomic scatter-add itself; both are several times slower than a gather. The permutations
+# here are known in both directions, so forward and backward are gathers (and one sum over
+# the k rows of each token, accumulated in float; its dtype is pinned, since autocast would
+# otherwise return float32 and turn the whole residual stream float32).
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[perm] for a permutation perm, inv = its inverse."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inv):
+        ctx.save_for_backward(inv)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        return grad[inv], None, None
+
+
+def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool) -> torch.Tensor:
+    """rows [R, dim], slot [T*k]: the row of each assignment -> [T, dim].
+
+    dropped: some assignments have no row (slot R); they read an appended zero row."""
+    if dropped:
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+    return rows[slot].view(-1, k, rows.shape[-1]).sum(1, dtype=rows.dtype)
+
+
+class _Dispatch(torch.autograd.Function):
+    """x [T, dim] -> rows [R, dim] = x[token_of_row]; backward sums each token's rows."""
+
+    @staticmethod
+    def forward(ctx, x, token_of_row, slot, k, dropped):
+        ctx.save_for_backward(slot)
+        ctx.k, ctx.dropped = k, dropped
+        return x[token_of_row]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot,) = ctx.saved_tensors
+        return _sum_by_token(grad, slot, ctx.k, ctx.dropped), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """rows [R, dim] -> y [T, dim], each token the sum of its rows; the adjoint of _Dispatch."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, slot, k, dropped):
+        ctx.save_for_backward(token_of_row)
+        return _sum_by_token(rows, slot, k, dropped)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return grad[token_of_row], None, None, None, None
+
+
 # ---- collectives over a 1-D mesh; None means degree 1 (identity) -------------------------
 
 def _size(mesh: DeviceMesh | None) -> int:
@@ -195,8 +258,10 @@ class TokenDispatcher(nn.Module):
             token_of_row = order // k  # [N], dropped rows last
             weight_of_row = weights[order]
             rows_per_expert = counts
+            slot = _inverse(order)  # [N] row of each assignment
 
-        x_rows = x[token_of_row]  # [R, dim]
+        dropped = keep is not None
+        x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
             if keep is not None and not args.pad_to_capacity:
                 n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
@@ -205,9 +270,9 @@ class TokenDispatcher(nn.Module):
             overlapped = overlap() if overlap is not None else None
         else:
             y_rows, overlapped = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args, overlap)
-        token_of_row = token_of_row[: y_rows.shape[0]]  # dropped rows were cut off
+        R = y_rows.shape[0]  # dropped rows were cut off: their assignments read the zero row
         # [T, dim], sum over k; in the experts' dtype (bf16 under autocast)
-        y = y_rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, y_rows)
+        y = _Combine.apply(y_rows, token_of_row[:R], slot.clamp(max=R), k, dropped)
         return y, keep, overlapped
 
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device):
@@ -251,9 +316,10 @@ class TokenDispatcher(nn.Module):
         expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(rows_of_source.shape[0])
         expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=x_all.shape[0])
         perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
+        inv = _inverse(perm)
         local_counts = rows_of_source.sum(0) if sp.send is not None else rows_of_source.shape[0] * counts
-        y_sorted = experts(x_all[perm], local_counts, w_all[perm], args.prob_before_w2)
-        y_all = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)  # back to arrival order
+        y_sorted = experts(_PermuteRows.apply(x_all, perm, inv), local_counts, w_all[perm], args.prob_before_w2)
+        y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
 
         y_in = _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
         return _a2a(y_in, sp.send, sp.recv, self.ep_mesh), overlapped  # [sum(send), dim]

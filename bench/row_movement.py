@@ -1,0 +1,148 @@
+"""Moving token rows to expert order and back: the dispatcher's gathers against indexing.
+
+    python bench/row_movement.py                 # GPU, bf16, the benchmark shapes
+    python bench/row_movement.py --smoke         # CPU, tiny shape, float32
+
+One MoE layer's row movement on one rank, forward + backward, without the experts:
+dispatch (x [T, dim] -> rows [T*k, dim] in expert order), a stand-in elementwise op, and
+combine (rows -> y [T, dim], the k rows of each token summed). Four ways, timed side by
+side with CUDA events (median after warm-up):
+  indexing       x[token_of_row] and index_add: their backwards are atomic scatter-adds
+                 (the dispatcher before 2026-11-23)
+  embedding_bag  gathers both ways, the sum over k as one embedding_bag (gather and sum
+                 in one kernel, no [T*k, dim] copy)
+  gather_sum     gathers both ways, the sum over k as rows[slot].view(T, k, dim).sum(1)
+                 (a [T*k, dim] copy, then the sum)
+  dispatcher     titan_fold.moe.dispatcher's own _Dispatch / _Combine
+Outputs and input gradients are checked against indexing.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import median, time_ms, write_result  # noqa: E402
+from titan_fold.moe.dispatcher import _Combine, _Dispatch, _inverse, group_by  # noqa: E402
+
+SHAPES = {  # tokens per rank, hidden, top-k, experts
+    "qwen2_57b_a14b": (8192, 3584, 8, 64),
+    "mixtral_8x22b": (8192, 6144, 2, 8),
+    "mixtral_8x22b_g8t8": (8192, 6144, 8, 64),
+    "tiny": (256, 64, 2, 8),
+}
+
+
+def _embedding_bag(rows, slot, k):
+    return F.embedding_bag(slot.view(-1, k), rows, mode="sum")
+
+
+def _gather_sum(rows, slot, k):
+    return rows[slot].view(-1, k, rows.shape[-1]).sum(1, dtype=rows.dtype)
+
+
+class _DispatchVia(torch.autograd.Function):
+    """x -> x[token_of_row]; backward sum_fn(grad, slot, k)."""
+
+    @staticmethod
+    def forward(ctx, x, token_of_row, slot, k, sum_fn):
+        ctx.save_for_backward(slot)
+        ctx.k, ctx.sum_fn = k, sum_fn
+        return x[token_of_row]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot,) = ctx.saved_tensors
+        return ctx.sum_fn(grad, slot, ctx.k), None, None, None, None
+
+
+class _CombineVia(torch.autograd.Function):
+    """rows -> sum_fn(rows, slot, k); backward grad[token_of_row]."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, slot, k, sum_fn):
+        ctx.save_for_backward(token_of_row)
+        return sum_fn(rows, slot, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return grad[token_of_row], None, None, None, None
+
+
+def ways(token_of_row, slot, k):
+    T = token_of_row.numel() // k
+
+    def indexing(x):
+        rows = x[token_of_row] * 2
+        return rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, rows)
+
+    def via(sum_fn):
+        return lambda x: _CombineVia.apply(_DispatchVia.apply(x, token_of_row, slot, k, sum_fn) * 2,
+                                           token_of_row, slot, k, sum_fn)
+
+    def dispatcher(x):
+        return _Combine.apply(_Dispatch.apply(x, token_of_row, slot, k, False) * 2, token_of_row, slot, k, False)
+
+    return {"indexing": indexing, "embedding_bag": via(_embedding_bag), "gather_sum": via(_gather_sum),
+            "dispatcher": dispatcher}
+
+
+def bench_shape(name, device, dtype, warmup, iters) -> dict:
+    T, dim, k, E = SHAPES[name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    key = torch.randint(0, E, (T * k,), device=device, generator=gen)
+    order, _, _ = group_by(key, E)
+    token_of_row, slot = order // k, _inverse(order)
+    x = torch.randn(T, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
+    gy = torch.randn(T, dim, device=device, dtype=dtype, generator=gen)
+    results, ref = {}, None
+    for way, fn in ways(token_of_row, slot, k).items():
+        y = fn(x)
+        (gx,) = torch.autograd.grad(y, x, gy)
+        if ref is None:
+            ref = (y.detach().float(), gx.float())
+        else:  # same sums in another order: bf16 rounding apart
+            torch.testing.assert_close(y.detach().float(), ref[0], atol=0.1, rtol=0.02)
+            torch.testing.assert_close(gx.float(), ref[1], atol=0.1, rtol=0.02)
+
+        def step():
+            torch.autograd.grad(fn(x), x, gy)
+
+        results[f"{way}_ms"] = median(time_ms(step, warmup, iters, device))
+    base = results["indexing_ms"]
+    for way in ("embedding_bag", "gather_sum", "dispatcher"):
+        results[f"{way}_speedup"] = base / results[f"{way}_ms"]
+    rows_bytes = T * k * dim * x.element_size()
+    return {"shape": name, "tokens": T, "dim": dim, "top_k": k, "experts": E,
+            "row_bytes_mib": rows_bytes / 2**20, **results}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, float32")
+    p.add_argument("--name", default="row_movement")
+    p.add_argument("--out-dir", default=None)
+    a = p.parse_args(argv)
+    if a.smoke:
+        device, dtype, shapes = torch.device("cpu"), torch.float32, ["tiny"]
+        a.warmup, a.iters = 1, 2
+    else:
+        device, dtype, shapes = torch.device("cuda"), torch.bfloat16, a.shapes.split(",")
+    rows = []
+    for name in shapes:
+        rows.append(bench_shape(name, device, dtype, a.warmup, a.iters))
+        print("[row_movement]", rows[-1], flush=True)
+    print("wrote", write_result(a.name, {"rows": rows}, out_dir=a.out_dir))
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
