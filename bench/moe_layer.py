@@ -2,6 +2,7 @@
 
     python bench/moe_layer.py                                   # 1 GPU: 3 shapes x (dropless, cf 1.0) x (eager, compiled)
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2,etp2 --name moe_layer_2gpu
+    torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2 --shapes qwen2_57b_a14b --shared-overlap on,off
     python bench/moe_layer.py --smoke                           # CPU, tiny shapes (what the tests run)
 
 FLOPs per step (bench.common.moe_layer_flops): 6 * tokens * top_k * 3 * dim * ffn for the
@@ -178,9 +179,10 @@ def profile_step(step, layer: MoE, device, steps: int = 2) -> dict:
 
 # ---- one configuration ------------------------------------------------------------------------
 
-def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh) -> list[dict]:
+def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh, overlap=True) -> list[dict]:
     shape = SHAPES[shape_name]
     layer = build_layer(shape, MODES[mode], device, dtype)
+    layer.args.shared_expert_overlap = overlap
     if dispatch != "none":
         ep_mesh = mesh if dispatch.startswith("ep") else None
         etp_mesh = mesh if dispatch.startswith("etp") else None
@@ -191,7 +193,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
     grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     rows = []
     for compiled in compile_modes:
-        row = {"shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled, "tokens_per_gpu": a.tokens}
+        row = {"shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled, "tokens_per_gpu": a.tokens,
+               "shared_overlap": overlap}
         try:
             if compiled:
                 torch._dynamo.reset()
@@ -235,7 +238,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
 def _print_row(row):
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    what = f"{row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} {'compiled' if row['compiled'] else 'eager':8s}"
+    what = (f"{row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} {'compiled' if row['compiled'] else 'eager':8s}"
+            f"{'' if row['shared_overlap'] else ' no-overlap'}")
     if "error" in row:
         print(f"{what} ERROR {row['error']}", flush=True)
     else:
@@ -250,6 +254,8 @@ def parse(argv=None):
     p.add_argument("--modes", default="dropless,cf1.0")
     p.add_argument("--compile", default="both", choices=["off", "on", "both"])
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
+    p.add_argument("--shared-overlap", default="on", help="comma list of on | off: the shared expert beside the "
+                   "all-to-all (MoEArgs.shared_expert_overlap); shapes with a shared expert only for off")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (seq 4096 x batch 2)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
@@ -293,7 +299,11 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--dispatch {dispatch} needs torchrun --nproc_per_node 2")
         for shape_name in a.shapes.split(","):
             for mode in a.modes.split(","):
-                rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh)
+                for overlap in a.shared_overlap.split(","):
+                    if overlap == "off" and not SHAPES[shape_name]["shared_ffn"]:
+                        continue
+                    rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
+                                         overlap=overlap == "on")
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had
     if dist.is_initialized():

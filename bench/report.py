@@ -6,6 +6,7 @@ Reads the JSON files the benchmarks wrote; a missing file leaves its table out.
 """
 
 import argparse
+import glob
 import json
 import os
 
@@ -20,13 +21,24 @@ def _load(results: str, name: str):
         return json.load(f)
 
 
+def _all(results: str, prefix: str) -> list[tuple[str, dict]]:
+    """Every result whose name starts with prefix, oldest first: (name, record)."""
+    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(results, f"{prefix}*.json"))]
+    recs = [(n, _load(results, n)) for n in names]
+    return sorted(recs, key=lambda nr: (nr[1].get("date_utc", ""), nr[0]))
+
+
 def _f(x, digits=1):
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
+def _dispatch(row: dict) -> str:
+    return row["dispatch"] + ("" if row.get("shared_overlap", True) else ", shared expert not overlapped")
+
+
 def moe_layer_table(results: str) -> list[str]:
     rows = []
-    for name in ("moe_layer_eager", "moe_layer_compiled", "moe_layer_2gpu"):
+    for name in ("moe_layer_eager", "moe_layer_compiled", "moe_layer_2gpu", "moe_layer_2gpu_overlap"):
         rec = _load(results, name)
         if rec:
             dense = rec["figures"]["dense_bf16_gemm_tflops"]
@@ -37,10 +49,10 @@ def moe_layer_table(results: str) -> list[str]:
            "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r, dense in rows:
         if "error" in r:
-            out.append(f"| {r['shape']} | {r['mode']} | {r['dispatch']} | {'compiled' if r['compiled'] else 'eager'} "
+            out.append(f"| {r['shape']} | {r['mode']} | {_dispatch(r)} | {'compiled' if r['compiled'] else 'eager'} "
                        f"| error: {r['error'][:60]} | | | | |")
             continue
-        out.append(f"| {r['shape']} | {r['mode']} | {r['dispatch']} | {'compiled' if r['compiled'] else 'eager'} | "
+        out.append(f"| {r['shape']} | {r['mode']} | {_dispatch(r)} | {'compiled' if r['compiled'] else 'eager'} | "
                    f"{_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {_f(dense)} | {_f(r.get('ratio_to_dense_gemm'), 3)} | "
                    f"{_f(r['kept_frac'], 3)} |")
     return out
@@ -61,7 +73,7 @@ def breakdown_table(results: str) -> list[str]:
             if not b:
                 continue
             fwd, cls = b["forward_ms_by_part"], b["step_gpu_ms_by_kernel_class"]
-            out.append(f"| {r['shape']} | {r['mode']} | {r['dispatch']} | {_f(r['median_ms'], 1)} | "
+            out.append(f"| {r['shape']} | {r['mode']} | {_dispatch(r)} | {_f(r['median_ms'], 1)} | "
                        + " | ".join(_f(fwd.get(p), 2) if fwd.get(p) else "-" for p in parts) + " | "
                        + " | ".join(_f(cls.get(c), 1) if cls.get(c) else "-" for c in classes) + " |")
             n += 1
@@ -69,19 +81,16 @@ def breakdown_table(results: str) -> list[str]:
 
 
 def train_table(results: str) -> list[str]:
-    out = ["| run | GPUs | attention | experts (ep, etp, edp) | tokens/s per GPU | TFLOP/s per GPU | MFU % | "
+    out = ["| result | run | GPUs | attention | experts (ep, etp, edp) | tokens/s per GPU | TFLOP/s per GPU | MFU % | "
            "peak memory GiB | step s | loss first -> last |",
-           "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+           "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
-    for name in ("train_step_1gpu_bf16params", "train_step_1gpu_b4", "train_step_1gpu_profile", "train_step_2gpu",
-                 "train_step_2gpu_bf16", "train_step_1gpu_fusedclip",
-                 "train_step_1gpu_call1", "train_step_1gpu_extra_call1"):
-        rec = _load(results, name)
-        for r in (rec or {}).get("figures", {}).get("rows", []):
+    for name, rec in _all(results, "train_step_"):
+        for r in rec.get("figures", {}).get("rows", []):
             fold = r.get("folding")
             experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
             status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
-            out.append(f"| {r['case']}{status} | {r['nproc']} | {_attention(r)} | "
+            out.append(f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | "
                        f"{experts} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
                        f"{_f(r['mfu_pct'])} | {_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
                        f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
@@ -93,14 +102,16 @@ def _attention(row: dict) -> str:
     fold = row.get("folding") or {}
     if fold.get("tp", 1) > 1:
         return f"tp{fold['tp']} SP"
+    if fold.get("cp", 1) > 1:
+        return f"cp{fold['cp']}"
     if fold.get("pp", 1) > 1:
         return f"pp{fold['pp']}"
     return f"dp{row['nproc']} FSDP" if row["nproc"] > 1 else "single"
 
 
 def profile_table(results: str) -> list[str]:
-    rec = _load(results, "train_step_1gpu_profile")
-    rows = [r for r in (rec or {}).get("figures", {}).get("rows", []) if r.get("trace_summary")]
+    rows = [r for _, rec in _all(results, "train_step_") for r in rec.get("figures", {}).get("rows", [])
+            if r.get("trace_summary")]
     if not rows:
         return []
     out = ["| run | step wall ms | GPU busy ms | kernel class | ms | share of step |", "|---|---:|---:|---|---:|---:|"]
@@ -113,19 +124,30 @@ def profile_table(results: str) -> list[str]:
 
 
 def vs_table(results: str) -> list[str]:
-    out = ["| precision | torchtitan tokens/s | torchtitan MFU % (its count / ours) | titan_fold tokens/s | "
+    out = ["| result | case | torchtitan tokens/s | torchtitan MFU % (its count / ours) | titan_fold tokens/s | "
            "titan_fold MFU % | ratio titan_fold / torchtitan | torchtitan peak GiB |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
     n = 0
-    for name in ("vs_torchtitan_amp", "vs_torchtitan_bf16params", "vs_torchtitan_fusedclip"):
-        rec = _load(results, name)
-        for r in (rec or {}).get("figures", {}).get("rows", []):
-            out.append(f"| {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} / "
+    for name, rec in _all(results, "vs_torchtitan_"):
+        for r in rec.get("figures", {}).get("rows", []):
+            out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} / "
                        f"{_f(r.get('mfu_pct_titan_fold_formula'))} | {_f(r.get('titan_fold_tokens_per_sec'), 0)} | "
                        f"{_f(r.get('titan_fold_mfu_pct'))} | {_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} | "
                        f"{_f(r['peak_memory_gib'])} |")
             n += 1
     return out if n else []
+
+
+def row_movement_table(results: str) -> list[str]:
+    rec = _load(results, "row_movement")
+    if not rec:
+        return []
+    out = ["| shape | rows MiB | indexing ms | embedding_bag ms | gather_sum ms | dispatcher ms | dispatcher speedup |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rec["figures"]["rows"]:
+        out.append(f"| {r['shape']} | {_f(r['row_bytes_mib'], 0)} | {_f(r['indexing_ms'], 2)} | "
+                   f"{_f(r['embedding_bag_ms'], 2)} | {_f(r['gather_sum_ms'], 2)} | {_f(r['dispatcher_ms'], 2)} | {_f(r['dispatcher_speedup'], 2)} |")
+    return out
 
 
 def collectives_table(results: str) -> list[str]:
@@ -146,8 +168,9 @@ def collectives_table(results: str) -> list[str]:
 def report(results: str) -> str:
     sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
                 ("Trainer, proxy Qwen2-57B-A14B-L2", train_table),
-                ("One profiled trainer step (1 GPU, bf16 parameters, local batch 2)", profile_table),
+                ("Profiled trainer steps", profile_table),
                 ("titan_fold vs torchtitan 0.2.2", vs_table),
+                ("Row movement, dispatch + combine forward + backward (1 GPU)", row_movement_table),
                 ("Collectives (2 GPUs)", collectives_table)]
     text = []
     for title, fn in sections:

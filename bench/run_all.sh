@@ -12,6 +12,21 @@
 #                               #   (tp-only layouts autocast since 2026-11-22), and pp2
 #   bash bench/run_all.sh F     # 1 GPU: the clip applied inside the fused AdamW; titan_fold
 #                               #   (local batch 2 and 4) then torchtitan, bf16 parameters
+#   bash bench/run_all.sh G     # 2 GPUs: shared-expert overlap on/off (MoE layer, ep2); dp2_ep2
+#                               #   with the experts out of FSDP against the code before
+#                               #   ($BASE: a checkout of it), bf16 parameters at local batch 4
+#                               #   (profiled), and torchtitan dp2_ep2 beside it
+#   bash bench/run_all.sh H     # 1 GPU (nvidia-h200): eager and compiled, titan_fold then torchtitan,
+#                               #   bf16 parameters (recompiles logged)
+#   bash bench/run_all.sh I     # 1 GPU (nvidia-h200): row movement (indexing / gathers / embedding_bag),
+#                               #   then the trainer against $BASE twice, interleaved, and compiled
+#   bash bench/run_all.sh J     # 1 GPU (nvidia-h200): local batch 2 and 4, eager and compiled,
+#                               #   titan_fold then torchtitan, bf16 parameters
+#   bash bench/run_all.sh K     # J again after the sum over k became gather + sum (no embedding_bag),
+#                               #   row movement first
+#   bash bench/run_all.sh L     # 1 GPU (nvidia-h200): row movement; the trainer with the sum's dtype
+#                               #   pinned against $BASE (embedding_bag), interleaved, local batch 2 and 4
+#   bash bench/run_all.sh M     # J again with the code as it stands (the sum's dtype pinned)
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -76,6 +91,82 @@ elif [ "$phase" = F ]; then
   timeout 110 $PY bench/vs_torchtitan.py --cases bf16params_eager --gpus 0 --port 29521 --steps 15 \
     --ours "$OUT/train_step_1gpu_fusedclip.json" --name vs_torchtitan_fusedclip --out-dir "$OUT" \
     --case-timeout 100 > "$LOGS/vs_torchtitan.log" 2>&1
+elif [ "$phase" = G ]; then
+  # seventh call (2026-11-23), 2 GPUs
+  note "moe_layer ep2, shared expert overlapped or not"
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 100 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29542 bench/moe_layer.py --dispatch ep2 --shapes qwen2_57b_a14b --modes dropless \
+    --compile off --no-profile --shared-overlap on,off --name moe_layer_2gpu_overlap \
+    --out-dir "$OUT" > "$LOGS/moe_layer_overlap.log" 2>&1
+  if [ -n "${BASE:-}" ]; then
+    note "dp2_ep2 with the code before (experts FSDP-wrapped on their one-rank edp mesh)"
+    (cd "$BASE" && timeout 100 $PY bench/train_step.py --cases dp2_ep2 --gpus 0,1 --port 29544 --steps 15 \
+      --name train_step_2gpu_base --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base --case-timeout 95 \
+      > "$LOGS/train_step_2gpu_base.log" 2>&1)
+  fi
+  note "titan_fold 2 GPUs"
+  timeout 260 $PY bench/train_step.py --cases dp2_ep2,dp2_ep2_bf16params_b4_profile --gpus 0,1 --port 29543 \
+    --steps 15 --name train_step_2gpu_g --out-dir "$OUT" --case-timeout 125 > "$LOGS/train_step_2gpu.log" 2>&1
+  note "torchtitan 2 GPUs"
+  timeout 200 $PY bench/vs_torchtitan.py --cases dp2_ep2,dp2_ep2_bf16params_b4 --gpus 0,1 --port 29521 --steps 15 \
+    --ours "$OUT/train_step_2gpu_g.json" --name vs_torchtitan_2gpu --out-dir "$OUT" --case-timeout 100 \
+    > "$LOGS/vs_torchtitan_2gpu.log" 2>&1
+elif [ "$phase" = H ]; then
+  # eighth call (2026-11-23), one GPU: eager and compiled side by side with torchtitan
+  export TORCH_LOGS=recompiles,graph_breaks
+  if [ -n "${BASE:-}" ]; then
+    note "1gpu_bf16params_eager with the code before (row gather/combine by indexing and index_add)"
+    (cd "$BASE" && timeout 60 $PY bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0 --port 29544 \
+      --steps 15 --name train_step_1gpu_base --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+      --case-timeout 58 > "$LOGS/train_step_1gpu_base.log" 2>&1)
+  fi
+  timeout 300 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_b4,1gpu_bf16params_compiled \
+    --gpus 0 --port 29511 --steps 15 --name train_step_1gpu_h --out-dir "$OUT" --case-timeout 200 \
+    > "$LOGS/train_step.log" 2>&1
+  timeout 225 $PY bench/vs_torchtitan.py --cases 1gpu_bf16params,1gpu_bf16params_compiled --gpus 0 --port 29521 \
+    --steps 15 --ours "$OUT/train_step_1gpu_h.json" --name vs_torchtitan_1gpu_h --out-dir "$OUT" \
+    --case-timeout 170 > "$LOGS/vs_torchtitan.log" 2>&1
+elif [ "$phase" = I ]; then
+  # ninth call (2026-11-23), one GPU: the sum over k as one embedding_bag, A/B against the code before
+  note "row_movement"
+  timeout 60 $PY bench/row_movement.py --out-dir "$OUT" > "$LOGS/row_movement.log" 2>&1
+  for i in 1 2; do
+    if [ -n "${BASE:-}" ]; then
+      (cd "$BASE" && timeout 60 $PY bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0 --port 29544 \
+        --steps 20 --name train_step_1gpu_ab_base_$i --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+        --case-timeout 58 > "$LOGS/train_step_ab_base_$i.log" 2>&1)
+    fi
+    timeout 60 $PY bench/train_step.py --cases 1gpu_bf16params --gpus 0 --port 29511 --steps 20 \
+      --name train_step_1gpu_ab_new_$i --out-dir "$OUT" --case-timeout 58 > "$LOGS/train_step_ab_new_$i.log" 2>&1
+  done
+  timeout 150 $PY bench/train_step.py --cases 1gpu_bf16params_compiled,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_i --out-dir "$OUT" --case-timeout 120 > "$LOGS/train_step.log" 2>&1
+elif [ "$phase" = J ] || [ "$phase" = K ] || [ "$phase" = M ]; then
+  # tenth, eleventh and thirteenth calls (2026-11-23), one GPU: every 1-GPU setting against
+  # torchtitan in one call
+  tag=$(echo "$phase" | tr JKM jkm)
+  if [ "$phase" = K ]; then
+    note "row_movement"
+    timeout 60 $PY bench/row_movement.py --out-dir "$OUT" > "$LOGS/row_movement.log" 2>&1
+  fi
+  cases=1gpu_bf16params,1gpu_bf16params_b4,1gpu_bf16params_compiled,1gpu_bf16params_b4_compiled
+  timeout 280 $PY bench/train_step.py --cases $cases --gpus 0 --port 29511 --steps 20 --name train_step_1gpu_$tag \
+    --out-dir "$OUT" --case-timeout 120 > "$LOGS/train_step.log" 2>&1
+  timeout 280 $PY bench/vs_torchtitan.py --cases $cases --gpus 0 --port 29521 --steps 20 \
+    --ours "$OUT/train_step_1gpu_$tag.json" --name vs_torchtitan_1gpu_$tag --out-dir "$OUT" --case-timeout 120 \
+    > "$LOGS/vs_torchtitan.log" 2>&1
+elif [ "$phase" = L ]; then
+  # twelfth call (2026-11-23), one GPU
+  note "row_movement"
+  timeout 60 $PY bench/row_movement.py --out-dir "$OUT" > "$LOGS/row_movement.log" 2>&1
+  for b in 2 4; do
+    case=1gpu_bf16params; [ $b = 4 ] && case=1gpu_bf16params_b4
+    (cd "$BASE" && timeout 70 $PY bench/train_step.py --cases $case --gpus 0 --port 29544 --steps 20 \
+      --name train_step_1gpu_l_base_b$b --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+      --case-timeout 68 > "$LOGS/train_step_l_base_b$b.log" 2>&1)
+    timeout 70 $PY bench/train_step.py --cases $case --gpus 0 --port 29511 --steps 20 \
+      --name train_step_1gpu_l_b$b --out-dir "$OUT" --case-timeout 68 > "$LOGS/train_step_l_b$b.log" 2>&1
+  done
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

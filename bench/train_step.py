@@ -4,7 +4,9 @@
     python bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1
     python bench/train_step.py --cases debug50 --gpus 0          # issue 2's bf16 acceptance run
     python bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0   # bf16 weights (training.dtype)
-    (suffixes: _b4 doubles the local batch; _profile traces step 10 and sums its kernels by class)
+    python bench/train_step.py --cases dp2_ep2_bf16params_b4,dp2_ep2_bf16params_b4_ga2 --gpus 0,1
+    (modifiers, see parse_case: _compiled, _bf16params, _b<N> local batch N, _ga<N> N micro-batches
+    per optimizer step, _profile traces step 10 and sums its kernels by class)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -42,6 +44,7 @@ FOLDINGS = {
     "tp2_ep2": dict(tp=2, ep=2, etp=1, edp=1),  # folded: EP over the TP ranks
     "tp2_etp2": dict(tp=2, ep=1, etp=2, edp=1),  # unfolded: ETP = TP
     "pp2": dict(pp=2, ep=1, etp=1, edp=1),  # one stage per GPU, 1F1B over the local batch's sequences
+    "cp2_ep2": dict(cp=2, ep=2, etp=1, edp=1),  # each sequence split over 2 GPUs; experts ep2 over them
 }
 
 
@@ -57,41 +60,58 @@ def register_proxy(family: str, proxy: str) -> None:
     FLAVORS[family][proxy] = dataclasses.replace(args, n_layers=int(layers), vocab_size=vocab)
 
 
+def parse_case(case: str) -> tuple[str, dict]:
+    """"<base>[_mod...]" -> (base, mods). base: 1gpu, debug50 or a key of FOLDINGS. mods:
+    eager (the default), compiled, bf16params (bf16 weights, training.dtype), b<N> (local
+    batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10)."""
+    base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
+                 if case == b or case.startswith(b + "_")), None)
+    if base is None:
+        raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
+    mods = {"compiled": False, "bf16params": False, "batch": None, "accum": 1, "profile": False}
+    for mod in filter(None, case[len(base):].split("_")):
+        if mod in ("compiled", "bf16params", "profile"):
+            mods[mod] = True
+        elif mod[:1] == "b" and mod[1:].isdigit():
+            mods["batch"] = int(mod[1:])
+        elif mod[:2] == "ga" and mod[2:].isdigit():
+            mods["accum"] = int(mod[2:])
+        elif mod != "eager":
+            raise ValueError(f"case {case!r}: unknown modifier {mod!r}")
+    return base, mods
+
+
 def case_plan(case: str, a) -> tuple[int, list[str]]:
     """-> (processes, titan_fold.train arguments) of one case."""
+    base, mods = parse_case(case)
     common = ["--job.config_file", "debug_moe.toml", "--metrics.log_freq", "1", "--optimizer.lr", "3e-4",
               "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none"]
-    if case == "debug50":
+    if base == "debug50":
         # issue 2: the debug config itself, bf16 on one GPU
         return 1, ["--job.config_file", "debug_moe.toml", "--training.steps", "50",
                    "--training.mixed_precision_param", "bfloat16"]
-    if case.startswith("1gpu"):  # 1gpu_eager, 1gpu_compiled, 1gpu_bf16params_{eager,b4_eager,profile}
-        nproc, degrees = 1, dict(ep=1, etp=1, edp=-1)
-    else:
-        nproc, degrees = 2, FOLDINGS[case.removesuffix("_compiled")]
-    tp, pp = degrees.get("tp", 1), degrees.get("pp", 1)
-    dp = nproc // (tp * pp)
+    nproc, degrees = (1, dict(ep=1, etp=1, edp=-1)) if base == "1gpu" else (2, FOLDINGS[base])
+    tp, pp, cp = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("cp", 1)
+    dp = nproc // (tp * pp * cp)
+    batch = mods["batch"] or a.local_batch
     args = common + [
         "--model.name", a.family, "--model.flavor", a.proxy,
-        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.local_batch),
-        "--training.global_batch_size", str(a.local_batch * dp), "--training.steps", str(a.steps),
+        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(batch),
+        "--training.global_batch_size", str(batch * dp * mods["accum"]), "--training.steps", str(a.steps),
         "--training.mixed_precision_param", a.param_dtype,
         "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.context_parallel_degree", str(cp),
         "--parallelism.data_parallel_shard_degree", str(dp),
         "--parallelism.expert_parallel_degree", str(degrees["ep"]),
         "--parallelism.expert_tensor_parallel_degree", str(degrees["etp"]),
         "--parallelism.expert_data_parallel_degree", str(degrees["edp"]),
     ]
-    if case.endswith("compiled"):
+    if mods["compiled"]:
         args.append("--compile.enable")
-    if "_bf16params" in case:
+    if mods["bf16params"]:
         # bf16 parameters (no AMP autocast), activations reach the experts in bf16
         args += ["--training.dtype", "bfloat16"]
-    if "_b4" in case:  # local batch 4: the optimizer step amortised over twice the tokens
-        batch = args.index("--training.local_batch_size")
-        args[batch + 1] = str(2 * a.local_batch)
-        args[args.index("--training.global_batch_size") + 1] = str(2 * a.local_batch * dp)
-    if case.endswith("_profile"):  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
+    if mods["profile"]:  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args
 
@@ -164,10 +184,13 @@ def run_case(case: str, a) -> dict:
     records = read_jsonl(os.path.join(dump, "metrics.jsonl"))
     warm = 0 if case == "debug50" else a.warmup_steps
     row = {"case": case, "nproc": nproc, "returncode": rc, "command": shown, **summarize(records, warm)}
-    if case != "debug50":
-        row["folding"] = FOLDINGS.get(case.removesuffix("_compiled"), dict(ep=1, etp=1, edp=1))
-        row["compiled"] = case.endswith("compiled")
-    if case.endswith("_profile"):
+    base, mods = parse_case(case)
+    if base != "debug50":
+        row["folding"] = FOLDINGS.get(base, dict(ep=1, etp=1, edp=1))
+        row["compiled"] = mods["compiled"]
+        row["local_batch"] = mods["batch"] or a.local_batch
+        row["micro_batches_per_step"] = mods["accum"]
+    if mods["profile"]:
         from bench.trace_summary import find_trace, summarize_trace
 
         trace = find_trace(dump)
@@ -176,7 +199,18 @@ def run_case(case: str, a) -> dict:
     if os.path.exists(path_file):
         with open(path_file) as f:
             row["expert_path_calls"] = json.load(f)
+    row.update(log_flags(log_path))
     return finish_row("train_step", row, log_path)
+
+
+def log_flags(log_path: str) -> dict:
+    """Signs of a slow run in the worker's log: a float32 activation meeting bf16 weights
+    (torch warns once: a residual stream promoted to float32) and, under
+    TORCH_LOGS=recompiles, the recompiles."""
+    with open(log_path) as f:
+        text = f.read()
+    return {"dtype_mismatch_warnings": text.count("Mismatch dtype between input and weight"),
+            "recompiles": text.count("Recompiling function")}
 
 
 def finish_row(tag: str, row: dict, log_path: str) -> dict:

@@ -1,12 +1,15 @@
 """torchtitan 0.2.2's own qwen3 MoE trainer at the proxy's widths, beside titan_fold's.
 
-    python bench/vs_torchtitan.py --cases eager,compiled --gpus 0 --ours <train_step result with 1gpu_eager, 1gpu_compiled>
-    python bench/vs_torchtitan.py --cases bf16params_eager --gpus 1 --ours <train_step result with 1gpu_bf16params_eager>
+    python bench/vs_torchtitan.py --cases 1gpu_eager,1gpu_compiled --gpus 0 --ours <train_step result>
+    python bench/vs_torchtitan.py --cases dp2_ep2_bf16params_b4 --gpus 0,1 --ours <train_step result>
 
-Cases: eager / compiled (bf16 autocast over fp32 weights, torchtitan's default on one GPU)
-and bf16params_eager (training.dtype = bfloat16: bf16 weights, as titan_fold's
-1gpu_bf16params_eager case). The worker needs a GPU: torchtitan's trainer and MoE assume
-CUDA (tests check the widths and FLOP count on the CPU instead).
+Case names follow bench/train_step.py (parse_case) on the two bases torchtitan runs: 1gpu,
+and dp2_ep2 (its FSDP2 over 2 GPUs with expert parallelism 2 borrowing the FSDP ranks, as
+titan_fold's dp2_ep2). Without _bf16params: bf16 autocast over fp32 weights on one GPU
+(torchtitan's default), FSDP2 mixed precision on two; with it, training.dtype = bfloat16
+(bf16 weights). `--ours` rows of the same case name give the ratio. The worker needs a
+GPU: torchtitan's trainer and MoE assume CUDA (tests check the widths and FLOP count on
+the CPU instead).
 
 torchtitan's model: its Qwen3 MoE (torchtitan.models.qwen3) with a flavor registered in
 the worker process: dim 3584, 2 layers, 28 heads of 128 (4 KV heads), 64 experts of 2560,
@@ -35,7 +38,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.train_step import finish_row, read_jsonl, run_group, summarize  # noqa: E402
+from bench.train_step import finish_row, parse_case, read_jsonl, run_group, summarize  # noqa: E402
 
 SPEC_NAME = "qwen3_titan_fold_bench"
 
@@ -117,24 +120,39 @@ def our_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
     return args.get_nparams_and_flops(model, seq_len)[1]
 
 
+def _unprofiled(case: str) -> tuple:
+    base, mods = parse_case(case)
+    return base, {**mods, "profile": False}
+
+
 def run_case(case: str, a) -> dict:
+    """case: bench/train_step.py's grammar on the bases torchtitan has: 1gpu, dp2_ep2 (its
+    FSDP2 over 2 ranks with its expert parallelism borrowing them)."""
+    base, mods = parse_case(case)
+    if base not in ("1gpu", "dp2_ep2"):
+        raise ValueError(f"case {case!r}: torchtitan runs 1gpu or dp2_ep2")
+    nproc = 1 if base == "1gpu" else 2
+    batch = mods["batch"] or a.local_batch
     dump = os.path.join(a.work_dir, f"torchtitan_{case}")
     os.makedirs(dump, exist_ok=True)
     if os.path.exists(os.path.join(dump, "metrics.jsonl")):
         os.remove(os.path.join(dump, "metrics.jsonl"))
     train_args = [
         "--model.name", SPEC_NAME, "--model.flavor", a.tt_flavor, "--training.dataset", "stdlib",
-        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.local_batch),
+        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(batch),
+        "--training.global_batch_size", str(batch * nproc * mods["accum"]),
         "--training.steps", str(a.steps), "--training.mixed_precision_param", a.param_dtype,
         "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--optimizer.lr", "3e-4",
         "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none", "--job.dump_folder", dump,
     ]
-    if case.endswith("compiled"):
+    if nproc == 2:
+        train_args += ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+    if mods["compiled"]:
         train_args += ["--compile.enable"]
-    if case.startswith("bf16params"):
-        # bf16 parameters, no autocast: like titan_fold's 1gpu_bf16params case
+    if mods["bf16params"]:
+        # bf16 parameters, no autocast: like titan_fold's *_bf16params cases
         train_args += ["--training.dtype", "bfloat16"]
-    launch = ["--nproc_per_node", "1", "--master_port", str(a.port), "bench/vs_torchtitan.py", "--worker",
+    launch = ["--nproc_per_node", str(nproc), "--master_port", str(a.port), "bench/vs_torchtitan.py", "--worker",
               "--tt-flavor", a.tt_flavor, "--"] + train_args
     cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
     env = dict(os.environ)
@@ -154,7 +172,7 @@ def run_case(case: str, a) -> dict:
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="eager,compiled")
+    p.add_argument("--cases", default="1gpu_eager,1gpu_compiled")
     p.add_argument("--family", default="qwen2_moe")
     p.add_argument("--proxy", default="57B-A14B-L2", help="titan_fold's proxy flavor (for the FLOP count)")
     p.add_argument("--tt-flavor", default="57B-A14B-L2")
@@ -167,7 +185,7 @@ def main(argv=None) -> dict:
     p.add_argument("--port", type=int, default=29521)
     p.add_argument("--case-timeout", type=int, default=420)
     p.add_argument("--work-dir", default="/tmp/titan_fold_bench")
-    p.add_argument("--ours", default=None, help="bench/train_step.py result JSON with 1gpu_eager / 1gpu_compiled")
+    p.add_argument("--ours", default=None, help="bench/train_step.py result JSON with rows of the same case names")
     p.add_argument("--name", default="vs_torchtitan")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--worker", action="store_true")
@@ -190,7 +208,8 @@ def main(argv=None) -> dict:
         row = run_case(case, a)
         tps = row["tokens_per_sec_per_gpu"]
         row["mfu_pct_titan_fold_formula"] = 100 * fpt * tps / peak if tps and peak == peak else None
-        mine = ours.get(f"1gpu_{case}")
+        # the same run of ours, profiled or not (the profiler traces one step of the median's ten)
+        mine = next((r for name, r in ours.items() if _unprofiled(name) == _unprofiled(case)), None)
         if mine and mine.get("tokens_per_sec_per_gpu") and tps:
             row["titan_fold_tokens_per_sec"] = mine["tokens_per_sec_per_gpu"]
             row["titan_fold_mfu_pct"] = mine.get("mfu_pct")

@@ -1,5 +1,5 @@
 """CPU checks of the benchmark logic: FLOP counts, the result schema, timing, summaries,
-proxy flavors, and one tiny MoE-layer benchmark end to end (bench/moe_layer.py --smoke)."""
+proxy flavors, and the tiny MoE-layer and row-movement benchmarks end to end (--smoke)."""
 
 import dataclasses
 import json
@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common, moe_layer, report, train_step, vs_torchtitan  # noqa: E402
+from bench import common, moe_layer, report, row_movement, train_step, vs_torchtitan  # noqa: E402
 from titan_fold.models import FLAVORS, Transformer  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs  # noqa: E402
 
@@ -87,6 +87,22 @@ def test_moe_layer_smoke(tmp_path):
         assert json.load(f)["figures"]["rows"][0]["shape"] == "tiny"
 
 
+def test_row_movement_smoke(tmp_path):
+    """The three ways agree (checked inside against indexing) and each was timed."""
+    (row,) = row_movement.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
+    assert row["shape"] == "tiny" and all(row[f"{w}_ms"] > 0 for w in ("indexing", "embedding_bag", "gather_sum", "dispatcher"))
+    assert json.load(open(tmp_path / "row_movement.json"))["figures"]["rows"][0]["top_k"] == 2
+
+
+def test_log_flags(tmp_path):
+    log = tmp_path / "case.log"
+    log.write_text("step 1\n" + "UserWarning: Mismatch dtype between input and weight: input dtype = float\n"
+                   + "[0/1] [__recompiles] Recompiling function forward in transformer.py:121\n" * 2)
+    assert train_step.log_flags(str(log)) == {"dtype_mismatch_warnings": 1, "recompiles": 2}
+    log.write_text("step 1\n")
+    assert train_step.log_flags(str(log)) == {"dtype_mismatch_warnings": 0, "recompiles": 0}
+
+
 def test_train_step_summary_and_plans():
     recs = [{"step": s, "loss": 10.0 - s, "tokens_per_sec": 100.0 * s, "mfu": float(s), "tflops": 1.0,
              "max_memory_gib": 5.0 + (s == 2), "time_per_step_s": 1.0 / s} for s in range(1, 8)]
@@ -105,6 +121,13 @@ def test_train_step_summary_and_plans():
     assert get("--parallelism.expert_parallel_degree") == "1" and get("--training.global_batch_size") == "4"
     nproc, args = train_step.case_plan("1gpu_compiled", A)
     assert nproc == 1 and "--compile.enable" in args and get("--training.mixed_precision_param") == "bfloat16"
+    nproc, args = train_step.case_plan("dp2_ep2_bf16params_b4_ga2", A)
+    assert nproc == 2 and get("--training.local_batch_size") == "4" and get("--training.global_batch_size") == "16"
+    assert get("--training.dtype") == "bfloat16" and "--compile.enable" not in args
+    with pytest.raises(ValueError, match="unknown modifier 'fast'"):
+        train_step.case_plan("dp2_ep2_fast", A)
+    with pytest.raises(ValueError, match="must start with"):
+        train_step.case_plan("dp4_ep2", A)
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
@@ -115,7 +138,7 @@ def test_train_step_summary_and_plans():
 
     train_step.register_proxy(A.family, A.proxy)
     try:
-        for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager"]:
+        for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager", "dp2_ep2_b4_ga2"]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
     finally:
