@@ -314,9 +314,11 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
     saved_tensors_hooks on the debug model, docs/planning.md), per token:
       attention: each RMSNorm keeps its input, normalized input and output (3h) and 1/rms
       (fp32); q, k, v, the attention output and the flash log-sum-exp (fp32);
-      MoE: the router input copy (h), logits (E, fp32), top-k and permutation indices (int64);
-      per routed row: its input (h), six ffn-wide tensors (w1 out, w3 out, SiLU, its product,
-      the probability product and w2's input), the probability and w2's output (h);
+      MoE: the router input copy (h), logits (E, fp32), top-k indices (int64); per routed
+      row: three int64 indices (the sort by expert, its inverse, the row's token; two more
+      for the expert sort of received rows under ep or etp), its input (h), six ffn-wide
+      tensors (w1 out, w3 out, SiLU, its product, the probability product and w2's input)
+      and the probability (the combine is a gather: w2's output is not kept);
       shared expert: input (h), three ffn-wide tensors, gate and output (h).
     T tokens per rank at the block boundary (sequence parallel: S / (cp tp)); Ta = S / cp
     tokens inside TP regions. 'full' keeps the block input only; 'selective' (torchtitan's op
@@ -336,8 +338,8 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
         return att + A * Ta * (h + sizes.dense_ffn_dim / m.tp * (2 if selective else 3))
     rows = routed_rows(sizes, m, work, worst) * m.etp  # after the ETP all-gather
     moe = A * h * T + FP32 * T * sizes.num_experts + 8 * T * sizes.top_k  # router input, logits, top-k
-    moe += 16 * rows / m.etp  # permutation indices (int64, both directions)
-    moe += A * rows * (2 * h + 1 + sizes.moe_ffn_dim / m.etp * (2 if selective else 6))
+    moe += 24 * rows / m.etp + (16 * rows if m.ep * m.etp > 1 else 0)  # int64 row indices
+    moe += A * rows * (h + 1 + sizes.moe_ffn_dim / m.etp * (2 if selective else 6))
     if sizes.shared_ffn_dim:
         moe += A * Ta * (h + sizes.shared_ffn_dim / m.tp * (2 if selective else 3)) + A * T * (h + 1)
     return att + moe
@@ -355,9 +357,12 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
         return n + (sizes.embedding_params / m.tp if first else 0) + (sizes.head_params / m.tp if last else 0)
 
     expert_local = layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp)
+    # with edp = 1 the routed experts are not FSDP units (parallelize.apply_fsdp)
+    experts_fsdp = edp > 1
     # biggest FSDP unit gathered at once: one block, the embedding or the output head
     unit = max(
-        sizes.tp_params_per_layer["moe"] / m.tp + sizes.expert_params_per_layer / (m.ep * m.etp) if layers["moe"] else 0,
+        sizes.tp_params_per_layer["moe"] / m.tp
+        + (sizes.expert_params_per_layer / (m.ep * m.etp) if experts_fsdp else 0) if layers["moe"] else 0,
         sizes.tp_params_per_layer["dense"] / m.tp if layers["dense"] else 0,
         sizes.embedding_params / m.tp, sizes.head_params / m.tp,
     )
@@ -366,14 +371,17 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
     for first, last in ((True, m.pp == 1), (False, True)) if m.pp > 1 else ((True, True),):
         dense = dense_local(first, last)
         sharded = dense / fsdp + expert_local / edp
+        flight = in_flight if first else 1
         # two units of bf16 parameters (current + prefetched), one unit of bf16 + fp32 gradients
         unsharded = unit * (3 * A + FP32)
         if m.pp > 1:
             # torch.distributed.pipelining keeps FSDP2 modules unsharded after backward and defers
             # gradient sync to the last micro-batch: bf16 parameters and fp32 accumulated
             # gradients of the whole stage stay unsharded through the step
-            unsharded += (dense + expert_local) * (A + FP32)
-        flight = in_flight if first else 1
+            unsharded += (dense + (expert_local if experts_fsdp else 0)) * (A + FP32)
+        if not experts_fsdp and A < FP32:
+            # experts outside FSDP cast their own weights; autograd keeps each forward's copy
+            unsharded += expert_local * A * flight
 
         def acts(worst, rc=m.recompute):
             per_mb = sum(layers[k] * activation_bytes(sizes, m, work, k, rc, worst) for k in layers)
