@@ -9,15 +9,16 @@ combine (rows -> y [T, dim], the k rows of each token summed). Four ways, timed 
 side with CUDA events (median after warm-up):
   indexing       x[token_of_row] and index_add: their backwards are atomic scatter-adds
                  (the dispatcher before 2026-11-23)
-  embedding_bag  gathers both ways, the sum over k as one embedding_bag (gather and sum
-                 in one kernel, no [T*k, dim] copy)
-  gather_sum     gathers both ways, the sum over k as rows[slot].view(T, k, dim).sum(1)
-                 (a [T*k, dim] copy, then the sum)
-  dispatcher     titan_fold.moe.dispatcher's own _Dispatch / _Combine
+  embedding_bag  the dispatcher's _Dispatch / _Combine (gathers both ways) with the sum over
+                 k as one embedding_bag (gather and sum in one kernel, no [T*k, dim] copy)
+  gather_sum     the same with the sum as rows[slot].view(T, k, dim).sum(1) (a [T*k, dim]
+                 copy, then the sum)
+  dispatcher     the dispatcher as it is
 Outputs and input gradients are checked against indexing.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import median, time_ms, write_result  # noqa: E402
+import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 from titan_fold.moe.dispatcher import _Combine, _Dispatch, _inverse, group_by  # noqa: E402
 
 SHAPES = {  # tokens per rank, hidden, top-k, experts
@@ -37,59 +39,46 @@ SHAPES = {  # tokens per rank, hidden, top-k, experts
 }
 
 
-def _embedding_bag(rows, slot, k):
+# the alternatives replace the dispatcher's sum over k inside its own _Dispatch / _Combine
+def _embedding_bag(rows, slot, k, dropped):
     return F.embedding_bag(slot.view(-1, k), rows, mode="sum")
 
 
-def _gather_sum(rows, slot, k):
+def _gather_sum(rows, slot, k, dropped):
     return rows[slot].view(-1, k, rows.shape[-1]).sum(1, dtype=rows.dtype)
 
 
-class _DispatchVia(torch.autograd.Function):
-    """x -> x[token_of_row]; backward sum_fn(grad, slot, k)."""
-
-    @staticmethod
-    def forward(ctx, x, token_of_row, slot, k, sum_fn):
-        ctx.save_for_backward(slot)
-        ctx.k, ctx.sum_fn = k, sum_fn
-        return x[token_of_row]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (slot,) = ctx.saved_tensors
-        return ctx.sum_fn(grad, slot, ctx.k), None, None, None, None
-
-
-class _CombineVia(torch.autograd.Function):
-    """rows -> sum_fn(rows, slot, k); backward grad[token_of_row]."""
-
-    @staticmethod
-    def forward(ctx, rows, token_of_row, slot, k, sum_fn):
-        ctx.save_for_backward(token_of_row)
-        return sum_fn(rows, slot, k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (token_of_row,) = ctx.saved_tensors
-        return grad[token_of_row], None, None, None, None
+@contextlib.contextmanager
+def _summing_with(sum_fn):
+    own = dispatcher_mod._sum_by_token
+    dispatcher_mod._sum_by_token = sum_fn or own
+    try:
+        yield
+    finally:
+        dispatcher_mod._sum_by_token = own
 
 
 def ways(token_of_row, slot, k):
+    """way -> fwd_bwd(x, gy) = (y, dL/dx)."""
     T = token_of_row.numel() // k
 
     def indexing(x):
         rows = x[token_of_row] * 2
         return rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, rows)
 
-    def via(sum_fn):
-        return lambda x: _CombineVia.apply(_DispatchVia.apply(x, token_of_row, slot, k, sum_fn) * 2,
-                                           token_of_row, slot, k, sum_fn)
+    def gathers(x):
+        rows = _Dispatch.apply(x, token_of_row, slot, k, False) * 2
+        return _Combine.apply(rows, token_of_row, slot, k, False)
 
-    def dispatcher(x):
-        return _Combine.apply(_Dispatch.apply(x, token_of_row, slot, k, False) * 2, token_of_row, slot, k, False)
+    def fwd_bwd(fn, sum_fn=None):
+        def run(x, gy):
+            with _summing_with(sum_fn):
+                y = fn(x)
+                return y, torch.autograd.grad(y, x, gy)[0]
+        return run
 
-    return {"indexing": indexing, "embedding_bag": via(_embedding_bag), "gather_sum": via(_gather_sum),
-            "dispatcher": dispatcher}
+    return {"indexing": fwd_bwd(indexing), "embedding_bag": fwd_bwd(gathers, _embedding_bag),
+            "gather_sum": fwd_bwd(gathers, _gather_sum), "dispatcher": fwd_bwd(gathers)}
 
 
 def bench_shape(name, device, dtype, warmup, iters) -> dict:
@@ -101,19 +90,14 @@ def bench_shape(name, device, dtype, warmup, iters) -> dict:
     x = torch.randn(T, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
     gy = torch.randn(T, dim, device=device, dtype=dtype, generator=gen)
     results, ref = {}, None
-    for way, fn in ways(token_of_row, slot, k).items():
-        y = fn(x)
-        (gx,) = torch.autograd.grad(y, x, gy)
+    for way, fwd_bwd in ways(token_of_row, slot, k).items():
+        y, gx = fwd_bwd(x, gy)
         if ref is None:
             ref = (y.detach().float(), gx.float())
         else:  # same sums in another order: bf16 rounding apart
             torch.testing.assert_close(y.detach().float(), ref[0], atol=0.1, rtol=0.02)
             torch.testing.assert_close(gx.float(), ref[1], atol=0.1, rtol=0.02)
-
-        def step():
-            torch.autograd.grad(fn(x), x, gy)
-
-        results[f"{way}_ms"] = median(time_ms(step, warmup, iters, device))
+        results[f"{way}_ms"] = median(time_ms(lambda: fwd_bwd(x, gy), warmup, iters, device))
     base = results["indexing_ms"]
     for way in ("embedding_bag", "gather_sum", "dispatcher"):
         results[f"{way}_speedup"] = base / results[f"{way}_ms"]

@@ -263,7 +263,7 @@ class TokenDispatcher(nn.Module):
         dropped = keep is not None
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
-            if keep is not None and not args.pad_to_capacity:
+            if dropped and not args.pad_to_capacity:
                 n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
             y_rows = experts(x_rows, rows_per_expert, weight_of_row, args.prob_before_w2)
