@@ -96,8 +96,8 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
 
     from titan_fold.models import Transformer
     from titan_fold.parallel.attention import apply_cp, apply_tp, cp_shard
-    from titan_fold.parallel.layout import Layout
-    from titan_fold.parallel.plan import placement_plan
+    from titan_fold.parallel.mesh import Layout
+    from titan_fold.parallel.placement import placement_plan
 
     layout = Layout(WORLD, tp=tp, cp=cp)
     layout.build_mesh("cpu")

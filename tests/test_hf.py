@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from titan_fold.models import FLAVORS, Transformer  # noqa: E402
-from titan_fold.models.hf import ADAPTERS, hf_config  # noqa: E402
+from titan_fold.models.hf_adapter import ADAPTERS, hf_config  # noqa: E402
 
 HF_CLASSES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),

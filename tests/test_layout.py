@@ -12,7 +12,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import titan_fold  # noqa: F401  (settles the device before torchtitan modules read it)
 from titan_fold import layout as layout_cli
-from titan_fold.parallel.layout import Layout, LayoutError
+from titan_fold.parallel.mesh import Layout, LayoutError
 
 
 # ---- independent reference: Megatron-Core's RankGenerator from its definition ----

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import titan_fold  # noqa: F401  (imported once in the parent; forked ranks inherit it)
-from titan_fold.parallel.layout import Layout
+from titan_fold.parallel.mesh import Layout
 
 from test_layout import reference
 

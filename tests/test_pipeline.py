@@ -13,7 +13,7 @@ from conftest import train_from_seed
 
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.moe import MoE
-from titan_fold.parallel.layout import LayoutError
+from titan_fold.parallel.mesh import LayoutError
 from titan_fold.parallel.pipeline import StageHooks, TokenNormalizedLoss, stage_fqns, stage_model
 
 EMB, HEAD = ["tok_embeddings"], ["norm", "output"]

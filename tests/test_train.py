@@ -10,7 +10,7 @@ import pytest
 from conftest import train_from_seed
 
 from titan_fold.config import ConfigError, parse_args
-from titan_fold.parallel.layout import LayoutError
+from titan_fold.parallel.mesh import LayoutError
 from titan_fold.train import preflight
 
 STEPS = 20
@@ -98,7 +98,7 @@ def test_mixed_precision_in_every_layout(degrees, dtype, autocast):
 
     import torch
 
-    from titan_fold.parallel.layout import Layout
+    from titan_fold.parallel.mesh import Layout
     from titan_fold.train import maybe_enable_amp
 
     layout = Layout(world_size=math.prod(degrees.values()), **degrees)

@@ -39,8 +39,10 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_fold.errors import UserError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

@@ -24,10 +24,12 @@ from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
+from titan_fold.errors import UserError
+
 PACKAGED_CONFIGS = Path(__file__).parent / "train_configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A job config value breaks a rule; the message names the key and the rule."""
 
 

@@ -1,6 +1,6 @@
 """`python -m titan_fold.layout`: print the folded attention and expert groups of a layout.
 
-It builds the trainer's own meshes (`titan_fold.parallel.layout.Layout`) on the fake process
+It builds the trainer's own meshes (`titan_fold.parallel.mesh.Layout`) on the fake process
 group in this process, so what it prints is what the trainer uses, not a second copy of the
 arithmetic. Formats: json (every group of every dim), table (per rank, and which groups cross
 a node boundary with --gpus-per-node), png (rank grid by node, like the paper's Figure 1).
@@ -15,9 +15,10 @@ import sys
 import torch.distributed as dist
 
 from titan_fold.config import Parallelism
-from titan_fold.parallel.layout import Layout, LayoutError
+from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.pipeline import format_stages, stage_fqns
-from titan_fold.parallel.plan import format_plan, placement_plan
+from titan_fold.parallel.placement import format_plan, placement_plan
+from titan_fold.errors import run_command
 
 ATTENTION_GROUPS = ("pp", "dp", "cp", "tp", "dp_cp")
 EXPERT_GROUPS = ("pp", "edp", "ep", "etp", "ep_etp")
@@ -49,7 +50,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _model_args(spec: str):
     from titan_fold.models import FLAVORS
-    from titan_fold.planner import resolve_flavor
+    from titan_fold.cost_model import resolve_flavor
 
     family, flavor = resolve_flavor(spec)
     return FLAVORS[family][flavor]
@@ -219,4 +220,4 @@ def _emit(text: str, out: str | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -5,7 +5,7 @@
 
 Every degree set the trainer's Layout validation accepts is tried with each recompute
 choice (none, selective, full); one sequence per micro-batch. The model behind the numbers
-is titan_fold.planner (docs/planning.md). `--min-gpus cp=8 ep=8` instead prints the fewest
+is titan_fold.cost_model (docs/planning.md). `--min-gpus cp=8 ep=8` instead prints the fewest
 GPUs that hold those degrees with and without folding.
 """
 
@@ -16,10 +16,11 @@ import sys
 from dataclasses import asdict
 
 from titan_fold.models import FLAVORS
-from titan_fold.planner import (
+from titan_fold.cost_model import (
     GIB, RECOMPUTE, Cluster, Estimate, Workload, enumerate_mappings, estimate, job_toml, min_gpus,
     model_sizes, plan, resolve_flavor,
 )
+from titan_fold.errors import run_command
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -181,4 +182,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

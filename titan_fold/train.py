@@ -25,9 +25,10 @@ from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import MoE, update_expert_bias
-from titan_fold.parallel.layout import Layout
+from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.train_spec import register_train_specs
+from titan_fold.errors import run_command
 
 
 def layout_from_config(config: JobConfig, world_size: int) -> Layout:
@@ -188,4 +189,4 @@ def main(args: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -14,7 +14,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.metrics import build_metrics_processor
 from titan_fold.models import FLAVORS, Transformer
-from titan_fold.models.hf import ADAPTERS
+from titan_fold.models.hf_adapter import ADAPTERS
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 

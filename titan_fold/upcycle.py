@@ -43,6 +43,7 @@ import dataclasses
 import torch
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
+from titan_fold.errors import run_command
 
 
 def expert_scale(args: TransformerArgs, granularity: int, router_std: float) -> float:
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     import torch.distributed.checkpoint as dcp
 
-    from titan_fold.models.hf import ADAPTERS
+    from titan_fold.models.hf_adapter import ADAPTERS
 
     args = FLAVORS[a.name][a.flavor]
     router_std = a.router_std if a.router_std is not None else (1e-2 if a.granularity > 1 else 0.0)
@@ -138,4 +139,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

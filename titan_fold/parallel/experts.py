@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.moe import MoE
 from titan_fold.moe.dispatcher import install_dispatcher
-from titan_fold.parallel.layout import Layout
-from titan_fold.parallel.plan import EXPERT, expert_placements, placement_plan
+from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.placement import EXPERT, expert_placements, placement_plan
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

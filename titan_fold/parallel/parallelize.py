@@ -20,7 +20,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.parallel.attention import apply_cp, apply_tp, sequence_positions
 from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
-from titan_fold.parallel.layout import Layout
+from titan_fold.parallel.mesh import Layout
 
 
 def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:

@@ -39,7 +39,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from titan_fold.moe import MoE
-from titan_fold.parallel.layout import Layout, LayoutError
+from titan_fold.parallel.mesh import Layout, LayoutError
 
 # schedules tested here; zero-bubble ones split backward in two, V ones place stages otherwise
 SUPPORTED_SCHEDULES = (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)

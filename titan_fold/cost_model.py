@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
-from titan_fold.parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, Layout, LayoutError
+from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout, LayoutError
 
 GIB = 1024**3
 BF16, FP32 = 2, 4

@@ -8,8 +8,8 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from titan_fold.models import FLAVORS
-from titan_fold.parallel.layout import Layout
-from titan_fold.parallel.plan import format_plan, placement_plan
+from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.placement import format_plan, placement_plan
 
 QWEN = FLAVORS["qwen2_moe"]["debug"]  # dim 64, 4 layers, 4/2 heads (head_dim 16), vocab 512, 8 experts x 32, shared 64
 

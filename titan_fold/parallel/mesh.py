@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
+from titan_fold.errors import UserError
+
 __all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED"]
 
 ATTENTION_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -34,7 +36,7 @@ FLATTENED = {
 ALIASES = {"batch": "dp", "loss": "dp_cp", "fsdp": "dp_shard_cp", "efsdp": "edp"}
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """Degrees that cannot form both meshes (raised before any process group exists)."""
 
 

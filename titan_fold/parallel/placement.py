@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from titan_fold.parallel.layout import Layout
+from titan_fold.parallel.mesh import Layout
 
 ATTENTION, EXPERT = "attention", "expert"
 
@@ -131,7 +131,7 @@ def placement_plan(model_args, layout: Layout) -> dict[str, Placed]:
             continue
         suffix = _rule(fqn, _TP_RULES)
         if suffix is None:
-            raise KeyError(f"no placement rule for parameter {fqn!r}: add one to titan_fold/parallel/plan.py")
+            raise KeyError(f"no placement rule for parameter {fqn!r}: add one to titan_fold/parallel/placement.py")
         dims = on("tp")
         plan[fqn] = Placed(ATTENTION, dims, tuple(_TP_RULES[suffix] for _ in dims), shape, **dense_fsdp)
     return plan
