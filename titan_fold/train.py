@@ -24,7 +24,7 @@ from titan_fold.checkpoint import install_checkpoint_hooks
 from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
-from titan_fold.moe import MoE, update_expert_bias
+from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.train_spec import register_train_specs
@@ -155,10 +155,8 @@ class FoldTrainer(Trainer):
         # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
         # by the global token count. `labels` is still the whole micro-batch here.
         scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
-        for part in self.model_parts:
-            for module in part.modules():
-                if isinstance(module, MoE):
-                    module.aux_loss_scale.fill_(scale)
+        for moe in moe_layers(self.model_parts):
+            moe.aux_loss_scale.fill_(scale)
         return super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )

@@ -18,7 +18,7 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_fold.models.args import TransformerArgs
-from titan_fold.moe import MoE
+from titan_fold.moe import FeedForward, MoE
 
 
 def trunc_normal_(weight: torch.Tensor, std: float):
@@ -85,24 +85,6 @@ class Attention(nn.Module):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
         trunc_normal_(self.wo.weight, out_std)
-
-
-class FeedForward(nn.Module):
-    """Dense SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, init_std: float, out_std: float):
-        trunc_normal_(self.w1.weight, init_std)
-        trunc_normal_(self.w3.weight, init_std)
-        trunc_normal_(self.w2.weight, out_std)
 
 
 class TransformerBlock(nn.Module):

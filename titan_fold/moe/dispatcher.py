@@ -15,7 +15,7 @@ Forward of one layer (rank r, N = T * top_k assignments):
     group            rows sorted by local expert -> grouped GEMM on the ffn shard
     reduce-scatter-v over etp: partial w2 products summed, each rank gets its rows back
     all-to-all-v     over ep, back
-    combine          index_add rows into their tokens (the probability is already applied)
+    combine          gather each token's rows and sum them (the probability is already applied)
 
 All collectives are functional and autograd-aware: backward mirrors forward (all-to-all
 reversed, all-gather <-> reduce-scatter) without hand-written communication code.
@@ -23,6 +23,7 @@ Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-a
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -187,17 +188,18 @@ class _Splits:
 class TokenDispatcher(nn.Module):
     """ep_mesh, etp_mesh: 1-D meshes of the expert mapping (None = degree 1).
     seq_mesh: 1-D mesh of the ranks holding the other parts of this rank's sequences
-    (attention cp x tp), used only by full_sequence dropping. Local token slices must be
-    contiguous chunks of the sequences, in mesh-rank order."""
+    (attention cp x tp), read by the router's aux-loss statistics and full_sequence dropping.
+    seq_positions: where each rank's tokens sit in the whole sequence (cp's load-balanced
+    chunks); None: local token slices are contiguous chunks, in mesh-rank order."""
 
     def __init__(self, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
-                 seq_mesh: DeviceMesh | None = None):
+                 seq_mesh: DeviceMesh | None = None, seq_positions: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
         # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
         # of each token, rank after rank; None: every rank holds one contiguous chunk
-        self.seq_positions = None
+        self.seq_positions = seq_positions
 
     def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
         """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
@@ -324,10 +326,3 @@ class TokenDispatcher(nn.Module):
         y_in = _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
         return _a2a(y_in, sp.send, sp.recv, self.ep_mesh), overlapped  # [sum(send), dim]
 
-
-def install_dispatcher(moe: nn.Module, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
-                       seq_mesh: DeviceMesh | None = None) -> None:
-    """Make `moe` (a titan_fold.moe.MoE) dispatch over ep x etp. Its expert weights must
-    already hold this rank's experts and ffn slice (plain tensors or DTensors; the experts
-    read `.to_local()`): `titan_fold.parallel.experts` places them."""
-    moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)

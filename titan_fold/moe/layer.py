@@ -1,4 +1,4 @@
-"""The MoE layer: router -> dispatcher (routed experts) + shared expert."""
+"""The MoE layer: router -> dispatcher (routed experts) + shared expert; the SwiGLU FFN."""
 
 import torch
 import torch.nn as nn
@@ -10,17 +10,23 @@ from titan_fold.moe.experts import GroupedExperts
 from titan_fold.moe.router import AddAuxLoss, Router
 
 
-class SharedExpert(nn.Module):
-    """A SwiGLU MLP every token goes through (Qwen2-MoE)."""
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). A dense layer's FFN, and the MoE's shared expert,
+    which every token goes through (Qwen2-MoE)."""
 
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float, out_std: float):
+        # truncated at 3 standard deviations: no rare huge weights at start
+        for w, std in ((self.w1.weight, init_std), (self.w3.weight, init_std), (self.w2.weight, out_std)):
+            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
 
 
 class MoE(nn.Module):
@@ -29,9 +35,10 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.moe_ffn_dim, args.num_experts)
-        self.shared_expert = SharedExpert(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None
+        self.shared_expert = FeedForward(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
-        # replaceable: the parallelize step installs an EP x ETP one (dispatcher.install_dispatcher)
+        # one rank holding every expert and whole sequences; the parallelize step replaces it
+        # by one built for the layout (parallel/experts.py)
         self.dispatcher = TokenDispatcher()
         # local_tokens / global_tokens of the micro-batch, set by the trainer, so the aux
         # losses' gradients are normalized like the LM loss
@@ -44,7 +51,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
         tokens = x.reshape(b * s, dim)  # [T, dim]
-        routing = self.router(tokens, s, self.aux_loss_scale)
+        routing = self.router(tokens, s, self.aux_loss_scale, self.dispatcher.seq_mesh)
         shared_y = overlap = None
         if self.shared_expert is not None and self.args.shared_expert_overlap:
             # run while the routed tokens are exchanged (Megatron-Core's shared-expert overlap)
@@ -92,6 +99,12 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
+def moe_layers(model_parts) -> list[MoE]:
+    """Every MoE layer of a module or a list of them (a pipeline rank's model parts)."""
+    parts = model_parts if isinstance(model_parts, (list, tuple)) else [model_parts]
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
 @torch.no_grad()
 def moe_stats(model_parts) -> dict:
     """Averages over MoE layers (each over its calls since the last moe_stats), then reset.
@@ -99,13 +112,31 @@ def moe_stats(model_parts) -> dict:
     One host sync, here, outside forward. Returns {} when no layer ran.
     """
     per_layer = []
-    for part in model_parts:
-        for module in part.modules():
-            if isinstance(module, MoE):
-                if module.stats[3] > 0:
-                    per_layer.append(module.stats[:3] / module.stats[3])
-                module.stats.zero_()
+    for module in moe_layers(model_parts):
+        if module.stats[3] > 0:
+            per_layer.append(module.stats[:3] / module.stats[3])
+        module.stats.zero_()
     if not per_layer:
         return {}
     aux, dropped, imbalance = torch.stack(per_layer).mean(0).tolist()
     return {"moe_aux_loss": aux, "dropped_token_frac": dropped, "expert_load_imbalance": imbalance}
+
+
+@torch.no_grad()
+def update_expert_bias(model_parts, all_reduce=None) -> None:
+    """aux_free load balancing, called after optimizer.step().
+
+    bias_e += rate * sign(mean_load - load_e): overloaded experts become less attractive.
+    `all_reduce(t) -> t` sums the load over the ranks whose tokens share a router (it may
+    work in place and return None); without it each rank uses its own load.
+    """
+    for module in moe_layers(model_parts):
+        if module.args.load_balance != "aux_free":
+            continue
+        load = module.tokens_per_expert.clone()
+        if all_reduce is not None:
+            reduced = all_reduce(load)
+            load = load if reduced is None else reduced
+        delta = module.args.aux_free_bias_update_rate * torch.sign(load.mean() - load)
+        module.router.expert_bias.add_(delta.to(module.router.expert_bias.dtype))
+        module.tokens_per_expert.zero_()

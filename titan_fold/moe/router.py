@@ -59,12 +59,12 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
         # aux_free: added to the scores for the choice only, never to the combine weights
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
-        # ranks holding the other parts of this rank's sequences (attention cp x tp), set
-        # by the parallelize step: the balance and z losses are computed over all of them
-        self.seq_mesh: DeviceMesh | None = None
 
-    def forward(self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0) -> Routing:
-        """x [T, dim] with T = b * seq_len tokens, sequences contiguous."""
+    def forward(self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0,
+                seq_mesh: DeviceMesh | None = None) -> Routing:
+        """x [T, dim] with T = b * seq_len tokens, sequences contiguous. seq_mesh: the ranks
+        holding the other parts of these sequences (attention cp x tp, the dispatcher's):
+        the balance and z losses are computed over all of them."""
         args = self.args
         E, k = args.num_experts, args.top_k
         T = x.shape[0]
@@ -83,16 +83,16 @@ class Router(nn.Module):
 
         # balance losses see scores that sum to 1 per token (sigmoid scores do not)
         dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        term, whole = balance_terms(dist[None], experts[None], E, self.seq_mesh)
+        term, whole = balance_terms(dist[None], experts[None], E, seq_mesh)
         loss = torch.zeros((), dtype=scores.dtype, device=scores.device)
         if args.load_balance == "aux_loss":
             loss = loss + args.aux_loss_coeff * term[0]
         elif args.load_balance == "seq_aux_loss":
             b = T // seq_len
-            per_seq, _ = balance_terms(dist.view(b, seq_len, E), experts.view(b, seq_len, k), E, self.seq_mesh)
+            per_seq, _ = balance_terms(dist.view(b, seq_len, E), experts.view(b, seq_len, k), E, seq_mesh)
             loss = loss + args.aux_loss_coeff * per_seq.mean()
         if args.z_loss_coeff > 0:
-            n = 1 if self.seq_mesh is None else self.seq_mesh.size()
+            n = 1 if seq_mesh is None else seq_mesh.size()
             loss = loss + args.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / (n * T)
 
         tokens_per_expert = torch.zeros(E, dtype=torch.float32, device=x.device)
@@ -123,25 +123,3 @@ class AddAuxLoss(torch.autograd.Function):
         shape, dtype, device = ctx.loss_meta
         return grad_out, torch.ones(shape, dtype=dtype, device=device)
 
-
-@torch.no_grad()
-def update_expert_bias(model_parts, all_reduce=None) -> None:
-    """aux_free load balancing, called after optimizer.step().
-
-    bias_e += rate * sign(mean_load - load_e): overloaded experts become less attractive.
-    `all_reduce(t) -> t` sums the load over the ranks whose tokens share a router (it may
-    work in place and return None); without it each rank uses its own load.
-    """
-    from titan_fold.moe.layer import MoE
-
-    for part in model_parts:
-        for module in part.modules():
-            if not isinstance(module, MoE) or module.args.load_balance != "aux_free":
-                continue
-            load = module.tokens_per_expert.clone()
-            if all_reduce is not None:
-                reduced = all_reduce(load)
-                load = load if reduced is None else reduced
-            delta = module.args.aux_free_bias_update_rate * torch.sign(load.mean() - load)
-            module.router.expert_bias.add_(delta.to(module.router.expert_bias.dtype))
-            module.tokens_per_expert.zero_()

@@ -1,6 +1,6 @@
 """The attention side of the layout: tensor + sequence parallelism (tp) and context parallelism (cp).
 
-    apply_tp(model, tp_mesh, loss_parallel)   DTensor styles derived from plan.py's tp entries
+    apply_tp(model, tp_mesh, loss_parallel)   the DTensor styles of placement.tp_plan
     apply_cp(model, cp_mesh)                  inner attention over K/V gathered across cp
     cp_shard(tokens, labels, cp_mesh)         the load-balanced split the trainer feeds the model
 
@@ -23,48 +23,12 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
+from titan_fold.parallel.placement import tp_plan
 
 # ---------------------------------------------------------------- tensor / sequence parallel
-
-
-class TokenwiseReplicate(ParallelStyle):
-    """A module with replicated weights applied row by row to this rank's tokens [T_local, dim].
-
-    For the router gate and shared_expert_gate under sequence parallelism: inputs become
-    DTensors `Shard(0)` (each tp rank holds different token rows), weights `Replicate`, the
-    output goes back to a plain local tensor. DTensor then knows the weight gradient is a sum
-    over tp ranks (it comes out `Partial`); `_grads_like_params` reduces it.
-    """
-
-    @staticmethod
-    def _replicate(name, module, mesh):
-        for p_name, param in list(module.named_parameters(recurse=False)):
-            # from_local: every rank built the same weights (meta, or one seed); no broadcast
-            module.register_parameter(
-                p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False))
-            )
-
-    @staticmethod
-    def _input(module, inputs, mesh):
-        return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)
-
-    @staticmethod
-    def _output(module, output, mesh):
-        return output.to_local()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._replicate, self._input, self._output)
 
 
 def _grads_like_params(model: nn.Module) -> None:
@@ -95,7 +59,7 @@ def _grads_like_params(model: nn.Module) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism over tp_mesh following plan.py's tp placements.
+    """Tensor parallelism over tp_mesh: the styles of `placement.tp_plan`, applied as they are.
 
     sequence_parallel: norms and the MoE run on sequence shards [b, s/tp, dim] between the
     attention / FFN blocks (each rank routes a different tp-th of the tokens). Without it
@@ -104,95 +68,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     loss_parallel: the output head returns logits sharded on vocab (DTensor `Shard(-1)`),
     to be consumed inside `torch.distributed.tensor.parallel.loss_parallel()`.
     Works on meta-device models; call before FSDP2 (and before activation checkpointing /
-    compile, which wrap the blocks this walks).
+    compile, which wrap the blocks the plan names).
     """
-    seq = Shard(1) if sequence_parallel else Replicate()
-    # residual stream: a DTensor sharded on seq under SP; plain full tensors otherwise
-    keep_dtensor = sequence_parallel
-    top = {
-        "output": ColwiseParallel(
-            input_layouts=seq,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=seq, use_local_output=not keep_dtensor
-        )
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, loss_parallel))
     if sequence_parallel:
         # pipeline stages hand plain tensors to each other: a stage without the embedding
         # takes this rank's sequence shard [b, s/tp, dim], one without the output head returns it
         if model.tok_embeddings is None:
             model.register_forward_pre_hook(
-                lambda module, args: (DTensor.from_local(args[0], tp_mesh, [seq], run_check=False), *args[1:])
+                lambda module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
             )
         if model.output is None:
             model.register_forward_hook(lambda module, args, out: out.to_local() if isinstance(out, DTensor) else out)
-
-    for block in model.layers.values():
-        plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor),
-        }
-        if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
-        if block.moe_enabled:
-            plan.update(_moe_plan(block.moe, sequence_parallel))
-        else:
-            plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor),
-            })
-        parallelize_module(block, tp_mesh, plan)
-        if block.moe_enabled and sequence_parallel:
-            # The MoE takes and returns this rank's tokens as a plain tensor [b, s/tp, dim]:
-            # its dispatcher only ever sees "the tokens of this rank", whatever the attention layout.
-            parallelize_module(
-                block.moe, tp_mesh,
-                PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True),
-            )
-            parallelize_module(
-                block.moe, tp_mesh,
-                PrepareModuleOutput(output_layouts=(seq,), desired_output_layouts=(seq,), use_local_output=False),
-            )
-
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # each style made its own DTensor of the shared table (both Shard(0)): tie again
         model.output.weight = model.tok_embeddings.weight
     _grads_like_params(model)
-
-
-def _moe_plan(moe: nn.Module, sequence_parallel: bool) -> dict:
-    # Inside the MoE, rows are tokens [T_local, dim]: Shard(0) over tp when the sequence is
-    # sharded (each rank holds different rows), the same rows on every rank otherwise.
-    rows = Shard(0) if sequence_parallel else Replicate()
-    plan = {}
-    if moe.shared_expert is not None:
-        plan.update({
-            # all-gather this rank's rows: the shared expert's tp shards need every token
-            "moe.shared_expert": PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),)),
-            "moe.shared_expert.w1": ColwiseParallel(),
-            "moe.shared_expert.w3": ColwiseParallel(),
-            # back to this rank's rows: reduce-scatter under SP, all-reduce otherwise
-            "moe.shared_expert.w2": RowwiseParallel(output_layouts=rows),
-        })
-    if sequence_parallel:
-        plan["moe.router.gate"] = TokenwiseReplicate()
-        if moe.shared_expert_gate is not None:
-            plan["moe.shared_expert_gate"] = TokenwiseReplicate()
-    return plan
 
 
 # ---------------------------------------------------------------- context parallel

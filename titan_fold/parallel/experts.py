@@ -1,41 +1,51 @@
-"""Routed experts onto the expert mesh: DTensors placed by the plan, and the EP x ETP dispatcher.
+"""The MoE layers onto the layout: routed experts placed by the plan, and each layer's
+dispatcher built with every group it talks to.
 
 Stacked expert weights are laid out as `placement_plan` says (Shard(0) on ep: whole
-experts; the ffn dim on etp), and each MoE layer's dispatcher is replaced by one that
-exchanges tokens over those groups. Works on a model still on the meta device, before
-`to_empty` and `init_weights`.
+experts; the ffn dim on etp). Each MoE layer gets one `TokenDispatcher` that knows, from
+the start, the ep and etp groups it exchanges tokens over and the attention's cp x tp group
+that holds the rest of its sequences (with the cp chunk order), which the router's aux-loss
+statistics and full-sequence dropping read. Works on a model still on the meta device,
+before `to_empty` and `init_weights`.
 """
+
+import functools
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_fold.moe import MoE
-from titan_fold.moe.dispatcher import install_dispatcher
+from titan_fold.moe import MoE, TokenDispatcher, moe_layers
+from titan_fold.parallel.attention import sequence_positions
 from titan_fold.parallel.mesh import Layout
-from titan_fold.parallel.placement import EXPERT, expert_placements, placement_plan
+from titan_fold.parallel.placement import EXPERT, Placed, expert_placements
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def dispatcher(layout: Layout) -> TokenDispatcher:
+    """The dispatcher of an MoE layer under `layout`: all its groups at once."""
+    return TokenDispatcher(
+        ep_mesh=layout.get_optional_mesh("ep"),
+        etp_mesh=layout.get_optional_mesh("etp"),
+        # aux-loss statistics and full-sequence drop decisions over whole sequences,
+        # whatever cp x tp cut them into (cp: in its load-balanced chunk order)
+        seq_mesh=layout.get_optional_mesh("cp_tp"),
+        seq_positions=functools.partial(sequence_positions, layout.cp, layout.tp) if layout.cp > 1 else None,
+    )
 
 
-def apply_expert_parallel(model: nn.Module, layout: Layout) -> None:
-    plan = placement_plan(model.args, layout)
-    present = dict(model.named_parameters())  # a pipeline stage holds only some layers
-    for fqn, placed in plan.items():
-        if placed.mesh != EXPERT or not placed.dims or fqn not in present:
+def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None:
+    """Routed experts as DTensors on the expert mesh where the plan lays them out on ep / etp;
+    every MoE layer's dispatcher for this layout."""
+    for fqn, param in list(model.named_parameters()):  # a pipeline stage holds only some layers
+        placed = plan[fqn]
+        if placed.mesh != EXPERT or not placed.dims:
             continue
         owner_name, name = fqn.rsplit(".", 1)
-        owner = model.get_submodule(owner_name)
-        param = getattr(owner, name)
         tensor = distribute_tensor(param.data, layout.expert[placed.dims], placed.placements)
-        setattr(owner, name, nn.Parameter(tensor, param.requires_grad))
-    ep_mesh = layout.expert["ep"] if layout.ep > 1 else None
-    etp_mesh = layout.expert["etp"] if layout.etp > 1 else None
+        setattr(model.get_submodule(owner_name), name, nn.Parameter(tensor, param.requires_grad))
     for moe in moe_layers(model):
-        install_dispatcher(moe, ep_mesh, etp_mesh)
+        moe.dispatcher = dispatcher(layout)
 
 
 def expert_slice(w: torch.Tensor, name: str, ep_mesh: DeviceMesh | None = None,
@@ -64,4 +74,4 @@ def shard_moe(moe: MoE, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh 
             part = DTensor.from_local(part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names),
                                       run_check=False)
         setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
-    install_dispatcher(moe, ep_mesh, etp_mesh, seq_mesh)
+    moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)

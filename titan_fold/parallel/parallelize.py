@@ -7,8 +7,6 @@ before `to_empty` and `init_weights`). Under pipelining, `parallel/pipeline.py` 
 model into stages and calls this function on each stage model.
 """
 
-import functools
-
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -18,28 +16,21 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
-from titan_fold.parallel.attention import apply_cp, apply_tp, sequence_positions
-from titan_fold.parallel.experts import apply_expert_parallel, moe_layers
+from titan_fold.moe import moe_layers
+from titan_fold.parallel.attention import apply_cp, apply_tp
+from titan_fold.parallel.experts import apply_moe
 from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.placement import Placed, placement_plan
 
 
 def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
+    plan = placement_plan(model.args, layout)
     if layout.tp > 1:
         loss_parallel = not job_config.parallelism.disable_loss_parallel
         apply_tp(model, layout.attention["tp"], loss_parallel=loss_parallel)
     if layout.cp > 1:
         apply_cp(model, layout.attention["cp"])
-    experts_on_own_mesh = layout.ep * layout.etp > 1
-    if experts_on_own_mesh:
-        apply_expert_parallel(model, layout)
-    seq_mesh = layout.get_optional_mesh("cp_tp")
-    for moe in moe_layers(model):
-        # aux-loss statistics and full-sequence drop decisions over whole sequences,
-        # whatever cp x tp cut them into
-        moe.router.seq_mesh = seq_mesh
-        moe.dispatcher.seq_mesh = seq_mesh
-        if layout.cp > 1:
-            moe.dispatcher.seq_positions = functools.partial(sequence_positions, layout.cp, layout.tp)
+    apply_moe(model, layout, plan)
     ac = job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
@@ -51,8 +42,7 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
         for layer_id, block in model.layers.named_children():
             model.layers.register_module(layer_id, torch.compile(block, backend=job_config.compile.backend))
         logger.info("Compiled each transformer block with torch.compile")
-    if layout.dp_cp_enabled:
-        apply_fsdp(model, layout, job_config, experts_on_own_mesh)
+    apply_fsdp(model, layout, plan, job_config)
     return model
 
 
@@ -69,15 +59,21 @@ def apply_moe_recompute(model: nn.Module) -> None:
     logger.info("Recomputing the MoE layers in backward (moe_layer_recompute)")
 
 
-def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh: bool) -> None:
-    """FSDP2 over dp_shard x cp (HSDP when dp_replicate > 1) for dense parameters and over
-    edp for routed experts on the expert mesh; gradients summed, not averaged.
+def _plan_fqn(fqn: str) -> str:
+    # the name placement_plan knows: without the wrappers of activation checkpointing and compile
+    return fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
-    The loss is already divided by the global token count, so FSDP must not divide again.
-    With edp = 1 the routed experts stay out of FSDP.
+
+def apply_fsdp(model: nn.Module, layout: Layout, plan: dict[str, Placed], job_config) -> None:
+    """FSDP2 as the plan says: one unit per MoE layer's routed experts (over edp), per block
+    and for the rest (over dp_shard x cp, HSDP with dp_replicate), each parameter sharded on
+    its plan's dim; parameters the plan keeps out of FSDP are ignored. Gradients are summed,
+    not averaged: the loss is already divided by the global token count.
     """
-    dims = [d for d, on in (("dp_replicate", layout.dp_replicate > 1), ("fsdp", layout.fsdp_enabled)) if on]
-    mesh = layout.get_mesh(dims)
+    placed = {id(p): plan[_plan_fqn(fqn)] for fqn, p in model.named_parameters()}
+    outside = {p for p in model.parameters() if not placed[id(p)].fsdp_mesh}
+    if len(outside) == len(placed):
+        return
     training = job_config.training
     on_gpu = torch.cuda.is_available()
     mp_policy = MixedPrecisionPolicy(
@@ -88,30 +84,23 @@ def apply_fsdp(model: nn.Module, layout: Layout, job_config, experts_on_own_mesh
     # backwards, so by default it keeps the gathered parameters
     mode = job_config.parallelism.fsdp_reshard_after_forward
     reshard = mode == "always" or (mode == "default" and layout.pp == 1)
-    expert_units = [moe.experts for moe in moe_layers(model)] if experts_on_own_mesh else []
-    ignored = set()
-    if expert_units and layout.edp == 1:
-        # nothing to shard or reduce: FSDP over a one-rank mesh would only copy the weights
-        # in and out (and again in backward). The experts cast their weights to the
-        # activations' dtype themselves; autograd keeps that copy until backward.
-        ignored = {p for unit in expert_units for p in unit.parameters()}
-        expert_units = []
-    elif expert_units:
-        edp_mesh = layout.expert["edp"]
-        local_experts = expert_units[0].w1.to_local().shape[0]
-        # FSDP shards dim 0 by default; with fewer local experts than edp ranks shard the
-        # ffn dim instead (every w has it at dim 1 or 2, divisible in any real model)
-        placement = (lambda p: Shard(1)) if local_experts < layout.edp else None
-        for unit in expert_units:
-            fully_shard(unit, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
-                        shard_placement_fn=placement)
-    dense_units = [*model.layers.values(), model]
-    for unit in dense_units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard and unit is not model,
-                    ignored_params=ignored)
-    for unit in expert_units + dense_units:
+    wrapped = set(outside)
+    units = []
+    for unit in [moe.experts for moe in moe_layers(model)] + [*model.layers.values(), model]:
+        params = [p for p in unit.parameters() if p not in wrapped]
+        if not params:
+            continue
+        meshes = {placed[id(p)].fsdp_mesh for p in params}
+        if len(meshes) != 1:
+            raise AssertionError(f"one FSDP unit, parameters on different FSDP meshes {meshes}: fix placement.py")
+        fully_shard(unit, mesh=layout.get_mesh(list(meshes.pop())), mp_policy=mp_policy,
+                    reshard_after_forward=reshard and unit is not model,
+                    shard_placement_fn=lambda p: Shard(placed[id(p)].fsdp_dim),
+                    ignored_params=outside & set(unit.parameters()))
         unit.set_gradient_divide_factor(1.0)
         if not on_gpu:
             # gloo has no PREMUL_SUM
             unit.set_force_sum_reduction_for_comms(True)
-    logger.info(f"Applied FSDP2 over {dims} (size {mesh.size()})")
+        wrapped.update(unit.parameters())  # FSDP2's own parameters now
+        units.append(unit)
+    logger.info(f"Applied FSDP2 to {len(units)} units as placement_plan says")

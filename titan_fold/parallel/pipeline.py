@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-from titan_fold.moe import MoE
+from titan_fold.moe import moe_layers
 from titan_fold.parallel.mesh import Layout, LayoutError
 
 # schedules tested here; zero-bubble ones split backward in two, V ones place stages otherwise
@@ -153,7 +153,7 @@ class StageHooks:
     """
 
     def __init__(self, model: nn.Module):
-        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.moes = moe_layers(model)
         self.shape_pass = True
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, before the shape pass)
         model.register_forward_pre_hook(self.pre_forward, with_kwargs=True)

@@ -1,13 +1,17 @@
-"""Where every parameter lives: the placement plan as data.
+"""Where every parameter lives: the placement plan, the one source the parallelize step executes.
 
-    placement_plan(model_args, layout) -> {parameter FQN: Placed}
+    tp_plan(model, sequence_parallel, loss_parallel) -> {module FQN: ParallelStyle}
+    placement_plan(model_args, layout, stages=None)  -> {parameter FQN: Placed}
 
-Attention, dense FFN, shared expert, router, norms, embedding and output head live on the
-attention mesh and are laid out on its `tp` dim; routed experts live on the expert mesh,
-laid out on `ep` x `etp`. The data-parallel dims each parameter is FSDP2-sharded (or, for
-dp_replicate, replicated) over are recorded next to them. Degree-1 dims are left out, so an
-entry with no dims is a plain (unsharded) tensor there. The parallelize step applies this
-plan (attention.apply_tp for the tp entries) and tests read it; `format_plan` prints it.
+`tp_plan` is the tensor-parallel style of every module, with the layouts its inputs and
+outputs arrive in and leave in; `attention.apply_tp` hands it to `parallelize_module` as is.
+`placement_plan` says, for every parameter: its mesh, the DTensor placements on that mesh's
+model-parallel dims (the tp ones read off `tp_plan`), the FSDP2 mesh and the tensor dim FSDP2
+shards, and the pipeline stage that holds it. `parallel/experts.py` distributes the routed
+experts by it and `parallelize.apply_fsdp` wraps by it; nothing else decides a placement.
+`format_plan` prints it (`python -m titan_fold.layout --placements`) and
+tests/test_placement.py checks, layout by layout, that every parameter the parallelize step
+produces is the DTensor this plan describes.
 
 Choices, and why:
 - wq, wk, wv (and their Qwen2 biases), w1, w3: colwise `Shard(0)` (out features = heads or
@@ -21,22 +25,156 @@ Choices, and why:
   of an all-gather + reduce-scatter of the layer's tokens (the same traffic as attention).
 - norms, router gate, shared_expert_gate: `Replicate` on tp. Under sequence parallelism each
   tp rank feeds them different tokens, so their gradients are partial sums that are
-  reduced over tp (attention.apply_tp makes that explicit).
+  reduced over tp (`TokenwiseReplicate`, `attention.apply_tp`).
 - routed experts [E, ffn, dim] / [E, dim, ffn]: `Shard(0)` (experts) on ep, the ffn dim on etp.
 - FSDP2: dense parameters over dp_shard x cp (cp ranks hold different tokens of the same
   sequences, so their gradients are summed like data parallel ones), replicated over
-  dp_replicate (HSDP); experts over edp on dim 0, or on their hidden dim when there are
-  fewer local experts than edp ranks (E/ep < edp), so every edp rank holds a real shard.
+  dp_replicate (HSDP); routed experts over edp, on dim 0, or on the model width `dim` (w1 and
+  w3: dim 2, w2: dim 1) when a rank holds fewer experts than there are edp ranks (E/ep <
+  edp), so every edp rank holds a real shard. `dim` is split by neither ep nor etp, so FSDP's
+  shard is a plain `Shard` there, not one interleaved with etp's. With edp = 1 the experts
+  stay out of FSDP (nothing to shard or reduce).
 """
 
+import math
+import re
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_fold.parallel.mesh import Layout
 
 ATTENTION, EXPERT = "attention", "expert"
+
+
+class TokenwiseReplicate(ParallelStyle):
+    """A module with replicated weights applied row by row to this rank's tokens [T_local, dim].
+
+    For the router gate and shared_expert_gate under sequence parallelism: inputs become
+    DTensors `Shard(0)` (each tp rank holds different token rows), weights `Replicate`, the
+    output goes back to a plain local tensor. DTensor then knows the weight gradient is a sum
+    over tp ranks (it comes out `Partial`); `attention._grads_like_params` reduces it.
+    """
+
+    @staticmethod
+    def _replicate(name, module, mesh):
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            # from_local: every rank built the same weights (meta, or one seed); no broadcast
+            module.register_parameter(
+                p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False))
+            )
+
+    @staticmethod
+    def _input(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)
+
+    @staticmethod
+    def _output(module, output, mesh):
+        return output.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate, self._input, self._output)
+
+
+def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """{module FQN: ParallelStyle} on the attention mesh's tp dim, for a model or a pipeline
+    stage of it (modules a stage does not hold are left out).
+
+    sequence_parallel: the residual stream is a DTensor `Shard(1)` (sequence) between blocks;
+    norms and the MoE run on sequence shards. Without it every tp rank runs them on the full
+    sequence and they stay plain tensors. loss_parallel: logits leave the head sharded on vocab.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    # inside the MoE rows are tokens [T_local, dim]: Shard(0) when each rank holds different rows
+    rows = Shard(0) if sequence_parallel else Replicate()
+    keep_dtensor = sequence_parallel  # the residual stream stays a DTensor between blocks
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not keep_dtensor
+        )
+    for layer_id, block in model.layers.items():
+        p = f"layers.{layer_id}."
+        if sequence_parallel:
+            plan[p + "attention_norm"] = SequenceParallel()
+        plan[p + "attention"] = PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        for name in ("wq", "wk", "wv"):
+            plan[p + f"attention.{name}"] = ColwiseParallel()
+        plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor)
+        if sequence_parallel:
+            plan[p + "ffn_norm"] = SequenceParallel()
+        if not block.moe_enabled:
+            plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            plan[p + "feed_forward.w1"] = ColwiseParallel()
+            plan[p + "feed_forward.w3"] = ColwiseParallel()
+            plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor)
+            continue
+        if sequence_parallel:
+            # the MoE takes and returns this rank's tokens as a plain tensor [b, s/tp, dim]: its
+            # dispatcher only ever sees "the tokens of this rank", whatever the attention layout
+            plan[p + "moe"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(seq,), use_local_input=True,
+                output_layouts=(seq,), desired_output_layouts=(seq,), use_local_output=False,
+            )
+            plan[p + "moe.router.gate"] = TokenwiseReplicate()
+        if block.moe.shared_expert is not None:
+            # all-gather this rank's rows: the shared expert's tp shards need every token
+            plan[p + "moe.shared_expert"] = PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),))
+            plan[p + "moe.shared_expert.w1"] = ColwiseParallel()
+            plan[p + "moe.shared_expert.w3"] = ColwiseParallel()
+            # back to this rank's rows: reduce-scatter under SP, all-reduce otherwise
+            plan[p + "moe.shared_expert.w2"] = RowwiseParallel(output_layouts=rows)
+        if sequence_parallel and block.moe.shared_expert_gate is not None:
+            plan[p + "moe.shared_expert_gate"] = TokenwiseReplicate()
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def tp_placement(style: ParallelStyle, module: nn.Module, param_name: str) -> Placement | None:
+    """The placement on tp a style gives one of its module's own parameters (None: not a DTensor)."""
+    embedding = isinstance(module, nn.Embedding)  # [vocab, dim]: rows are the first dim, not out features
+    if isinstance(style, ColwiseParallel):
+        return Shard(1) if embedding else Shard(0)
+    if isinstance(style, RowwiseParallel):
+        return Shard(0) if embedding else (Shard(1) if param_name == "weight" else Replicate())
+    if isinstance(style, (SequenceParallel, TokenwiseReplicate)):
+        return Replicate()
+    return None  # input/output layouts only: the module's parameters belong to its children
+
+
+# stacked routed experts: (ep placement, etp placement, model-width dim); etp shards the ffn dim
+_EXPERT_RULES = {
+    "w1": (Shard(0), Shard(1), 2),  # [E, ffn, dim]
+    "w3": (Shard(0), Shard(1), 2),  # [E, ffn, dim]
+    "w2": (Shard(0), Shard(2), 1),  # [E, dim, ffn]
+}
+
+
+def expert_placements(name: str, dims) -> tuple[Placement, ...]:
+    """Placements of the stacked experts.<name> (w1, w2, w3) on mesh dims among "ep", "etp"."""
+    by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[name][:2]))
+    return tuple(by_dim[d] for d in dims)
 
 
 @dataclass(frozen=True)
@@ -45,9 +183,12 @@ class Placed:
     dims: tuple[str, ...]  # model-parallel dims of degree > 1 the tensor is laid out on
     placements: tuple[Placement, ...]  # one per entry of dims
     shape: tuple[int, ...]  # global shape
-    fsdp_replicate: tuple[str, ...] = ()  # HSDP replicate dims (degree > 1)
-    fsdp_shard: tuple[str, ...] = ()  # dims FSDP2 shards over, flattened (degree > 1); () = no FSDP
+    tp_style: str = ""  # the ParallelStyle of its module on tp ("" when not on tp)
+    # FSDP2's mesh, dims of degree > 1: () no FSDP; one dim: sharded over it; two: HSDP,
+    # replicated over the first, sharded over the second
+    fsdp_mesh: tuple[str, ...] = ()
     fsdp_dim: int = 0  # tensor dim FSDP2 shards
+    stage: int = 0  # pipeline stage holding it
 
     def local_shape(self, layout: Layout) -> tuple[int, ...]:
         """Shape of this rank's piece after the model-parallel placements (before FSDP)."""
@@ -57,83 +198,58 @@ class Placed:
                 shape[placement.dim] = -(-shape[placement.dim] // layout.size(dim))
         return tuple(shape)
 
-
-# parameter-name suffix -> tp placement of attention-mesh parameters
-_TP_RULES = {
-    "tok_embeddings.weight": Shard(0),
-    "output.weight": Shard(0),
-    "attention.wq.weight": Shard(0),
-    "attention.wk.weight": Shard(0),
-    "attention.wv.weight": Shard(0),
-    "attention.wq.bias": Shard(0),
-    "attention.wk.bias": Shard(0),
-    "attention.wv.bias": Shard(0),
-    "attention.wo.weight": Shard(1),
-    "feed_forward.w1.weight": Shard(0),
-    "feed_forward.w3.weight": Shard(0),
-    "feed_forward.w2.weight": Shard(1),
-    "shared_expert.w1.weight": Shard(0),
-    "shared_expert.w3.weight": Shard(0),
-    "shared_expert.w2.weight": Shard(1),
-    "router.gate.weight": Replicate(),
-    "shared_expert_gate.weight": Replicate(),
-    "attention_norm.weight": Replicate(),
-    "ffn_norm.weight": Replicate(),
-    "norm.weight": Replicate(),
-}
-# routed experts: (ep placement, etp placement); the etp one is each tensor's ffn dim
-_EXPERT_RULES = {
-    "experts.w1": (Shard(0), Shard(1)),  # [E, ffn, dim]
-    "experts.w3": (Shard(0), Shard(1)),  # [E, ffn, dim]
-    "experts.w2": (Shard(0), Shard(2)),  # [E, dim, ffn]
-}
-# hidden (dim) axis of each expert tensor: FSDP's shard dim when E/ep < edp
-_EXPERT_HIDDEN_DIM = {"experts.w1": 2, "experts.w3": 2, "experts.w2": 1}
+    def dtensor(self, layout: Layout) -> tuple[tuple[str, ...], tuple[Placement, ...]]:
+        """(mesh dim names, placements) of the parameter as the model holds it after the
+        parallelize step: FSDP2's dims first, then the model-parallel ones. FSDP2 shards a
+        dim that a model-parallel dim already splits in interleaved pieces (`_StridedShard`)."""
+        if not self.fsdp_mesh:
+            return self.dims, self.placements
+        split = math.prod(layout.size(d) for d, p in zip(self.dims, self.placements)
+                          if isinstance(p, Shard) and p.dim == self.fsdp_dim)
+        shard = _StridedShard(self.fsdp_dim, split_factor=split) if split > 1 else Shard(self.fsdp_dim)
+        fsdp = (Replicate(),) * (len(self.fsdp_mesh) - 1) + (shard,)
+        return self.fsdp_mesh + self.dims, fsdp + self.placements
 
 
-def expert_placements(name: str, dims) -> tuple[Placement, ...]:
-    """Placements of the stacked experts.<name> (w1, w2, w3) on mesh dims among "ep", "etp"."""
-    by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[f"experts.{name}"]))
-    return tuple(by_dim[d] for d in dims)
+def _dense_fsdp_mesh(layout: Layout) -> tuple[str, ...]:
+    return tuple(n for n in ("dp_replicate", "dp_shard_cp") if layout.size(n) > 1)
 
 
-def _rule(fqn: str, rules: dict):
-    # longest matching suffix on a dot boundary ("norm.weight" must not catch "ffn_norm.weight")
-    for suffix in sorted(rules, key=len, reverse=True):
-        if fqn == suffix or fqn.endswith("." + suffix):
-            return suffix
-    return None
-
-
-def placement_plan(model_args, layout: Layout) -> dict[str, Placed]:
+def placement_plan(model_args, layout: Layout, stages: list[list[str]] | None = None,
+                   sequence_parallel: bool = True) -> dict[str, Placed]:
     """{FQN: Placed} for every parameter of `Transformer(model_args)` under `layout`.
 
     The FQNs are read off a model built on the meta device (no memory), so they are exactly
     the model's `named_parameters()` (a tied output head appears once, as tok_embeddings).
+    stages: every pipeline stage's module FQNs (`pipeline.stage_fqns`); None = one stage.
     """
     from titan_fold.models import Transformer
 
     with torch.device("meta"):
         model = Transformer(model_args)
-    on = lambda *names: tuple(n for n in names if layout.size(n) > 1)  # noqa: E731
-    dense_fsdp = dict(fsdp_replicate=on("dp_replicate"), fsdp_shard=on("dp_shard", "cp"))
+    styles = tp_plan(model, sequence_parallel) if layout.tp > 1 else {}
+    stage_of = {fqn: s for s, fqns in enumerate(stages or [[]]) for fqn in fqns}
     experts_per_rank = model_args.moe.num_experts // layout.ep
     plan = {}
     for fqn, param in model.named_parameters():
-        shape = tuple(param.shape)
-        expert = _rule(fqn, _EXPERT_RULES)
-        if expert is not None:
-            dims = on("ep", "etp")
-            fsdp_dim = _EXPERT_HIDDEN_DIM[expert] if experts_per_rank < layout.edp else 0
+        owner, name = fqn.rsplit(".", 1)
+        top = re.match(r"layers\.\d+|[^.]+", fqn).group(0)  # the module a pipeline stage lists
+        stage = stage_of.get(top, 0)
+        if owner.endswith(".experts"):
+            ep_place, etp_place, width = _EXPERT_RULES[name]
+            dims = tuple(d for d in ("ep", "etp") if layout.size(d) > 1)
             plan[fqn] = Placed(
-                EXPERT, dims, expert_placements(expert.removeprefix("experts."), dims), shape, (), on("edp"), fsdp_dim
+                EXPERT, dims, expert_placements(name, dims), tuple(param.shape),
+                fsdp_mesh=("edp",) if layout.edp > 1 else (),
+                fsdp_dim=width if experts_per_rank < layout.edp else 0, stage=stage,
             )
             continue
-        suffix = _rule(fqn, _TP_RULES)
-        if suffix is None:
-            raise KeyError(f"no placement rule for parameter {fqn!r}: add one to titan_fold/parallel/placement.py")
-        dims = on("tp")
-        plan[fqn] = Placed(ATTENTION, dims, tuple(_TP_RULES[suffix] for _ in dims), shape, **dense_fsdp)
+        style = styles.get(owner)
+        placement = tp_placement(style, model.get_submodule(owner), name) if style is not None else None
+        plan[fqn] = Placed(
+            ATTENTION, ("tp",) if placement else (), (placement,) if placement else (), tuple(param.shape),
+            tp_style=type(style).__name__ if placement else "", fsdp_mesh=_dense_fsdp_mesh(layout), stage=stage,
+        )
     return plan
 
 
@@ -146,8 +262,6 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
 
     With a layout, each line also shows the per-rank shape after tp / ep / etp (before FSDP).
     """
-    import re
-
     folded: dict[tuple[str, Placed], list[int]] = {}
     for fqn, placed in plan.items():
         m = re.match(r"layers\.(\d+)\.(.*)", fqn)
@@ -163,22 +277,21 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
                 runs.append([i, i])
         return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
-    rows = [("parameter", "mesh", "placements", "shape", "local", "fsdp")]
+    staged = any(placed.stage for placed in plan.values())
+    rows = [("parameter", "mesh", "placements", "tp style", "shape", "local", "fsdp", "stage")]
     for (name, placed), ids in folded.items():
         if "{}" in name:
             name = name.format(layer_ranges(ids))
         placements = ", ".join(f"{d}:{_fmt_placement(p)}" for d, p in zip(placed.dims, placed.placements)) or "-"
         fsdp = "-"
-        if placed.fsdp_shard or placed.fsdp_replicate:
-            parts = []
-            if placed.fsdp_replicate:
-                parts.append("replicate " + " x ".join(placed.fsdp_replicate))
-            if placed.fsdp_shard:
-                parts.append(f"shard dim {placed.fsdp_dim} over " + " x ".join(placed.fsdp_shard))
-            fsdp = "; ".join(parts)
+        if placed.fsdp_mesh:
+            fsdp = f"shard dim {placed.fsdp_dim} over {placed.fsdp_mesh[-1]}"
+            if len(placed.fsdp_mesh) > 1:
+                fsdp = f"replicate {placed.fsdp_mesh[0]}; " + fsdp
         local = "x".join(map(str, placed.local_shape(layout))) if layout is not None else ""
-        rows.append((name, placed.mesh, placements, "x".join(map(str, placed.shape)), local, fsdp))
-    if layout is None:
-        rows = [r[:4] + r[5:] for r in rows]
+        rows.append((name, placed.mesh, placements, placed.tp_style or "-", "x".join(map(str, placed.shape)), local,
+                     fsdp, str(placed.stage)))
+    keep = [i for i in range(len(rows[0])) if not (i == 5 and layout is None) and not (i == 7 and not staged)]
+    rows = [[r[i] for i in keep] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
