@@ -278,7 +278,7 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
         return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
     staged = any(placed.stage for placed in plan.values())
-    rows = [("parameter", "mesh", "placements", "tp style", "shape", "local", "fsdp", "stage")]
+    rows = [("parameter", "mesh", "placements", "tp_style", "shape", "local", "fsdp", "stage")]
     for (name, placed), ids in folded.items():
         if "{}" in name:
             name = name.format(layer_ranges(ids))
