@@ -2,8 +2,9 @@
 
 Pure functions over data classes; `titan_fold.plan` is the command line. The model is the
 titan_fold trainer as it runs (FSDP2 over dp_shard x cp for dense parameters and over edp for
-experts, torchtitan's 1F1B pipeline, sequence parallel whenever tp > 1, the EP x ETP
-dispatcher of design.md), with these simplifications (docs/planning.md lists them again):
+experts, a 1F1B pipeline schedule (torch.distributed.pipelining's, as the trainer runs it),
+sequence parallel whenever tp > 1, the EP x ETP dispatcher of docs/moe.md), with these
+simplifications (docs/planning.md lists them again):
 
 - micro-batches of `micro_batch` sequences (the search uses 1): m = global_batch / (dp x micro_batch);
 - bf16 compute, fp32 master weights, fp32 gradients, two fp32 AdamW moments: 16 bytes per
@@ -30,9 +31,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
-from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout, LayoutError
+from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout, LayoutError, divisors
+from titan_fold.parallel.placement import EXPERT, placement_plan
 
 GIB = 1024**3
 BF16, FP32 = 2, 4
@@ -52,12 +55,12 @@ class Cluster:
     intra_node_gbps: float = 450.0  # GB/s per GPU, one direction (NVLink 4 on H100)
     inter_node_gbps: float = 50.0  # GB/s per GPU (400 Gb/s InfiniBand per GPU)
     tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM)
-    # achieved / peak: GEMMs reach ~0.6-0.8 of peak at these shapes (design.md: 588-641 TFLOP/s
+    # achieved / peak: GEMMs reach ~0.6-0.8 of peak at these shapes (measured: 588-641 TFLOP/s
     # grouped, 797 dense on H200); the rest of the step (norms, softmax, permutes) is slower
     compute_efficiency: float = 0.6
     # GEMMs with few rows run below compute_efficiency: factor (t / (t + half)) / (1024 / (1024 + half)),
     # capped at 1, for t rows (tokens of a dense GEMM, routed rows of one expert); 1024 rows per
-    # expert is where design.md measured 588 TFLOP/s grouped on H200 (about 0.6 of peak)
+    # expert is where 588 TFLOP/s grouped was measured on H200 (about 0.6 of peak)
     gemm_half_rows: float = 128.0
     comm_efficiency: float = 0.7  # NCCL bus bandwidth / link bandwidth at tens of MiB
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -80,8 +83,9 @@ class Workload:
 
 @dataclass
 class ModelSizes:
-    """Parameter counts read off the trainer's own model built on the meta device."""
+    """Parameter counts read off the trainer's own model and its placement plan."""
 
+    args: TransformerArgs
     name: str
     dim: int
     n_layers: int
@@ -125,28 +129,32 @@ def known_flavors() -> str:
 
 
 def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSizes:
-    """Count parameters by role from the trainer's module tree (meta device: no memory)."""
+    """Count parameters by role as the placement plan lays them out (meta device: no memory):
+    laid out on tp (attention, its Qwen2 biases, shared expert, dense FFN), replicated over tp
+    (norms, router, shared-expert gate), routed experts."""
     with torch.device("meta"):
         model = Transformer(args)
+    # any layout with tp > 1 names every parameter's tp placement
+    plan = placement_plan(args, Layout(2, tp=2))
     tp_sharded = {"moe": 0, "dense": 0}
     replicated = {"moe": 0, "dense": 0}
     experts = 0
-    moe_layer, dense_layer = None, None
-    for lid, block in model.layers.items():
+    seen = set()
+    for fqn, placed in plan.items():
+        if not fqn.startswith("layers."):
+            continue
+        lid, rest = fqn.split(".")[1], fqn.split(".", 2)[2]
         kind = "moe" if args.is_moe_layer(int(lid)) else "dense"
-        if (moe_layer if kind == "moe" else dense_layer) is not None:
+        if (kind, rest) in seen:
             continue  # every layer of a kind has the same parameters
-        for fqn, p in block.named_parameters():
-            if ".experts." in f".{fqn}":
-                experts += p.numel()
-            elif p.ndim == 1 or "router" in fqn or "shared_expert_gate" in fqn:
-                replicated[kind] += p.numel()  # norms, biases of 1-d shape are sharded too, but tiny
-            else:
-                tp_sharded[kind] += p.numel()
-        if kind == "moe":
-            moe_layer = lid
+        seen.add((kind, rest))
+        numel = math.prod(placed.shape)
+        if placed.mesh == EXPERT:
+            experts += numel
+        elif any(isinstance(p, Shard) for p in placed.placements):
+            tp_sharded[kind] += numel
         else:
-            dense_layer = lid
+            replicated[kind] += numel
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     head = model.output.weight.numel() + model.norm.weight.numel()
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
@@ -158,7 +166,7 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
         "dense": 6 * (tp_sharded["dense"] + replicated["dense"]) + attention,
     }
     return ModelSizes(
-        name=name, dim=args.dim, n_layers=args.n_layers, n_moe_layers=n_moe, n_heads=args.n_heads,
+        args=args, name=name, dim=args.dim, n_layers=args.n_layers, n_moe_layers=n_moe, n_heads=args.n_heads,
         n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, vocab=args.vocab_size,
         num_experts=m.num_experts, top_k=m.top_k, moe_ffn_dim=m.moe_ffn_dim,
         shared_ffn_dim=m.shared_ffn_dim, dense_ffn_dim=args.ffn_dim,
@@ -206,10 +214,6 @@ class Mapping:
         return f"{att} | ep{self.ep} etp{self.etp} edp{self.edp}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict | None = None) -> list[Mapping]:
     """Every degree set the trainer's Layout validation accepts for this model (recompute 'none').
 
@@ -219,24 +223,23 @@ def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict 
     fixed = fixed or {}
     ok = lambda name, v: fixed.get(name, v) == v  # noqa: E731
     out = []
-    for pp in _divisors(world):
+    for pp in divisors(world):
         if not ok("pp", pp):
             continue
         s = world // pp
-        for tp in _divisors(s):
-            for cp in _divisors(s // tp):
-                for dpr in _divisors(s // (tp * cp)):
+        for tp in divisors(s):
+            for cp in divisors(s // tp):
+                for dpr in divisors(s // (tp * cp)):
                     dps = s // (tp * cp * dpr)
                     if not (ok("tp", tp) and ok("cp", cp) and ok("dp_replicate", dpr) and ok("dp_shard", dps)):
                         continue
-                    for ep in _divisors(s):
-                        for etp in _divisors(s // ep):
+                    for ep in divisors(s):
+                        for etp in divisors(s // ep):
                             if not (ok("ep", ep) and ok("etp", etp)):
                                 continue
                             try:
                                 lay = Layout(world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, etp=etp)
-                                lay.validate(num_experts=sizes.num_experts, moe_ffn_dim=sizes.moe_ffn_dim,
-                                             n_heads=sizes.n_heads, n_kv_heads=sizes.n_kv_heads, seq_len=seq_len)
+                                lay.validate_model(sizes.args, seq_len)
                             except LayoutError:
                                 continue
                             out.append(Mapping(pp, dpr, dps, cp, tp, ep, etp, lay.edp))

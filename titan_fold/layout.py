@@ -63,9 +63,7 @@ def build_layout(args: argparse.Namespace, model_args=None) -> Layout:
         cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, edp=args.edp,
     )
     if model_args is not None:
-        moe = model_args.moe
-        layout.validate(num_experts=moe.num_experts, moe_ffn_dim=moe.moe_ffn_dim, n_heads=model_args.n_heads,
-                        n_kv_heads=model_args.n_kv_heads, seq_len=getattr(args, "seq_len", None))
+        layout.validate_model(model_args, getattr(args, "seq_len", None))
     if not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -196,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if args.placements:
-        text = format_plan(placement_plan(model_args, layout), layout) + "\n"
+        text = format_plan(placement_plan(model_args, layout, stages), layout) + "\n"
         if stages is not None:
             text += f"\npipeline stages ({args.pp_schedule}):\n" + format_stages(stages, layout.pp) + "\n"
         return _emit(text, args.out)

@@ -79,13 +79,7 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
     layout = layout_from_config(config, world_size)
-    layout.validate(
-        num_experts=moe.num_experts,
-        moe_ffn_dim=moe.moe_ffn_dim,
-        n_heads=model_args.n_heads,
-        n_kv_heads=model_args.n_kv_heads,
-        seq_len=config.training.seq_len,
-    )
+    layout.validate_model(model_args, config.training.seq_len)
     if layout.pp > 1:
         check_pipeline(config, model_args, layout.pp)
     return layout

@@ -19,7 +19,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 
 from titan_fold.errors import UserError
 
-__all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED"]
+__all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED", "divisors"]
 
 ATTENTION_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
@@ -40,7 +40,7 @@ class LayoutError(UserError, ValueError):
     """Degrees that cannot form both meshes (raised before any process group exists)."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -100,7 +100,7 @@ class Layout(ParallelDims):
         pp, dpr, cp, tp, ep, etp = self.pp, self.dp_replicate, self.cp, self.tp, self.ep, self.etp
         if w % pp:
             raise LayoutError(
-                f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(_nearest(pp, _divisors(w)))}"
+                f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(_nearest(pp, divisors(w)))}"
             )
         per_stage = w // pp
 
@@ -147,14 +147,14 @@ class Layout(ParallelDims):
         if per_stage % (dpr * cp * tp) == 0:
             hints.append(f"dp_shard={per_stage // (dpr * cp * tp)} (or -1 to derive it)")
         for name, others in (("tp", dpr * cp), ("cp", dpr * tp), ("dp_replicate", cp * tp)):
-            valid = [d for d in _divisors(per_stage) if per_stage % (d * others) == 0]
+            valid = [d for d in divisors(per_stage) if per_stage % (d * others) == 0]
             hints.append(f"{name} in {{{_fmt(_nearest(getattr(self, name), valid))}}}")
         return "valid neighbours: " + "; ".join(hints)
 
     def _expert_neighbours(self, per_stage: int) -> str:
         ep, etp = self.ep, self.etp
-        valid_ep = [d for d in _divisors(per_stage) if per_stage % (d * etp) == 0]
-        valid_etp = [d for d in _divisors(per_stage) if per_stage % (ep * d) == 0]
+        valid_ep = [d for d in divisors(per_stage) if per_stage % (d * etp) == 0]
+        valid_etp = [d for d in divisors(per_stage) if per_stage % (ep * d) == 0]
         return (
             f"valid neighbours: ep in {{{_fmt(_nearest(ep, valid_ep))}}} (with etp={etp}); "
             f"etp in {{{_fmt(_nearest(etp, valid_etp))}}} (with ep={ep})"
@@ -173,14 +173,14 @@ class Layout(ParallelDims):
         per_stage = self.world_size // self.pp
         ep, etp, tp, cp = self.ep, self.etp, self.tp, self.cp
         if num_experts is not None and num_experts % ep:
-            valid = [d for d in _divisors(num_experts) if per_stage % (d * etp) == 0]
+            valid = [d for d in divisors(num_experts) if per_stage % (d * etp) == 0]
             raise LayoutError(
                 f"num_experts({num_experts}) % ep({ep}) = {num_experts % ep} != 0: every EP rank holds "
                 f"num_experts / ep experts; valid ep (dividing {num_experts} and world_size / pp / etp): "
                 f"{_fmt(_nearest(ep, valid))}"
             )
         if moe_ffn_dim is not None and moe_ffn_dim % etp:
-            valid = [d for d in _divisors(per_stage // math.gcd(per_stage, ep)) if moe_ffn_dim % d == 0]
+            valid = [d for d in divisors(per_stage // math.gcd(per_stage, ep)) if moe_ffn_dim % d == 0]
             raise LayoutError(
                 f"moe_ffn_dim({moe_ffn_dim}) % etp({etp}) = {moe_ffn_dim % etp} != 0: ETP shards the "
                 f"expert ffn width; valid etp: {_fmt(_nearest(etp, valid))}"
@@ -188,7 +188,7 @@ class Layout(ParallelDims):
         tp_room = per_stage // math.gcd(per_stage, self.dp_replicate * cp)
         for what, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads is not None and heads % tp:
-                valid = [d for d in _divisors(tp_room) if heads % d == 0 and (n_heads or heads) % d == 0]
+                valid = [d for d in divisors(tp_room) if heads % d == 0 and (n_heads or heads) % d == 0]
                 raise LayoutError(
                     f"{what}({heads}) % tp({tp}) = {heads % tp} != 0: TP shards attention heads; "
                     f"valid tp: {_fmt(_nearest(tp, valid))}"
@@ -207,6 +207,12 @@ class Layout(ParallelDims):
                     f"nearest valid seq_len: {seq_len - seq_len % need or need}, {valid_up}"
                 )
         return self
+
+    def validate_model(self, model_args, seq_len: int | None = None) -> "Layout":
+        """`validate` against a model's sizes (a TransformerArgs); None skips the sequence check."""
+        moe = model_args.moe
+        return self.validate(num_experts=moe.num_experts, moe_ffn_dim=moe.moe_ffn_dim, n_heads=model_args.n_heads,
+                             n_kv_heads=model_args.n_kv_heads, seq_len=seq_len)
 
     # ---- meshes ----
 
