@@ -75,8 +75,6 @@ def worker(argv: list[str], proxy: str) -> None:
     from torchtitan.tools.logging import init_logger
     from torchtitan.train import Trainer
 
-    import titan_fold  # noqa: F401  (settles the device type before torchtitan reads it)
-
     init_logger()
     register(proxy)
     config = ConfigManager().parse_args(argv)

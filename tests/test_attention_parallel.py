@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import titan_fold  # noqa: F401  (settles the device once in the parent; ranks inherit it)
+import titan_fold  # noqa: F401  (imported once in the parent; the forked ranks inherit it)
 
 WORLD = 8
 B, S = 2, 32

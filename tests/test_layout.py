@@ -10,7 +10,6 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import titan_fold  # noqa: F401  (settles the device before torchtitan modules read it)
 from titan_fold import layout as layout_cli
 from titan_fold.parallel.mesh import Layout, LayoutError
 

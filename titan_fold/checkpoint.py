@@ -9,7 +9,7 @@ What torchtitan 0.2.2 + DCP already guarantee (read from their source, tested he
   is needed; `complete(folder)` states the same rule for our tools.
 - resharding: DCP reads any saved DTensor layout into any other (model, optimizer).
 
-What this module adds (`install_checkpoint_hooks(trainer)`, called once by FoldTrainer):
+What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager):
 - before any tensor is read, the checkpoint's shapes are compared with the model's
   (`validate_against`): a wrong flavor, vocabulary or family fails with one message that
   names the tensors, and the model is not touched; missing or truncated data files are
@@ -25,7 +25,8 @@ What this module adds (`install_checkpoint_hooks(trainer)`, called once by FoldT
 - a fault-injection hook for tests, read in one place: TITAN_FOLD_FAULT_AT_STEP=k (and
   TITAN_FOLD_FAULT_RANK, default 0) kills that rank with SIGKILL in the middle of step k
   (after forward / backward, before the optimizer step) in the first torchrun attempt only
-  (TORCHELASTIC_RESTART_COUNT == 0), so `torchrun --max-restarts 1` resumes.
+  (TORCHELASTIC_RESTART_COUNT == 0), so `torchrun --max-restarts 1` resumes
+  (`maybe_fault`, called by FoldTrainer.forward_backward_step).
 """
 
 import io
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpoint import CheckpointManager
 
 from titan_fold.errors import UserError
 
@@ -267,28 +269,21 @@ def maybe_fault(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ---------------------------------------------------------------- trainer hooks
+# ---------------------------------------------------------------- the trainer's manager
 
 
-def install_checkpoint_hooks(trainer) -> None:
-    """Called once at the end of FoldTrainer.__init__ (before train() loads anything)."""
-    ckpt = trainer.checkpointer
-    if getattr(ckpt, "enable", False):
-        ckpt.states["rng"] = RNGState()
-        dcp_load = ckpt.dcp_load
+class FoldCheckpointManager(CheckpointManager):
+    """torchtitan's CheckpointManager, checking shapes before DCP reads, and saving the RNG state.
 
-        def validated_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
-            hf = ckpt.sd_adapter.to_hf(dict(state_dict)) if from_hf else None
-            validate_against(checkpoint_id, state_dict, hf)
-            return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+    FoldTrainer builds it where torchtitan's Trainer builds its own (torchtitan_adapter.py).
+    """
 
-        ckpt.dcp_load = validated_dcp_load
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.enable:
+            self.states["rng"] = RNGState()
 
-    forward_backward_step = trainer.forward_backward_step
-
-    def forward_backward_then_maybe_fault(*args, **kwargs):
-        loss = forward_backward_step(*args, **kwargs)
-        maybe_fault(trainer.step)
-        return loss
-
-    trainer.forward_backward_step = forward_backward_then_maybe_fault
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        hf = self.sd_adapter.to_hf(dict(state_dict)) if from_hf else None
+        validate_against(checkpoint_id, state_dict, hf)
+        super().dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)

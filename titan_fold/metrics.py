@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor, _build_metric_logger
-from torchtitan.tools import utils
+from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
 from torchtitan.tools.logging import logger
 
 from titan_fold.moe import moe_stats
+from titan_fold.torchtitan_adapter import with_names
 
 METRICS_FILE = "metrics.jsonl"
 GIB = 1024**3
@@ -49,27 +49,20 @@ class _Peak:
         self.num_alloc_retries = self.num_ooms = 0
 
 
+def _memory_monitor():
+    # torchtitan's builds a CUDA monitor whatever the machine
+    if torch.cuda.is_available():
+        return DeviceMemoryMonitor(f"cuda:{torch.cuda.current_device()}")
+    return HostMemoryMonitor()
+
+
 class FoldMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
-        # torchtitan's __init__ builds a CUDA memory monitor; set up the same fields here
-        self.logger = _build_metric_logger(job_config, parallel_dims, tag)
-        self.parallel_dims = parallel_dims
-        self.job_config = job_config
-        if torch.cuda.is_available():
-            self.device_memory_monitor = DeviceMemoryMonitor(f"cuda:{torch.cuda.current_device()}")
-            self.gpu_peak_flops = utils.get_peak_flops(self.device_memory_monitor.device_name)
-        else:
-            self.device_memory_monitor = HostMemoryMonitor()
+        # torchtitan's __init__ with a memory monitor that works on the CPU too (torchtitan_adapter.py)
+        with_names(MetricsProcessor.__init__, build_device_memory_monitor=_memory_monitor)(
+            self, job_config, parallel_dims, tag)
+        if not torch.cuda.is_available():
             self.gpu_peak_flops = float("nan")
-        self.color = utils.NoColor() if job_config.metrics.disable_color_printing else utils.Color()
-        self.ntokens_since_last_log = 0
-        self.data_loading_times = []
-        self.time_last_log = time.perf_counter()
-        self.device_memory_monitor.reset_peak_stats()
-        self.num_flops_per_token = -1
-        self.optimizers = None
-        self.lr_schedulers = None
-        self.model_parts = None
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.jsonl_path = os.path.join(job_config.job.dump_folder, METRICS_FILE) if rank == 0 else None
         if self.jsonl_path:

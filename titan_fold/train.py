@@ -7,26 +7,22 @@ values, degrees against the world size and the model, tokenizer against the voca
 is checked in `preflight` before the first collective.
 """
 
-import contextlib
-import functools
 import os
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint import install_checkpoint_hooks
+from titan_fold.checkpoint import maybe_fault
 from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.parallel.attention import cp_shard
-from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
+from titan_fold.torchtitan_adapter import init_distributed, trainer_names, with_names
 from titan_fold.train_spec import register_train_specs
 from titan_fold.errors import run_command
 
@@ -85,36 +81,23 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     return layout
 
 
-def maybe_enable_amp(parallel_dims, mixed_precision_param: str, device_type: str):
-    """Compute in `training.mixed_precision_param` in every layout: FSDP2 casts where it wraps
-    the model (any dp or cp), autocast everywhere else. torchtitan 0.2.2 computes tp or pp
-    layouts without data parallelism in fp32, e.g. the folded tp 2 x ep 2 on 2 GPUs."""
-    dtype = TORCH_DTYPE_MAP[mixed_precision_param]
-    if parallel_dims.dp_cp_enabled or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=dtype)
-
-
-# torchtitan's Trainer clips and picks mixed precision through these module attributes.
-# Our clipping also handles parameters spread over the attention and expert meshes (and is
-# the same for one mesh).
-dist_utils.clip_grad_norm_ = clip_grad_norm_
-dist_utils.maybe_enable_amp = maybe_enable_amp
-
-
 class FoldTrainer(Trainer):
+    """torchtitan's Trainer; its __init__, train_step and train run as torchtitan wrote them,
+    with the names torchtitan_adapter.py lists resolved to titan_fold's (device, mixed
+    precision, clipping, checkpoint manager, timeouts)."""
+
     def init_distributed(self) -> Layout:
-        world_size = dist_utils.init_distributed(self.job_config.comm, base_folder=self.job_config.job.dump_folder)
+        world_size = init_distributed(self.job_config.comm, base_folder=self.job_config.job.dump_folder)
         layout = layout_from_config(self.job_config, world_size)
         layout.build_mesh()
         return layout
 
+    def _torchtitan(self, method):
+        return with_names(method, **self._names).__get__(self)
+
     def __init__(self, job_config: JobConfig):
-        super().__init__(job_config)
-        # RNG state in checkpoints, shape checks before any load, fault-injection hook for tests
-        install_checkpoint_hooks(self)
-        # fused optimizers apply the clip coefficient as they read the gradients (parallel/clip.py)
-        dist_utils.clip_grad_norm_ = functools.partial(clip_grad_norm_, optimizers=self.optimizers.optimizers)
+        self._names = trainer_names(self)
+        self._torchtitan(Trainer.__init__)(job_config)
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -142,18 +125,28 @@ class FoldTrainer(Trainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.parallel_dims.pp_enabled:
-            return pipeline_forward_backward(
+            loss = pipeline_forward_backward(
                 self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-        # aux losses are token means over this micro-batch's sequences (the router gathers
-        # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
-        # by the global token count. `labels` is still the whole micro-batch here.
-        scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
-        for moe in moe_layers(self.model_parts):
-            moe.aux_loss_scale.fill_(scale)
-        return super().forward_backward_step(
-            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-        )
+        else:
+            # aux losses are token means over this micro-batch's sequences (the router gathers
+            # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
+            # by the global token count. `labels` is still the whole micro-batch here.
+            scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
+            for moe in moe_layers(self.model_parts):
+                moe.aux_loss_scale.fill_(scale)
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        maybe_fault(self.step)  # tests: a rank killed in the middle of a step
+        return loss
+
+    def train_step(self, data_iterator):
+        return self._torchtitan(Trainer.train_step)(data_iterator)
+
+    @record
+    def train(self):
+        return self._torchtitan(Trainer.train)()
 
 
 @record

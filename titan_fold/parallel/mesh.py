@@ -230,9 +230,9 @@ class Layout(ParallelDims):
         Degree-1 dims (and flattened views of size 1) get the "fake" backend: no real process group.
         """
         if device_type is None:
-            import torchtitan.tools.utils as tt_utils  # read at call time: titan_fold.device settles it
+            from titan_fold.device import device_type as this_device
 
-            device_type = tt_utils.device_type
+            device_type = this_device()
 
         def build(names):
             sizes = tuple(getattr(self, n) for n in names)
