@@ -96,6 +96,7 @@ class FoldTrainer(Trainer):
         return with_names(method, **self._names).__get__(self)
 
     def __init__(self, job_config: JobConfig):
+        register_train_specs()
         self._names = trainer_names(self)
         self._torchtitan(Trainer.__init__)(job_config)
         if self.model_args.moe.load_balance == "aux_free":
