@@ -25,8 +25,8 @@ import torch.distributed._functional_collectives as funcol
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import median, time_ms, write_result  # noqa: E402
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
+from bench.common import median, time_ms, write_result  # noqa: E402
 
 # rows of a rank's send buffer (tokens 8192 x top_k) and the hidden size, per benchmark shape
 PAYLOADS = {

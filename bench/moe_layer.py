@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs, moe_stats  # noqa: E402
 from titan_fold.parallel.experts import shard_moe  # noqa: E402
-import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 
 SHAPES = {
     # Qwen2-57B-A14B: 64 experts of 2560, top-8, a gated shared expert of 20480

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import median, time_ms, write_result  # noqa: E402
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
+from bench.common import median, time_ms, write_result  # noqa: E402
 from titan_fold.moe.dispatcher import _Combine, _Dispatch, _inverse, group_by  # noqa: E402
 
 SHAPES = {  # tokens per rank, hidden, top-k, experts

@@ -9,13 +9,23 @@ import pytest
 import torch.distributed as dist
 
 from titan_fold.config import parse_args
+from titan_fold.cost_model import (
+    Cluster,
+    Mapping,
+    Workload,
+    activation_bytes,
+    enumerate_mappings,
+    estimate,
+    group_membership,
+    job_toml,
+    memory,
+    min_gpus,
+    model_sizes,
+    plan,
+)
 from titan_fold.models import FLAVORS, TransformerArgs
 from titan_fold.moe import MoEArgs
 from titan_fold.parallel.mesh import Layout, LayoutError
-from titan_fold.cost_model import (
-    Cluster, Mapping, Workload, activation_bytes, enumerate_mappings, estimate, group_membership, job_toml, memory,
-    min_gpus, model_sizes, plan,
-)
 
 
 def _divisors(n):

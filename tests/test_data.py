@@ -184,7 +184,11 @@ def test_hf_local_file_with_tokenizer_json(tmp_path):
     bos, eos = ref_tok.token_to_id("<s>"), ref_tok.token_to_id("</s>")
     stream = [t for line in LINES for t in (bos, *ref_tok.encode(line).ids, eos)]
     G = 6
-    jc = lambda D, b: job("hf", seq_len=8, local_batch_size=b, global_batch_size=G, dataset_path=str(data), assets=str(tmp_path / "assets"))
+
+    def jc(D, b):
+        return job("hf", seq_len=8, local_batch_size=b, global_batch_size=G, dataset_path=str(data),
+                   assets=str(tmp_path / "assets"))
+
     tok = build_tokenizer(jc(1, 6))
     assert tok.get_vocab_size() == ref_tok.get_vocab_size() and tok.bos_id == bos and tok.eos_id == eos
     n_steps = len(stream) // (9 * G) + 2  # runs past the end: the second epoch wraps around

@@ -16,7 +16,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
 

@@ -13,7 +13,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titan_fold import layout as layout_cli
 from titan_fold.parallel.mesh import Layout, LayoutError
 
-
 # ---- independent reference: Megatron-Core's RankGenerator from its definition ----
 # A rank's coordinates come from its index with the first name of the order fastest
 # (order tp-cp-ep-dp-pp; dp split as dp_shard (fast) x dp_replicate for our HSDP names).

@@ -3,11 +3,10 @@
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_layout import reference
 
 import titan_fold  # noqa: F401  (imported once in the parent; forked ranks inherit it)
 from titan_fold.parallel.mesh import Layout
-
-from test_layout import reference
 
 WORLD = 8
 # (world, pp, dp_replicate, dp_shard, cp, tp, ep, etp)

@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from test_moe_reference import reference_moe
+
 from titan_fold.moe import MoE, MoEArgs, moe_stats, update_expert_bias
 
 DIM, FFN = 16, 12  # 16-byte aligned rows in fp32: the grouped-GEMM path runs

@@ -18,9 +18,9 @@ import os
 import torch
 
 from titan_fold.checkpoint import compare_shapes, read_hf_folder, read_model_tensors
+from titan_fold.errors import run_command
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS, hf_config
-from titan_fold.errors import run_command
 
 
 def import_hf(hf_folder: str, out: str, name: str, flavor: str) -> None:

@@ -15,10 +15,10 @@ import sys
 import torch.distributed as dist
 
 from titan_fold.config import Parallelism
+from titan_fold.errors import run_command
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.pipeline import format_stages, stage_fqns
 from titan_fold.parallel.placement import format_plan, placement_plan
-from titan_fold.errors import run_command
 
 ATTENTION_GROUPS = ("pp", "dp", "cp", "tp", "dp_cp")
 EXPERT_GROUPS = ("pp", "edp", "ep", "etp", "ep_etp")
@@ -49,8 +49,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _model_args(spec: str):
-    from titan_fold.models import FLAVORS
     from titan_fold.cost_model import resolve_flavor
+    from titan_fold.models import FLAVORS
 
     family, flavor = resolve_flavor(spec)
     return FLAVORS[family][flavor]

@@ -15,12 +15,22 @@ import json
 import sys
 from dataclasses import asdict
 
-from titan_fold.models import FLAVORS
 from titan_fold.cost_model import (
-    GIB, RECOMPUTE, Cluster, Estimate, Workload, enumerate_mappings, estimate, job_toml, min_gpus,
-    model_sizes, plan, resolve_flavor,
+    GIB,
+    RECOMPUTE,
+    Cluster,
+    Estimate,
+    Workload,
+    enumerate_mappings,
+    estimate,
+    job_toml,
+    min_gpus,
+    model_sizes,
+    plan,
+    resolve_flavor,
 )
 from titan_fold.errors import run_command
+from titan_fold.models import FLAVORS
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -45,7 +55,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-config", default=None, metavar="FILE.toml", help="job config of the best mapping")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--fix", nargs="+", default=[], metavar="DIM=N",
-                   help="search only mappings with these degrees, e.g. pp=1 (the trainer does not pipeline yet)")
+                   help="search only mappings with these degrees, e.g. pp=1 or tp=2")
     p.add_argument("--mapping", action="append", default=[], metavar="DIM=N,...",
                    help="also estimate this mapping (e.g. pp=4,tp=2,ep=4,etp=1; unset dims: dp_replicate 1, "
                         "others derived or 1), with the best recompute choice; unfolded ones also with the "

@@ -18,13 +18,13 @@ from torchtitan.train import Trainer
 
 from titan_fold.checkpoint import maybe_fault
 from titan_fold.config import ConfigError, JobConfig, parse_args
-from titan_fold.parallel.attention import cp_shard
+from titan_fold.errors import run_command
 from titan_fold.moe import moe_layers, update_expert_bias
+from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.torchtitan_adapter import init_distributed, trainer_names, with_names
 from titan_fold.train_spec import register_train_specs
-from titan_fold.errors import run_command
 
 
 def layout_from_config(config: JobConfig, world_size: int) -> Layout:

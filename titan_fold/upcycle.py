@@ -42,8 +42,8 @@ import dataclasses
 
 import torch
 
-from titan_fold.models import FLAVORS, Transformer, TransformerArgs
 from titan_fold.errors import run_command
+from titan_fold.models import FLAVORS, Transformer, TransformerArgs
 
 
 def expert_scale(args: TransformerArgs, granularity: int, router_std: float) -> float:
