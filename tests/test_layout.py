@@ -328,9 +328,9 @@ def test_cli_placements_print_the_plan(capsys):
     assert layout_cli.main(argv + ["--placements"]) == 0
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     # experts: 8 of [32, 64] split 4 ways by expert and 2 ways by width
-    assert lines["layers.0-3.moe.experts.w1"][1:6] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "8x32x64", "2x16x64"]
-    assert lines["layers.0-3.moe.experts.w2"][4:6] == ["8x64x32", "2x64x16"]
-    assert lines["layers.0-3.attention.wo.weight"][1:3] == ["attention", "tp:Shard(1)"]
+    assert lines["layers.0-3.moe.experts.w1"][1:7] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "-", "8x32x64", "2x16x64"]
+    assert lines["layers.0-3.moe.experts.w2"][5:7] == ["8x64x32", "2x64x16"]
+    assert lines["layers.0-3.attention.wo.weight"][1:4] == ["attention", "tp:Shard(1)", "RowwiseParallel"]
     assert lines["layers.0-3.moe.router.gate.weight"][2] == "tp:Replicate"
     # the model's sizes are checked too: 8 experts do not split 16 ways
     assert layout_cli.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"]) == 2
