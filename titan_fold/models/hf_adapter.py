@@ -514,3 +514,46 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
     config.update(attention_bias=args.qkv_bias)
     return config
 
+
+
+def check_dense_hf_config(path: str, dense: TransformerArgs) -> None:
+    """A dense HF model (Qwen2, Qwen3, Mistral, Llama) to upcycle: the fields the MoE inherits
+    from it must equal the dense twin of the MoE model (upcycle.dense_args)."""
+    c = read_hf_config(path)
+    if c.get("hidden_act", "silu") != "silu":
+        raise HFConfigError(f"{path}: hidden_act = {c['hidden_act']!r}: titan_fold's FFNs are SwiGLU (silu)")
+    try:
+        theta = _rope_theta("qwen2_moe", c)
+    except HFConfigError as e:
+        raise HFConfigError(f"{path}: {e}") from None
+    heads = c.get("num_attention_heads")
+    want = {
+        "hidden_size": c.get("hidden_size"),
+        "num_hidden_layers": c.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": c.get("num_key_value_heads") or heads,
+        "head_dim": c.get("head_dim") or (c.get("hidden_size") or 0) // (heads or 1),
+        "vocab_size": c.get("vocab_size"),
+        "intermediate_size": c.get("intermediate_size"),
+        "rms_norm_eps": c.get("rms_norm_eps"),
+        "rope_theta": theta,
+        "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+    }
+    have = {
+        "hidden_size": dense.dim,
+        "num_hidden_layers": dense.n_layers,
+        "num_attention_heads": dense.n_heads,
+        "num_key_value_heads": dense.n_kv_heads,
+        "head_dim": dense.head_dim,
+        "vocab_size": dense.vocab_size,
+        "intermediate_size": dense.ffn_dim,
+        "rms_norm_eps": dense.norm_eps,
+        "rope_theta": dense.rope_theta,
+        "tie_word_embeddings": dense.tie_embeddings,
+    }
+    wrong = [f"{k}: config.json {want[k]}, model {have[k]}" for k in want if want[k] != have[k]]
+    if wrong:
+        raise HFConfigError(
+            f"{path}: the dense config.json does not fit the MoE model (intermediate_size = moe_intermediate_size "
+            f"x granularity); nothing was written: " + "; ".join(wrong)
+        )

@@ -143,6 +143,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor),
         }
+        if block.attention.q_norm is not None:
+            # each tp rank normalizes its own heads [b, s, heads/tp, head_dim]: the weight's
+            # gradient is a sum over tp, as for the router under sequence parallelism
+            plan["attention.q_norm"] = TokenwiseReplicate()
+            plan["attention.k_norm"] = TokenwiseReplicate()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

@@ -19,7 +19,8 @@ Choices, and why:
 - shared expert: colwise/rowwise like the dense FFN, not replicated: it is the largest dense
   block of Qwen2-57B-A14B (3 x 20480 x 3584 per layer) and TP divides it by tp, at the price
   of an all-gather + reduce-scatter of the layer's tokens (the same traffic as attention).
-- norms, router gate, shared_expert_gate: `Replicate` on tp. Under sequence parallelism each
+- norms (Qwen3's q/k norms too: each tp rank normalizes its own heads), router gate,
+  shared_expert_gate, wo's bias: `Replicate` on tp. Under sequence parallelism each
   tp rank feeds them different tokens, so their gradients are partial sums that are
   reduced over tp (attention.apply_tp makes that explicit).
 - routed experts [E, ffn, dim] / [E, dim, ffn]: `Shard(0)` (experts) on ep, the ffn dim on etp.
@@ -69,6 +70,10 @@ _TP_RULES = {
     "attention.wk.bias": Shard(0),
     "attention.wv.bias": Shard(0),
     "attention.wo.weight": Shard(1),
+    "attention.wo.bias": Replicate(),  # added once, after the rowwise reduction
+    # Qwen3's per-head q/k norms: one [head_dim] weight, applied to this rank's heads
+    "attention.q_norm.weight": Replicate(),
+    "attention.k_norm.weight": Replicate(),
     "feed_forward.w1.weight": Shard(0),
     "feed_forward.w3.weight": Shard(0),
     "feed_forward.w2.weight": Shard(1),
