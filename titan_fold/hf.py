@@ -25,6 +25,7 @@ import copy
 import os
 import re
 import shutil
+import warnings
 
 import torch
 
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="export: cast the tensors (default: as saved)")
     parser.add_argument("--max_shard_size", default="5GB", help="export: largest safetensors file (default 5GB)")
     a = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
     if a.direction == "import":
         if a.flavor is None:  # the folder's own config.json
             a.flavor, a.hf_config = "hf", a.hf_config or a.src

@@ -263,8 +263,12 @@ def _rope_theta(family: str, config: dict) -> float:
             raise HFConfigError(f"{key}.partial_rotary_factor = {factor}: titan_fold rotates the whole head")
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise HFConfigError(f"partial_rotary_factor = {config['partial_rotary_factor']}: titan_fold rotates the whole head")
-    theta = (params or {}).get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA[family]))
-    return float(theta)
+    theta = config.get("rope_theta")
+    if params and "rope_theta" in params:
+        if theta is not None and float(theta) != float(params["rope_theta"]):
+            raise HFConfigError(f"rope_theta = {theta} and rope_parameters.rope_theta = {params['rope_theta']} disagree")
+        theta = params["rope_theta"]
+    return float(theta if theta is not None else _DEFAULT_ROPE_THETA[family])
 
 
 def hf_dense_layers(config: dict, n_layers: int) -> tuple[int, ...]:
