@@ -349,3 +349,27 @@ def test_trainer_refuses_a_mismatched_hf_folder(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "num_experts_per_tok: config.json 1, model 3" in errors[0]
     assert not os.path.exists(tmp_path / "run" / "checkpoint")
+
+
+def test_trainer_qwen3_tp2_matches_one_rank(tmp_path):
+    """qwen3_moe from an HF folder trains to the same losses and gradient norms on one rank and
+    on tp 2 x ep 2 (the q/k norm weights see only their rank's heads: their gradients are
+    summed over tp)."""
+    from conftest import read_metrics, torchrun
+
+    folder = tmp_path / "hf"
+    random_hf_model("qwen3_moe", TRAINER_CONFIG, folder)
+    common = ("--job.config_file", "debug_qwen3_moe.toml", "--model.flavor", "hf", "--model.hf_config", str(folder),
+              "--checkpoint.enable", "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
+              "--checkpoint.interval", "1000", "--training.steps", "3", "--training.seq_len", "32",
+              "--metrics.log_freq", "1")
+    runs = []
+    for nproc, extra in ((1, ()), (2, ("--parallelism.tensor_parallel_degree", "2",
+                                       "--parallelism.expert_parallel_degree", "2"))):
+        torchrun(nproc, "--job.dump_folder", str(tmp_path / f"run{nproc}"), *common[2:], *extra,
+                 config=common[1])
+        runs.append(read_metrics(tmp_path / f"run{nproc}"))
+    for one, two in zip(*runs, strict=True):
+        assert one["step"] == two["step"]
+        assert abs(one["loss"] - two["loss"]) <= 1e-4 * abs(one["loss"]), (one, two)
+        assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-4 * abs(one["grad_norm"]), (one, two)

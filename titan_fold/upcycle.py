@@ -46,6 +46,7 @@ projection and gate zeroed, so it adds nothing at step 0 and learns from there.
 import argparse
 import dataclasses
 import math
+import warnings
 
 import torch
 
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(exact), 0.01 / sqrt(dim) otherwise (about 1%% off the dense model)")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
     import torch.distributed.checkpoint as dcp
 
     from titan_fold.hf import check_out_folder, resolve_model
