@@ -114,3 +114,33 @@ def test_unknown_fields_are_reported(capsys):
     config = {**json.load(open(os.path.join(DATA, "Mixtral-8x7B-v0.1.json"))), "some_new_knob": 3}
     args_from_hf_config(config)
     assert "some_new_knob" in capsys.readouterr().err
+
+
+def test_packaged_qwen3_configs_fit_their_world():
+    """qwen3_30b_a3b.toml is the planner's first mapping for one node of 8; the debug config runs on 1 or 2."""
+    from titan_fold.config import parse_args
+    from titan_fold.train import check_layout
+
+    layout = check_layout(parse_args(["--job.config_file", "qwen3_30b_a3b.toml"]), 8)
+    assert (layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.etp, layout.edp) == (2, 4, 1, 8, 1, 1)
+    for world in (1, 2):
+        check_layout(parse_args(["--job.config_file", "debug_qwen3_moe.toml"]), world)
+
+
+def test_hf_flavor_in_the_job_config(tmp_path):
+    """`--model.flavor hf` reads `--model.hf_config`; without it, or with another flavor, a ConfigError / UserError."""
+    from titan_fold.config import ConfigError, parse_args
+    from titan_fold.errors import UserError
+    from titan_fold.train import model_args_from_config
+
+    path = os.path.join(DATA, "Qwen3-30B-A3B.json")
+    _, args = model_args_from_config(parse_args(["--job.config_file", "qwen3_30b_a3b.toml", "--model.flavor", "hf",
+                                                 "--model.hf_config", path]))
+    assert config_mismatches(json.load(open(path)), "qwen3_moe", args) == [] and args.max_seq_len == 4096
+    with pytest.raises(UserError, match="needs model.hf_config"):
+        model_args_from_config(parse_args(["--job.config_file", "debug_qwen3_moe.toml", "--model.flavor", "hf"]))
+    with pytest.raises(ConfigError, match="model.hf_config is read only with model.flavor = 'hf'"):
+        parse_args(["--job.config_file", "debug_qwen3_moe.toml", "--model.hf_config", path])
+    with pytest.raises(HFConfigError, match="model_type = 'qwen3_moe' but --model.name is 'mixtral'"):
+        model_args_from_config(parse_args(["--job.config_file", "debug_qwen3_moe.toml", "--model.name", "mixtral",
+                                           "--model.flavor", "hf", "--model.hf_config", path]))

@@ -113,9 +113,9 @@ class HFConfigArgs(TransformerArgs):
 
         path = getattr(job_config.model, "hf_config", "")
         if not path:
-            from titan_fold.errors import UserError
+            from titan_fold.config import ConfigError
 
-            raise UserError("model.flavor = 'hf' needs model.hf_config: a config.json or the Hugging Face folder holding it")
+            raise ConfigError("model.flavor = 'hf' needs model.hf_config: a config.json or the Hugging Face folder holding it")
         _, loaded = args_from_hf_config(path, job_config.model.name)
         for f in dataclasses.fields(loaded):
             setattr(self, f.name, getattr(loaded, f.name))
