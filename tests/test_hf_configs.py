@@ -72,8 +72,9 @@ BASE = {
          "rope_parameters.rope_type"),
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
-        ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
-        ("qwen2_moe", {"layer_types": ["sliding_attention"] * 24}, "layer_types"),
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["full_attention"] * 23
+                       + ["sliding_attention"]}, "layers \\[23\\] slide"),
         ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
         ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
         ("qwen2_moe", {"mlp_only_layers": [24]}, "mlp_only_layers"),
@@ -97,6 +98,12 @@ def test_fields_that_do_not_apply_are_accepted():
     assert args_from_hf_config(config)[1].moe.top_k == 2
     _, args = args_from_hf_config(os.path.join(DATA, "Qwen2-57B-A14B.json"))  # sliding_window 131072, unused
     assert args.dense_layers == ()
+    # Qwen2-MoE with use_sliding_window but no layer that slides (max_window_layers 0), and a
+    # window no shorter than the positions
+    for change in ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
+                   {"use_sliding_window": True, "sliding_window": 8192}):
+        config = {**json.load(open(os.path.join(DATA, "Qwen1.5-MoE-A2.7B.json"))), **change}
+        assert args_from_hf_config(config)[1].n_layers == 24
 
 
 def test_dense_layers_follow_transformers():

@@ -38,7 +38,8 @@ class ConfigError(UserError, ValueError):
 class Model(TitanModel):
     hf_config: str = ""
     """With flavor = "hf": the config.json (or the Hugging Face folder holding it) that gives
-    every size of the model; see docs/checkpoints.md."""
+    every size of the model; unset, checkpoint.initial_load_path when initial_load_in_hf.
+    See docs/checkpoints.md."""
 
 
 @dataclass

@@ -106,12 +106,16 @@ class TransformerArgs(BaseModelArgs):
 @dataclass
 class HFConfigArgs(TransformerArgs):
     """The `hf` flavor: every shape comes from the Hugging Face config named by `[model] hf_config`
-    (a config.json, or the HF folder holding one), read when the job config is applied."""
+    (a config.json, or the HF folder holding one), read when the job config is applied. Unset,
+    it is the folder the run starts from with `checkpoint.initial_load_in_hf`."""
 
     def update_from_config(self, job_config, **kwargs) -> None:
         from titan_fold.models.hf_adapter import args_from_hf_config
 
         path = getattr(job_config.model, "hf_config", "")
+        ckpt = job_config.checkpoint
+        if not path and ckpt.initial_load_in_hf and ckpt.initial_load_path:
+            path = ckpt.initial_load_path
         if not path:
             from titan_fold.config import ConfigError
 

@@ -271,6 +271,33 @@ def _rope_theta(family: str, config: dict) -> float:
     return float(theta if theta is not None else _DEFAULT_ROPE_THETA[family])
 
 
+def _check_sliding_window(family: str, c: dict, max_positions: int) -> None:
+    """Refuse a sliding window where transformers would apply one: to some layer, with a
+    window shorter than the positions the model takes (titan_fold attends causally to all)."""
+    window = c.get("sliding_window")
+    if not window or window >= max_positions:
+        return
+    where = f"sliding_window = {window} < max_position_embeddings = {max_positions}"
+    if family == "mixtral":  # every layer, whenever set
+        raise HFConfigError(f"{where}: sliding-window attention is not implemented")
+    if not c.get("use_sliding_window"):
+        return
+    if family == "qwen3_moe":
+        raise HFConfigError(f"use_sliding_window = true with {where}: sliding-window attention is not implemented")
+    n = c.get("num_hidden_layers", 0)
+    # Qwen2-MoE: transformers' layer_types, or its rule for them
+    types = c.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 and i < c.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)
+    ]
+    sliding = [i for i, t in enumerate(types) if t != "full_attention"]
+    if sliding:
+        raise HFConfigError(
+            f"use_sliding_window = true with {where} (layer_types: layers {sliding} slide): "
+            "sliding-window attention is not implemented"
+        )
+
+
 def hf_dense_layers(config: dict, n_layers: int) -> tuple[int, ...]:
     """Layers that HF Qwen builds dense: in mlp_only_layers, or not a multiple of decoder_sparse_step."""
     only = config.get("mlp_only_layers") or []
@@ -333,8 +360,6 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
     reject("attention_dropout", lambda v: not v, "attention dropout is not implemented")
     reject("quantization_config", lambda v: not v, "quantized checkpoints are not supported")
     reject("pretraining_tp", lambda v: v in (None, 1), "not supported")
-    reject("layer_types", lambda v: all(t == "full_attention" for t in v),
-           "titan_fold has full causal attention only (sliding_attention layers are not implemented)")
     used.update({"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"})
     n_layers = get("num_hidden_layers")
     n_heads = get("num_attention_heads")
@@ -359,19 +384,13 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
     )
     moe = dict(num_experts=num_experts, top_k=top_k, score_func="softmax",
                aux_loss_coeff=float(c.get("router_aux_loss_coef", 1e-3)))
+    _check_sliding_window(family, c, common["max_seq_len"])
+    used.update({"sliding_window", "use_sliding_window", "layer_types"})
     if family == "mixtral":
-        window = get("sliding_window", None)
-        if window is not None and window < common["max_seq_len"]:
-            raise HFConfigError(
-                f"sliding_window = {window}: applies to sequences longer than {window} tokens "
-                f"(max_position_embeddings = {common['max_seq_len']}); titan_fold has full causal attention only"
-            )
         reject("router_jitter_noise", lambda v: not v, "router jitter is not implemented")
         ffn = get("intermediate_size")
         args = TransformerArgs(**common, ffn_dim=ffn, moe=MoEArgs(**moe, moe_ffn_dim=ffn, norm_topk_prob=True))
     else:
-        reject("use_sliding_window", lambda v: not v, "titan_fold has full causal attention only")
-        used.add("sliding_window")  # read by transformers only with use_sliding_window
         moe.update(moe_ffn_dim=get("moe_intermediate_size"), norm_topk_prob=bool(get("norm_topk_prob", False)))
         dense = hf_dense_layers(c, n_layers)
         used.update({"mlp_only_layers", "decoder_sparse_step"})
