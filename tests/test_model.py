@@ -22,7 +22,7 @@ def build(args, seed=0, device="cpu"):
     return model
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_forward_shape_and_causality(name):
     args = FLAVORS[name]["debug"]
     model = build(args)
@@ -147,6 +147,10 @@ def hand_counts(a: TransformerArgs, seq_len: int):
     attention = d * a.n_heads * hd * 2 + d * a.n_kv_heads * hd * 2
     if a.qkv_bias:
         attention += (a.n_heads + 2 * a.n_kv_heads) * hd
+    if a.out_bias:
+        attention += d
+    if a.qk_norm:
+        attention += 2 * hd
     norms = 2 * d
     expert = 3 * d * m.moe_ffn_dim
     fixed = d * m.num_experts + 3 * d * m.shared_ffn_dim + (d if m.shared_expert_gate else 0)
@@ -166,6 +170,8 @@ def hand_counts(a: TransformerArgs, seq_len: int):
         ("mixtral", "8x7B", 46.7, 12.9),
         ("mixtral", "8x22B", 141.0, 39.0),
         ("mixtral", "8x22B-G8T8", 141.0, 22.3),  # 8 of 64 experts, each 1/8 wide
+        ("qwen3_moe", "30B-A3B", 30.5, 3.3),
+        ("qwen3_moe", "235B-A22B", 235.0, 22.0),
     ],
 )
 def test_param_and_flop_counts(name, flavor, total_b, active_with_embedding_b):
@@ -259,3 +265,25 @@ def test_moe_layer_recompute():
     assert grads[0].keys() == grads[1].keys()
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=0, atol=0, msg=k)
+
+
+def test_dense_layers_and_attention_options():
+    """dense_layers (HF's mlp_only_layers) on top of the frequency rule; q/k norms and the wo bias
+    are counted and change the output."""
+    args = dataclasses.replace(FLAVORS["qwen3_moe"]["debug"], n_layers=5, moe_layer_freq=2, dense_layers=(2,),
+                               out_bias=True, qkv_bias=True)
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert [layer.moe_enabled for layer in model.layers.values()] == [True, False, False, False, True]
+    assert model.layers["0"].attention.q_norm.weight.shape == (args.head_dim,) == (16,)
+    assert model.layers["0"].attention.wq.weight.shape == (8 * 16, 64)  # head_dim != dim / n_heads
+    assert model.layers["0"].attention.wo.bias.shape == (64,)
+    total, flops = args.get_nparams_and_flops(model, 64)
+    want_total, _, want_flops = hand_counts(args, 64)
+    assert (total, flops) == (want_total, want_flops)
+    built = build(args)
+    x = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = built(x)
+        built.layers["0"].attention.q_norm.weight.mul_(3.0)
+        assert (built(x) - base).abs().max() > 1e-3

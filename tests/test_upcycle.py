@@ -84,3 +84,102 @@ def test_cli_dense_dcp_to_moe_dcp(tmp_path):
     dcp.load(sd, checkpoint_id=str(tmp_path / "moe"))
     moe.load_state_dict(sd)
     torch.testing.assert_close(logits(moe), logits(dense), rtol=0, atol=1e-5)
+
+
+def cli(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, "-m", "titan_fold.upcycle", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_default_router_is_not_degenerate(tmp_path):
+    """Without --router_std the tokens spread over the experts (not the same k for all), for a
+    renormalizing router (exact) and for Qwen2-MoE's (within about 1% of the dense model)."""
+    import torch.distributed.checkpoint as dcp
+
+    for family in ("mixtral", "qwen2_moe"):
+        args = moe_args(family, moe_ffn_dim=FLAVORS[family]["debug"].ffn_dim) if family == "qwen2_moe" else moe_args(family)
+        dense = dense_model(dataclasses.replace(args, ffn_dim=args.moe.moe_ffn_dim))
+        dcp.save(dense.state_dict(), checkpoint_id=str(tmp_path / f"{family}_dense"), no_dist=True)
+        if family == "qwen2_moe":  # the flavor's own moe_ffn_dim is 32, the dense FFN 128: granularity 1 needs 128
+            import titan_fold.upcycle as up
+
+            sd = up.upcycle_state_dict(dense.state_dict(), args, 1, up.default_router_std(args))
+        else:
+            main(["--dense", str(tmp_path / f"{family}_dense"), "--out", str(tmp_path / f"{family}_moe"),
+                  "--model.name", family, "--model.flavor", "debug"])
+            sd = Transformer(args).state_dict()
+            dcp.load(sd, checkpoint_id=str(tmp_path / f"{family}_moe"), no_dist=True)
+        moe = Transformer(args)
+        moe.load_state_dict(sd)
+        tokens = torch.randint(0, args.vocab_size, (4, 64), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            got, want = moe(tokens), dense(tokens)
+        stats = [layer.moe.stats for layer in moe.layers.values()]
+        imbalance = max(float(s[2] / s[3]) for s in stats)  # max / mean tokens per expert
+        assert imbalance < 2.0, (family, imbalance)  # a zero router gives E / k = 4
+        tol = 1e-5 if args.moe.norm_topk_prob else 0.02 * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+def test_hf_dense_folder_to_moe(tmp_path):
+    """A transformers Mistral built from a config and saved with save_pretrained (the documented
+    way to make a small dense checkpoint) upcycles into a Mixtral of the same sizes: same logits."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from titan_fold.models.hf_adapter import args_from_hf_config
+
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                        sliding_window=None, rope_theta=1e6)
+    torch.manual_seed(0)
+    mistral = transformers.MistralForCausalLM(config).eval()
+    mistral.save_pretrained(tmp_path / "dense")
+    moe_config = {**json.load(open(tmp_path / "dense" / "config.json")), "model_type": "mixtral",
+                  "num_local_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "moe.json").write_text(json.dumps(moe_config))
+    r = cli("--dense", str(tmp_path / "dense"), "--hf", "--out", str(tmp_path / "moe"), "--model.name", "mixtral",
+            "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "moe.json"))
+    assert r.returncode == 0, r.stderr
+    _, args = args_from_hf_config(str(tmp_path / "moe.json"))
+    moe = Transformer(args)
+    sd = moe.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "moe"), no_dist=True)
+    moe.load_state_dict(sd)
+    tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(tokens), mistral(tokens).logits, rtol=0, atol=1e-4)
+    # a dense config that does not fit the MoE model is named field by field
+    r = cli("--dense", str(tmp_path / "dense"), "--hf", "--out", str(tmp_path / "moe2"), "--model.name", "mixtral",
+            "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "moe.json"), "--granularity", "2")
+    assert r.returncode == 2 and "intermediate_size: config.json 128, model 256" in r.stderr
+    assert not (tmp_path / "moe2").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.flavor", "nope"], "--model.flavor 'nope': mixtral has debug, 8x7B, 8x22B, 8x22B-G8T8, hf"),
+        (["--model.flavor", "debug", "--granularity", "0"], "--granularity 0: must be >= 1"),
+        (["--model.flavor", "debug", "--granularity", "-2"], "--granularity -2: must be >= 1"),
+        (["--model.flavor", "debug", "--granularity", "3"], "num_experts 8 and top_k 2 must be multiples of it"),
+        (["--model.flavor", "debug", "--router_std", "-1"], "--router_std -1.0: must be >= 0"),
+        # a 141B flavor against the tiny dense checkpoint: refused from the shapes, nothing built
+        (["--model.flavor", "8x22B"], "tok_embeddings.weight: checkpoint [512, 64], model [32768, 6144]"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dense_model(FLAVORS["mixtral"]["debug"]).state_dict(), checkpoint_id=str(tmp_path / "dense"), no_dist=True)
+    r = cli("--dense", str(tmp_path / "dense"), "--out", str(tmp_path / "moe"), "--model.name", "mixtral", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert message in r.stderr and r.stderr.startswith("error: ")
+    assert not (tmp_path / "moe").exists()

@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
+from torchtitan.config.job_config import Model as TitanModel
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
@@ -31,6 +32,14 @@ PACKAGED_CONFIGS = Path(__file__).parent / "train_configs"
 
 class ConfigError(UserError, ValueError):
     """A job config value breaks a rule; the message names the key and the rule."""
+
+
+@dataclass
+class Model(TitanModel):
+    hf_config: str = ""
+    """With flavor = "hf": the config.json (or the Hugging Face folder holding it) that gives
+    every size of the model; unset, checkpoint.initial_load_path when initial_load_in_hf.
+    See docs/checkpoints.md."""
 
 
 @dataclass
@@ -78,6 +87,7 @@ class MoE:
 
 @dataclass
 class JobConfig(TitanJobConfig):
+    model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
@@ -157,6 +167,8 @@ def validate(config: JobConfig) -> None:
         value = getattr(par, key)
         if value != -1 and value < 1:
             raise ConfigError(f"parallelism.{key} = {value}: must be >= 1, or -1 to derive it")
+    if config.model.hf_config and config.model.flavor != "hf":
+        raise ConfigError(f"model.hf_config is read only with model.flavor = 'hf' (flavor is {config.model.flavor!r})")
     ac = config.activation_checkpoint
     if ac.moe_layer_recompute and ac.mode != "none":
         raise ConfigError(

@@ -16,7 +16,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint import maybe_fault
+from titan_fold.checkpoint import check_initial_hf_load, maybe_fault
 from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.errors import run_command
 from titan_fold.moe import moe_layers, update_expert_bias
@@ -51,7 +51,9 @@ def model_args_from_config(config: JobConfig):
         raise ConfigError(f"model.name = {name!r}: not a titan_fold model family") from None
     if flavor not in spec.model_args:
         raise ConfigError(f"model.flavor = {flavor!r}: {name} has {sorted(spec.model_args)}")
-    return spec, spec.model_args[flavor]
+    model_args = spec.model_args[flavor]
+    model_args.update_from_config(config)
+    return spec, model_args
 
 
 def preflight(config: JobConfig, world_size: int) -> Layout:
@@ -64,13 +66,13 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
             f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model {config.model.name} "
             f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
         )
+    check_initial_hf_load(config, model_args)
     return layout
 
 
 def check_layout(config: JobConfig, world_size: int) -> Layout:
     """The config's degrees, pipeline and MoE settings against the model and the world size."""
     _, model_args = model_args_from_config(config)
-    model_args.update_from_config(config)
     moe = model_args.moe
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")

@@ -1,6 +1,7 @@
 """The TrainSpecs torchtitan's Trainer builds from: one per model family.
 
-`[model] name` picks the family ("qwen2_moe" or "mixtral"), `[model] flavor` its size.
+`[model] name` picks the family ("qwen2_moe", "qwen3_moe" or "mixtral"), `[model] flavor` its
+size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
 
 import copy
@@ -14,29 +15,33 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.metrics import build_metrics_processor
 from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.args import HFConfigArgs
 from titan_fold.models.hf_adapter import ADAPTERS
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 
 
 class FlavorCopies(Mapping):
-    """A family's flavors that hand out copies.
+    """A family's flavors, plus `hf`, that hand out copies.
 
     torchtitan's Trainer calls update_from_config on the args it looks up; a copy keeps
-    one job's `[moe]` overrides out of the next job started in the same process.
+    one job's `[moe]` overrides out of the next job started in the same process. The `hf`
+    entry is filled from `[model] hf_config` by that same update_from_config.
     """
 
     def __init__(self, flavors: dict):
         self._flavors = flavors
 
     def __getitem__(self, flavor: str):
+        if flavor == "hf":
+            return HFConfigArgs()
         return copy.deepcopy(self._flavors[flavor])
 
     def __iter__(self):
-        return iter(self._flavors)
+        return iter([*self._flavors, "hf"])
 
     def __len__(self) -> int:
-        return len(self._flavors)
+        return len(self._flavors) + 1
 
 
 def _train_spec(family: str) -> TrainSpec:

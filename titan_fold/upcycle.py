@@ -4,9 +4,12 @@
         [--granularity G] [--router_std S] [--hf]
 
 DENSE is a DCP checkpoint folder of a model whose layers use `feed_forward` (or, with
---hf, a Hugging Face Qwen2 / Mistral safetensors folder); OUT is a model-only DCP
-checkpoint of the MoE flavor, to start training from with
-`--checkpoint.initial_load_path OUT`. Everything but the FFNs is copied as is.
+--hf, a Hugging Face Qwen2 / Qwen3 / Mistral safetensors folder, its config.json checked
+against the MoE model); OUT is a model-only DCP checkpoint of the MoE model (a packaged
+flavor, or `--model.flavor hf --model.hf_config PATH`), to start training from with
+`--checkpoint.initial_load_path OUT`. Everything but the FFNs is copied as is. The dense
+shapes are checked against the MoE model's (built on the meta device) before anything is
+built or read; OUT must be new or empty.
 
 Plain upcycling (G = 1, Komatsuzaki et al.): every expert of layer i is a copy of the
 dense FFN of layer i. Granular upcycling (Megatron's --moe-upcycling-granularity G): the
@@ -29,9 +32,12 @@ index n * G + g, holds FFN_g with W2 scaled by s; the MoE computes sum_{chosen} 
 - no renormalization (Qwen2-MoE softmax, or sigmoid): sum_n c_n depends on x unless the
   router is zero; with router_std = 0 every chosen weight is p0 = 1 / E (softmax) or
   1 / 2 (sigmoid), and with G = 1 s = 1 / (k p0) gives FFN(x) whatever k experts are
-  picked (they are identical). For G > 1 a zero router leaves the choice among equal
-  scores to top-k's tie-breaking, which need not take whole copies: upcycle_state_dict
-  refuses that combination.
+  picked (they are identical). But a zero router sends every token to the same k experts
+  (top-k's tie-breaking), a degenerate start. The default router_std for these routers
+  is therefore 0.01 / sqrt(dim): router logits of std ~0.01 (the FFN input is RMS-normed),
+  so every chosen weight is p0 (1 + O(0.01)) and the MoE reproduces the dense model to
+  about 1%, while the tokens spread over all experts. For G > 1 the copies' equal
+  scores still pick whole copies, but the weights do not sum to a constant: refused.
 
 A shared expert of the flavor (Qwen2-MoE) keeps its fresh initialization with its output
 projection and gate zeroed, so it adds nothing at step 0 and learns from there.
@@ -39,11 +45,22 @@ projection and gate zeroed, so it adds nothing at step 0 and learns from there.
 
 import argparse
 import dataclasses
+import math
+import warnings
 
 import torch
 
-from titan_fold.errors import run_command
-from titan_fold.models import FLAVORS, Transformer, TransformerArgs
+from titan_fold.errors import UserError, run_command
+from titan_fold.models import Transformer, TransformerArgs
+
+
+class UpcycleError(UserError, ValueError):
+    pass
+
+
+def default_router_std(args: TransformerArgs) -> float:
+    """Exact for routers that renormalize the top-k, about 1% off otherwise (module docstring)."""
+    return 0.02 if args.moe.norm_topk_prob else 0.01 / math.sqrt(args.dim)
 
 
 def expert_scale(args: TransformerArgs, granularity: int, router_std: float) -> float:
@@ -51,10 +68,10 @@ def expert_scale(args: TransformerArgs, granularity: int, router_std: float) -> 
     moe = args.moe
     if moe.norm_topk_prob:
         return float(granularity)
-    if router_std != 0 or granularity != 1:
-        raise ValueError(
+    if granularity != 1:
+        raise UpcycleError(
             "upcycling a router without norm_topk_prob reproduces the dense model only with "
-            "granularity 1 and router_std 0 (see titan_fold/upcycle.py)"
+            "granularity 1 (see titan_fold/upcycle.py)"
         )
     p0 = 1.0 / moe.num_experts if moe.score_func == "softmax" else 0.5
     return 1.0 / (moe.top_k * p0)
@@ -69,8 +86,7 @@ def upcycle_state_dict(
 ) -> dict[str, torch.Tensor]:
     """MoE model state dict (of `args`) from a dense one whose layers have feed_forward.w1/w2/w3."""
     moe, G = args.moe, granularity
-    if moe.num_experts % G or moe.top_k % G:
-        raise ValueError(f"granularity {G}: num_experts {moe.num_experts} and top_k {moe.top_k} must be multiples")
+    check_granularity(args, G, router_std)
     scale = expert_scale(args, G, router_std)
     torch.manual_seed(seed)
     model = Transformer(args)
@@ -79,10 +95,10 @@ def upcycle_state_dict(
     for key in out:
         if ".moe." not in key and key in dense:
             if dense[key].shape != out[key].shape:
-                raise ValueError(f"{key}: dense {tuple(dense[key].shape)}, MoE flavor {tuple(out[key].shape)}")
-            out[key] = dense[key].clone()
+                raise UpcycleError(f"{key}: dense {tuple(dense[key].shape)}, MoE flavor {tuple(out[key].shape)}")
+            out[key] = dense[key].clone().to(out[key].dtype)
         elif ".moe." not in key:
-            raise KeyError(f"{key}: not in the dense checkpoint")
+            raise UpcycleError(f"{key}: not in the dense checkpoint")
     for i in range(args.n_layers):
         if not args.is_moe_layer(i):
             continue
@@ -90,7 +106,7 @@ def upcycle_state_dict(
         w1, w2, w3 = (dense[f"{p}feed_forward.{w}.weight"] for w in ("w1", "w2", "w3"))  # [ffn, dim], [dim, ffn]
         ffn = w1.shape[0]
         if ffn != moe.moe_ffn_dim * G:
-            raise ValueError(f"layer {i}: dense ffn width {ffn} != moe_ffn_dim {moe.moe_ffn_dim} x granularity {G}")
+            raise UpcycleError(f"layer {i}: dense ffn width {ffn} != moe_ffn_dim {moe.moe_ffn_dim} x granularity {G}")
         copies = moe.num_experts // G
         seg = moe.moe_ffn_dim
         # expert n * G + g = segment g of copy n
@@ -107,35 +123,75 @@ def upcycle_state_dict(
     return out
 
 
+def check_granularity(args: TransformerArgs, granularity: int, router_std: float) -> None:
+    moe = args.moe
+    if granularity < 1:
+        raise UpcycleError(f"--granularity {granularity}: must be >= 1")
+    if moe.num_experts % granularity or moe.top_k % granularity:
+        raise UpcycleError(
+            f"--granularity {granularity}: num_experts {moe.num_experts} and top_k {moe.top_k} must be multiples of it"
+        )
+    if not router_std >= 0:
+        raise UpcycleError(f"--router_std {router_std}: must be >= 0")
+
+
+def dense_args(args: TransformerArgs, granularity: int) -> TransformerArgs:
+    """The dense model an MoE `args` upcycles from: every layer a SwiGLU of width moe_ffn_dim x G."""
+    return dataclasses.replace(args, dense_layers=tuple(range(args.n_layers)), ffn_dim=args.moe.moe_ffn_dim * granularity)
+
+
+def read_dense(path: str, hf: bool, family: str, args: TransformerArgs, granularity: int) -> dict[str, torch.Tensor]:
+    """The dense state dict, its shapes (and, from HF, its config.json) checked against the
+    dense twin of the MoE model before any tensor is read."""
+    from titan_fold.checkpoint import compare_shapes, hf_shapes, read_hf_folder, read_model_tensors
+    from titan_fold.models.hf_adapter import ADAPTERS, check_dense_hf_config
+
+    dense = dense_args(args, granularity)
+    with torch.device("meta"):
+        wanted = {k: list(v.shape) for k, v in Transformer(dense).state_dict().items()}
+    if dense.tie_embeddings:
+        del wanted["output.weight"]
+    if not hf:
+        return read_model_tensors(path, wanted)
+    check_dense_hf_config(path, dense)
+    adapter = ADAPTERS[family](dense)
+    meta = {k: torch.empty(shape, device="meta") for k, (shape, _) in hf_shapes(path).items()}
+    saved = {k: list(v.shape) for k, v in adapter.from_hf(meta).items()}
+    compare_shapes(f"Hugging Face checkpoint {path}", saved, wanted)
+    extra = sorted(set(saved) - set(wanted) - {"output.weight"})
+    if extra:  # e.g. qkv biases the MoE model has no place for
+        raise UpcycleError(f"{path}: tensors the MoE model does not have: {', '.join(extra[:6])}")
+    return adapter.from_hf(read_hf_folder(path))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dense", required=True, help="dense DCP checkpoint folder (or HF folder with --hf)")
     parser.add_argument("--hf", action="store_true", help="--dense is a Hugging Face safetensors folder")
     parser.add_argument("--out", required=True, help="output DCP folder (model only)")
-    parser.add_argument("--model.name", dest="name", required=True, choices=sorted(FLAVORS))
-    parser.add_argument("--model.flavor", dest="flavor", required=True)
+    parser.add_argument("--model.name", dest="name", required=True, help="qwen2_moe, qwen3_moe or mixtral")
+    parser.add_argument("--model.flavor", dest="flavor", required=True, help="a packaged flavor, or hf")
+    parser.add_argument("--model.hf_config", dest="hf_config", help="with --model.flavor hf: the MoE model's config.json")
     parser.add_argument("--granularity", type=int, default=1)
     parser.add_argument("--router_std", type=float, default=None,
-                        help="std of the router rows; default 0, or 1e-2 when granularity > 1")
+                        help="std of the router rows; default 0.02 for routers that renormalize the top-k "
+                             "(exact), 0.01 / sqrt(dim) otherwise (about 1%% off the dense model)")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
     import torch.distributed.checkpoint as dcp
 
-    from titan_fold.models.hf_adapter import ADAPTERS
+    from titan_fold.hf import check_out_folder, resolve_model
 
-    args = FLAVORS[a.name][a.flavor]
-    router_std = a.router_std if a.router_std is not None else (1e-2 if a.granularity > 1 else 0.0)
-    if a.hf:
-        from titan_fold.checkpoint import read_hf_folder
-
-        dense = ADAPTERS[a.name](dataclasses.replace(args), None).from_hf(read_hf_folder(a.dense))
-    else:
-        from titan_fold.checkpoint import read_model_tensors
-
-        dense = read_model_tensors(a.dense)
+    family, args = resolve_model(a.name, a.flavor, a.hf_config)
+    router_std = a.router_std if a.router_std is not None else default_router_std(args)
+    check_granularity(args, a.granularity, router_std)
+    expert_scale(args, a.granularity, router_std)
+    check_out_folder(a.out)
+    dense = read_dense(a.dense, a.hf, family, args, a.granularity)
     sd = upcycle_state_dict(dense, args, a.granularity, router_std, a.seed)
-    dcp.save(sd, checkpoint_id=a.out)
-    print(f"upcycled {a.dense} -> {a.out} ({a.name} {a.flavor}, granularity {a.granularity})")
+    dcp.save(sd, checkpoint_id=a.out, no_dist=True)
+    print(f"upcycled {a.dense} -> {a.out} ({a.name} {a.flavor}, granularity {a.granularity}, router_std {router_std:.3g})")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The decoder-only MoE transformer (Qwen2-MoE and Mixtral flavors)."""
+"""The decoder-only MoE transformer (Qwen2-MoE, Qwen3-MoE and Mixtral flavors)."""
 
 from titan_fold.models.args import TransformerArgs
 from titan_fold.models.flavors import FLAVORS

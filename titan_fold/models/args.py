@@ -1,4 +1,4 @@
-"""Shape and routing settings of the decoder-only MoE transformer (Qwen2-MoE, Mixtral).
+"""Shape and routing settings of the decoder-only MoE transformer (Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 A flavor (flavors.py) fills every field; the job config then sets the sequence length and
 any `[moe]` value the user chose. Parameter and FLOP counts for MFU live here too, because
@@ -26,14 +26,19 @@ class TransformerArgs(BaseModelArgs):
     vocab_size: int = 512
     norm_eps: float = 1e-6
     rope_theta: float = 1e6
-    qkv_bias: bool = False  # Qwen2 has biases on wq, wk, wv (never on wo)
+    qkv_bias: bool = False  # Qwen2 has biases on wq, wk, wv
+    out_bias: bool = False  # a bias on wo too (Qwen3's attention_bias puts one on all four)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     max_seq_len: int = 2048  # RoPE table length; the job's training.seq_len replaces it
 
     # Layer i is MoE when i >= first_k_dense and i % moe_layer_freq == 0 (Megatron-Core's
-    # and DeepSeek's convention; 1 = every layer). Other layers use a dense SwiGLU of ffn_dim.
+    # and DeepSeek's convention; 1 = every layer) and i is not in dense_layers (HF's
+    # mlp_only_layers and decoder_sparse_step, spelled out). Other layers use a dense
+    # SwiGLU of ffn_dim.
     ffn_dim: int = 256
     moe_layer_freq: int = 1
     first_k_dense: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     tie_embeddings: bool = False  # output head reuses tok_embeddings.weight
     moe: MoEArgs = field(default_factory=MoEArgs)
@@ -47,7 +52,11 @@ class TransformerArgs(BaseModelArgs):
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0
+        return (
+            layer_id >= self.first_k_dense
+            and layer_id % self.moe_layer_freq == 0
+            and layer_id not in self.dense_layers
+        )
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Take the job's sequence length and every `[moe]` value the user set (not None).
@@ -92,3 +101,26 @@ class TransformerArgs(BaseModelArgs):
         active = total - embedding - routed + routed * self.moe.top_k // self.moe.num_experts
         attention = 6 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return total, 6 * active + attention
+
+
+@dataclass
+class HFConfigArgs(TransformerArgs):
+    """The `hf` flavor: every shape comes from the Hugging Face config named by `[model] hf_config`
+    (a config.json, or the HF folder holding one), read when the job config is applied. Unset,
+    it is the folder the run starts from with `checkpoint.initial_load_in_hf`."""
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        from titan_fold.models.hf_adapter import args_from_hf_config
+
+        path = getattr(job_config.model, "hf_config", "")
+        ckpt = job_config.checkpoint
+        if not path and ckpt.initial_load_in_hf and ckpt.initial_load_path:
+            path = ckpt.initial_load_path
+        if not path:
+            from titan_fold.config import ConfigError
+
+            raise ConfigError("model.flavor = 'hf' needs model.hf_config: a config.json or the Hugging Face folder holding it")
+        _, loaded = args_from_hf_config(path, job_config.model.name)
+        for f in dataclasses.fields(loaded):
+            setattr(self, f.name, getattr(loaded, f.name))
+        super().update_from_config(job_config, **kwargs)

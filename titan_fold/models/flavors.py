@@ -1,6 +1,9 @@
 """Named model sizes: FLAVORS[model_name][flavor] -> TransformerArgs.
 
-Real sizes come from the models' Hugging Face config.json files (named per flavor);
+Real sizes come from the models' Hugging Face config.json files (named per flavor; the
+files are in tests/data/hf_configs/ and tests/test_hf_configs.py checks that they build
+these flavors). The flavor `hf` of every family (train_spec.py) takes all sizes from any
+such config.json instead (`[model] hf_config`).
 `debug` flavors are tiny and train in seconds on a CPU (vocab >= 258 for the byte tokenizer).
 The `[moe]` section of a job config may override the router settings of any flavor.
 """
@@ -92,4 +95,38 @@ MIXTRAL = {
                            num_experts=64, top_k=8),
 }
 
-FLAVORS = {"qwen2_moe": QWEN2_MOE, "mixtral": MIXTRAL}
+
+# Qwen3-MoE: q/k RMSNorm per head, no biases, no shared expert, head_dim independent of
+# dim / n_heads, softmax top-k renormalized (norm_topk_prob true in the published models).
+def _qwen3(dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, num_experts, top_k, moe_ffn_dim, vocab_size=151936,
+           max_seq_len=40960) -> TransformerArgs:
+    return TransformerArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        qk_norm=True,
+        max_seq_len=max_seq_len,
+        ffn_dim=ffn_dim,  # intermediate_size; unused while every layer is MoE
+        moe=MoEArgs(num_experts=num_experts, top_k=top_k, moe_ffn_dim=moe_ffn_dim, norm_topk_prob=True,
+                    aux_loss_coeff=1e-3),
+    )
+
+
+QWEN3_MOE = {
+    # head_dim 16 != 64 / 8, as in the real ones (128 != 2048 / 32)
+    "debug": _qwen3(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=128, num_experts=8, top_k=2,
+                    moe_ffn_dim=32, vocab_size=512, max_seq_len=2048),
+    # Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B activated
+    "30B-A3B": _qwen3(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, num_experts=128,
+                      top_k=8, moe_ffn_dim=768),
+    # Qwen/Qwen3-235B-A22B: 235B parameters, 22B activated
+    "235B-A22B": _qwen3(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288,
+                        num_experts=128, top_k=8, moe_ffn_dim=1536),
+}
+
+FLAVORS = {"qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}

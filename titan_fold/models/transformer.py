@@ -1,4 +1,4 @@
-"""Decoder-only MoE transformer: Qwen2-MoE and Mixtral are flavors of this one model.
+"""Decoder-only MoE transformer: Qwen2-MoE, Qwen3-MoE and Mixtral are flavors of this one model.
 
     tokens [b, s] -> tok_embeddings -> n_layers x TransformerBlock -> norm -> output -> logits [b, s, vocab]
     block: h = x + attention(attention_norm(x)); out = h + (moe | feed_forward)(ffn_norm(h))
@@ -66,7 +66,10 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
+        # Qwen3: each query / key head is RMS-normalized over head_dim (one weight shared by all heads)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.inner_attention = CausalSelfAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,6 +78,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, head_dim]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -85,6 +90,11 @@ class Attention(nn.Module):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
         trunc_normal_(self.wo.weight, out_std)
+        if self.wo.bias is not None:
+            nn.init.zeros_(self.wo.bias)
+        if self.q_norm is not None:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
 
 class TransformerBlock(nn.Module):

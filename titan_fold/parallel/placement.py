@@ -23,7 +23,8 @@ Choices, and why:
 - shared expert: colwise/rowwise like the dense FFN, not replicated: it is the largest dense
   block of Qwen2-57B-A14B (3 x 20480 x 3584 per layer) and TP divides it by tp, at the price
   of an all-gather + reduce-scatter of the layer's tokens (the same traffic as attention).
-- norms, router gate, shared_expert_gate: `Replicate` on tp. Under sequence parallelism each
+- norms (Qwen3's q/k norms too: each tp rank normalizes its own heads), router gate,
+  shared_expert_gate, wo's bias: `Replicate` on tp. Under sequence parallelism each
   tp rank feeds them different tokens, so their gradients are partial sums that are
   reduced over tp (`TokenwiseReplicate`, `attention.apply_tp`).
 - routed experts [E, ffn, dim] / [E, dim, ffn]: `Shard(0)` (experts) on ep, the ffn dim on etp.
@@ -115,6 +116,11 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
         for name in ("wq", "wk", "wv"):
             plan[p + f"attention.{name}"] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor)
+        if block.attention.q_norm is not None:
+            # Qwen3's per-head q/k norms: each tp rank normalizes its own heads
+            # [b, s, heads/tp, head_dim], so the weight's gradient is a sum over tp
+            plan[p + "attention.q_norm"] = TokenwiseReplicate()
+            plan[p + "attention.k_norm"] = TokenwiseReplicate()
         if sequence_parallel:
             plan[p + "ffn_norm"] = SequenceParallel()
         if not block.moe_enabled:
