@@ -170,7 +170,7 @@ def hand_counts(a: TransformerArgs, seq_len: int):
         ("mixtral", "8x7B", 46.7, 12.9),
         ("mixtral", "8x22B", 141.0, 39.0),
         ("mixtral", "8x22B-G8T8", 141.0, 22.3),  # 8 of 64 experts, each 1/8 wide
-        ("qwen3_moe", "30B-A3B", 30.5, 3.3),
+        ("qwen3_moe", "30B-A3B", 30.5, 3.35),  # the model card's "3.3B", cut after one decimal
         ("qwen3_moe", "235B-A22B", 235.0, 22.0),
     ],
 )
