@@ -28,8 +28,10 @@ FINITE, INF, NAN = 0, 1, 2
 _NAMES = {INF: "inf", NAN: "nan"}
 
 
-class NonFiniteError(Exception):
-    """The run stops: a non-finite loss or gradient norm at `step`."""
+class NonFiniteError(BaseException):
+    """The run stops: a non-finite loss or gradient norm at `step`. Like SystemExit it is not
+    an Exception, so no `except Exception` (torchelastic's @record on torchtitan's train)
+    reports it as a crash with a traceback."""
 
     exit_code = 3
 

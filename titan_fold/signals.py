@@ -25,8 +25,9 @@ EXIT_CODES = {INTERRUPT: 130, PREEMPT: 143}
 _KIND = {signal.SIGINT: INTERRUPT, signal.SIGTERM: PREEMPT, signal.SIGUSR1: PREEMPT}
 
 
-class StopRequested(Exception):
-    """Every rank leaves the training loop after `step` because of a signal."""
+class StopRequested(BaseException):
+    """Every rank leaves the training loop after `step` because of a signal (a BaseException,
+    like KeyboardInterrupt: not a crash for torchelastic's @record)."""
 
     def __init__(self, kind: int, step: int):
         super().__init__(f"stop requested after step {step}")

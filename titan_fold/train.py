@@ -27,6 +27,7 @@ from titan_fold.data.dataloader import check_dataset
 from titan_fold.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.lock import DumpFolderLock
 from titan_fold.storage import StorageError, storage_problem
+from titan_fold.models import FLAVORS
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import MoE, update_expert_bias
@@ -55,10 +56,9 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
 def model_args_from_config(config: JobConfig):
     register_train_specs()
     name, flavor = config.model.name, config.model.flavor
-    try:
-        spec = get_train_spec(name)
-    except ValueError:
-        raise ConfigError(f"model.name = {name!r}: not a titan_fold model family") from None
+    if name not in FLAVORS:  # torchtitan's own families (llama3, ...) are registered too
+        raise ConfigError(f"model.name = {name!r}: not a titan_fold model family (families: {sorted(FLAVORS)})")
+    spec = get_train_spec(name)
     if flavor not in spec.model_args:
         raise ConfigError(f"model.flavor = {flavor!r}: {name} has {sorted(spec.model_args)}")
     return spec, spec.model_args[flavor]
@@ -266,6 +266,14 @@ def last_checkpoint_text(config: JobConfig) -> str:
     return f"last complete checkpoint {last} in {folder}" if last else f"no complete checkpoint in {folder}"
 
 
+def forget_error_file() -> None:
+    """torchtitan's Trainer methods carry torchelastic's @record, which writes any exception
+    with its traceback for torchrun to print; a UserError is one line, so drop that file."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and os.path.exists(path):
+        os.remove(path)
+
+
 def say(line: str) -> None:
     if is_first_rank():
         print(line, file=sys.stderr, flush=True)
@@ -295,6 +303,7 @@ def main(args: list[str] | None = None) -> int:
         clean = True
         return 0
     except UserError as e:
+        forget_error_file()
         report(str(e))
         return e.exit_code
     except NonFiniteError as e:
