@@ -9,6 +9,7 @@ and exits 143, Ctrl-C exits 130 with one line, a second trainer into a used fold
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,9 @@ import time
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from titan_fold.checkpoint import complete, read_metadata, read_model_tensors
+from titan_fold.checkpoint import complete, read_model_tensors
 from titan_fold.config import ConfigError, parse_args
 from titan_fold.lock import DumpFolderLock, LockedError
 from titan_fold.metrics_file import MetricsFile, read_records
@@ -270,13 +271,15 @@ def test_nan_stops_every_rank_and_a_nan_checkpoint_is_refused(tmp_path):
     assert [m["step"] for m in records] == list(range(1, bad))
     assert not (folder / "trainer.lock").exists()
 
-    # flip one saved weight tensor to NaN bytes (what bit flips on a disk can do)
+    # one NaN in a saved weight (what flipped bits on a disk can do), rewritten as DCP
     last = folder / "checkpoint" / f"step-{bad - 1}"
-    metadata = read_metadata(str(last))
-    info = metadata.storage_data[MetadataIndex("layers.0.attention.wq.weight", (0, 0))]
-    with open(last / info.relative_path, "r+b") as f:
-        f.seek(info.offset)
-        f.write(b"\xff" * info.length)
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(str(last), str(whole))
+    state = torch.load(whole, weights_only=False)
+    state["layers.0.attention.wq.weight"][0, 0] = float("nan")
+    torch.save(state, whole)
+    shutil.rmtree(last)
+    torch_save_to_dcp(str(whole), str(last))
     r = launch(1, folder, "--training.global_batch_size", "1", "--training.steps", "8", "--checkpoint.enable")
     lines = worker_lines(r.stderr, "error:")
     assert r.returncode != 0 and len(lines) == 1, r.stderr[-4000:]
