@@ -64,9 +64,8 @@ def model_args_from_config(config: JobConfig):
     return spec, spec.model_args[flavor]
 
 
-def preflight(config: JobConfig, world_size: int) -> tuple[Layout, DumpFolderLock]:
-    """Reject bad input before any process group or model exists; the dump folder is
-    created and locked last, so a rejected run leaves nothing behind."""
+def preflight(config: JobConfig, world_size: int) -> Layout:
+    """Reject bad input before any process group, file or model exists."""
     layout = check_layout(config, world_size)
     spec, model_args = model_args_from_config(config)
     tr = config.training
@@ -92,7 +91,7 @@ def preflight(config: JobConfig, world_size: int) -> tuple[Layout, DumpFolderLoc
     ckpt = config.checkpoint
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
-    return layout, lock_dump_folder(config.job.dump_folder)
+    return layout
 
 
 def lock_dump_folder(folder: str) -> DumpFolderLock:
@@ -289,7 +288,9 @@ def main(args: list[str] | None = None) -> int:
     trainer, lock, config, clean = None, None, None, False
     try:
         config = parse_args(args)
-        _, lock = preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+        preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+        # last of the checks, so a rejected run leaves no folder behind
+        lock = lock_dump_folder(config.job.dump_folder)
         trainer = FoldTrainer(config, stop_signals)
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
