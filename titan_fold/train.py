@@ -3,8 +3,10 @@
 FoldTrainer is torchtitan 0.2.2's Trainer with the folded layout as its parallel dims,
 MoE aux losses normalized like the LM loss, and the aux-free router bias updated after
 each optimizer step. Everything that can be checked without a process group (config
-values, degrees against the world size and the model, tokenizer against the vocabulary)
-is checked in `preflight` before the first collective.
+values, degrees against the world size and the model, tokenizer against the vocabulary,
+dataset and checkpoint paths) is checked in `preflight` before the first collective; then
+the dump folder is locked (lock.py). During training a NaN/Inf loss or gradient norm stops
+or skips the step (guard.py) and signals stop every rank after the same step (signals.py).
 """
 
 import contextlib
@@ -214,7 +216,6 @@ class FoldTrainer(Trainer):
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
 
-
     def train_step(self, data_iterator):
         self.guard.step = self.step
         try:
@@ -321,6 +322,7 @@ def main(args: list[str] | None = None) -> int:
         problem = storage_problem(config.job.dump_folder) if lock is not None else None
         if problem is None:
             raise
+        forget_error_file()
         report(problem)
         return StorageError.exit_code
     finally:
