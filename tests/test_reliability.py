@@ -37,8 +37,9 @@ def trainer_cmd(nproc: int, folder, *args) -> list[str]:
             "--job.dump_folder", str(folder), *SMALL, *args]
 
 
-def launch(nproc: int, folder, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(trainer_cmd(nproc, folder, *args), capture_output=True, text=True, env=ENV, timeout=900)
+def launch(nproc: int, folder, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(trainer_cmd(nproc, folder, *args), capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, timeout=900)
 
 
 def worker_lines(stderr: str, prefix: str) -> list[str]:
@@ -153,6 +154,10 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(errors) == 1 and errors[0].startswith("error: model.name = 'llama3': not a titan_fold model family")
+    assert not (tmp_path / "run").exists()
+    r = launch(0, tmp_path / "run")  # a good config, but no torchrun
+    assert r.returncode == 2 and worker_lines(r.stderr, "error:") == [
+        "error: start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ..."], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
 
@@ -339,13 +344,14 @@ def test_ctrl_c_is_one_line_exit_130_and_the_folder_is_locked_meanwhile(tmp_path
     proc = subprocess.Popen(trainer_cmd(1, folder, "--training.global_batch_size", "1", "--training.steps", "1000"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     _wait_for_step(folder, 1, proc)
-    second = launch(0, folder, "--training.global_batch_size", "1")
+    # a second trainer (one process, as torchrun would start it) into the same folder
+    second = launch(0, folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
     assert second.returncode == 2
     holder = json.loads((folder / "trainer.lock").read_text())
-    assert worker_lines(second.stderr, "error:") == [
-        f"error: job.dump_folder {folder} is in use by another trainer (pid {holder['pid']} on {holder['host']}, "
-        + second.stderr.split(f"on {holder['host']}, ", 1)[1].splitlines()[0]
-    ]
+    lines = worker_lines(second.stderr, "error:")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: job.dump_folder {folder} is in use by another trainer (pid {holder['pid']} on {holder['host']}, since "
+    ), second.stderr[-3000:]
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=600)
     lines = worker_lines(stderr, "interrupted at step")

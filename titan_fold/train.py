@@ -290,6 +290,8 @@ def main(args: list[str] | None = None) -> int:
     try:
         config = parse_args(args)
         preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if "LOCAL_RANK" not in os.environ:
+            raise UserError("start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ...")
         # last of the checks, so a rejected run leaves no folder behind
         lock = lock_dump_folder(config.job.dump_folder)
         trainer = FoldTrainer(config, stop_signals)
