@@ -370,3 +370,14 @@ def test_finished_two_rank_runs_exit_0(tmp_path):
         r = launch(2, tmp_path / f"run{i}", "--training.global_batch_size", "2", "--training.steps", "1")
         assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-4000:]
         assert not (tmp_path / f"run{i}" / "trainer.lock").exists()
+
+
+def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
+    from titan_fold import plan
+
+    monkeypatch.setattr(plan, "MIN_GPUS_BUDGET_S", 0.0)  # ep=3 never divides the debug model's 8 experts
+    code, err = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=3"], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --min-gpus ep=3: no mapping found up to 3 GPUs"), err
+    monkeypatch.setattr(plan, "MIN_GPUS_BUDGET_S", 60.0)
+    code, _ = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=2"], capsys)
+    assert code == 0
