@@ -2,7 +2,9 @@
 
 Parsing is torchtitan's ConfigManager (TOML file, then `--section.key value` overrides);
 this module adds the fields, resolves a bare config-file name against the packaged
-`train_configs/`, and checks every value against its rule before any process starts.
+`train_configs/`, checks every TOML value and `--section.key` against its field's type
+(no coercion: "false" is not a bool, 4.7 not an int, nan/inf are not numbers) and then
+every value against its rule, before any process starts.
 """
 
 import dataclasses
@@ -112,13 +114,6 @@ def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
             elif i + 1 < len(args):
                 path = args[i + 1] = resolve_config_file(args[i + 1])
     return args, path
-
-
-def _literal_choices(hint) -> tuple | None:
-    for arg in (hint, *typing.get_args(hint)):
-        if typing.get_origin(arg) is Literal:
-            return typing.get_args(arg)
-    return None
 
 
 # floats where inf means something (no clipping); nan is meaningless everywhere
