@@ -9,7 +9,7 @@ NaN or Inf. Then, by `training.nonfinite`:
   stepped, nothing is saved from this state; the run exits with code 3 and one line
   naming the step, the value and the last complete checkpoint.
 - "skip": the optimizer step (and the lr schedule's step) is skipped on every rank, a
-  warning is printed and metrics.jsonl gets a `{"step": n, "skipped": "loss"}` record.
+  warning is printed and metrics.jsonl gets `{"step": n, "skipped": "loss is nan", "skipped_steps": k}`.
 
 The check is an optimizer step pre-hook (raising there skips the step), fed by the
 trainer with each micro-batch's loss and the clipped norm. Its cost is one 2-element
