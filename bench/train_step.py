@@ -244,12 +244,14 @@ def worker(argv: list[str], family: str, proxy: str) -> None:
     experts_mod._swiglu_loop = counted(experts_mod._swiglu_loop, "loop")
     experts_mod._swiglu_padded = counted(experts_mod._swiglu_padded, "padded")
     try:
-        train_main(argv)
+        code = train_main(argv)  # an exit code (an error, NaN stop, signal) is not an exception
     finally:
         if int(os.environ.get("RANK", "0")) == 0:
             dump = argv[argv.index("--job.dump_folder") + 1]
             with open(os.path.join(dump, "expert_path.json"), "w") as f:
                 json.dump(calls, f)
+    if code:
+        sys.exit(code)
 
 
 def parse(argv=None):

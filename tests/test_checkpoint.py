@@ -46,7 +46,6 @@ EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
 def losses(folder) -> dict[int, float]:
-    # a restarted run appends: the last record of a step wins
     return {r["step"]: r["loss"] for r in read_metrics(folder)}
 
 
@@ -163,8 +162,10 @@ def test_killed_rank_restarts_from_last_complete_checkpoint(run_a, seed_checkpoi
              if "Loading the checkpoint from" in line]
     assert {os.path.basename(p) for p in loads} == {"step-0", "step-3"}, loads
     steps = [r["step"] for r in read_metrics(tmp_path)]
-    # first attempt: steps 1..4 (step 5 never finished); restart from step 3: 4..6
-    assert steps == [1, 2, 3, 4, 4, 5, 6], steps
+    # first attempt: steps 1..4 (step 5 never finished); the restart from step 3 drops the
+    # first attempt's record of step 4 and writes 4..6: each step once (metrics_file.py)
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+    assert len({r["run"] for r in read_metrics(tmp_path)}) == 2
     got = losses(tmp_path)
     for s in range(1, STEPS + 1):
         assert got[s] == ref[s], (s, got[s], ref[s])

@@ -223,7 +223,7 @@ def test_clear_errors(tmp_path):
         build(job("c4"))
     with pytest.raises(ValueError, match="needs training.dataset_path"):
         build(job("hf"))
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ValueError, match="does not exist"):
         build(job("hf", dataset_path=str(tmp_path / "missing.jsonl")))
     with pytest.raises(ValueError, match="use training.dataset = 'hf'"):
         build(job("stdlib", dataset_path=str(tmp_path)))

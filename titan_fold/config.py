@@ -2,12 +2,17 @@
 
 Parsing is torchtitan's ConfigManager (TOML file, then `--section.key value` overrides);
 this module adds the fields, resolves a bare config-file name against the packaged
-`train_configs/`, and checks every value against its rule before any process starts.
+`train_configs/`, checks every TOML value and `--section.key` against its field's type
+(no coercion: "false" is not a bool, 4.7 not an int, nan/inf are not numbers) and then
+every value against its rule, before any process starts.
 """
 
 import dataclasses
+import math
 import os
+import re
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +58,9 @@ class Parallelism(TitanParallelism):
 class Training(TitanTraining):
     dataset: str = "stdlib"
     """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF datasets."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/Inf loss or gradient norm on any rank: "stop" the run at that step (exit 3, nothing
+    saved from it), or "skip" the step (no optimizer step, counted in metrics.jsonl)."""
 
 
 @dataclass
@@ -118,15 +126,53 @@ def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
     return args, path
 
 
-def _literal_choices(hint) -> tuple | None:
-    for arg in (hint, *typing.get_args(hint)):
-        if typing.get_origin(arg) is Literal:
-            return typing.get_args(arg)
-    return None
+# floats where inf means something (no clipping); nan is meaningless everywhere
+_INF_ALLOWED = {"training.max_norm"}
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + str(list(typing.get_args(hint)))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if {int, float} <= set(typing.get_args(hint)):
+            return _type_name(float)
+        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    return {bool: "a bool (true/false)", int: "an integer", float: "a finite number", str: "a string"}.get(hint, str(hint))
+
+
+def _fits(hint, value, name: str) -> bool:
+    """Does a TOML value have the field's type? No coercion: "false" is not a bool, 4.7 not an int."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(a, value, name) for a in typing.get_args(hint) if a is not type(None))
+    if origin is list:
+        return isinstance(value, list) and all(_fits(typing.get_args(hint)[0], v, name) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        return math.isfinite(value) or (name in _INF_ALLOWED and not math.isnan(value))
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type no TOML value maps to; torchtitan checks it
+
+
+def _check_value(name: str, hint, value) -> None:
+    if value is None and type(None) in typing.get_args(hint):
+        return
+    if not _fits(hint, value, name):
+        raise ConfigError(f"{name} = {value!r}: must be {_type_name(hint)}")
 
 
 def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
-    """Unknown keys and values outside a Literal's choices (tyro checks only the CLI)."""
+    """Unknown keys, and every value against its field's type (tyro checks only the CLI, and coerces)."""
     hints = typing.get_type_hints(cls)
     for key, value in table.items():
         name = f"{prefix}{key}"
@@ -137,8 +183,83 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"'{name}' must be a [{name}] table")
             _check_toml(value, hints[key], f"{name}.")
-        elif (choices := _literal_choices(hints[key])) is not None and value not in choices:
-            raise ConfigError(f"{name} = {value!r}: must be one of {list(choices)}")
+        else:
+            _check_value(name, hints[key], value)
+
+
+def _field(cls: type, dotted: str):
+    """The type hint of `section.key` (nested sections allowed), or None."""
+    hint = cls
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = typing.get_type_hints(hint).get(part)
+    return None if dataclasses.is_dataclass(hint) else hint
+
+
+def _takes_list(hint) -> bool:
+    return any(typing.get_origin(a) is list for a in (hint, *typing.get_args(hint)))
+
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+def _parse_cli_value(name: str, hint, text: str):
+    """A CLI string as the value of the field's type, by the same rules as TOML values."""
+    candidates = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if typing.get_origin(hint) is Literal:
+        candidates = [hint]
+    if text == "None" and type(None) in typing.get_args(hint):
+        return None
+    for a in candidates:
+        if typing.get_origin(a) is Literal:
+            if text in typing.get_args(a):
+                return text
+        elif a is int and _INT.fullmatch(text):
+            return int(text)
+        elif a is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        elif a is str or typing.get_origin(a) is list:
+            return text
+    raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}")
+
+
+def _check_cli(args: list[str], cls: type) -> None:
+    """Every `--section.key [value]` names a field and its value has the field's type, so a
+    bad override is one line here instead of tyro's box (or a coercion)."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--") or arg == "--help":
+            continue
+        key, eq, value = arg[2:].partition("=")
+        values = [value] if eq else []
+        while not eq and i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
+        name = key.replace("-", "_")
+        section, _, last = name.rpartition(".")
+        hint = _field(cls, name)
+        if hint is None and last.startswith("no_") and _field(cls, f"{section}.{last[3:]}") is bool:
+            hint, name = bool, f"{section}.{last[3:]}"
+        if hint is None:
+            raise ConfigError(f"--{key}: unknown option (the keys are the config file's, e.g. --training.steps 10)")
+        if hint is bool:
+            if values:
+                raise ConfigError(f"--{key} {' '.join(values)}: {name} is a flag, "
+                                  f"write --{section}.{last} or --{section}.no-{last}")
+            continue
+        if len(values) != 1 and not _takes_list(hint):
+            raise ConfigError(f"--{key}: needs one value ({_type_name(hint)}), got {len(values)}")
+        if _takes_list(hint):
+            element = next(typing.get_args(a)[0] for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is list)
+            hint = element if not _takes_list(element) else str
+        for v in values:
+            _check_value(name, hint, _parse_cli_value(name, hint, v))
 
 
 def validate(config: JobConfig) -> None:
@@ -177,6 +298,16 @@ def validate(config: JobConfig) -> None:
         )
     if tr.seq_len < 1 or tr.local_batch_size < 1 or tr.steps < 0:
         raise ConfigError("training.seq_len and training.local_batch_size must be >= 1, training.steps >= 0")
+    for key, value in (("metrics.log_freq", config.metrics.log_freq), ("checkpoint.interval", config.checkpoint.interval)):
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be >= 1")
+    if tr.max_norm <= 0:
+        raise ConfigError(f"training.max_norm = {tr.max_norm}: must be > 0 (inf: no clipping)")
+    if config.checkpoint.initial_load_path and not config.checkpoint.enable:
+        raise ConfigError(
+            f"checkpoint.initial_load_path = {config.checkpoint.initial_load_path!r} needs checkpoint.enable "
+            "(without it nothing would be loaded and training would start from random weights)"
+        )
 
 
 def parse_args(args: list[str] | None = None) -> JobConfig:
@@ -188,6 +319,7 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
                 _check_toml(tomllib.load(f), JobConfig)
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+    _check_cli(args, JobConfig)
     config = ConfigManager(JobConfig).parse_args(args)
     validate(config)
     return config

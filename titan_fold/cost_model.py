@@ -265,14 +265,19 @@ class _GroupLayout(Layout):
         return self._attention
 
 
-def min_gpus(sizes: ModelSizes, seq_len: int, fixed: dict, folded: bool, limit: int = 4096) -> tuple[int, Mapping] | None:
-    """Fewest GPUs with a valid mapping that has the `fixed` degrees (legacy scheme if not folded)."""
-    n = 1
-    while n <= limit:
+def min_gpus(sizes: ModelSizes, seq_len: int, fixed: dict, folded: bool, limit: int = 4096,
+             progress=None) -> tuple[int, Mapping] | None:
+    """Fewest GPUs with a valid mapping that has the `fixed` degrees (legacy scheme if not folded).
+
+    Every degree divides the world, so only multiples of their lcm are tried; `progress(n)`
+    is called as the search passes each world size (it may raise to stop the search)."""
+    step = math.lcm(*fixed.values()) if fixed else 1
+    for n in range(step, limit + 1, step):
+        if progress is not None:
+            progress(n)
         for m in enumerate_mappings(n, sizes, seq_len, fixed):
             if folded or not m.folded:
                 return n, m
-        n += 1
     return None
 
 

@@ -10,12 +10,13 @@ a node boundary with --gpus-per-node), png (rank grid by node, like the paper's 
 
 import argparse
 import json
+import os
 import sys
 
 import torch.distributed as dist
 
 from titan_fold.config import Parallelism
-from titan_fold.errors import run_command
+from titan_fold.errors import UserError, run_command
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.pipeline import format_stages, stage_fqns
 from titan_fold.parallel.placement import format_plan, placement_plan
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.placements and args.model is None:
         print("--placements needs --model", file=sys.stderr)
         return 2
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise UserError(f"--out {args.out}: the folder {os.path.dirname(os.path.abspath(args.out))} does not exist")
     try:
         model_args = _model_args(args.model) if args.model else None
         layout = build_layout(args, model_args)
@@ -201,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     rep = report(layout)
     if args.format == "png":
         out = args.out or "layout.png"
-        png(rep, out, args.gpus_per_node)
+        try:
+            png(rep, out, args.gpus_per_node)
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot write: {e.strerror or e}") from None
         print(out)
         return 0
     text = json.dumps(rep) + "\n" if args.format == "json" else table(rep, args.gpus_per_node)
@@ -210,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _emit(text: str, out: str | None) -> int:
     if out:
-        with open(out, "w") as f:
-            f.write(text)
+        try:
+            with open(out, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot write: {e.strerror or e}") from None
     else:
         sys.stdout.write(text)
     return 0

@@ -9,8 +9,6 @@ activated parameters (6 * N_active) plus causal attention (see
 `TransformerArgs.get_nparams_and_flops`); null where the peak is unknown (the CPU).
 """
 
-import json
-import os
 import resource
 import time
 from typing import Any
@@ -20,10 +18,10 @@ import torch.distributed as dist
 from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from titan_fold.metrics_file import MetricsFile
 from titan_fold.moe import moe_stats
 from titan_fold.torchtitan_adapter import with_names
 
-METRICS_FILE = "metrics.jsonl"
 GIB = 1024**3
 
 
@@ -64,9 +62,8 @@ class FoldMetricsProcessor(MetricsProcessor):
         if not torch.cuda.is_available():
             self.gpu_peak_flops = float("nan")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.jsonl_path = os.path.join(job_config.job.dump_folder, METRICS_FILE) if rank == 0 else None
-        if self.jsonl_path:
-            os.makedirs(job_config.job.dump_folder, exist_ok=True)
+        # rank 0's metrics.jsonl; FoldTrainer starts it once it knows the resumed step
+        self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
 
     def _moe_stats(self) -> dict[str, float | None]:
         stats = moe_stats(self.model_parts or [])
@@ -105,9 +102,8 @@ class FoldMetricsProcessor(MetricsProcessor):
             **extra,
         }
         self.logger.log(record, step)
-        if self.jsonl_path:
-            with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if self.jsonl:
+            self.jsonl.write(record)
         self._last_logged_step = step
         c = self.color
         mfu_text = "n/a" if record["mfu"] is None else f"{record['mfu']:.2f}%"

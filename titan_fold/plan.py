@@ -12,7 +12,9 @@ GPUs that hold those degrees with and without folding.
 import argparse
 import dataclasses
 import json
+import math
 import sys
+import time
 from dataclasses import asdict
 
 from titan_fold.cost_model import (
@@ -29,8 +31,67 @@ from titan_fold.cost_model import (
     plan,
     resolve_flavor,
 )
-from titan_fold.errors import run_command
+from titan_fold.errors import UserError, run_command
 from titan_fold.models import FLAVORS
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "edp")
+# seconds --min-gpus searches before it gives up (it prints its progress meanwhile)
+MIN_GPUS_BUDGET_S = 60.0
+
+
+class PlanError(UserError):
+    pass
+
+
+def parse_degrees(option: str, items: list[str]) -> dict[str, int]:
+    """["ep=8", "cp=2"] -> {"ep": 8, "cp": 2}; anything else is one line naming the item."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not value.strip().isdigit():
+            raise PlanError(f"{option} {item}: write DIM=N with N >= 1, e.g. ep=8 (dims: {', '.join(DIMS)})")
+        if name not in DIMS:
+            raise PlanError(f"{option} {item}: unknown dim '{name}' (dims: {', '.join(DIMS)})")
+        if int(value) < 1:
+            raise PlanError(f"{option} {item}: the degree must be >= 1")
+        out[name] = int(value)
+    return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Numbers that no cluster or workload can have."""
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "top"):
+        if getattr(args, name) < 1:
+            raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "tflops", "gemm_half_rows"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise PlanError(f"--{name.replace('_', '-')} {value}: must be > 0")
+    for name in ("compute_efficiency", "comm_efficiency"):
+        value = getattr(args, name)
+        if not 0 < value <= 1:
+            raise PlanError(f"--{name.replace('_', '-')} {value}: must be in (0, 1]")
+    if not (math.isfinite(args.reserve_gib) and 0 <= args.reserve_gib < args.gpu_memory_gib):
+        raise PlanError(f"--reserve-gib {args.reserve_gib}: must be >= 0 and below --gpu-memory-gib")
+    cf = args.capacity_factor
+    if cf is not None and not (math.isfinite(cf) and cf > 0):
+        raise PlanError(f"--capacity-factor {cf}: must be > 0 (leave it out for dropless)")
+
+
+class _Progress:
+    """--min-gpus: a line on stderr every few seconds, and a stop after the budget."""
+
+    def __init__(self, what: str, budget_s: float):
+        self.what, self.start, self.budget_s, self.last = what, time.monotonic(), budget_s, time.monotonic()
+
+    def __call__(self, gpus: int) -> None:
+        now = time.monotonic()
+        if now - self.start > self.budget_s:
+            raise PlanError(f"--min-gpus {self.what}: no mapping found up to {gpus} GPUs within {self.budget_s:.0f} s; "
+                            "check that the degrees divide the model's sizes (layout --model checks one set)")
+        if now - self.last > 5:
+            print(f"searching {self.what}: {gpus} GPUs ...", file=sys.stderr, flush=True)
+            self.last = now
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -93,13 +154,13 @@ def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, re
     """Estimates of user-named mappings: (label, estimate), the fastest recompute choice that fits."""
     out = []
     for spec in specs:
-        fixed = {k: int(v) for k, v in (kv.split("=") for kv in spec.replace(" ", ",").split(",") if kv)}
+        fixed = parse_degrees("--mapping", [kv for kv in spec.replace(" ", ",").split(",") if kv])
         fixed.setdefault("dp_replicate", 1)
         for k in ("cp", "tp", "ep", "etp", "pp"):
             fixed.setdefault(k, 1)
         found = enumerate_mappings(cluster.gpus, sizes, work.seq_len, fixed)
         if not found:
-            raise ValueError(f"--mapping {spec}: not a valid mapping on {cluster.gpus} GPUs")
+            raise PlanError(f"--mapping {spec}: not a valid mapping on {cluster.gpus} GPUs")
         for legacy in (False, True) if not found[0].folded else (False,):
             ests = [estimate(sizes, m, work, cluster, True, legacy) for m in
                     (dataclasses.replace(found[0], recompute=rc) for rc in recompute)]
@@ -110,18 +171,20 @@ def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, re
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    check_args(args)
+    fixed = parse_degrees("--fix", args.fix)
     try:
         family, flavor = resolve_flavor(args.model)
     except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
+        raise PlanError(f"--model: {e}") from None
     sizes = model_sizes(FLAVORS[family][flavor], args.seq_len, f"{family}/{flavor}")
 
     if args.min_gpus:
-        fixed = {k: int(v) for k, v in (kv.split("=") for kv in args.min_gpus)}
+        wanted = parse_degrees("--min-gpus", args.min_gpus)
+        progress = _Progress(" ".join(args.min_gpus), MIN_GPUS_BUDGET_S)
         result = {}
         for folded in (True, False):
-            found = min_gpus(sizes, args.seq_len, fixed, folded)
+            found = min_gpus(sizes, args.seq_len, wanted, folded, progress=progress)
             result["folded" if folded else "legacy"] = (
                 {"gpus": found[0], "mapping": found[1].short()} if found else None)
         if args.format == "json":
@@ -138,14 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         gemm_half_rows=args.gemm_half_rows, comm_efficiency=args.comm_efficiency, reserve_gib=args.reserve_gib,
     )
     work = Workload(args.seq_len, args.global_batch, args.capacity_factor)
-    fixed = {k: int(v) for k, v in (kv.split("=") for kv in args.fix)}
     result = plan(sizes, work, cluster, args.top, tuple(args.recompute), fixed)
     best, legacy = (result.ranked[0] if result.ranked else None), result.best_legacy
-    try:
-        given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
+    given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))
 
     if args.format == "json":
         print(json.dumps({
@@ -185,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_config:
         if not best:
             return 1
-        with open(args.write_config, "w") as f:
-            f.write(job_toml(family, flavor, best.mapping, work))
+        try:
+            with open(args.write_config, "w") as f:
+                f.write(job_toml(family, flavor, best.mapping, work))
+        except OSError as e:
+            raise PlanError(f"--write-config: cannot write {args.write_config}: {e.strerror or e}") from None
         print(f"wrote {args.write_config}", file=sys.stderr)
     return 0 if best or args.min_gpus else 1
 

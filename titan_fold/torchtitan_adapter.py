@@ -36,7 +36,6 @@ from torchtitan.tools import utils as tt_utils
 
 from titan_fold.checkpoint import FoldCheckpointManager
 from titan_fold.device import device_type
-from titan_fold.parallel.clip import clip_grad_norm_
 
 
 def with_names(function: types.FunctionType, **names) -> types.FunctionType:
@@ -87,8 +86,7 @@ def trainer_names(trainer) -> dict:
             dist_utils,
             maybe_enable_amp=maybe_enable_amp,
             # the optimizers exist once __init__ has built them, before the first step
-            clip_grad_norm_=lambda *args, **kwargs: clip_grad_norm_(
-                *args, optimizers=trainer.optimizers.optimizers, **kwargs),
+            clip_grad_norm_=lambda *args, **kwargs: trainer.clip_grad_norm(*args, **kwargs),
             set_pg_timeouts=dist_utils.set_pg_timeouts if dev == "cuda" else _set_pg_timeouts_gloo,
         ),
         "CheckpointManager": FoldCheckpointManager,

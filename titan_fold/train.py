@@ -3,11 +3,14 @@
 FoldTrainer is torchtitan 0.2.2's Trainer with the folded layout as its parallel dims,
 MoE aux losses normalized like the LM loss, and the aux-free router bias updated after
 each optimizer step. Everything that can be checked without a process group (config
-values, degrees against the world size and the model, tokenizer against the vocabulary)
-is checked in `preflight` before the first collective.
+values, degrees against the world size and the model, tokenizer against the vocabulary,
+dataset and checkpoint paths) is checked in `preflight` before the first collective; then
+the dump folder is locked (lock.py). During training a NaN/Inf loss or gradient norm stops
+or skips the step (guard.py) and signals stop every rank after the same step (signals.py).
 """
 
 import os
+import sys
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -18,11 +21,18 @@ from torchtitan.train import Trainer
 
 from titan_fold.checkpoint import check_initial_hf_load, maybe_fault
 from titan_fold.config import ConfigError, JobConfig, parse_args
-from titan_fold.errors import run_command
+from titan_fold.data.dataloader import check_dataset
+from titan_fold.errors import UserError, is_first_rank, report, run_command
+from titan_fold.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
+from titan_fold.lock import DumpFolderLock
+from titan_fold.models import FLAVORS
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.parallel.attention import cp_shard
+from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
+from titan_fold.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
+from titan_fold.storage import StorageError, storage_problem
 from titan_fold.torchtitan_adapter import init_distributed, trainer_names, with_names
 from titan_fold.train_spec import register_train_specs
 
@@ -45,10 +55,9 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
 def model_args_from_config(config: JobConfig):
     register_train_specs()
     name, flavor = config.model.name, config.model.flavor
-    try:
-        spec = get_train_spec(name)
-    except ValueError:
-        raise ConfigError(f"model.name = {name!r}: not a titan_fold model family") from None
+    if name not in FLAVORS:  # torchtitan's own families (llama3, ...) are registered too
+        raise ConfigError(f"model.name = {name!r}: not a titan_fold model family (families: {sorted(FLAVORS)})")
+    spec = get_train_spec(name)
     if flavor not in spec.model_args:
         raise ConfigError(f"model.flavor = {flavor!r}: {name} has {sorted(spec.model_args)}")
     model_args = spec.model_args[flavor]
@@ -60,6 +69,19 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
     """Reject bad input before any process group, file or model exists."""
     layout = check_layout(config, world_size)
     spec, model_args = model_args_from_config(config)
+    tr = config.training
+    if tr.seq_len > model_args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {tr.seq_len}: longer than {config.model.name} {config.model.flavor}'s "
+            f"max_seq_len {model_args.max_seq_len}"
+        )
+    if tr.global_batch_size == 0 or tr.global_batch_size < -1:
+        raise ConfigError(f"training.global_batch_size = {tr.global_batch_size}: must be >= 1, or -1 for local x dp")
+    if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * layout.dp):
+        raise ConfigError(
+            f"training.global_batch_size = {tr.global_batch_size} must be a multiple of training.local_batch_size "
+            f"x dp degree = {tr.local_batch_size} x {layout.dp}"
+        )
     tokenizer = spec.build_tokenizer_fn(config)
     if tokenizer.get_vocab_size() > model_args.vocab_size:
         raise ConfigError(
@@ -67,7 +89,27 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
             f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
         )
     check_initial_hf_load(config, model_args)
+    check_dataset(config)
+    ckpt = config.checkpoint
+    if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
     return layout
+
+
+def lock_dump_folder(folder: str) -> DumpFolderLock:
+    """Create the dump folder (a missing parent, a read-only or full disk: one line) and lock it."""
+    lock = DumpFolderLock(folder)
+    if is_first_rank():
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"job.dump_folder: cannot create {folder}: {e.strerror or e}") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StorageError(f"job.dump_folder: {folder} is not writable")
+        lock.acquire()
+    else:
+        lock.check()
+    return lock
 
 
 def check_layout(config: JobConfig, world_size: int) -> Layout:
@@ -97,10 +139,15 @@ class FoldTrainer(Trainer):
     def _torchtitan(self, method):
         return with_names(method, **self._names).__get__(self)
 
-    def __init__(self, job_config: JobConfig):
+    def __init__(self, job_config: JobConfig, stop_signals: StopSignals | None = None):
         register_train_specs()
         self._names = trainer_names(self)
         self._torchtitan(Trainer.__init__)(job_config)
+        # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
+        self.guard = NonFiniteGuard(job_config.training.nonfinite, self.device)
+        self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        self.stop_signals = stop_signals or StopSignals()
+        self.start_step = None
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -127,6 +174,11 @@ class FoldTrainer(Trainer):
         return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        self.guard.observe_loss(loss)
+        return loss
+
+    def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
         if self.parallel_dims.pp_enabled:
             loss = pipeline_forward_backward(
                 self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
@@ -144,22 +196,97 @@ class FoldTrainer(Trainer):
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 
-    def train_step(self, data_iterator):
-        return self._torchtitan(Trainer.train_step)(data_iterator)
+    def clip_grad_norm(self, *args, **kwargs) -> torch.Tensor:
+        """What torchtitan's train_step calls to clip (torchtitan_adapter): gradients on two
+        meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
+        handed to the NaN/Inf guard."""
+        norm = clip_grad_norm_(*args, optimizers=self.optimizers.optimizers, **kwargs)
+        self.guard.observe_grad_norm(norm)
+        return norm
 
     @record
     def train(self):
         return self._torchtitan(Trainer.train)()
 
+    def train_step(self, data_iterator):
+        self.guard.step = self.step
+        try:
+            self._torchtitan(Trainer.train_step)(data_iterator)
+        except SkippedStep as e:
+            logger.warning(f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
+                           f"{self.guard.skipped} skipped so far)")
+            if self.metrics_processor.jsonl:
+                self.metrics_processor.jsonl.write({"step": self.step, "skipped": e.what,
+                                                    "skipped_steps": self.guard.skipped})
+
+    def should_continue_training(self) -> bool:
+        """Called before every step; also where a stop request is agreed on by every rank."""
+        if self.start_step is None:  # the first call: the checkpoint (if any) is loaded
+            self.start_step = self.step
+            self.check_loaded_weights()
+            if self.metrics_processor.jsonl:
+                self.metrics_processor.jsonl.start(self.step)
+        if not super().should_continue_training():
+            return False
+        kind = self.stop_signals.agreed(self.device)
+        if kind:
+            if kind == PREEMPT and self.checkpointer.enable and self.step > self.start_step:
+                save_now(self.checkpointer, self.step)
+            raise StopRequested(kind, self.step)
+        return True
+
+    def check_loaded_weights(self) -> None:
+        ckpt = self.job_config.checkpoint
+        if self.step > 0:
+            where = f"checkpoint {os.path.join(self.checkpointer.folder, f'step-{self.step}')}"
+        elif ckpt.initial_load_path:
+            where = f"checkpoint.initial_load_path {ckpt.initial_load_path}"
+        else:
+            where = "the initial weights"
+        check_weights(self.model_parts, where)
+
+
+def checkpoint_folder(config: JobConfig) -> str:
+    return os.path.join(config.job.dump_folder, config.checkpoint.folder)
+
+
+def last_checkpoint_text(config: JobConfig) -> str:
+    if not config.checkpoint.enable:
+        return "checkpointing is off (checkpoint.enable)"
+    folder = checkpoint_folder(config)
+    last = last_complete_checkpoint(folder)
+    return f"last complete checkpoint {last} in {folder}" if last else f"no complete checkpoint in {folder}"
+
+
+def forget_error_file() -> None:
+    """torchtitan's Trainer methods carry torchelastic's @record, which writes any exception
+    with its traceback for torchrun to print; a UserError is one line, so drop that file."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and os.path.exists(path):
+        os.remove(path)
+
+
+def say(line: str) -> None:
+    if is_first_rank():
+        print(line, file=sys.stderr, flush=True)
+
 
 @record
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input (one line), 3 NaN/Inf stop, 130 Ctrl-C, 143 SIGTERM/SIGUSR1
+    (after a save). Anything else is a bug or a fault and keeps its traceback."""
     init_logger()
-    config = parse_args(args)
-    preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
-    trainer = None
+    stop_signals = StopSignals()
+    stop_signals.install()  # from here a signal only sets a flag, read at the end of each step
+    trainer, lock, config, clean = None, None, None, False
     try:
-        trainer = FoldTrainer(config)
+        config = parse_args(args)
+        preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if "LOCAL_RANK" not in os.environ:
+            raise UserError("start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ...")
+        # last of the checks, so a rejected run leaves no folder behind
+        lock = lock_dump_folder(config.job.dump_folder)
+        trainer = FoldTrainer(config, stop_signals)
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
                 raise ConfigError("checkpoint.create_seed_checkpoint: run it on a single rank (it must not be sharded)")
@@ -169,11 +296,39 @@ def main(args: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+        clean = True
+        return 0
+    except UserError as e:
+        forget_error_file()
+        report(str(e))
+        return e.exit_code
+    except NonFiniteError as e:
+        clean = True  # every rank raised it at the same step
+        say(f"error: {e}; stopped before the optimizer step, nothing saved from it; {last_checkpoint_text(config)} "
+            f"(training.nonfinite = 'skip' skips such steps instead)")
+        return e.exit_code
+    except StopRequested as e:
+        clean = True
+        what = "interrupted" if e.exit_code == 130 else f"stopped by {stop_signals.name or 'a signal'}"
+        say(f"{what} at step {e.step}; {last_checkpoint_text(config)}")
+        return e.exit_code
+    except Exception:
+        problem = storage_problem(config.job.dump_folder) if lock is not None else None
+        if problem is None:
+            raise
+        forget_error_file()
+        report(problem)
+        return StorageError.exit_code
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
+            if clean:
+                # no rank closes its connections while a peer still uses them
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from titan_fold.data.dataset import HFTextCorpus, StdlibCorpus, TokenWindows
+from titan_fold.errors import UserError
 
 DATASETS = ("stdlib", "hf")
 # local file suffix -> datasets' builder
@@ -111,21 +112,50 @@ def load_hf_dataset(path: str):
     return datasets.load_dataset(name, config or None, split="train")
 
 
-def build_dataset(tokenizer, job_config) -> TokenWindows:
+class DataError(UserError, ValueError):
+    """training.dataset / dataset_path cannot give data; the message names the key and the path."""
+
+
+def check_dataset(job_config) -> None:
+    """Everything about the dataset that can be known without reading it: the name, the
+    path's use, and a local path that exists, is readable and is not empty."""
     tr = job_config.training
+    if tr.dataset not in DATASETS:
+        raise DataError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
     if tr.dataset == "stdlib":
         if tr.dataset_path:
-            raise ValueError(
+            raise DataError(
                 f"training.dataset_path = '{tr.dataset_path}' is set but training.dataset = 'stdlib' reads "
                 "the Python standard library; use training.dataset = 'hf' to read the path"
             )
+        return
+    path = tr.dataset_path
+    if not path:
+        raise DataError("training.dataset = 'hf' needs training.dataset_path (a local file, folder or HF hub name)")
+    if os.path.isfile(path):
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in _FILE_BUILDERS:
+            raise DataError(f"training.dataset_path = '{path}': unsupported file type '{suffix}' (supported: {sorted(_FILE_BUILDERS)})")
+        if not os.access(path, os.R_OK):
+            raise DataError(f"training.dataset_path = '{path}': not readable (permission denied)")
+        if os.path.getsize(path) == 0:
+            raise DataError(f"training.dataset_path = '{path}': the file is empty")
+    elif os.path.isdir(path):
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise DataError(f"training.dataset_path = '{path}': the folder is not readable (permission denied)")
+        if not any(os.scandir(path)):
+            raise DataError(f"training.dataset_path = '{path}': the folder is empty")
+    elif path.startswith(("/", ".", "~")) or os.path.splitext(path)[1].lower() in _FILE_BUILDERS:
+        raise DataError(f"training.dataset_path = '{path}' does not exist")
+
+
+def build_dataset(tokenizer, job_config) -> TokenWindows:
+    check_dataset(job_config)
+    tr = job_config.training
+    if tr.dataset == "stdlib":
         corpus = StdlibCorpus(tokenizer)
-    elif tr.dataset == "hf":
-        if not tr.dataset_path:
-            raise ValueError("training.dataset = 'hf' needs training.dataset_path (a local file, folder or HF hub name)")
-        corpus = HFTextCorpus(load_hf_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
     else:
-        raise ValueError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
+        corpus = HFTextCorpus(load_hf_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
     windows = TokenWindows(corpus, tr.seq_len)
     epoch = f"{windows.total_tokens:,} tokens per epoch" if windows.total_tokens else "epoch length found while reading"
     logger.info(f"dataset {corpus.fingerprint}: {len(corpus):,} documents, {epoch}")

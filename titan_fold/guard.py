@@ -1,0 +1,108 @@
+"""NaN/Inf guard: a non-finite loss or gradient norm never reaches the weights or a checkpoint.
+
+Like Megatron's --check-for-nan-in-loss-and-grad: every step, after backward and the
+gradient norm and before the optimizer step, one all-reduce (MAX over all ranks) of a
+two-number code tells every rank whether any rank's loss or the global gradient norm is
+NaN or Inf. Then, by `training.nonfinite`:
+
+- "stop" (default): every rank raises NonFiniteError at that step. The optimizer has not
+  stepped, nothing is saved from this state; the run exits with code 3 and one line
+  naming the step, the value and the last complete checkpoint.
+- "skip": the optimizer step (and the lr schedule's step) is skipped on every rank, a
+  warning is printed and metrics.jsonl gets `{"step": n, "skipped": "loss is nan", "skipped_steps": k}`.
+
+The check is an optimizer step pre-hook (raising there skips the step), fed by the
+trainer with each micro-batch's loss and the clipped norm. Its cost is one 2-element
+all-reduce and one device sync per step.
+
+`check_weights` refuses a loaded checkpoint whose weights hold NaN or Inf.
+"""
+
+import torch
+import torch.distributed as dist
+
+from titan_fold.checkpoint import CheckpointError
+
+# codes, ordered so that MAX keeps the worst
+FINITE, INF, NAN = 0, 1, 2
+_NAMES = {INF: "inf", NAN: "nan"}
+
+
+class NonFiniteError(BaseException):
+    """The run stops: a non-finite loss or gradient norm at `step`. Like SystemExit it is not
+    an Exception, so no `except Exception` (torchelastic's @record on torchtitan's train)
+    reports it as a crash with a traceback."""
+
+    exit_code = 3
+
+    def __init__(self, step: int, what: str):
+        super().__init__(f"step {step}: {what}")
+        self.step, self.what = step, what
+
+
+class SkippedStep(Exception):
+    """Raised from the optimizer's pre-hook to skip the step ("skip" policy)."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def _code(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x.isnan(), NAN, torch.where(x.isinf(), INF, FINITE)).amax()
+
+
+class NonFiniteGuard:
+    def __init__(self, policy: str, device: torch.device):
+        self.policy, self.device = policy, device
+        self.step = 0
+        self.skipped = 0
+        self._loss_code = None
+        self._grad_norm = None
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        code = _code(loss.detach().float())
+        self._loss_code = code if self._loss_code is None else torch.maximum(self._loss_code, code)
+
+    def observe_grad_norm(self, norm: torch.Tensor) -> None:
+        """The gradient norm of this step, as the clipping computed it."""
+        self._grad_norm = norm
+
+    def before_optimizer_step(self, *_hook_args) -> None:
+        """Optimizer step pre-hook: decide on every rank alike, then stop, skip or go on."""
+        loss_code = self._loss_code if self._loss_code is not None else torch.tensor(FINITE)
+        norm = self._grad_norm if self._grad_norm is not None else torch.zeros(())
+        self._loss_code = self._grad_norm = None
+        codes = torch.stack([loss_code.to(self.device, torch.int64), _code(norm.float()).to(self.device, torch.int64)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+        loss_code, norm_code = codes.tolist()
+        if loss_code == norm_code == FINITE:
+            return
+        what = f"loss is {_NAMES[loss_code]}" if loss_code else f"grad_norm is {_NAMES[norm_code]}"
+        if self.policy == "skip":
+            self.skipped += 1
+            raise SkippedStep(what)
+        raise NonFiniteError(self.step, what)
+
+
+def check_weights(model_parts, where: str) -> None:
+    """Refuse weights with NaN/Inf (a diverged run's checkpoint, flipped bits) by the tensor's name."""
+    bad = ""
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                bad = name
+                break
+        if bad:
+            break
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, bad)
+        bad = next((n for n in names if n), "")
+    if bad:
+        raise CheckpointError(
+            f"{where} holds non-finite weights ({bad} has NaN or Inf); refusing to train from it: "
+            "resume an earlier step (--checkpoint.load_step N) or delete that step folder"
+        )

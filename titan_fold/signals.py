@@ -1,0 +1,85 @@
+"""Stop requests: SIGTERM / SIGUSR1 (save, exit 143) and SIGINT (Ctrl-C: no save, exit 130).
+
+A handler only records the signal; the trainer asks `agreed()` at the end of every step,
+an all-reduce (MAX) over all ranks, so every rank stops after the same step even when only
+some got the signal (torchrun forwards SIGTERM/SIGINT to every worker; a terminal's Ctrl-C
+reaches them directly too, so a worker often sees SIGINT twice). A save that is running
+when a signal arrives is never cut: the handler returns and the step finishes.
+
+- SIGTERM (what schedulers and `torchrun` send) and SIGUSR1 (SLURM's warning before the end
+  of a job): the step finishes, a complete checkpoint of it is saved (when
+  checkpoint.enable), one line is printed, and the process exits with 143 (128 + SIGTERM),
+  so `torchrun --max-restarts N` or the scheduler restarts it from exactly that step.
+- SIGINT: the step finishes, nothing more is saved, one line names the last complete
+  checkpoint, exit code 130 (128 + SIGINT).
+"""
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+NONE, INTERRUPT, PREEMPT = 0, 1, 2  # MAX keeps the stronger request
+EXIT_CODES = {INTERRUPT: 130, PREEMPT: 143}
+_KIND = {signal.SIGINT: INTERRUPT, signal.SIGTERM: PREEMPT, signal.SIGUSR1: PREEMPT}
+
+
+class StopRequested(BaseException):
+    """Every rank leaves the training loop after `step` because of a signal (a BaseException,
+    like KeyboardInterrupt: not a crash for torchelastic's @record)."""
+
+    def __init__(self, kind: int, step: int):
+        super().__init__(f"stop requested after step {step}")
+        self.kind, self.step = kind, step
+        self.exit_code = EXIT_CODES[kind]
+
+
+class StopSignals:
+    def __init__(self):
+        self.kind = NONE
+        self.name = ""
+
+    def install(self) -> None:
+        for sig in _KIND:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if _KIND[signum] >= self.kind:
+            self.kind, self.name = _KIND[signum], signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> int:
+        """The strongest request of any rank (a collective: every rank calls it at the same step)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.kind
+        kind = torch.tensor([self.kind], dtype=torch.int64, device=device)
+        dist.all_reduce(kind, op=dist.ReduceOp.MAX)
+        return int(kind.item())
+
+
+def last_complete_checkpoint(folder: str) -> str | None:
+    """The newest `step-N` under `folder` whose save finished (DCP's `.metadata` exists)."""
+    from titan_fold.checkpoint import complete
+
+    try:
+        steps = [int(d[5:]) for d in os.listdir(folder) if d.startswith("step-") and d[5:].isdigit()]
+    except OSError:
+        return None
+    done = [s for s in steps if complete(os.path.join(folder, f"step-{s}"))]
+    return f"step-{max(done)}" if done else None
+
+
+def save_now(checkpointer, step: int) -> None:
+    """A full (resumable) checkpoint of `step`, off the interval, synchronously.
+
+    torchtitan 0.2.2's CheckpointManager.save only saves on the interval or as the last
+    step, which may be model-only (checkpoint.last_save_model_only); these are the calls
+    its save makes for an interval step."""
+    from torchtitan.components.checkpoint import AsyncMode
+
+    checkpointer._async_wait()
+    checkpointer.dcp_save(
+        checkpointer._flattened_model_states_sd(),
+        checkpoint_id=checkpointer._create_checkpoint_id(step),
+        async_mode=AsyncMode.DISABLED,
+    )
