@@ -10,22 +10,24 @@ is checked in `preflight` before the first collective.
 import contextlib
 import functools
 import os
+import re
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
+import torchtitan.tools.utils as tt_utils
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint import install_checkpoint_hooks
+from titan_fold.checkpoint import complete, install_checkpoint_hooks
 from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.moe import MoE, update_expert_bias
-from titan_fold.parallel.mesh import Layout
+from titan_fold.logs import setup_logging
+from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.train_spec import register_train_specs
 from titan_fold.errors import run_command
@@ -71,6 +73,20 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
     return layout
 
 
+# the names LayoutError messages give the degrees (as `name(value)`) -> the job config keys
+CONFIG_KEYS = {
+    "pp": "parallelism.pipeline_parallel_degree",
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "etp": "parallelism.expert_tensor_parallel_degree",
+    "edp": "parallelism.expert_data_parallel_degree",
+    "seq_len": "training.seq_len",
+}
+
+
 def check_layout(config: JobConfig, world_size: int) -> Layout:
     """The config's degrees, pipeline and MoE settings against the model and the world size."""
     _, model_args = model_args_from_config(config)
@@ -78,17 +94,38 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     moe = model_args.moe
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
-    layout = layout_from_config(config, world_size)
-    layout.validate(
-        num_experts=moe.num_experts,
-        moe_ffn_dim=moe.moe_ffn_dim,
-        n_heads=model_args.n_heads,
-        n_kv_heads=model_args.n_kv_heads,
-        seq_len=config.training.seq_len,
-    )
+    try:
+        layout = layout_from_config(config, world_size)
+        layout.validate(
+            num_experts=moe.num_experts,
+            moe_ffn_dim=moe.moe_ffn_dim,
+            n_heads=model_args.n_heads,
+            n_kv_heads=model_args.n_kv_heads,
+            seq_len=config.training.seq_len,
+        )
+    except LayoutError as e:
+        # the rule speaks of ep, tp, ...; the user typed --parallelism.expert_parallel_degree
+        named = dict.fromkeys(re.findall(r"\b(\w+)\((-?\d+)\)", str(e)))
+        keys = [f"--{CONFIG_KEYS[name]} {value}" for name, value in named if name in CONFIG_KEYS]
+        raise LayoutError(f"{', '.join(keys)} (world size {world_size}): {e}") from None
     if layout.pp > 1:
         check_pipeline(config, model_args, layout.pp)
     return layout
+
+
+def fit_warmup(config: JobConfig) -> None:
+    """Warm up over at most training.steps steps: torchtitan's lr scheduler would shorten the
+    warm-up itself while its trainer still reports the configured value."""
+    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
+    if warmup > steps:
+        logger.info(f"lr_scheduler.warmup_steps = {warmup} > training.steps = {steps}: warming up over {steps} steps")
+        config.lr_scheduler.warmup_steps = steps
+
+
+def last_complete_checkpoint(folder: str) -> str | None:
+    steps = [int(m.group(1)) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if (m := re.fullmatch(r"step-(\d+)", name)) and complete(os.path.join(folder, name))]
+    return os.path.join(folder, f"step-{max(steps)}") if steps else None
 
 
 def maybe_enable_amp(parallel_dims, mixed_precision_param: str, device_type: str):
@@ -135,6 +172,14 @@ class FoldTrainer(Trainer):
                 lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
             )
 
+    def train(self):
+        self.metrics_processor.begin()
+        super().train()
+        checkpoint = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
+        if checkpoint and checkpoint.endswith(f"step-{self.step}") and self.job_config.checkpoint.last_save_model_only:
+            checkpoint += " (weights only: checkpoint.last_save_model_only)"
+        self.metrics_processor.summary(checkpoint)
+
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
         inputs = input_dict["input"]
@@ -164,11 +209,11 @@ class FoldTrainer(Trainer):
         )
 
 
-@record
 def main(args: list[str] | None = None) -> None:
-    init_logger()
+    setup_logging(tt_utils.device_type)
     config = parse_args(args)
     preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+    fit_warmup(config)
     trainer = None
     try:
         trainer = FoldTrainer(config)
