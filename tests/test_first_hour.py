@@ -17,6 +17,7 @@ import pytest
 from conftest import read_metrics
 
 STEPS = 6  # logged: 1, 5 (log_freq) and 6 (the last)
+TEST_EXTRAS = ["transformers", "matplotlib", "pytest"]  # pyproject.toml's [test] extra
 NOISE = [
     "HF assets path", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "lspci", "Peak flops", "Peak FLOPS", "nan%",
     "safetensors.index.json", "UserWarning", "LOG_RANK", '"n_layers"', "Traceback",
@@ -27,10 +28,10 @@ STEP_LINE = re.compile(
 )
 
 
-def launch(nproc: int, *args: str, config: str = "debug_moe.toml", wait: bool = True):
+def launch(nproc: int, *args: str, config: str = "debug_moe.toml", wait: bool = True, env: dict | None = None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "titan_fold.train", "--job.config_file", config, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(env or os.environ, OMP_NUM_THREADS="1")
     env.pop("LOG_RANK", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return finish(proc) if wait else proc
@@ -57,11 +58,16 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
-    """Three 1-process runs, 2 steps each: the default seed twice, then --debug.seed 1."""
+    """Three 1-process runs, 2 steps each: the default seed twice, then --debug.seed 1. The
+    second one runs as in a runtime install: the test extras cannot be imported."""
     root = tmp_path_factory.mktemp("seed")
-    extra = [[], [], ["--debug.seed", "1"]]
-    procs = [launch(1, "--job.dump_folder", str(root / f"run{i}"), "--training.steps", "2", *args, wait=False)
-             for i, args in enumerate(extra)]
+    for name in TEST_EXTRAS:
+        (root / "no_extras" / name).mkdir(parents=True)
+        (root / "no_extras" / name / "__init__.py").write_text(f"raise ModuleNotFoundError('{name} is a test extra')")
+    runtime = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "no_extras"), os.environ.get("PYTHONPATH", "")]))
+    extra = [([], None), ([], runtime), (["--debug.seed", "1"], None)]
+    procs = [launch(1, "--job.dump_folder", str(root / f"run{i}"), "--training.steps", "2", *args, wait=False, env=env)
+             for i, (args, env) in enumerate(extra)]
     for proc in procs:
         result = finish(proc)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -127,6 +133,7 @@ def test_tensorboard_events_hold_the_losses(two_ranks):
 
 
 def test_default_seed_reproduces_the_run(seeded):
+    """Also: the second run could not import the test extras (a runtime install trains)."""
     (a, b, other), _, _ = seeded
     assert a[0]["loss"] == b[0]["loss"] and a[1]["loss"] == b[1]["loss"], (a, b)
     assert other[0]["loss"] != a[0]["loss"]

@@ -5,9 +5,9 @@ torchtitan's MetricsProcessor keeps the counters (tokens since the last log, dat
 times) and the TensorBoard/W&B loggers; this subclass adds the MoE statistics, a memory
 monitor that also works on the CPU, the JSON-lines file, the step line
 
-    step  10/60  loss 4.5201  grad_norm 1.3256  lr 3.00e-03  tps 1,462  mem 0.56GiB  aux 1.0229  drop 0.000  imbalance 1.84  elapsed 0:00:05  eta 0:00:25
+    step N/TOTAL  loss L  grad_norm G  lr LR  tps TOKENS_PER_S  [mfu M%]  mem GIB  aux A  drop D  imbalance I  elapsed H:MM:SS  eta H:MM:SS
 
-(`mfu` after `tps` on a GPU) and `summary()`. Steps 1, every `metrics.log_freq`-th and the
+(`mfu` on a GPU only) and `summary()`. Steps 1, every `metrics.log_freq`-th and the
 last one are logged.
 
 MFU = flops_per_token * tokens_per_sec / peak_flops, where flops_per_token counts the
