@@ -202,3 +202,35 @@ def test_user_error_reported_once_per_launch(tmp_path, monkeypatch, capsys):
         data = json.load(open(tmp_path / str(local_rank) / "error.json"))
         assert data["message"]["extraInfo"]["py_callstack"] == "UserError: --training.steps -1: must be >= 0"
     assert capsys.readouterr().err == "error: --training.steps -1: must be >= 0\n"
+
+
+@pytest.mark.parametrize("rank, log_rank, shown", [(0, None, "iw"), (1, None, "w"), (1, "all", "iw"), (1, "0,1", "iw")])
+def test_logging_rank_rule_and_noise(rank, log_rank, shown, monkeypatch, capsys):
+    import logging
+
+    from torchtitan.tools.logging import logger
+
+    from titan_fold.logs import setup_logging
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if log_rank is None:
+        monkeypatch.delenv("LOG_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOG_RANK", log_rank)
+    handlers = list(logger.handlers)
+    try:
+        setup_logging("cpu")
+        logger.info("an info line")
+        logger.warning("a warning")
+        logger.warning("HF assets path ./tests/assets/tokenizer does not exist!")  # torchtitan's default: noise
+        logger.warning("HF assets path /data/mine does not exist!")  # a path the user gave: shown
+        logger.info("Peak flops undefined for: cpu, fallback to A100")
+    finally:
+        logger.handlers[:] = handlers
+        logging.captureWarnings(False)
+    out = messages(capsys.readouterr().out)
+    who = f"rank {rank} - " if rank else ""
+    expected = ([f"{who}INFO - an info line" if rank else "an info line"] if "i" in shown else []) + [
+        f"{who}WARNING - a warning", f"{who}WARNING - HF assets path /data/mine does not exist!"]
+    assert out == expected
