@@ -25,6 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
+from torchtitan.config.job_config import Debug as TitanDebug
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Model as TitanModel
 from torchtitan.config.job_config import Parallelism as TitanParallelism
@@ -71,6 +72,13 @@ class ActivationCheckpoint(TitanActivationCheckpoint):
 
 
 @dataclass
+class Debug(TitanDebug):
+    seed: int | None = 0
+    """Base RNG seed (weights, data-independent randomness). A fixed default, so the same command
+    gives the same losses; pass another value to vary the run."""
+
+
+@dataclass
 class MoE:
     """Router and capacity settings. Unset (None) keeps the model flavor's value."""
 
@@ -99,6 +107,7 @@ class JobConfig(TitanJobConfig):
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
 
 

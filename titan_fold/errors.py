@@ -1,14 +1,25 @@
 """Errors the user can fix, and how every command reports them.
 
 A `UserError` (a config value, a degree, a path, a checkpoint, a dataset) is printed as one
-line naming the problem, once (by the first rank when several run), and the command exits
-with code 2 and no traceback. Anything else is a bug or a fault and keeps its traceback.
-Every command's `if __name__ == "__main__"` goes through `run_command`.
+line naming the problem, once, and the command exits with code 2 and no traceback. Anything
+else is a bug or a fault and keeps its traceback. Every command's `if __name__ == "__main__"`
+goes through `run_command`.
+
+Under torchrun every rank runs the same checks and fails the same way. The first rank of the
+node to fail prints the line (rank 0 may be stopped by torchrun before it gets there), and
+the line also goes into torchrun's error file, so torchrun's own failure summary, which it
+prints after any worker exits non-zero, shows that line as the root cause instead of a
+Python traceback. That summary cannot be avoided from inside a worker.
 """
 
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
+
+# torchrun (torch.distributed.elastic) gives each worker an error file to fill when it fails
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 class UserError(Exception):
@@ -22,9 +33,35 @@ def is_first_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def report(message: str) -> None:
-    if is_first_rank():
-        print(f"error: {message}", file=sys.stderr, flush=True)
+def _first_to_report() -> bool:
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if not error_file:
+        return is_first_rank()
+    # torchrun's layout: <attempt folder>/<local rank>/error.json, the attempt folder removed at
+    # exit; the first worker to create the marker there prints
+    marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "user_error_reported")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return is_first_rank()
+    return True
+
+
+def _write_error_file(error: UserError) -> None:
+    """The error in torchrun's error-file format, with the one line in place of a traceback."""
+    line = f"{type(error).__name__}: {error}"
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with open(os.environ[ERROR_FILE_ENV], "w") as f:
+        json.dump(data, f)
+
+
+def report(error: UserError) -> None:
+    if os.environ.get(ERROR_FILE_ENV):
+        _write_error_file(error)
+    if _first_to_report():
+        print(f"error: {error}", file=sys.stderr, flush=True)
 
 
 def run_command(main: Callable[[], int | None]) -> None:
@@ -32,6 +69,13 @@ def run_command(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except UserError as e:
-        report(str(e))
+        report(e)
         sys.exit(e.exit_code)
+    except Exception as e:
+        if os.environ.get(ERROR_FILE_ENV):
+            # a bug: torchrun's failure summary shows its traceback (what torch's @record does)
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(e)
+        raise
     sys.exit(code or 0)

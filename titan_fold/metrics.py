@@ -1,24 +1,33 @@
-"""Step metrics: one readable line per logged step and one JSON object in metrics.jsonl.
+"""Step metrics: one readable line per logged step, one JSON object in metrics.jsonl, and an
+end-of-run summary.
 
 torchtitan's MetricsProcessor keeps the counters (tokens since the last log, data-loading
 times) and the TensorBoard/W&B loggers; this subclass adds the MoE statistics, a memory
-monitor that also works on the CPU, and the JSON-lines file.
+monitor that also works on the CPU, the JSON-lines file, the step line
+
+    step N/TOTAL  loss L  grad_norm G  lr LR  tps TOKENS_PER_S  [mfu M%]  mem GIB  aux A  drop D  imbalance I  elapsed H:MM:SS  eta H:MM:SS
+
+(`mfu` on a GPU only) and `summary()`. Steps 1, every `metrics.log_freq`-th and the
+last one are logged.
 
 MFU = flops_per_token * tokens_per_sec / peak_flops, where flops_per_token counts the
 activated parameters (6 * N_active) plus causal attention (see
 `TransformerArgs.get_nparams_and_flops`); null where the peak is unknown (the CPU).
 """
 
+import os
 import resource
+import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
+from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from titan_fold.metrics_file import MetricsFile
+from titan_fold.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.moe import moe_stats
 from titan_fold.torchtitan_adapter import with_names
 
@@ -34,16 +43,16 @@ class HostMemoryMonitor:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
 
     def get_peak_stats(self):
-        return _Peak(self.get_peak_gib())
+        return _Peak(self.get_peak_gib(), _host_memory_gib())
 
     def reset_peak_stats(self) -> None:
         pass  # a process's peak RSS cannot be reset
 
 
 class _Peak:
-    def __init__(self, gib: float):
+    def __init__(self, gib: float, capacity_gib: float):
         self.max_active_gib = self.max_reserved_gib = gib
-        self.max_active_pct = self.max_reserved_pct = float("nan")
+        self.max_active_pct = self.max_reserved_pct = 100 * gib / capacity_gib
         self.num_alloc_retries = self.num_ooms = 0
 
 
@@ -54,6 +63,18 @@ def _memory_monitor():
     return HostMemoryMonitor()
 
 
+def _host_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):  # no sysconf names on this OS
+        return float("nan")
+
+
+def _hms(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class FoldMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         # torchtitan's __init__ with a memory monitor that works on the CPU too (torchtitan_adapter.py)
@@ -61,9 +82,26 @@ class FoldMetricsProcessor(MetricsProcessor):
             self, job_config, parallel_dims, tag)
         if not torch.cuda.is_available():
             self.gpu_peak_flops = float("nan")
+        # torchtitan's Trainer colours its lines with this too; escape codes only on a terminal
+        colour = sys.stdout.isatty() and not job_config.metrics.disable_color_printing
+        self.color = utils.Color() if colour else utils.NoColor()
         rank = dist.get_rank() if dist.is_initialized() else 0
         # rank 0's metrics.jsonl; FoldTrainer starts it once it knows the resumed step
         self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
+        self.history: list[dict[str, Any]] = []  # per logged step, for summary()
+        self._last_logged_step: int | None = None
+        self.time_start = time.perf_counter()
+
+    def begin(self) -> None:
+        """Training starts now: the clock of the step line, ETA and summary."""
+        self.time_start = self.time_last_log = time.perf_counter()
+
+    def should_log(self, step: int) -> bool:
+        # torchtitan's Trainer asks this at every step: the first call tells where this run
+        # started (after a resume, not at step 1)
+        if self._last_logged_step is None:
+            self._last_logged_step = step - 1
+        return super().should_log(step) or step == self.job_config.training.steps
 
     def _moe_stats(self) -> dict[str, float | None]:
         stats = moe_stats(self.model_parts or [])
@@ -80,7 +118,9 @@ class FoldMetricsProcessor(MetricsProcessor):
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None):
-        time_delta = time.perf_counter() - self.time_last_log
+        now = time.perf_counter()
+        time_delta = now - self.time_last_log
+        steps = max(1, self._steps_since_last_log(step))
         # tokens per second per device, as torchtitan counts them
         tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
         flops = self.num_flops_per_token * tps
@@ -98,29 +138,80 @@ class FoldMetricsProcessor(MetricsProcessor):
             "mfu": None if mfu != mfu else mfu,
             "max_memory_gib": memory.max_reserved_gib,
             **self._moe_stats(),
-            "time_per_step_s": time_delta / max(1, self._steps_since_last_log(step)),
+            "time_per_step_s": time_delta / steps,
             **extra,
         }
-        self.logger.log(record, step)
+        # TensorBoard and W&B take numbers only (mfu and the MoE statistics can be null)
+        self.logger.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}, step)
         if self.jsonl:
             self.jsonl.write(record)
         self._last_logged_step = step
-        c = self.color
-        mfu_text = "n/a" if record["mfu"] is None else f"{record['mfu']:.2f}%"
-        aux = record["moe_aux_loss"]
-        logger.info(
-            f"{c.red}step {step:4d}  {c.green}loss {global_avg_loss:8.4f}  {c.orange}grad_norm {grad_norm:7.4f}  "
-            f"{c.turquoise}mem {memory.max_reserved_gib:6.2f}GiB  {c.blue}tps {round(tps):,}  "
-            f"{c.magenta}mfu {mfu_text}  {c.yellow}aux {'n/a' if aux is None else f'{aux:.4f}'}  "
-            f"drop {record['dropped_token_frac'] or 0:.3f}  imbalance {record['expert_load_imbalance'] or 0:.2f}{c.reset}"
-        )
+        self.history.append({**record, "seconds": time_delta, "steps": steps, "tokens": self.ntokens_since_last_log})
+        logger.info(self._step_line(record, now))
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
 
+    def _step_line(self, r: dict[str, Any], now: float) -> str:
+        c, step, total = self.color, r["step"], self.job_config.training.steps
+        parts = [
+            f"{c.red}step {step:{len(str(total))}d}/{total}",
+            f"{c.green}loss {r['loss']:7.4f}",
+            f"{c.orange}grad_norm {r['grad_norm']:7.4f}",
+            f"{c.cyan}lr {r['lr']:.2e}" if r["lr"] is not None else "",
+            f"{c.blue}tps {round(r['tokens_per_sec']):,}",
+            f"{c.magenta}mfu {r['mfu']:.2f}%" if r["mfu"] is not None else "",
+            f"{c.turquoise}mem {r['max_memory_gib']:.2f}GiB",
+            f"{c.yellow}aux {r['moe_aux_loss']:.4f}" if r["moe_aux_loss"] is not None else "",
+            f"drop {r['dropped_token_frac']:.3f}" if r["dropped_token_frac"] is not None else "",
+            f"imbalance {r['expert_load_imbalance']:.2f}" if r["expert_load_imbalance"] is not None else "",
+            f"{c.white}elapsed {_hms(now - self.time_start)}  eta {_hms(self._eta(step, now))}{c.reset}",
+        ]
+        return "  ".join(p for p in parts if p)
+
+    def _eta(self, step: int, now: float) -> float:
+        """Remaining steps at the mean step time since the first logged step (which holds the
+        warm-up: compilation, first allocations), or at the first one's while there is no other."""
+        first = self.history[0]
+        if step > first["step"]:
+            per_step = (now - self.time_start - first["seconds"]) / (step - first["step"])
+        else:
+            per_step = first["seconds"] / first["steps"]
+        return per_step * (self.job_config.training.steps - step)
+
+    def summary(self, last_checkpoint: str | None = None) -> None:
+        """Log what the run did: steps, losses, time, throughput after warm-up, memory, files."""
+        if not self.history:
+            return
+        h, c = self.history, self.color
+        # warm-up = the first logged interval (step 1: compilation, first allocations)
+        steady = h[1:] or h
+        seconds = sum(r["seconds"] for r in steady)
+        tps = sum(r["tokens"] for r in steady) / (seconds * self.parallel_dims.non_data_parallel_size)
+        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
+        best = min(h, key=lambda r: r["loss"])
+        first_step, last_step = h[0]["step"] - h[0]["steps"] + 1, h[-1]["step"]
+        lines = [
+            f"{c.green}run summary: steps {first_step}-{last_step} of {self.job_config.training.steps} "
+            f"in {_hms(time.perf_counter() - self.time_start)}; loss {h[0]['loss']:.4f} (step {h[0]['step']}) "
+            f"-> {h[-1]['loss']:.4f} (step {last_step}), best {best['loss']:.4f} (step {best['step']}){c.reset}",
+            f"  after warm-up (steps {steady[0]['step'] - steady[0]['steps'] + 1}-{last_step}): "
+            f"{round(tps):,} tokens/s per device"
+            + ("" if mfu != mfu else f", mfu {mfu:.2f}%")
+            + f"; peak memory {max(r['max_memory_gib'] for r in h):.2f} GiB",
+            f"  metrics: {os.path.join(self.job_config.job.dump_folder, METRICS_FILE)}",
+        ]
+        if self.job_config.metrics.enable_tensorboard:
+            tb = os.path.join(self.job_config.job.dump_folder, self.job_config.metrics.save_tb_folder)
+            lines.append(f"  tensorboard: {tb}  (tensorboard --logdir {tb})")
+        if last_checkpoint:
+            lines.append(f"  last checkpoint: {last_checkpoint}")
+        for line in lines:
+            logger.info(line)
+
     def _steps_since_last_log(self, step: int) -> int:
-        return step - getattr(self, "_last_logged_step", 0)
+        return step - (self._last_logged_step or 0)
 
 
 def _comm_device() -> torch.device:

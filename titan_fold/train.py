@@ -10,26 +10,29 @@ or skips the step (guard.py) and signals stop every rank after the same step (si
 """
 
 import os
+import re
 import sys
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from titan_fold.checkpoint import check_initial_hf_load, maybe_fault
 from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.data.dataloader import check_dataset
+from titan_fold.device import device_type
 from titan_fold.errors import UserError, is_first_rank, report, run_command
 from titan_fold.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.lock import DumpFolderLock
+from titan_fold.logs import setup_logging
 from titan_fold.models import FLAVORS
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
-from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
 from titan_fold.storage import StorageError, storage_problem
@@ -112,6 +115,20 @@ def lock_dump_folder(folder: str) -> DumpFolderLock:
     return lock
 
 
+# the names LayoutError messages give the degrees (as `name(value)`) -> the job config keys
+CONFIG_KEYS = {
+    "pp": "parallelism.pipeline_parallel_degree",
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "etp": "parallelism.expert_tensor_parallel_degree",
+    "edp": "parallelism.expert_data_parallel_degree",
+    "seq_len": "training.seq_len",
+}
+
+
 def check_layout(config: JobConfig, world_size: int) -> Layout:
     """The config's degrees, pipeline and MoE settings against the model and the world size."""
     _, model_args = model_args_from_config(config)
@@ -119,10 +136,25 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
     layout = layout_from_config(config, world_size)
-    layout.validate_model(model_args, config.training.seq_len)
+    try:
+        layout.validate_model(model_args, config.training.seq_len)
+    except LayoutError as e:
+        # the rule speaks of ep, tp, ...; the user typed --parallelism.expert_parallel_degree
+        named = dict.fromkeys(re.findall(r"\b(\w+)\((-?\d+)\)", str(e)))
+        keys = [f"--{CONFIG_KEYS[name]} {value}" for name, value in named if name in CONFIG_KEYS]
+        raise LayoutError(f"{', '.join(keys)} (world size {world_size}): {e}") from None
     if layout.pp > 1:
         check_pipeline(config, model_args, layout.pp)
     return layout
+
+
+def fit_warmup(config: JobConfig) -> None:
+    """Warm up over at most training.steps steps: torchtitan's lr scheduler would shorten the
+    warm-up itself while its trainer still reports the configured value."""
+    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
+    if warmup > steps:
+        logger.info(f"lr_scheduler.warmup_steps = {warmup} > training.steps = {steps}: warming up over {steps} steps")
+        config.lr_scheduler.warmup_steps = steps
 
 
 class FoldTrainer(Trainer):
@@ -206,7 +238,12 @@ class FoldTrainer(Trainer):
 
     @record
     def train(self):
-        return self._torchtitan(Trainer.train)()
+        self.metrics_processor.begin()
+        self._torchtitan(Trainer.train)()
+        checkpoint = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
+        if checkpoint and checkpoint.endswith(f"step-{self.step}") and self.job_config.checkpoint.last_save_model_only:
+            checkpoint += " (weights only: checkpoint.last_save_model_only)"
+        self.metrics_processor.summary(checkpoint)
 
     def train_step(self, data_iterator):
         self.guard.step = self.step
@@ -271,17 +308,17 @@ def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-@record
 def main(args: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input (one line), 3 NaN/Inf stop, 130 Ctrl-C, 143 SIGTERM/SIGUSR1
     (after a save). Anything else is a bug or a fault and keeps its traceback."""
-    init_logger()
+    setup_logging(device_type())
     stop_signals = StopSignals()
     stop_signals.install()  # from here a signal only sets a flag, read at the end of each step
     trainer, lock, config, clean = None, None, None, False
     try:
         config = parse_args(args)
         preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+        fit_warmup(config)
         if "LOCAL_RANK" not in os.environ:
             raise UserError("start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ...")
         # last of the checks, so a rejected run leaves no folder behind
