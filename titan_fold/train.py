@@ -295,14 +295,6 @@ def last_checkpoint_text(config: JobConfig) -> str:
     return f"last complete checkpoint {last} in {folder}" if last else f"no complete checkpoint in {folder}"
 
 
-def forget_error_file() -> None:
-    """torchtitan's Trainer methods carry torchelastic's @record, which writes any exception
-    with its traceback for torchrun to print; a UserError is one line, so drop that file."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and os.path.exists(path):
-        os.remove(path)
-
-
 def say(line: str) -> None:
     if is_first_rank():
         print(line, file=sys.stderr, flush=True)
@@ -336,8 +328,7 @@ def main(args: list[str] | None = None) -> int:
         clean = True
         return 0
     except UserError as e:
-        forget_error_file()
-        report(str(e))
+        report(e)  # one line, also in torchrun's error file in place of the traceback
         return e.exit_code
     except NonFiniteError as e:
         clean = True  # every rank raised it at the same step
@@ -353,8 +344,7 @@ def main(args: list[str] | None = None) -> int:
         problem = storage_problem(config.job.dump_folder) if lock is not None else None
         if problem is None:
             raise
-        forget_error_file()
-        report(problem)
+        report(StorageError(problem))
         return StorageError.exit_code
     finally:
         if trainer is not None:
