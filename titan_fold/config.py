@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
+from torchtitan.config.job_config import Comm as TitanComm
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
@@ -54,6 +55,18 @@ class ActivationCheckpoint(TitanActivationCheckpoint):
 
 
 @dataclass
+class Comm(TitanComm):
+    dry_run_rank: int = 0
+    """With mode = "fake_backend": the rank the dry run simulates; -1 = the first and the last
+    rank of every pipeline stage."""
+    dry_run_collectives: bool = True
+    """With mode = "fake_backend": also record one step's collectives on every rank (shrunk
+    model, same layout) and check that all members of each process group issue the same sequence."""
+    dry_run_json: str = ""
+    """Where the dry run writes its JSON report; empty = <job.dump_folder>/dry_run.json."""
+
+
+@dataclass
 class MoE:
     """Router and capacity settings. Unset (None) keeps the model flavor's value."""
 
@@ -81,6 +94,7 @@ class JobConfig(TitanJobConfig):
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    comm: Comm = field(default_factory=Comm)
     moe: MoE = field(default_factory=MoE)
 
 

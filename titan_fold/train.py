@@ -29,6 +29,7 @@ from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.train_spec import register_train_specs
 from titan_fold.errors import run_command
+from titan_fold.dryrun import banner, main as dry_run_main
 
 
 def layout_from_config(config: JobConfig, world_size: int) -> Layout:
@@ -119,6 +120,10 @@ class FoldTrainer(Trainer):
         super().__init__(job_config)
         # RNG state in checkpoints, shape checks before any load, fault-injection hook for tests
         install_checkpoint_hooks(self)
+        if torch.distributed.get_rank() == 0:
+            pp = self.parallel_dims.pp
+            stages = len(check_pipeline(job_config, self.model_args, pp)[1]) if pp > 1 else 1
+            logger.info(banner(self.parallel_dims, self.model_args, self.model_parts, job_config, stages))
         # fused optimizers apply the clip coefficient as they read the gradients (parallel/clip.py)
         dist_utils.clip_grad_norm_ = functools.partial(clip_grad_norm_, optimizers=self.optimizers.optimizers)
         if self.model_args.moe.load_balance == "aux_free":
@@ -168,6 +173,9 @@ class FoldTrainer(Trainer):
 def main(args: list[str] | None = None) -> None:
     init_logger()
     config = parse_args(args)
+    if config.comm.mode != "default":
+        # torchtitan's dry run (NGPU fake ranks in one process): titan_fold's own, see dryrun.py
+        return dry_run_main(config)
     preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = None
     try:
