@@ -377,6 +377,8 @@ class CollectiveRecorder(TorchDispatchMode):
                 group = a
             elif isinstance(a, dist.ProcessGroup):
                 group = a
+            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                group = dist.ProcessGroup.unbox(a)  # c10d ops (FSDP2, pipelining) carry the group boxed
             elif isinstance(a, torch.Tensor):
                 shapes.append((tuple(local_tensor(a).shape), str(a.dtype).removeprefix("torch.")))
             elif isinstance(a, int) and not isinstance(a, bool):

@@ -293,10 +293,10 @@ class TokenDispatcher(nn.Module):
             return _Splits(None, None, None), full
         recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
         gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
-        if self.fake:  # no counts come back: rows spread evenly over the experts, on every rank
+        if self.fake:  # no counts come back: rows spread evenly over the experts, and every
+            # source sends this rank what this rank sends it (sizes agree both ways)
             sent = [rows // (ep * E_loc) + (e < rows % (ep * E_loc)) for e in range(ep * E_loc)]
-            first = 0 if ep == 1 else self.ep_mesh.get_local_rank() * E_loc
-            got = sent[first : first + E_loc] * (etp * ep)
+            got = sent * etp
             gathered = torch.tensor(got, dtype=torch.int64, device=device)
         else:
             host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
