@@ -3,7 +3,6 @@ layouts at their real world size in one process; per-rank memory against indepen
 matched collectives, and a deliberately mismatched dispatcher caught."""
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def test_local_shapes_partition_the_model():
     the model: their numels over all ranks add up to the model's parameter count."""
     c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "4",
                "--parallelism.expert_tensor_parallel_degree", "2")
-    layout, args, _ = dryrun.check_config(c, 8)
+    _, args, _ = dryrun.check_config(c, 8)
     total = sum(dryrun.simulate_rank(c, 8, r, args, measure=False)["numel"] for r in range(8))
     with torch.device("meta"):
         model = Transformer(args)
@@ -162,7 +161,7 @@ def test_mismatched_dispatcher_is_caught(monkeypatch):
 
     c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "4",
                "--parallelism.expert_tensor_parallel_degree", "2", "--training.local_batch_size", "1")
-    layout, args, _ = dryrun.check_config(c, 8)
+    _, args, _ = dryrun.check_config(c, 8)
     assert dryrun.first_divergence(dryrun.record_collectives(c, 8, args)) is None
     monkeypatch.setattr(disp, "TokenDispatcher", SkipsOneExchange)
     div = dryrun.first_divergence(dryrun.record_collectives(c, 8, args))
@@ -177,7 +176,7 @@ def test_banner():
     layout, args, _ = dryrun.check_config(c, 64)
     dryrun.init_fake_world(64, 0)
     layout.build_mesh("cpu")
-    parts, stages, fqns = dryrun.build_rank(dryrun._dry_config(c), layout, args)
+    parts, _, fqns = dryrun.build_rank(dryrun._dry_config(c), layout, args)
     text = dryrun.banner(layout, args, parts, c, len(fqns))
     assert "pp 4 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 2" in text
     assert "pp 4 x edp 4 x ep 4 x etp 1; 16 of 64 experts per rank" in text

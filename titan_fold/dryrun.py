@@ -113,7 +113,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
     """Local shapes by kind and the bytes of params, grads and optimizer states of this rank."""
-    master = _bytes_of(job_config.training.dtype if job_config.training.dtype != "bfloat16" else "bfloat16")
+    master = _bytes_of(job_config.training.dtype)  # master weights, their gradients and states
     states = OPTIMIZER_STATES.get(job_config.optimizer.name, 2)
     kinds: dict[str, dict] = {}
     numel = 0
@@ -282,7 +282,7 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
         try:
             parts, _, _ = build_rank(config, layout, model_args, getattr(torch, job_config.training.mixed_precision_param))
             report["activations"] = {"source": "fake-tensor step", **fake_step(parts, stages, layout, config, model_args)}
-        except Exception as e:  # noqa: BLE001 - reported, and the cost model's estimate stands in
+        except Exception as e:  # reported; the cost model's estimate stands in
             if os.environ.get("TITAN_FOLD_DRY_RUN_RAISE"):
                 raise
             report["activations"] = {"source": "cost model estimate (the fake-tensor step failed: "
@@ -575,8 +575,8 @@ def first_divergence(per_group: dict) -> dict | None:
             if len(set(sigs.values())) > 1:
                 ref = sigs[ref_rank]
                 odd = next(r for r in members if sigs[r] != ref)
-                def show(r):
-                    c = seqs[r][i] if i < len(seqs[r]) else None
+                def show(r, seq=seqs, i=i):
+                    c = seq[r][i] if i < len(seq[r]) else None
                     return "nothing (sequence ended)" if c is None else f"{c['op']} {c['shapes']} at {c['site']}"
                 return {"group": desc, "ranks": list(ranks), "call": i, "rank": odd, "reference_rank": ref_rank,
                         "rank_issued": show(odd), "reference_issued": show(ref_rank),
@@ -746,8 +746,8 @@ def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config,
     return "\n".join([
         f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} ranks",
         f"  attention mesh (pp, dp_replicate, dp_shard, cp, tp): {att}",
-        f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
-        f"{model_args.moe.num_experts} experts per rank",
+        (f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
+         f"{model_args.moe.num_experts} experts per rank"),
         f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
         f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
     ])
@@ -755,18 +755,19 @@ def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config,
 
 # ---------------------------------------------------------------- the README excerpt
 
-README_COMMAND = "NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend"
+README_COMMAND = ("NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "
+                  "--comm.no-dry_run_collectives")
 README_BEGIN = "<!-- dry-run excerpt: written by `python -m titan_fold.dryrun --update-readme`, checked by tests/test_dryrun.py -->"
 README_END = "<!-- end of dry-run excerpt -->"
 
 
 def readme_excerpt() -> str:
-    """The README's example: qwen2.toml at 64 ranks, rank 0, collectives included; the CPU
-    time lines (they vary) left out."""
+    """The README's example: qwen2.toml at 64 ranks, rank 0; the CPU time lines (they vary)
+    left out."""
     from titan_fold.config import parse_args
 
     config = parse_args(["--job.config_file", "qwen2.toml", "--comm.mode", "fake_backend"])
-    report = dry_run(config, 64)
+    report = dry_run(config, 64, collectives=False)
     lines = [line for line in format_report(report).splitlines() if "CPU s" not in line]
     return "\n".join(lines)
 
@@ -777,7 +778,8 @@ def readme_block(excerpt: str) -> str:
 
 
 def update_readme(path: str) -> None:
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     with open(path, "w") as f:
         f.write(text[:start] + readme_block(readme_excerpt()) + text[end:])
