@@ -25,6 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
+from torchtitan.config.job_config import Comm as TitanComm
 from torchtitan.config.job_config import Debug as TitanDebug
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Model as TitanModel
@@ -72,6 +73,18 @@ class ActivationCheckpoint(TitanActivationCheckpoint):
 
 
 @dataclass
+class Comm(TitanComm):
+    dry_run_rank: int = 0
+    """With mode = "fake_backend": the rank the dry run simulates; -1 = the first and the last
+    rank of every pipeline stage."""
+    dry_run_collectives: bool = True
+    """With mode = "fake_backend": also record one step's collectives on every rank (shrunk
+    model, same layout) and check that all members of each process group issue the same sequence."""
+    dry_run_json: str = ""
+    """Where the dry run writes its JSON report; empty = <job.dump_folder>/dry_run.json."""
+
+
+@dataclass
 class Debug(TitanDebug):
     seed: int | None = 0
     """Base RNG seed (weights, data-independent randomness). A fixed default, so the same command
@@ -107,6 +120,7 @@ class JobConfig(TitanJobConfig):
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
 

@@ -24,6 +24,8 @@ from titan_fold.checkpoint import check_initial_hf_load, maybe_fault
 from titan_fold.config import ConfigError, JobConfig, parse_args
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.device import device_type
+from titan_fold.dryrun import banner
+from titan_fold.dryrun import main as dry_run_main
 from titan_fold.errors import UserError, is_first_rank, report, run_command
 from titan_fold.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.lock import DumpFolderLock
@@ -180,6 +182,10 @@ class FoldTrainer(Trainer):
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
+        if torch.distributed.get_rank() == 0:
+            pp = self.parallel_dims.pp
+            stages = len(check_pipeline(job_config, self.model_args, pp)[1]) if pp > 1 else 1
+            logger.info(banner(self.parallel_dims, self.model_args, self.model_parts, job_config, stages))
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -309,6 +315,9 @@ def main(args: list[str] | None = None) -> int:
     trainer, lock, config, clean = None, None, None, False
     try:
         config = parse_args(args)
+        if config.comm.mode != "default":
+            # torchtitan's dry run (NGPU fake ranks in one process): titan_fold's own, see dryrun.py
+            return dry_run_main(config)
         preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
         fit_warmup(config)
         if "LOCAL_RANK" not in os.environ:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -197,6 +198,9 @@ class TokenDispatcher(nn.Module):
         super().__init__()
         self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
+        # a dry run's fake process group (comm.mode = "fake_backend") issues the collectives but
+        # returns garbage: counts and routing are then taken as if every rank routed like this one
+        self.fake = dist.is_initialized() and dist.get_backend() == "fake"
         # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
         # of each token, rank after rank; None: every rank holds one contiguous chunk
         self.seq_positions = seq_positions
@@ -213,6 +217,8 @@ class TokenDispatcher(nn.Module):
         n, L = self.seq_mesh.size(), T // num_seqs
         packed = torch.cat([probs.detach().double(), experts.double()], dim=-1)  # [T, 2k], ids exact in f64
         full = _gather_even(packed, self.seq_mesh)  # [n * T, 2k], rank-major
+        if self.fake:
+            full = packed.repeat(n, 1)
         full = full.view(n, num_seqs, L, 2 * k).transpose(0, 1).reshape(num_seqs, n * L, 2 * k)  # by sequence
         pos = None if self.seq_positions is None else self.seq_positions(L).to(full.device)  # [n * L]
         if pos is not None:  # e.g. cp's load-balanced chunks: put each sequence in order
@@ -277,8 +283,9 @@ class TokenDispatcher(nn.Module):
         y = _Combine.apply(y_rows, token_of_row[:R], slot.clamp(max=R), k, dropped)
         return y, keep, overlapped
 
-    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device):
+    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
         """Exchange counts and bring the split sizes to the host: the layer's one sync.
+        rows: this rank's routed rows (the sum of counts without drops).
 
         -> (_Splits, rows_of_source [etp*ep, E_loc] on device: rows each (etp, ep) source
         sends to each local expert)."""
@@ -288,8 +295,14 @@ class TokenDispatcher(nn.Module):
             return _Splits(None, None, None), full
         recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
         gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
-        host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
-        sent, got = host[: ep * E_loc], host[ep * E_loc :]
+        if self.fake:  # no counts come back: rows spread evenly over the experts, and every
+            # source sends this rank what this rank sends it (sizes agree both ways)
+            sent = [rows // (ep * E_loc) + (e < rows % (ep * E_loc)) for e in range(ep * E_loc)]
+            got = sent * etp
+            gathered = torch.tensor(got, dtype=torch.int64, device=device)
+        else:
+            host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
+            sent, got = host[: ep * E_loc], host[ep * E_loc :]
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
         me = 0 if etp == 1 else self.etp_mesh.get_local_rank()
         splits = _Splits(
@@ -303,7 +316,7 @@ class TokenDispatcher(nn.Module):
         """-> (y_rows of this rank's rows, overlap() or None, run while the tokens travel)."""
         E_loc = args.num_experts // self.ep
         # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
-        sp, rows_of_source = self._splits(counts, E_loc, x_rows.device)
+        sp, rows_of_source = self._splits(counts, E_loc, x_rows.device, x_rows.shape[0])
         if sp.send is not None:
             n = _rows(sum(sp.send), x_rows.shape[0])
             x_rows, w_rows = x_rows[:n], w_rows[:n]  # cut the dropped rows off
