@@ -54,7 +54,11 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
 
     from titan_fold.errors import run_command
 
-    torch.seed()  # a fresh process's RNG state, not the zygote's (identical in every rank)
+    # a fresh process's RNG states, not the zygote's (identical in every rank); Python's
+    # `random` reseeds itself after a fork
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     from titan_fold.train import main
 
     sys.argv = ["titan_fold.train", *request["argv"]]  # as `python -m titan_fold.train ARGV` sets it
@@ -144,9 +148,15 @@ class Zygote:
         return json.loads(reply)
 
     def close(self):
+        """End of stdin ends an idle zygote; one still in a launch (an interrupted session)
+        is killed, and its ranks with it (PR_SET_PDEATHSIG)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 ZYGOTE = Zygote()
