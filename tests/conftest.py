@@ -2,33 +2,22 @@
 
 import json
 import os
-import subprocess
-import sys
+import pathlib
 import tempfile
 
 import pytest
 from launcher import ZYGOTE
 
 
-def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml", fork: bool = True) -> None:
-    """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`.
-
-    fork (the default): the ranks are forked from one process that imported the trainer
-    once per session, with torchrun's environment (tests/launcher.py); False: torchrun itself.
-    """
-    argv = ["--job.config_file", config, *args]
-    if not fork:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "titan_fold.train", *argv]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-        return
+def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
+    """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`,
+    the ranks forked from one process that imported the trainer once per session, with
+    torchrun's environment (tests/launcher.py; torchrun itself: test_checkpoint.py's fault test)."""
     with tempfile.TemporaryDirectory() as logs:
-        out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
-        codes = ZYGOTE.launch(nproc, argv, out, err)
+        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
+        codes = ZYGOTE.launch(nproc, ["--job.config_file", config, *args], str(out), str(err))
         if any(codes):
-            tail = open(out, errors="replace").read()[-3000:] + open(err, errors="replace").read()[-6000:]
+            tail = out.read_text(errors="replace")[-3000:] + err.read_text(errors="replace")[-6000:]
             raise AssertionError(f"exit codes {codes}\n{tail}")
 
 
@@ -37,11 +26,11 @@ def read_metrics(folder) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args: str, fork: bool = True) -> list[dict]:
+def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args: str) -> list[dict]:
     """Train `steps` steps from the seed checkpoint, logging every step; -> the metrics."""
     torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
              seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(steps),
-             "--metrics.log_freq", "1", *args, fork=fork)
+             "--metrics.log_freq", "1", *args)
     return read_metrics(folder)
 
 
