@@ -3,15 +3,14 @@
 On 2 cores, every torchrun rank spends ~7 CPU-seconds importing torch, torchtitan (which
 pulls in inductor, datasets, pandas) and titan_fold before it trains: an 8-rank launch
 burns a minute on imports. Here one zygote process imports the trainer once per test
-session and forks the ranks of each launch from that clean state (it never ran an op,
-made a thread or a process group). Each rank gets torchrun's environment (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT,
-TORCHELASTIC_RESTART_COUNT), fresh RNG seeds, the launch's extra environment and working
-folder, and runs the command's own `run_command(main)` with `sys.argv` as `-m` would set
-it. As with torchrun, the first rank that fails stops the others, and the launch's exit
-code is the first failure's. Everything torchrun's agent itself does (restarts,
-rendezvous) stays tested through real torchrun (tests/test_checkpoint.py's fault test,
-tests/test_train.py's two-rank run).
+session and forks the ranks of each launch from that state (it never ran an op or made a
+process group). Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), fresh RNG
+seeds, the launch's extra environment and working folder, and runs the command's own
+`run_command(main)` with `sys.argv` as `-m` would set it. As with torchrun, the first rank
+that fails stops the others; the launch returns every rank's exit code. What torchrun's
+agent itself does (restarts, rendezvous) stays tested through real torchrun
+(tests/test_checkpoint.py's fault test).
 """
 
 import atexit
