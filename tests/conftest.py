@@ -1,19 +1,24 @@
-"""Shared helpers for tests that launch the trainer with torchrun."""
+"""Shared helpers for tests that launch the trainer on several CPU ranks."""
 
 import json
 import os
-import subprocess
-import sys
+import pathlib
+import tempfile
 
 import pytest
+from launcher import ZYGOTE
 
 
 def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titan_fold.train", "--job.config_file", config, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`,
+    the ranks forked from one process that imported the trainer once per session, with
+    torchrun's environment (tests/launcher.py; torchrun itself: test_checkpoint.py's fault test)."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
+        codes = ZYGOTE.launch(nproc, ["--job.config_file", config, *args], str(out), str(err))
+        if any(codes):
+            tail = out.read_text(errors="replace")[-3000:] + err.read_text(errors="replace")[-6000:]
+            raise AssertionError(f"exit codes {codes}\n{tail}")
 
 
 def read_metrics(folder) -> list[dict]:

@@ -197,6 +197,7 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
 
 
 def _worker(rank: int, store: str, out_dir: str):
+    torch.set_num_threads(1)  # 8 ranks share 2 cores: no intra-op threads spinning against each other
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     from titan_fold.models import Transformer
 

@@ -208,7 +208,10 @@ def _free_port():
 
 
 def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
-    mp.spawn(worker, args=(_free_port(), str(out_dir), world, layouts, device_type), nprocs=world, join=True)
+    # CPU: fork, so the ranks inherit the parent's imported torch and titan_fold (8 fresh
+    # interpreters importing them cost more than all the cases); CUDA needs spawn
+    mp.start_processes(worker, args=(_free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
+                       join=True, start_method="fork" if device_type == "cpu" else "spawn")
     failures = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(world)]
     return [f for f in failures if f]
 

@@ -34,6 +34,7 @@ def _check(mesh, expected: list[int], what: str):
 
 def _worker(rank: int, store_path: str):
 
+    torch.set_num_threads(1)  # 8 ranks share 2 cores: no intra-op threads spinning against each other
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     checked = 0
     for cfg in LAYOUTS:

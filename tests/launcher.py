@@ -1,0 +1,164 @@
+"""Launch `python -m titan_fold.train` on N CPU ranks as torchrun does, importing torch once.
+
+On 2 cores, every torchrun rank spends ~7 CPU-seconds importing torch, torchtitan (which
+pulls in inductor, datasets, pandas) and titan_fold before it trains: an 8-rank launch
+burns a minute on imports. Here one zygote process imports the trainer once per test
+session and forks the ranks of each launch from that state (it never ran an op or made a
+process group). Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), fresh RNG
+seeds, the launch's extra environment and working folder, and runs the command's own
+`run_command(main)` with `sys.argv` as `-m` would set it. As with torchrun, the first rank
+that fails stops the others; the launch returns every rank's exit code. What torchrun's
+agent itself does (restarts, rendezvous) stays tested through real torchrun
+(tests/test_checkpoint.py's fault test).
+"""
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+GRACE_S = 10  # after a failure, SIGTERM the other ranks, then SIGKILL those still alive
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
+    """Body of one forked rank; returns its exit code."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the zygote
+    except (OSError, AttributeError):
+        pass
+    os.setpgid(0, 0)
+    os.chdir(request["cwd"])
+    os.environ.update(request["env"])
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+    sys.stdin = open(os.devnull)
+    import torch
+
+    from titan_fold.errors import run_command
+
+    # a fresh process's RNG states, not the zygote's (identical in every rank); Python's
+    # `random` reseeds itself after a fork
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    from titan_fold.train import main
+
+    sys.argv = ["titan_fold.train", *request["argv"]]  # as `python -m titan_fold.train ARGV` sets it
+    try:
+        run_command(main)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _launch(request: dict) -> list[int]:
+    """Fork the ranks of one launch and wait for them; -> exit codes (-N: killed by signal N)."""
+    nproc, port = request["nproc"], _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _rank(rank, nproc, port, request)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    deadline, stop_at = time.monotonic() + request["timeout"], None
+    while len(codes) < nproc:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0 and stop_at is None:
+                stop_at = time.monotonic() + GRACE_S
+                _signal([p for p in pids if p not in codes], signal.SIGTERM)
+            continue
+        now = time.monotonic()
+        if now > deadline or (stop_at is not None and now > stop_at):
+            _signal([p for p in pids if p not in codes], signal.SIGKILL)
+            deadline = stop_at = float("inf")
+        time.sleep(0.05)
+    return [codes[p] for p in pids]
+
+
+def _signal(pids, sig):
+    for p in pids:
+        try:
+            os.killpg(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def serve() -> None:
+    """The zygote: import the trainer, then one launch per request line on stdin."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what imports print must not mix with the replies
+    import titan_fold.train  # noqa: F401  (what every rank would import)
+
+    for line in sys.stdin:
+        replies.write(json.dumps(_launch(json.loads(line))) + "\n")
+
+
+class Zygote:
+    """The test session's side: starts the zygote on first use, stops it at exit."""
+
+    def __init__(self):
+        self.proc = None
+
+    def launch(self, nproc: int, argv: list[str], stdout: str, stderr: str, env: dict | None = None,
+               timeout: float = 900) -> list[int]:
+        if self.proc is None or self.proc.poll() is not None:
+            here = os.path.dirname(os.path.abspath(__file__))
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.join(here, "launcher.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            atexit.register(self.close)
+        request = dict(nproc=nproc, argv=list(argv), stdout=stdout, stderr=stderr, env=env or {},
+                       cwd=os.getcwd(), timeout=timeout)
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"the launcher died (exit code {self.proc.wait()})"
+        return json.loads(reply)
+
+    def close(self):
+        """End of stdin ends an idle zygote; one still in a launch (an interrupted session)
+        is killed, and its ranks with it (PR_SET_PDEATHSIG)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+ZYGOTE = Zygote()
+
+if __name__ == "__main__":
+    serve()

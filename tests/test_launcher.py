@@ -1,0 +1,24 @@
+"""tests/launcher.py, which most trainer tests launch through: every rank gets its own RANK,
+a failure reaches the test as torchrun reports it, and a dead rank does not hang the launch."""
+
+from launcher import ZYGOTE
+
+
+def launch(tmp_path, nproc, *args, env=None):
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    codes = ZYGOTE.launch(nproc, ["--job.config_file", "debug_moe.toml", *args], str(out), str(err), env=env)
+    return codes, err.read_text()
+
+
+def test_user_error_exits_2_on_every_rank_and_is_printed_once(tmp_path):
+    codes, err = launch(tmp_path, 2, "--parallelism.expert_parallel_degree", "3")
+    assert codes == [2, 2], err[-3000:]
+    assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err[-3000:]
+
+
+def test_killed_rank_ends_the_launch(tmp_path):
+    # rank 1 SIGKILLs itself in step 1; rank 0 fails in (or is stopped while in) a collective
+    codes, err = launch(tmp_path, 2, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
+                        "--parallelism.expert_parallel_degree", "2",
+                        env={"TITAN_FOLD_FAULT_AT_STEP": "1", "TITAN_FOLD_FAULT_RANK": "1"})
+    assert codes[1] == -9 and codes[0] != 0, (codes, err[-3000:])
