@@ -66,6 +66,11 @@ def model_args_from_config(config: JobConfig):
     if flavor not in spec.model_args:
         raise ConfigError(f"model.flavor = {flavor!r}: {name} has {sorted(spec.model_args)}")
     model_args = spec.model_args[flavor]
+    if config.training.seq_len > model_args.max_seq_len:  # before the job's seq_len replaces it
+        raise ConfigError(
+            f"training.seq_len = {config.training.seq_len}: longer than {name} {flavor}'s "
+            f"max_seq_len {model_args.max_seq_len}"
+        )
     model_args.update_from_config(config)
     return spec, model_args
 
@@ -75,11 +80,6 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
     layout = check_layout(config, world_size)
     spec, model_args = model_args_from_config(config)
     tr = config.training
-    if tr.seq_len > model_args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len = {tr.seq_len}: longer than {config.model.name} {config.model.flavor}'s "
-            f"max_seq_len {model_args.max_seq_len}"
-        )
     if tr.global_batch_size == 0 or tr.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size = {tr.global_batch_size}: must be >= 1, or -1 for local x dp")
     if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * layout.dp):
