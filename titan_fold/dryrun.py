@@ -732,10 +732,14 @@ def main(job_config) -> int:
 # ---------------------------------------------------------------- the banner of a real run
 
 
+def _human(b: float) -> str:
+    return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.2f} MiB"
+
+
 def memory_line(model_parts: list[nn.Module], job_config) -> str:
     b = parameter_report(model_parts, job_config)["bytes"]
-    return (f"params {b['params'] / GIB:.2f} GiB, grads {b['grads'] / GIB:.2f} GiB, "
-            f"optimizer {b['optimizer'] / GIB:.2f} GiB ({job_config.optimizer.name})")
+    return (f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
+            f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})")
 
 
 def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config, num_stages: int = 1) -> str:
