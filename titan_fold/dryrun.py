@@ -283,8 +283,6 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
             parts, _, _ = build_rank(config, layout, model_args, getattr(torch, job_config.training.mixed_precision_param))
             report["activations"] = {"source": "fake-tensor step", **fake_step(parts, stages, layout, config, model_args)}
         except Exception as e:  # reported; the cost model's estimate stands in
-            if os.environ.get("TITAN_FOLD_DRY_RUN_RAISE"):
-                raise
             report["activations"] = {"source": "cost model estimate (the fake-tensor step failed: "
                                                f"{type(e).__name__}: {str(e).splitlines()[0][:200]})"}
             report["activations"]["traceback"] = "".join(l for l in traceback.format_exc().splitlines(True) if "titan_fold" in l)
@@ -732,10 +730,14 @@ def main(job_config) -> int:
 # ---------------------------------------------------------------- the banner of a real run
 
 
+def _human(b: float) -> str:
+    return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.2f} MiB"
+
+
 def memory_line(model_parts: list[nn.Module], job_config) -> str:
     b = parameter_report(model_parts, job_config)["bytes"]
-    return (f"params {b['params'] / GIB:.2f} GiB, grads {b['grads'] / GIB:.2f} GiB, "
-            f"optimizer {b['optimizer'] / GIB:.2f} GiB ({job_config.optimizer.name})")
+    return (f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
+            f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})")
 
 
 def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config, num_stages: int = 1) -> str:
