@@ -11,8 +11,14 @@ sys.path.insert(0, os.path.join(ROOT, "docs"))
 import gen  # noqa: E402
 
 
+# planning.md quotes 19 planner searches: minutes of CPU (over 10 min on 2 busy cores)
+SLOW = {"docs/planning.md"}
+
+
 @pytest.mark.parametrize("doc", gen.DOCS)
 def test_quoted_output_is_current(doc):
+    if doc in SLOW and not os.environ.get("TITAN_FOLD_SLOW_DOCS"):
+        pytest.skip(f"{doc}: set TITAN_FOLD_SLOW_DOCS=1 (or run `python docs/gen.py --check {doc}`)")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "gen.py"), "--check", doc],
                             capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, f"{doc} quotes stale output; run `python docs/gen.py`:\n{result.stdout}{result.stderr}"
