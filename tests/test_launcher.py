@@ -1,6 +1,8 @@
 """tests/launcher.py, which most trainer tests launch through: every rank gets its own RANK,
 a failure reaches the test as torchrun reports it, and a dead rank does not hang the launch."""
 
+import signal
+
 from launcher import ZYGOTE
 
 
@@ -10,9 +12,10 @@ def launch(tmp_path, nproc, *args, env=None):
     return codes, err.read_text()
 
 
-def test_user_error_exits_2_on_every_rank_and_is_printed_once(tmp_path):
+def test_user_error_exits_2_and_is_printed_once(tmp_path):
     codes, err = launch(tmp_path, 2, "--parallelism.expert_parallel_degree", "3")
-    assert codes == [2, 2], err[-3000:]
+    # rank 1 exits 2 too, unless (as under torchrun) it is stopped once rank 0 has failed
+    assert codes[0] == 2 and codes[1] in (2, -signal.SIGTERM), (codes, err[-3000:])
     assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err[-3000:]
 
 
