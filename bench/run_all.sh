@@ -27,6 +27,9 @@
 #   bash bench/run_all.sh L     # 1 GPU (nvidia-h200): row movement; the trainer with the sum's dtype
 #                               #   pinned against $BASE (embedding_bag), interleaved, local batch 2 and 4
 #   bash bench/run_all.sh M     # J again with the code as it stands (the sum's dtype pinned)
+#   bash bench/run_all.sh N     # 1 GPU (nvidia-h200): MoE layer at Qwen3-30B-A3B shapes, the fused SwiGLU
+#                               #   and gather-sum against $BASE (interleaved), then every shape
+#                               #   beside torchtitan 0.2.2's MoE layer, eager and compiled
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -167,6 +170,22 @@ elif [ "$phase" = L ]; then
     timeout 70 $PY bench/train_step.py --cases $case --gpus 0 --port 29511 --steps 20 \
       --name train_step_1gpu_l_b$b --out-dir "$OUT" --case-timeout 68 > "$LOGS/train_step_l_b$b.log" 2>&1
   done
+elif [ "$phase" = N ]; then
+  # fourteenth call (2026-11-23), one GPU
+  (cd "$PWD" && timeout 120 $PY -m pytest -q tests/test_moe_layer.py -k fused > "$LOGS/test_fused.log" 2>&1)
+  for i in 1 2; do
+    if [ -n "${BASE:-}" ]; then
+      (cd "$BASE" && timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+        --name moe_layer_n_base_$i --out-dir "$OUT" > "$LOGS/moe_layer_base_$i.log" 2>&1)
+    fi
+    timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+      --name moe_layer_n_new_$i --out-dir "$OUT" > "$LOGS/moe_layer_new_$i.log" 2>&1
+  done
+  timeout 150 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile off \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_n_eager --out-dir "$OUT" \
+    > "$LOGS/moe_layer_n_eager.log" 2>&1
+  timeout 200 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile on --no-profile \
+    --shapes qwen3_30b_a3b --name moe_layer_n_compiled --out-dir "$OUT" > "$LOGS/moe_layer_n_compiled.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.moe.args import MoEArgs
-from titan_fold.moe.experts import GroupedExperts
+from titan_fold.moe.experts import GroupedExperts, fused
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -74,7 +74,8 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
 # atomic scatter-add itself; both are several times slower than a gather. The permutations
 # here are known in both directions, so forward and backward are gathers (and one sum over
 # the k rows of each token, accumulated in float; its dtype is pinned, since autocast would
-# otherwise return float32 and turn the whole residual stream float32).
+# otherwise return float32 and turn the whole residual stream float32). On a GPU the gather
+# and the sum over k are one kernel (fused): the [T*k, dim] gathered rows never reach memory.
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter(0, perm, torch.arange(perm.numel(), device=perm.device))
@@ -115,7 +116,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (slot,) = ctx.saved_tensors
-        return _sum_by_token(grad, slot, ctx.k, ctx.dropped), None, None, None, None
+        return fused(_sum_by_token)(grad, slot, ctx.k, ctx.dropped), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -124,7 +125,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, token_of_row, slot, k, dropped):
         ctx.save_for_backward(token_of_row)
-        return _sum_by_token(rows, slot, k, dropped)
+        return fused(_sum_by_token)(rows, slot, k, dropped)
 
     @staticmethod
     def backward(ctx, grad):
