@@ -30,6 +30,9 @@
 #   bash bench/run_all.sh N     # 1 GPU (nvidia-h200): MoE layer at Qwen3-30B-A3B shapes, the fused SwiGLU
 #                               #   and gather-sum against $BASE (interleaved), then every shape
 #                               #   beside torchtitan 0.2.2's MoE layer, eager and compiled
+#   bash bench/run_all.sh O     # 1 GPU (nvidia-h200): Qwen3-30B-A3B layer against $BASE again (sum over k
+#                               #   as k gathers); trainer at local batch 4: autocast over fp32 weights,
+#                               #   bf16 weights with fp32 masters, bf16 weights alone; masters compiled
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -186,6 +189,19 @@ elif [ "$phase" = N ]; then
     > "$LOGS/moe_layer_n_eager.log" 2>&1
   timeout 200 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile on --no-profile \
     --shapes qwen3_30b_a3b --name moe_layer_n_compiled --out-dir "$OUT" > "$LOGS/moe_layer_n_compiled.log" 2>&1
+elif [ "$phase" = O ]; then
+  # fifteenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  for i in 1 2; do
+    (cd "$BASE" && timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+      --name moe_layer_o_base_$i --out-dir "$OUT" > "$LOGS/moe_layer_o_base_$i.log" 2>&1)
+    timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+      --name moe_layer_o_new_$i --out-dir "$OUT" > "$LOGS/moe_layer_o_new_$i.log" 2>&1
+  done
+  timeout 320 $PY bench/train_step.py --cases 1gpu_b4,1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_o --out-dir "$OUT" --case-timeout 105 > "$LOGS/train_step.log" 2>&1
+  timeout 140 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled --gpus 0 --port 29512 \
+    --steps 20 --name train_step_1gpu_o_compiled --out-dir "$OUT" --case-timeout 135 > "$LOGS/train_step_c.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

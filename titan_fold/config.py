@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
+from torchtitan.config.job_config import Optimizer as TitanOptimizer
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
@@ -44,6 +45,14 @@ class Parallelism(TitanParallelism):
 class Training(TitanTraining):
     dataset: str = "stdlib"
     """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF datasets."""
+
+
+@dataclass
+class Optimizer(TitanOptimizer):
+    master_weights: bool = False
+    """Keep fp32 master weights and fp32 optimizer states in the optimizer while the model's
+    parameters are bf16 (training.dtype = "bfloat16"): bf16 compute without autocast, the
+    fp32 recipe's update (titan_fold/optimizer.py)."""
 
 
 @dataclass
@@ -80,6 +89,7 @@ class MoE:
 class JobConfig(TitanJobConfig):
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     moe: MoE = field(default_factory=MoE)
 
@@ -163,6 +173,12 @@ def validate(config: JobConfig) -> None:
             f"activation_checkpoint.moe_layer_recompute with activation_checkpoint.mode = '{ac.mode}': "
             "choose one; moe_layer_recompute needs mode = 'none'"
         )
+    opt = config.optimizer
+    if opt.master_weights and tr.dtype != "bfloat16":
+        raise ConfigError(f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
+                          "are for bf16 model parameters; set training.dtype = 'bfloat16'")
+    if opt.master_weights and opt.early_step_in_backward:
+        raise ConfigError("optimizer.master_weights = true with optimizer.early_step_in_backward: choose one")
     if tr.seq_len < 1 or tr.local_batch_size < 1 or tr.steps < 0:
         raise ConfigError("training.seq_len and training.local_batch_size must be >= 1, training.steps >= 0")
 

@@ -98,10 +98,17 @@ class _PermuteRows(torch.autograd.Function):
 def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool) -> torch.Tensor:
     """rows [R, dim], slot [T*k]: the row of each assignment -> [T, dim].
 
-    dropped: some assignments have no row (slot R); they read an appended zero row."""
+    dropped: some assignments have no row (slot R); they read an appended zero row.
+    k gathers of [T, dim] added up in float: fused, one pointwise kernel reads each token's
+    k rows, coalesced along dim (a gather of [T*k, dim] then a sum over k, fused as a
+    reduction over k, ran at a quarter of the memory bandwidth)."""
     if dropped:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
-    return rows[slot].view(-1, k, rows.shape[-1]).sum(1, dtype=rows.dtype)
+    slot = slot.view(-1, k)  # [T, k]
+    total = rows[slot[:, 0]].to(torch.promote_types(rows.dtype, torch.float32))
+    for j in range(1, k):
+        total = total + rows[slot[:, j]]
+    return total.to(rows.dtype)
 
 
 class _Dispatch(torch.autograd.Function):
