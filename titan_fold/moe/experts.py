@@ -101,7 +101,9 @@ _FUSED = {}
 def fused(fn):
     """fn(tensor, ...) as generated kernels on CUDA in eager mode, its intermediates kept out
     of memory (dim 0 of every tensor dynamic: one compile serves every row count); fn itself
-    on the CPU and inside an enclosing torch.compile, which fuses it there."""
+    on the CPU and inside an enclosing torch.compile, which fuses it there. fn sets its
+    dtypes itself: autocast is off inside, so that a call in forward (under autocast) and
+    one in backward (outside it) share one compile."""
 
     def call(*args):
         if args[0].device.type != "cuda" or torch.compiler.is_compiling():
@@ -111,7 +113,8 @@ def fused(fn):
         for t in args:
             if isinstance(t, torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return _FUSED[fn](*args)
+        with torch.autocast("cuda", enabled=False):
+            return _FUSED[fn](*args)
 
     return call
 
