@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.moe.args import MoEArgs
-from titan_fold.moe.experts import GroupedExperts, fused
+from titan_fold.moe.experts import GroupedExperts, compute_dtype, fused
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -269,6 +269,9 @@ class TokenDispatcher(nn.Module):
             slot = _inverse(order)  # [N] row of each assignment
 
         dropped = keep is not None
+        # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
+        # half the bytes, and the gradient's sum over k sees the dtype the combine sees
+        x = x.to(compute_dtype(x))
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
             if dropped and not args.pad_to_capacity:

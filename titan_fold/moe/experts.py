@@ -16,6 +16,12 @@ def local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The experts' dtype for rows x: autocast does not cover grouped GEMMs, so they cast
+    rows and weights as it would a matmul."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
     # CPU eager takes fp32 and bf16; compiled graphs and CUDA take bf16; rows must be
     # 16-byte aligned
@@ -43,8 +49,7 @@ class GroupedExperts(nn.Module):
         C meaning R = E_local * C (padded, static shapes: batched GEMM).
         Returns [R, dim], already multiplied by probs. With etp > 1 it is a partial sum.
         """
-        # autocast does not cover grouped GEMMs: cast rows and weights as it would a matmul
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = compute_dtype(x)
         x = x.to(dtype)
         w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
@@ -110,6 +115,9 @@ def fused(fn):
             return fn(*args)
         if fn not in _FUSED:
             _FUSED[fn] = torch.compile(fn, fullgraph=True)
+        # called inside autograd Functions: no graph to record, and a tensor that requires
+        # grad (forward) and one that does not (backward) would need two compiles
+        args = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
         for t in args:
             if isinstance(t, torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
