@@ -143,5 +143,7 @@ def test_debug_model_loss_matches_the_autocast_recipe(tmp_path, seed_checkpoint)
                             LOSS_STEPS, *autocast)
     noise = abs(_mean_tail(other) - _mean_tail(amp))
     gap = abs(_mean_tail(masters) - _mean_tail(amp))
+    print(f"mean loss of the last 25 steps: autocast {_mean_tail(amp):.4f}, masters {_mean_tail(masters):.4f}, "
+          f"autocast from another seed {_mean_tail(other):.4f}; gap {gap:.4f}, noise {noise:.4f}")
     assert _mean_tail(masters) < 0.8 * masters[0]["loss"]  # it trains
     assert gap <= max(noise, 0.005 * _mean_tail(amp)), (gap, noise, _mean_tail(amp), _mean_tail(masters))
