@@ -38,6 +38,8 @@
 #                               #   and the fine-grained shapes compiled
 #   bash bench/run_all.sh Q     # 1 GPU (nvidia-h200): P's trainer cases again (rows gathered in the experts'
 #                               #   dtype, fused kernels fed detached tensors: no recompile), Qwen3 layer
+#   bash bench/run_all.sh R     # 1 GPU (nvidia-h200): fp32 masters with the one-pass master AdamW step,
+#                               #   beside bf16 weights alone
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -225,6 +227,11 @@ elif [ "$phase" = Q ]; then
     --steps 20 --name train_step_1gpu_q --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step.log" 2>&1
   timeout 60 $PY bench/moe_layer.py --modes dropless --compile off --shapes qwen3_30b_a3b --name moe_layer_q \
     --out-dir "$OUT" > "$LOGS/moe_layer_q.log" 2>&1
+elif [ "$phase" = R ]; then
+  # eighteenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  timeout 200 $PY bench/train_step.py --cases 1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_r --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

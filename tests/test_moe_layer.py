@@ -309,7 +309,8 @@ def test_fused_kernels_match_float64(device, rows):
     run on this device (one generated kernel each on CUDA, plain ops on the CPU), against
     float64 autograd of the unfused formula; two row counts share one compile."""
     from titan_fold.moe.dispatcher import _sum_by_token
-    from titan_fold.moe.experts import _SwiGLUProb, fused
+    from titan_fold.fused import fused
+    from titan_fold.moe.experts import _SwiGLUProb
 
     g = torch.Generator().manual_seed(rows)
     a, b, gy = (torch.randn(rows, 96, generator=g, dtype=torch.float64) for _ in range(3))

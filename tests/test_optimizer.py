@@ -17,8 +17,8 @@ def make_model(seed=0):
     return nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 8)).to(torch.bfloat16)
 
 
-def build(model, implementation="for-loop", master_weights=True):
-    config = Optimizer(lr=LR, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+def build(model, implementation="for-loop", master_weights=True, name="AdamW"):
+    config = Optimizer(name=name, lr=LR, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
                        implementation=implementation, master_weights=master_weights)
     return build_optimizers([model], config, parallel_dims=None)
 
@@ -28,12 +28,16 @@ def grads_for(model, step):
     return [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in model.parameters()]
 
 
-def adamw_float64(w, grads_by_step):
-    """torch.optim.AdamW's update in float64: decay, moments, bias-corrected step."""
+def adam_float64(w, grads_by_step, decoupled=True):
+    """torch.optim.AdamW's update (Adam's with decoupled=False: L2 decay through the gradient)
+    in float64: decay, moments, bias-corrected step."""
     w, m, v = w.double().clone(), torch.zeros_like(w, dtype=torch.float64), torch.zeros_like(w, dtype=torch.float64)
     for t, g in enumerate(grads_by_step, start=1):
         g = g.double()
-        w = w * (1 - LR * WD)
+        if decoupled:
+            w = w * (1 - LR * WD)
+        else:
+            g = g + WD * w
         m = BETAS[0] * m + (1 - BETAS[0]) * g
         v = BETAS[1] * v + (1 - BETAS[1]) * g * g
         denom = (v / (1 - BETAS[1] ** t)).sqrt() + EPS
@@ -41,14 +45,16 @@ def adamw_float64(w, grads_by_step):
     return w
 
 
-@pytest.mark.parametrize("implementation", ["for-loop", "foreach", "fused"])
-def test_master_update_matches_float64(implementation):
+@pytest.mark.parametrize("name, implementation", [("AdamW", "fused"), ("AdamW", "for-loop"), ("Adam", "foreach")])
+def test_master_update_matches_float64(name, implementation):
     """Updates of lr 1e-4 are below half a bf16 ulp of most weights: the fp32 masters keep
-    them (float64 AdamW within fp32 rounding), a bf16 optimizer loses them."""
+    them (float64 AdamW / Adam within fp32 rounding), a bf16 optimizer loses them. The
+    implementation picks torch's kernel for the bf16 optimizer and the states' first layout."""
     model, steps = make_model(), 6
     start = [p.detach().clone() for p in model.parameters()]
     bf16_model = copy.deepcopy(model)
-    opt, bf16_opt = build(model, implementation), build(bf16_model, implementation, master_weights=False)
+    opt = build(model, implementation, name=name)
+    bf16_opt = build(bf16_model, implementation, master_weights=False, name=name)
     assert isinstance(opt, MasterWeightOptimizersContainer)
     history = []
     for step in range(steps):
@@ -61,7 +67,7 @@ def test_master_update_matches_float64(implementation):
         opt.step()
         bf16_opt.step()
     for i, (p, q, m) in enumerate(zip(model.parameters(), bf16_model.parameters(), opt.masters[0])):
-        ref = adamw_float64(start[i], [h[i] for h in history])
+        ref = adam_float64(start[i], [h[i] for h in history], decoupled=name == "AdamW")
         moved = (ref - start[i].double()).norm()
         assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
         assert ((m.double() - ref).norm() / moved) < 1e-4  # fp32 rounding of the master only

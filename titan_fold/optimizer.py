@@ -4,16 +4,20 @@ precision-aware optimizer).
 With `training.dtype = "bfloat16"` the model's parameters are bf16: forward and backward
 compute in bf16 with no autocast re-cast of every weight, and the gradients arrive in
 bf16. `optimizer.master_weights = true` keeps an fp32 copy of every parameter and fp32
-Adam states in the optimizer instead of bf16 ones. Each step casts the bf16 gradients to
-fp32 (freeing each bf16 gradient as it goes), runs torchtitan's optimizer (the same fused
-AdamW) on the fp32 masters, and rounds the masters into the model's parameters. So the
-update is the fp32 recipe's (updates smaller than a bf16 ulp of the weight accumulate in
-the master instead of being rounded away) at bf16 compute speed. Memory per parameter:
-2 (bf16 weight) + 2 (bf16 gradient) + 4 (master) + 8 (states) bytes, the fp32 recipe's 16.
+Adam states in the optimizer instead of bf16 ones. Each step reads a parameter's bf16
+gradient, updates its fp32 master and moments by torch.optim.Adam / AdamW's algorithm, and
+writes the rounded master into the bf16 parameter, in one pass over the parameter (one
+generated kernel on CUDA: 28 bytes moved per parameter, where casting the gradients,
+running torch's fused AdamW on the masters and copying them back moves 40). So the update
+is the fp32 recipe's (updates smaller than a bf16 ulp of the weight accumulate in the
+master instead of being rounded away) at bf16 compute speed. Memory per parameter: 2 (bf16
+weight) + 2 (bf16 gradient) + 4 (master) + 8 (states) bytes, the fp32 recipe's 16.
 Gradients of several micro-batches are summed in bf16 (the model's gradient dtype).
 
-The masters are parameters of the torch optimizers torchtitan's trainer steps, clips
-(parallel/clip.py sets their grad_scale) and schedules; checkpoints hold them as
+The masters are parameters of the torch optimizers torchtitan builds (their param groups
+hold the learning rate its scheduler sets and the settings, their states the moments, and
+parallel/clip.py sets their grad_scale: the clip coefficient as a divisor of the gradient,
+which the step applies); checkpoints hold them as
 `state.<parameter name>.master` next to that parameter's Adam states, in the flattened
 layout of `torch.distributed.checkpoint.state_dict` (the keys a run without masters saves,
 plus one).
@@ -28,6 +32,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as build_titan_optimizers
 
 from titan_fold.config import ConfigError
+from titan_fold.fused import fused
 
 MASTER_KEY = "master"
 # wrapper names (torch.compile, activation checkpointing, FSDP1) that are no part of a
@@ -57,6 +62,9 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
             self.params.append(params)
             self.masters.append(masters)
             self.names.append([n for n, _ in named])
+        # per optimizer [lr, 1 / grad_scale] on the device: set without a host sync, and a new
+        # learning rate needs no new compile
+        self.scalars = [torch.zeros(2, dtype=torch.float32, device=_local(m[0]).device) for m in self.masters]
         # a checkpoint loaded into the model alone (a seed or model-only checkpoint) changes
         # the parameters after this: the masters copy them again at the first step unless a
         # checkpoint of this optimizer was loaded
@@ -65,18 +73,30 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
         self._post_init([m for masters in self.masters for m in masters], optimizer_kwargs)
 
     @torch.no_grad()
-    def step(self, *args, **kwargs) -> None:
+    def step(self) -> None:
         if not self._masters_loaded:
             self._copy(self.masters, self.params)
             self._masters_loaded = True
-        for params, masters, opt in zip(self.params, self.masters, self.optimizers):
+        for params, masters, opt, scalars in zip(self.params, self.masters, self.optimizers, self.scalars):
+            _init_state(opt)
+            group = opt.param_groups[0]
+            (beta1, beta2), decoupled = group["betas"], isinstance(opt, torch.optim.AdamW)
+            scalars[0].fill_(group["lr"])
+            scale = getattr(opt, "grad_scale", None)  # parallel/clip.py's clip coefficient, a divisor
+            if scale is None:
+                scalars[1].fill_(1.0)
+            else:
+                scalars[1].copy_(scale.reciprocal())
             for p, m in zip(params, masters):
-                if p.grad is not None:
-                    m.grad = p.grad.to(torch.float32)
-                    p.grad = None  # at most one bf16 gradient and its fp32 copy alive at once
-            opt.step(*args, **kwargs)
-            opt.zero_grad(set_to_none=True)
-        self._copy(self.params, self.masters)  # rounded to the model's dtype
+                if p.grad is None:
+                    continue
+                state = opt.state[m]
+                weight, master, exp_avg, exp_avg_sq = (_local(t).view(-1) for t in (p, m, state["exp_avg"],
+                                                                                     state["exp_avg_sq"]))
+                fused(_adam_master_step)(weight, _local(p.grad).reshape(-1), master, exp_avg, exp_avg_sq,
+                                         state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"],
+                                         decoupled)
+                p.grad = None
 
     def zero_grad(self, *args, **kwargs) -> None:
         for params, opt in zip(self.params, self.optimizers):
@@ -119,10 +139,32 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
         self._copy(self.params, self.masters)
 
 
+def _adam_master_step(weight, grad, master, exp_avg, exp_avg_sq, step, scalars, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, decoupled: bool) -> None:
+    """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one fp32
+    master [n] and its fp32 moments, in place, from the bf16 gradient [n]; the rounded master
+    into the bf16 weight [n]. step: the parameter's step count, float32 []; scalars [2]:
+    the learning rate and the reciprocal of the clip's grad_scale."""
+    lr, inv_scale = scalars[0], scalars[1]
+    g = grad.float() * inv_scale
+    step.add_(1)
+    if decoupled:
+        master.mul_(1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * master
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = exp_avg_sq.sqrt() / (1 - beta2**step).sqrt() + eps
+    master.sub_(lr / (1 - beta1**step) * exp_avg / denom)
+    weight.copy_(master)
+
+
 @torch.no_grad()
 def _init_state(opt: torch.optim.Optimizer) -> None:
     """Adam's states before its first step (so that a checkpoint has tensors to load into):
-    one step with zero gradients and lr 0 moves nothing, then its step count goes back to 0."""
+    one step with zero gradients and lr 0 moves no parameter; then its moments (which Adam's
+    L2 decay did move) go back to zero, and its step count to 0, next to its parameter (the
+    master step updates it there)."""
     if all(opt.state.get(p) for group in opt.param_groups for p in group["params"]):
         return
     lrs = [group["lr"] for group in opt.param_groups]
@@ -135,7 +177,9 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
         group["lr"] = lr
         for p in group["params"]:
             p.grad = None
-            opt.state[p]["step"].zero_()
+            for value in opt.state[p].values():
+                value.zero_()
+            opt.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
 
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:

@@ -30,8 +30,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_fold.fused import fused
 from titan_fold.moe.args import MoEArgs
-from titan_fold.moe.experts import GroupedExperts, compute_dtype, fused
+from titan_fold.moe.experts import GroupedExperts, compute_dtype
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:

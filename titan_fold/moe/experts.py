@@ -11,6 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_fold.fused import fused
+
 
 def local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
@@ -98,33 +100,6 @@ def _swiglu_prob_backward(g, a, b, p):
     grad_a = gh * b * sig * (1 + a * (1 - sig))
     grad_p = (g * silu * b).sum(-1, keepdim=True)
     return grad_a.to(dtype), (gh * silu).to(dtype), grad_p
-
-
-_FUSED = {}
-
-
-def fused(fn):
-    """fn(tensor, ...) as generated kernels on CUDA in eager mode, its intermediates kept out
-    of memory (dim 0 of every tensor dynamic: one compile serves every row count); fn itself
-    on the CPU and inside an enclosing torch.compile, which fuses it there. fn sets its
-    dtypes itself: autocast is off inside, so that a call in forward (under autocast) and
-    one in backward (outside it) share one compile."""
-
-    def call(*args):
-        if args[0].device.type != "cuda" or torch.compiler.is_compiling():
-            return fn(*args)
-        if fn not in _FUSED:
-            _FUSED[fn] = torch.compile(fn, fullgraph=True)
-        # called inside autograd Functions: no graph to record, and a tensor that requires
-        # grad (forward) and one that does not (backward) would need two compiles
-        args = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        for t in args:
-            if isinstance(t, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch.autocast("cuda", enabled=False):
-            return _FUSED[fn](*args)
-
-    return call
 
 
 class _SwiGLUProb(torch.autograd.Function):
