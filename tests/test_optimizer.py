@@ -45,12 +45,17 @@ def adam_float64(w, grads_by_step, decoupled=True):
     return w
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, implementation", [("AdamW", "fused"), ("AdamW", "for-loop"), ("Adam", "foreach")])
-def test_master_update_matches_float64(name, implementation):
+def test_master_update_matches_float64(name, implementation, device):
     """Updates of lr 1e-4 are below half a bf16 ulp of most weights: the fp32 masters keep
     them (float64 AdamW / Adam within fp32 rounding), a bf16 optimizer loses them. The
-    implementation picks torch's kernel for the bf16 optimizer and the states' first layout."""
-    model, steps = make_model(), 6
+    implementation picks torch's kernel for the bf16 optimizer and the states' first layout;
+    on CUDA the master step is one generated kernel."""
+    model, steps = make_model().to(device), 6
     start = [p.detach().clone() for p in model.parameters()]
     bf16_model = copy.deepcopy(model)
     opt = build(model, implementation, name=name)
@@ -63,12 +68,13 @@ def test_master_update_matches_float64(name, implementation):
         opt.zero_grad()
         bf16_opt.zero_grad()
         for p, q, g in zip(model.parameters(), bf16_model.parameters(), grads):
-            p.grad, q.grad = g.clone(), g.clone()
+            p.grad, q.grad = g.to(device), g.to(device)
         opt.step()
         bf16_opt.step()
     for i, (p, q, m) in enumerate(zip(model.parameters(), bf16_model.parameters(), opt.masters[0])):
-        ref = adam_float64(start[i], [h[i] for h in history], decoupled=name == "AdamW")
-        moved = (ref - start[i].double()).norm()
+        ref = adam_float64(start[i].cpu(), [h[i] for h in history], decoupled=name == "AdamW")
+        p, q, m = p.detach().cpu(), q.detach().cpu(), m.cpu()
+        moved = (ref - start[i].cpu().double()).norm()
         assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
         assert ((m.double() - ref).norm() / moved) < 1e-4  # fp32 rounding of the master only
         assert torch.equal(p, m.to(torch.bfloat16))  # the model holds the rounded master
