@@ -1,6 +1,7 @@
 """Forward + backward TFLOP/s of one titan_fold MoE layer at real shapes, with a breakdown.
 
-    python bench/moe_layer.py                                   # 1 GPU: 3 shapes x (dropless, cf 1.0) x (eager, compiled)
+    python bench/moe_layer.py                                   # 1 GPU: 4 shapes x (dropless, cf 1.0) x (eager, compiled)
+    python bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan   # torchtitan 0.2.2's layer beside ours
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2,etp2 --name moe_layer_2gpu
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2 --shapes qwen2_57b_a14b --shared-overlap on,off
     python bench/moe_layer.py --smoke                           # CPU, tiny shapes (what the tests run)
