@@ -1,6 +1,7 @@
 """Forward + backward TFLOP/s of one titan_fold MoE layer at real shapes, with a breakdown.
 
-    python bench/moe_layer.py                                   # 1 GPU: 3 shapes x (dropless, cf 1.0) x (eager, compiled)
+    python bench/moe_layer.py                                   # 1 GPU: 4 shapes x (dropless, cf 1.0) x (eager, compiled)
+    python bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan   # torchtitan 0.2.2's layer beside ours
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2,etp2 --name moe_layer_2gpu
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2 --shapes qwen2_57b_a14b --shared-overlap on,off
     python bench/moe_layer.py --smoke                           # CPU, tiny shapes (what the tests run)
@@ -42,19 +43,41 @@ SHAPES = {
     "mixtral_8x22b": dict(dim=6144, ffn=16384, experts=8, top_k=2, shared_ffn=0, gate=False, norm_topk=True),
     # the paper's fine-grained Mixtral-8x22B: 64 experts of 2048, top-8
     "mixtral_8x22b_g8t8": dict(dim=6144, ffn=2048, experts=64, top_k=8, shared_ffn=0, gate=False, norm_topk=True),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert
+    "qwen3_30b_a3b": dict(dim=2048, ffn=768, experts=128, top_k=8, shared_ffn=0, gate=False, norm_topk=True),
     # CPU smoke test
     "tiny": dict(dim=64, ffn=32, experts=8, top_k=2, shared_ffn=64, gate=True, norm_topk=False),
 }
 MODES = {"dropless": None, "cf1.0": 1.0}
 
 
-def build_layer(shape: dict, capacity_factor, device, dtype) -> MoE:
+def build_layer(shape: dict, capacity_factor, device, dtype, impl: str = "titan_fold"):
+    if impl == "torchtitan":
+        return build_torchtitan_layer(shape, device, dtype)
     args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
                    shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["gate"],
                    norm_topk_prob=shape["norm_topk"], capacity_factor=capacity_factor)
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
+    return layer
+
+
+def build_torchtitan_layer(shape: dict, device, dtype):
+    """torchtitan 0.2.2's MoE layer at the same shape, as its Qwen3 model builds it: softmax
+    scores, the top-k renormalized where the shape says so, the score applied after the
+    experts, aux-loss-free bias; a shared expert of shared_ffn = num_shared_experts * ffn
+    (no sigmoid gate: torchtitan has none)."""
+    from torchtitan.models.moe import MoE as TitanMoE
+    from torchtitan.models.moe import MoEArgs as TitanMoEArgs
+
+    args = TitanMoEArgs(num_experts=shape["experts"], num_shared_experts=shape["shared_ffn"] // shape["ffn"],
+                        score_func="softmax", route_norm=shape["norm_topk"], top_k=shape["top_k"],
+                        score_before_experts=False)
+    torch.manual_seed(0)
+    layer = TitanMoE(args, shape["dim"], shape["ffn"]).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.init_weights(0.02, device)
     return layer
 
 
@@ -121,6 +144,12 @@ def kernel_class(name: str) -> str:
         return "sort_scan"
     if any(s in n for s in ("index", "scatter", "gather")):
         return "index_scatter_gather"
+    if n.startswith("triton"):
+        return "triton_fused"
+    if "functor_add" in n or "functoronself_add" in n:
+        return "add"
+    if "mulfunctor" in n or "functor_mul" in n:
+        return "mul"
     if any(s in n for s in ("reduce", "sum")):
         return "reduce"
     return "elementwise_other"
@@ -134,12 +163,12 @@ def _dev_time(evt, on_gpu: bool) -> float:
     return evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
 
 
-def profile_step(step, layer: MoE, device, steps: int = 2) -> dict:
+def profile_step(step, layer, device, steps: int = 2) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with annotated(layer):
+    with annotated(layer) if isinstance(layer, MoE) else contextlib.nullcontext():
         step()  # warm the wrappers
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -161,28 +190,32 @@ def profile_step(step, layer: MoE, device, steps: int = 2) -> dict:
     inner = ("grouped_gemm", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "reduce_scatter_v")
     if "dispatcher" in forward:
         forward["dispatcher_rest_gather_combine"] = forward["dispatcher"] - sum(forward.get(k, 0.0) for k in inner)
-    kernels, top = {}, {}
+    kernels, top, launches = {}, {}, 0
     for evt in events:
         if evt.device_type == DeviceType.CUDA and not evt.name.startswith("moe::"):
             ms = _dev_time(evt, True) / 1e3 / steps
             cls = kernel_class(evt.name)
             kernels[cls] = kernels.get(cls, 0.0) + ms
-            top[evt.name] = top.get(evt.name, 0.0) + ms
+            top[evt.name[:160]] = top.get(evt.name[:160], 0.0) + ms
+            launches += 1
     busy = sum(kernels.values())
     return {
         "forward_ms_by_part": {k: round(v, 3) for k, v in sorted(forward.items())},
         "step_gpu_ms_by_kernel_class": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])},
         "step_gpu_busy_ms": round(busy, 3),
-        "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+        "kernels_per_step": launches / steps,
+        "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:24]},
     }
 
 
 # ---- one configuration ------------------------------------------------------------------------
 
-def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh, overlap=True) -> list[dict]:
+def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh, overlap=True,
+                 impl="titan_fold") -> list[dict]:
     shape = SHAPES[shape_name]
-    layer = build_layer(shape, MODES[mode], device, dtype)
-    layer.args.shared_expert_overlap = overlap
+    layer = build_layer(shape, MODES[mode], device, dtype, impl)
+    if impl == "titan_fold":
+        layer.args.shared_expert_overlap = overlap
     if dispatch != "none":
         ep_mesh = mesh if dispatch.startswith("ep") else None
         etp_mesh = mesh if dispatch.startswith("etp") else None
@@ -193,8 +226,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
     grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     rows = []
     for compiled in compile_modes:
-        row = {"shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled, "tokens_per_gpu": a.tokens,
-               "shared_overlap": overlap}
+        row = {"impl": impl, "shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled,
+               "tokens_per_gpu": a.tokens, "shared_overlap": overlap}
         try:
             if compiled:
                 torch._dynamo.reset()
@@ -211,8 +244,9 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
             times = time_ms(step, a.warmup, a.iters, device)
             stats = moe_stats([layer])
             kept = 1.0 - (stats.get("dropped_token_frac") or 0.0)
+            gate = shape["gate"] and impl == "titan_fold"
             flops = moe_layer_flops(a.tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"],
-                                    shape["shared_ffn"], shape["gate"], kept_frac=kept)
+                                    shape["shared_ffn"], gate, kept_frac=kept)
             ms = median(times)
             tflops = flops["total"] / (ms * 1e-3) / 1e12
             row.update(
@@ -238,7 +272,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
 def _print_row(row):
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    what = (f"{row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} {'compiled' if row['compiled'] else 'eager':8s}"
+    what = (f"{row['impl']:10s} {row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} "
+            f"{'compiled' if row['compiled'] else 'eager':8s}"
             f"{'' if row['shared_overlap'] else ' no-overlap'}")
     if "error" in row:
         print(f"{what} ERROR {row['error']}", flush=True)
@@ -250,7 +285,9 @@ def _print_row(row):
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8")
+    p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,qwen3_30b_a3b")
+    p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold | torchtitan (torchtitan 0.2.2's "
+                   "MoE layer at the same shape, dropless, one GPU), each timed in this process")
     p.add_argument("--modes", default="dropless,cf1.0")
     p.add_argument("--compile", default="both", choices=["off", "on", "both"])
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
@@ -299,11 +336,14 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--dispatch {dispatch} needs torchrun --nproc_per_node 2")
         for shape_name in a.shapes.split(","):
             for mode in a.modes.split(","):
-                for overlap in a.shared_overlap.split(","):
-                    if overlap == "off" and not SHAPES[shape_name]["shared_ffn"]:
-                        continue
-                    rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
-                                         overlap=overlap == "on")
+                for impl in a.impl.split(","):
+                    if impl == "torchtitan" and (mode != "dropless" or dispatch != "none"):
+                        continue  # its layer is dropless; its EP lives in its parallelize step
+                    for overlap in a.shared_overlap.split(","):
+                        if overlap == "off" and (not SHAPES[shape_name]["shared_ffn"] or impl != "titan_fold"):
+                            continue
+                        rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
+                                             overlap=overlap == "on", impl=impl)
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had
     if dist.is_initialized():

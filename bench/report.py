@@ -58,6 +58,53 @@ def moe_layer_table(results: str) -> list[str]:
     return out
 
 
+ROUND2 = ("moe_layer_n_", "moe_layer_o_", "moe_layer_p_", "moe_layer_q")  # issue 18's calls (phases N-Q)
+
+
+def moe_layer_round2_table(results: str) -> list[str]:
+    """Every MoE-layer row of phases N to Q: titan_fold's layer (code of that call, or $BASE,
+    the code before it, in *_base_* files) and torchtitan 0.2.2's, each with the dense GEMM
+    rate of its own process."""
+    out = ["| result | layer | shape | eager/compiled | ms / step | TFLOP/s | dense GEMM TFLOP/s | share of dense | "
+           "torchtitan ms / titan_fold ms |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    n = 0
+    for prefix in ROUND2:
+        for name, rec in _all(results, prefix):
+            rows, dense = rec["figures"]["rows"], rec["figures"]["dense_bf16_gemm_tflops"]
+            theirs = {(r["shape"], r["compiled"]): r.get("median_ms") for r in rows if r.get("impl") == "torchtitan"}
+            for r in rows:
+                if "error" in r:
+                    continue
+                layer = r.get("impl", "titan_fold") + (" ($BASE)" if "_base_" in name else "")
+                vs = theirs.get((r["shape"], r["compiled"])) if r.get("impl") == "titan_fold" else None
+                out.append(f"| {name} | {layer} | {r['shape']} | {'compiled' if r['compiled'] else 'eager'} | "
+                           f"{_f(r['median_ms'], 3)} | {_f(r['tflops'])} | {_f(dense)} | "
+                           f"{_f(r.get('ratio_to_dense_gemm'), 3)} | {_f(vs / r['median_ms'], 2) if vs else '-'} |")
+                n += 1
+    return out if n else []
+
+
+def kernel_class_table(results: str) -> list[str]:
+    """GPU time of one eager forward + backward by kernel class, phases N to Q."""
+    classes = ("gemm", "index_scatter_gather", "triton_fused", "add", "mul", "reduce", "elementwise_other", "sort_scan")
+    out = ["| result | layer | shape | step ms | GPU busy ms | kernels | " + " | ".join(classes) + " |",
+           "|---|---|---|---:|---:|---:|" + "---:|" * len(classes)]
+    n = 0
+    for prefix in ROUND2:
+        for name, rec in _all(results, prefix):
+            for r in rec["figures"]["rows"]:
+                b = r.get("breakdown")
+                if not b:
+                    continue
+                cls = b["step_gpu_ms_by_kernel_class"]
+                layer = r.get("impl", "titan_fold") + (" ($BASE)" if "_base_" in name else "")
+                out.append(f"| {name} | {layer} | {r['shape']} | {_f(r['median_ms'], 2)} | {_f(b['step_gpu_busy_ms'], 2)} | "
+                           f"{_f(b.get('kernels_per_step'), 0)} | " + " | ".join(_f(cls.get(c), 2) if cls.get(c) else "-"
+                                                                                 for c in classes) + " |")
+                n += 1
+    return out if n else []
+
+
 def breakdown_table(results: str) -> list[str]:
     parts = ("router", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "grouped_gemm",
              "reduce_scatter_v", "dispatcher_rest_gather_combine", "shared_expert")
@@ -167,6 +214,8 @@ def collectives_table(results: str) -> list[str]:
 
 def report(results: str) -> str:
     sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
+                ("MoE layer beside torchtitan 0.2.2's, issue 18 (1 GPU)", moe_layer_round2_table),
+                ("MoE layer GPU time by kernel class, issue 18 (ms per step)", kernel_class_table),
                 ("Trainer, proxy Qwen2-57B-A14B-L2", train_table),
                 ("Profiled trainer steps", profile_table),
                 ("titan_fold vs torchtitan 0.2.2", vs_table),

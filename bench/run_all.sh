@@ -27,6 +27,19 @@
 #   bash bench/run_all.sh L     # 1 GPU (nvidia-h200): row movement; the trainer with the sum's dtype
 #                               #   pinned against $BASE (embedding_bag), interleaved, local batch 2 and 4
 #   bash bench/run_all.sh M     # J again with the code as it stands (the sum's dtype pinned)
+#   bash bench/run_all.sh N     # 1 GPU (nvidia-h200): MoE layer at Qwen3-30B-A3B shapes, the fused SwiGLU
+#                               #   and gather-sum against $BASE (interleaved), then every shape
+#                               #   beside torchtitan 0.2.2's MoE layer, eager and compiled
+#   bash bench/run_all.sh O     # 1 GPU (nvidia-h200): Qwen3-30B-A3B layer against $BASE again (sum over k
+#                               #   as k gathers); trainer at local batch 4: autocast over fp32 weights,
+#                               #   bf16 weights with fp32 masters, bf16 weights alone; masters compiled
+#   bash bench/run_all.sh P     # 1 GPU (nvidia-h200): O's trainer cases again (no autocast inside the fused
+#                               #   kernels), then every MoE-layer shape beside torchtitan's layer, eager,
+#                               #   and the fine-grained shapes compiled
+#   bash bench/run_all.sh Q     # 1 GPU (nvidia-h200): P's trainer cases again (rows gathered in the experts'
+#                               #   dtype, fused kernels fed detached tensors: no recompile), Qwen3 layer
+#   bash bench/run_all.sh R     # 1 GPU (nvidia-h200): fp32 masters with the one-pass master AdamW step,
+#                               #   beside bf16 weights alone
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -167,6 +180,58 @@ elif [ "$phase" = L ]; then
     timeout 70 $PY bench/train_step.py --cases $case --gpus 0 --port 29511 --steps 20 \
       --name train_step_1gpu_l_b$b --out-dir "$OUT" --case-timeout 68 > "$LOGS/train_step_l_b$b.log" 2>&1
   done
+elif [ "$phase" = N ]; then
+  # fourteenth call (2026-11-23), one GPU
+  (cd "$PWD" && timeout 120 $PY -m pytest -q tests/test_moe_layer.py -k fused > "$LOGS/test_fused.log" 2>&1)
+  for i in 1 2; do
+    if [ -n "${BASE:-}" ]; then
+      (cd "$BASE" && timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+        --name moe_layer_n_base_$i --out-dir "$OUT" > "$LOGS/moe_layer_base_$i.log" 2>&1)
+    fi
+    timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+      --name moe_layer_n_new_$i --out-dir "$OUT" > "$LOGS/moe_layer_new_$i.log" 2>&1
+  done
+  timeout 150 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile off \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_n_eager --out-dir "$OUT" \
+    > "$LOGS/moe_layer_n_eager.log" 2>&1
+  timeout 200 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile on --no-profile \
+    --shapes qwen3_30b_a3b --name moe_layer_n_compiled --out-dir "$OUT" > "$LOGS/moe_layer_n_compiled.log" 2>&1
+elif [ "$phase" = O ]; then
+  # fifteenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  for i in 1 2; do
+    (cd "$BASE" && timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+      --name moe_layer_o_base_$i --out-dir "$OUT" > "$LOGS/moe_layer_o_base_$i.log" 2>&1)
+    timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --modes dropless --compile off \
+      --name moe_layer_o_new_$i --out-dir "$OUT" > "$LOGS/moe_layer_o_new_$i.log" 2>&1
+  done
+  timeout 320 $PY bench/train_step.py --cases 1gpu_b4,1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_o --out-dir "$OUT" --case-timeout 105 > "$LOGS/train_step.log" 2>&1
+  timeout 140 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled --gpus 0 --port 29512 \
+    --steps 20 --name train_step_1gpu_o_compiled --out-dir "$OUT" --case-timeout 135 > "$LOGS/train_step_c.log" 2>&1
+elif [ "$phase" = P ]; then
+  # sixteenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  timeout 300 $PY bench/train_step.py --cases 1gpu_b4,1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_p --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step.log" 2>&1
+  timeout 120 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile off \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_p_eager --out-dir "$OUT" \
+    > "$LOGS/moe_layer_p_eager.log" 2>&1
+  timeout 160 $PY bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan --compile on --no-profile \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8 --name moe_layer_p_compiled --out-dir "$OUT" \
+    > "$LOGS/moe_layer_p_compiled.log" 2>&1
+elif [ "$phase" = Q ]; then
+  # seventeenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  timeout 300 $PY bench/train_step.py --cases 1gpu_b4,1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_q --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step.log" 2>&1
+  timeout 60 $PY bench/moe_layer.py --modes dropless --compile off --shapes qwen3_30b_a3b --name moe_layer_q \
+    --out-dir "$OUT" > "$LOGS/moe_layer_q.log" 2>&1
+elif [ "$phase" = R ]; then
+  # eighteenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  timeout 200 $PY bench/train_step.py --cases 1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
+    --steps 20 --name train_step_1gpu_r --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

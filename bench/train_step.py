@@ -5,8 +5,9 @@
     python bench/train_step.py --cases debug50 --gpus 0          # issue 2's bf16 acceptance run
     python bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0   # bf16 weights (training.dtype)
     python bench/train_step.py --cases dp2_ep2_bf16params_b4,dp2_ep2_bf16params_b4_ga2 --gpus 0,1
-    (modifiers, see parse_case: _compiled, _bf16params, _b<N> local batch N, _ga<N> N micro-batches
-    per optimizer step, _profile traces step 10 and sums its kernels by class)
+    python bench/train_step.py --cases 1gpu_masters_b4 --gpus 0   # bf16 weights, fp32 masters in the optimizer
+    (modifiers, see parse_case: _compiled, _bf16params, _masters, _b<N> local batch N, _ga<N> N
+    micro-batches per optimizer step, _profile traces step 10 and sums its kernels by class)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -62,15 +63,16 @@ def register_proxy(family: str, proxy: str) -> None:
 
 def parse_case(case: str) -> tuple[str, dict]:
     """"<base>[_mod...]" -> (base, mods). base: 1gpu, debug50 or a key of FOLDINGS. mods:
-    eager (the default), compiled, bf16params (bf16 weights, training.dtype), b<N> (local
+    eager (the default), compiled, bf16params (bf16 weights, training.dtype), masters (bf16
+    weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
                  if case == b or case.startswith(b + "_")), None)
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
-    mods = {"compiled": False, "bf16params": False, "batch": None, "accum": 1, "profile": False}
+    mods = {"compiled": False, "bf16params": False, "masters": False, "batch": None, "accum": 1, "profile": False}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "profile"):
+        if mod in ("compiled", "bf16params", "masters", "profile"):
             mods[mod] = True
         elif mod[:1] == "b" and mod[1:].isdigit():
             mods["batch"] = int(mod[1:])
@@ -108,9 +110,11 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     ]
     if mods["compiled"]:
         args.append("--compile.enable")
-    if mods["bf16params"]:
+    if mods["bf16params"] or mods["masters"]:
         # bf16 parameters (no AMP autocast), activations reach the experts in bf16
         args += ["--training.dtype", "bfloat16"]
+    if mods["masters"]:
+        args += ["--optimizer.master_weights"]
     if mods["profile"]:  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args

@@ -10,7 +10,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "docs"))
 import gen  # noqa: E402
 
-
 # planning.md quotes 19 planner searches: minutes of CPU (over 10 min on 2 busy cores)
 SLOW = {"docs/planning.md"}
 

@@ -29,6 +29,7 @@ from torchtitan.config.job_config import Comm as TitanComm
 from torchtitan.config.job_config import Debug as TitanDebug
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Model as TitanModel
+from torchtitan.config.job_config import Optimizer as TitanOptimizer
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
@@ -63,6 +64,14 @@ class Training(TitanTraining):
     nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: "stop" the run at that step (exit 3, nothing
     saved from it), or "skip" the step (no optimizer step, counted in metrics.jsonl)."""
+
+
+@dataclass
+class Optimizer(TitanOptimizer):
+    master_weights: bool = False
+    """Keep fp32 master weights and fp32 optimizer states in the optimizer while the model's
+    parameters are bf16 (training.dtype = "bfloat16"): bf16 compute without autocast, the
+    fp32 recipe's update (titan_fold/optimizer.py)."""
 
 
 @dataclass
@@ -119,6 +128,7 @@ class JobConfig(TitanJobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
@@ -319,6 +329,12 @@ def validate(config: JobConfig) -> None:
             f"activation_checkpoint.moe_layer_recompute with activation_checkpoint.mode = '{ac.mode}': "
             "choose one; moe_layer_recompute needs mode = 'none'"
         )
+    opt = config.optimizer
+    if opt.master_weights and tr.dtype != "bfloat16":
+        raise ConfigError(f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
+                          "are for bf16 model parameters; set training.dtype = 'bfloat16'")
+    if opt.master_weights and opt.early_step_in_backward:
+        raise ConfigError("optimizer.master_weights = true with optimizer.early_step_in_backward: choose one")
     if tr.seq_len < 1 or tr.local_batch_size < 1 or tr.steps < 0:
         raise ConfigError("training.seq_len and training.local_batch_size must be >= 1, training.steps >= 0")
     for key, value in (("metrics.log_freq", config.metrics.log_freq), ("checkpoint.interval", config.checkpoint.interval)):

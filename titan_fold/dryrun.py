@@ -285,7 +285,7 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
         except Exception as e:  # reported; the cost model's estimate stands in
             report["activations"] = {"source": "cost model estimate (the fake-tensor step failed: "
                                                f"{type(e).__name__}: {str(e).splitlines()[0][:200]})"}
-            report["activations"]["traceback"] = "".join(l for l in traceback.format_exc().splitlines(True) if "titan_fold" in l)
+            report["activations"]["traceback"] = "".join(line for line in traceback.format_exc().splitlines(True) if "titan_fold" in line)
     report["cpu_seconds"] = round(time.process_time() - t0, 2)
     return report
 
@@ -487,7 +487,7 @@ def _step_trainer_class():
         pickled objects at its first step, which a fake process group cannot carry, so the
         pipeline's own send/recv are not recorded."""
 
-        def __init__(self, config, layout, model_args):  # noqa: super().__init__ builds data and checkpoints
+        def __init__(self, config, layout, model_args):  # not super().__init__: it builds data and checkpoints
             from torchtitan.components.lr_scheduler import build_lr_schedulers
             from torchtitan.components.optimizer import build_optimizers
             from torchtitan.distributed import utils as dist_utils

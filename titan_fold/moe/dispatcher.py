@@ -32,8 +32,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_fold.fused import fused
 from titan_fold.moe.args import MoEArgs
-from titan_fold.moe.experts import GroupedExperts
+from titan_fold.moe.experts import GroupedExperts, compute_dtype
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -76,7 +77,8 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
 # atomic scatter-add itself; both are several times slower than a gather. The permutations
 # here are known in both directions, so forward and backward are gathers (and one sum over
 # the k rows of each token, accumulated in float; its dtype is pinned, since autocast would
-# otherwise return float32 and turn the whole residual stream float32).
+# otherwise return float32 and turn the whole residual stream float32). On a GPU the gather
+# and the sum over k are one kernel (fused): the [T*k, dim] gathered rows never reach memory.
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter(0, perm, torch.arange(perm.numel(), device=perm.device))
@@ -99,10 +101,17 @@ class _PermuteRows(torch.autograd.Function):
 def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool) -> torch.Tensor:
     """rows [R, dim], slot [T*k]: the row of each assignment -> [T, dim].
 
-    dropped: some assignments have no row (slot R); they read an appended zero row."""
+    dropped: some assignments have no row (slot R); they read an appended zero row.
+    k gathers of [T, dim] added up in float: fused, one pointwise kernel reads each token's
+    k rows, coalesced along dim (a gather of [T*k, dim] then a sum over k, fused as a
+    reduction over k, ran at a quarter of the memory bandwidth)."""
     if dropped:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
-    return rows[slot].view(-1, k, rows.shape[-1]).sum(1, dtype=rows.dtype)
+    slot = slot.view(-1, k)  # [T, k]
+    total = rows[slot[:, 0]].to(torch.promote_types(rows.dtype, torch.float32))
+    for j in range(1, k):
+        total = total + rows[slot[:, j]]
+    return total.to(rows.dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -117,7 +126,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (slot,) = ctx.saved_tensors
-        return _sum_by_token(grad, slot, ctx.k, ctx.dropped), None, None, None, None
+        return fused(_sum_by_token)(grad, slot, ctx.k, ctx.dropped), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -126,7 +135,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, token_of_row, slot, k, dropped):
         ctx.save_for_backward(token_of_row)
-        return _sum_by_token(rows, slot, k, dropped)
+        return fused(_sum_by_token)(rows, slot, k, dropped)
 
     @staticmethod
     def backward(ctx, grad):
@@ -269,6 +278,9 @@ class TokenDispatcher(nn.Module):
             slot = _inverse(order)  # [N] row of each assignment
 
         dropped = keep is not None
+        # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
+        # half the bytes, and the gradient's sum over k sees the dtype the combine sees
+        x = x.to(compute_dtype(x))
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
             if dropped and not args.pad_to_capacity:

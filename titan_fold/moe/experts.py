@@ -11,9 +11,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_fold.fused import fused
+
 
 def local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The experts' dtype for rows x: autocast does not cover grouped GEMMs, so they cast
+    rows and weights as it would a matmul."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
@@ -43,11 +51,10 @@ class GroupedExperts(nn.Module):
         C meaning R = E_local * C (padded, static shapes: batched GEMM).
         Returns [R, dim], already multiplied by probs. With etp > 1 it is a partial sum.
         """
-        # autocast does not cover grouped GEMMs: cast rows and weights as it would a matmul
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = compute_dtype(x)
         x = x.to(dtype)
         w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
-        p = probs.to(dtype).unsqueeze(-1)  # [R, 1]
+        p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
         if isinstance(counts, int):
             y = _swiglu_padded(x.view(w1.shape[0], counts, -1), w1, w2, w3, p.view(w1.shape[0], counts, 1), prob_before_w2)
             return y.flatten(0, 1)
@@ -68,23 +75,60 @@ class GroupedExperts(nn.Module):
                 nn.init.trunc_normal_(w, mean=0.0, std=init_std)
 
 
-def _apply(h, p, y_fn, prob_before_w2):
-    # before w2: the router's gradient needs only h (saved anyway), not the expert output
-    return y_fn(h * p) if prob_before_w2 else y_fn(h) * p
+def _apply(a, b, p, y_fn, prob_before_w2):
+    """a = x @ w1.T, b = x @ w3.T [R, ffn]; p [R, 1] -> y_fn(h) with h = silu(a) * b, the
+    probability applied before w2 (the router's gradient then needs only a and b, saved
+    anyway) or after it."""
+    if prob_before_w2:
+        return y_fn(_SwiGLUProb.apply(a, b, p))
+    return y_fn(F.silu(a) * b) * p.to(a.dtype)
+
+
+def _swiglu_prob_forward(a, b, p):
+    # [R, ffn], [R, ffn], [R, 1] (p float32 at least) -> silu(a) * b * p computed in p's
+    # dtype, rounded once to a's
+    return (F.silu(a.to(p.dtype)) * b.to(p.dtype) * p).to(a.dtype)
+
+
+def _swiglu_prob_backward(g, a, b, p):
+    # g [R, ffn]: gradient of silu(a) * b * p -> gradients of a, b [R, ffn] and of p [R, 1]
+    dtype = a.dtype
+    a, b, g = a.to(p.dtype), b.to(p.dtype), g.to(p.dtype)
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    gh = g * p
+    grad_a = gh * b * sig * (1 + a * (1 - sig))
+    grad_p = (g * silu * b).sum(-1, keepdim=True)
+    return grad_a.to(dtype), (gh * silu).to(dtype), grad_p
+
+
+class _SwiGLUProb(torch.autograd.Function):
+    """silu(a) * b * p with one pass over [R, ffn] each way, instead of silu, two products
+    and their backwards (five passes), and only a, b, p saved (not silu(a) and the product)."""
+
+    @staticmethod
+    def forward(ctx, a, b, p):
+        p = p.to(torch.promote_types(p.dtype, torch.float32))
+        ctx.save_for_backward(a, b, p)
+        return fused(_swiglu_prob_forward)(a, b, p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, p = ctx.saved_tensors
+        return fused(_swiglu_prob_backward)(grad.contiguous(), a, b, p)
 
 
 def _swiglu_padded(x, w1, w2, w3, p, prob_before_w2):
     # x [E, C, dim], p [E, C, 1]
-    h = F.silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))  # [E, C, ffn]
-    return _apply(h, p, lambda h: torch.bmm(h, w2.transpose(1, 2)), prob_before_w2)  # [E, C, dim]
+    a, b = torch.bmm(x, w1.transpose(1, 2)), torch.bmm(x, w3.transpose(1, 2))  # [E, C, ffn]
+    return _apply(a, b, p, lambda h: torch.bmm(h, w2.transpose(1, 2)), prob_before_w2)  # [E, C, dim]
 
 
 def _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2):
     offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
-    h = F.silu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
-        x, w3.transpose(1, 2), offs=offs
-    )  # [R, ffn]
-    return _apply(h, p, lambda h: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), prob_before_w2)
+    a = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)  # [R, ffn]
+    b = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
+    return _apply(a, b, p, lambda h: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), prob_before_w2)
 
 
 def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
@@ -92,6 +136,5 @@ def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
     sizes = counts.tolist()
     ys = []
     for e, (xe, pe) in enumerate(zip(x.split(sizes), p.split(sizes))):
-        h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)  # [n_e, ffn]
-        ys.append(_apply(h, pe, lambda h: h @ w2[e].T, prob_before_w2))
+        ys.append(_apply(xe @ w1[e].T, xe @ w3[e].T, pe, lambda h: h @ w2[e].T, prob_before_w2))  # [n_e, dim]
     return torch.cat(ys)

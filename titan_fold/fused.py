@@ -1,0 +1,35 @@
+"""Several elementwise passes as one generated kernel, on CUDA in eager mode.
+
+The MoE layer's SwiGLU and its sums over k, and the master-weight AdamW step, are short
+chains of elementwise work over large tensors; run op by op each intermediate goes through
+memory. `fused(fn)(...)` runs fn through torch.compile on CUDA, so its intermediates stay
+in registers; on the CPU, and inside an enclosing torch.compile (which fuses it there), fn
+runs as written.
+"""
+
+import torch
+
+_COMPILED = {}
+
+
+def fused(fn):
+    """fn(tensor, ...) compiled once for any size of dim 0 of its tensors (dynamic). fn sets
+    its dtypes itself: autocast is off inside, so that a call in forward (under autocast) and
+    one in backward (outside it) share one compile. Its tensors are passed detached: it runs
+    inside autograd Functions or under no_grad, and a tensor that requires grad and one that
+    does not would need two compiles. In-place updates of its inputs reach the callers'
+    tensors (detach shares storage)."""
+
+    def call(*args):
+        if args[0].device.type != "cuda" or torch.compiler.is_compiling():
+            return fn(*args)
+        if fn not in _COMPILED:
+            _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+        args = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        with torch.autocast("cuda", enabled=False):
+            return _COMPILED[fn](*args)
+
+    return call
