@@ -16,8 +16,8 @@ SLOW = {"docs/planning.md"}
 
 @pytest.mark.parametrize("doc", gen.DOCS)
 def test_quoted_output_is_current(doc):
-    if doc in SLOW and not os.environ.get("TITAN_FOLD_SLOW_DOCS"):
-        pytest.skip(f"{doc}: set TITAN_FOLD_SLOW_DOCS=1 (or run `python docs/gen.py --check {doc}`)")
+    if doc in SLOW and not os.environ.get("TITAN_FOLD_SLOW"):
+        pytest.skip(f"{doc}: set TITAN_FOLD_SLOW=1 (or run `python docs/gen.py --check {doc}`)")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "gen.py"), "--check", doc],
                             capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, f"{doc} quotes stale output; run `python docs/gen.py`:\n{result.stdout}{result.stderr}"

@@ -3,6 +3,7 @@ layouts at their real world size in one process; per-rank memory against indepen
 matched collectives, and a deliberately mismatched dispatcher caught."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -17,7 +18,11 @@ from titan_fold.models import FLAVORS, Transformer
 ROOT = Path(__file__).resolve().parents[1]
 
 # world size each packaged config is written for (a new config must be added here)
-WORLD = {"debug_moe.toml": 2, "qwen2.toml": 64, "mixtral_8x22b.toml": 128, "mixtral_8x22b_g8t8.toml": 128}
+WORLD = {"debug_moe.toml": 2, "debug_qwen3_moe.toml": 2, "qwen3_30b_a3b.toml": 8, "qwen2.toml": 64,
+         "mixtral_8x22b.toml": 128, "mixtral_8x22b_g8t8.toml": 128}
+# recording one step's collectives on every rank costs 3-4 CPU s a rank: at 64 and 128 ranks
+# that runs only with TITAN_FOLD_SLOW=1 (every rank position's memory and build still run)
+SLOW = bool(os.environ.get("TITAN_FOLD_SLOW"))
 
 # the paper's 1024-GPU layouts: Table 5's folded Mixtral-8x22B at 128K (cp8 tp8 ep8 pp8 etp1,
 # global batch 128), its unfolded MCore row (cp16 tp4 ep8 pp8, etp = tp), and the packaged
@@ -58,10 +63,12 @@ def test_packaged_config_dry_runs(name):
     """Every rank position of the config at its world size: built, counted, collectives matched."""
     c = config(name, "--comm.dry_run_rank", "-1")
     start = time.process_time()
-    report = dryrun.dry_run(c, WORLD[name], collectives=True)
+    collectives = SLOW or WORLD[name] <= 8
+    report = dryrun.dry_run(c, WORLD[name], collectives=collectives)
     memory_s = sum(r["cpu_seconds"] for r in report["ranks"])
-    assert report["collectives"]["first_divergence"] is None
-    assert report["collectives"]["calls"] > 0
+    if collectives:
+        assert report["collectives"]["first_divergence"] is None
+        assert report["collectives"]["calls"] > 0
     per_stage = WORLD[name] // c.parallelism.pipeline_parallel_degree
     assert [r["rank"] for r in report["ranks"]] == sorted(
         {r for p in range(c.parallelism.pipeline_parallel_degree) for r in (p * per_stage, (p + 1) * per_stage - 1)})
@@ -96,7 +103,7 @@ def test_local_shapes_partition_the_model():
     """On every rank of a pure FSDP x (ep 4, etp 2) world the local parameters are pieces of
     the model: their numels over all ranks add up to the model's parameter count."""
     c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "4",
-               "--parallelism.expert_tensor_parallel_degree", "2")
+               "--parallelism.expert_tensor_parallel_degree", "2", "--training.local_batch_size", "1")
     _, args, _ = dryrun.check_config(c, 8)
     total = sum(dryrun.simulate_rank(c, 8, r, args, measure=False)["numel"] for r in range(8))
     with torch.device("meta"):
@@ -124,28 +131,27 @@ def test_fake_backend_command(tmp_path, monkeypatch, capsys):
     assert "every member of every group issues the same sequence" in text
 
 
-def test_fake_backend_needs_ngpu(monkeypatch):
-    from titan_fold.errors import UserError
+def test_fake_backend_needs_ngpu(monkeypatch, capsys):
     from titan_fold.train import main
 
     monkeypatch.delenv("NGPU", raising=False)
-    with pytest.raises(UserError, match="NGPU"):
-        main(["--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend"])
+    assert main(["--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend"]) == 2
+    assert "NGPU" in capsys.readouterr().err
 
 
-def test_local_tensor_mode_is_refused(monkeypatch):
-    from titan_fold.errors import UserError
+def test_local_tensor_mode_is_refused(monkeypatch, capsys):
     from titan_fold.train import main
 
     monkeypatch.setenv("NGPU", "4")
-    with pytest.raises(UserError, match="local_tensor"):
-        main(["--job.config_file", "debug_moe.toml", "--comm.mode", "local_tensor"])
+    assert main(["--job.config_file", "debug_moe.toml", "--comm.mode", "local_tensor"]) == 2
+    assert "local_tensor" in capsys.readouterr().err
 
 
 def test_mismatched_dispatcher_is_caught(monkeypatch):
     """A dispatcher that skips the counts' all-gather over etp on one rank: the check names
     the etp group, the rank and the call site."""
     from titan_fold.moe import dispatcher as disp
+    from titan_fold.parallel import experts
 
     class SkipsOneExchange(disp.TokenDispatcher):
         def _splits(self, counts, E_loc, device, rows):
@@ -163,7 +169,8 @@ def test_mismatched_dispatcher_is_caught(monkeypatch):
                "--parallelism.expert_tensor_parallel_degree", "2", "--training.local_batch_size", "1")
     _, args, _ = dryrun.check_config(c, 8)
     assert dryrun.first_divergence(dryrun.record_collectives(c, 8, args)) is None
-    monkeypatch.setattr(disp, "TokenDispatcher", SkipsOneExchange)
+    # parallelize builds the dispatchers (parallel/experts.py)
+    monkeypatch.setattr(experts, "TokenDispatcher", SkipsOneExchange)
     div = dryrun.first_divergence(dryrun.record_collectives(c, 8, args))
     assert div is not None
     assert div["rank"] == 3 or div["reference_rank"] == 3

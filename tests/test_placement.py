@@ -8,12 +8,7 @@ placements, after TP, EP and FSDP2, with the plan's. Together: a placement chang
 plan but not in the runtime, or in the runtime but not in the plan, fails here.
 """
 
-import contextlib
 import dataclasses
-import io
-import os
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +17,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan_fold import layout as layout_cli
 from titan_fold.config import JobConfig, Parallelism
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.parallel.mesh import Layout
@@ -243,34 +237,3 @@ def test_pipeline_stages_in_the_plan():
     assert {fqn: p.stage for fqn, p in plan.items() if not fqn.startswith("layers.")} == {
         "tok_embeddings.weight": 0, "norm.weight": 1, "output.weight": 1}
     assert [plan[f"layers.{i}.attention.wq.weight"].stage for i in range(4)] == [0, 0, 1, 1]
-
-
-# ---- docs/parallelize.md quotes the layout tool -------------------------------------------
-
-DOC = Path(__file__).resolve().parent.parent / "docs" / "parallelize.md"
-# "    $ python -m titan_fold.layout ARGS \ (continued)" + blank line + a fenced block of its output
-QUOTE = re.compile(r"( {4}\$ python -m titan_fold\.layout (.+?)\n\n```\n)(.*?)(```)", re.S)
-
-
-def layout_output(argv: list[str]) -> str:
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            assert layout_cli.main(argv) == 0
-    finally:
-        dist.destroy_process_group()  # the tool made a fake world of its own size
-    return out.getvalue()
-
-
-def test_parallelize_md_quotes_the_layout_tool():
-    """Each `python -m titan_fold.layout` command in docs/parallelize.md is followed by its
-    output as the tool prints it now. TITAN_FOLD_UPDATE_DOCS=1 rewrites the quotes instead."""
-    text = DOC.read_text()
-    quotes = list(QUOTE.finditer(text))
-    assert len(quotes) == 3
-    fresh = {m.group(3): layout_output(m.group(2).replace("\\\n", " ").split()) for m in quotes}
-    if os.environ.get("TITAN_FOLD_UPDATE_DOCS"):
-        DOC.write_text(QUOTE.sub(lambda m: m.group(1) + fresh[m.group(3)] + m.group(4), text))
-        return
-    for quoted, output in fresh.items():
-        assert quoted == output

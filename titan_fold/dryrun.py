@@ -492,8 +492,13 @@ def _step_trainer_class():
             from torchtitan.components.optimizer import build_optimizers
             from torchtitan.distributed import utils as dist_utils
 
+            from titan_fold.guard import NonFiniteGuard
+            from titan_fold.torchtitan_adapter import maybe_enable_amp, trainer_names
+
             self.job_config, self.parallel_dims, self.model_args = config, layout, model_args
             self.device = torch.device("cpu")
+            self._names = trainer_names(self)
+            self.guard = NonFiniteGuard(config.training.nonfinite, self.device)
             self.model_parts, self.stages, _ = build_rank(config, layout, model_args)
             for part in self.model_parts:
                 part.to_empty(device="cpu")
@@ -504,12 +509,13 @@ def _step_trainer_class():
             self.pp_has_last_stage = self.model_parts[-1].output is not None
             self.loss_fn = _loss_fn(config)
             self.optimizers = build_optimizers(self.model_parts, config.optimizer, layout)
+            self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
             self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
             self.gradient_accumulation_steps = 1
             self.step, self.ntokens_seen = 1, 0
             tp_loss = layout.tp > 1 and not config.parallelism.disable_loss_parallel
             self.train_context = dist_utils.get_train_context(tp_loss)
-            self.maybe_enable_amp = dist_utils.maybe_enable_amp(layout, config.training.mixed_precision_param, "cpu")
+            self.maybe_enable_amp = maybe_enable_amp(layout, config.training.mixed_precision_param, "cpu")
             self.checkpointer = self.metrics_processor = self
 
         def maybe_wait_for_staging(self):
