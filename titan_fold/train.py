@@ -137,8 +137,8 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     moe = model_args.moe
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
-    layout = layout_from_config(config, world_size)
     try:
+        layout = layout_from_config(config, world_size)
         layout.validate_model(model_args, config.training.seq_len)
     except LayoutError as e:
         # the rule speaks of ep, tp, ...; the user typed --parallelism.expert_parallel_degree
@@ -246,7 +246,8 @@ class FoldTrainer(Trainer):
     def train(self):
         self.metrics_processor.begin()
         self._torchtitan(Trainer.train)()
-        checkpoint = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
+        last = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
+        checkpoint = os.path.join(self.checkpointer.folder, last) if last else None
         if checkpoint and checkpoint.endswith(f"step-{self.step}") and self.job_config.checkpoint.last_save_model_only:
             checkpoint += " (weights only: checkpoint.last_save_model_only)"
         self.metrics_processor.summary(checkpoint)
