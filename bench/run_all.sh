@@ -40,6 +40,10 @@
 #                               #   dtype, fused kernels fed detached tensors: no recompile), Qwen3 layer
 #   bash bench/run_all.sh R     # 1 GPU (nvidia-h200): fp32 masters with the one-pass master AdamW step,
 #                               #   beside bf16 weights alone
+#   bash bench/run_all.sh S     # 1 GPU: the trainer after issues 14-17 and 19 (executed placement plan,
+#                               #   torchtitan adapter, NaN guard, signals, logging) against $BASE (the
+#                               #   code before them), interleaved; then fp32 masters and autocast
+#   bash bench/run_all.sh T     # 2 GPUs (nvidia-h200-x2): the same trainer's dp2 x ep2 and tp2 x ep2 foldings
 #
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
@@ -232,6 +236,26 @@ elif [ "$phase" = R ]; then
   export TORCH_LOGS=recompiles
   timeout 200 $PY bench/train_step.py --cases 1gpu_masters_b4,1gpu_bf16params_b4 --gpus 0 --port 29511 \
     --steps 20 --name train_step_1gpu_r --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step.log" 2>&1
+elif [ "$phase" = S ]; then
+  # nineteenth call (2026-11-23), one GPU
+  export TORCH_LOGS=recompiles
+  (cd "$BASE" && timeout 75 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29544 \
+    --steps 20 --name train_step_1gpu_s_base --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+    --case-timeout 73 > "$LOGS/train_step_s_base.log" 2>&1)
+  timeout 75 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29511 --steps 20 \
+    --name train_step_1gpu_s_new --out-dir "$OUT" --case-timeout 73 > "$LOGS/train_step_s_new.log" 2>&1
+  (cd "$BASE" && timeout 75 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29545 \
+    --steps 20 --name train_step_1gpu_s_base2 --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+    --case-timeout 73 > "$LOGS/train_step_s_base2.log" 2>&1)
+  timeout 75 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29512 --steps 20 \
+    --name train_step_1gpu_s_new2 --out-dir "$OUT" --case-timeout 73 > "$LOGS/train_step_s_new2.log" 2>&1
+  timeout 150 $PY bench/train_step.py --cases 1gpu_masters_b4,1gpu_b4 --gpus 0 --port 29513 --steps 20 \
+    --name train_step_1gpu_s --out-dir "$OUT" --case-timeout 73 > "$LOGS/train_step_s.log" 2>&1
+elif [ "$phase" = T ]; then
+  # twentieth call (2026-11-23), two GPUs
+  export TORCH_LOGS=recompiles
+  timeout 280 $PY bench/train_step.py --cases dp2_ep2,tp2_ep2 --gpus 0,1 --port 29543 --steps 15 \
+    --name train_step_2gpu_t --out-dir "$OUT" --case-timeout 130 > "$LOGS/train_step_2gpu_t.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

@@ -8,6 +8,7 @@ runs as written.
 """
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 _COMPILED = {}
 
@@ -25,6 +26,9 @@ def fused(fn):
             return fn(*args)
         if fn not in _COMPILED:
             _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+        # a collective's output still in flight (AsyncCollectiveTensor) is waited for here: its
+        # type would be a second compile
+        args = [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in args]
         args = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
         for t in args:
             if isinstance(t, torch.Tensor) and t.dim() > 0:

@@ -20,6 +20,7 @@ all-reduce and one device sync per step.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_fold.checkpoint import CheckpointError
 
@@ -61,12 +62,12 @@ class NonFiniteGuard:
         self._grad_norm = None
 
     def observe_loss(self, loss: torch.Tensor) -> None:
-        code = _code(loss.detach().float())
+        code = _code(_value(loss).detach().float())
         self._loss_code = code if self._loss_code is None else torch.maximum(self._loss_code, code)
 
     def observe_grad_norm(self, norm: torch.Tensor) -> None:
         """The gradient norm of this step, as the clipping computed it."""
-        self._grad_norm = norm
+        self._grad_norm = _value(norm)
 
     def before_optimizer_step(self, *_hook_args) -> None:
         """Optimizer step pre-hook: decide on every rank alike, then stop, skip or go on."""
@@ -84,6 +85,12 @@ class NonFiniteGuard:
             self.skipped += 1
             raise SkippedStep(what)
         raise NonFiniteError(self.step, what)
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: under tensor parallelism without FSDP the loss (loss parallel) and the
+    gradient norm are DTensors, which plain collectives do not take."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def check_weights(model_parts, where: str) -> None:
