@@ -29,12 +29,12 @@ SLOW = bool(os.environ.get("TITAN_FOLD_SLOW"))
 # 4K mappings scaled to 1024 GPUs (Table 4's strong scaling, global batch 1024)
 PAPER_1024 = {
     "mixtral folded 128K": ("mixtral_8x22b.toml", [
-        "--training.seq_len", "131072", "--training.global_batch_size", "128",
+        "--training.seq_len", "131072", "--model.max_seq_len", "131072", "--training.global_batch_size", "128",
         "--parallelism.context_parallel_degree", "8", "--parallelism.tensor_parallel_degree", "8",
         "--parallelism.expert_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "8",
         "--parallelism.expert_tensor_parallel_degree", "1"]),
     "mixtral mcore 128K": ("mixtral_8x22b.toml", [
-        "--training.seq_len", "131072", "--training.global_batch_size", "128",
+        "--training.seq_len", "131072", "--model.max_seq_len", "131072", "--training.global_batch_size", "128",
         "--parallelism.context_parallel_degree", "16", "--parallelism.tensor_parallel_degree", "4",
         "--parallelism.expert_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "8",
         "--parallelism.expert_tensor_parallel_degree", "4"]),

@@ -48,6 +48,9 @@ class Model(TitanModel):
     """With flavor = "hf": the config.json (or the Hugging Face folder holding it) that gives
     every size of the model; unset, checkpoint.initial_load_path when initial_load_in_hf.
     See docs/checkpoints.md."""
+    max_seq_len: int = 0
+    """The longest training.seq_len accepted; 0 = the flavor's context length (max_position_embeddings).
+    Set it to train longer sequences on purpose (context extension, e.g. the paper's 128K runs)."""
 
 
 @dataclass

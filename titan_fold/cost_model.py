@@ -324,8 +324,8 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
       (fp32); q, k, v, the attention output and the flash log-sum-exp (fp32);
       MoE: the router input copy (h), logits (E, fp32), top-k indices (int64); per routed
       row: three int64 indices (the sort by expert, its inverse, the row's token; two more
-      for the expert sort of received rows under ep or etp), its input (h), six ffn-wide
-      tensors (w1 out, w3 out, SiLU, its product, the probability product and w2's input)
+      for the expert sort of received rows under ep or etp), its input (h), three ffn-wide
+      tensors (w1 out and w3 out, kept by the fused SwiGLU x probability, and w2's input)
       and the probability (the combine is a gather: w2's output is not kept);
       shared expert: input (h), three ffn-wide tensors, gate and output (h).
     T tokens per rank at the block boundary (sequence parallel: S / (cp tp)); Ta = S / cp
@@ -347,7 +347,7 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
     rows = routed_rows(sizes, m, work, worst) * m.etp  # after the ETP all-gather
     moe = A * h * T + FP32 * T * sizes.num_experts + 8 * T * sizes.top_k  # router input, logits, top-k
     moe += 24 * rows / m.etp + (16 * rows if m.ep * m.etp > 1 else 0)  # int64 row indices
-    moe += A * rows * (h + 1 + sizes.moe_ffn_dim / m.etp * (2 if selective else 6))
+    moe += A * rows * (h + 1 + sizes.moe_ffn_dim / m.etp * (2 if selective else 3))
     if sizes.shared_ffn_dim:
         moe += A * Ta * (h + sizes.shared_ffn_dim / m.tp * (2 if selective else 3)) + A * T * (h + 1)
     return att + moe

@@ -66,11 +66,6 @@ def model_args_from_config(config: JobConfig):
     if flavor not in spec.model_args:
         raise ConfigError(f"model.flavor = {flavor!r}: {name} has {sorted(spec.model_args)}")
     model_args = spec.model_args[flavor]
-    if config.training.seq_len > model_args.max_seq_len:  # before the job's seq_len replaces it
-        raise ConfigError(
-            f"training.seq_len = {config.training.seq_len}: longer than {name} {flavor}'s "
-            f"max_seq_len {model_args.max_seq_len}"
-        )
     model_args.update_from_config(config)
     return spec, model_args
 
