@@ -2,6 +2,7 @@
 trainers built one after the other in one process (as tests and notebooks do) each run as
 if alone: the second reproduces the first's losses and gradient norms step for step."""
 
+import os
 import socket
 
 import pytest
@@ -38,6 +39,7 @@ def train(folder) -> list[dict]:
     config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(folder), "--training.steps",
                          "3", "--metrics.log_freq", "1", "--debug.seed", "0",
                          "--training.max_norm", "0.5"])  # clipping bites from the first step
+    os.makedirs(folder, exist_ok=True)  # main creates and locks it before building the trainer
     trainer = FoldTrainer(config)
     try:
         trainer.train()
