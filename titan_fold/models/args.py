@@ -64,14 +64,15 @@ class TransformerArgs(BaseModelArgs):
         This changes self: the train specs hand out copies of the flavors (FlavorCopies),
         so FLAVORS stays untouched. A `[moe]` key that MoEArgs does not have raises TypeError.
         """
-        seq_len, model = job_config.training.seq_len, job_config.model
+        seq_len, model = job_config.training.seq_len, getattr(job_config, "model", None)
         # the model's own context length, before the job's replaces it, unless the job raises it
         limit = getattr(model, "max_seq_len", 0) or self.max_seq_len
         if seq_len > limit:
             from titan_fold.config import ConfigError
 
-            raise ConfigError(f"training.seq_len = {seq_len}: longer than {model.name} {model.flavor}'s "
-                              f"max_seq_len {limit} (set model.max_seq_len to train longer sequences)")
+            whose = f"{model.name} {model.flavor}'s" if model is not None else "the model's"
+            raise ConfigError(f"training.seq_len = {seq_len}: longer than {whose} max_seq_len {limit} "
+                              "(set model.max_seq_len to train longer sequences)")
         self.max_seq_len = seq_len
         moe_config = getattr(job_config, "moe", None)
         if moe_config is not None:
