@@ -35,6 +35,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -469,7 +470,11 @@ def maybe_fault(step: int) -> None:
     at = os.environ.get(FAULT_STEP_ENV)
     if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    if int(os.environ.get("RANK", "0")) == int(os.environ.get(FAULT_RANK_ENV, "0")):
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == int(os.environ.get(FAULT_RANK_ENV, "0")):
+        # said first: torchrun may report a peer's failure (its collective with this rank broke)
+        # as the first one, so its own log does not always show this kill
+        print(f"fault injection: SIGKILL to rank {rank} in step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
