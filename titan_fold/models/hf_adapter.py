@@ -417,16 +417,23 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
 # ---------------------------------------------------------------- comparison
 
 
-def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
-    """The computation-changing values of a model, under their HF names."""
-    moe = args.moe
-    values = {
+def _sizes(args: TransformerArgs) -> dict[str, int]:
+    """The model's widths and counts under their HF names (written to and compared with config.json)."""
+    return {
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
         "head_dim": args.head_dim,
+    }
+
+
+def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
+    """The computation-changing values of a model, under their HF names."""
+    moe = args.moe
+    values = {
+        **_sizes(args),
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "norm_topk_prob": moe.norm_topk_prob,
@@ -487,12 +494,7 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
     config = {
         "architectures": [ARCHITECTURES[family]],
         "model_type": family,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
+        **_sizes(args),
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         # transformers 4 reads rope_theta, 5 rope_parameters
