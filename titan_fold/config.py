@@ -124,6 +124,10 @@ class MoE:
     """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""
     aux_loss_coeff: float | None = None
     z_loss_coeff: float | None = None
+    expert_fp8: bool = False
+    """The routed experts' forward and input-gradient grouped GEMMs in FP8 (float8_e4m3fn, one
+    fp32 scale per row; weight gradient in bf16): sm90+ GPUs, bf16 compute (docs/benchmarks.md
+    says at which shapes it pays)."""
 
 
 @dataclass
@@ -336,6 +340,9 @@ def validate(config: JobConfig) -> None:
     if opt.master_weights and tr.dtype != "bfloat16":
         raise ConfigError(f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
                           "are for bf16 model parameters; set training.dtype = 'bfloat16'")
+    if config.moe.expert_fp8 and "bfloat16" not in (tr.dtype, tr.mixed_precision_param):
+        raise ConfigError(f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
+                          f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'")
     if opt.master_weights and opt.early_step_in_backward:
         raise ConfigError("optimizer.master_weights = true with optimizer.early_step_in_backward: choose one")
     if tr.seq_len < 1 or tr.local_batch_size < 1 or tr.steps < 0:

@@ -32,6 +32,7 @@ from titan_fold.lock import DumpFolderLock
 from titan_fold.logs import setup_logging
 from titan_fold.models import FLAVORS
 from titan_fold.moe import moe_layers, update_expert_bias
+from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.parallel.mesh import Layout, LayoutError
@@ -88,12 +89,25 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
             f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model {config.model.name} "
             f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
         )
+    if model_args.moe.expert_fp8:
+        check_expert_fp8(config, model_args, layout)
     check_initial_hf_load(config, model_args)
     check_dataset(config)
     ckpt = config.checkpoint
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
     return layout
+
+
+def check_expert_fp8(config: JobConfig, model_args, layout: Layout) -> None:
+    # a dry run plans for the real GPUs: only the shape rule applies on its host
+    if config.comm.mode == "fake_backend":
+        capability = (9, 0)
+    else:
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problem = fp8_problem(model_args.dim, model_args.moe.moe_ffn_dim // layout.etp, capability)
+    if problem:
+        raise ConfigError(f"moe.expert_fp8 = true: {problem}")
 
 
 def lock_dump_folder(folder: str) -> DumpFolderLock:

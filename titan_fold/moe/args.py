@@ -36,3 +36,5 @@ class MoEArgs:
     # multiply the routing probability into the activation before w2, so the router's
     # gradient needs no saved expert output (seeds/003, section 3); False = after w2
     prob_before_w2: bool = True
+    # routed experts' forward and input-gradient GEMMs in rowwise-scaled FP8 (moe/fp8.py)
+    expert_fp8: bool = False

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.fused import fused
+from titan_fold.moe.fp8 import fp8_grouped_linear
 
 
 def local(w: torch.Tensor) -> torch.Tensor:
@@ -35,8 +36,9 @@ def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int):
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, fp8: bool = False):
         super().__init__()
+        self.fp8 = fp8  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
@@ -55,6 +57,10 @@ class GroupedExperts(nn.Module):
         x = x.to(dtype)
         w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
+        if self.fp8:
+            if isinstance(counts, int):
+                counts = torch.full((w1.shape[0],), counts, device=x.device)
+            return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, fp8_grouped_linear)
         if isinstance(counts, int):
             y = _swiglu_padded(x.view(w1.shape[0], counts, -1), w1, w2, w3, p.view(w1.shape[0], counts, 1), prob_before_w2)
             return y.flatten(0, 1)
@@ -124,11 +130,15 @@ def _swiglu_padded(x, w1, w2, w3, p, prob_before_w2):
     return _apply(a, b, p, lambda h: torch.bmm(h, w2.transpose(1, 2)), prob_before_w2)  # [E, C, dim]
 
 
-def _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2):
+def _bf16_grouped_linear(x, w, offs):
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, linear=_bf16_grouped_linear):
     offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
-    a = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)  # [R, ffn]
-    b = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
-    return _apply(a, b, p, lambda h: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), prob_before_w2)
+    a = linear(x, w1, offs)  # [R, ffn]
+    b = linear(x, w3, offs)
+    return _apply(a, b, p, lambda h: linear(h, w2, offs), prob_before_w2)
 
 
 def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
