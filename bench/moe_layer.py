@@ -2,6 +2,7 @@
 
     python bench/moe_layer.py                                   # 1 GPU: 4 shapes x (dropless, cf 1.0) x (eager, compiled)
     python bench/moe_layer.py --modes dropless --impl titan_fold,torchtitan   # torchtitan 0.2.2's layer beside ours
+    python bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8  # FP8 routed experts beside bf16
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2,etp2 --name moe_layer_2gpu
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2 --shapes qwen2_57b_a14b --shared-overlap on,off
     python bench/moe_layer.py --smoke                           # CPU, tiny shapes (what the tests run)
@@ -56,7 +57,8 @@ def build_layer(shape: dict, capacity_factor, device, dtype, impl: str = "titan_
         return build_torchtitan_layer(shape, device, dtype)
     args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
                    shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["gate"],
-                   norm_topk_prob=shape["norm_topk"], capacity_factor=capacity_factor)
+                   norm_topk_prob=shape["norm_topk"], capacity_factor=capacity_factor,
+                   expert_fp8=impl == "titan_fold_fp8")
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
@@ -214,7 +216,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
                  impl="titan_fold") -> list[dict]:
     shape = SHAPES[shape_name]
     layer = build_layer(shape, MODES[mode], device, dtype, impl)
-    if impl == "titan_fold":
+    if impl != "torchtitan":
         layer.args.shared_expert_overlap = overlap
     if dispatch != "none":
         ep_mesh = mesh if dispatch.startswith("ep") else None
@@ -244,7 +246,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
             times = time_ms(step, a.warmup, a.iters, device)
             stats = moe_stats([layer])
             kept = 1.0 - (stats.get("dropped_token_frac") or 0.0)
-            gate = shape["gate"] and impl == "titan_fold"
+            gate = shape["gate"] and impl != "torchtitan"
             flops = moe_layer_flops(a.tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"],
                                     shape["shared_ffn"], gate, kept_frac=kept)
             ms = median(times)
@@ -286,8 +288,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,qwen3_30b_a3b")
-    p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold | torchtitan (torchtitan 0.2.2's "
-                   "MoE layer at the same shape, dropless, one GPU), each timed in this process")
+    p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold | titan_fold_fp8 (routed experts "
+                   "in FP8, moe.expert_fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
+                   "one GPU), each timed in this process")
     p.add_argument("--modes", default="dropless,cf1.0")
     p.add_argument("--compile", default="both", choices=["off", "on", "both"])
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
@@ -340,7 +343,7 @@ def main(argv=None) -> dict:
                     if impl == "torchtitan" and (mode != "dropless" or dispatch != "none"):
                         continue  # its layer is dropless; its EP lives in its parallelize step
                     for overlap in a.shared_overlap.split(","):
-                        if overlap == "off" and (not SHAPES[shape_name]["shared_ffn"] or impl != "titan_fold"):
+                        if overlap == "off" and (not SHAPES[shape_name]["shared_ffn"] or impl == "torchtitan"):
                             continue
                         rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
                                              overlap=overlap == "on", impl=impl)

@@ -44,7 +44,27 @@
 #                               #   torchtitan adapter, NaN guard, signals, logging) against $BASE (the
 #                               #   code before them), interleaved; then fp32 masters and autocast
 #   bash bench/run_all.sh T     # 2 GPUs (nvidia-h200-x2): the same trainer's dp2 x ep2 and tp2 x ep2 foldings
+#   bash bench/run_all.sh U     # 1 GPU (nvidia-h200), issue 18 round 3: the FP8 tests on the GPU; every MoE
+#                               #   shape with FP8 routed experts beside bf16 (eager); the proxy 200 steps bf16
+#                               #   vs FP8; the routers (seq_aux_loss, aux_free, none) 200 steps each
+#   bash bench/run_all.sh V     # U again (its trainer cases had no pyarrow), the FP8 layer profiled, and the
+#                               #   Qwen2-57B-A14B layer compiled, bf16 and FP8
+#   bash bench/run_all.sh W     # FP8 with the amax as torch's reduction (V's single generated quantizing kernel
+#                               #   ran 4-5x under the bandwidth): every MoE shape bf16 vs FP8, profiled; the proxy
+#                               #   200 steps with each router (aux_loss, seq_aux_loss, aux_free, none) and FP8
+#   bash bench/run_all.sh X     # the same Qwen3-MoE model in both trainers (issue 18 target 4): qwen3_moe at
+#                               #   Qwen3-30B-A3B widths (12 layers) and at Qwen2-57B-A14B widths (2 layers), aux-free
+#                               #   bias, bf16 weights, eager and compiled, titan_fold then torchtitan 0.2.2
+#   bash bench/run_all.sh Y     # FP8 quantization as Triton kernels (one read of each operand) and the GEMMs as
+#                               #   custom ops (compiled layouts): the FP8 tests on the GPU, every MoE shape bf16
+#                               #   vs FP8 eager (profiled), Qwen2-57B-A14B compiled, the proxy 200 steps bf16 vs FP8
+#   bash bench/run_all.sh Z     # Y again (its kernels read a global that Triton wants as a constexpr), and the
+#                               #   proxy compiled with FP8 experts (30 steps)
 #
+# Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
+# dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
+# (`carry: [".whl"]`; pyarrow repacked without its Flight, Substrait and header files to fit
+# the 64 MiB a call carries): they are unpacked into /tmp/site here.
 # Results (JSON) and a tarball of the logs go to $OUT (default bench/results/run); copy
 # the JSON into bench/results/ afterwards. Each step has its own time limit so that one
 # hang loses only its own figures (every script rewrites its JSON after each case).
@@ -56,6 +76,10 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
 phase=${1:-A}
+if [ -d .whl ]; then
+  $PY -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/site') for w in sorted(glob.glob('.whl/*'))]"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
+fi
 
 note() { echo "[run_all $(date -u +%H:%M:%S)] $*"; }
 
@@ -256,6 +280,78 @@ elif [ "$phase" = T ]; then
   export TORCH_LOGS=recompiles
   timeout 280 $PY bench/train_step.py --cases dp2_ep2,tp2_ep2 --gpus 0,1 --port 29543 --steps 15 \
     --name train_step_2gpu_t --out-dir "$OUT" --case-timeout 130 > "$LOGS/train_step_2gpu_t.log" 2>&1
+elif [ "$phase" = U ]; then
+  # twenty-first call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "FP8 tests on the GPU"
+  timeout 60 $PY -m pytest -q tests/test_fp8.py > "$LOGS/test_fp8.log" 2>&1
+  note "moe_layer bf16 vs FP8"
+  timeout 120 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off --no-profile \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_u_fp8 --out-dir "$OUT" \
+    > "$LOGS/moe_layer_u_fp8.log" 2>&1
+  note "proxy 200 steps: bf16 (aux_loss), FP8, then the routers"
+  timeout 380 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone \
+    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_u --out-dir "$OUT" --case-timeout 80 \
+    > "$LOGS/train_step_u.log" 2>&1
+elif [ "$phase" = V ]; then
+  # twenty-second call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "proxy 200 steps: bf16 (aux_loss), FP8, then the routers"
+  timeout 380 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone \
+    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_v --out-dir "$OUT" --case-timeout 80 \
+    > "$LOGS/train_step_v.log" 2>&1
+  note "moe_layer bf16 vs FP8, profiled"
+  timeout 60 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off \
+    --shapes qwen3_30b_a3b,qwen2_57b_a14b --name moe_layer_v_fp8_profile --out-dir "$OUT" > "$LOGS/moe_layer_v_prof.log" 2>&1
+  note "moe_layer bf16 vs FP8, compiled"
+  timeout 150 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile on --no-profile \
+    --shapes qwen2_57b_a14b --name moe_layer_v_fp8_compiled --out-dir "$OUT" > "$LOGS/moe_layer_v_comp.log" 2>&1
+elif [ "$phase" = W ]; then
+  # twenty-third call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "moe_layer bf16 vs FP8, profiled"
+  timeout 110 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_w_fp8 --out-dir "$OUT" \
+    > "$LOGS/moe_layer_w_fp8.log" 2>&1
+  note "proxy 200 steps: the four routers, and FP8 (aux_loss)"
+  timeout 400 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone \
+    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_w --out-dir "$OUT" --case-timeout 80 \
+    > "$LOGS/train_step_w.log" 2>&1
+elif [ "$phase" = X ]; then
+  # twenty-fourth call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  cases=1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled
+  for proxy in 30B-A3B-L12 57B-A14B-L2; do
+    tag=$(echo $proxy | tr -d '-' | tr 'A-Z' 'a-z')
+    note "qwen3_moe $proxy: titan_fold, then torchtitan"
+    timeout 150 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0 --port 29511 \
+      --steps 15 --name train_step_1gpu_x_$tag --out-dir "$OUT" --case-timeout 85 > "$LOGS/train_step_x_$tag.log" 2>&1
+    timeout 150 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0 --port 29521 \
+      --steps 15 --ours "$OUT/train_step_1gpu_x_$tag.json" --name vs_torchtitan_1gpu_x_$tag --out-dir "$OUT" \
+      --case-timeout 85 > "$LOGS/vs_torchtitan_x_$tag.log" 2>&1
+  done
+elif [ "$phase" = Y ] || [ "$phase" = Z ]; then
+  # twenty-fifth and twenty-sixth calls (2026-11-24), one GPU
+  tag=$(echo "$phase" | tr YZ yz)
+  export TORCH_LOGS=recompiles
+  note "FP8 tests on the GPU"
+  timeout 60 $PY -m pytest -q tests/test_fp8.py > "$LOGS/test_fp8_$tag.log" 2>&1
+  note "moe_layer bf16 vs FP8, profiled"
+  timeout 110 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off \
+    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_${tag}_fp8 --out-dir "$OUT" \
+    > "$LOGS/moe_layer_${tag}_fp8.log" 2>&1
+  note "proxy 200 steps: bf16 vs FP8"
+  timeout 170 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8 \
+    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_$tag --out-dir "$OUT" --case-timeout 80 \
+    > "$LOGS/train_step_$tag.log" 2>&1
+  note "moe_layer bf16 vs FP8, compiled"
+  timeout 150 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile on --no-profile \
+    --shapes qwen2_57b_a14b --name moe_layer_${tag}_fp8_compiled --out-dir "$OUT" > "$LOGS/moe_layer_${tag}_comp.log" 2>&1
+  if [ "$phase" = Z ]; then
+    note "proxy compiled with FP8 experts"
+    timeout 120 $PY bench/train_step.py --cases 1gpu_bf16params_fp8_compiled --gpus 0 --port 29512 --steps 30 \
+      --name train_step_1gpu_z_compiled --out-dir "$OUT" --case-timeout 115 > "$LOGS/train_step_z_c.log" 2>&1
+  fi
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

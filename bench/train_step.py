@@ -6,8 +6,11 @@
     python bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0   # bf16 weights (training.dtype)
     python bench/train_step.py --cases dp2_ep2_bf16params_b4,dp2_ep2_bf16params_b4_ga2 --gpus 0,1
     python bench/train_step.py --cases 1gpu_masters_b4 --gpus 0   # bf16 weights, fp32 masters in the optimizer
-    (modifiers, see parse_case: _compiled, _bf16params, _masters, _b<N> local batch N, _ga<N> N
-    micro-batches per optimizer step, _profile traces step 10 and sums its kernels by class)
+    python bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8 --steps 200 --gpus 0  # FP8 experts
+    python bench/train_step.py --cases 1gpu_bf16params_auxfree --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0
+    (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
+    batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
+    by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -56,24 +59,44 @@ def register_proxy(family: str, proxy: str) -> None:
     base, _, layers = proxy.rpartition("-L")
     if not base or not layers.isdigit():
         raise ValueError(f"proxy flavor {proxy!r}: expected '<base flavor>-L<layers>'")
+    if (family, base) == ("qwen3_moe", "57B-A14B"):
+        FLAVORS[family][base] = _qwen3_at_qwen2_widths()
     args = FLAVORS[family][base]
     vocab = args.vocab_size if base == "debug" else 32768
     FLAVORS[family][proxy] = dataclasses.replace(args, n_layers=int(layers), vocab_size=vocab)
+
+
+def _qwen3_at_qwen2_widths():
+    """Qwen3-MoE at Qwen2-57B-A14B's widths (the flavor "57B-A14B" of qwen3_moe in the benchmarks):
+    q/k norms and no qkv bias, the shared expert of 20480 without its sigmoid gate, top-8 not
+    renormalized: the model torchtitan's qwen3 builds at these widths."""
+    from titan_fold.models import FLAVORS
+
+    q2 = FLAVORS["qwen2_moe"]["57B-A14B"]
+    return dataclasses.replace(q2, qk_norm=True, qkv_bias=False,
+                               moe=dataclasses.replace(q2.moe, shared_expert_gate=False))
+
+
+LOAD_BALANCE = {"auxloss": "aux_loss", "seqaux": "seq_aux_loss", "auxfree": "aux_free", "lbnone": "none"}
 
 
 def parse_case(case: str) -> tuple[str, dict]:
     """"<base>[_mod...]" -> (base, mods). base: 1gpu, debug50 or a key of FOLDINGS. mods:
     eager (the default), compiled, bf16params (bf16 weights, training.dtype), masters (bf16
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
-    batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10)."""
+    batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
+    experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
                  if case == b or case.startswith(b + "_")), None)
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
-    mods = {"compiled": False, "bf16params": False, "masters": False, "batch": None, "accum": 1, "profile": False}
+    mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
+            "profile": False, "load_balance": None}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "profile"):
+        if mod in ("compiled", "bf16params", "masters", "fp8", "profile"):
             mods[mod] = True
+        elif mod in LOAD_BALANCE:
+            mods["load_balance"] = LOAD_BALANCE[mod]
         elif mod[:1] == "b" and mod[1:].isdigit():
             mods["batch"] = int(mod[1:])
         elif mod[:2] == "ga" and mod[2:].isdigit():
@@ -115,6 +138,12 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--training.dtype", "bfloat16"]
     if mods["masters"]:
         args += ["--optimizer.master_weights"]
+    if mods["fp8"]:
+        args += ["--moe.expert_fp8"]
+    if mods["load_balance"]:
+        args += ["--moe.load_balance", mods["load_balance"]]
+        if mods["load_balance"] in ("aux_free", "none"):
+            args += ["--moe.aux_loss_coeff", "0"]  # the config's coefficient would be refused as unused
     if mods["profile"]:  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args
@@ -122,6 +151,10 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
 
 def summarize(records: list[dict], warmup_steps: int) -> dict:
     """Medians over the logged steps after warm-up (peak memory: the max)."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
     def med(xs):
         xs = sorted(x for x in xs if x is not None)
         if not xs:
@@ -142,6 +175,9 @@ def summarize(records: list[dict], warmup_steps: int) -> dict:
         "loss_first": records[0]["loss"] if records else None,
         "loss_last": records[-1]["loss"] if records else None,
         "expert_load_imbalance": med([r.get("expert_load_imbalance") for r in steady]),
+        # the end of a long run (the loss comparisons, the routers' balance)
+        "loss_mean_last20": mean([r["loss"] for r in records[-20:]]),
+        "expert_load_imbalance_mean_last20": mean([r.get("expert_load_imbalance") for r in records[-20:]]),
     }
     return out
 

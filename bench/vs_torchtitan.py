@@ -12,12 +12,14 @@ GPU: torchtitan's trainer and MoE assume CUDA (tests check the widths and FLOP c
 the CPU instead).
 
 torchtitan's model: its Qwen3 MoE (torchtitan.models.qwen3) with a flavor registered in
-the worker process: dim 3584, 2 layers, 28 heads of 128 (4 KV heads), 64 experts of 2560,
-top-8, softmax scores not renormalized, 8 shared experts of 2560 = one shared SwiGLU of
-20480, vocab 32768. Differences from titan_fold's Qwen2-MoE proxy: Qwen3 has q/k RMSNorm
-and no qkv bias, its shared expert has no sigmoid gate (3584 parameters per layer), and
-its load balancing is the aux-loss-free expert bias (torchtitan's default) where ours
-uses the aux loss. Data and tokenizer are titan_fold's (the stdlib byte corpus, the same
+the worker process at the widths of titan_fold's proxy (`--family`, `--proxy`, see
+bench/train_step.py's register_proxy): dim, layers, heads, head_dim, experts, top-k,
+renormalization, shared expert width (as num_shared_experts of the expert width), vocab
+32768, softmax scores, the aux-loss-free expert bias (torchtitan's default). With
+`--family qwen3_moe` and our `_auxfree` cases both trainers run the same model (proxies
+"30B-A3B-L<n>" and "57B-A14B-L<n>", the latter Qwen3 at Qwen2-57B-A14B's widths). With
+the default qwen2_moe proxy ours differs: q/k norms (Qwen3 has them), qkv bias and the
+shared expert's sigmoid gate (Qwen2 has them), aux loss against the aux-free bias. Data and tokenizer are titan_fold's (the stdlib byte corpus, the same
 token stream), plugged into torchtitan's TrainSpec. Settings as bench/train_step.py: seq
 4096, local batch 2, bf16 AMP with fp32 weights on one GPU, no activation checkpointing,
 AdamW, log every step, medians after warm-up.
@@ -43,31 +45,39 @@ from bench.train_step import finish_row, parse_case, read_jsonl, run_group, summ
 SPEC_NAME = "qwen3_titan_fold_bench"
 
 
-def qwen3_args(proxy: str):
+def qwen3_args(family: str, proxy: str, seq_len: int):
+    """torchtitan's Qwen3ModelArgs at the widths of titan_fold's proxy flavor."""
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3 import Qwen3ModelArgs
 
-    layers = int(proxy.rpartition("-L")[2])
+    from bench.train_step import register_proxy
+    from titan_fold.models import FLAVORS
+
+    register_proxy(family, proxy)
+    ours = FLAVORS[family][proxy]
+    moe = ours.moe
     return Qwen3ModelArgs(
-        vocab_size=32768, max_seq_len=4096, head_dim=128, dim=3584, n_layers=layers, n_heads=28, n_kv_heads=4,
-        qk_norm=True, hidden_dim=18944, rope_theta=1e6, moe_enabled=True, moe_inter_dim=2560,
-        moe_args=MoEArgs(num_experts=64, num_shared_experts=8, top_k=8, score_func="softmax", route_norm=False,
+        vocab_size=ours.vocab_size, max_seq_len=seq_len, head_dim=ours.head_dim, dim=ours.dim,
+        n_layers=ours.n_layers, n_heads=ours.n_heads, n_kv_heads=ours.n_kv_heads, qk_norm=True,
+        hidden_dim=ours.ffn_dim, rope_theta=ours.rope_theta, moe_enabled=True, moe_inter_dim=moe.moe_ffn_dim,
+        moe_args=MoEArgs(num_experts=moe.num_experts, num_shared_experts=moe.shared_ffn_dim // moe.moe_ffn_dim,
+                         top_k=moe.top_k, score_func="softmax", route_norm=moe.norm_topk_prob,
                          score_before_experts=False),
     )
 
 
-def register(proxy: str) -> None:
+def register(family: str, proxy: str, seq_len: int) -> None:
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
     from titan_fold.data import build_dataloader, build_tokenizer
 
     spec = get_train_spec("qwen3")
     register_train_spec(SPEC_NAME, dataclasses.replace(
-        spec, model_args={proxy: qwen3_args(proxy)}, build_dataloader_fn=build_dataloader,
+        spec, model_args={proxy: qwen3_args(family, proxy, seq_len)}, build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer, build_validator_fn=None))
 
 
-def worker(argv: list[str], proxy: str) -> None:
+def worker(argv: list[str], family: str, proxy: str) -> None:
     """Under torchrun: torchtitan's Trainer as torchtitan.train.main runs it, plus a JSON line
     per logged step (its metric logger's dict) in <dump_folder>/metrics.jsonl."""
     import torch
@@ -76,7 +86,8 @@ def worker(argv: list[str], proxy: str) -> None:
     from torchtitan.train import Trainer
 
     init_logger()
-    register(proxy)
+    seq_len = int(argv[argv.index("--training.seq_len") + 1])
+    register(family, proxy, seq_len)
     config = ConfigManager().parse_args(argv)
     trainer = Trainer(config)
     path = os.path.join(config.job.dump_folder, "metrics.jsonl")
@@ -129,6 +140,8 @@ def run_case(case: str, a) -> dict:
     base, mods = parse_case(case)
     if base not in ("1gpu", "dp2_ep2"):
         raise ValueError(f"case {case!r}: torchtitan runs 1gpu or dp2_ep2")
+    if mods["fp8"] or mods["load_balance"] not in (None, "aux_free"):
+        raise ValueError(f"case {case!r}: torchtitan's side runs bf16 experts and its aux-free bias")
     nproc = 1 if base == "1gpu" else 2
     batch = mods["batch"] or a.local_batch
     dump = os.path.join(a.work_dir, f"torchtitan_{case}")
@@ -136,7 +149,7 @@ def run_case(case: str, a) -> dict:
     if os.path.exists(os.path.join(dump, "metrics.jsonl")):
         os.remove(os.path.join(dump, "metrics.jsonl"))
     train_args = [
-        "--model.name", SPEC_NAME, "--model.flavor", a.tt_flavor, "--training.dataset", "stdlib",
+        "--model.name", SPEC_NAME, "--model.flavor", a.proxy, "--training.dataset", "stdlib",
         "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(batch),
         "--training.global_batch_size", str(batch * nproc * mods["accum"]),
         "--training.steps", str(a.steps), "--training.mixed_precision_param", a.param_dtype,
@@ -151,7 +164,7 @@ def run_case(case: str, a) -> dict:
         # bf16 parameters, no autocast: like titan_fold's *_bf16params cases
         train_args += ["--training.dtype", "bfloat16"]
     launch = ["--nproc_per_node", str(nproc), "--master_port", str(a.port), "bench/vs_torchtitan.py", "--worker",
-              "--tt-flavor", a.tt_flavor, "--"] + train_args
+              "--family", a.family, "--proxy", a.proxy, "--"] + train_args
     cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
     env = dict(os.environ)
     if a.gpus:
@@ -172,8 +185,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="1gpu_eager,1gpu_compiled")
     p.add_argument("--family", default="qwen2_moe")
-    p.add_argument("--proxy", default="57B-A14B-L2", help="titan_fold's proxy flavor (for the FLOP count)")
-    p.add_argument("--tt-flavor", default="57B-A14B-L2")
+    p.add_argument("--proxy", default="57B-A14B-L2", help="titan_fold's proxy flavor: torchtitan's model takes its "
+                   "widths; titan_fold's FLOP count")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--local-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -190,7 +203,7 @@ def main(argv=None) -> dict:
     if "--worker" in argv:
         split = argv.index("--")
         a = p.parse_args(argv[:split])
-        worker(argv[split + 1:], a.tt_flavor)
+        worker(argv[split + 1:], a.family, a.proxy)
         return {}
     a = p.parse_args(argv)
     from bench.common import command_line, env_info, peak_flops, write_result
@@ -213,7 +226,7 @@ def main(argv=None) -> dict:
             row["titan_fold_mfu_pct"] = mine.get("mfu_pct")
             row["ratio_titan_fold_over_torchtitan"] = mine["tokens_per_sec_per_gpu"] / tps
         rows.append(row)
-    figures = {"torchtitan_flavor": a.tt_flavor, "titan_fold_proxy": a.proxy, "seq_len": a.seq_len,
+    figures = {"family": a.family, "titan_fold_proxy": a.proxy, "seq_len": a.seq_len,
                "local_batch": a.local_batch, "steps": a.steps, "warmup_steps": a.warmup_steps,
                "titan_fold_flops_per_token": fpt, "peak_flops": peak, "ours_file": a.ours, "rows": rows}
     write_result(a.name, figures, a.out_dir, command=command_line(["bench/vs_torchtitan.py"] + argv))

@@ -168,7 +168,7 @@ def test_torchtitan_proxy_has_our_widths():
         ours_args = FLAVORS["qwen2_moe"]["57B-A14B-L2"]
         with torch.device("meta"):
             ours = Transformer(ours_args)
-            theirs = Qwen3Model(vs_torchtitan.qwen3_args("57B-A14B-L2"))
+            theirs = Qwen3Model(vs_torchtitan.qwen3_args("qwen2_moe", "57B-A14B-L2", 4096))
         count = lambda m, key: sum(p.numel() for n, p in m.named_parameters() if key in n)  # noqa: E731
         assert count(ours, ".moe.experts.") == count(theirs, ".moe.experts.") == 2 * 64 * 3 * 3584 * 2560
         assert count(ours, ".moe.shared_expert.") == count(theirs, ".moe.shared_experts.") == 2 * 3 * 3584 * 20480
@@ -177,6 +177,27 @@ def test_torchtitan_proxy_has_our_widths():
         assert fpt == ours_args.get_nparams_and_flops(ours, 4096)[1]
     finally:
         FLAVORS["qwen2_moe"].pop("57B-A14B-L2", None)
+
+
+@pytest.mark.parametrize("base", ["30B-A3B", "57B-A14B"])
+def test_torchtitan_qwen3_is_our_qwen3(base):
+    """With the qwen3_moe family both trainers build the same model: every parameter of
+    torchtitan's Qwen3 has one of ours of the same shape, and none is left over."""
+    from torchtitan.models.qwen3 import Qwen3Model
+
+    proxy = f"{base}-L2"
+    try:
+        with torch.device("meta"):
+            theirs = Qwen3Model(vs_torchtitan.qwen3_args("qwen3_moe", proxy, 4096))
+            ours = Transformer(FLAVORS["qwen3_moe"][proxy])
+        shapes = [sorted(tuple(p.shape) for p in m.parameters()) for m in (theirs, ours)]
+        assert shapes[0] == shapes[1]
+        assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+        assert FLAVORS["qwen3_moe"][proxy].qk_norm and not FLAVORS["qwen3_moe"][proxy].moe.shared_expert_gate
+    finally:
+        FLAVORS["qwen3_moe"].pop(proxy, None)
+        if base == "57B-A14B":
+            FLAVORS["qwen3_moe"].pop(base, None)
 
 
 def test_report_tables(tmp_path):
