@@ -83,6 +83,21 @@ fi
 
 note() { echo "[run_all $(date -u +%H:%M:%S)] $*"; }
 
+# issue 18 round 3 (phases U to Z): the proxy 200 steps (tag, cases, time limit), and the MoE
+# layer bf16 beside FP8 (name, shapes, time limit, more moe_layer.py arguments)
+ROUTERS_FP8=1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone
+ALL_SHAPES=qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b
+proxy200() {
+  note "proxy 200 steps: $2"
+  timeout "$3" $PY bench/train_step.py --cases "$2" --gpus 0 --port 29511 --steps 200 --warmup-steps 10 \
+    --name "train_step_1gpu_$1" --out-dir "$OUT" --case-timeout 80 > "$LOGS/train_step_$1.log" 2>&1
+}
+layer_fp8() {
+  note "moe_layer bf16 vs FP8: $1"
+  timeout "$3" $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --shapes "$2" \
+    --name "moe_layer_$1" --out-dir "$OUT" "${@:4}" > "$LOGS/moe_layer_$1.log" 2>&1
+}
+
 if [ "$phase" = A ]; then
   # first call (2026-11-22): every 1-GPU benchmark, both GPUs busy side by side
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$LOGS/nvidia_smi.txt"
@@ -285,38 +300,19 @@ elif [ "$phase" = U ]; then
   export TORCH_LOGS=recompiles
   note "FP8 tests on the GPU"
   timeout 60 $PY -m pytest -q tests/test_fp8.py > "$LOGS/test_fp8.log" 2>&1
-  note "moe_layer bf16 vs FP8"
-  timeout 120 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off --no-profile \
-    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_u_fp8 --out-dir "$OUT" \
-    > "$LOGS/moe_layer_u_fp8.log" 2>&1
-  note "proxy 200 steps: bf16 (aux_loss), FP8, then the routers"
-  timeout 380 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone \
-    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_u --out-dir "$OUT" --case-timeout 80 \
-    > "$LOGS/train_step_u.log" 2>&1
+  layer_fp8 u_fp8 $ALL_SHAPES 120 --compile off --no-profile
+  proxy200 u $ROUTERS_FP8 380
 elif [ "$phase" = V ]; then
   # twenty-second call (2026-11-24), one GPU
   export TORCH_LOGS=recompiles
-  note "proxy 200 steps: bf16 (aux_loss), FP8, then the routers"
-  timeout 380 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone \
-    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_v --out-dir "$OUT" --case-timeout 80 \
-    > "$LOGS/train_step_v.log" 2>&1
-  note "moe_layer bf16 vs FP8, profiled"
-  timeout 60 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off \
-    --shapes qwen3_30b_a3b,qwen2_57b_a14b --name moe_layer_v_fp8_profile --out-dir "$OUT" > "$LOGS/moe_layer_v_prof.log" 2>&1
-  note "moe_layer bf16 vs FP8, compiled"
-  timeout 150 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile on --no-profile \
-    --shapes qwen2_57b_a14b --name moe_layer_v_fp8_compiled --out-dir "$OUT" > "$LOGS/moe_layer_v_comp.log" 2>&1
+  proxy200 v $ROUTERS_FP8 380
+  layer_fp8 v_fp8_profile qwen3_30b_a3b,qwen2_57b_a14b 60 --compile off
+  layer_fp8 v_fp8_compiled qwen2_57b_a14b 150 --compile on --no-profile
 elif [ "$phase" = W ]; then
   # twenty-third call (2026-11-24), one GPU
   export TORCH_LOGS=recompiles
-  note "moe_layer bf16 vs FP8, profiled"
-  timeout 110 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off \
-    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_w_fp8 --out-dir "$OUT" \
-    > "$LOGS/moe_layer_w_fp8.log" 2>&1
-  note "proxy 200 steps: the four routers, and FP8 (aux_loss)"
-  timeout 400 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8,1gpu_bf16params_seqaux,1gpu_bf16params_auxfree,1gpu_bf16params_lbnone \
-    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_w --out-dir "$OUT" --case-timeout 80 \
-    > "$LOGS/train_step_w.log" 2>&1
+  layer_fp8 w_fp8 $ALL_SHAPES 110 --compile off
+  proxy200 w $ROUTERS_FP8 400
 elif [ "$phase" = X ]; then
   # twenty-fourth call (2026-11-24), one GPU
   export TORCH_LOGS=recompiles
@@ -336,17 +332,9 @@ elif [ "$phase" = Y ] || [ "$phase" = Z ]; then
   export TORCH_LOGS=recompiles
   note "FP8 tests on the GPU"
   timeout 60 $PY -m pytest -q tests/test_fp8.py > "$LOGS/test_fp8_$tag.log" 2>&1
-  note "moe_layer bf16 vs FP8, profiled"
-  timeout 110 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile off \
-    --shapes qwen3_30b_a3b,mixtral_8x22b_g8t8,qwen2_57b_a14b,mixtral_8x22b --name moe_layer_${tag}_fp8 --out-dir "$OUT" \
-    > "$LOGS/moe_layer_${tag}_fp8.log" 2>&1
-  note "proxy 200 steps: bf16 vs FP8"
-  timeout 170 $PY bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8 \
-    --gpus 0 --port 29511 --steps 200 --warmup-steps 10 --name train_step_1gpu_$tag --out-dir "$OUT" --case-timeout 80 \
-    > "$LOGS/train_step_$tag.log" 2>&1
-  note "moe_layer bf16 vs FP8, compiled"
-  timeout 150 $PY bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8 --compile on --no-profile \
-    --shapes qwen2_57b_a14b --name moe_layer_${tag}_fp8_compiled --out-dir "$OUT" > "$LOGS/moe_layer_${tag}_comp.log" 2>&1
+  layer_fp8 "${tag}_fp8" $ALL_SHAPES 110 --compile off
+  proxy200 "$tag" 1gpu_bf16params,1gpu_bf16params_fp8 170
+  layer_fp8 "${tag}_fp8_compiled" qwen2_57b_a14b 150 --compile on --no-profile
   if [ "$phase" = Z ]; then
     note "proxy compiled with FP8 experts"
     timeout 120 $PY bench/train_step.py --cases 1gpu_bf16params_fp8_compiled --gpus 0 --port 29512 --steps 30 \
