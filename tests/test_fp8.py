@@ -127,3 +127,17 @@ def test_trainer_refuses_fp8_without_gpu():
                          "--training.mixed_precision_param", "bfloat16"])
     with pytest.raises(ConfigError, match=r"^moe.expert_fp8 = true: needs a CUDA GPU$"):
         preflight(config, 1)
+
+
+def test_dry_run_checks_only_the_shapes():
+    # a dry run plans for the real GPUs: no device rule on its host, the width rule still
+    from titan_fold.train import preflight
+
+    base = ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "bfloat16",
+            "--comm.mode", "fake_backend"]
+    preflight(parse_args(base), 1)
+    config = parse_args(base + ["--parallelism.expert_tensor_parallel_degree", "4", "--training.global_batch_size", "-1",
+                                "--parallelism.data_parallel_shard_degree", "4"])
+    with pytest.raises(ConfigError, match=r"^moe.expert_fp8 = true: the model width \(\d+\) and each expert's width "
+                                          r"per etp rank \(\d+\) must be multiples of 16$"):
+        preflight(config, 4)
