@@ -94,6 +94,7 @@ def test_toml_values_are_typed(tmp_path, toml, message):
         (["--moe.drop_policy", "x"], r"--moe.drop_policy x: must be one of \['probs', 'position'\]"),
         (["--training.stepz", "3"], r"--training.stepz: unknown option"),
         (["--training.steps"], r"--training.steps: needs one value"),
+        (["--moe.norm_topk_prob", "true"], r"--moe.norm_topk_prob true: must be True, False or None"),
     ],
 )
 def test_cli_values_are_typed(args, message):
@@ -106,6 +107,10 @@ def test_cli_accepts_what_it_should():
                          "--lr_scheduler.total_steps", "None", "--optimizer.lr=1e-4", "--parallelism.expert_data_parallel_degree", "-1"])
     assert math.isinf(config.training.max_norm) and not config.checkpoint.enable
     assert config.lr_scheduler.total_steps is None and config.optimizer.lr == 1e-4
+    # keys that may be unset (bool | None) take True, False or None
+    for text, value in (("True", True), ("False", False), ("None", None)):
+        config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.norm_topk_prob", text])
+        assert config.moe.norm_topk_prob is value
 
 
 # ---------------------------------------------------------------- preflight

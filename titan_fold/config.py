@@ -262,8 +262,13 @@ def _parse_cli_value(name: str, hint, text: str):
                 return float(text)
             except ValueError:
                 pass
+        elif a is bool and text in ("True", "False"):
+            # a key that may be unset takes a value, spelled as tyro parses it
+            return text == "True"
         elif a is str or typing.get_origin(a) is list:
             return text
+    if bool in candidates:
+        raise ConfigError(f"--{name} {text}: must be True, False or None")
     raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}")
 
 

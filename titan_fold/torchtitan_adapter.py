@@ -15,6 +15,8 @@ call time; torchtitan offers no instance attribute or method to override in thei
                                                                      apply the coefficient (parallel/clip.py)
     dist_utils.set_pg_timeouts        Trainer.train                  its barrier passes a CUDA device id
     build_device_memory_monitor       MetricsProcessor.__init__      a CUDA-only monitor
+    time.sleep                        Trainer.train                  its 2 s wait "for other ranks" at the end;
+                                                                     main waits at a barrier instead
 
 Nothing is assigned to a torchtitan module: `with_names(function, **names)` is a copy of a
 torchtitan function whose global names see `names` first, and the subclasses call these
@@ -25,6 +27,7 @@ torchtitan's own classes stay as they are.
 
 import contextlib
 import inspect
+import time
 import types
 from datetime import timedelta
 
@@ -90,6 +93,7 @@ def trainer_names(trainer) -> dict:
             set_pg_timeouts=dist_utils.set_pg_timeouts if dev == "cuda" else _set_pg_timeouts_gloo,
         ),
         "CheckpointManager": FoldCheckpointManager,
+        "time": _Names(time, sleep=lambda seconds: None),
     }
 
 

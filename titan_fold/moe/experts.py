@@ -9,6 +9,7 @@ dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.fused import fused
@@ -26,13 +27,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
-    # CPU eager takes fp32 and bf16; compiled graphs and CUDA take bf16; rows must be
-    # 16-byte aligned
+    # CPU eager takes fp32 and bf16; compiled graphs, fake tensors (the dry run's step) and
+    # CUDA take bf16 (the meta kernel's rule); rows must be 16-byte aligned
     if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 or (ffn_dim * x.element_size()) % 16:
         return False
     if x.dtype == torch.bfloat16:
         return True
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not is_fake(x))
 
 
 class GroupedExperts(nn.Module):
