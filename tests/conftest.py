@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import subprocess
 import tempfile
 
 import pytest
@@ -19,6 +20,30 @@ def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
         if any(codes):
             tail = out.read_text(errors="replace")[-3000:] + err.read_text(errors="replace")[-6000:]
             raise AssertionError(f"exit codes {codes}\n{tail}")
+
+
+def python_m(module: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` as one process with this test's working folder: its exit code,
+    stdout and stderr, as subprocess.run(capture_output=True, text=True) gives them. The
+    process is forked from the launcher's zygote (tests/launcher.py), which has imported
+    what the command would, so it runs the command's own code without the interpreter's
+    seconds of imports."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
+        (code,) = ZYGOTE.launch(0, list(args), str(out), str(err), env=env, timeout=timeout, module=module)
+        return subprocess.CompletedProcess(["python", "-m", module, *args], code, out.read_text(), err.read_text())
+
+
+def forget_earlier_meshes() -> None:
+    """For ranks forked from the test process, which may have parallelized models on a fake
+    process group in earlier tests (test_placement.py): DTensor caches redistribute plans and
+    sharding results by mesh, and a mesh equals an earlier one of the same shape and names
+    though its process groups are gone. Without this a rank can reuse a dead group ("Could
+    not resolve the process group"), depending on which tests ran before in the process."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def read_metrics(folder) -> list[dict]:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import read_metrics
+from conftest import python_m, read_metrics
 
 STEPS = 6  # logged: 1, 5 (log_freq) and 6 (the last)
 TEST_EXTRAS = ["transformers", "matplotlib", "pytest"]  # pyproject.toml's [test] extra
@@ -154,8 +154,7 @@ def test_plot_overlays_runs(two_ranks, seeded, tmp_path):
     folder, _ = two_ranks
     *_, seed_root = seeded
     out = tmp_path / "runs.png"
-    result = subprocess.run([sys.executable, "-m", "titan_fold.plot", str(folder), str(seed_root / "run0"),
-                             str(seed_root / "run2"), "--out", str(out)], capture_output=True, text=True)
+    result = python_m("titan_fold.plot", str(folder), str(seed_root / "run0"), str(seed_root / "run2"), "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     image = matplotlib.image.imread(out)  # [h, w, rgba] in 0..1
@@ -166,8 +165,7 @@ def test_plot_overlays_runs(two_ranks, seeded, tmp_path):
 
 
 def test_plot_missing_run_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "titan_fold.plot", str(tmp_path / "nope")],
-                            capture_output=True, text=True)
+    result = python_m("titan_fold.plot", str(tmp_path / "nope"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no metrics.jsonl" in result.stderr
 

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from conftest import python_m
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 from titan_fold.checkpoint import complete, read_model_tensors
@@ -30,16 +31,24 @@ SMALL = ("--training.local_batch_size", "1", "--training.seq_len", "32", "--metr
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")
 
 
+def trainer_args(folder, *args) -> list[str]:
+    return ["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(folder), *SMALL, *args]
+
+
 def trainer_cmd(nproc: int, folder, *args) -> list[str]:
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc else [sys.executable])
-    return [*launch, "-m", "titan_fold.train", "--job.config_file", "debug_moe.toml",
-            "--job.dump_folder", str(folder), *SMALL, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "titan_fold.train", *trainer_args(folder, *args)]
 
 
 def launch(nproc: int, folder, *args, env=None) -> subprocess.CompletedProcess:
+    """Real torchrun with NPROC workers."""
     return subprocess.run(trainer_cmd(nproc, folder, *args), capture_output=True, text=True,
                           env={**ENV, **(env or {})}, timeout=900)
+
+
+def one_process(folder, *args, env=None) -> subprocess.CompletedProcess:
+    """`python -m titan_fold.train ...` without torchrun (forked: tests/launcher.py)."""
+    return python_m("titan_fold.train", *trainer_args(folder, *args), env=env)
 
 
 def worker_lines(stderr: str, prefix: str) -> list[str]:
@@ -150,12 +159,12 @@ def test_preflight_empty_dataset_and_dump_folder(tmp_path):
 
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
     """The real command, one process (no torchrun needed: it fails before the process group)."""
-    r = launch(0, tmp_path / "run", "--model.name", "llama3")
+    r = one_process(tmp_path / "run", "--model.name", "llama3")
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(errors) == 1 and errors[0].startswith("error: model.name = 'llama3': not a titan_fold model family")
     assert not (tmp_path / "run").exists()
-    r = launch(0, tmp_path / "run")  # a good config, but no torchrun
+    r = one_process(tmp_path / "run")  # a good config, but no torchrun
     assert r.returncode == 2 and worker_lines(r.stderr, "error:") == [
         "error: start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ..."], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
@@ -345,7 +354,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_folder_is_locked_meanwhile(tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     _wait_for_step(folder, 1, proc)
     # a second trainer (one process, as torchrun would start it) into the same folder
-    second = launch(0, folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
+    second = one_process(folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
     assert second.returncode == 2
     holder = json.loads((folder / "trainer.lock").read_text())
     lines = worker_lines(second.stderr, "error:")
