@@ -3,22 +3,64 @@
 import json
 import os
 import pathlib
+import subprocess
 import tempfile
 
 import pytest
 from launcher import ZYGOTE
 
+# pytest-xdist runs the files on two workers, a whole file each (pyproject.toml's addopts),
+# handing out the next file as a worker nears the end of its last one: the files with the
+# longest launches go first, so that the two workers finish together rather than one
+# waiting out the other's last long file.
+LONGEST_FIRST = ["test_dryrun.py", "test_equivalence.py", "test_checkpoint.py", "test_optimizer.py",
+                 "test_reliability.py", "test_hf.py", "test_first_hour.py", "test_pipeline.py",
+                 "test_attention_parallel.py", "test_docs.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
+
+
+def forked(nproc: int, module: str, *args: str, env: dict | None = None,
+           timeout: float = 900) -> tuple[list[int], str, str]:
+    """`python -m MODULE ARGS` on NPROC ranks with torchrun's environment (0: one plain process),
+    forked from one process that imported the trainer once per session (tests/launcher.py);
+    -> every rank's exit code, stdout, stderr."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
+        codes = ZYGOTE.launch(nproc, list(args), str(out), str(err), env=env, timeout=timeout, module=module)
+        return codes, out.read_text(errors="replace"), err.read_text(errors="replace")
+
 
 def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
     """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`,
-    the ranks forked from one process that imported the trainer once per session, with
-    torchrun's environment (tests/launcher.py; torchrun itself: test_checkpoint.py's fault test)."""
-    with tempfile.TemporaryDirectory() as logs:
-        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
-        codes = ZYGOTE.launch(nproc, ["--job.config_file", config, *args], str(out), str(err))
-        if any(codes):
-            tail = out.read_text(errors="replace")[-3000:] + err.read_text(errors="replace")[-6000:]
-            raise AssertionError(f"exit codes {codes}\n{tail}")
+    the ranks forked (`forked`); torchrun itself: test_checkpoint.py's fault test and
+    test_reliability.py's signal tests."""
+    codes, out, err = forked(nproc, "titan_fold.train", "--job.config_file", config, *args)
+    if any(codes):
+        raise AssertionError(f"exit codes {codes}\n{out[-3000:]}{err[-6000:]}")
+
+
+def python_m(module: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` as one process in this test's working folder: its exit code,
+    stdout and stderr, as subprocess.run(capture_output=True, text=True) gives them, without
+    the fresh interpreter's seconds of imports (`forked`)."""
+    (code,), out, err = forked(0, module, *args, env=env, timeout=timeout)
+    return subprocess.CompletedProcess(["python", "-m", module, *args], code, out, err)
+
+
+def forget_earlier_meshes() -> None:
+    """For ranks forked from the test process, which may have parallelized models on a fake
+    process group in earlier tests (test_placement.py): DTensor caches redistribute plans and
+    sharding results by mesh, and a mesh equals an earlier one of the same shape and names
+    though its process groups are gone. Without this a rank can reuse a dead group ("Could
+    not resolve the process group"), depending on which tests ran before in the process."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def read_metrics(folder) -> list[dict]:

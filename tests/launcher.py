@@ -1,4 +1,5 @@
-"""Launch `python -m titan_fold.train` on N CPU ranks as torchrun does, importing torch once.
+"""Launch `python -m titan_fold.train` on N CPU ranks as torchrun does, importing torch once;
+and any command as `python -m MODULE ARGS` in one process the same way.
 
 On 2 cores, every torchrun rank spends ~7 CPU-seconds importing torch, torchtitan (which
 pulls in inductor, datasets, pandas) and titan_fold before it trains: an 8-rank launch
@@ -7,15 +8,19 @@ session and forks the ranks of each launch from that state (it never ran an op o
 process group). Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), fresh RNG
 seeds, the launch's extra environment and working folder, and runs the command's own
-`run_command(main)` with `sys.argv` as `-m` would set it. As with torchrun, the first rank
-that fails stops the others; the launch returns every rank's exit code. What torchrun's
-agent itself does (restarts, rendezvous) stays tested through real torchrun
-(tests/test_checkpoint.py's fault test).
+module as `python -m` runs it (as `__main__`, `sys.argv` as `-m` sets it). As with torchrun,
+the first rank that fails stops the others; the launch returns every rank's exit code. A
+launch of 0 ranks is one plain process without torchrun's environment: how the tests run
+the CLIs (hf, upcycle, layout, plan, plot) and check their exit code, stdout and stderr, at
+about 0.1 s instead of the 3-4 s a fresh interpreter spends on imports. What torchrun's
+agent itself does (restarts, rendezvous, signal forwarding) stays tested through real
+torchrun (tests/test_checkpoint.py's fault test, tests/test_reliability.py's runs).
 """
 
 import atexit
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -33,7 +38,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
-    """Body of one forked rank; returns its exit code."""
+    """Body of one forked rank (of a plain process when nproc is 0); returns its exit code."""
     try:
         import ctypes
 
@@ -43,28 +48,30 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     os.setpgid(0, 0)
     os.chdir(request["cwd"])
     os.environ.update(request["env"])
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+    if nproc:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                          GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
     sys.stdin = open(os.devnull)
     import torch
-
-    from titan_fold.errors import run_command
 
     # a fresh process's RNG states, not the zygote's (identical in every rank); Python's
     # `random` reseeds itself after a fork
     torch.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    from titan_fold.train import main
-
-    sys.argv = ["titan_fold.train", *request["argv"]]  # as `python -m titan_fold.train ARGV` sets it
+    module = request["module"]
+    sys.modules.pop(module, None)  # `-m` runs the module's code afresh as __main__
+    sys.argv = [module, *request["argv"]]  # run_module sets argv[0] to the file, as `-m` does
     try:
-        run_command(main)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
+        return 1
     except BaseException:
         traceback.print_exc()
         return 1
@@ -74,10 +81,11 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
 def _launch(request: dict) -> list[int]:
     """Fork the ranks of one launch and wait for them; -> exit codes (-N: killed by signal N)."""
     nproc, port = request["nproc"], _free_port()
+    ranks = max(nproc, 1)
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
-    for rank in range(nproc):
+    for rank in range(ranks):
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -90,7 +98,7 @@ def _launch(request: dict) -> list[int]:
         pids.append(pid)
     codes: dict[int, int] = {}
     deadline, stop_at = time.monotonic() + request["timeout"], None
-    while len(codes) < nproc:
+    while len(codes) < ranks:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
             codes[pid] = os.waitstatus_to_exitcode(status)
@@ -118,7 +126,7 @@ def serve() -> None:
     """The zygote: import the trainer, then one launch per request line on stdin."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what imports print must not mix with the replies
-    import titan_fold.train  # noqa: F401  (what every rank would import)
+    import titan_fold.train  # noqa: F401  (what every rank would import; the CLIs import a part of it)
 
     for line in sys.stdin:
         replies.write(json.dumps(_launch(json.loads(line))) + "\n")
@@ -131,14 +139,16 @@ class Zygote:
         self.proc = None
 
     def launch(self, nproc: int, argv: list[str], stdout: str, stderr: str, env: dict | None = None,
-               timeout: float = 900) -> list[int]:
+               timeout: float = 900, module: str = "titan_fold.train") -> list[int]:
+        """`python -m MODULE ARGV` on NPROC ranks with torchrun's environment (0: one plain
+        process), stdout and stderr appended to those files; -> every rank's exit code."""
         if self.proc is None or self.proc.poll() is not None:
             here = os.path.dirname(os.path.abspath(__file__))
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.join(here, "launcher.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
             atexit.register(self.close)
-        request = dict(nproc=nproc, argv=list(argv), stdout=stdout, stderr=stderr, env=env or {},
+        request = dict(nproc=nproc, module=module, argv=list(argv), stdout=stdout, stderr=stderr, env=env or {},
                        cwd=os.getcwd(), timeout=timeout)
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()

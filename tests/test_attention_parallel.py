@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import forget_earlier_meshes
 
 import titan_fold  # noqa: F401  (imported once in the parent; the forked ranks inherit it)
 
@@ -198,6 +199,7 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
 
 def _worker(rank: int, store: str, out_dir: str):
     torch.set_num_threads(1)  # 8 ranks share 2 cores: no intra-op threads spinning against each other
+    forget_earlier_meshes()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     from titan_fold.models import Transformer
 

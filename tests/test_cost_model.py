@@ -2,11 +2,10 @@
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
+from conftest import python_m
 
 from titan_fold.config import parse_args
 from titan_fold.cost_model import (
@@ -167,12 +166,10 @@ def test_paper_long_context_case_prefers_a_folded_mapping():
 
 def test_cli_json_and_written_config_parse(tmp_path):
     cfg = tmp_path / "plan.toml"
-    out = subprocess.run(
-        [sys.executable, "-m", "titan_fold.plan", "--model", "qwen2_moe/debug", "--gpus", "8", "--gpus-per-node", "4",
-         "--gpu-memory-gib", "1", "--reserve-gib", "0", "--seq-len", "128", "--global-batch", "16", "--top", "3",
-         "--fix", "pp=1", "--format", "json", "--write-config", str(cfg)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )
+    out = python_m("titan_fold.plan", "--model", "qwen2_moe/debug", "--gpus", "8", "--gpus-per-node", "4",
+                   "--gpu-memory-gib", "1", "--reserve-gib", "0", "--seq-len", "128", "--global-batch", "16", "--top", "3",
+                   "--fix", "pp=1", "--format", "json", "--write-config", str(cfg), timeout=120)
+    assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert len(rep["ranked"]) == 3
     times = [e["step_s"] for e in rep["ranked"]]

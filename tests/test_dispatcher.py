@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import forget_earlier_meshes
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
 
@@ -169,6 +170,7 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
 def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    forget_earlier_meshes()
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if device_type == "cuda" else "gloo"

@@ -2,8 +2,8 @@
 and one-line errors.
 
 Launches, shared by the tests: one 2-rank run (console, summary, TensorBoard, checkpoint),
-three 1-process runs started together (the same command twice, and another seed), and one
-2-rank launch with a bad degree.
+three 1-process runs (the same command twice, and another seed), and one 2-rank launch with
+a bad degree.
 """
 
 import glob
@@ -14,10 +14,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import read_metrics
+from conftest import python_m, read_metrics, torchrun
 
 STEPS = 6  # logged: 1, 5 (log_freq) and 6 (the last)
-TEST_EXTRAS = ["transformers", "matplotlib", "pytest"]  # pyproject.toml's [test] extra
+TEST_EXTRAS = ["transformers", "matplotlib", "pytest", "xdist"]  # pyproject.toml's [test] extra
 NOISE = [
     "HF assets path", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "lspci", "Peak flops", "Peak FLOPS", "nan%",
     "safetensors.index.json", "UserWarning", "LOG_RANK", '"n_layers"', "Traceback",
@@ -59,18 +59,19 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
     """Three 1-process runs, 2 steps each: the default seed twice, then --debug.seed 1. The
-    second one runs as in a runtime install: the test extras cannot be imported."""
+    second runs under torchrun as in a runtime install (the test extras cannot be imported)
+    and gives the console checked below; the other two are forked (tests/launcher.py) while
+    it runs, so the same losses must also come from another way of starting the process."""
     root = tmp_path_factory.mktemp("seed")
     for name in TEST_EXTRAS:
         (root / "no_extras" / name).mkdir(parents=True)
         (root / "no_extras" / name / "__init__.py").write_text(f"raise ModuleNotFoundError('{name} is a test extra')")
     runtime = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "no_extras"), os.environ.get("PYTHONPATH", "")]))
-    extra = [([], None), ([], runtime), (["--debug.seed", "1"], None)]
-    procs = [launch(1, "--job.dump_folder", str(root / f"run{i}"), "--training.steps", "2", *args, wait=False, env=env)
-             for i, (args, env) in enumerate(extra)]
-    for proc in procs:
-        result = finish(proc)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    proc = launch(1, "--job.dump_folder", str(root / "run1"), "--training.steps", "2", wait=False, env=runtime)
+    for i, args in ((0, ()), (2, ("--debug.seed", "1"))):
+        torchrun(1, "--job.dump_folder", str(root / f"run{i}"), "--training.steps", "2", *args)
+    result = finish(proc)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return [read_metrics(root / f"run{i}") for i in range(3)], result, root
 
 
@@ -154,8 +155,7 @@ def test_plot_overlays_runs(two_ranks, seeded, tmp_path):
     folder, _ = two_ranks
     *_, seed_root = seeded
     out = tmp_path / "runs.png"
-    result = subprocess.run([sys.executable, "-m", "titan_fold.plot", str(folder), str(seed_root / "run0"),
-                             str(seed_root / "run2"), "--out", str(out)], capture_output=True, text=True)
+    result = python_m("titan_fold.plot", str(folder), str(seed_root / "run0"), str(seed_root / "run2"), "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     image = matplotlib.image.imread(out)  # [h, w, rgba] in 0..1
@@ -166,8 +166,7 @@ def test_plot_overlays_runs(two_ranks, seeded, tmp_path):
 
 
 def test_plot_missing_run_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "titan_fold.plot", str(tmp_path / "nope")],
-                            capture_output=True, text=True)
+    result = python_m("titan_fold.plot", str(tmp_path / "nope"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no metrics.jsonl" in result.stderr
 

@@ -6,11 +6,10 @@ and leave nothing behind."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import python_m
 
 transformers = pytest.importorskip("transformers")
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -173,10 +172,8 @@ def test_unknown_and_missing_experts():
 # ---------------------------------------------------------------- mismatches and broken files
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return subprocess.run([sys.executable, "-m", "titan_fold.hf", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+def cli(*args: str):
+    return python_m("titan_fold.hf", *args)
 
 
 @pytest.fixture(scope="module")
@@ -340,11 +337,9 @@ def test_trainer_refuses_a_mismatched_hf_folder(tmp_path):
     qwen3_folder = tmp_path / "hf"
     random_hf_model("qwen3_moe", TRAINER_CONFIG, qwen3_folder)
     bad = copy_folder(qwen3_folder, tmp_path / "bad", {"num_experts_per_tok": 1})
-    cmd = [sys.executable, "-m", "titan_fold.train", "--job.config_file", "debug_qwen3_moe.toml",
-           "--model.flavor", "hf", "--model.hf_config", str(qwen3_folder), "--job.dump_folder", str(tmp_path / "run"),
-           "--checkpoint.enable", "--checkpoint.initial_load_path", str(bad), "--checkpoint.initial_load_in_hf"]
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    r = python_m("titan_fold.train", "--job.config_file", "debug_qwen3_moe.toml", "--model.flavor", "hf",
+                 "--model.hf_config", str(qwen3_folder), "--job.dump_folder", str(tmp_path / "run"),
+                 "--checkpoint.enable", "--checkpoint.initial_load_path", str(bad), "--checkpoint.initial_load_in_hf")
     assert r.returncode == 2, r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "num_experts_per_tok: config.json 1, model 3" in errors[0]

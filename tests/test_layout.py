@@ -1,13 +1,11 @@
 """Layout tests on the fake process group, against an independent Megatron-Core reference."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch.distributed as dist
+from conftest import python_m
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_fold import layout as layout_cli
@@ -303,9 +301,8 @@ def test_world_4096_is_fast(fake_world):
 
 
 def test_cli_subprocess_json_and_error(capsys):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "titan_fold.layout", "--world-size", "4", "--tp", "2", "--ep", "2", "--etp", "2"]
-    out = subprocess.run(cmd + ["--format", "json"], capture_output=True, text=True, env=env, check=True)
+    out = python_m("titan_fold.layout", "--world-size", "4", "--tp", "2", "--ep", "2", "--etp", "2", "--format", "json")
+    assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == FIGURE_2
     assert layout_cli.main(["--world-size", "4", "--ep", "3"]) == 2
     assert "LayoutError: expert mesh: ep(3) * etp(1) = 3 must divide" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import forget_earlier_meshes
 from test_layout import reference
 
 import titan_fold  # noqa: F401  (imported once in the parent; forked ranks inherit it)
@@ -33,8 +34,8 @@ def _check(mesh, expected: list[int], what: str):
 
 
 def _worker(rank: int, store_path: str):
-
     torch.set_num_threads(1)  # 8 ranks share 2 cores: no intra-op threads spinning against each other
+    forget_earlier_meshes()
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     checked = 0
     for cfg in LAYOUTS:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from conftest import forked, python_m
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 from titan_fold.checkpoint import complete, read_model_tensors
@@ -30,16 +31,24 @@ SMALL = ("--training.local_batch_size", "1", "--training.seq_len", "32", "--metr
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")
 
 
+def trainer_args(folder, *args) -> list[str]:
+    return ["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(folder), *SMALL, *args]
+
+
 def trainer_cmd(nproc: int, folder, *args) -> list[str]:
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc else [sys.executable])
-    return [*launch, "-m", "titan_fold.train", "--job.config_file", "debug_moe.toml",
-            "--job.dump_folder", str(folder), *SMALL, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "titan_fold.train", *trainer_args(folder, *args)]
 
 
 def launch(nproc: int, folder, *args, env=None) -> subprocess.CompletedProcess:
+    """Real torchrun with NPROC workers."""
     return subprocess.run(trainer_cmd(nproc, folder, *args), capture_output=True, text=True,
                           env={**ENV, **(env or {})}, timeout=900)
+
+
+def one_process(folder, *args, env=None) -> subprocess.CompletedProcess:
+    """`python -m titan_fold.train ...` without torchrun (forked: tests/launcher.py)."""
+    return python_m("titan_fold.train", *trainer_args(folder, *args), env=env)
 
 
 def worker_lines(stderr: str, prefix: str) -> list[str]:
@@ -55,6 +64,14 @@ def only_torchruns_traceback(stderr: str) -> bool:
 def steps_saved(folder) -> list[int]:
     ckpt = folder / "checkpoint"
     return sorted(int(d.name[5:]) for d in ckpt.iterdir() if complete(str(d))) if ckpt.exists() else []
+
+
+def assert_clean_exit(r: subprocess.CompletedProcess, folder) -> None:
+    """Teardown: every rank passes a barrier before destroying the process groups, so no
+    rank closes its gloo pairs while a peer still has work on them (the cause of an
+    intermittent `terminate called without an active exception` at exit)."""
+    assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-4000:]
+    assert not (folder / "trainer.lock").exists()
 
 
 # ---------------------------------------------------------------- typed config
@@ -155,12 +172,12 @@ def test_preflight_empty_dataset_and_dump_folder(tmp_path):
 
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
     """The real command, one process (no torchrun needed: it fails before the process group)."""
-    r = launch(0, tmp_path / "run", "--model.name", "llama3")
+    r = one_process(tmp_path / "run", "--model.name", "llama3")
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(errors) == 1 and errors[0].startswith("error: model.name = 'llama3': not a titan_fold model family")
     assert not (tmp_path / "run").exists()
-    r = launch(0, tmp_path / "run")  # a good config, but no torchrun
+    r = one_process(tmp_path / "run")  # a good config, but no torchrun
     assert r.returncode == 2 and worker_lines(r.stderr, "error:") == [
         "error: start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ..."], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
@@ -291,18 +308,20 @@ def test_nan_stops_every_rank_and_a_nan_checkpoint_is_refused(tmp_path):
     torch.save(state, whole)
     shutil.rmtree(last)
     torch_save_to_dcp(str(whole), str(last))
-    r = launch(1, folder, "--training.global_batch_size", "1", "--training.steps", "8", "--checkpoint.enable")
-    lines = worker_lines(r.stderr, "error:")
-    assert r.returncode != 0 and len(lines) == 1, r.stderr[-4000:]
+    codes, _, stderr = forked(1, "titan_fold.train", *trainer_args(folder, "--training.global_batch_size", "1",
+                                                                    "--training.steps", "8", "--checkpoint.enable"))
+    lines = worker_lines(stderr, "error:")
+    assert codes != [0] and len(lines) == 1, stderr[-4000:]
     assert f"checkpoint {last} holds non-finite weights (layers.0.attention.wq.weight has NaN or Inf)" in lines[0]
 
 
 def test_skip_policy_skips_and_counts(tmp_path):
     folder = tmp_path / "run"
-    r = launch(1, folder, "--training.global_batch_size", "1", "--training.steps", "6", "--optimizer.lr", "1e6",
-               "--training.nonfinite", "skip", "--checkpoint.enable", "--checkpoint.interval", "100",
-               "--checkpoint.no-last_save_model_only")
-    assert r.returncode == 0, r.stderr[-4000:]
+    codes, _, stderr = forked(1, "titan_fold.train", *trainer_args(
+        folder, "--training.global_batch_size", "1", "--training.steps", "6", "--optimizer.lr", "1e6",
+        "--training.nonfinite", "skip", "--checkpoint.enable", "--checkpoint.interval", "100",
+        "--checkpoint.no-last_save_model_only"))
+    assert codes == [0], stderr[-4000:]
     records = read_records(str(folder / "metrics.jsonl"))
     skipped = [m for m in records if "skipped" in m]
     assert skipped and skipped[-1]["skipped_steps"] == len(skipped)
@@ -339,7 +358,7 @@ def test_sigterm_saves_exits_143_and_resumes_once_per_step(tmp_path):
     assert not (folder / "trainer.lock").exists()
 
     r = launch(2, folder, *common, "--training.steps", str(stop + 2))
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert_clean_exit(r, folder)
     steps = [m["step"] for m in read_records(str(folder / "metrics.jsonl"))]
     assert steps == list(range(1, stop + 3))  # each step once
 
@@ -350,7 +369,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_folder_is_locked_meanwhile(tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     _wait_for_step(folder, 1, proc)
     # a second trainer (one process, as torchrun would start it) into the same folder
-    second = launch(0, folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
+    second = one_process(folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
     assert second.returncode == 2
     holder = json.loads((folder / "trainer.lock").read_text())
     lines = worker_lines(second.stderr, "error:")
@@ -367,14 +386,11 @@ def test_ctrl_c_is_one_line_exit_130_and_the_folder_is_locked_meanwhile(tmp_path
 
 
 def test_finished_two_rank_runs_exit_0(tmp_path):
-    """Teardown: every rank passes a barrier before destroying the process groups, so no
-    rank closes its gloo pairs while a peer still has work on them (the cause of an
-    intermittent `terminate called without an active exception` at exit). Raise
-    TITAN_FOLD_TEARDOWN_RUNS for a stress run."""
-    for i in range(int(os.environ.get("TITAN_FOLD_TEARDOWN_RUNS", "2"))):
+    """assert_clean_exit on a run without checkpoints (the SIGTERM test's resume is a second
+    finished two-rank run). Raise TITAN_FOLD_TEARDOWN_RUNS for a stress run."""
+    for i in range(int(os.environ.get("TITAN_FOLD_TEARDOWN_RUNS", "1"))):
         r = launch(2, tmp_path / f"run{i}", "--training.global_batch_size", "2", "--training.steps", "1")
-        assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-4000:]
-        assert not (tmp_path / f"run{i}" / "trainer.lock").exists()
+        assert_clean_exit(r, tmp_path / f"run{i}")
 
 
 def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):

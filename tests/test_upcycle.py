@@ -87,13 +87,9 @@ def test_cli_dense_dcp_to_moe_dcp(tmp_path):
 
 
 def cli(*args: str):
-    import os
-    import subprocess
-    import sys
+    from conftest import python_m
 
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return subprocess.run([sys.executable, "-m", "titan_fold.upcycle", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return python_m("titan_fold.upcycle", *args)
 
 
 def test_default_router_is_not_degenerate(tmp_path):
