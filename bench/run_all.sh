@@ -60,6 +60,10 @@
 #                               #   vs FP8 eager (profiled), Qwen2-57B-A14B compiled, the proxy 200 steps bf16 vs FP8
 #   bash bench/run_all.sh Z     # Y again (its kernels read a global that Triton wants as a constexpr), and the
 #                               #   proxy compiled with FP8 experts (30 steps)
+#   bash bench/run_all.sh ZA    # 1 GPU, the integrated code of 2026-11-24: the pipeline, dry-run and config tests
+#                               #   on the CPU under the image's torch (2.11; pipeline stages get their shapes up
+#                               #   front since then), the FP8 tests on the GPU, and the proxy at local batch 4
+#                               #   (bf16 weights, eager) as in phases S and Z
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -340,6 +344,17 @@ elif [ "$phase" = Y ] || [ "$phase" = Z ]; then
     timeout 120 $PY bench/train_step.py --cases 1gpu_bf16params_fp8_compiled --gpus 0 --port 29512 --steps 30 \
       --name train_step_1gpu_z_compiled --out-dir "$OUT" --case-timeout 115 > "$LOGS/train_step_z_c.log" 2>&1
   fi
+elif [ "$phase" = ZA ]; then
+  # twenty-seventh call (2026-11-24), one GPU: the pytest logs come back in $OUT
+  export TORCH_LOGS=recompiles
+  note "CPU tests under the image's torch"
+  CUDA_VISIBLE_DEVICES= timeout 240 $PY -m pytest -q -n 4 tests/test_pipeline.py tests/test_dryrun.py \
+    tests/test_dryrun_match.py tests/test_config.py > "$OUT/pytest_cpu_torch211.log" 2>&1
+  note "FP8 tests on the GPU"
+  timeout 60 $PY -m pytest -q -n 0 tests/test_fp8.py > "$OUT/pytest_fp8_gpu.log" 2>&1
+  note "proxy, local batch 4"
+  timeout 100 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29511 --steps 20 \
+    --name train_step_1gpu_za --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_za.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
