@@ -82,6 +82,72 @@ def _forget_dtensor_decisions() -> None:
         torch._C._clear_DTensor_sharding_propagator_cache()
 
 
+class SharedShardingDecisions:
+    """DTensor's sharding propagation of one op schema, computed once for all simulated ranks.
+
+    Every rank's meshes are new objects (its own process groups), equal by value to the other
+    ranks' (DeviceMesh compares shape, ranks and dim names; not the coordinate): DTensor's own
+    caches would hand a rank the meshes of the rank that filled them, and are cleared per rank.
+    Here a decision made for an earlier rank is handed out with that rank's meshes replaced by
+    this schema's. Propagation reads the mesh's shape only (torch's tensor/_ops and
+    _sharding_prop never ask a mesh for its coordinate, rank or groups), so the decision is
+    the one this rank would compute; redistribution plans (coordinate-dependent local shapes)
+    are still cleared per rank."""
+
+    def __init__(self, compute):
+        self.compute = compute
+        self.known: dict = {}  # OpSchema, by value -> (the schema it was computed for, decision)
+
+    def __call__(self, op_schema):
+        hit = self.known.get(op_schema)
+        if hit is None:
+            out = self.compute(op_schema)
+            self.known[op_schema] = (op_schema, out)
+            return out
+        then, out = hit
+        meshes = {id(a): b for a, b in zip(_meshes(then), _meshes(op_schema)) if a is not b}
+        return _rebind(out, meshes) if meshes else out
+
+    @staticmethod
+    @contextlib.contextmanager
+    def installed():
+        prop = DTensor._op_dispatcher.sharding_propagator
+        prop.propagate_op_sharding_non_cached = SharedShardingDecisions(prop.propagate_op_sharding_non_cached)
+        try:
+            yield
+        finally:
+            del prop.propagate_op_sharding_non_cached  # the class's method again
+
+
+def _rebind(x, meshes: dict):
+    """x with every DTensorSpec's mesh replaced through `meshes` (id -> mesh); the rest (the
+    placements included: a _MaskPartial carries the embedding's mask from its op to the
+    reduction, as in one process) shared."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+
+    if isinstance(x, DTensorSpec):
+        return dataclasses.replace(x, mesh=meshes.get(id(x.mesh), x.mesh))
+    if isinstance(x, OutputSharding):
+        return dataclasses.replace(x, output_spec=_rebind(x.output_spec, meshes),
+                                   redistribute_schema=_rebind(x.redistribute_schema, meshes))
+    if isinstance(x, OpSchema):
+        return dataclasses.replace(x, args_schema=_rebind(x.args_schema, meshes),
+                                   kwargs_schema=_rebind(x.kwargs_schema, meshes))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_rebind(a, meshes) for a in x)
+    if isinstance(x, dict):
+        return {k: _rebind(v, meshes) for k, v in x.items()}
+    return x
+
+
+def _meshes(op_schema) -> list:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return [a.mesh for a in tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
+            if isinstance(a, DTensorSpec)]
+
+
 def positions(layout: Layout) -> list[int]:
     """One rank per distinct position: the first and the last rank of every pipeline stage
     (the last holds the last dp / ep / etp coordinate, where uneven FSDP shards are smallest)."""
@@ -470,7 +536,7 @@ def shrunk_config(job_config, model_args):
     cp = par.context_parallel_degree
     step = (2 * cp if cp > 1 else 1) * tp
     tr.seq_len = step * max(1, math.ceil(8 / step))
-    args.max_seq_len = max(args.max_seq_len, tr.seq_len)
+    args.max_seq_len = tr.seq_len  # the rotary tables of every stage: no longer than used
     dp = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree
           if par.data_parallel_shard_degree > 0 else None)
     tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
@@ -484,9 +550,10 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
     config, args = shrunk_config(job_config, model_args)
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     ranks = list(ranks if ranks is not None else range(world_size))
-    for rank in ranks:
-        for key, calls in step_collectives(config, args, world_size, rank).items():
-            per_group[key][rank] = calls
+    with SharedShardingDecisions.installed():
+        for rank in ranks:
+            for key, calls in step_collectives(config, args, world_size, rank).items():
+                per_group[key][rank] = calls
     for (desc, pair), by_rank in per_group.items():
         if desc == P2P:  # a simulated rank that sent or received nothing to its peer
             for r in set(pair) & set(ranks):
@@ -551,8 +618,7 @@ def _step_trainer_class():
             self.model_parts, _, _, self.pp_schedule = build_rank(config, layout, model_args)
             for part in self.model_parts:
                 part.to_empty(device="cpu")
-                with torch.no_grad():
-                    part.init_weights(buffer_device=torch.device("cpu"))
+                _init_weights(part, config, model_args)
                 part.train()
             self.pp_has_first_stage = self.model_parts[0].tok_embeddings is not None
             self.pp_has_last_stage = self.model_parts[-1].output is not None
@@ -577,6 +643,19 @@ def _step_trainer_class():
             pass
 
     return StepTrainer
+
+
+def _init_weights(part: nn.Module, config, model_args) -> None:
+    """The model's init_weights, on each parameter's local shard where values cannot change a
+    collective: dropless routing (the fake dispatcher splits rows evenly whatever the router
+    says) and untied embeddings (init_weights ties them again). Each shard gets the init's
+    own distribution, without a DTensor dispatch per op: the CPU time of a step's recording."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    by_shard = config.moe.capacity_factor is None and not model_args.tie_embeddings
+    local = {name: local_tensor(p) for name, p in part.named_parameters()} if by_shard else {}
+    with _reparametrize_module(part, local), torch.no_grad():
+        part.init_weights(buffer_device=torch.device("cpu"))
 
 
 def _StepTrainer(config, layout, model_args):
