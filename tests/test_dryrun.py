@@ -3,7 +3,6 @@ layouts at their real world size in one process; per-rank memory against indepen
 matched collectives, and a deliberately mismatched dispatcher caught."""
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -20,10 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # world size each packaged config is written for (a new config must be added here)
 WORLD = {"debug_moe.toml": 2, "debug_qwen3_moe.toml": 2, "qwen3_30b_a3b.toml": 8, "qwen2.toml": 64,
          "mixtral_8x22b.toml": 128, "mixtral_8x22b_g8t8.toml": 128}
-# recording one step's collectives on every rank costs 3-4 CPU s a rank: at 64 and 128 ranks
-# that runs only with TITAN_FOLD_SLOW=1 (every rank position's memory and build still run)
-SLOW = bool(os.environ.get("TITAN_FOLD_SLOW"))
-
 # the paper's 1024-GPU layouts: Table 5's folded Mixtral-8x22B at 128K (cp8 tp8 ep8 pp8 etp1,
 # global batch 128), its unfolded MCore row (cp16 tp4 ep8 pp8, etp = tp), and the packaged
 # 4K mappings scaled to 1024 GPUs (Table 4's strong scaling, global batch 1024)
@@ -60,15 +55,12 @@ def test_every_packaged_config_has_a_world_size():
 
 @pytest.mark.parametrize("name", sorted(WORLD))
 def test_packaged_config_dry_runs(name):
-    """Every rank position of the config at its world size: built, counted, collectives matched."""
+    """Every rank position of the config at its world size: built and counted (the
+    collectives of all its ranks: tests/test_dryrun_match.py)."""
     c = config(name, "--comm.dry_run_rank", "-1")
     start = time.process_time()
-    collectives = SLOW or WORLD[name] <= 8
-    report = dryrun.dry_run(c, WORLD[name], collectives=collectives)
+    report = dryrun.dry_run(c, WORLD[name], collectives=False)
     memory_s = sum(r["cpu_seconds"] for r in report["ranks"])
-    if collectives:
-        assert report["collectives"]["first_divergence"] is None
-        assert report["collectives"]["calls"] > 0
     per_stage = WORLD[name] // c.parallelism.pipeline_parallel_degree
     assert [r["rank"] for r in report["ranks"]] == sorted(
         {r for p in range(c.parallelism.pipeline_parallel_degree) for r in (p * per_stage, (p + 1) * per_stage - 1)})
@@ -183,7 +175,7 @@ def test_banner():
     layout, args, _ = dryrun.check_config(c, 64)
     dryrun.init_fake_world(64, 0)
     layout.build_mesh("cpu")
-    parts, _, fqns = dryrun.build_rank(dryrun._dry_config(c), layout, args)
+    parts, _, fqns, _ = dryrun.build_rank(dryrun._dry_config(c), layout, args)
     text = dryrun.banner(layout, args, parts, c, len(fqns))
     assert "pp 4 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 2" in text
     assert "pp 4 x edp 4 x ep 4 x etp 1; 16 of 64 experts per rank" in text
@@ -195,3 +187,62 @@ def test_banner():
 def test_readme_excerpt_is_current():
     readme = (ROOT / "README.md").read_text()
     assert dryrun.readme_block(dryrun.readme_excerpt()) in readme, "run: python -m titan_fold.dryrun --update-readme"
+
+
+# debug_moe at pp 2 x (dp_shard 2 | ep 2) on 4 ranks: stage 0 on ranks 0, 1, stage 1 on ranks
+# 2, 3 (pp pairs 0-2 and 1-3); the schedules the packaged configs use
+PP2 = {schedule: ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                  "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "2")
+       for schedule in ("1F1B", "Interleaved1F1B")}
+
+
+@pytest.mark.parametrize("schedule", sorted(PP2))
+def test_pipeline_exchange_is_matched(schedule):
+    """The real schedule runs on the fake process group; every send has its recv."""
+    c = config("debug_moe.toml", *PP2[schedule])
+    _, args, _ = dryrun.check_config(c, 4)
+    per_group = dryrun.record_collectives(c, 4, args)
+    assert dryrun.first_divergence(per_group) is None
+    p2p = {pair: by_rank for (desc, pair), by_rank in per_group.items() if desc == dryrun.P2P}
+    assert sorted(p2p) == [(0, 2), (1, 3)]
+    stages = 2 * c.parallelism.pipeline_parallel_degree if schedule == "Interleaved1F1B" else 2
+    micro = c.training.local_batch_size // c.parallelism.pipeline_parallel_microbatch_size
+    small, small_args = dryrun.shrunk_config(c, args)
+    hidden = [((c.parallelism.pipeline_parallel_microbatch_size, small.training.seq_len, small_args.dim), "float32")]
+    for by_rank in p2p.values():
+        # per micro-batch, each of the stages - 1 boundaries (all between the pair at pp 2)
+        # carries the hidden states forward and their gradient back
+        sends = [call for calls in by_rank.values() for call in calls if call["op"] == "send"]
+        assert sum(call["shapes"] == hidden for call in sends) == 2 * (stages - 1) * micro
+
+
+@pytest.mark.parametrize("fault", ["other shape", "skipped send"])
+def test_broken_pipeline_exchange_is_caught(fault, monkeypatch):
+    """Rank 1 (stage 0) sends its activations one token short, or not at all: the check names
+    the pair 1 -> 3 and the pipelining call site."""
+    from torch.distributed.pipelining import stage as pp_stage
+
+    real = pp_stage._PipelineStageBase.get_fwd_send_ops
+
+    def broken(self, fwd_chunk_id):
+        ops = real(self, fwd_chunk_id)
+        if dist.get_rank() != 1:
+            return ops
+        if fault == "skipped send":
+            return []
+        return [dist.P2POp(op.op, op.tensor[:, :-1].contiguous(), op.peer, op.group) for op in ops]
+
+    c = config("debug_moe.toml", *PP2["1F1B"])
+    _, args, _ = dryrun.check_config(c, 4)
+    monkeypatch.setattr(pp_stage._PipelineStageBase, "get_fwd_send_ops", broken)
+    div = dryrun.first_divergence(dryrun.record_collectives(c, 4, args))
+    assert div is not None
+    assert div["group"] == "p2p 1->3" and div["ranks"] == [1, 3] and div["rank"] == 1
+    small, small_args = dryrun.shrunk_config(c, args)
+    hidden = (c.parallelism.pipeline_parallel_microbatch_size, small.training.seq_len, small_args.dim)
+    assert f"recv [({hidden}, 'float32')]" in div["reference_issued"]
+    if fault == "skipped send":
+        assert div["rank_issued"] == "nothing (sequence ended)"
+    else:
+        short = (hidden[0], hidden[1] - 1, hidden[2])
+        assert f"send [({short}, 'float32')]" in div["rank_issued"] and "pipelining/" in div["rank_issued"]

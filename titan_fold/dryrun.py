@@ -14,9 +14,11 @@ runs this instead of training. For the simulated rank (`--comm.dry_run_rank R`, 
   (shapes only, in the compute dtype) and measures the activations autograd keeps;
 - puts the cost model's estimate for the same mapping beside it (titan_fold.cost_model).
 Then (`--comm.dry_run_collectives`, default on) every rank runs one training step of a
-shrunk model (same layout, same experts and heads, tiny widths, few layers) while every
-collective is recorded per process group; all members of a group must issue the same
-sequence, else the first divergence is reported (the mismatch that hangs a real job).
+shrunk model (same layout, same experts and heads, tiny widths, few layers; under PP the real
+pipeline schedule) while every collective is recorded per process group and every pipeline
+send/recv per pair of ranks; all members of a group must issue the same sequence and every
+send must meet its recv, else the first divergence is reported (the mismatch that hangs a
+real job); a step that raises on a rank is reported with its cause.
 Output: a table on stdout and `<job.dump_folder>/dry_run.json`.
 """
 
@@ -78,6 +80,72 @@ def _forget_dtensor_decisions() -> None:
         _redistribute.clear_redistribute_planner_cache()
     if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's
         torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+class SharedShardingDecisions:
+    """DTensor's sharding propagation of one op schema, computed once for all simulated ranks.
+
+    Every rank's meshes are new objects (its own process groups), equal by value to the other
+    ranks' (DeviceMesh compares shape, ranks and dim names; not the coordinate): DTensor's own
+    caches would hand a rank the meshes of the rank that filled them, and are cleared per rank.
+    Here a decision made for an earlier rank is handed out with that rank's meshes replaced by
+    this schema's. Propagation reads the mesh's shape only (torch's tensor/_ops and
+    _sharding_prop never ask a mesh for its coordinate, rank or groups), so the decision is
+    the one this rank would compute; redistribution plans (coordinate-dependent local shapes)
+    are still cleared per rank."""
+
+    def __init__(self, compute):
+        self.compute = compute
+        self.known: dict = {}  # OpSchema, by value -> (the schema it was computed for, decision)
+
+    def __call__(self, op_schema):
+        hit = self.known.get(op_schema)
+        if hit is None:
+            out = self.compute(op_schema)
+            self.known[op_schema] = (op_schema, out)
+            return out
+        then, out = hit
+        meshes = {id(a): b for a, b in zip(_meshes(then), _meshes(op_schema)) if a is not b}
+        return _rebind(out, meshes) if meshes else out
+
+    @staticmethod
+    @contextlib.contextmanager
+    def installed():
+        prop = DTensor._op_dispatcher.sharding_propagator
+        prop.propagate_op_sharding_non_cached = SharedShardingDecisions(prop.propagate_op_sharding_non_cached)
+        try:
+            yield
+        finally:
+            del prop.propagate_op_sharding_non_cached  # the class's method again
+
+
+def _rebind(x, meshes: dict):
+    """x with every DTensorSpec's mesh replaced through `meshes` (id -> mesh); the rest (the
+    placements included: a _MaskPartial carries the embedding's mask from its op to the
+    reduction, as in one process) shared."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+
+    if isinstance(x, DTensorSpec):
+        return dataclasses.replace(x, mesh=meshes.get(id(x.mesh), x.mesh))
+    if isinstance(x, OutputSharding):
+        return dataclasses.replace(x, output_spec=_rebind(x.output_spec, meshes),
+                                   redistribute_schema=_rebind(x.redistribute_schema, meshes))
+    if isinstance(x, OpSchema):
+        return dataclasses.replace(x, args_schema=_rebind(x.args_schema, meshes),
+                                   kwargs_schema=_rebind(x.kwargs_schema, meshes))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_rebind(a, meshes) for a in x)
+    if isinstance(x, dict):
+        return {k: _rebind(v, meshes) for k, v in x.items()}
+    return x
+
+
+def _meshes(op_schema) -> list:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return [a.mesh for a in tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
+            if isinstance(a, DTensorSpec)]
 
 
 def positions(layout: Layout) -> list[int]:
@@ -230,7 +298,7 @@ def _cast_default_dtype(dtype: torch.dtype):
 
 def build_rank(job_config, layout: Layout, model_args, dtype: torch.dtype = torch.float32):
     """The trainer's model construction for this rank, on the meta device:
-    -> (model_parts, stage indices, every stage's module FQNs)."""
+    -> (model_parts, stage indices, every stage's module FQNs, pipeline schedule or None)."""
     from torchtitan.protocols.train_spec import get_train_spec
 
     from titan_fold.parallel.pipeline import check_pipeline, pipeline
@@ -242,14 +310,14 @@ def build_rank(job_config, layout: Layout, model_args, dtype: torch.dtype = torc
         model = spec.model_cls(model_args)
     if layout.pp > 1:
         _, all_fqns, _ = check_pipeline(job_config, model_args, layout.pp)
-        _, parts, _, _ = pipeline(model, layout, job_config, torch.device("cpu"), model_args, spec.parallelize_fn,
-                                  spec.build_loss_fn(job_config))
+        schedule, parts, _, _ = pipeline(model, layout, job_config, torch.device("cpu"), model_args,
+                                         spec.parallelize_fn, spec.build_loss_fn(job_config))
         pp_rank = layout.get_mesh("pp").get_local_rank()
         stages = list(range(pp_rank, len(all_fqns), layout.pp))
     else:
         all_fqns = [["tok_embeddings", *(f"layers.{i}" for i in range(model_args.n_layers)), "norm", "output"]]
-        parts, stages = [spec.parallelize_fn(model, layout, job_config)], [0]
-    return parts, stages, all_fqns
+        parts, stages, schedule = [spec.parallelize_fn(model, layout, job_config)], [0], None
+    return parts, stages, all_fqns, schedule
 
 
 def _dry_config(job_config):
@@ -268,7 +336,9 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
     layout = layout_from_config(job_config, world_size)
     layout.build_mesh("cpu")
     config = _dry_config(job_config)
-    parts, stages, all_fqns = build_rank(config, layout, model_args)
+    # built once, in the compute dtype the fake step needs: the counts do not depend on it
+    compute = getattr(torch, job_config.training.mixed_precision_param)
+    parts, stages, all_fqns, _ = build_rank(config, layout, model_args, compute if measure else torch.float32)
     report = {
         "rank": rank,
         "coordinates": coordinates(layout),
@@ -280,7 +350,6 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
     report["dense_layers"] = sum(1 for part in parts for b in part.layers.values() if not b.moe_enabled)
     if measure:
         try:
-            parts, _, _ = build_rank(config, layout, model_args, getattr(torch, job_config.training.mixed_precision_param))
             report["activations"] = {"source": "fake-tensor step", **fake_step(parts, stages, layout, config, model_args)}
         except Exception as e:  # reported; the cost model's estimate stands in
             report["activations"] = {"source": "cost model estimate (the fake-tensor step failed: "
@@ -351,22 +420,38 @@ def compare(rank_report: dict, est: cost_model.Memory, info: dict, layout: Layou
 # ---------------------------------------------------------------- collectives
 
 
+P2P = "p2p"  # the group name under which a pair of ranks' send/recv are recorded
+
+
 class CollectiveRecorder(TorchDispatchMode):
-    """Every collective this process issues: per process group, its kind, shapes and call site."""
+    """Every collective this process issues: per process group, its kind, shapes and call
+    site; point-to-point send/recv (the pipeline's) per pair of ranks, under the key
+    (P2P, (lower rank, higher rank)), with the peer's global rank.
+
+    A fake process group delivers nothing: a received buffer is filled with ones, so that
+    the pipeline schedule's start-up vote (torch 2.13: every stage sends the product of
+    the stages' "shapes given up front" flags) reads what the real peers would send."""
 
     PREFIXES = ("_c10d_functional.", "c10d.")
     SKIP = ("wait_tensor", "barrier", "monitored_barrier")
+    P2P_OPS = {"send": "send", "recv_": "recv"}
 
-    def __init__(self):
+    def __init__(self, rank: int):
         super().__init__()
+        self.rank = rank
         self.calls: dict[tuple, list[dict]] = defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
-        if name.startswith(self.PREFIXES) and not any(s in name for s in self.SKIP):
+        recorded = name.startswith(self.PREFIXES) and not any(s in name for s in self.SKIP)
+        if recorded:
             self._record(name, func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if recorded and name == "c10d.recv_":
+            for t in args[0]:
+                t.fill_(1)
+        return out
 
     def _record(self, name, func, args, kwargs):
         group, shapes, ints = None, [], []
@@ -388,17 +473,22 @@ class CollectiveRecorder(TorchDispatchMode):
         ranks = tuple(dist.get_process_group_ranks(group))
         if len(ranks) < 2:
             return
+        op = name.split(".", 1)[1]
+        if op in self.P2P_OPS:  # c10d.send / recv_(tensors, group, peer's rank in the group, tag)
+            peer = ranks[ints[0]]
+            self.calls[(P2P, tuple(sorted((self.rank, peer))))].append(
+                {"op": self.P2P_OPS[op], "peer": peer, "shapes": shapes, "ints": ints, "site": call_site()})
+            return
         desc = getattr(group, "group_desc", "") or ""
-        self.calls[(desc, ranks)].append({"op": name.split(".", 1)[1], "shapes": shapes, "ints": ints,
-                                          "site": call_site()})
+        self.calls[(desc, ranks)].append({"op": op, "shapes": shapes, "ints": ints, "site": call_site()})
 
 
 def call_site() -> str:
     """The innermost titan_fold frame and the torch subsystem that issued the collective."""
     stack = traceback.extract_stack()[:-3]
     ours = next((f for f in reversed(stack) if "/titan_fold/" in f.filename and "dryrun.py" not in f.filename), None)
-    torch_part = next((f for f in reversed(stack) if "/torch/distributed/" in f.filename
-                       and "_python_dispatch" not in f.filename and "_functional_collectives" not in f.filename), None)
+    torch_part = next((f for f in reversed(stack) if "/torch/distributed/" in f.filename and not any(
+        s in f.filename for s in ("_python_dispatch", "_functional_collectives", "distributed_c10d"))), None)
     parts = []
     if ours is not None:
         parts.append(f"{ours.filename.split('/titan_fold/', 1)[1]}:{ours.lineno} {ours.name}")
@@ -411,9 +501,13 @@ def _signature(call: dict) -> tuple:
     """What all members of a group must agree on: the op, dtypes, and the shapes except the
     row count of uneven (v) collectives, whose splits differ by rank."""
     uneven = call["op"].startswith("all_to_all") or call["op"].startswith("alltoall")
-    dims = tuple((shape[1:] if uneven else shape, dtype) for shape, dtype in call["shapes"])
-    p2p = call["op"] in ("send", "recv_", "recv_any_source_")
-    return (call["op"], dims) if not p2p else ("p2p", dims)
+    return call["op"], tuple((shape[1:] if uneven else shape, dtype) for shape, dtype in call["shapes"])
+
+
+def _p2p_signature(call: dict) -> tuple:
+    """What a send and its recv must agree on: dtypes and shapes, sizes of one left out
+    (the bytes in memory order: torch's own first exchange sends a [] into a [1])."""
+    return tuple((tuple(n for n in shape if n != 1), dtype) for shape, dtype in call["shapes"])
 
 
 def shrunk_config(job_config, model_args):
@@ -442,7 +536,7 @@ def shrunk_config(job_config, model_args):
     cp = par.context_parallel_degree
     step = (2 * cp if cp > 1 else 1) * tp
     tr.seq_len = step * max(1, math.ceil(8 / step))
-    args.max_seq_len = max(args.max_seq_len, tr.seq_len)
+    args.max_seq_len = tr.seq_len  # the rotary tables of every stage: no longer than used
     dp = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree
           if par.data_parallel_shard_degree > 0 else None)
     tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
@@ -455,9 +549,15 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
     -> {(group desc, group ranks): {rank: [call, ...]}}"""
     config, args = shrunk_config(job_config, model_args)
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
-    for rank in ranks if ranks is not None else range(world_size):
-        for key, calls in step_collectives(config, args, world_size, rank).items():
-            per_group[key][rank] = calls
+    ranks = list(ranks if ranks is not None else range(world_size))
+    with SharedShardingDecisions.installed():
+        for rank in ranks:
+            for key, calls in step_collectives(config, args, world_size, rank).items():
+                per_group[key][rank] = calls
+    for (desc, pair), by_rank in per_group.items():
+        if desc == P2P:  # a simulated rank that sent or received nothing to its peer
+            for r in set(pair) & set(ranks):
+                by_rank.setdefault(r, [])
     return per_group
 
 
@@ -472,9 +572,27 @@ def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
     trainer = _StepTrainer(config, layout, model_args)
     b, S = config.training.local_batch_size, config.training.seq_len
     tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
-    with CollectiveRecorder() as recorder:
-        trainer.train_step(iter([({"input": tokens}, tokens.clone())]))
+    with CollectiveRecorder(rank) as recorder:
+        try:
+            trainer.train_step(iter([({"input": tokens}, tokens.clone())]))
+        except Exception as e:  # where a real run of this layout would fail too
+            raise StepFailed(rank, e) from e
     return dict(recorder.calls)
+
+
+class StepFailed(Exception):
+    """The training step of a simulated rank raised: its first cause and where."""
+
+    def __init__(self, rank: int, error: BaseException):
+        while error.__cause__ is not None:  # the pipeline schedule wraps the stage's own error
+            error = error.__cause__
+        frames = traceback.extract_tb(error.__traceback__)
+        ours = [f for f in frames if "/titan_fold/" in f.filename]
+        site = ours[-1] if ours else frames[-1]
+        where = site.filename.split("/titan_fold/", 1)[-1].split("/site-packages/", 1)[-1]
+        self.report = {"rank": rank, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}",
+                       "site": f"{where}:{site.lineno} {site.name}", "innermost": f"{frames[-1].filename.split('/site-packages/', 1)[-1]}:{frames[-1].lineno}"}
+        super().__init__(f"rank {rank}: {self.report['error']} at {self.report['site']}")
 
 
 def _step_trainer_class():
@@ -482,10 +600,8 @@ def _step_trainer_class():
 
     class StepTrainer(FoldTrainer):
         """FoldTrainer's train_step and forward_backward_step on a built model, without data,
-        checkpoints or metrics. Under PP each local stage runs one forward and backward on
-        stand-in inputs instead of the schedule: torch's schedule exchanges stage shapes as
-        pickled objects at its first step, which a fake process group cannot carry, so the
-        pipeline's own send/recv are not recorded."""
+        checkpoints or metrics; under PP the real run's schedule (parallel/pipeline.py), its
+        send/recv recorded."""
 
         def __init__(self, config, layout, model_args):  # not super().__init__: it builds data and checkpoints
             from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -499,11 +615,10 @@ def _step_trainer_class():
             self.device = torch.device("cpu")
             self._names = trainer_names(self)
             self.guard = NonFiniteGuard(config.training.nonfinite, self.device)
-            self.model_parts, self.stages, _ = build_rank(config, layout, model_args)
+            self.model_parts, _, _, self.pp_schedule = build_rank(config, layout, model_args)
             for part in self.model_parts:
                 part.to_empty(device="cpu")
-                with torch.no_grad():
-                    part.init_weights(buffer_device=torch.device("cpu"))
+                _init_weights(part, config, model_args)
                 part.train()
             self.pp_has_first_stage = self.model_parts[0].tok_embeddings is not None
             self.pp_has_last_stage = self.model_parts[-1].output is not None
@@ -527,28 +642,20 @@ def _step_trainer_class():
         def log(self, *args, **kwargs):
             pass
 
-        def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-            if not self.parallel_dims.pp_enabled:
-                return super().forward_backward_step(input_dict=input_dict, labels=labels,
-                                                     global_valid_tokens=global_valid_tokens)
-            inputs, labels, _, extra = self.post_dataloading_process(input_dict, labels)
-            b = self.job_config.parallelism.pipeline_parallel_microbatch_size
-            loss = torch.zeros(())
-            with self.train_context(), self.maybe_enable_amp:
-                for part in self.model_parts:
-                    first, last = part.tok_embeddings is not None, part.output is not None
-                    x = inputs[:b] if first else torch.zeros(
-                        b, inputs.shape[1] // self.parallel_dims.tp, self.model_args.dim, requires_grad=True)
-                    pos = extra.get("positions")
-                    out = part(x, positions=pos)
-                    if last:
-                        loss = self.loss_fn(out, labels[:b]) / global_valid_tokens
-                        loss.backward()
-                    else:
-                        out.backward(torch.ones_like(out))
-            return loss.detach()
-
     return StepTrainer
+
+
+def _init_weights(part: nn.Module, config, model_args) -> None:
+    """The model's init_weights, on each parameter's local shard where values cannot change a
+    collective: dropless routing (the fake dispatcher splits rows evenly whatever the router
+    says) and untied embeddings (init_weights ties them again). Each shard gets the init's
+    own distribution, without a DTensor dispatch per op: the CPU time of a step's recording."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    by_shard = config.moe.capacity_factor is None and not model_args.tie_embeddings
+    local = {name: local_tensor(p) for name, p in part.named_parameters()} if by_shard else {}
+    with _reparametrize_module(part, local), torch.no_grad():
+        part.init_weights(buffer_device=torch.device("cpu"))
 
 
 def _StepTrainer(config, layout, model_args):
@@ -565,8 +672,15 @@ def _loss_fn(config):
 
 
 def first_divergence(per_group: dict) -> dict | None:
-    """The first call at which the members of a group disagree (kind, dtype, shape, count)."""
+    """The first call at which the members of a group disagree (kind, dtype, shape, count),
+    or the first send without its recv (the n-th send from a to b against the n-th recv on
+    b from a: dtype and shape)."""
     for (desc, ranks), by_rank in per_group.items():
+        if desc == P2P:
+            div = _p2p_divergence(ranks, by_rank)
+            if div is not None:
+                return div
+            continue
         members = [r for r in ranks if r in by_rank]
         missing = [r for r in ranks if r not in by_rank]
         seqs = {r: by_rank[r] for r in members}
@@ -585,6 +699,25 @@ def first_divergence(per_group: dict) -> dict | None:
                 return {"group": desc, "ranks": list(ranks), "call": i, "rank": odd, "reference_rank": ref_rank,
                         "rank_issued": show(odd), "reference_issued": show(ref_rank),
                         "unrecorded_members": missing}
+    return None
+
+
+def _p2p_divergence(pair: tuple[int, int], by_rank: dict) -> dict | None:
+    def show(c):
+        return "nothing (sequence ended)" if c is None else f"{c['op']} {c['shapes']} at {c['site']}"
+
+    if any(r not in by_rank for r in pair):
+        return None  # one of them not simulated (record_collectives' ranks)
+    for src, dst in (pair, pair[::-1]):
+        sends = [c for c in by_rank.get(src, []) if c["op"] == "send" and c["peer"] == dst]
+        recvs = [c for c in by_rank.get(dst, []) if c["op"] == "recv" and c["peer"] == src]
+        for i in range(max(len(sends), len(recvs))):
+            send = sends[i] if i < len(sends) else None
+            recv = recvs[i] if i < len(recvs) else None
+            if send is None or recv is None or _p2p_signature(send) != _p2p_signature(recv):
+                return {"group": f"{P2P} {src}->{dst}", "ranks": [src, dst], "call": i, "rank": src,
+                        "reference_rank": dst, "rank_issued": show(send), "reference_issued": show(recv),
+                        "unrecorded_members": []}
     return None
 
 
@@ -636,17 +769,19 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
         report["ranks"].append(rep)
     if collectives:
         t1 = time.process_time()
-        per_group = record_collectives(job_config, world_size, model_args)
-        report["collectives"] = {
-            "groups": len(per_group),
-            "calls": sum(len(c) for g in per_group.values() for c in g.values()),
-            "by_kind": _count_kinds(per_group),
-            "first_divergence": first_divergence(per_group),
-            "cpu_seconds": round(time.process_time() - t1, 2),
+        col = report["collectives"] = {
             "note": "a shrunk model (same layout, experts, top-k and heads; tiny widths, "
                     f"{shrunk_config(job_config, model_args)[1].n_layers} layers) on all {world_size} ranks"
-                    + ("; pipeline send/recv not recorded (stages run directly)" if layout.pp > 1 else ""),
-        }
+                    + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 else ""),
+            "step_failed": None, "first_divergence": None}
+        try:
+            per_group = record_collectives(job_config, world_size, model_args)
+        except StepFailed as e:
+            col["step_failed"] = e.report
+        else:
+            col.update(groups=len(per_group), calls=sum(len(c) for g in per_group.values() for c in g.values()),
+                       by_kind=_count_kinds(per_group), first_divergence=first_divergence(per_group))
+        col["cpu_seconds"] = round(time.process_time() - t1, 2)
     if dist.is_initialized():
         dist.destroy_process_group()
     report["cpu_seconds"] = round(time.process_time() - t0, 2)
@@ -700,7 +835,11 @@ def format_report(report: dict) -> str:
                 lines.append(f"  note on {row['what']} ({100 * row['diff']:+.0f}%): {row['note']}")
         lines.append(f"  ({rep['cpu_seconds']:.1f} CPU s)")
     col = report.get("collectives")
-    if col:
+    if col and col["step_failed"]:
+        f = col["step_failed"]
+        lines += ["", f"collectives of one step: {col['note']}",
+                  f"  THE STEP FAILS on rank {f['rank']}: {f['error']} at {f['site']} (raised in {f['innermost']})"]
+    elif col:
         lines.append("")
         lines.append(f"collectives of one step: {col['calls']} calls in {col['groups']} process groups; {col['note']}")
         div = col["first_divergence"]
@@ -729,8 +868,8 @@ def main(job_config) -> int:
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(f"wrote {path}", flush=True)
-    div = report.get("collectives", {}).get("first_divergence")
-    return 1 if div else 0
+    col = report.get("collectives", {})
+    return 1 if col.get("first_divergence") or col.get("step_failed") else 0
 
 
 # ---------------------------------------------------------------- the banner of a real run

@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from titan_fold.moe import moe_layers
@@ -145,34 +146,50 @@ class StageHooks:
     It pops the `aux_loss_scale` kwarg [micro-batch size] and gives its sum to the
     stage's MoE layers as a new tensor (not `fill_`: under 1F1B the next micro-batch's
     forward runs before this one's backward, which still needs the old value).
-
-    The schedule's first `step` runs each stage once on stand-in inputs to learn shapes
-    (torch 2.13 also runs backward, which recomputes checkpointed blocks); the MoE
-    statistics this accumulates (stats, expert loads) are put back before the first real
-    micro-batch, i.e. at the stage's second forward.
     """
 
     def __init__(self, model: nn.Module):
         self.moes = moe_layers(model)
-        self.shape_pass = True
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, before the shape pass)
         model.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
-
-    def _statistics(self) -> list[torch.Tensor]:
-        return [b for m in self.moes for n, b in m.named_buffers(recurse=False) if n != AUX_SCALE_KWARG]
 
     @torch.no_grad()
     def pre_forward(self, module, args, kwargs):
         scale = kwargs.pop(AUX_SCALE_KWARG, None)
-        for buf, before in self.saved:
-            buf.copy_(before)
-        self.saved = [(b, b.clone()) for b in self._statistics()] if self.shape_pass else []
-        self.shape_pass = False
         if scale is not None and not scale.is_meta:
             value = scale.sum()  # []
             for moe in self.moes:
                 moe.aux_loss_scale = value
         return args, kwargs
+
+
+def stage_io(stage: int, num_stages: int, layout: Layout, job_config, model_args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of one stage for one pipeline micro-batch, as meta tensors, given to
+    PipelineStage up front: the schedule then infers no shapes (no stand-in forward and
+    backward, no pickled shape exchange between ranks, which a fake process group cannot
+    carry) and its first step is like every other.
+
+    Tokens [mb, s/cp] go into stage 0; hidden states [mb, s/cp/tp] (sequence parallel)
+    travel between stages; logits [mb, s/cp, vocab] (their global shape under loss
+    parallel) leave the last. Dtypes: FSDP2 (any dp or cp) computes in
+    mixed_precision_param on the GPU (parallelize.apply_fsdp), so everything is in that
+    dtype; elsewhere the residual stream stays in the parameters' dtype and autocast
+    (torchtitan_adapter.maybe_enable_amp) gives the logits in mixed_precision_param.
+    """
+    tr = job_config.training
+    params = TORCH_DTYPE_MAP[tr.dtype]
+    compute = TORCH_DTYPE_MAP[tr.mixed_precision_param]
+    if layout.dp_cp_enabled:
+        hidden = logits = compute if torch.cuda.is_available() else params
+    else:
+        hidden, logits = params, params if compute == torch.float32 else compute
+    mb, s = job_config.parallelism.pipeline_parallel_microbatch_size, tr.seq_len // layout.cp
+    meta = torch.device("meta")
+    # requires_grad: gradients travel back along the hidden states
+    h = torch.empty(mb, s // layout.tp, model_args.dim, dtype=hidden, device=meta, requires_grad=True)
+    first = torch.empty(mb, s, dtype=torch.int64, device=meta) if stage == 0 else h
+    last = (torch.empty(mb, s, model_args.vocab_size, dtype=logits, device=meta, requires_grad=True)
+            if stage == num_stages - 1 else h)
+    return first, last
 
 
 def check_pipeline(job_config, model_args, pp: int) -> tuple[type, list[list[str]], int]:
@@ -210,7 +227,9 @@ def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device,
         part = parallelize_fn(stage_model(model, all_fqns[s]), layout, job_config)
         StageHooks(part)
         model_parts.append(part)
-        stages.append(PipelineStage(part, s, num_stages, device, group=pp_mesh.get_group()))
+        inputs, outputs = stage_io(s, num_stages, layout, job_config, model_args)
+        stages.append(PipelineStage(part, s, num_stages, device, input_args=inputs, output_args=outputs,
+                                    group=pp_mesh.get_group()))
         logger.info(f"Pipeline stage {s} of {num_stages} on pp rank {pp_rank}: {all_fqns[s]}")
     token_loss = TokenNormalizedLoss(loss_fn)
     single = issubclass(cls, PipelineScheduleSingle)

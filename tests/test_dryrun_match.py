@@ -1,0 +1,79 @@
+"""Dry run: the collectives of one training step on every rank of each packaged job config at
+its real world size (shrunk model, same layout), all members of every group and every pipeline
+pair of ranks matched. A file of its own: the 64- and 128-rank worlds are the suite's longest
+checks, and pytest-xdist (`--dist loadfile`) runs them beside the rest."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_dryrun import WORLD, config
+
+from titan_fold import dryrun
+
+# one step of one rank costs about 0.3-0.6 CPU s (DTensor's sharding decisions shared by the
+# ranks, weights initialized on the local shards: dryrun.SharedShardingDecisions, _init_weights):
+# qwen2.toml (64 ranks) and both Mixtral configs (128) together about 125 CPU s
+# torch 2.13's selective checkpointing counts every op of a checkpointed region and the recompute
+# must issue the same ones; under a pipeline schedule the experts' FSDP unit (sharded over edp
+# inside the block) opens one more profiler range in the recompute (FSDP::root_pre_forward) than
+# in the forward, and op-level selective AC (selective_ac_option = "op": qwen2.toml, the
+# Mixtral configs) fails the first backward. A real run fails the same way (docs/planning.md
+# gives the 4-rank torchrun command); torch 2.11 (the GPUs') checks only the ops it saved.
+# Those configs' collectives are matched with full AC until that is fixed.
+SAC_UNDER_PP_FAILS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+def op_sac_under_pp(c) -> bool:
+    return (c.parallelism.pipeline_parallel_degree > 1 and c.activation_checkpoint.mode == "selective"
+            and c.activation_checkpoint.selective_ac_option == "op")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_packaged_config_collectives_match(name):
+    """Every rank of the real world size records its own step; all members of every group
+    issue the same sequence and every pipeline send meets its recv."""
+    c = config(name)
+    matched = config(name, "--activation_checkpoint.mode", "full") if SAC_UNDER_PP_FAILS and op_sac_under_pp(c) else c
+    _, args, _ = dryrun.check_config(matched, WORLD[name])
+    per_group = dryrun.record_collectives(matched, WORLD[name], args)
+    assert dryrun.first_divergence(per_group) is None
+    assert sum(len(calls) for g in per_group.values() for calls in g.values()) > 0
+    # every rank recorded its own sequence, every pp pair its send/recv
+    assert set().union(*(g.keys() for g in per_group.values())) == set(range(WORLD[name]))
+    # pp pairs: a ring of pp per pp group under Interleaved1F1B (the packaged schedule), one at pp 2
+    pp = c.parallelism.pipeline_parallel_degree
+    assert sum(desc == dryrun.P2P for desc, _ in per_group) == (WORLD[name] if pp > 2 else WORLD[name] // 2) * (pp > 1)
+
+
+@pytest.mark.xfail(SAC_UNDER_PP_FAILS, raises=dryrun.StepFailed, strict=True,
+                   reason="torch 2.13: op-level selective AC under a pipeline schedule (see SAC_UNDER_PP_FAILS)")
+def test_selective_ac_under_pipeline_schedule():
+    """qwen2.toml as shipped: rank 0's training step (pp 4, Interleaved1F1B, op-level selective AC)."""
+    c = config("qwen2.toml")
+    assert op_sac_under_pp(c)
+    _, args, _ = dryrun.check_config(c, 64)
+    assert dryrun.first_divergence(dryrun.record_collectives(c, 64, args, ranks=[0])) is None
+
+
+def test_shared_sharding_decisions_change_nothing():
+    """Ranks recorded in one pass (DTensor's sharding decisions computed once, handed to each
+    rank with its own meshes) issue exactly what each rank recorded alone issues: every call's
+    op, shapes, integers, peer and call site (tp, ep, etp, FSDP on both meshes, pp 2 x 2 stages)."""
+    c = config("debug_moe.toml", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+               "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+               "--training.local_batch_size", "2")
+    _, args, _ = dryrun.check_config(c, 8)
+    together = dryrun.record_collectives(c, 8, args)
+    alone: dict = {}
+    for r in range(8):
+        for key, by_rank in dryrun.record_collectives(c, 8, args, ranks=[r]).items():
+            alone.setdefault(key, {}).update(by_rank)
+    assert together == alone
+    assert any(desc == dryrun.P2P for desc, _ in together) and len(together) > 8
