@@ -13,19 +13,10 @@ from titan_fold import dryrun
 # one step of one rank costs about 0.3-0.6 CPU s (DTensor's sharding decisions shared by the
 # ranks, weights initialized on the local shards: dryrun.SharedShardingDecisions, _init_weights):
 # qwen2.toml (64 ranks) and both Mixtral configs (128) together about 125 CPU s
-# torch 2.13's selective checkpointing counts every op of a checkpointed region and the recompute
-# must issue the same ones; under a pipeline schedule the experts' FSDP unit (sharded over edp
-# inside the block) opens one more profiler range in the recompute (FSDP::root_pre_forward) than
-# in the forward, and op-level selective AC (selective_ac_option = "op": qwen2.toml, the
-# Mixtral configs) fails the first backward. A real run fails the same way (docs/planning.md
-# gives the 4-rank torchrun command); torch 2.11 (the GPUs') checks only the ops it saved.
-# Those configs' collectives are matched with full AC until that is fixed.
+# torch 2.13 cannot run op-level selective AC under a pipeline schedule with experts sharded
+# over edp (parallelize.op_sac_problem: qwen2.toml and the Mixtral configs); the dry run then
+# records the step with full AC (dryrun.step_config) and a real run refuses it in preflight
 SAC_UNDER_PP_FAILS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
-
-
-def op_sac_under_pp(c) -> bool:
-    return (c.parallelism.pipeline_parallel_degree > 1 and c.activation_checkpoint.mode == "selective"
-            and c.activation_checkpoint.selective_ac_option == "op")
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +31,10 @@ def test_packaged_config_collectives_match(name):
     """Every rank of the real world size records its own step; all members of every group
     issue the same sequence and every pipeline send meets its recv."""
     c = config(name)
-    matched = config(name, "--activation_checkpoint.mode", "full") if SAC_UNDER_PP_FAILS and op_sac_under_pp(c) else c
-    _, args, _ = dryrun.check_config(matched, WORLD[name])
+    layout, args, _ = dryrun.check_config(c, WORLD[name])
+    matched, problem = dryrun.step_config(c, layout)
+    assert (problem is not None) == (SAC_UNDER_PP_FAILS and name in ("qwen2.toml", "mixtral_8x22b.toml",
+                                                                     "mixtral_8x22b_g8t8.toml"))
     per_group = dryrun.record_collectives(matched, WORLD[name], args)
     assert dryrun.first_divergence(per_group) is None
     assert sum(len(calls) for g in per_group.values() for calls in g.values()) > 0
@@ -57,7 +50,6 @@ def test_packaged_config_collectives_match(name):
 def test_selective_ac_under_pipeline_schedule():
     """qwen2.toml as shipped: rank 0's training step (pp 4, Interleaved1F1B, op-level selective AC)."""
     c = config("qwen2.toml")
-    assert op_sac_under_pp(c)
     _, args, _ = dryrun.check_config(c, 64)
     assert dryrun.first_divergence(dryrun.record_collectives(c, 64, args, ranks=[0])) is None
 
@@ -77,3 +69,25 @@ def test_shared_sharding_decisions_change_nothing():
             alone.setdefault(key, {}).update(by_rank)
     assert together == alone
     assert any(desc == dryrun.P2P for desc, _ in together) and len(together) > 8
+
+
+def test_real_run_refuses_what_this_torch_cannot_run():
+    """A real run's preflight: op-level selective AC under PP with the experts sharded over edp
+    is one line on torch >= 2.13 (the dry run records that step with full AC instead), and is
+    accepted on torch 2.11; its neighbours are accepted on both."""
+    from titan_fold.config import ConfigError
+    from titan_fold.train import preflight
+
+    args = ["--parallelism.pipeline_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+            "--activation_checkpoint.selective_ac_option", "op", "--training.local_batch_size", "2"]
+    if SAC_UNDER_PP_FAILS:
+        with pytest.raises(ConfigError, match=r"^activation_checkpoint.selective_ac_option = 'op' with "
+                           r"parallelism.pipeline_parallel_degree = 2 and experts sharded over edp = 2 .*: use "
+                           r"--activation_checkpoint.selective_ac_option 2 or --activation_checkpoint.mode full$"):
+            preflight(config("debug_moe.toml", *args), 4)
+    else:
+        preflight(config("debug_moe.toml", *args), 4)
+    # option 2 (every other block whole), full AC, and edp 1 (the experts outside FSDP)
+    for other in (["--activation_checkpoint.selective_ac_option", "2"], ["--activation_checkpoint.mode", "full"],
+                  ["--parallelism.expert_parallel_degree", "2"]):
+        preflight(config("debug_moe.toml", *args, *other), 4)

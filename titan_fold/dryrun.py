@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 from titan_fold import cost_model
 from titan_fold.errors import UserError
 from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout
+from titan_fold.parallel.parallelize import op_sac_problem
 
 GIB = 1024**3
 # optimizer states per parameter, in the parameter's dtype
@@ -751,6 +752,19 @@ def check_config(job_config, world_size: int) -> tuple[Layout, object, list[str]
     return layout, model_args, warnings
 
 
+def step_config(job_config, layout: Layout) -> tuple[object, str | None]:
+    """The config whose training step the collective check records, and why it is not the
+    job's own: op-level selective AC that this torch cannot run at this layout (a real run
+    refuses it in preflight) is replaced by full AC, which issues the forward's collectives
+    again in backward."""
+    problem = op_sac_problem(job_config, layout)
+    if problem is None:
+        return job_config, None
+    config = copy.deepcopy(job_config)
+    config.activation_checkpoint.mode = "full"
+    return config, problem
+
+
 def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collectives: bool = True) -> dict:
     """The report of a dry run (see the module docstring); ranks None = comm.dry_run_rank."""
     t0 = time.process_time()
@@ -780,13 +794,16 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
         report["ranks"].append(rep)
     if collectives:
         t1 = time.process_time()
+        step, problem = step_config(job_config, layout)
+        if problem:
+            warnings.append(f"{problem}; the collective step below runs with activation_checkpoint.mode = 'full'")
         col = report["collectives"] = {
             "note": "a shrunk model (same layout, experts, top-k and heads; tiny widths, "
                     f"{shrunk_config(job_config, model_args)[1].n_layers} layers) on all {world_size} ranks"
                     + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 else ""),
             "step_failed": None, "first_divergence": None}
         try:
-            per_group = record_collectives(job_config, world_size, model_args)
+            per_group = record_collectives(step, world_size, model_args)
         except StepFailed as e:
             col["step_failed"] = e.report
         else:

@@ -36,6 +36,7 @@ from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.parallelize import op_sac_problem
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
 from titan_fold.storage import StorageError, storage_problem
@@ -91,6 +92,9 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
         )
     if model_args.moe.expert_fp8:
         check_expert_fp8(config, model_args, layout)
+    # a dry run reports it and records the step with full AC instead (dryrun.step_config)
+    if config.comm.mode != "fake_backend" and (problem := op_sac_problem(config, layout)):
+        raise ConfigError(problem)
     check_initial_hf_load(config, model_args)
     check_dataset(config)
     ckpt = config.checkpoint

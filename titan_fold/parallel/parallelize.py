@@ -46,6 +46,25 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     return model
 
 
+def op_sac_problem(job_config, layout: Layout) -> str | None:
+    """Why op-level selective AC cannot run this layout on this torch, or None.
+
+    torch 2.13's selective checkpointing requires the recompute to issue exactly the ops of
+    the forward. Under a pipeline schedule the experts' own FSDP unit (edp > 1), nested in the
+    checkpointed block, opens a profiler range (FSDP::root_pre_forward) in the recompute only:
+    the first backward fails (docs/planning.md has the 4-rank command). torch 2.11 checks only
+    the ops it saved and runs it."""
+    ac = job_config.activation_checkpoint
+    if not (ac.mode == "selective" and ac.selective_ac_option == "op" and layout.pp > 1 and layout.edp > 1):
+        return None
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        return None
+    return (f"activation_checkpoint.selective_ac_option = 'op' with parallelism.pipeline_parallel_degree = {layout.pp} "
+            f"and experts sharded over edp = {layout.edp} fails in the first backward on torch {torch.__version__} "
+            "(FSDP opens a profiler range in the recompute only; torch 2.11 runs it): use "
+            "--activation_checkpoint.selective_ac_option 2 or --activation_checkpoint.mode full")
+
+
 def apply_moe_recompute(model: nn.Module) -> None:
     """Checkpoint each block's MoE layer: backward runs its forward again (router, dispatch
     collectives, experts) instead of keeping the routed activations, which grow with top_k.
