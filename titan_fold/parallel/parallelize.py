@@ -46,6 +46,12 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     return model
 
 
+def fsdp_compute_dtype(training) -> torch.dtype | None:
+    """The dtype FSDP2 casts parameters and inputs to: mixed_precision_param on a GPU; None
+    (the parameters' own) on the CPU."""
+    return TORCH_DTYPE_MAP[training.mixed_precision_param] if torch.cuda.is_available() else None
+
+
 def op_sac_problem(job_config, layout: Layout) -> str | None:
     """Why op-level selective AC cannot run this layout on this torch, or None.
 
@@ -93,12 +99,8 @@ def apply_fsdp(model: nn.Module, layout: Layout, plan: dict[str, Placed], job_co
     outside = {p for p in model.parameters() if not placed[id(p)].fsdp_mesh}
     if len(outside) == len(placed):
         return
-    training = job_config.training
     on_gpu = torch.cuda.is_available()
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param] if on_gpu else None,
-        reduce_dtype=torch.float32,
-    )
+    mp_policy = MixedPrecisionPolicy(param_dtype=fsdp_compute_dtype(job_config.training), reduce_dtype=torch.float32)
     # as torchtitan: under PP a stage runs several micro-batches' forwards before their
     # backwards, so by default it keeps the gathered parameters
     mode = job_config.parallelism.fsdp_reshard_after_forward

@@ -41,6 +41,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.moe import moe_layers
 from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.parallelize import fsdp_compute_dtype
 
 # schedules tested here; zero-bubble ones split backward in two, V ones place stages otherwise
 SUPPORTED_SCHEDULES = (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
@@ -171,7 +172,7 @@ def stage_io(stage: int, num_stages: int, layout: Layout, job_config, model_args
     Tokens [mb, s/cp] go into stage 0; hidden states [mb, s/cp/tp] (sequence parallel)
     travel between stages; logits [mb, s/cp, vocab] (their global shape under loss
     parallel) leave the last. Dtypes: FSDP2 (any dp or cp) computes in
-    mixed_precision_param on the GPU (parallelize.apply_fsdp), so everything is in that
+    mixed_precision_param on the GPU (parallelize.fsdp_compute_dtype), so everything is in that
     dtype; elsewhere the residual stream stays in the parameters' dtype and autocast
     (torchtitan_adapter.maybe_enable_amp) gives the logits in mixed_precision_param.
     """
@@ -179,7 +180,7 @@ def stage_io(stage: int, num_stages: int, layout: Layout, job_config, model_args
     params = TORCH_DTYPE_MAP[tr.dtype]
     compute = TORCH_DTYPE_MAP[tr.mixed_precision_param]
     if layout.dp_cp_enabled:
-        hidden = logits = compute if torch.cuda.is_available() else params
+        hidden = logits = fsdp_compute_dtype(tr) or params
     else:
         hidden, logits = params, params if compute == torch.float32 else compute
     mb, s = job_config.parallelism.pipeline_parallel_microbatch_size, tr.seq_len // layout.cp
