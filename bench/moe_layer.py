@@ -5,6 +5,7 @@
     python bench/moe_layer.py --modes dropless --impl titan_fold,titan_fold_fp8  # FP8 routed experts beside bf16
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2,etp2 --name moe_layer_2gpu
     torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2 --shapes qwen2_57b_a14b --shared-overlap on,off
+    torchrun --nproc_per_node 2 bench/moe_layer.py --dispatch ep2 --ep-rank-share natural,0.5,0.6,0.7  # imbalance cost
     python bench/moe_layer.py --smoke                           # CPU, tiny shapes (what the tests run)
 
 FLOPs per step (bench.common.moe_layer_flops): 6 * tokens * top_k * 3 * dim * ffn for the
@@ -20,10 +21,18 @@ reduce-scatter-v, rest of the dispatcher = row gather + combine, shared expert),
 GPU time of the whole step (forward + backward) by kernel class. The kernel sum counts
 NCCL kernels that overlap compute on their own stream, and profiling slows the host, so
 compare shares, not the sum with the untraced step time.
+
+Load imbalance over EP ranks (`--ep-rank-share`, ep dispatch only): the router's choices
+are remapped so that a set share of all routed assignments lands on EP rank 0's experts
+(0.5 = balanced over 2 ranks), keeping each choice's expert index within its rank's block
+and its combine weight. The all-to-all makes every rank wait for the busiest one, so the
+step time against the share 0.5 row is the time a step loses to that imbalance. `natural`
+keeps the router's own choices and only records the share they give.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -81,6 +90,44 @@ def build_torchtitan_layer(shape: dict, device, dtype):
     with torch.no_grad():
         layer.init_weights(0.02, device)
     return layer
+
+
+class RankShareRouter(torch.nn.Module):
+    """The layer's router, its choices remapped so that a share `share` of the assignments
+    goes to EP rank 0's experts (the rest spread evenly over the other ranks); share None
+    keeps the choices. Counts the share it produced (all ranks hold as many tokens, so the
+    mean over ranks is the share of the whole EP group's assignments)."""
+
+    def __init__(self, router, share: float | None, ep: int, seed: int):
+        super().__init__()
+        self.inner, self.share, self.ep, self.seed = router, share, ep, seed
+        self.remap = None  # [T, k] EP rank of each assignment: fixed, as the input is
+        self.counts = None  # on the device: (assignments on rank 0's experts, all), no host sync per step
+
+    def forward(self, x, *args, **kwargs):
+        routing = self.inner(x, *args, **kwargs)
+        num_experts = routing.tokens_per_expert.numel()
+        per_rank = num_experts // self.ep
+        experts = routing.experts  # [T, k]
+        if self.share is not None:
+            if self.remap is None:
+                gen = torch.Generator(device=experts.device).manual_seed(self.seed)
+                u = torch.rand(experts.shape, generator=gen, device=experts.device)
+                others = 1 + ((u - self.share).clamp(min=0) / (1 - self.share) * (self.ep - 1)).long()
+                self.remap = torch.where(u < self.share, 0, others.clamp(max=self.ep - 1))
+            experts = self.remap * per_rank + experts % per_rank
+            counts = torch.bincount(experts.flatten(), minlength=num_experts).float()
+            routing = dataclasses.replace(routing, experts=experts, tokens_per_expert=counts)
+        with torch.no_grad():
+            counts = torch.stack([(experts < per_rank).sum(), torch.tensor(experts.numel(), device=experts.device)])
+            self.counts = counts.double() if self.counts is None else self.counts + counts.double()
+        return routing
+
+    def observed_share(self) -> float:
+        counts = self.counts.clone()
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        return float(counts[0] / counts[1])
 
 
 # ---- breakdown ------------------------------------------------------------------------------
@@ -213,7 +260,7 @@ def profile_step(step, layer, device, steps: int = 2) -> dict:
 # ---- one configuration ------------------------------------------------------------------------
 
 def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh, overlap=True,
-                 impl="titan_fold") -> list[dict]:
+                 impl="titan_fold", rank_share="off") -> list[dict]:
     shape = SHAPES[shape_name]
     layer = build_layer(shape, MODES[mode], device, dtype, impl)
     if impl != "torchtitan":
@@ -222,6 +269,10 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
         ep_mesh = mesh if dispatch.startswith("ep") else None
         etp_mesh = mesh if dispatch.startswith("etp") else None
         shard_moe(layer, ep_mesh, etp_mesh)
+    share_router = None
+    if rank_share != "off":
+        share = None if rank_share == "natural" else float(rank_share)
+        share_router = layer.router = RankShareRouter(layer.router, share, mesh.size(), seed=1234 + dist.get_rank())
     b = max(1, a.tokens // a.seq_len)
     gen = torch.Generator(device=device).manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
     x = torch.randn(b, a.tokens // b, shape["dim"], device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -230,6 +281,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
     for compiled in compile_modes:
         row = {"impl": impl, "shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled,
                "tokens_per_gpu": a.tokens, "shared_overlap": overlap}
+        if share_router is not None:
+            row["ep_rank_share_asked"] = rank_share
         try:
             if compiled:
                 torch._dynamo.reset()
@@ -258,6 +311,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
                 gflop_per_step={k: round(v / 1e9, 4) for k, v in flops.items()},
                 routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3),
             )
+            if share_router is not None:
+                row["ep_rank0_share"] = round(share_router.observed_share(), 4)
             if a.dense_tflops:
                 row["ratio_to_dense_gemm"] = round(tflops / a.dense_tflops, 3)
             if not compiled and a.profile:
@@ -296,6 +351,8 @@ def parse(argv=None):
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
     p.add_argument("--shared-overlap", default="on", help="comma list of on | off: the shared expert beside the "
                    "all-to-all (MoEArgs.shared_expert_overlap); shapes with a shared expert only for off")
+    p.add_argument("--ep-rank-share", default="off", help="comma list of off | natural | a share in [0.5, 1): "
+                   "routed assignments remapped so that this share lands on EP rank 0's experts (ep dispatch only)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (seq 4096 x batch 2)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
@@ -345,8 +402,11 @@ def main(argv=None) -> dict:
                     for overlap in a.shared_overlap.split(","):
                         if overlap == "off" and (not SHAPES[shape_name]["shared_ffn"] or impl == "torchtitan"):
                             continue
-                        rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
-                                             overlap=overlap == "on", impl=impl)
+                        for share in a.ep_rank_share.split(","):
+                            if share != "off" and (not dispatch.startswith("ep") or impl == "torchtitan"):
+                                raise SystemExit("--ep-rank-share needs --dispatch ep2 and titan_fold's layer")
+                            rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
+                                                 overlap=overlap == "on", impl=impl, rank_share=share)
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had
     if dist.is_initialized():

@@ -64,6 +64,15 @@
 #                               #   on the CPU under the image's torch (2.11; pipeline stages get their shapes up
 #                               #   front since then), the FP8 tests on the GPU, and the proxy at local batch 4
 #                               #   (bf16 weights, eager) as in phases S and Z
+#   bash bench/run_all.sh ZB    # 2 GPUs (nvidia-h200-x2), issue 18's 2-GPU targets, first call: fp32 masters at
+#                               #   local batch 4 beside bf16 weights (1 GPU each side by side: GPU0 compiled,
+#                               #   GPU1 eager), pp2 (stages given their shapes up front), masters under FSDP2 on
+#                               #   both meshes (dp2 x edp2) and dp2 x ep2, and the MoE layer at ep2 with a set
+#                               #   share of the routed assignments on EP rank 0 (the time lost to imbalance)
+#   bash bench/run_all.sh ZC    # 2 GPUs, second call: the routers over 200 steps under dp2 x ep2, and the same
+#                               #   Qwen3-MoE model (Qwen3-30B-A3B widths, 12 layers) in both trainers, dp2 x ep2
+#   bash bench/run_all.sh ZD    # 2 GPUs, third call: earlier 2-GPU cases again (foldings, collectives, the MoE
+#                               #   layer at ep2 / etp2) and the same Qwen3-MoE model at Qwen2-57B-A14B widths, dp2 x ep2
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -86,6 +95,12 @@ if [ -d .whl ]; then
 fi
 
 note() { echo "[run_all $(date -u +%H:%M:%S)] $*"; }
+# every log and metrics file of the call (trainer cases write theirs under the work dir) as one tarball
+save_logs() {
+  local out
+  out=$(cd "$OUT" && pwd)
+  (cd /tmp/titan_fold_bench && find . \( -name '*.log' -o -name '*.jsonl' \) -print0 | tar czf "$out/logs_$1.tgz" --null -T -)
+}
 
 # issue 18 round 3 (phases U to Z): the proxy 200 steps (tag, cases, time limit), and the MoE
 # layer bf16 beside FP8 (name, shapes, time limit, more moe_layer.py arguments)
@@ -361,6 +376,64 @@ elif [ "$phase" = ZA ]; then
   note "proxy, local batch 4"
   timeout 100 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29511 --steps 20 \
     --name train_step_1gpu_za --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_za.log" 2>&1
+elif [ "$phase" = ZB ]; then
+  # twenty-eighth call (2026-11-24), two GPUs
+  export TORCH_LOGS=recompiles
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
+  note "1 GPU each: fp32 masters beside bf16 weights at local batch 4 (GPU0 compiled, GPU1 eager)"
+  timeout 250 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled,1gpu_bf16params_b4_compiled --gpus 0 \
+    --port 29511 --steps 20 --name train_step_1gpu_zb_compiled --out-dir "$OUT" --case-timeout 120 \
+    > "$LOGS/train_step_zb_compiled.log" 2>&1 &
+  timeout 250 $PY bench/train_step.py --cases 1gpu_masters_b4,1gpu_bf16params_b4 --gpus 1 \
+    --port 29512 --steps 20 --name train_step_1gpu_zb --out-dir "$OUT" --case-timeout 120 \
+    > "$LOGS/train_step_zb.log" 2>&1 &
+  wait
+  note "pp2, masters under FSDP2 on both meshes, dp2 x ep2"
+  timeout 260 $PY bench/train_step.py --cases pp2,dp2_edp2_masters_b4,dp2_edp2_bf16params_b4,dp2_ep2_masters_b4,dp2_ep2_bf16params_b4 \
+    --gpus 0,1 --port 29543 --steps 15 --name train_step_2gpu_zb --out-dir "$OUT" --case-timeout 75 \
+    > "$LOGS/train_step_2gpu_zb.log" 2>&1
+  note "MoE layer ep2, a set share of the routed assignments on EP rank 0"
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 100 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29542 bench/moe_layer.py --dispatch ep2 --shapes qwen3_30b_a3b,qwen2_57b_a14b --modes dropless \
+    --compile off --no-profile --ep-rank-share natural,0.5,0.55,0.6,0.7 --name moe_layer_2gpu_zb_share \
+    --out-dir "$OUT" > "$LOGS/moe_layer_zb_share.log" 2>&1
+  save_logs zb
+elif [ "$phase" = ZC ]; then
+  # twenty-ninth call (2026-11-24), two GPUs
+  export TORCH_LOGS=recompiles
+  note "routers, 200 steps, dp2 x ep2"
+  timeout 230 $PY bench/train_step.py --cases dp2_ep2_bf16params_auxloss,dp2_ep2_bf16params_auxfree,dp2_ep2_bf16params_lbnone \
+    --gpus 0,1 --port 29543 --steps 200 --warmup-steps 10 --name train_step_2gpu_zc_routers --out-dir "$OUT" \
+    --case-timeout 75 > "$LOGS/train_step_2gpu_zc_routers.log" 2>&1
+  cases=dp2_ep2_bf16params_auxfree,dp2_ep2_bf16params_auxfree_compiled
+  note "qwen3_moe 30B-A3B-L12 dp2 x ep2: titan_fold, then torchtitan"
+  timeout 160 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0,1 --port 29544 \
+    --steps 15 --name train_step_2gpu_zc_30ba3bl12 --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_zc_30b.log" 2>&1
+  timeout 160 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0,1 --port 29521 \
+    --steps 15 --ours "$OUT/train_step_2gpu_zc_30ba3bl12.json" --name vs_torchtitan_2gpu_zc_30ba3bl12 --out-dir "$OUT" \
+    --case-timeout 95 > "$LOGS/vs_torchtitan_zc_30b.log" 2>&1
+  save_logs zc
+elif [ "$phase" = ZD ]; then
+  # thirtieth call (2026-11-24), two GPUs
+  export TORCH_LOGS=recompiles
+  note "foldings"
+  timeout 230 $PY bench/train_step.py --cases dp2_ep2,dp2_etp2,tp2_ep2,tp2_etp2 --gpus 0,1 --port 29543 --steps 15 \
+    --name train_step_2gpu_zd --out-dir "$OUT" --case-timeout 60 > "$LOGS/train_step_2gpu_zd.log" 2>&1
+  note "collectives"
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 60 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29541 bench/collectives.py --name collectives_zd --out-dir "$OUT" > "$LOGS/collectives_zd.log" 2>&1
+  note "MoE layer ep2 / etp2"
+  BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 100 $PY -m torch.distributed.run --nproc_per_node 2 \
+    --master_port 29542 bench/moe_layer.py --dispatch ep2,etp2 --modes dropless --compile off --no-profile \
+    --name moe_layer_2gpu_zd --out-dir "$OUT" > "$LOGS/moe_layer_2gpu_zd.log" 2>&1
+  cases=dp2_ep2_bf16params_auxfree
+  note "qwen3_moe 57B-A14B-L2 dp2 x ep2: titan_fold, then torchtitan"
+  timeout 70 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy 57B-A14B-L2 --gpus 0,1 --port 29544 \
+    --steps 15 --name train_step_2gpu_zd_57ba14bl2 --out-dir "$OUT" --case-timeout 65 > "$LOGS/train_step_zd_57b.log" 2>&1
+  timeout 70 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy 57B-A14B-L2 --gpus 0,1 --port 29521 \
+    --steps 15 --ours "$OUT/train_step_2gpu_zd_57ba14bl2.json" --name vs_torchtitan_2gpu_zd_57ba14bl2 --out-dir "$OUT" \
+    --case-timeout 65 > "$LOGS/vs_torchtitan_zd_57b.log" 2>&1
+  save_logs zd
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

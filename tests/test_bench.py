@@ -232,3 +232,27 @@ def test_trace_summary(tmp_path):
     assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "dense_gemm": 0.1, "attention": 0.1,
                                        "optimizer": 0.05, "memcpy_memset": 0.01}
     assert s["gpu_busy_ms"] == pytest.approx(0.71)  # [0, 650] + [800, 850] + [900, 910]
+
+
+@pytest.mark.parametrize("share", [0.5, 0.7, 0.9])
+def test_rank_share_router_moves_the_asked_share(share):
+    """--ep-rank-share: the remapped choices put `share` of the assignments on EP rank 0's
+    experts, keep each choice's index within its rank's block and its combine weight."""
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=16, top_k=4, moe_ffn_dim=8)
+    router = moe_layer.RankShareRouter(MoE(32, args).router, share, ep=4, seed=3)
+    x = torch.randn(4096, 32)
+    natural = router.inner(x, 4096)
+    routing = router(x, 4096)
+    per_rank = 16 // 4
+    rank = routing.experts // per_rank
+    assert (rank == 0).float().mean().item() == pytest.approx(share, abs=0.01)
+    for r in (1, 2, 3):  # the rest spread evenly over the other ranks
+        assert (rank == r).float().mean().item() == pytest.approx((1 - share) / 3, abs=0.01)
+    assert torch.equal(routing.experts % per_rank, natural.experts % per_rank)
+    assert torch.equal(routing.probs, natural.probs)
+    assert torch.equal(routing.tokens_per_expert, torch.bincount(routing.experts.flatten(), minlength=16).float())
+    assert router.observed_share() == pytest.approx((rank == 0).float().mean().item())
+    keep = moe_layer.RankShareRouter(router.inner, None, ep=4, seed=3)
+    assert torch.equal(keep(x, 4096).experts, natural.experts)
+    assert keep.observed_share() == pytest.approx((natural.experts < per_rank).float().mean().item())
