@@ -73,6 +73,10 @@
 #                               #   Qwen3-MoE model (Qwen3-30B-A3B widths, 12 layers) in both trainers, dp2 x ep2
 #   bash bench/run_all.sh ZD    # 2 GPUs, third call: earlier 2-GPU cases again (foldings, collectives, the MoE
 #                               #   layer at ep2 / etp2) and the same Qwen3-MoE model at Qwen2-57B-A14B widths, dp2 x ep2
+#   bash bench/run_all.sh ZE    # 2 GPUs, after the recompiles ZB-ZD found were fixed (scalar capture in compiled
+#                               #   blocks, the reduce-scatter-v's dtype, tiny tensors in the fused kernels): the
+#                               #   fused-kernel tests on the GPU, tp2 x etp2, masters under dp2, and the same Qwen3-MoE
+#                               #   model compiled in both trainers, dp2 x ep2, at both widths
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -434,6 +438,25 @@ elif [ "$phase" = ZD ]; then
     --steps 15 --ours "$OUT/train_step_2gpu_zd_57ba14bl2.json" --name vs_torchtitan_2gpu_zd_57ba14bl2 --out-dir "$OUT" \
     --case-timeout 65 > "$LOGS/vs_torchtitan_zd_57b.log" 2>&1
   save_logs zd
+elif [ "$phase" = ZE ]; then
+  # thirty-first call (2026-11-24), two GPUs
+  export TORCH_LOGS=recompiles
+  note "fused-kernel tests on the GPU"
+  timeout 60 $PY -m pytest -q -n 0 tests/test_moe_layer.py -k fused > "$OUT/pytest_fused_gpu.log" 2>&1
+  note "tp2 x etp2, masters under dp2"
+  timeout 200 $PY bench/train_step.py --cases tp2_etp2,dp2_edp2_masters_b4,dp2_ep2_masters_b4 --gpus 0,1 --port 29543 \
+    --steps 15 --name train_step_2gpu_ze --out-dir "$OUT" --case-timeout 65 > "$LOGS/train_step_2gpu_ze.log" 2>&1
+  cases=dp2_ep2_bf16params_auxfree_compiled
+  for proxy in 30B-A3B-L12 57B-A14B-L2; do
+    tag=$(echo $proxy | tr -d '-' | tr 'A-Z' 'a-z')
+    note "qwen3_moe $proxy dp2 x ep2 compiled: titan_fold, then torchtitan"
+    timeout 100 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0,1 --port 29544 \
+      --steps 15 --name train_step_2gpu_ze_$tag --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_ze_$tag.log" 2>&1
+    timeout 100 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0,1 --port 29521 \
+      --steps 15 --ours "$OUT/train_step_2gpu_ze_$tag.json" --name vs_torchtitan_2gpu_ze_$tag --out-dir "$OUT" \
+      --case-timeout 95 > "$LOGS/vs_torchtitan_ze_$tag.log" 2>&1
+  done
+  save_logs ze
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

@@ -333,3 +333,24 @@ def test_fused_kernels_match_float64(device, rows):
     got = fused(_sum_by_token)(rows_t.to(device, torch.bfloat16), slot.to(device), k, False)
     assert got.dtype == torch.bfloat16
     assert ((got.double().cpu() - want).norm() / want.norm()) < 6e-3
+
+
+def _twice_plus(x, y):
+    return 2 * x + y
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fused() compiles on CUDA only")
+def test_fused_compiles_once_for_any_row_count():
+    """One compile serves every row count, 0 and 1 too (an empty FSDP shard in the master
+    step, a rank that receives one row): torch.compile would specialize those into a second
+    compile, so they run as written."""
+    from titan_fold.fused import fused
+
+    torch._dynamo.reset()
+    rows = [torch.randn(n, 8, device="cuda") for n in (64, 33)]
+    for x in rows:
+        torch.testing.assert_close(fused(_twice_plus)(x, x), 3 * x)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (1, 0, 17):
+            x = torch.randn(n, 8, device="cuda")
+            torch.testing.assert_close(fused(_twice_plus)(x, x), 3 * x)

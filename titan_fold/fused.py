@@ -30,10 +30,14 @@ def fused(fn):
         # type would be a second compile
         args = [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in args]
         args = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        for t in args:
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        sized = [t for t in args if isinstance(t, torch.Tensor) and t.dim() > 0]
         with torch.autocast("cuda", enabled=False):
+            if any(t.shape[0] < 2 for t in sized):
+                # torch.compile specializes sizes 0 and 1 (a second compile), e.g. an empty
+                # FSDP shard in the master step: so few rows run as written
+                return fn(*args)
+            for t in sized:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
             return _COMPILED[fn](*args)
 
     return call

@@ -171,7 +171,9 @@ def _reduce_scatter_v(y: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.
     n = mesh.size()
     mine = y.shape[0] // n if sizes is None else sizes[mesh.get_local_rank()]
     parts = funcol.all_to_all_single_autograd(y, None if sizes is None else [mine] * n, sizes, mesh)
-    return parts.view(n, mine, *y.shape[1:]).sum(0)
+    # in y's dtype: CUDA autocast would sum in float32 and hand the combine float32 rows
+    # (the residual stream turned float32, and the fused sum compiled for a second dtype)
+    return parts.view(n, mine, *y.shape[1:]).sum(0, dtype=y.dtype)
 
 
 def _gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
