@@ -6,12 +6,8 @@ the cp x tp ranks that hold its pieces), in fp32, dropless, with the aux and z l
 The one-rank run accumulates 8 micro-batches per step.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import read_metrics, train_from_seed
+from conftest import train_from_seed
 
 STEPS = 5
 BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
@@ -77,18 +73,9 @@ def test_full_sequence_dropping_matches_one_rank(name, drop_reference, tmp_path,
     assert_same(drop_reference, folded, name)
 
 
-def test_compiled_blocks_match_one_rank_without_recompiles(one_rank_reference, tmp_path, seed_checkpoint):
-    """torch.compile'd blocks under dp 2 x ep 2: the dispatcher's split sizes come from counts
-    exchanged on the device (a .tolist()), new every step. The run equals the one-rank eager
-    run, and logs no graph break and no recompile (the sizes are unbacked symbols of one
-    graph, not constants of the first step's graph). A fresh torchrun: TORCH_LOGS is read when
-    torch is imported, so the forked ranks (conftest.forked) would not log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path),
-           "--checkpoint.enable", "--checkpoint.initial_load_path", seed_checkpoint, "--checkpoint.interval", "1000",
-           "--training.steps", str(STEPS), "--metrics.log_freq", "1", *BATCH, *degrees(ep=2), "--compile.enable"]
-    proc = subprocess.run(cmd, env={**os.environ, "TORCH_LOGS": "recompiles,graph_breaks"}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "Recompiling" not in proc.stderr and "Graph break" not in proc.stderr, proc.stderr[-6000:]
-    assert_same(one_rank_reference, read_metrics(tmp_path), "dp2_ep2_compiled")
+
+def test_compiled_blocks_match_one_rank(one_rank_reference, tmp_path, seed_checkpoint):
+    """torch.compile'd blocks under dp 2 x ep 2 (each block's graph breaks where the
+    dispatcher brings the exchanged counts to the host) reproduce the one-rank eager run."""
+    run_args = (*degrees(ep=2), "--compile.enable")
+    assert_same(one_rank_reference, run(tmp_path, 2, run_args, seed_checkpoint), "dp2_ep2_compiled")

@@ -258,11 +258,7 @@ class FoldTrainer(Trainer):
     @record
     def train(self):
         self.metrics_processor.begin()
-        # under torch.compile the MoE dispatcher's split sizes (a .tolist() of counts exchanged
-        # over ep / etp) become unbacked sizes of one graph; without scalar capture each block's
-        # graph breaks there, specializes on the first step's counts and recompiles at the next
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            self._torchtitan(Trainer.train)()
+        self._torchtitan(Trainer.train)()
         last = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
         checkpoint = os.path.join(self.checkpointer.folder, last) if last else None
         if checkpoint and checkpoint.endswith(f"step-{self.step}") and self.job_config.checkpoint.last_save_model_only:
