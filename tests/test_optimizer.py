@@ -1,13 +1,16 @@
-"""fp32 master weights kept by the optimizer (titan_fold/optimizer.py) against float64 AdamW."""
+"""fp32 master weights kept by the optimizer (titan_fold/optimizer.py) against float64 AdamW,
+and under FSDP2 on both meshes against the one-rank run."""
 
 import copy
+import shutil
 
 import pytest
 import torch
 import torch.nn as nn
 
+from titan_fold.checkpoint import read_metadata, read_model_tensors
 from titan_fold.config import ConfigError, Optimizer, parse_args
-from titan_fold.optimizer import MasterWeightOptimizersContainer, build_optimizers
+from titan_fold.optimizer import MASTER_KEY, MasterWeightOptimizersContainer, build_optimizers
 
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 
@@ -159,3 +162,106 @@ def test_debug_model_loss_matches_the_autocast_recipe(tmp_path, seed_checkpoint)
           f"autocast from another seed {_mean_tail(other):.4f}; gap {gap:.4f}, noise {noise:.4f}")
     assert _mean_tail(masters) < 0.8 * masters[0]["loss"]  # it trains
     assert gap <= max(noise, 0.005 * _mean_tail(amp)), (gap, noise, _mean_tail(amp), _mean_tail(masters))
+
+
+# 4 ranks, FSDP2 on both meshes: the dense parameters sharded 4 ways over the attention
+# mesh's dp_shard, each ep rank's 4 experts 2 ways over the expert mesh's edp (ep 2 x edp 2)
+BOTH_MESHES = ("--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2",
+               "--parallelism.expert_data_parallel_degree", "2")
+# lr 1e-4 at the end of the warmup: in 4 steps the masters move a few bf16 ulps of most
+# weights and a fraction of one of the norms' (1.0), so a master rounded to bf16 on the way
+# shows; micro-batches of 2 sequences in both runs (the aux loss is a mean over one);
+# checkpoints at steps 2 and 4 with the optimizer's states
+SHARDED_STEPS = 4
+SHARDED_RUN = ("--training.dtype", "bfloat16", "--optimizer.master_weights", "--optimizer.lr", "1e-4",
+               "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+               "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only")
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory, seed_checkpoint):
+    """One rank and FSDP2 on both meshes, from the same seed checkpoint and global batches."""
+    from conftest import train_from_seed
+
+    root = tmp_path_factory.mktemp("masters")
+    one = train_from_seed(root / "one", 1, seed_checkpoint, SHARDED_STEPS, *SHARDED_RUN)
+    sharded = train_from_seed(root / "sharded", 4, seed_checkpoint, SHARDED_STEPS, *SHARDED_RUN, *BOTH_MESHES)
+    return root, one, sharded
+
+
+def saved_masters(folder) -> dict[str, torch.Tensor]:
+    """{parameter name: its whole fp32 master} from a DCP checkpoint's optimizer states."""
+    import torch.distributed.checkpoint as dcp
+
+    prefix, suffix = "optimizer.state.", f".{MASTER_KEY}"
+    metadata = read_metadata(str(folder)).state_dict_metadata
+    masters = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+               if k.startswith(prefix) and k.endswith(suffix)}
+    dcp.load(masters, checkpoint_id=str(folder), no_dist=True)
+    return {k[len(prefix):-len(suffix)]: v for k, v in masters.items()}
+
+
+def test_fsdp2_masters_on_both_meshes_match_one_rank(sharded_runs, seed_checkpoint):
+    """The masters of FSDP2-sharded parameters (each rank updates its shard) on both meshes
+    against the one-rank run's after 4 steps, parameter by parameter, and the losses.
+
+    The runs differ only in bf16 rounding: one rank sums its 4 micro-batches' gradients in
+    bf16, FSDP2 reduce-scatters them in fp32 and rounds the shard to bf16 once; the bf16
+    GEMMs see other shapes. A gradient then differs by a few bf16 roundings (2^-8 relative),
+    and so does Adam's update m / sqrt(v) (the first one, lr · sign(g), not even that): a
+    master's distance from the one-rank master stays within ~5 roundings (2e-2) of the
+    distance it moved (measured: at most 5e-3). The mean loss over 1024 tokens moves far
+    less than one rounding of a token's (measured: 2e-6 relative; allowed 1e-4); one rank's
+    gradient norm is a bf16 number (norms of bf16 gradients), so within two of its ulps
+    (2 · 2^-7 relative at most; measured: one).
+    """
+    root, one, sharded = sharded_runs
+    step4 = root / "sharded" / "checkpoint" / "step-4"
+    metadata = read_metadata(str(step4)).state_dict_metadata
+    # saved by 4 shards each: dense 4 over dp_shard, experts 2 over ep x 2 over edp
+    for name in ("layers.0.attention.wq.weight", "layers.0.moe.experts.w1"):
+        assert len(metadata[f"optimizer.state.{name}.{MASTER_KEY}"].chunks) == 4, name
+
+    assert [m["step"] for m in one] == [m["step"] for m in sharded] == list(range(1, SHARDED_STEPS + 1))
+    for ref, got in zip(one, sharded):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["step"]
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2 ** -6), ref["step"]
+
+    start = read_model_tensors(seed_checkpoint)  # fp32: the runs start from it rounded to bf16
+    ref, got = saved_masters(root / "one" / "checkpoint" / "step-4"), saved_masters(step4)
+    weights = read_model_tensors(str(step4))
+    assert ref.keys() == got.keys() and got.keys() <= start.keys() & weights.keys()  # start, weights: and buffers
+    assert any(".moe.experts." in name for name in got)
+    off = {}  # distance from the one-rank master / distance the one-rank master moved
+    for name, master in got.items():
+        assert master.dtype == torch.float32, name
+        assert torch.equal(weights[name], master.to(torch.bfloat16)), name  # the model holds the rounded master
+        if name.endswith("attention.wk.bias"):
+            # its gradient is ~1e-4 of the other biases' (a key bias shifts all of a query's
+            # scores alike but for RoPE, and softmax cancels that): bf16 rounding noise that
+            # Adam scales up to whole steps, in both runs
+            continue
+        moved = (ref[name].double() - start[name].to(torch.bfloat16).double()).norm()
+        off[name] = ((master.double() - ref[name].double()).norm() / moved).item()
+    assert max(off.values()) <= 2e-2, {name: f"{x:.3g}" for name, x in off.items() if x > 2e-2}
+    # the updates below a bf16 ulp stay in the masters: most are no bf16 number
+    kept = sum((m != weights[n].float()).sum().item() for n, m in got.items())
+    assert kept > 0.5 * sum(m.numel() for m in got.values())
+
+
+def test_fsdp2_masters_resume_on_both_meshes(sharded_runs, seed_checkpoint, tmp_path):
+    """The sharded run's step-2 checkpoint resumed on the same layout: each rank loads its
+    shards of the masters (not copies of the bf16 weights, which lack the updates below a
+    bf16 ulp), so steps 3 and 4 and the masters at step 4 equal the uninterrupted run's bit
+    for bit."""
+    from conftest import train_from_seed
+
+    root, _, sharded = sharded_runs
+    shutil.copytree(root / "sharded" / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
+    resumed = train_from_seed(tmp_path, 4, seed_checkpoint, SHARDED_STEPS, *SHARDED_RUN, *BOTH_MESHES)
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed] == \
+        [(m["step"], m["loss"], m["grad_norm"]) for m in sharded[2:]]
+    ref, got = saved_masters(root / "sharded" / "checkpoint" / "step-4"), saved_masters(tmp_path / "checkpoint" / "step-4")
+    assert got.keys() == ref.keys()
+    for name, master in got.items():
+        assert torch.equal(master, ref[name]), name
