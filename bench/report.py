@@ -212,10 +212,29 @@ def collectives_table(results: str) -> list[str]:
     return out
 
 
+def ep_share_table(results: str) -> list[str]:
+    """moe_layer.py --ep-rank-share: each shape's step time against its balanced (0.5) row."""
+    rows = [r for _, rec in _all(results, "moe_layer_2gpu_") for r in rec["figures"]["rows"]
+            if r.get("ep_rank_share_asked") and "error" not in r]
+    if not rows:
+        return []
+    balanced = {r["shape"]: r["median_ms"] for r in rows if r["ep_rank_share_asked"] == "0.5"}
+    out = ["| shape | share asked of EP rank 0 | share measured | ms / step | against share 0.5 | "
+           "busiest rank's routed rows against 0.5 |",
+           "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        base = balanced.get(r["shape"])
+        share = r["ep_rank0_share"]
+        out.append(f"| {r['shape']} | {r['ep_rank_share_asked']} | {_f(share, 3)} | {_f(r['median_ms'], 2)} | "
+                   f"{_f(r['median_ms'] / base if base else None, 3)} | {_f(max(share, 1 - share) / 0.5, 2)} |")
+    return out
+
+
 def report(results: str) -> str:
     sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
                 ("MoE layer beside torchtitan 0.2.2's, issue 18 (1 GPU)", moe_layer_round2_table),
                 ("MoE layer GPU time by kernel class, issue 18 (ms per step)", kernel_class_table),
+                ("MoE layer at ep2, a set share of the routed assignments on EP rank 0 (2 GPUs)", ep_share_table),
                 ("Trainer, proxy Qwen2-57B-A14B-L2", train_table),
                 ("Profiled trainer steps", profile_table),
                 ("titan_fold vs torchtitan 0.2.2", vs_table),

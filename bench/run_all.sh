@@ -77,6 +77,9 @@
 #                               #   blocks, the reduce-scatter-v's dtype, tiny tensors in the fused kernels): the
 #                               #   fused-kernel tests on the GPU, tp2 x etp2, masters under dp2, and the same Qwen3-MoE
 #                               #   model compiled in both trainers, dp2 x ep2, at both widths
+#   bash bench/run_all.sh ZF    # 1 GPU (nvidia-h200), the code of the end of 2026-11-24: fp32 masters beside bf16
+#                               #   weights at local batch 4 compiled, on a GPU of their own, bf16 eager (no
+#                               #   regression), and the MoE layer eager at every shape and mode (profiled)
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -457,6 +460,16 @@ elif [ "$phase" = ZE ]; then
       --case-timeout 95 > "$LOGS/vs_torchtitan_ze_$tag.log" 2>&1
   done
   save_logs ze
+elif [ "$phase" = ZF ]; then
+  # thirty-second call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "masters and bf16 weights at local batch 4, compiled, then bf16 eager"
+  timeout 260 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled,1gpu_bf16params_b4_compiled,1gpu_bf16params_b4 \
+    --gpus 0 --port 29511 --steps 30 --name train_step_1gpu_zf --out-dir "$OUT" --case-timeout 120 \
+    > "$LOGS/train_step_zf.log" 2>&1
+  note "MoE layer eager, every shape and mode"
+  timeout 200 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$LOGS/moe_layer_zf.log" 2>&1
+  save_logs zf
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

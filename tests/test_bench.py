@@ -256,3 +256,13 @@ def test_rank_share_router_moves_the_asked_share(share):
     keep = moe_layer.RankShareRouter(router.inner, None, ep=4, seed=3)
     assert torch.equal(keep(x, 4096).experts, natural.experts)
     assert keep.observed_share() == pytest.approx((natural.experts < per_rank).float().mean().item())
+
+
+def test_benchmarks_doc_quotes_the_report():
+    """docs/benchmarks.md's Results tables are bench/report.py's output over bench/results, as
+    the script prints it today (no hand-copied figures)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "benchmarks.md")) as f:
+        doc = f.read()
+    tables = report.report(os.path.join(root, "bench", "results")).strip()
+    assert tables and tables in doc, "docs/benchmarks.md: paste `python bench/report.py` under ## Results"
