@@ -284,8 +284,10 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
         if share_router is not None:
             row["ep_rank_share_asked"] = rank_share
         try:
+            # every case compiles its fused kernels for its own widths, as a trainer (one model)
+            # does: kept from an earlier shape they would be recompiled with dynamic widths, slower
+            torch._dynamo.reset()
             if compiled:
-                torch._dynamo.reset()
                 fn = torch.compile(layer)
             else:
                 fn = layer

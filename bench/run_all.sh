@@ -80,6 +80,8 @@
 #   bash bench/run_all.sh ZF    # 1 GPU (nvidia-h200), the code of the end of 2026-11-24: fp32 masters beside bf16
 #                               #   weights at local batch 4 compiled, on a GPU of their own, bf16 eager (no
 #                               #   regression), and the MoE layer eager at every shape and mode (profiled)
+#   bash bench/run_all.sh ZG    # 1 GPU: ZF's MoE layer again, each case with its own compile of the fused kernels
+#                               #   (in ZF the shapes after the first ran kernels recompiled for dynamic widths)
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -117,6 +119,15 @@ proxy200() {
   note "proxy 200 steps: $2"
   timeout "$3" $PY bench/train_step.py --cases "$2" --gpus 0 --port 29511 --steps 200 --warmup-steps 10 \
     --name "train_step_1gpu_$1" --out-dir "$OUT" --case-timeout 80 > "$LOGS/train_step_$1.log" 2>&1
+}
+# the same Qwen3-MoE model in both trainers on 2 GPUs, dp2 x ep2 (tag, proxy, cases, time limit, case limit)
+same_model_2gpu() {
+  note "qwen3_moe $2 dp2 x ep2 ($3): titan_fold, then torchtitan"
+  timeout "$4" $PY bench/train_step.py --cases "$3" --family qwen3_moe --proxy "$2" --gpus 0,1 --port 29544 \
+    --steps 15 --name "train_step_2gpu_$1" --out-dir "$OUT" --case-timeout "$5" > "$LOGS/train_step_$1.log" 2>&1
+  timeout "$4" $PY bench/vs_torchtitan.py --cases "$3" --family qwen3_moe --proxy "$2" --gpus 0,1 --port 29521 \
+    --steps 15 --ours "$OUT/train_step_2gpu_$1.json" --name "vs_torchtitan_2gpu_$1" --out-dir "$OUT" \
+    --case-timeout "$5" > "$LOGS/vs_torchtitan_$1.log" 2>&1
 }
 layer_fp8() {
   note "moe_layer bf16 vs FP8: $1"
@@ -412,13 +423,7 @@ elif [ "$phase" = ZC ]; then
   timeout 230 $PY bench/train_step.py --cases dp2_ep2_bf16params_auxloss,dp2_ep2_bf16params_auxfree,dp2_ep2_bf16params_lbnone \
     --gpus 0,1 --port 29543 --steps 200 --warmup-steps 10 --name train_step_2gpu_zc_routers --out-dir "$OUT" \
     --case-timeout 75 > "$LOGS/train_step_2gpu_zc_routers.log" 2>&1
-  cases=dp2_ep2_bf16params_auxfree,dp2_ep2_bf16params_auxfree_compiled
-  note "qwen3_moe 30B-A3B-L12 dp2 x ep2: titan_fold, then torchtitan"
-  timeout 160 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0,1 --port 29544 \
-    --steps 15 --name train_step_2gpu_zc_30ba3bl12 --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_zc_30b.log" 2>&1
-  timeout 160 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0,1 --port 29521 \
-    --steps 15 --ours "$OUT/train_step_2gpu_zc_30ba3bl12.json" --name vs_torchtitan_2gpu_zc_30ba3bl12 --out-dir "$OUT" \
-    --case-timeout 95 > "$LOGS/vs_torchtitan_zc_30b.log" 2>&1
+  same_model_2gpu zc_30ba3bl12 30B-A3B-L12 dp2_ep2_bf16params_auxfree,dp2_ep2_bf16params_auxfree_compiled 160 95
   save_logs zc
 elif [ "$phase" = ZD ]; then
   # thirtieth call (2026-11-24), two GPUs
@@ -433,13 +438,7 @@ elif [ "$phase" = ZD ]; then
   BENCH_LAUNCHER="torchrun --nproc_per_node 2" timeout 100 $PY -m torch.distributed.run --nproc_per_node 2 \
     --master_port 29542 bench/moe_layer.py --dispatch ep2,etp2 --modes dropless --compile off --no-profile \
     --name moe_layer_2gpu_zd --out-dir "$OUT" > "$LOGS/moe_layer_2gpu_zd.log" 2>&1
-  cases=dp2_ep2_bf16params_auxfree
-  note "qwen3_moe 57B-A14B-L2 dp2 x ep2: titan_fold, then torchtitan"
-  timeout 70 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy 57B-A14B-L2 --gpus 0,1 --port 29544 \
-    --steps 15 --name train_step_2gpu_zd_57ba14bl2 --out-dir "$OUT" --case-timeout 65 > "$LOGS/train_step_zd_57b.log" 2>&1
-  timeout 70 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy 57B-A14B-L2 --gpus 0,1 --port 29521 \
-    --steps 15 --ours "$OUT/train_step_2gpu_zd_57ba14bl2.json" --name vs_torchtitan_2gpu_zd_57ba14bl2 --out-dir "$OUT" \
-    --case-timeout 65 > "$LOGS/vs_torchtitan_zd_57b.log" 2>&1
+  same_model_2gpu zd_57ba14bl2 57B-A14B-L2 dp2_ep2_bf16params_auxfree 70 65
   save_logs zd
 elif [ "$phase" = ZE ]; then
   # thirty-first call (2026-11-24), two GPUs
@@ -449,15 +448,8 @@ elif [ "$phase" = ZE ]; then
   note "tp2 x etp2, masters under dp2"
   timeout 200 $PY bench/train_step.py --cases tp2_etp2,dp2_edp2_masters_b4,dp2_ep2_masters_b4 --gpus 0,1 --port 29543 \
     --steps 15 --name train_step_2gpu_ze --out-dir "$OUT" --case-timeout 65 > "$LOGS/train_step_2gpu_ze.log" 2>&1
-  cases=dp2_ep2_bf16params_auxfree_compiled
   for proxy in 30B-A3B-L12 57B-A14B-L2; do
-    tag=$(echo $proxy | tr -d '-' | tr 'A-Z' 'a-z')
-    note "qwen3_moe $proxy dp2 x ep2 compiled: titan_fold, then torchtitan"
-    timeout 100 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0,1 --port 29544 \
-      --steps 15 --name train_step_2gpu_ze_$tag --out-dir "$OUT" --case-timeout 95 > "$LOGS/train_step_ze_$tag.log" 2>&1
-    timeout 100 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0,1 --port 29521 \
-      --steps 15 --ours "$OUT/train_step_2gpu_ze_$tag.json" --name vs_torchtitan_2gpu_ze_$tag --out-dir "$OUT" \
-      --case-timeout 95 > "$LOGS/vs_torchtitan_ze_$tag.log" 2>&1
+    same_model_2gpu "ze_$(echo $proxy | tr -d '-' | tr 'A-Z' 'a-z')" $proxy dp2_ep2_bf16params_auxfree_compiled 100 95
   done
   save_logs ze
 elif [ "$phase" = ZF ]; then
@@ -470,6 +462,10 @@ elif [ "$phase" = ZF ]; then
   note "MoE layer eager, every shape and mode"
   timeout 200 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$LOGS/moe_layer_zf.log" 2>&1
   save_logs zf
+elif [ "$phase" = ZG ]; then
+  # thirty-third call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  timeout 200 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$OUT/moe_layer_zg.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
