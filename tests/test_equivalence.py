@@ -73,7 +73,6 @@ def test_full_sequence_dropping_matches_one_rank(name, drop_reference, tmp_path,
     assert_same(drop_reference, folded, name)
 
 
-
 def test_compiled_blocks_match_one_rank(one_rank_reference, tmp_path, seed_checkpoint):
     """torch.compile'd blocks under dp 2 x ep 2 (each block's graph breaks where the
     dispatcher brings the exchanged counts to the host) reproduce the one-rank eager run."""
