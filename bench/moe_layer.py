@@ -102,7 +102,8 @@ class RankShareRouter(torch.nn.Module):
         super().__init__()
         self.inner, self.share, self.ep, self.seed = router, share, ep, seed
         self.remap = None  # [T, k] EP rank of each assignment: fixed, as the input is
-        self.counts = None  # on the device: (assignments on rank 0's experts, all), no host sync per step
+        self.on_rank0 = None  # assignments on rank 0's experts, on the device: no host sync per step
+        self.total = 0  # all assignments (known on the host)
 
     def forward(self, x, *args, **kwargs):
         routing = self.inner(x, *args, **kwargs)
@@ -119,12 +120,13 @@ class RankShareRouter(torch.nn.Module):
             counts = torch.bincount(experts.flatten(), minlength=num_experts).float()
             routing = dataclasses.replace(routing, experts=experts, tokens_per_expert=counts)
         with torch.no_grad():
-            counts = torch.stack([(experts < per_rank).sum(), torch.tensor(experts.numel(), device=experts.device)])
-            self.counts = counts.double() if self.counts is None else self.counts + counts.double()
+            on_rank0 = (experts < per_rank).sum()
+            self.on_rank0 = on_rank0 if self.on_rank0 is None else self.on_rank0 + on_rank0
+        self.total += experts.numel()
         return routing
 
     def observed_share(self) -> float:
-        counts = self.counts.clone()
+        counts = torch.stack([self.on_rank0, torch.tensor(self.total, device=self.on_rank0.device)]).double()
         if dist.is_initialized():
             dist.all_reduce(counts)
         return float(counts[0] / counts[1])
