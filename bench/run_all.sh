@@ -82,6 +82,12 @@
 #                               #   regression), and the MoE layer eager at every shape and mode (profiled)
 #   bash bench/run_all.sh ZG    # 1 GPU: ZF's MoE layer again, each case with its own compile of the fused kernels
 #                               #   (in ZF the shapes after the first ran kernels recompiled for dynamic widths)
+#   bash bench/run_all.sh ZH    # 1 GPU (nvidia-h200): the fused SwiGLU in the dense FFN and the shared expert:
+#                               #   fused-kernel tests on the GPU, the Qwen2-57B-A14B layer against $BASE
+#                               #   (interleaved), the routed grouped GEMMs alone (the bound they set, issue 18
+#                               #   target 1), and the MoE layer eager at every shape and mode
+#   bash bench/run_all.sh ZI    # 1 GPU: the trainer at local batch 4, bf16 eager against $BASE (interleaved),
+#                               #   then fp32 masters and bf16 weights compiled (issue 18 target 2)
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -466,6 +472,37 @@ elif [ "$phase" = ZG ]; then
   # thirty-third call (2026-11-24), one GPU
   export TORCH_LOGS=recompiles
   timeout 200 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$OUT/moe_layer_zg.log" 2>&1
+elif [ "$phase" = ZH ]; then
+  # thirty-fourth call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "fused-kernel tests on the GPU"
+  timeout 90 $PY -m pytest -q -n 0 tests/test_moe_layer.py -k fused > "$OUT/pytest_fused_gpu_zh.log" 2>&1
+  for i in 1 2; do
+    note "Qwen2-57B-A14B layer: \$BASE then this code ($i)"
+    (cd "$BASE" && timeout 60 $PY bench/moe_layer.py --shapes qwen2_57b_a14b --modes dropless --compile off \
+      --no-profile --name "moe_layer_zh_base_$i" --out-dir "$OUT" > "$LOGS/moe_layer_zh_base_$i.log" 2>&1)
+    timeout 60 $PY bench/moe_layer.py --shapes qwen2_57b_a14b --modes dropless --compile off --no-profile \
+      --name "moe_layer_zh_new_$i" --out-dir "$OUT" > "$LOGS/moe_layer_zh_new_$i.log" 2>&1
+  done
+  note "routed grouped GEMMs alone"
+  timeout 240 $PY bench/grouped_gemm.py --autotune qwen3_30b_a3b --out-dir "$OUT" > "$LOGS/grouped_gemm.log" 2>&1
+  note "MoE layer eager, every shape and mode"
+  timeout 200 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$LOGS/moe_layer_zh.log" 2>&1
+  save_logs zh
+elif [ "$phase" = ZI ]; then
+  # thirty-fifth call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "bf16 eager, local batch 4: \$BASE then this code"
+  (cd "$BASE" && timeout 80 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29544 --steps 20 \
+    --name train_step_1gpu_zi_base --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+    --case-timeout 78 > "$LOGS/train_step_zi_base.log" 2>&1)
+  timeout 80 $PY bench/train_step.py --cases 1gpu_bf16params_b4 --gpus 0 --port 29511 --steps 20 \
+    --name train_step_1gpu_zi_new --out-dir "$OUT" --case-timeout 78 > "$LOGS/train_step_zi_new.log" 2>&1
+  note "fp32 masters and bf16 weights, local batch 4, compiled"
+  timeout 290 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled,1gpu_bf16params_b4_compiled \
+    --gpus 0 --port 29512 --steps 30 --name train_step_1gpu_zi --out-dir "$OUT" --case-timeout 140 \
+    > "$LOGS/train_step_zi.log" 2>&1
+  save_logs zi
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

@@ -305,12 +305,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [64, 333])
 def test_fused_kernels_match_float64(device, rows):
-    """The fused SwiGLU-times-probability (forward, backward) and the gather-sum over k, as
+    """The fused SwiGLU, times the probability and alone (forward, backward), and the gather-sum over k, as
     run on this device (one generated kernel each on CUDA, plain ops on the CPU), against
     float64 autograd of the unfused formula; two row counts share one compile."""
     from titan_fold.fused import fused
     from titan_fold.moe.dispatcher import _sum_by_token
-    from titan_fold.moe.experts import _SwiGLUProb
+    from titan_fold.moe.experts import swiglu
 
     g = torch.Generator().manual_seed(rows)
     a, b, gy = (torch.randn(rows, 96, generator=g, dtype=torch.float64) for _ in range(3))
@@ -318,12 +318,22 @@ def test_fused_kernels_match_float64(device, rows):
     ref = [t.clone().requires_grad_() for t in (a, b, p)]
     (torch.nn.functional.silu(ref[0]) * ref[1] * ref[2]).backward(gy)
     x = [t.to(device, torch.bfloat16).requires_grad_() for t in (a, b)] + [p.float().to(device).requires_grad_()]
-    y = _SwiGLUProb.apply(*x)
+    y = swiglu(*x)
     y.backward(gy.to(device, torch.bfloat16))
     want = (torch.nn.functional.silu(a) * b * p)
     for got, exp in [(y, want)] + [(t.grad, r.grad) for t, r in zip(x, ref)]:
         err = (got.double().cpu() - exp).norm() / exp.norm()
         assert err < 6e-3, err  # bf16 rounding of the inputs and outputs only
+    # without p, on [b, s, ffn] as the dense FFN and the shared expert call it
+    ref = [t.clone().requires_grad_() for t in (a, b)]
+    (torch.nn.functional.silu(ref[0]) * ref[1]).backward(gy)
+    x = [t.to(device, torch.bfloat16).view(1, rows, 96).requires_grad_() for t in (a, b)]
+    y = swiglu(*x)
+    y.backward(gy.to(device, torch.bfloat16).view(1, rows, 96))
+    for got, exp in [(y, torch.nn.functional.silu(a) * b)] + [(t.grad, r.grad) for t, r in zip(x, ref)]:
+        assert got.shape == (1, rows, 96)
+        err = (got.double().cpu().view(rows, 96) - exp).norm() / exp.norm()
+        assert err < 6e-3, err
 
     k, dim = 4, 64
     tokens = rows // k + 1

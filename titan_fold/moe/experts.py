@@ -8,7 +8,6 @@ dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -88,42 +87,75 @@ def _apply(a, b, p, y_fn, prob_before_w2):
     probability applied before w2 (the router's gradient then needs only a and b, saved
     anyway) or after it."""
     if prob_before_w2:
-        return y_fn(_SwiGLUProb.apply(a, b, p))
-    return y_fn(F.silu(a) * b) * p.to(a.dtype)
+        return y_fn(swiglu(a, b, p))
+    return y_fn(swiglu(a, b)) * p.to(a.dtype)
 
 
-def _swiglu_prob_forward(a, b, p):
-    # [R, ffn], [R, ffn], [R, 1] (p float32 at least) -> silu(a) * b * p computed in p's
-    # dtype, rounded once to a's
-    return (F.silu(a.to(p.dtype)) * b.to(p.dtype) * p).to(a.dtype)
+def swiglu(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(a) * b, times the routing weight p [..., 1] when given: a, b [..., ffn] -> [..., ffn]
+    in a's dtype. One pass over [R, ffn] each way instead of silu, the products and their
+    backwards (five passes in eager), and only a, b (and p) saved for backward."""
+    def rows(t):  # [R, ffn]: R is the one size the fused kernels take as dynamic
+        return None if t is None else t.reshape(-1, t.shape[-1])
+
+    return _SwiGLU.apply(rows(a), rows(b), rows(p)).view(a.shape)
 
 
-def _swiglu_prob_backward(g, a, b, p):
-    # g [R, ffn]: gradient of silu(a) * b * p -> gradients of a, b [R, ffn] and of p [R, 1]
+def _swiglu_math(a, b, p, g=None):
+    """The forward (g None) or backward (g the gradient of the output) of silu(a) * b (* p),
+    computed in float32 at least (p's dtype when given) and rounded once to a's dtype.
+    Backward returns the gradients of a, b and p (None without p)."""
     dtype = a.dtype
-    a, b, g = a.to(p.dtype), b.to(p.dtype), g.to(p.dtype)
+    compute = torch.promote_types(dtype, torch.float32) if p is None else p.dtype
+    a, b = a.to(compute), b.to(compute)
     sig = torch.sigmoid(a)
     silu = a * sig
-    gh = g * p
+    if g is None:
+        h = silu * b
+        return (h if p is None else h * p).to(dtype)
+    g = g.to(compute)
+    gh = g if p is None else g * p
     grad_a = gh * b * sig * (1 + a * (1 - sig))
-    grad_p = (g * silu * b).sum(-1, keepdim=True)
+    grad_p = None if p is None else (g * silu * b).sum(-1, keepdim=True)
     return grad_a.to(dtype), (gh * silu).to(dtype), grad_p
 
 
-class _SwiGLUProb(torch.autograd.Function):
-    """silu(a) * b * p with one pass over [R, ffn] each way, instead of silu, two products
-    and their backwards (five passes), and only a, b, p saved (not silu(a) and the product)."""
+# one function per call pattern: torch.compile keeps its cache per function, so calls with and
+# without p through one function would count as a recompile
+def _swiglu_forward(a, b):
+    return _swiglu_math(a, b, None)
+
+
+def _swiglu_backward(g, a, b):
+    return _swiglu_math(a, b, None, g)[:2]
+
+
+def _swiglu_prob_forward(a, b, p):
+    return _swiglu_math(a, b, p)
+
+
+def _swiglu_prob_backward(g, a, b, p):
+    return _swiglu_math(a, b, p, g)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """swiglu() on rows: a, b [R, ffn], p [R, 1] or None; each way one generated kernel on CUDA."""
 
     @staticmethod
     def forward(ctx, a, b, p):
+        if p is None:
+            ctx.save_for_backward(a, b)
+            return fused(_swiglu_forward)(a, b)
         p = p.to(torch.promote_types(p.dtype, torch.float32))
         ctx.save_for_backward(a, b, p)
         return fused(_swiglu_prob_forward)(a, b, p)
 
     @staticmethod
     def backward(ctx, grad):
-        a, b, p = ctx.saved_tensors
-        return fused(_swiglu_prob_backward)(grad.contiguous(), a, b, p)
+        saved = ctx.saved_tensors
+        if len(saved) == 2:
+            return *fused(_swiglu_backward)(grad.contiguous(), *saved), None
+        return fused(_swiglu_prob_backward)(grad.contiguous(), *saved)
 
 
 def _swiglu_padded(x, w1, w2, w3, p, prob_before_w2):

@@ -2,17 +2,17 @@
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.dispatcher import TokenDispatcher
-from titan_fold.moe.experts import GroupedExperts
+from titan_fold.moe.experts import GroupedExperts, swiglu
 from titan_fold.moe.router import AddAuxLoss, Router
 
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x). A dense layer's FFN, and the MoE's shared expert,
-    which every token goes through (Qwen2-MoE)."""
+    which every token goes through (Qwen2-MoE). The SwiGLU itself is the routed experts'
+    fused one (moe/experts.py)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -21,7 +21,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
     def init_weights(self, init_std: float, out_std: float):
         # truncated at 3 standard deviations: no rare huge weights at start
