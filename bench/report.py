@@ -230,6 +230,35 @@ def ep_share_table(results: str) -> list[str]:
     return out
 
 
+def grouped_gemm_table(results: str) -> list[str]:
+    """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone, bmm on equal groups,
+    the share of the dense rate the routed GEMMs allow, the stacked-w13 experts against ours."""
+    gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
+    out = ["| result | shape | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
+           + " | bmm up fwd / wgrad | bmm down fwd / wgrad | routed GEMMs TFLOP/s | gemm_bound_share | with shared | "
+           "experts fwd+bwd ms (ours) | stacked w13 / ours | max-autotune best: TFLOP/s (share) |",
+           "|---|---|---:|" + "---:|" * (len(gemms) + 8)]
+    n = 0
+    for name, rec in _all(results, "grouped_gemm"):
+        dense = rec["figures"]["dense_bf16_gemm_tflops"]
+        for r in rec["figures"]["rows"]:
+            if "error" in r:
+                out.append(f"| {name} | {r['shape']} | error: {r['error'][:60]} |" + " |" * (len(gemms) + 8))
+                continue
+            bmm = r["bmm_equal_groups"]
+            e = r["experts_fwd_bwd"]
+            best = (f"{_f(r['autotune_best_routed_gemms_tflops'])} ({_f(r['autotune_best_gemm_bound_share'], 3)})"
+                    if "autotune" in r else "-")
+            out.append(f"| {name} | {r['shape']} | {_f(dense)} | " + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
+                       + f" | {_f(bmm['up_fwd']['tflops'])} / {_f(bmm['up_wgrad']['tflops'])} | "
+                       f"{_f(bmm['down_fwd']['tflops'])} / {_f(bmm['down_wgrad']['tflops'])} | "
+                       f"{_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
+                       f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(e['separate_ms'], 2)} | "
+                       f"{_f(e['stacked_over_separate'], 3)} | {best} |")
+            n += 1
+    return out if n else []
+
+
 def report(results: str) -> str:
     sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
                 ("MoE layer beside torchtitan 0.2.2's, issue 18 (1 GPU)", moe_layer_round2_table),
@@ -238,6 +267,7 @@ def report(results: str) -> str:
                 ("Trainer, proxy Qwen2-57B-A14B-L2", train_table),
                 ("Profiled trainer steps", profile_table),
                 ("titan_fold vs torchtitan 0.2.2", vs_table),
+                ("Routed grouped GEMMs alone: the bound they set (1 GPU)", grouped_gemm_table),
                 ("Row movement, dispatch + combine forward + backward (1 GPU)", row_movement_table),
                 ("Collectives (2 GPUs)", collectives_table)]
     text = []

@@ -266,3 +266,124 @@ def test_benchmarks_doc_quotes_the_report():
         doc = f.read()
     tables = report.report(os.path.join(root, "bench", "results")).strip()
     assert tables and tables in doc, "docs/benchmarks.md: paste `python bench/report.py` under ## Results"
+
+
+def test_grouped_gemm_smoke(tmp_path):
+    """bench/grouped_gemm.py on the CPU, tiny shape: every figure of the schema, TFLOP/s as
+    FLOPs over ms, the stacked-w13 experts agreeing with ours (the GEMM operands were checked
+    inside against autograd's)."""
+    from bench import grouped_gemm
+
+    fig = grouped_gemm.main(["--smoke", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "grouped_gemm.json") as f:
+        rec = json.load(f)
+    assert set(common.SCHEMA_KEYS) <= set(rec) and rec["figures"]["rows"] == json.loads(json.dumps(fig["rows"]))
+    (row,) = rec["figures"]["rows"]
+    assert "error" not in row and row["shape"] == "tiny" and row["rows"] == 64 * 2
+    shape = moe_layer.SHAPES["tiny"]
+    assert row["gemm_gflop_each"] == pytest.approx(2 * 128 * shape["dim"] * shape["ffn"] / 1e9)
+    assert set(row["gemms"]) == {f"{m}_{op}" for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")}
+    for v in row["gemms"].values():
+        assert v["ms"] > 0 and v["tflops"] == pytest.approx(row["gemm_gflop_each"] * 1e9 / (v["ms"] * 1e-3) / 1e12)
+    assert set(row["bmm_equal_groups"]) == {"up_fwd", "up_wgrad", "down_fwd", "down_wgrad"}
+    E, R = shape["experts"], 128
+    for m, (K, N) in (("up", (shape["dim"], shape["ffn"])), ("down", (shape["ffn"], shape["dim"]))):
+        # what autograd passed (recorded): x @ w.T, g @ w, g.t() @ x with w [E, N, K]
+        assert row["operand_layouts"][f"{m}_fwd"] == [[[R, K], [K, 1]], [[E, K, N], [N * K, 1, K]]]
+        assert row["operand_layouts"][f"{m}_dgrad"] == [[[R, N], [N, 1]], [[E, N, K], [N * K, K, 1]]]
+        assert row["operand_layouts"][f"{m}_wgrad"] == [[[N, R], [1, N]], [[R, K], [K, 1]]]
+    assert row["rows_per_expert_min"] <= 128 // 8 <= row["rows_per_expert_max"]
+    e = row["experts_fwd_bwd"]
+    assert e["separate_ms"] > 0 and e["stacked_over_separate"] == pytest.approx(e["stacked_ms"] / e["separate_ms"])
+    for k in ("dx", "dprobs", "dw13", "dw2"):
+        assert e[f"max_rel_diff_{k}"] < 2e-2  # bf16 rounding apart
+    dense = rec["figures"]["dense_bf16_gemm_tflops"]
+    assert row["gemm_bound_share"] == pytest.approx(row["routed_gemms_tflops"] / dense)
+    shared = 6 * 64 * 3 * shape["dim"] * shape["shared_ffn"]
+    assert row["shared_at_dense_ms"] == pytest.approx(shared / (dense * 1e12) * 1e3)
+    assert row["gemm_bound_share_with_shared"] == pytest.approx(
+        (9 * row["gemm_gflop_each"] * 1e9 + shared) / ((row["routed_gemms_ms"] + row["shared_at_dense_ms"]) * 1e-3) / 1e12 / dense)
+    assert 0 < row["gemm_bound_share_with_shared"] < row["layer_bound_share"]  # + router and gate FLOPs
+    with pytest.raises(SystemExit):  # max-autotune needs CUDA
+        grouped_gemm.parse(["--device", "cpu", "--autotune", "tiny"])
+
+
+def test_grouped_gemm_bounds_by_hand():
+    """Qwen2-57B-A14B at 8192 tokens, the GEMMs 1 to 6 ms, dense 500 TFLOP/s: the routed experts
+    run w1, w3 (up) and w2 (down), each fwd, dgrad, wgrad, of 2 * 65536 * 3584 * 2560 FLOPs."""
+    from bench import grouped_gemm
+
+    gemm = 2 * 65536 * 3584 * 2560
+    assert grouped_gemm.gemm_flops(65536, 3584, 2560) == gemm
+    ms = {"up_fwd": 1.0, "up_dgrad": 2.0, "up_wgrad": 3.0, "down_fwd": 4.0, "down_dgrad": 5.0, "down_wgrad": 6.0}
+    b = grouped_gemm.bounds(ms, 8192, moe_layer.SHAPES["qwen2_57b_a14b"], 500.0)
+    assert b["routed_gemms_ms"] == 2 * (1 + 2 + 3) + 4 + 5 + 6
+    routed_tflops = 9 * gemm / 27e-3 / 1e12
+    assert b["routed_gemms_tflops"] == pytest.approx(routed_tflops)  # 400.9
+    assert b["gemm_bound_share"] == pytest.approx(routed_tflops / 500)
+    shared = 6 * 8192 * 3 * 3584 * 20480
+    shared_ms = shared / 500e12 * 1e3  # 21.6 ms at the dense rate
+    assert b["shared_at_dense_ms"] == pytest.approx(shared_ms)
+    assert b["gemm_bound_share_with_shared"] == pytest.approx((9 * gemm + shared) / ((27 + shared_ms) * 1e-3) / 500e12)
+    router_gate = 6 * 8192 * 3584 * 64 + 6 * 8192 * 3584
+    assert b["layer_bound_share"] == pytest.approx((9 * gemm + shared + router_gate) / ((27 + shared_ms) * 1e-3) / 500e12)
+
+
+def test_grouped_gemm_stacked_w13_matches_float64_experts():
+    """The stacked-w13 experts and ours (float32 grouped GEMMs on the CPU) against plain
+    per-expert products in float64: output, dx, dprobs and every weight gradient. Ragged
+    groups, one of them empty; swapped or misplaced halves of w13 fail."""
+    from bench import grouped_gemm
+    from titan_fold.moe.experts import _swiglu_grouped
+
+    torch.manual_seed(0)
+    dim, ffn, counts = 16, 12, torch.tensor([5, 0, 9, 2])
+    E, R = counts.numel(), int(counts.sum())
+    x, p = torch.randn(R, dim, dtype=torch.float64), torch.rand(R, 1, dtype=torch.float64)
+    w1, w3 = torch.randn(E, ffn, dim, dtype=torch.float64), torch.randn(E, ffn, dim, dtype=torch.float64)
+    w2, gy = torch.randn(E, dim, ffn, dtype=torch.float64), torch.randn(R, dim, dtype=torch.float64)
+
+    def grads(fn, *ts):
+        ts = [t.detach().clone().requires_grad_() for t in ts]
+        y = fn(*ts)
+        y.backward(gy.to(y.dtype))
+        return [y.detach().double()] + [t.grad.double() for t in ts]
+
+    def reference(x, p, w1, w3, w2):
+        ys, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            xe, pe = x[start:start + n], p[start:start + n]
+            h = torch.nn.functional.silu(xe @ w1[e].T) * (xe @ w3[e].T) * pe
+            ys.append(h @ w2[e].T)
+            start += n
+        return torch.cat(ys)
+
+    y, dx, dp, dw1, dw3, dw2 = grads(reference, x, p, w1, w3, w2)
+    f32 = [t.float() for t in (x, p, w1, w3, w2)]
+    ours = grads(lambda x, p, w1, w3, w2: _swiglu_grouped(x, counts, w1, w2, w3, p, True), *f32)
+    stacked = grads(lambda x, p, w13, w2: grouped_gemm.swiglu_stacked(x, counts, w13, w2, p),
+                    f32[0], f32[1], torch.cat(f32[2:4], 1), f32[4])
+    stacked = stacked[:3] + list(stacked[3].split(ffn, 1)) + stacked[4:]
+    for got in (ours, stacked):
+        for g, want in zip(got, (y, dx, dp, dw1, dw3, dw2)):
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_gemm_report_table(tmp_path):
+    gemms = {f"{m}_{op}": {"ms": 1.0, "tflops": t} for (m, op), t in zip(
+        [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")], (447.2, 352.1, 397.6, 440.3, 475.3, 448.3))}
+    row = {"shape": "qwen3_30b_a3b", "gemms": gemms,
+           "bmm_equal_groups": {k: {"ms": 1.0, "tflops": t} for k, t in
+                                (("up_fwd", 513.2), ("up_wgrad", 421.7), ("down_fwd", 566.0), ("down_wgrad", 520.3))},
+           "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549, "gemm_bound_share_with_shared": 0.5549,
+           "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912},
+           "autotune": {}, "autotune_best_routed_gemms_tflops": 420.0, "autotune_best_gemm_bound_share": 0.5677}
+    common.write_result("grouped_gemm_h100", {"dense_bf16_gemm_tflops": 739.8, "rows": [
+        row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}, str(tmp_path), command="x")
+    text = report.report(str(tmp_path))
+    assert "### Routed grouped GEMMs alone: the bound they set (1 GPU)" in text
+    assert ("| grouped_gemm_h100 | qwen3_30b_a3b | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 513.2 / 421.7 | "
+            "566.0 / 520.3 | 410.5 | 0.555 | 0.555 | 3.21 | 0.912 | 420.0 (0.568) |") in text
+    lines = report.grouped_gemm_table(str(tmp_path))
+    assert len({line.count("|") for line in lines}) == 1  # the error row has every column
+    assert "| grouped_gemm_h100 | mixtral_8x22b | error: OutOfMemoryError: x |" in text

@@ -1,0 +1,331 @@
+"""The routed experts' grouped GEMMs alone: the bound they set on the MoE layer (1 GPU).
+
+    python bench/grouped_gemm.py                                  # GPU, bf16, the four shapes, 8192 tokens
+    python bench/grouped_gemm.py --autotune qwen3_30b_a3b         # + inductor max-autotune of its six GEMMs
+    python bench/grouped_gemm.py --smoke                          # CPU, tiny shape (what the tests run)
+
+Per shape (bench/moe_layer.py's SHAPES), R = tokens * top_k rows, each assigned to an
+expert by a seeded uniform draw, grouped by expert (offsets: int32 cumulative counts),
+as the dispatcher hands them to titan_fold.moe.experts. Every figure is a median of CUDA
+event times after warm-up, beside the dense bf16 8192^3 GEMM rate of the same process.
+
+The six grouped GEMMs are timed on the very operands autograd passes to _grouped_mm in
+one forward + backward of torch._grouped_mm(x, w.transpose(1, 2), offs) at the shape
+(their [shape, stride] in "operand_layouts"): for up (x [R, dim], w1 or w3 [E, ffn, dim])
+and down (h [R, ffn], w2 [E, dim, ffn]), with w [E, N, K] and g = dL/dy [R, N], torch
+2.13 passes
+  fwd    y [R, N]    = _grouped_mm(x, w.transpose(1, 2), offs)   per group x_e @ w_e.T
+  dgrad  dx [R, K]   = _grouped_mm(g, w, offs)                   per group g_e @ w_e
+  wgrad  dw [E, N, K] = _grouped_mm(g.t(), x, offs)              per group g_e.T @ x_e (offs over K = R)
+Each costs 2 * R * K * N FLOPs. Beside them, torch.bmm of the same operands in E equal
+groups of R // E rows (fwd and wgrad): what cuBLAS gives the batched shape without the
+raggedness.
+
+The bound: titan_fold runs the routed experts (w1, w3 separate) as nine grouped GEMMs per
+step, up fwd/dgrad/wgrad twice (w1, w3) and down fwd/dgrad/wgrad once, FLOPs 6 * R * 3 *
+dim * ffn (bench.common.moe_layer_flops' "routed").
+  gemm_bound_share              routed FLOPs / (2 * up GEMMs' ms + down GEMMs' ms) / dense rate:
+                                the routed experts' share of the dense rate if only their
+                                GEMMs took time (no SwiGLU, no sum of the two dgrads)
+  gemm_bound_share_with_shared  the same with the shared expert (6 * tokens * 3 * dim *
+                                shared_ffn FLOPs) added to the FLOPs and, at the dense rate,
+                                to the time (equals gemm_bound_share without one)
+  layer_bound_share             every FLOP bench/moe_layer.py counts (routed, shared, router,
+                                shared gate) over the same time: the highest
+                                ratio_to_dense_gemm bench/moe_layer.py could report at this
+                                shape if the router, gate, dispatch, SwiGLU and every other
+                                kernel took no time and the shared expert ran at the dense rate
+Each GEMM is timed alone, repeated on the same operands (at the four shapes every operand
+is larger than the GPU's L2 cache), with the kernel PyTorch picks for these layouts.
+
+Experts forward + backward: titan_fold.moe.experts._swiglu_grouped (probability before
+w2, as MoEArgs defaults) against a stacked variant, one grouped GEMM x @ [w1; w3].T of
+width 2 * ffn, SwiGLU reading its two halves and its backward writing one [R, 2 * ffn]
+gradient (one dgrad and one wgrad GEMM instead of two each). Both from the same weights;
+the largest difference of dx, dprobs and the weight gradients relative to the largest
+magnitude is recorded (bf16 rounding apart).
+
+--autotune SHAPES: the six GEMMs of those shapes compiled with torch.compile(mode=
+"max-autotune-no-cudagraphs") (inductor's Triton grouped GEMM templates against the ATen
+kernel): ms, TFLOP/s, seconds spent compiling, and the largest difference from eager.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from bench.moe_layer import SHAPES  # noqa: E402
+from titan_fold.fused import fused  # noqa: E402
+from titan_fold.moe.experts import _bf16_grouped_linear, _swiglu_grouped, _swiglu_prob_backward, _swiglu_prob_forward  # noqa: E402
+
+GEMM_SHAPES = ("qwen2_57b_a14b", "mixtral_8x22b", "mixtral_8x22b_g8t8", "qwen3_30b_a3b")
+OPS = ("fwd", "dgrad", "wgrad")
+
+
+def gemm(a, b, offs):
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def autograd_operands(R, K, N, E, offs, device, dtype, gen):
+    """The three grouped GEMMs of a layer x [R, K] -> [R, N] with weight w [E, N, K], as
+    autograd runs them: one forward + backward of gemm(x, w.transpose(1, 2), offs) recorded,
+    fwd (the first call), dgrad (the backward's [R, K] output) and wgrad (its [E, ., .] one)
+    -> their (a, b), each timed as gemm(a, b, offs); plus x, w, g = dL/dy for the bmm."""
+    x = torch.randn(R, K, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(E, N, K, device=device, dtype=dtype, generator=gen) * K**-0.5
+    g = torch.randn(R, N, device=device, dtype=dtype, generator=gen)
+    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+    with _GroupedMMCalls() as calls:
+        torch.autograd.backward(gemm(xl, wl.transpose(1, 2), offs), g)
+    ops = {"fwd" if i == 0 else "dgrad" if out.dim() == 2 else "wgrad": (a, b) for i, (a, b, out) in enumerate(calls.calls)}
+    if len(calls.calls) != 3 or set(ops) != set(OPS):
+        raise RuntimeError(f"autograd ran {len(calls.calls)} grouped GEMMs, not fwd, dgrad, wgrad")
+    return {op: ops[op] for op in OPS}, (x, w, g)
+
+
+def layout(t: torch.Tensor) -> list:
+    return [list(t.shape), list(t.stride())]
+
+
+def gemm_flops(R, K, N):
+    return 2 * R * K * N
+
+
+class _GroupedMMCalls(TorchDispatchMode):
+    """Keeps (a, b, output) of every _grouped_mm call, detached (same storage and strides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._grouped_mm.default:
+            self.calls.append((args[0].detach(), args[1].detach(), out))
+        return out
+
+
+def rel_diff(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
+
+
+# ---- stacked w13 ----------------------------------------------------------------------------------
+
+def _swiglu13_forward(ab, p):
+    f = ab.shape[1] // 2
+    return _swiglu_prob_forward(ab[:, :f], ab[:, f:], p)
+
+
+def _swiglu13_backward(g, ab, p):
+    f = ab.shape[1] // 2
+    grad_a, grad_b, grad_p = _swiglu_prob_backward(g, ab[:, :f], ab[:, f:], p)
+    return torch.cat([grad_a, grad_b], -1), grad_p
+
+
+class _SwiGLU13Prob(torch.autograd.Function):
+    """_SwiGLUProb over the two halves of one [R, 2 * ffn] product (a, then b)."""
+
+    @staticmethod
+    def forward(ctx, ab, p):
+        p = p.to(torch.promote_types(p.dtype, torch.float32))
+        ctx.save_for_backward(ab, p)
+        return fused(_swiglu13_forward)(ab, p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ab, p = ctx.saved_tensors
+        return fused(_swiglu13_backward)(grad.contiguous(), ab, p)
+
+
+def swiglu_stacked(x, counts, w13, w2, p, linear=_bf16_grouped_linear):
+    """The routed experts with w13 = [w1; w3] stacked on the ffn rows [E, 2 * ffn, dim],
+    probability before w2: titan_fold's _swiglu_grouped with one up GEMM."""
+    offs = counts.cumsum(0).to(torch.int32)
+    return linear(_SwiGLU13Prob.apply(linear(x, w13, offs), p), w2, offs)
+
+
+def experts_fwd_bwd(dim, ffn, E, R, counts, device, dtype, gen, warmup, iters) -> dict:
+    """titan_fold's separate w1/w3 experts against the stacked w13 variant: ms of forward +
+    backward, and how far apart their gradients are."""
+    x = torch.randn(R, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+    p = torch.rand(R, 1, device=device, generator=gen).requires_grad_()
+    w1, w3 = (torch.randn(E, ffn, dim, device=device, dtype=dtype, generator=gen) * dim**-0.5 for _ in range(2))
+    w2 = torch.randn(E, dim, ffn, device=device, dtype=dtype, generator=gen) * ffn**-0.5
+    gy = torch.randn(R, dim, device=device, dtype=dtype, generator=gen)
+    sep = [w.requires_grad_() for w in (w1, w2, w3)]
+    stk = [torch.cat([w1, w3], 1).detach().requires_grad_(), w2.detach().clone().requires_grad_()]
+
+    def separate():
+        _swiglu_grouped(x, counts, *sep, p, True).backward(gy)
+
+    def stacked():
+        swiglu_stacked(x, counts, *stk, p).backward(gy)
+
+    def zero():
+        for t in (x, p, *sep, *stk):
+            t.grad = None
+
+    grads = {}
+    for way, fn, ws in (("separate", separate, sep), ("stacked", stacked, stk)):
+        zero()
+        fn()
+        dw13 = torch.cat([ws[0].grad, ws[2].grad], 1) if way == "separate" else ws[0].grad
+        grads[way] = {"dx": x.grad.clone(), "dprobs": p.grad.clone(), "dw13": dw13.clone(), "dw2": ws[1].grad.clone()}
+    out = {f"max_rel_diff_{k}": rel_diff(grads["separate"][k], grads["stacked"][k]) for k in grads["separate"]}
+    del grads
+    for way, fn in (("separate", separate), ("stacked", stacked)):
+        out[f"{way}_ms"] = median(time_ms(lambda fn=fn: (zero(), fn()), warmup, iters, device))
+    out["stacked_over_separate"] = out["stacked_ms"] / out["separate_ms"]
+    return out
+
+
+# ---- one shape --------------------------------------------------------------------------------
+
+def routing_counts(tokens, top_k, E, seed=0):
+    """Rows per expert of tokens * top_k assignments drawn uniformly over E experts."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.bincount(torch.randint(0, E, (tokens * top_k,), generator=gen), minlength=E)
+
+
+def bounds(gemm_ms: dict, tokens: int, shape: dict, dense: float) -> dict:
+    """The shares of the dense rate the routed GEMMs allow (module docstring), from the ms of
+    each of the six GEMMs (up_fwd ... down_wgrad) at this shape and tokens."""
+    f = moe_layer_flops(tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"], shape["shared_ffn"],
+                        shape["gate"])
+    routed_ms = sum((2 if n.startswith("up_") else 1) * ms for n, ms in gemm_ms.items())  # w1 and w3
+    shared_ms = f["shared"] / (dense * 1e12) * 1e3
+    tflops = lambda flop, ms: flop / (ms * 1e-3) / 1e12  # noqa: E731
+    return {"routed_gemms_ms": routed_ms, "routed_gemms_tflops": tflops(f["routed"], routed_ms),
+            "shared_at_dense_ms": shared_ms, "gemm_bound_share": tflops(f["routed"], routed_ms) / dense,
+            "gemm_bound_share_with_shared": tflops(f["routed"] + f["shared"], routed_ms + shared_ms) / dense,
+            "layer_bound_share": tflops(f["total"], routed_ms + shared_ms) / dense}
+
+
+def bench_gemms(K, N, R, E, offs, a, autotune, device, dtype, gen) -> dict:
+    """One layer's fwd, dgrad, wgrad grouped GEMMs [R, K] -> [R, N] (ms, TFLOP/s, operand
+    layouts), bmm on equal groups, and with autotune, max-autotune of each."""
+    flops = gemm_flops(R, K, N)
+    ops, (x, w, g) = autograd_operands(R, K, N, E, offs, device, dtype, gen)
+    out = {"gemms": {}, "layouts": {}, "bmm": {}, "autotune": {}, "compile_s": 0.0}
+    for op, (lhs, rhs) in ops.items():
+        out["layouts"][op] = [layout(lhs), layout(rhs)]
+        ms = median(time_ms(lambda lhs=lhs, rhs=rhs: gemm(lhs, rhs, offs), a.warmup, a.iters, device))
+        out["gemms"][op] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+    C = R // E
+    xb, gb = x[: E * C].view(E, C, K), g[: E * C].view(E, C, N)
+    for op, (lhs, rhs) in (("fwd", (xb, w.transpose(1, 2))), ("wgrad", (gb.transpose(1, 2), xb))):
+        ms = median(time_ms(lambda lhs=lhs, rhs=rhs: torch.bmm(lhs, rhs), a.warmup, a.iters, device))
+        out["bmm"][op] = {"ms": ms, "tflops": gemm_flops(E * C, K, N) / (ms * 1e-3) / 1e12}
+    if autotune:
+        compiled = torch.compile(gemm, mode="max-autotune-no-cudagraphs", dynamic=False)
+        for op, (lhs, rhs) in ops.items():
+            t0 = time.perf_counter()
+            got = compiled(lhs, rhs, offs)  # compiles and autotunes for this layout
+            torch.cuda.synchronize(device)
+            out["compile_s"] += time.perf_counter() - t0
+            ms = median(time_ms(lambda lhs=lhs, rhs=rhs: compiled(lhs, rhs, offs), a.warmup, a.iters, device))
+            out["autotune"][op] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+                                   "max_rel_diff": rel_diff(gemm(lhs, rhs, offs), got)}
+    return out
+
+
+def bench_shape(name, shape, a, device, dtype, dense) -> dict:
+    dim, ffn, E, k = shape["dim"], shape["ffn"], shape["experts"], shape["top_k"]
+    R = a.tokens * k
+    counts = routing_counts(a.tokens, k, E).to(device)
+    offs = counts.cumsum(0).to(torch.int32)
+    gen = torch.Generator(device=device).manual_seed(1)
+    row = {"shape": name, "tokens": a.tokens, "rows": R, "dim": dim, "ffn": ffn, "experts": E, "top_k": k,
+           "shared_ffn": shape["shared_ffn"], "rows_per_expert_min": int(counts.min()),
+           "rows_per_expert_max": int(counts.max()), "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
+           "gemms": {}, "bmm_equal_groups": {}, "operand_layouts": {}}
+    autotune, compile_s = {}, 0.0
+    for layer, (K, N) in (("up", (dim, ffn)), ("down", (ffn, dim))):
+        got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
+        for key, into in (("gemms", row["gemms"]), ("bmm", row["bmm_equal_groups"]),
+                          ("layouts", row["operand_layouts"]), ("autotune", autotune)):
+            into.update({f"{layer}_{op}": v for op, v in got[key].items()})
+        compile_s += got["compile_s"]
+    row.update(bounds({n: v["ms"] for n, v in row["gemms"].items()}, a.tokens, shape, dense))
+    if autotune:
+        row["autotune"], row["autotune_compile_s"] = autotune, compile_s
+        best = bounds({n: min(v["ms"], autotune[n]["ms"]) for n, v in row["gemms"].items()}, a.tokens, shape, dense)
+        row["autotune_best_routed_gemms_tflops"] = best["routed_gemms_tflops"]
+        row["autotune_best_gemm_bound_share"] = best["gemm_bound_share"]
+    row["experts_fwd_bwd"] = experts_fwd_bwd(dim, ffn, E, R, counts, device, dtype, gen, a.warmup, a.iters)
+    return row
+
+
+def _print_row(row):
+    if "error" in row:
+        print(f"[grouped_gemm] {row['shape']} ERROR {row['error']}", flush=True)
+        return
+    tf = " ".join(f"{n} {v['tflops']:.1f}" for n, v in row["gemms"].items())
+    e = row["experts_fwd_bwd"]
+    print(f"[grouped_gemm] {row['shape']}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
+          f"(with shared {row.get('gemm_bound_share_with_shared')}); experts separate {e['separate_ms']:.3f} ms, "
+          f"stacked {e['stacked_ms']:.3f} ms", flush=True)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", default=",".join(GEMM_SHAPES), help="comma list of bench/moe_layer.py's SHAPES")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
+    p.add_argument("--autotune", default="", help="comma list of shapes whose six GEMMs are also compiled with "
+                   "max-autotune (CUDA only; about 100 s a shape)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 64 tokens (for tests)")
+    p.add_argument("--name", default="grouped_gemm")
+    p.add_argument("--out-dir", default=None)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.device, a.shapes, a.tokens, a.warmup, a.iters = "cpu", "tiny", 64, 1, 2
+    a.shapes = a.shapes.split(",")
+    a.autotune = [s for s in a.autotune.split(",") if s]
+    unknown = [s for s in a.shapes + a.autotune if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes/--autotune: unknown shape {unknown[0]} (one of {', '.join(SHAPES)})")
+    if a.autotune and not a.device.startswith("cuda"):
+        p.error("--autotune: max-autotune needs CUDA")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+    dtype = torch.bfloat16
+    dense_n = 8192 if device.type == "cuda" else 256  # the CPU's rate only exercises the arithmetic
+    dense = dense_gemm_tflops(device, n=dense_n)
+    print(f"[grouped_gemm] dense bf16 GEMM {dense_n}^3: {dense} TFLOP/s", flush=True)
+    rows = []
+    figures = {"dense_bf16_gemm_tflops": dense, "dense_gemm_n": dense_n, "dtype": "bfloat16", "tokens": a.tokens,
+               "warmup": a.warmup, "iters": a.iters, "rows": rows}
+    for name in a.shapes:
+        # each shape compiles its fused SwiGLU (and autotuned GEMMs) for its own widths
+        torch._dynamo.reset()
+        try:
+            row = bench_shape(name, SHAPES[name], a, device, dtype, dense)
+        except Exception as e:  # one failing shape must not lose the others
+            row = {"shape": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+        rows.append(row)
+        _print_row(row)
+        write_result(a.name, figures, a.out_dir)  # after every shape: a cut-off run keeps what it had
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return figures
+
+
+if __name__ == "__main__":
+    main()
