@@ -88,6 +88,10 @@
 #                               #   target 1)
 #   bash bench/run_all.sh ZI    # 1 GPU: the trainer at local batch 4, bf16 eager against $BASE (interleaved),
 #                               #   then fp32 masters and bf16 weights compiled (issue 18 target 2)
+#   bash bench/run_all.sh ZJ    # 1 GPU: earlier cases again (issue 18 target 6): the MoE layer eager at every
+#                               #   shape and mode (profiled), then compiled beside torchtitan's
+#   bash bench/run_all.sh ZK    # 1 GPU: row movement, the MoE layer bf16 beside FP8 at every shape, and the same
+#                               #   Qwen3-MoE model in both trainers (eager and compiled) at both widths
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -501,6 +505,32 @@ elif [ "$phase" = ZI ]; then
     --gpus 0 --port 29512 --steps 30 --name train_step_1gpu_zi --out-dir "$OUT" --case-timeout 140 \
     > "$LOGS/train_step_zi.log" 2>&1
   save_logs zi
+elif [ "$phase" = ZJ ]; then
+  # thirty-sixth call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "MoE layer eager, every shape and mode"
+  timeout 220 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$LOGS/moe_layer_zj.log" 2>&1
+  note "MoE layer compiled, titan_fold and torchtitan"
+  timeout 300 $PY bench/moe_layer.py --compile on --no-profile --name moe_layer_compiled --out-dir "$OUT" \
+    > "$LOGS/moe_layer_zj_compiled.log" 2>&1
+  save_logs zj
+elif [ "$phase" = ZK ]; then
+  # thirty-seventh call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "row_movement"
+  timeout 60 $PY bench/row_movement.py --out-dir "$OUT" > "$LOGS/row_movement.log" 2>&1
+  layer_fp8 zk_fp8 $ALL_SHAPES 120 --compile off --no-profile
+  cases=1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled
+  for proxy in 57B-A14B-L2 30B-A3B-L12; do
+    tag=$(echo $proxy | tr -d '-' | tr 'A-Z' 'a-z')
+    note "qwen3_moe $proxy: titan_fold, then torchtitan"
+    timeout 150 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0 --port 29511 \
+      --steps 15 --name train_step_1gpu_zk_$tag --out-dir "$OUT" --case-timeout 85 > "$LOGS/train_step_zk_$tag.log" 2>&1
+    timeout 150 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0 --port 29521 \
+      --steps 15 --ours "$OUT/train_step_1gpu_zk_$tag.json" --name vs_torchtitan_1gpu_zk_$tag --out-dir "$OUT" \
+      --case-timeout 85 > "$LOGS/vs_torchtitan_zk_$tag.log" 2>&1
+  done
+  save_logs zk
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
