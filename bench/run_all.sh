@@ -92,6 +92,9 @@
 #                               #   shape and mode (profiled), then compiled beside torchtitan's
 #   bash bench/run_all.sh ZK    # 1 GPU: row movement, the MoE layer bf16 beside FP8 at every shape, and the same
 #                               #   Qwen3-MoE model in both trainers (eager and compiled) at both widths
+#   bash bench/run_all.sh ZL    # 1 GPU: ZK's Qwen3-MoE model at Qwen2-57B-A14B widths again (ZK's torchtitan
+#                               #   file did not come back: a call returns at most 8 files), then fp32 masters
+#                               #   and bf16 weights compiled at local batch 4, profiled
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -514,23 +517,34 @@ elif [ "$phase" = ZJ ]; then
   timeout 300 $PY bench/moe_layer.py --compile on --no-profile --name moe_layer_compiled --out-dir "$OUT" \
     > "$LOGS/moe_layer_zj_compiled.log" 2>&1
   save_logs zj
-elif [ "$phase" = ZK ]; then
-  # thirty-seventh call (2026-11-24), one GPU
+elif [ "$phase" = ZK ] || [ "$phase" = ZL ]; then
+  # thirty-seventh and thirty-eighth calls (2026-11-24), one GPU
   export TORCH_LOGS=recompiles
-  note "row_movement"
-  timeout 60 $PY bench/row_movement.py --out-dir "$OUT" > "$LOGS/row_movement.log" 2>&1
-  layer_fp8 zk_fp8 $ALL_SHAPES 120 --compile off --no-profile
+  if [ "$phase" = ZK ]; then
+    note "row_movement"
+    timeout 60 $PY bench/row_movement.py --out-dir "$OUT" > "$LOGS/row_movement.log" 2>&1
+    layer_fp8 zk_fp8 $ALL_SHAPES 120 --compile off --no-profile
+  fi
   cases=1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled
-  for proxy in 57B-A14B-L2 30B-A3B-L12; do
+  proxies="57B-A14B-L2 30B-A3B-L12"
+  tag_phase=$(echo "$phase" | tr 'A-Z' 'a-z')
+  [ "$phase" = ZL ] && proxies=57B-A14B-L2
+  for proxy in $proxies; do
     tag=$(echo $proxy | tr -d '-' | tr 'A-Z' 'a-z')
     note "qwen3_moe $proxy: titan_fold, then torchtitan"
     timeout 150 $PY bench/train_step.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0 --port 29511 \
-      --steps 15 --name train_step_1gpu_zk_$tag --out-dir "$OUT" --case-timeout 85 > "$LOGS/train_step_zk_$tag.log" 2>&1
+      --steps 15 --name train_step_1gpu_${tag_phase}_$tag --out-dir "$OUT" --case-timeout 85 > "$LOGS/train_step_${tag_phase}_$tag.log" 2>&1
     timeout 150 $PY bench/vs_torchtitan.py --cases $cases --family qwen3_moe --proxy $proxy --gpus 0 --port 29521 \
-      --steps 15 --ours "$OUT/train_step_1gpu_zk_$tag.json" --name vs_torchtitan_1gpu_zk_$tag --out-dir "$OUT" \
-      --case-timeout 85 > "$LOGS/vs_torchtitan_zk_$tag.log" 2>&1
+      --steps 15 --ours "$OUT/train_step_1gpu_${tag_phase}_$tag.json" --name vs_torchtitan_1gpu_${tag_phase}_$tag \
+      --out-dir "$OUT" --case-timeout 85 > "$LOGS/vs_torchtitan_${tag_phase}_$tag.log" 2>&1
   done
-  save_logs zk
+  if [ "$phase" = ZL ]; then
+    note "fp32 masters and bf16 weights compiled, local batch 4, step 10 profiled"
+    timeout 230 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled_profile,1gpu_bf16params_b4_compiled_profile \
+      --gpus 0 --port 29513 --steps 12 --name train_step_1gpu_zl_profile --out-dir "$OUT" --case-timeout 110 \
+      > "$LOGS/train_step_zl_profile.log" 2>&1
+  fi
+  save_logs "$tag_phase"
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
