@@ -95,6 +95,9 @@
 #   bash bench/run_all.sh ZL    # 1 GPU: ZK's Qwen3-MoE model at Qwen2-57B-A14B widths again (ZK's torchtitan
 #                               #   file did not come back: a call returns at most 8 files), then fp32 masters
 #                               #   and bf16 weights compiled at local batch 4, profiled
+#   bash bench/run_all.sh ZM    # 1 GPU: the clip's gradient norm one reduction per tensor in float32
+#                               #   (bench/grad_norm.py), then fp32 masters compiled at local batch 4 with it,
+#                               #   $BASE (torch's foreach norm) between, and bf16 weights compiled
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -545,6 +548,20 @@ elif [ "$phase" = ZK ] || [ "$phase" = ZL ]; then
       > "$LOGS/train_step_zl_profile.log" 2>&1
   fi
   save_logs "$tag_phase"
+elif [ "$phase" = ZM ]; then
+  # thirty-ninth call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "gradient norm: foreach against one reduction per tensor"
+  timeout 90 $PY bench/grad_norm.py --out-dir "$OUT" > "$LOGS/grad_norm.log" 2>&1
+  note "masters compiled, local batch 4: this code, \$BASE, this code; bf16 weights compiled"
+  timeout 130 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled --gpus 0 --port 29511 --steps 30 \
+    --name train_step_1gpu_zm_new --out-dir "$OUT" --case-timeout 125 > "$LOGS/train_step_zm_new.log" 2>&1
+  (cd "$BASE" && timeout 130 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled --gpus 0 --port 29544 \
+    --steps 30 --name train_step_1gpu_zm_base --out-dir "$OUT" --work-dir /tmp/titan_fold_bench/base \
+    --case-timeout 125 > "$LOGS/train_step_zm_base.log" 2>&1)
+  timeout 250 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled,1gpu_bf16params_b4_compiled --gpus 0 \
+    --port 29512 --steps 30 --name train_step_1gpu_zm --out-dir "$OUT" --case-timeout 125 > "$LOGS/train_step_zm.log" 2>&1
+  save_logs zm
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

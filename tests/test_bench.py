@@ -387,3 +387,17 @@ def test_grouped_gemm_report_table(tmp_path):
     lines = report.grouped_gemm_table(str(tmp_path))
     assert len({line.count("|") for line in lines}) == 1  # the error row has every column
     assert "| grouped_gemm_h100 | mixtral_8x22b | error: OutOfMemoryError: x |" in text
+
+
+def test_grad_norm_smoke(tmp_path):
+    """bench/grad_norm.py on the CPU: both ways give the float64 norm of the same gradients,
+    the per-tensor one within float32 accumulation, torch's foreach one within bf16 rounding."""
+    from bench import grad_norm
+
+    figures = grad_norm.main(["--smoke", "--out-dir", str(tmp_path)])
+    rec = json.loads((tmp_path / "grad_norm.json").read_text())
+    assert rec["figures"]["parameters"] == figures["parameters"] > 0
+    rows = {r["way"]: r for r in figures["rows"]}
+    assert rows["per_tensor"]["rel_err_vs_float64"] < 1e-5
+    assert rows["foreach"]["rel_err_vs_float64"] < 1e-2
+    assert all(r["ms"] > 0 for r in rows.values())

@@ -48,3 +48,26 @@ def test_other_optimizers_get_clipped_gradients():
     assert not hasattr(opt, "grad_scale")
     for p, r in zip(ours.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_total_norm_of_bf16_gradients_is_float32(norm_type):
+    """bf16 gradients of very different sizes: their norm, accumulated in float32, against a
+    float64 norm of the same values (torch's foreach norm returns a bf16 value here)."""
+    from titan_fold.parallel.clip import total_norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=g) * s).bfloat16() for n, s in ((4097, 1e-3), (33, 5.0), (100_000, 1e-2))]
+    want = torch.linalg.vector_norm(torch.cat([t.double() for t in grads]), norm_type)
+    got = total_norm(grads, norm_type)
+    assert got.dtype == torch.float32
+    assert abs(got.double() - want) / want < 1e-5  # float32 accumulation; a bf16 result is off by ~1e-3
+
+
+def test_total_norm_refuses_nonfinite_when_asked():
+    from titan_fold.parallel.clip import total_norm
+
+    grads = [torch.ones(3), torch.tensor([1.0, float("nan")])]
+    assert torch.isnan(total_norm(grads, 2.0))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        total_norm(grads, 2.0, error_if_nonfinite=True)

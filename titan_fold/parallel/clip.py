@@ -40,8 +40,7 @@ def clip_grad_norm_(
             by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
     norms = []
     for params in by_mesh.values():
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        norm = total_norm([p.grad for p in params], norm_type, error_if_nonfinite)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
@@ -65,6 +64,18 @@ def clip_grad_norm_(
         # one foreach call per mesh, for the same reason as above
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """The norm of the gradients of one mesh, in float32: one vector_norm per tensor,
+    accumulated in float32 (bf16 gradients too), then the norm of those. torch's foreach
+    norm (get_total_norm) returns bf16 for bf16 gradients, and over the proxy's 4.3e9 bf16
+    gradients on an H200 took 3.75 ms against 2.61 (bench/grad_norm.py)."""
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+    norm = torch.linalg.vector_norm(norms, norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+    return norm
 
 
 def _divides_by_grad_scale(opt: torch.optim.Optimizer) -> bool:
