@@ -6,7 +6,9 @@ date, and every figure it measured. Timings follow bench practice on a GPU: warm
 first, CUDA events around each repeat, the median reported.
 """
 
+import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
@@ -94,24 +96,39 @@ def time_ms(fn, warmup: int, iters: int, device: torch.device) -> list[float]:
     """Milliseconds of each of `iters` calls of fn() after `warmup` calls.
 
     CUDA: a pair of events around each call (device time, no host sync inside the loop);
-    CPU: wall clock around each call."""
+    CPU: wall clock around each call. Python's automatic garbage collection is off during
+    the timed calls, after one collection, as in the trainer (torchtitan's gc_freq)."""
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in events:
-            start.record()
+    with _gc_off():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(iters)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize(device)
+            return [s.elapsed_time(e) for s, e in events]
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
             fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        return [s.elapsed_time(e) for s, e in events]
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
+
+@contextlib.contextmanager
+def _gc_off():
+    enabled = gc.isenabled()
+    gc.collect(1)
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, iters: int = 10) -> float:

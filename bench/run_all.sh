@@ -98,6 +98,8 @@
 #   bash bench/run_all.sh ZM    # 1 GPU: the clip's gradient norm one reduction per tensor in float32
 #                               #   (bench/grad_norm.py), then fp32 masters compiled at local batch 4 with it,
 #                               #   $BASE (torch's foreach norm) between, and bf16 weights compiled
+#   bash bench/run_all.sh ZN    # 1 GPU: the MoE layer eager at every shape and mode with the timed loops run
+#                               #   without automatic GC (as the trainer), then Qwen3-30B-A3B alone, twice
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -562,6 +564,17 @@ elif [ "$phase" = ZM ]; then
   timeout 250 $PY bench/train_step.py --cases 1gpu_masters_b4_compiled,1gpu_bf16params_b4_compiled --gpus 0 \
     --port 29512 --steps 30 --name train_step_1gpu_zm --out-dir "$OUT" --case-timeout 125 > "$LOGS/train_step_zm.log" 2>&1
   save_logs zm
+elif [ "$phase" = ZN ]; then
+  # fortieth call (2026-11-24), one GPU
+  export TORCH_LOGS=recompiles
+  note "MoE layer eager, every shape and mode"
+  timeout 220 $PY bench/moe_layer.py --compile off --name moe_layer_eager --out-dir "$OUT" > "$LOGS/moe_layer_zn.log" 2>&1
+  for i in 1 2; do
+    note "Qwen3-30B-A3B alone ($i)"
+    timeout 60 $PY bench/moe_layer.py --shapes qwen3_30b_a3b --compile off --no-profile --name "moe_layer_zn_qwen3_$i" \
+      --out-dir "$OUT" > "$LOGS/moe_layer_zn_qwen3_$i.log" 2>&1
+  done
+  save_logs zn
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

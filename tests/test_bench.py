@@ -61,6 +61,17 @@ def test_time_ms_counts_calls():
     assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([1.0, 2.0, 3.0, 4.0]) == 2.5
 
 
+def test_time_ms_times_without_automatic_gc():
+    """The timed calls run with automatic garbage collection off (the warm-up with it on, as
+    the caller had it), and the caller's setting comes back."""
+    import gc
+
+    seen = []
+    common.time_ms(lambda: seen.append(gc.isenabled()), 1, 3, torch.device("cpu"))
+    assert seen == [True, False, False, False]
+    assert gc.isenabled()
+
+
 def test_kernel_classes():
     assert moe_layer.kernel_class("ncclDevKernel_SendRecv") == "nccl"
     assert moe_layer.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
