@@ -100,6 +100,7 @@
 #                               #   $BASE (torch's foreach norm) between, and bf16 weights compiled
 #   bash bench/run_all.sh ZN    # 1 GPU: the MoE layer eager at every shape and mode with the timed loops run
 #                               #   without automatic GC (as the trainer), then Qwen3-30B-A3B alone, twice
+#   bash bench/run_all.sh ZO    # 1 GPU: the fp32 master step alone beside streaming kernels (bench/master_step.py)
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -575,6 +576,9 @@ elif [ "$phase" = ZN ]; then
       --out-dir "$OUT" > "$LOGS/moe_layer_zn_qwen3_$i.log" 2>&1
   done
   save_logs zn
+elif [ "$phase" = ZO ]; then
+  # forty-second call (2026-11-24; the forty-first, a probe of the same, left nothing in the repository)
+  timeout 120 $PY bench/master_step.py --out-dir "$OUT" > "$OUT/master_step_zo.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \

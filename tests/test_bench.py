@@ -412,3 +412,18 @@ def test_grad_norm_smoke(tmp_path):
     assert rows["per_tensor"]["rel_err_vs_float64"] < 1e-5
     assert rows["foreach"]["rel_err_vs_float64"] < 1e-2
     assert all(r["ms"] > 0 for r in rows.values())
+
+
+def test_master_step_smoke(tmp_path):
+    """bench/master_step.py on the CPU: the master step moves the weights as AdamW would
+    (checked in tests/test_optimizer.py); here the script's record: bytes and bandwidth
+    from the parameter count and the times."""
+    from bench import master_step
+
+    figures = master_step.main(["--smoke", "--out-dir", str(tmp_path)])
+    rows = {r["kernel"]: r for r in figures["rows"]}
+    assert set(rows) == {"master_step", "add_fp32", "copy_fp32"}
+    assert rows["master_step"]["bytes"] == 28 * figures["parameters"]
+    for r in rows.values():
+        assert r["tb_per_s"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e12)
+    assert json.loads((tmp_path / "master_step.json").read_text())["figures"]["parameters"] == figures["parameters"]
