@@ -101,6 +101,8 @@
 #   bash bench/run_all.sh ZN    # 1 GPU: the MoE layer eager at every shape and mode with the timed loops run
 #                               #   without automatic GC (as the trainer), then Qwen3-30B-A3B alone, twice
 #   bash bench/run_all.sh ZO    # 1 GPU: the fp32 master step alone beside streaming kernels (bench/master_step.py)
+#   bash bench/run_all.sh ZP    # 1 GPU: CPU tests under the image's torch (2.11) of this day's changes: the
+#                               #   float32 gradient norm on DTensor gradients (the equivalence tests), the SwiGLU
 #
 # Packages the GPU image lacks (torchtitan, tyro, torchdata, datasets and its pyarrow, pandas,
 # dill, multiprocess, xxhash, docstring_parser, typeguard, einops) travel as wheels in .whl/
@@ -579,6 +581,11 @@ elif [ "$phase" = ZN ]; then
 elif [ "$phase" = ZO ]; then
   # forty-second call (2026-11-24; the forty-first, a probe of the same, left nothing in the repository)
   timeout 120 $PY bench/master_step.py --out-dir "$OUT" > "$OUT/master_step_zo.log" 2>&1
+elif [ "$phase" = ZP ]; then
+  # forty-third call (2026-11-24), one GPU: the pytest log comes back in $OUT
+  CUDA_VISIBLE_DEVICES= timeout 400 $PY -m pytest -q -n 8 tests/test_equivalence.py tests/test_clip.py \
+    tests/test_optimizer.py tests/test_moe_layer.py tests/test_attention_parallel.py > "$OUT/pytest_cpu_torch211_zp.log" 2>&1
+  timeout 60 $PY -m pytest -q -n 0 tests/test_moe_layer.py -k fused > "$OUT/pytest_fused_gpu_zp.log" 2>&1
 elif [ "$phase" = E ]; then
   # fifth call: the 2-GPU foldings with bf16 compute in every layout, and pipelining
   timeout 480 $PY bench/train_step.py --cases tp2_ep2,tp2_etp2,dp2_ep2,pp2 --gpus 0,1 --port 29543 --steps 15 \
