@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
 from bench.moe_layer import SHAPES  # noqa: E402
-from titan_fold.fused import fused  # noqa: E402
+from titan_fold.common.fused import fused  # noqa: E402
 from titan_fold.moe.experts import _bf16_grouped_linear, _swiglu_grouped, _swiglu_prob_backward, _swiglu_prob_forward  # noqa: E402
 
 GEMM_SHAPES = ("qwen2_57b_a14b", "mixtral_8x22b", "mixtral_8x22b_g8t8", "qwen3_30b_a3b")

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import median, time_ms, write_result  # noqa: E402
 from bench.grad_norm import parameter_shapes  # noqa: E402
-from titan_fold.fused import fused  # noqa: E402
-from titan_fold.optimizer import _adam_master_step  # noqa: E402
+from titan_fold.common.fused import fused  # noqa: E402
+from titan_fold.trainer.optimizer import _adam_master_step  # noqa: E402
 
 BYTES_PER_PARAMETER = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2  # read g, master, m, v; write master, m, v, weight
 

@@ -126,7 +126,7 @@ def serve() -> None:
     """The zygote: import the trainer, then one launch per request line on stdin."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what imports print must not mix with the replies
-    import titan_fold.train  # noqa: F401  (what every rank would import; the CLIs import a part of it)
+    import titan_fold.trainer.fold_trainer  # noqa: F401  (what every rank would import; the CLIs import a part of it)
 
     for line in sys.stdin:
         replies.write(json.dumps(_launch(json.loads(line))) + "\n")

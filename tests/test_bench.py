@@ -146,9 +146,9 @@ def test_train_step_summary_and_plans():
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
     # every case's command passes the trainer's checks for its world size
-    from titan_fold.config import parse_args
+    from titan_fold.common.config import parse_args
     from titan_fold.models import FLAVORS
-    from titan_fold.train import preflight
+    from titan_fold.trainer.preflight import preflight
 
     train_step.register_proxy(A.family, A.proxy)
     try:

@@ -33,7 +33,7 @@ import torch
 from conftest import read_metrics, torchrun
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from titan_fold.checkpoint import CheckpointError, complete, read_metadata, validate_against
+from titan_fold.checkpoint.manager import CheckpointError, complete, read_metadata, validate_against
 
 STEPS = 6
 COMMON = (
@@ -242,7 +242,7 @@ def test_non_tensor_entries_must_load_weights_only(tmp_path):
     such an entry holding a callable is refused before DCP reads anything."""
     import torch.distributed.checkpoint as dcp
 
-    from titan_fold.checkpoint import check_bytes_entries
+    from titan_fold.checkpoint.manager import check_bytes_entries
 
     dcp.save({"w": torch.zeros(2), "train_state": {"step": 3}}, checkpoint_id=str(tmp_path / "ok"))
     check_bytes_entries(str(tmp_path / "ok"), read_metadata(str(tmp_path / "ok")))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from titan_fold.config import ConfigError, parse_args
+from titan_fold.common.config import ConfigError, parse_args
 
 
 def write(tmp_path, text: str) -> str:
@@ -70,7 +70,7 @@ def test_bad_config_names_key_and_rule(tmp_path, text, message):
 def test_packaged_configs_fit_their_world(name, world):
     """The real-size configs' degrees, pipeline schedule and micro-batches pass the trainer's
     checks at the world size they are written for (their tokenizers are not in the repo)."""
-    from titan_fold.train import check_layout
+    from titan_fold.trainer.preflight import check_layout
 
     layout = check_layout(parse_args(["--job.config_file", name]), world)
     assert layout.world_size == world and layout.ep > 1

@@ -7,24 +7,21 @@ import pytest
 import torch.distributed as dist
 from conftest import python_m
 
-from titan_fold.config import parse_args
-from titan_fold.cost_model import (
+from titan_fold.common.config import parse_args
+from titan_fold.models import FLAVORS, TransformerArgs
+from titan_fold.moe import MoEArgs
+from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.planning.cost_model import (
     Cluster,
     Mapping,
     Workload,
     activation_bytes,
-    enumerate_mappings,
     estimate,
     group_membership,
-    job_toml,
     memory,
-    min_gpus,
     model_sizes,
-    plan,
 )
-from titan_fold.models import FLAVORS, TransformerArgs
-from titan_fold.moe import MoEArgs
-from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.planning.search import enumerate_mappings, job_toml, min_gpus, plan
 
 
 def _divisors(n):

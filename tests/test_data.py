@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from titan_fold.config import JobConfig
+from titan_fold.common.config import JobConfig
 from titan_fold.data import ByteTokenizer, build_dataloader, build_tokenizer
 
 BOS, EOS = 256, 257

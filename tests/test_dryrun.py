@@ -11,8 +11,11 @@ import torch
 import torch.distributed as dist
 
 from titan_fold import dryrun
-from titan_fold.config import PACKAGED_CONFIGS, parse_args
+from titan_fold.common.config import PACKAGED_CONFIGS, parse_args
+from titan_fold.dryrun.measure import _dry_config
 from titan_fold.models import FLAVORS, Transformer
+from titan_fold.planning.accounting import local_tensor
+from titan_fold.trainer.banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,12 +178,12 @@ def test_banner():
     layout, args, _ = dryrun.check_config(c, 64)
     dryrun.init_fake_world(64, 0)
     layout.build_mesh("cpu")
-    parts, _, fqns, _ = dryrun.build_rank(dryrun._dry_config(c), layout, args)
-    text = dryrun.banner(layout, args, parts, c, len(fqns))
+    parts, _, fqns, _ = dryrun.build_rank(_dry_config(c), layout, args)
+    text = banner(layout, args, parts, c, len(fqns))
     assert "pp 4 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 2" in text
     assert "pp 4 x edp 4 x ep 4 x etp 1; 16 of 64 experts per rank" in text
     assert "pipeline stages: 8 (2 on this rank)" in text
-    numel = sum(dryrun.local_tensor(p).numel() for part in parts for p in part.parameters())
+    numel = sum(local_tensor(p).numel() for part in parts for p in part.parameters())
     assert f"params {4 * numel / 2**30:.2f} GiB" in text
 
 

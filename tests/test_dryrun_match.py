@@ -75,8 +75,8 @@ def test_real_run_refuses_what_this_torch_cannot_run():
     """A real run's preflight: op-level selective AC under PP with the experts sharded over edp
     is one line on torch >= 2.13 (the dry run records that step with full AC instead), and is
     accepted on torch 2.11; its neighbours are accepted on both."""
-    from titan_fold.config import ConfigError
-    from titan_fold.train import preflight
+    from titan_fold.common.config import ConfigError
+    from titan_fold.trainer.preflight import preflight
 
     args = ["--parallelism.pipeline_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
             "--activation_checkpoint.selective_ac_option", "op", "--training.local_batch_size", "2"]

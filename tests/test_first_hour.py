@@ -186,7 +186,7 @@ def test_bad_degree_under_torchrun_is_one_line(tmp_path):
 
 def test_user_error_reported_once_per_launch(tmp_path, monkeypatch, capsys):
     """Every rank fails the same check; the first to get there prints, all fill their error file."""
-    from titan_fold.errors import UserError, run_command
+    from titan_fold.common.errors import UserError, run_command
 
     def main():
         raise UserError("--training.steps -1: must be >= 0")
@@ -209,7 +209,7 @@ def test_logging_rank_rule_and_noise(rank, log_rank, shown, monkeypatch, capsys)
 
     from torchtitan.tools.logging import logger
 
-    from titan_fold.logs import setup_logging
+    from titan_fold.trainer.logs import setup_logging
 
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -12,7 +12,7 @@ torch._scaled_grouped_mm.
 import pytest
 import torch
 
-from titan_fold.config import ConfigError, parse_args
+from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.moe import MoE, MoEArgs
 from titan_fold.moe.fp8 import FP8, FP8_MAX, fp8_grouped_linear, fp8_problem, quantize
 
@@ -121,7 +121,7 @@ def test_fp8_rules():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
 def test_trainer_refuses_fp8_without_gpu():
-    from titan_fold.train import preflight
+    from titan_fold.trainer.preflight import preflight
 
     config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.expert_fp8",
                          "--training.mixed_precision_param", "bfloat16"])
@@ -131,7 +131,7 @@ def test_trainer_refuses_fp8_without_gpu():
 
 def test_dry_run_checks_only_the_shapes():
     # a dry run plans for the real GPUs: no device rule on its host, the width rule still
-    from titan_fold.train import preflight
+    from titan_fold.trainer.preflight import preflight
 
     base = ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "bfloat16",
             "--comm.mode", "fake_backend"]

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from titan_fold.checkpoint import CheckpointError, read_hf_folder  # noqa: E402
-from titan_fold.hf import main  # noqa: E402
+from titan_fold.checkpoint.hf import main  # noqa: E402
+from titan_fold.checkpoint.manager import CheckpointError, read_hf_folder  # noqa: E402
 from titan_fold.models import FLAVORS, Transformer  # noqa: E402
 from titan_fold.models.hf_adapter import ADAPTERS, HFConfigError, HFKeyError, args_from_hf_config, hf_config  # noqa: E402
 

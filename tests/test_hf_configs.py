@@ -125,8 +125,8 @@ def test_unknown_fields_are_reported(capsys):
 
 def test_packaged_qwen3_configs_fit_their_world():
     """qwen3_30b_a3b.toml is the planner's first mapping for one node of 8; the debug config runs on 1 or 2."""
-    from titan_fold.config import parse_args
-    from titan_fold.train import check_layout
+    from titan_fold.common.config import parse_args
+    from titan_fold.trainer.preflight import check_layout
 
     layout = check_layout(parse_args(["--job.config_file", "qwen3_30b_a3b.toml"]), 8)
     assert (layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.etp, layout.edp) == (2, 4, 1, 8, 1, 1)
@@ -136,9 +136,9 @@ def test_packaged_qwen3_configs_fit_their_world():
 
 def test_hf_flavor_in_the_job_config(tmp_path):
     """`--model.flavor hf` reads `--model.hf_config`; without it, or with another flavor, a ConfigError / UserError."""
-    from titan_fold.config import ConfigError, parse_args
-    from titan_fold.errors import UserError
-    from titan_fold.train import model_args_from_config
+    from titan_fold.common.config import ConfigError, parse_args
+    from titan_fold.common.errors import UserError
+    from titan_fold.trainer.preflight import model_args_from_config
 
     path = os.path.join(DATA, "Qwen3-30B-A3B.json")
     _, args = model_args_from_config(parse_args(["--job.config_file", "qwen3_30b_a3b.toml", "--model.flavor", "hf",

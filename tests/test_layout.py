@@ -8,8 +8,8 @@ import torch.distributed as dist
 from conftest import python_m
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan_fold import layout as layout_cli
 from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.planning import layout as layout_cli
 
 # ---- independent reference: Megatron-Core's RankGenerator from its definition ----
 # A rank's coordinates come from its index with the first name of the order fastest

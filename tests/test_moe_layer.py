@@ -308,7 +308,7 @@ def test_fused_kernels_match_float64(device, rows):
     """The fused SwiGLU, times the probability and alone (forward, backward), and the gather-sum over k, as
     run on this device (one generated kernel each on CUDA, plain ops on the CPU), against
     float64 autograd of the unfused formula; two row counts share one compile."""
-    from titan_fold.fused import fused
+    from titan_fold.common.fused import fused
     from titan_fold.moe.dispatcher import _sum_by_token
     from titan_fold.moe.experts import swiglu
 
@@ -354,7 +354,7 @@ def test_fused_compiles_once_for_any_row_count():
     """One compile serves every row count, 0 and 1 too (an empty FSDP shard in the master
     step, a rank that receives one row): torch.compile would specialize those into a second
     compile, so they run as written."""
-    from titan_fold.fused import fused
+    from titan_fold.common.fused import fused
 
     torch._dynamo.reset()
     rows = [torch.randn(n, 8, device="cuda") for n in (64, 33)]

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from titan_fold.checkpoint import read_metadata, read_model_tensors
-from titan_fold.config import ConfigError, Optimizer, parse_args
-from titan_fold.optimizer import MASTER_KEY, MasterWeightOptimizersContainer, build_optimizers
+from titan_fold.checkpoint.manager import read_metadata, read_model_tensors
+from titan_fold.common.config import ConfigError, Optimizer, parse_args
+from titan_fold.trainer.optimizer import MASTER_KEY, MasterWeightOptimizersContainer, build_optimizers
 
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 

@@ -85,8 +85,8 @@ def test_stage_split_rejects(config, n_layers, pp, match):
 def test_preflight_checks_the_pipeline(args, match):
     import torch.distributed as dist
 
-    from titan_fold.config import parse_args
-    from titan_fold.train import preflight
+    from titan_fold.common.config import parse_args
+    from titan_fold.trainer.preflight import preflight
 
     config = parse_args(["--job.config_file", "debug_moe.toml", "--parallelism.pipeline_parallel_degree", "2",
                          "--training.global_batch_size", "40", *args])

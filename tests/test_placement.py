@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan_fold.config import JobConfig, Parallelism
+from titan_fold.common.config import JobConfig, Parallelism
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.parallelize import parallelize

@@ -20,12 +20,13 @@ import torch
 from conftest import forked, python_m
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from titan_fold.checkpoint import complete, read_model_tensors
-from titan_fold.config import ConfigError, parse_args
-from titan_fold.lock import DumpFolderLock, LockedError
-from titan_fold.metrics_file import MetricsFile, read_records
-from titan_fold.storage import StorageError, storage_problem
-from titan_fold.train import lock_dump_folder, preflight
+from titan_fold.checkpoint.manager import complete, read_model_tensors
+from titan_fold.common.config import ConfigError, parse_args
+from titan_fold.trainer.fold_trainer import lock_dump_folder
+from titan_fold.trainer.lock import DumpFolderLock, LockedError
+from titan_fold.trainer.metrics_file import MetricsFile, read_records
+from titan_fold.trainer.preflight import preflight
+from titan_fold.trainer.storage import StorageError, storage_problem
 
 SMALL = ("--training.local_batch_size", "1", "--training.seq_len", "32", "--metrics.log_freq", "1")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")
@@ -246,7 +247,7 @@ def test_metrics_file_in_missing_folder_is_one_line(tmp_path):
 
 
 def run_cli(module, args, capsys):
-    from titan_fold.errors import run_command
+    from titan_fold.common.errors import run_command
 
     with pytest.raises(SystemExit) as e:
         run_command(lambda: module.main(args))
@@ -266,14 +267,14 @@ def run_cli(module, args, capsys):
     ],
 )
 def test_plan_rejects_impossible_inputs(capsys, args, message):
-    from titan_fold import plan
+    from titan_fold.planning import plan
 
     code, err = run_cli(plan, ["--model", "qwen2_moe/debug", *args], capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
 
 
 def test_layout_out_into_missing_folder(capsys, tmp_path):
-    from titan_fold import layout
+    from titan_fold.planning import layout
 
     code, err = run_cli(layout, ["--world-size", "2", "--out", str(tmp_path / "no" / "x.json"), "--format", "json"], capsys)
     assert code == 2 and len(err) == 1 and "no/x.json" in err[0] and "does not exist" in err[0], err
@@ -394,7 +395,7 @@ def test_finished_two_rank_runs_exit_0(tmp_path):
 
 
 def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
-    from titan_fold import plan
+    from titan_fold.planning import plan
 
     monkeypatch.setattr(plan, "MIN_GPUS_BUDGET_S", 0.0)  # ep=3 never divides the debug model's 8 experts
     code, err = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=3"], capsys)

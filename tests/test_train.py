@@ -9,9 +9,9 @@ and gradient norms, not just run.
 import pytest
 from conftest import train_from_seed
 
-from titan_fold.config import ConfigError, parse_args
+from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.parallel.mesh import LayoutError
-from titan_fold.train import preflight
+from titan_fold.trainer.preflight import preflight
 
 STEPS = 20
 
@@ -69,7 +69,7 @@ def test_preflight_rejects_before_any_process_group(args, world, error, message)
 def test_overrides_leave_the_flavor_alone():
     """A job's `[moe]` overrides reach its model args, never FLAVORS (tests run many jobs per process)."""
     from titan_fold.models import FLAVORS
-    from titan_fold.train import model_args_from_config
+    from titan_fold.trainer.preflight import model_args_from_config
 
     before = repr(FLAVORS["qwen2_moe"]["debug"])
     config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.top_k", "64"])
@@ -99,7 +99,7 @@ def test_mixed_precision_in_every_layout(degrees, dtype, autocast):
     import torch
 
     from titan_fold.parallel.mesh import Layout
-    from titan_fold.torchtitan_adapter import maybe_enable_amp
+    from titan_fold.trainer.torchtitan_adapter import maybe_enable_amp
 
     layout = Layout(world_size=math.prod(degrees.values()), **degrees)
     amp = maybe_enable_amp(layout, dtype, "cpu")

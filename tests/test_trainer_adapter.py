@@ -13,8 +13,8 @@ import torchtitan.distributed.utils as tt_dist_utils
 import torchtitan.tools.utils as tt_utils
 from conftest import read_metrics
 
-from titan_fold.config import parse_args
-from titan_fold.train import FoldTrainer
+from titan_fold.common.config import parse_args
+from titan_fold.trainer.fold_trainer import FoldTrainer
 
 # the module attributes titan_fold used to assign (torchtitan_adapter.py lists why they matter)
 WATCHED = [(tt_utils, "device_type"), (tt_utils, "device_module"), (tt_dist_utils, "device_type"),

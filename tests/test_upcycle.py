@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from titan_fold.checkpoint.upcycle import main, upcycle_state_dict
 from titan_fold.models import FLAVORS, Transformer
-from titan_fold.upcycle import main, upcycle_state_dict
 
 
 def moe_args(family: str, **moe_changes):
@@ -102,7 +102,7 @@ def test_default_router_is_not_degenerate(tmp_path):
         dense = dense_model(dataclasses.replace(args, ffn_dim=args.moe.moe_ffn_dim))
         dcp.save(dense.state_dict(), checkpoint_id=str(tmp_path / f"{family}_dense"), no_dist=True)
         if family == "qwen2_moe":  # the flavor's own moe_ffn_dim is 32, the dense FFN 128: granularity 1 needs 128
-            import titan_fold.upcycle as up
+            import titan_fold.checkpoint.upcycle as up
 
             sd = up.upcycle_state_dict(dense.state_dict(), args, 1, up.default_router_std(args))
         else:

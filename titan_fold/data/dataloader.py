@@ -15,8 +15,8 @@ from torch.utils.data import Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.errors import UserError
 from titan_fold.data.dataset import HFTextCorpus, StdlibCorpus, TokenWindows
-from titan_fold.errors import UserError
 
 DATASETS = ("stdlib", "hf")
 # local file suffix -> datasets' builder

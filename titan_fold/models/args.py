@@ -68,7 +68,7 @@ class TransformerArgs(BaseModelArgs):
         # the model's own context length, before the job's replaces it, unless the job raises it
         limit = getattr(model, "max_seq_len", 0) or self.max_seq_len
         if seq_len > limit:
-            from titan_fold.config import ConfigError
+            from titan_fold.common.config import ConfigError
 
             whose = f"{model.name} {model.flavor}'s" if model is not None else "the model's"
             raise ConfigError(f"training.seq_len = {seq_len}: longer than {whose} max_seq_len {limit} "
@@ -110,26 +110,3 @@ class TransformerArgs(BaseModelArgs):
         active = total - embedding - routed + routed * self.moe.top_k // self.moe.num_experts
         attention = 6 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return total, 6 * active + attention
-
-
-@dataclass
-class HFConfigArgs(TransformerArgs):
-    """The `hf` flavor: every shape comes from the Hugging Face config named by `[model] hf_config`
-    (a config.json, or the HF folder holding one), read when the job config is applied. Unset,
-    it is the folder the run starts from with `checkpoint.initial_load_in_hf`."""
-
-    def update_from_config(self, job_config, **kwargs) -> None:
-        from titan_fold.models.hf_adapter import args_from_hf_config
-
-        path = getattr(job_config.model, "hf_config", "")
-        ckpt = job_config.checkpoint
-        if not path and ckpt.initial_load_in_hf and ckpt.initial_load_path:
-            path = ckpt.initial_load_path
-        if not path:
-            from titan_fold.config import ConfigError
-
-            raise ConfigError("model.flavor = 'hf' needs model.hf_config: a config.json or the Hugging Face folder holding it")
-        _, loaded = args_from_hf_config(path, job_config.model.name)
-        for f in dataclasses.fields(loaded):
-            setattr(self, f.name, getattr(loaded, f.name))
-        super().update_from_config(job_config, **kwargs)

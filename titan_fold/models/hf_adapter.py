@@ -44,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_fold.errors import UserError
+from titan_fold.common.errors import UserError
 from titan_fold.models.args import TransformerArgs
 from titan_fold.moe import MoEArgs
 

@@ -32,7 +32,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_fold.fused import fused
+from titan_fold.common.fused import fused
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_fold.fused import fused
+from titan_fold.common.fused import fused
 from titan_fold.moe.fp8 import fp8_grouped_linear
 
 

@@ -53,7 +53,7 @@ def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.library.custom_op("titan_fold::fp8_quantize", mutates_args=())
 def _quantize_cuda(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # an op of its own: torch.compile neither traces the Triton launch nor changes t's layout
-    from titan_fold.moe import fp8_kernels
+    import titan_fold.moe.fp8_kernels as fp8_kernels
 
     if t.is_contiguous():
         return fp8_kernels.quantize_rows(t)

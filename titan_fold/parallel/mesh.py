@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
-from titan_fold.errors import UserError
+from titan_fold.common.errors import UserError
 
 __all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED", "divisors"]
 
@@ -230,7 +230,7 @@ class Layout(ParallelDims):
         Degree-1 dims (and flattened views of size 1) get the "fake" backend: no real process group.
         """
         if device_type is None:
-            from titan_fold.device import device_type as this_device
+            from titan_fold.common.device import device_type as this_device
 
             device_type = this_device()
 

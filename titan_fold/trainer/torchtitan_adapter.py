@@ -9,7 +9,7 @@ call time; torchtitan offers no instance attribute or method to override in thei
     device_type                       dist_utils.init_distributed    the backend: nccl without a GPU
     dist_utils.maybe_enable_amp       Trainer.__init__               it computes tp or pp layouts without
                                                                      data parallelism in fp32
-    CheckpointManager                 Trainer.__init__               FoldCheckpointManager (checkpoint.py):
+    CheckpointManager                 Trainer.__init__               FoldCheckpointManager (checkpoint/manager.py):
                                                                      shapes checked before a load, RNG state
     dist_utils.clip_grad_norm_        Trainer.train_step             parameters on two meshes; fused optimizers
                                                                      apply the coefficient (parallel/clip.py)
@@ -37,8 +37,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as tt_utils
 
-from titan_fold.checkpoint import FoldCheckpointManager
-from titan_fold.device import device_type
+from titan_fold.checkpoint.manager import FoldCheckpointManager
+from titan_fold.common.device import device_type
 
 
 def with_names(function: types.FunctionType, **names) -> types.FunctionType:

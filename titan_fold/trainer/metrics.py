@@ -27,9 +27,9 @@ from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from titan_fold.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.moe import moe_stats
-from titan_fold.torchtitan_adapter import with_names
+from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
+from titan_fold.trainer.torchtitan_adapter import with_names
 
 GIB = 1024**3
 

@@ -59,7 +59,7 @@ class StopSignals:
 
 def last_complete_checkpoint(folder: str) -> str | None:
     """The newest `step-N` under `folder` whose save finished (DCP's `.metadata` exists)."""
-    from titan_fold.checkpoint import complete
+    from titan_fold.checkpoint.manager import complete
 
     try:
         steps = [int(d[5:]) for d in os.listdir(folder) if d.startswith("step-") and d[5:].isdigit()]

@@ -12,13 +12,13 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from titan_fold.data import build_dataloader, build_tokenizer
-from titan_fold.metrics import build_metrics_processor
 from titan_fold.models import FLAVORS, Transformer
-from titan_fold.models.args import HFConfigArgs
 from titan_fold.models.hf_adapter import ADAPTERS
-from titan_fold.optimizer import build_optimizers
+from titan_fold.models.hf_flavor import HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
+from titan_fold.trainer.metrics import build_metrics_processor
+from titan_fold.trainer.optimizer import build_optimizers
 
 
 class FlavorCopies(Mapping):

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 
-from titan_fold.errors import UserError
+from titan_fold.common.errors import UserError
 
 
 class CheckpointError(UserError, RuntimeError):

@@ -1,6 +1,6 @@
 """Folding planner: memory, communication and a roofline step time for every parallel mapping.
 
-Pure functions over data classes; `titan_fold.plan` is the command line. The model is the
+Pure functions over data classes; search.py ranks mappings with them, `titan_fold.plan` is the command line. The model is the
 titan_fold trainer as it runs (FSDP2 over dp_shard x cp for dense parameters and over edp for
 experts, a 1F1B pipeline schedule (torch.distributed.pipelining's, as the trainer runs it),
 sequence parallel whenever tp > 1, the EP x ETP dispatcher of docs/moe.md), with these
@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
-from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout, LayoutError, divisors
+from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout
 from titan_fold.parallel.placement import EXPERT, placement_plan
 
 GIB = 1024**3
@@ -214,38 +214,6 @@ class Mapping:
         return f"{att} | ep{self.ep} etp{self.etp} edp{self.edp}"
 
 
-def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict | None = None) -> list[Mapping]:
-    """Every degree set the trainer's Layout validation accepts for this model (recompute 'none').
-
-    The loops only propose degrees whose products fill the world; whether a proposal is
-    valid is decided by `Layout(...).validate(...)`, the trainer's own check.
-    """
-    fixed = fixed or {}
-    ok = lambda name, v: fixed.get(name, v) == v  # noqa: E731
-    out = []
-    for pp in divisors(world):
-        if not ok("pp", pp):
-            continue
-        s = world // pp
-        for tp in divisors(s):
-            for cp in divisors(s // tp):
-                for dpr in divisors(s // (tp * cp)):
-                    dps = s // (tp * cp * dpr)
-                    if not (ok("tp", tp) and ok("cp", cp) and ok("dp_replicate", dpr) and ok("dp_shard", dps)):
-                        continue
-                    for ep in divisors(s):
-                        for etp in divisors(s // ep):
-                            if not (ok("ep", ep) and ok("etp", etp)):
-                                continue
-                            try:
-                                lay = Layout(world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, etp=etp)
-                                lay.validate_model(sizes.args, seq_len)
-                            except LayoutError:
-                                continue
-                            out.append(Mapping(pp, dpr, dps, cp, tp, ep, etp, lay.edp))
-    return out
-
-
 class _GroupLayout(Layout):
     """The trainer's Layout whose meshes are built without process groups.
 
@@ -263,22 +231,6 @@ class _GroupLayout(Layout):
 
         self._attention, self._expert = build(ATTENTION_DIMS), build(EXPERT_DIMS)
         return self._attention
-
-
-def min_gpus(sizes: ModelSizes, seq_len: int, fixed: dict, folded: bool, limit: int = 4096,
-             progress=None) -> tuple[int, Mapping] | None:
-    """Fewest GPUs with a valid mapping that has the `fixed` degrees (legacy scheme if not folded).
-
-    Every degree divides the world, so only multiples of their lcm are tried; `progress(n)`
-    is called as the search passes each world size (it may raise to stop the search)."""
-    step = math.lcm(*fixed.values()) if fixed else 1
-    for n in range(step, limit + 1, step):
-        if progress is not None:
-            progress(n)
-        for m in enumerate_mappings(n, sizes, seq_len, fixed):
-            if folded or not m.folded:
-                return n, m
-    return None
 
 
 # ---------------------------------------------------------------- memory
@@ -615,89 +567,3 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
         "crossing nodes: " + (", ".join(cross) if cross else "none"),
     ]
     return est
-
-
-@dataclass
-class Plan:
-    ranked: list  # Estimates that fit, best first (top K)
-    best_legacy: Estimate | None  # best mapping the legacy (unfolded) scheme can express, legacy groups
-    candidates: int  # degree sets x recompute choices considered
-    rejected: dict  # reason -> count
-
-
-def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
-         recompute: tuple = RECOMPUTE, fixed: dict | None = None) -> Plan:
-    """Rank every valid mapping (with the `fixed` degrees) by estimated step time.
-
-    Exact for the top K and the best legacy mapping.
-
-    Branch and bound: the estimate with every group inside a node is a lower bound (inter-node
-    links are the slower ones), so candidates are evaluated with their real group membership
-    in order of that bound until the bound exceeds the K-th best time found.
-    """
-    rejected = {"global batch % dp != 0": 0, "pp > n_layers": 0, "out of memory": 0}
-    capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
-    bounds = []
-    degree_sets = enumerate_mappings(cluster.gpus, sizes, work.seq_len, fixed)
-    for d in degree_sets:
-        if work.global_batch % d.dp:
-            rejected["global batch % dp != 0"] += 1
-            continue
-        if d.pp > sizes.n_layers:
-            rejected["pp > n_layers"] += 1
-            continue
-        for rc in recompute:
-            m = replace(d, recompute=rc)
-            if memory(sizes, m, work).total > capacity:
-                rejected["out of memory"] += 1
-                continue
-            bounds.append(estimate(sizes, m, work, cluster, groups=False))
-    bounds.sort(key=lambda e: e.step_s)
-
-    def best_of(cands, k, legacy):
-        exact = []
-        for lb in cands:
-            if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
-                break
-            e = estimate(sizes, lb.mapping, work, cluster, True, legacy)
-            exact.append(e)
-            exact.sort(key=lambda e: (e.step_s, -e.headroom_gib))
-        return exact[:k]
-
-    legacy = best_of([b for b in bounds if not b.mapping.folded], 1, True)
-    return Plan(best_of(bounds, top, False), legacy[0] if legacy else None,
-                len(degree_sets) * len(recompute), rejected)
-
-
-# ---------------------------------------------------------------- trainer config
-
-
-def job_toml(family: str, flavor: str, m: Mapping, work: Workload) -> str:
-    """A job config for `titan_fold.train` (parses with titan_fold.config.parse_args)."""
-    # PP: the rank's whole batch, cut into micro-batches by the schedule; otherwise one
-    # micro-batch per forward/backward and gradient accumulation over global / (local x dp)
-    local = work.global_batch // m.dp if m.pp > 1 else work.micro_batch
-    ac = {"none": 'mode = "none"', "selective": 'mode = "selective"\nselective_ac_option = "op"', "full": 'mode = "full"'}
-    lines = [
-        f"# written by `python -m titan_fold.plan`: {m.short()}, recompute {m.recompute}"
-        + (" (folded)" if m.folded else ""),
-        "[job]", f'dump_folder = "./outputs/{family}_{flavor}"', "",
-        "[model]", f'name = "{family}"', f'flavor = "{flavor}"', "",
-        "[training]", f"seq_len = {work.seq_len}", f"global_batch_size = {work.global_batch}",
-        f"local_batch_size = {local}", "",
-        "[parallelism]",
-        f"pipeline_parallel_degree = {m.pp}",
-        f"data_parallel_replicate_degree = {m.dp_replicate}",
-        f"data_parallel_shard_degree = {m.dp_shard}",
-        f"context_parallel_degree = {m.cp}",
-        f"tensor_parallel_degree = {m.tp}",
-        f"expert_parallel_degree = {m.ep}",
-        f"expert_tensor_parallel_degree = {m.etp}",
-        f"expert_data_parallel_degree = {m.edp}",
-    ]
-    if m.pp > 1:  # the stage stays gathered through the step (what the planner's estimate assumes)
-        lines += [f"pipeline_parallel_microbatch_size = {work.micro_batch}", 'fsdp_reshard_after_forward = "never"']
-    lines += ["", "[activation_checkpoint]", ac[m.recompute]]
-    if work.capacity_factor is not None:
-        lines += ["", "[moe]", f"capacity_factor = {work.capacity_factor}"]
-    return "\n".join(lines) + "\n"

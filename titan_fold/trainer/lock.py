@@ -14,8 +14,8 @@ import os
 import socket
 import time
 
-from titan_fold.errors import UserError
-from titan_fold.storage import storage_error
+from titan_fold.common.errors import UserError
+from titan_fold.trainer.storage import storage_error
 
 LOCK_FILE = "trainer.lock"
 

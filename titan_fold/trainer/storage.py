@@ -3,7 +3,7 @@ naming the path and the cause, not a traceback from deep inside a writer."""
 
 import os
 
-from titan_fold.errors import UserError
+from titan_fold.common.errors import UserError
 
 # below this many free bytes a failed write is put down to a full disk
 LOW_SPACE = 16 * 1024**2

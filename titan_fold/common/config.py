@@ -33,9 +33,9 @@ from torchtitan.config.job_config import Optimizer as TitanOptimizer
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
-from titan_fold.errors import UserError
+from titan_fold.common.errors import UserError
 
-PACKAGED_CONFIGS = Path(__file__).parent / "train_configs"
+PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
 
 
 class ConfigError(UserError, ValueError):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_fold.checkpoint import CheckpointError
+from titan_fold.checkpoint.manager import CheckpointError
 
 # codes, ordered so that MAX keeps the worst
 FINITE, INF, NAN = 0, 1, 2

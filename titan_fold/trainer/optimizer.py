@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as build_titan_optimizers
 
-from titan_fold.config import ConfigError
-from titan_fold.fused import fused
+from titan_fold.common.config import ConfigError
+from titan_fold.common.fused import fused
 
 MASTER_KEY = "master"
 # wrapper names (torch.compile, activation checkpointing, FSDP1) that are no part of a

@@ -1,0 +1,147 @@
+"""The package's shape: no import circle (function-level imports count), no module above 600
+lines, and every package importing only from itself and the packages below it."""
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "titan_fold"
+
+# lowest first: a package may import from itself and from the packages before it; the
+# top-level modules (the commands users run) may import from any
+LAYERS = ["common", "moe", "models", "data", "parallel", "checkpoint", "planning", "trainer", "dryrun"]
+COMMANDS = "commands"
+MAX_LINES = 600
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package at `root` (a package is its __init__)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its body (module level, functions,
+    methods). `import a.b.c` imports a.b.c; `from a.b import c` imports a.b (its __init__ runs
+    the names it binds) and a.b.c when that is a module; relative imports are resolved."""
+    mods = modules(root)
+    graph: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                if target in mods and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else COMMANDS
+
+
+def test_no_import_circle():
+    assert circles(import_graph(ROOT)) == []
+
+
+def test_packages_depend_only_downwards():
+    graph = import_graph(ROOT)
+    known = set(LAYERS) | {COMMANDS}
+    assert {layer(m) for m in graph} <= known, "a new package: give it its place in LAYERS"
+    upward = []
+    for module, targets in graph.items():
+        here = layer(module)
+        if here == COMMANDS:
+            continue
+        for target in targets:
+            there = layer(target)
+            if there == COMMANDS or LAYERS.index(there) > LAYERS.index(here):
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_modules_stay_short():
+    long = {name: n for name, path in modules(ROOT).items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_every_module_says_what_it_is_for():
+    silent = [name for name, path in modules(ROOT).items()
+              if path.read_text().strip() and not ast.get_docstring(ast.parse(path.read_text()))]
+    assert silent == []
+
+
+@pytest.mark.parametrize("kind", ["function-level", "through a package __init__", "relative"])
+def test_a_planted_circle_is_found(tmp_path, kind):
+    """The walker on a small package with one circle of each kind the real package once had."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "import os\n",
+        "b.py": "from pkg.a import x\n",
+        "sub/__init__.py": "from pkg.sub.inner import y\n",
+        "sub/inner.py": "",
+    }
+    if kind == "function-level":
+        files["a.py"] = "def f():\n    from pkg.b import g\n"
+    elif kind == "through a package __init__":
+        files["sub/inner.py"] = "def f():\n    from pkg.sub import helper\n"
+        files["sub/helper.py"] = ""
+    else:
+        files["sub/inner.py"] = "from .. import b\n"
+        files["b.py"] = "from pkg.sub.inner import z\n"
+    for rel, text in files.items():
+        (pkg / rel).write_text(textwrap.dedent(text))
+    found = circles(import_graph(pkg))
+    assert len(found) == 1
+    expected = {"function-level": ["pkg.a", "pkg.b"], "through a package __init__": ["pkg.sub", "pkg.sub.inner"],
+                "relative": ["pkg.b", "pkg.sub.inner"]}[kind]
+    assert found[0] == expected

@@ -1,0 +1,275 @@
+"""Recording the collectives of one training step of a shrunk model on every simulated rank."""
+
+import copy
+import dataclasses
+import math
+import traceback
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from titan_fold.dryrun.measure import _dry_config, build_rank
+from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
+from titan_fold.parallel.pipeline import stage_fqns
+from titan_fold.planning.accounting import local_tensor
+from titan_fold.trainer.fold_trainer import FoldTrainer
+from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep
+from titan_fold.trainer.preflight import layout_from_config
+
+P2P = "p2p"  # the group name under which a pair of ranks' send/recv are recorded
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Every collective this process issues: per process group, its kind, shapes and call
+    site; point-to-point send/recv (the pipeline's) per pair of ranks, under the key
+    (P2P, (lower rank, higher rank)), with the peer's global rank.
+
+    A fake process group delivers nothing: a received buffer is filled with ones, so that
+    the pipeline schedule's start-up vote (torch 2.13: every stage sends the product of
+    the stages' "shapes given up front" flags) reads what the real peers would send."""
+
+    PREFIXES = ("_c10d_functional.", "c10d.")
+    SKIP = ("wait_tensor", "barrier", "monitored_barrier")
+    P2P_OPS = {"send": "send", "recv_": "recv"}
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+        self.calls: dict[tuple, list[dict]] = defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
+        recorded = name.startswith(self.PREFIXES) and not any(s in name for s in self.SKIP)
+        if recorded:
+            self._record(name, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if recorded and name == "c10d.recv_":
+            for t in args[0]:
+                t.fill_(1)
+        return out
+
+    def _record(self, name, func, args, kwargs):
+        group, shapes, ints = None, [], []
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, str):  # functional collectives: the group's name comes last
+                group = a
+            elif isinstance(a, dist.ProcessGroup):
+                group = a
+            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                group = dist.ProcessGroup.unbox(a)  # c10d ops (FSDP2, pipelining) carry the group boxed
+            elif isinstance(a, torch.Tensor):
+                shapes.append((tuple(local_tensor(a).shape), str(a.dtype).removeprefix("torch.")))
+            elif isinstance(a, int) and not isinstance(a, bool):
+                ints.append(a)
+        if group is None:
+            return
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if len(ranks) < 2:
+            return
+        op = name.split(".", 1)[1]
+        if op in self.P2P_OPS:  # c10d.send / recv_(tensors, group, peer's rank in the group, tag)
+            peer = ranks[ints[0]]
+            self.calls[(P2P, tuple(sorted((self.rank, peer))))].append(
+                {"op": self.P2P_OPS[op], "peer": peer, "shapes": shapes, "ints": ints, "site": call_site()})
+            return
+        desc = getattr(group, "group_desc", "") or ""
+        self.calls[(desc, ranks)].append({"op": op, "shapes": shapes, "ints": ints, "site": call_site()})
+
+
+def call_site() -> str:
+    """The innermost titan_fold frame and the torch subsystem that issued the collective."""
+    stack = traceback.extract_stack()[:-3]
+    ours = next((f for f in reversed(stack) if "/titan_fold/" in f.filename and "/titan_fold/dryrun/" not in f.filename), None)
+    torch_part = next((f for f in reversed(stack) if "/torch/distributed/" in f.filename and not any(
+        s in f.filename for s in ("_python_dispatch", "_functional_collectives", "distributed_c10d"))), None)
+    parts = []
+    if ours is not None:
+        parts.append(f"{ours.filename.split('/titan_fold/', 1)[1]}:{ours.lineno} {ours.name}")
+    if torch_part is not None:
+        parts.append(f"torch/distributed/{torch_part.filename.split('/torch/distributed/', 1)[1]}:{torch_part.lineno}")
+    return " via ".join(parts) or "?"
+
+
+def _signature(call: dict) -> tuple:
+    """What all members of a group must agree on: the op, dtypes, and the shapes except the
+    row count of uneven (v) collectives, whose splits differ by rank."""
+    uneven = call["op"].startswith("all_to_all") or call["op"].startswith("alltoall")
+    return call["op"], tuple((shape[1:] if uneven else shape, dtype) for shape, dtype in call["shapes"])
+
+
+def _p2p_signature(call: dict) -> tuple:
+    """What a send and its recv must agree on: dtypes and shapes, sizes of one left out
+    (the bytes in memory order: torch's own first exchange sends a [] into a [1])."""
+    return tuple((tuple(n for n in shape if n != 1), dtype) for shape, dtype in call["shapes"])
+
+
+def shrunk_config(job_config, model_args):
+    """The same job at the same layout with a tiny model: same experts, top-k and heads,
+    widths of a few units, as few layers as the pipeline split allows; one gradient
+    accumulation step, the shortest valid sequence."""
+
+    config = _dry_config(job_config)
+    par, tr = config.parallelism, config.training
+    args = copy.deepcopy(model_args)
+    if par.pipeline_parallel_degree > 1 and par.module_fqns_per_model_part is None:
+        stages = len(stage_fqns(par, args.n_layers, par.pipeline_parallel_degree))
+        n_layers = stages if par.pipeline_parallel_layers_per_stage is None else args.n_layers
+    else:
+        n_layers = args.n_layers if par.module_fqns_per_model_part else 2
+    etp = par.expert_tensor_parallel_degree
+    tp = par.tensor_parallel_degree
+    args.n_layers = n_layers
+    args.head_dim = 4
+    args.dim = 4 * args.n_heads
+    args.ffn_dim = 8 * tp
+    args.vocab_size = max(512, 16 * tp)
+    args.moe = dataclasses.replace(args.moe, moe_ffn_dim=8 * etp,
+                                   shared_ffn_dim=8 * tp if args.moe.shared_ffn_dim else 0)
+    cp = par.context_parallel_degree
+    step = (2 * cp if cp > 1 else 1) * tp
+    tr.seq_len = step * max(1, math.ceil(8 / step))
+    args.max_seq_len = tr.seq_len  # the rotary tables of every stage: no longer than used
+    dp = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+          if par.data_parallel_shard_degree > 0 else None)
+    tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
+    return config, args
+
+
+def record_collectives(job_config, world_size: int, model_args, ranks=None) -> dict:
+    """One training step of the shrunk model on every rank (or `ranks`) of a fake world.
+
+    -> {(group desc, group ranks): {rank: [call, ...]}}"""
+    config, args = shrunk_config(job_config, model_args)
+    per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
+    ranks = list(ranks if ranks is not None else range(world_size))
+    with SharedShardingDecisions.installed():
+        for rank in ranks:
+            for key, calls in step_collectives(config, args, world_size, rank).items():
+                per_group[key][rank] = calls
+    for (desc, pair), by_rank in per_group.items():
+        if desc == P2P:  # a simulated rank that sent or received nothing to its peer
+            for r in set(pair) & set(ranks):
+                by_rank.setdefault(r, [])
+    return per_group
+
+
+def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
+    """The collectives `rank` issues in one training step of FoldTrainer (forward, backward,
+    gradient clipping, optimizer step, loss logging), recorded per process group."""
+
+    init_fake_world(world_size, rank)
+    layout = layout_from_config(config, world_size)
+    layout.build_mesh("cpu")
+    trainer = _StepTrainer(config, layout, model_args)
+    b, S = config.training.local_batch_size, config.training.seq_len
+    tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
+    with CollectiveRecorder(rank) as recorder:
+        try:
+            trainer.train_step(iter([({"input": tokens}, tokens.clone())]))
+        except Exception as e:  # where a real run of this layout would fail too
+            raise StepFailed(rank, e) from e
+    return dict(recorder.calls)
+
+
+class StepFailed(Exception):
+    """The training step of a simulated rank raised: its first cause and where."""
+
+    def __init__(self, rank: int, error: BaseException):
+        while error.__cause__ is not None:  # the pipeline schedule wraps the stage's own error
+            error = error.__cause__
+        frames = traceback.extract_tb(error.__traceback__)
+        ours = [f for f in frames if "/titan_fold/" in f.filename]
+        site = ours[-1] if ours else frames[-1]
+        where = site.filename.split("/titan_fold/", 1)[-1].split("/site-packages/", 1)[-1]
+        self.report = {"rank": rank, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}",
+                       "site": f"{where}:{site.lineno} {site.name}", "innermost": f"{frames[-1].filename.split('/site-packages/', 1)[-1]}:{frames[-1].lineno}"}
+        super().__init__(f"rank {rank}: {self.report['error']} at {self.report['site']}")
+
+
+def _step_trainer_class():
+
+    class _VerdictFreeGuard(NonFiniteGuard):
+        """The guard's all-reduce is one of the step's collectives, but under a fake process
+        group no reduced value is a real number (with torch 2.11 the gradient norm comes out
+        NaN or Inf): its verdict is ignored."""
+
+        def before_optimizer_step(self, *hook_args) -> None:
+            try:
+                super().before_optimizer_step(*hook_args)
+            except (NonFiniteError, SkippedStep):
+                pass
+
+    class StepTrainer(FoldTrainer):
+        """FoldTrainer's train_step and forward_backward_step on a built model, without data,
+        checkpoints or metrics; under PP the real run's schedule (parallel/pipeline.py), its
+        send/recv recorded."""
+
+        def __init__(self, config, layout, model_args):  # not super().__init__: it builds data and checkpoints
+            from torchtitan.components.lr_scheduler import build_lr_schedulers
+            from torchtitan.components.optimizer import build_optimizers
+            from torchtitan.distributed import utils as dist_utils
+
+            from titan_fold.trainer.torchtitan_adapter import maybe_enable_amp, trainer_names
+
+            self.job_config, self.parallel_dims, self.model_args = config, layout, model_args
+            self.device = torch.device("cpu")
+            self._names = trainer_names(self)
+            self.guard = _VerdictFreeGuard(config.training.nonfinite, self.device)
+            self.model_parts, _, _, self.pp_schedule = build_rank(config, layout, model_args)
+            for part in self.model_parts:
+                part.to_empty(device="cpu")
+                _init_weights(part, config, model_args)
+                part.train()
+            self.pp_has_first_stage = self.model_parts[0].tok_embeddings is not None
+            self.pp_has_last_stage = self.model_parts[-1].output is not None
+            self.loss_fn = _loss_fn(config)
+            self.optimizers = build_optimizers(self.model_parts, config.optimizer, layout)
+            self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+            self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
+            self.gradient_accumulation_steps = 1
+            self.step, self.ntokens_seen = 1, 0
+            tp_loss = layout.tp > 1 and not config.parallelism.disable_loss_parallel
+            self.train_context = dist_utils.get_train_context(tp_loss)
+            self.maybe_enable_amp = maybe_enable_amp(layout, config.training.mixed_precision_param, "cpu")
+            self.checkpointer = self.metrics_processor = self
+
+        def maybe_wait_for_staging(self):
+            pass
+
+        def should_log(self, step):
+            return True
+
+        def log(self, *args, **kwargs):
+            pass
+
+    return StepTrainer
+
+
+def _init_weights(part: nn.Module, config, model_args) -> None:
+    """The model's init_weights, on each parameter's local shard where values cannot change a
+    collective: dropless routing (the fake dispatcher splits rows evenly whatever the router
+    says) and untied embeddings (init_weights ties them again). Each shard gets the init's
+    own distribution, without a DTensor dispatch per op: the CPU time of a step's recording."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    by_shard = config.moe.capacity_factor is None and not model_args.tie_embeddings
+    local = {name: local_tensor(p) for name, p in part.named_parameters()} if by_shard else {}
+    with _reparametrize_module(part, local), torch.no_grad():
+        part.init_weights(buffer_device=torch.device("cpu"))
+
+
+def _StepTrainer(config, layout, model_args):
+    return _step_trainer_class()(config, layout, model_args)
+
+
+def _loss_fn(config):
+    from torchtitan.components.loss import build_cross_entropy_loss
+
+    return build_cross_entropy_loss(config)

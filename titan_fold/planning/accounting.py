@@ -1,0 +1,54 @@
+"""What a rank's parameters, gradients and optimizer states take, by parameter kind: for the trainer's banner and the dry run."""
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+GIB = 1024**3
+# optimizer states per parameter, in the parameter's dtype
+OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 0}
+DIFF_NOTE = 0.10  # differences beyond this fraction get an explanation
+
+
+def bytes_of(dtype_name: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+def param_kind(fqn: str) -> str:
+    if ".moe.experts." in fqn:
+        return "routed experts"
+    for key, kind in ((".moe.router.", "router"), (".moe.shared_expert", "shared expert"),
+                      (".attention.", "attention"), (".feed_forward.", "dense ffn"),
+                      ("tok_embeddings.", "embedding"), ("output.", "output head")):
+        if key in fqn or fqn.startswith(key):
+            return kind
+    return "norms"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
+    """Local shapes by kind and the bytes of params, grads and optimizer states of this rank."""
+    master = bytes_of(job_config.training.dtype)  # master weights, their gradients and states
+    states = OPTIMIZER_STATES.get(job_config.optimizer.name, 2)
+    kinds: dict[str, dict] = {}
+    numel = 0
+    for part in model_parts:
+        for fqn, p in part.named_parameters():
+            shape = tuple(local_tensor(p).shape)
+            n = math.prod(shape)
+            numel += n
+            k = kinds.setdefault(param_kind(fqn), {"numel": 0, "shapes": {}})
+            k["numel"] += n
+            name = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            name = name.split(".", 2)[-1] if name.startswith("layers.") else name
+            k["shapes"].setdefault(name, shape)
+    return {
+        "numel": numel,
+        "bytes": {"params": numel * master, "grads": numel * master, "optimizer": numel * master * states},
+        "kinds": kinds,
+    }

@@ -1,0 +1,31 @@
+"""The lines a real run prints once at start: both meshes, experts per rank, stages, memory per rank."""
+
+import torch.nn as nn
+
+from titan_fold.parallel.mesh import Layout
+from titan_fold.planning.accounting import GIB, parameter_report
+
+
+def _human(b: float) -> str:
+    return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.2f} MiB"
+
+
+def memory_line(model_parts: list[nn.Module], job_config) -> str:
+    b = parameter_report(model_parts, job_config)["bytes"]
+    return (f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
+            f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})")
+
+
+def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config, num_stages: int = 1) -> str:
+    """What a real run prints once at start (rank 0): both meshes, experts per rank,
+    pipeline stages and this rank's parameter/gradient/optimizer memory, as the dry run counts it."""
+    att = " x ".join(f"{k} {v}" for k, v in layout.degrees("attention").items())
+    exp = " x ".join(f"{k} {v}" for k, v in layout.degrees("expert").items())
+    return "\n".join([
+        f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} ranks",
+        f"  attention mesh (pp, dp_replicate, dp_shard, cp, tp): {att}",
+        (f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
+         f"{model_args.moe.num_experts} experts per rank"),
+        f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
+        f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
+    ])

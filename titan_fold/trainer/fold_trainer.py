@@ -1,0 +1,277 @@
+"""The trainer of `torchrun -m titan_fold.train`: FoldTrainer and the run's main.
+
+FoldTrainer is torchtitan 0.2.2's Trainer with the folded layout as its parallel dims,
+MoE aux losses normalized like the LM loss, and the aux-free router bias updated after
+each optimizer step. Everything that can be checked without a process group (config
+values, degrees against the world size and the model, tokenizer against the vocabulary,
+dataset and checkpoint paths) is checked in `preflight` (preflight.py) before the first collective; then
+the dump folder is locked (lock.py). During training a NaN/Inf loss or gradient norm stops
+or skips the step (guard.py) and signals stop every rank after the same step (signals.py).
+"""
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
+from torchtitan.train import Trainer
+
+from titan_fold.checkpoint.manager import maybe_fault
+from titan_fold.common.config import ConfigError, JobConfig, parse_args
+from titan_fold.common.device import device_type
+from titan_fold.common.errors import UserError, is_first_rank, report
+from titan_fold.moe import moe_layers, update_expert_bias
+from titan_fold.parallel.attention import cp_shard
+from titan_fold.parallel.clip import clip_grad_norm_
+from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
+from titan_fold.trainer.banner import banner
+from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
+from titan_fold.trainer.lock import DumpFolderLock
+from titan_fold.trainer.logs import setup_logging
+from titan_fold.trainer.preflight import layout_from_config, preflight
+from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
+from titan_fold.trainer.storage import StorageError, storage_problem
+from titan_fold.trainer.torchtitan_adapter import init_distributed, trainer_names, with_names
+from titan_fold.trainer.train_spec import register_train_specs
+
+
+def lock_dump_folder(folder: str) -> DumpFolderLock:
+    """Create the dump folder (a missing parent, a read-only or full disk: one line) and lock it."""
+    lock = DumpFolderLock(folder)
+    if is_first_rank():
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"job.dump_folder: cannot create {folder}: {e.strerror or e}") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StorageError(f"job.dump_folder: {folder} is not writable")
+        lock.acquire()
+    else:
+        lock.check()
+    return lock
+
+
+
+def fit_warmup(config: JobConfig) -> None:
+    """Warm up over at most training.steps steps: torchtitan's lr scheduler would shorten the
+    warm-up itself while its trainer still reports the configured value."""
+    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
+    if warmup > steps:
+        logger.info(f"lr_scheduler.warmup_steps = {warmup} > training.steps = {steps}: warming up over {steps} steps")
+        config.lr_scheduler.warmup_steps = steps
+
+
+class FoldTrainer(Trainer):
+    """torchtitan's Trainer; its __init__, train_step and train run as torchtitan wrote them,
+    with the names torchtitan_adapter.py lists resolved to titan_fold's (device, mixed
+    precision, clipping, checkpoint manager, timeouts)."""
+
+    def init_distributed(self) -> Layout:
+        world_size = init_distributed(self.job_config.comm, base_folder=self.job_config.job.dump_folder)
+        layout = layout_from_config(self.job_config, world_size)
+        layout.build_mesh()
+        return layout
+
+    def _torchtitan(self, method):
+        return with_names(method, **self._names).__get__(self)
+
+    def __init__(self, job_config: JobConfig, stop_signals: StopSignals | None = None):
+        register_train_specs()
+        self._names = trainer_names(self)
+        self._torchtitan(Trainer.__init__)(job_config)
+        # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
+        self.guard = NonFiniteGuard(job_config.training.nonfinite, self.device)
+        self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        self.stop_signals = stop_signals or StopSignals()
+        self.start_step = None
+        if torch.distributed.get_rank() == 0:
+            pp = self.parallel_dims.pp
+            stages = len(check_pipeline(job_config, self.model_args, pp)[1]) if pp > 1 else 1
+            logger.info(banner(self.parallel_dims, self.model_args, self.model_parts, job_config, stages))
+        if self.model_args.moe.load_balance == "aux_free":
+            # the expert load of every token this stage routed
+            stage_mesh = self.parallel_dims.get_optional_mesh("stage")
+            group = stage_mesh.get_group() if stage_mesh is not None else None
+
+            def all_reduce(t: torch.Tensor) -> torch.Tensor:
+                if group is not None:
+                    torch.distributed.all_reduce(t, group=group)
+                return t
+
+            self.optimizers.register_step_post_hook(
+                lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
+            )
+
+    def post_dataloading_process(self, input_dict, labels):
+        # torchtitan's version would apply torch's context_parallel; ours shards the batch
+        inputs = input_dict["input"]
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        extra_kwargs = {}
+        layout = self.parallel_dims
+        if layout.cp > 1:
+            # load-balanced causal split; the model needs the global positions for RoPE
+            inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
+        return inputs, labels, extra_inputs, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        self.guard.observe_loss(loss)
+        return loss
+
+    def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
+        if self.parallel_dims.pp_enabled:
+            loss = pipeline_forward_backward(
+                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        else:
+            # aux losses are token means over this micro-batch's sequences (the router gathers
+            # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
+            # by the global token count. `labels` is still the whole micro-batch here.
+            scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
+            for moe in moe_layers(self.model_parts):
+                moe.aux_loss_scale.fill_(scale)
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        maybe_fault(self.step)  # tests: a rank killed in the middle of a step
+        return loss
+
+    def clip_grad_norm(self, *args, **kwargs) -> torch.Tensor:
+        """What torchtitan's train_step calls to clip (torchtitan_adapter): gradients on two
+        meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
+        handed to the NaN/Inf guard."""
+        norm = clip_grad_norm_(*args, optimizers=self.optimizers.optimizers, **kwargs)
+        self.guard.observe_grad_norm(norm)
+        return norm
+
+    @record
+    def train(self):
+        self.metrics_processor.begin()
+        self._torchtitan(Trainer.train)()
+        last = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
+        checkpoint = os.path.join(self.checkpointer.folder, last) if last else None
+        if checkpoint and checkpoint.endswith(f"step-{self.step}") and self.job_config.checkpoint.last_save_model_only:
+            checkpoint += " (weights only: checkpoint.last_save_model_only)"
+        self.metrics_processor.summary(checkpoint)
+
+    def train_step(self, data_iterator):
+        self.guard.step = self.step
+        try:
+            self._torchtitan(Trainer.train_step)(data_iterator)
+        except SkippedStep as e:
+            logger.warning(f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
+                           f"{self.guard.skipped} skipped so far)")
+            if self.metrics_processor.jsonl:
+                self.metrics_processor.jsonl.write({"step": self.step, "skipped": e.what,
+                                                    "skipped_steps": self.guard.skipped})
+
+    def should_continue_training(self) -> bool:
+        """Called before every step; also where a stop request is agreed on by every rank."""
+        if self.start_step is None:  # the first call: the checkpoint (if any) is loaded
+            self.start_step = self.step
+            self.check_loaded_weights()
+            if self.metrics_processor.jsonl:
+                self.metrics_processor.jsonl.start(self.step)
+        if not super().should_continue_training():
+            return False
+        kind = self.stop_signals.agreed(self.device)
+        if kind:
+            if kind == PREEMPT and self.checkpointer.enable and self.step > self.start_step:
+                save_now(self.checkpointer, self.step)
+            raise StopRequested(kind, self.step)
+        return True
+
+    def check_loaded_weights(self) -> None:
+        ckpt = self.job_config.checkpoint
+        if self.step > 0:
+            where = f"checkpoint {os.path.join(self.checkpointer.folder, f'step-{self.step}')}"
+        elif ckpt.initial_load_path:
+            where = f"checkpoint.initial_load_path {ckpt.initial_load_path}"
+        else:
+            where = "the initial weights"
+        check_weights(self.model_parts, where)
+
+
+def checkpoint_folder(config: JobConfig) -> str:
+    return os.path.join(config.job.dump_folder, config.checkpoint.folder)
+
+
+def last_checkpoint_text(config: JobConfig) -> str:
+    if not config.checkpoint.enable:
+        return "checkpointing is off (checkpoint.enable)"
+    folder = checkpoint_folder(config)
+    last = last_complete_checkpoint(folder)
+    return f"last complete checkpoint {last} in {folder}" if last else f"no complete checkpoint in {folder}"
+
+
+def say(line: str) -> None:
+    if is_first_rank():
+        print(line, file=sys.stderr, flush=True)
+
+
+def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | None = None) -> int:
+    """`dry_run(config)` runs instead of training when `--comm.mode` is not "default".
+    Exit codes: 0 done, 2 bad input (one line), 3 NaN/Inf stop, 130 Ctrl-C, 143 SIGTERM/SIGUSR1
+    (after a save). Anything else is a bug or a fault and keeps its traceback."""
+    setup_logging(device_type())
+    stop_signals = StopSignals()
+    stop_signals.install()  # from here a signal only sets a flag, read at the end of each step
+    trainer, lock, config, clean = None, None, None, False
+    try:
+        config = parse_args(args)
+        if config.comm.mode != "default":
+            # torchtitan's dry run (NGPU fake ranks in one process): titan_fold's own (dryrun/)
+            if dry_run is None:
+                raise UserError(f"comm.mode = {config.comm.mode!r}: start it with python -m titan_fold.train")
+            return dry_run(config)
+        preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+        fit_warmup(config)
+        if "LOCAL_RANK" not in os.environ:
+            raise UserError("start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ...")
+        # last of the checks, so a rejected run leaves no folder behind
+        lock = lock_dump_folder(config.job.dump_folder)
+        trainer = FoldTrainer(config, stop_signals)
+        if config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ConfigError("checkpoint.create_seed_checkpoint: run it on a single rank (it must not be sharded)")
+            if not config.checkpoint.enable:
+                raise ConfigError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+        clean = True
+        return 0
+    except UserError as e:
+        report(e)  # one line, also in torchrun's error file in place of the traceback
+        return e.exit_code
+    except NonFiniteError as e:
+        clean = True  # every rank raised it at the same step
+        say(f"error: {e}; stopped before the optimizer step, nothing saved from it; {last_checkpoint_text(config)} "
+            f"(training.nonfinite = 'skip' skips such steps instead)")
+        return e.exit_code
+    except StopRequested as e:
+        clean = True
+        what = "interrupted" if e.exit_code == 130 else f"stopped by {stop_signals.name or 'a signal'}"
+        say(f"{what} at step {e.step}; {last_checkpoint_text(config)}")
+        return e.exit_code
+    except Exception:
+        problem = storage_problem(config.job.dump_folder) if lock is not None else None
+        if problem is None:
+            raise
+        report(StorageError(problem))
+        return StorageError.exit_code
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            if clean:
+                # no rank closes its connections while a peer still uses them
+                torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,122 @@
+"""Everything a run checks before any process group, file or model exists: degrees, model, batch, paths."""
+
+import os
+import re
+
+import torch
+from torchtitan.protocols.train_spec import get_train_spec
+
+from titan_fold.checkpoint.manager import check_initial_hf_load
+from titan_fold.common.config import ConfigError, JobConfig
+from titan_fold.data.dataloader import check_dataset
+from titan_fold.models import FLAVORS
+from titan_fold.moe.fp8 import fp8_problem
+from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.parallelize import op_sac_problem
+from titan_fold.parallel.pipeline import check_pipeline
+from titan_fold.trainer.train_spec import register_train_specs
+
+
+def layout_from_config(config: JobConfig, world_size: int) -> Layout:
+    p = config.parallelism
+    return Layout(
+        world_size=world_size,
+        pp=p.pipeline_parallel_degree,
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
+        edp=p.expert_data_parallel_degree,
+    )
+
+
+def model_args_from_config(config: JobConfig):
+    register_train_specs()
+    name, flavor = config.model.name, config.model.flavor
+    if name not in FLAVORS:  # torchtitan's own families (llama3, ...) are registered too
+        raise ConfigError(f"model.name = {name!r}: not a titan_fold model family (families: {sorted(FLAVORS)})")
+    spec = get_train_spec(name)
+    if flavor not in spec.model_args:
+        raise ConfigError(f"model.flavor = {flavor!r}: {name} has {sorted(spec.model_args)}")
+    model_args = spec.model_args[flavor]
+    model_args.update_from_config(config)
+    return spec, model_args
+
+
+def preflight(config: JobConfig, world_size: int) -> Layout:
+    """Reject bad input before any process group, file or model exists."""
+    layout = check_layout(config, world_size)
+    spec, model_args = model_args_from_config(config)
+    tr = config.training
+    if tr.global_batch_size == 0 or tr.global_batch_size < -1:
+        raise ConfigError(f"training.global_batch_size = {tr.global_batch_size}: must be >= 1, or -1 for local x dp")
+    if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * layout.dp):
+        raise ConfigError(
+            f"training.global_batch_size = {tr.global_batch_size} must be a multiple of training.local_batch_size "
+            f"x dp degree = {tr.local_batch_size} x {layout.dp}"
+        )
+    tokenizer = spec.build_tokenizer_fn(config)
+    if tokenizer.get_vocab_size() > model_args.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model {config.model.name} "
+            f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
+        )
+    if model_args.moe.expert_fp8:
+        check_expert_fp8(config, model_args, layout)
+    # a dry run reports it and records the step with full AC instead (dryrun.step_config)
+    if config.comm.mode != "fake_backend" and (problem := op_sac_problem(config, layout)):
+        raise ConfigError(problem)
+    check_initial_hf_load(config, model_args)
+    check_dataset(config)
+    ckpt = config.checkpoint
+    if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
+    return layout
+
+
+def check_expert_fp8(config: JobConfig, model_args, layout: Layout) -> None:
+    # a dry run plans for the real GPUs: only the shape rule applies on its host
+    if config.comm.mode == "fake_backend":
+        capability = (9, 0)
+    else:
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problem = fp8_problem(model_args.dim, model_args.moe.moe_ffn_dim // layout.etp, capability)
+    if problem:
+        raise ConfigError(f"moe.expert_fp8 = true: {problem}")
+
+
+
+# the names LayoutError messages give the degrees (as `name(value)`) -> the job config keys
+CONFIG_KEYS = {
+    "pp": "parallelism.pipeline_parallel_degree",
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "etp": "parallelism.expert_tensor_parallel_degree",
+    "edp": "parallelism.expert_data_parallel_degree",
+    "seq_len": "training.seq_len",
+}
+
+
+def check_layout(config: JobConfig, world_size: int) -> Layout:
+    """The config's degrees, pipeline and MoE settings against the model and the world size."""
+    _, model_args = model_args_from_config(config)
+    moe = model_args.moe
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
+    try:
+        layout = layout_from_config(config, world_size)
+        layout.validate_model(model_args, config.training.seq_len)
+    except LayoutError as e:
+        # the rule speaks of ep, tp, ...; the user typed --parallelism.expert_parallel_degree
+        named = dict.fromkeys(re.findall(r"\b(\w+)\((-?\d+)\)", str(e)))
+        keys = [f"--{CONFIG_KEYS[name]} {value}" for name, value in named if name in CONFIG_KEYS]
+        raise LayoutError(f"{', '.join(keys)} (world size {world_size}): {e}") from None
+    if layout.pp > 1:
+        check_pipeline(config, model_args, layout.pp)
+    return layout
+
