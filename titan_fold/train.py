@@ -1,5 +1,7 @@
-"""`torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]`:
-train (trainer/), or with `--comm.mode fake_backend` dry-run the job at NGPU ranks on one CPU (dryrun/)."""
+"""The training command: trains (trainer/), or dry-runs the job at NGPU ranks on one CPU with `--comm.mode fake_backend` (dryrun/).
+
+    torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]
+"""
 
 from titan_fold import dryrun
 from titan_fold.common.errors import run_command

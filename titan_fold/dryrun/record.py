@@ -8,16 +8,14 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from titan_fold.dryrun.measure import _dry_config, build_rank
+from titan_fold.dryrun.measure import _dry_config
+from titan_fold.dryrun.step import StepTrainer
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
 from titan_fold.parallel.pipeline import stage_fqns
 from titan_fold.planning.accounting import local_tensor
-from titan_fold.trainer.fold_trainer import FoldTrainer
-from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep
 from titan_fold.trainer.preflight import layout_from_config
 
 P2P = "p2p"  # the group name under which a pair of ranks' send/recv are recorded
@@ -163,11 +161,10 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
 def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
     """The collectives `rank` issues in one training step of FoldTrainer (forward, backward,
     gradient clipping, optimizer step, loss logging), recorded per process group."""
-
     init_fake_world(world_size, rank)
     layout = layout_from_config(config, world_size)
     layout.build_mesh("cpu")
-    trainer = _StepTrainer(config, layout, model_args)
+    trainer = StepTrainer(config, layout, model_args)
     b, S = config.training.local_batch_size, config.training.seq_len
     tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
     with CollectiveRecorder(rank) as recorder:
@@ -191,85 +188,3 @@ class StepFailed(Exception):
         self.report = {"rank": rank, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}",
                        "site": f"{where}:{site.lineno} {site.name}", "innermost": f"{frames[-1].filename.split('/site-packages/', 1)[-1]}:{frames[-1].lineno}"}
         super().__init__(f"rank {rank}: {self.report['error']} at {self.report['site']}")
-
-
-def _step_trainer_class():
-
-    class _VerdictFreeGuard(NonFiniteGuard):
-        """The guard's all-reduce is one of the step's collectives, but under a fake process
-        group no reduced value is a real number (with torch 2.11 the gradient norm comes out
-        NaN or Inf): its verdict is ignored."""
-
-        def before_optimizer_step(self, *hook_args) -> None:
-            try:
-                super().before_optimizer_step(*hook_args)
-            except (NonFiniteError, SkippedStep):
-                pass
-
-    class StepTrainer(FoldTrainer):
-        """FoldTrainer's train_step and forward_backward_step on a built model, without data,
-        checkpoints or metrics; under PP the real run's schedule (parallel/pipeline.py), its
-        send/recv recorded."""
-
-        def __init__(self, config, layout, model_args):  # not super().__init__: it builds data and checkpoints
-            from torchtitan.components.lr_scheduler import build_lr_schedulers
-            from torchtitan.components.optimizer import build_optimizers
-            from torchtitan.distributed import utils as dist_utils
-
-            from titan_fold.trainer.torchtitan_adapter import maybe_enable_amp, trainer_names
-
-            self.job_config, self.parallel_dims, self.model_args = config, layout, model_args
-            self.device = torch.device("cpu")
-            self._names = trainer_names(self)
-            self.guard = _VerdictFreeGuard(config.training.nonfinite, self.device)
-            self.model_parts, _, _, self.pp_schedule = build_rank(config, layout, model_args)
-            for part in self.model_parts:
-                part.to_empty(device="cpu")
-                _init_weights(part, config, model_args)
-                part.train()
-            self.pp_has_first_stage = self.model_parts[0].tok_embeddings is not None
-            self.pp_has_last_stage = self.model_parts[-1].output is not None
-            self.loss_fn = _loss_fn(config)
-            self.optimizers = build_optimizers(self.model_parts, config.optimizer, layout)
-            self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
-            self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
-            self.gradient_accumulation_steps = 1
-            self.step, self.ntokens_seen = 1, 0
-            tp_loss = layout.tp > 1 and not config.parallelism.disable_loss_parallel
-            self.train_context = dist_utils.get_train_context(tp_loss)
-            self.maybe_enable_amp = maybe_enable_amp(layout, config.training.mixed_precision_param, "cpu")
-            self.checkpointer = self.metrics_processor = self
-
-        def maybe_wait_for_staging(self):
-            pass
-
-        def should_log(self, step):
-            return True
-
-        def log(self, *args, **kwargs):
-            pass
-
-    return StepTrainer
-
-
-def _init_weights(part: nn.Module, config, model_args) -> None:
-    """The model's init_weights, on each parameter's local shard where values cannot change a
-    collective: dropless routing (the fake dispatcher splits rows evenly whatever the router
-    says) and untied embeddings (init_weights ties them again). Each shard gets the init's
-    own distribution, without a DTensor dispatch per op: the CPU time of a step's recording."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    by_shard = config.moe.capacity_factor is None and not model_args.tie_embeddings
-    local = {name: local_tensor(p) for name, p in part.named_parameters()} if by_shard else {}
-    with _reparametrize_module(part, local), torch.no_grad():
-        part.init_weights(buffer_device=torch.device("cpu"))
-
-
-def _StepTrainer(config, layout, model_args):
-    return _step_trainer_class()(config, layout, model_args)
-
-
-def _loss_fn(config):
-    from torchtitan.components.loss import build_cross_entropy_loss
-
-    return build_cross_entropy_loss(config)

@@ -46,7 +46,7 @@ def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t once (rows of a contiguous t; for w.transpose(1, 2) of a contiguous [E, N, K] w, tiles of
     w, written transposed). Generated kernels (torch.compile of these ops) ran 3-5x under the
     memory bandwidth: one shape per call site needs dynamic widths, whose index arithmetic
-    divides by runtime values (phases V and W)."""
+    divides by runtime values (docs/benchmarks.md)."""
     return _quantize_cuda(t) if t.is_cuda else _quantize_ref(t)
 
 

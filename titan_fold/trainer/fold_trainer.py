@@ -28,7 +28,7 @@ from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
-from titan_fold.trainer.banner import banner
+from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
@@ -68,7 +68,13 @@ def fit_warmup(config: JobConfig) -> None:
 class FoldTrainer(Trainer):
     """torchtitan's Trainer; its __init__, train_step and train run as torchtitan wrote them,
     with the names torchtitan_adapter.py lists resolved to titan_fold's (device, mixed
-    precision, clipping, checkpoint manager, timeouts)."""
+    precision, clipping, checkpoint manager, timeouts).
+
+    The one builder of a trainer, for real runs and the dry run alike: a dry run's trainer
+    (dryrun/record.py) is this class, with its own `torchtitan_names` (no tokenizer, data,
+    checkpoints or metrics files), `guard_class` and `init_distributed`."""
+
+    guard_class = NonFiniteGuard
 
     def init_distributed(self) -> Layout:
         world_size = init_distributed(self.job_config.comm, base_folder=self.job_config.job.dump_folder)
@@ -76,22 +82,22 @@ class FoldTrainer(Trainer):
         layout.build_mesh()
         return layout
 
+    def torchtitan_names(self) -> dict:
+        """The names torchtitan's Trainer code sees in place of its module globals."""
+        return trainer_names(self)
+
     def _torchtitan(self, method):
         return with_names(method, **self._names).__get__(self)
 
     def __init__(self, job_config: JobConfig, stop_signals: StopSignals | None = None):
         register_train_specs()
-        self._names = trainer_names(self)
+        self._names = self.torchtitan_names()
         self._torchtitan(Trainer.__init__)(job_config)
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
-        self.guard = NonFiniteGuard(job_config.training.nonfinite, self.device)
+        self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
-        if torch.distributed.get_rank() == 0:
-            pp = self.parallel_dims.pp
-            stages = len(check_pipeline(job_config, self.model_args, pp)[1]) if pp > 1 else 1
-            logger.info(banner(self.parallel_dims, self.model_args, self.model_parts, job_config, stages))
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -105,6 +111,12 @@ class FoldTrainer(Trainer):
             self.optimizers.register_step_post_hook(
                 lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
             )
+
+    def banner(self) -> str:
+        """What a real run prints once at start (banner.py)."""
+        pp = self.parallel_dims.pp
+        stages = len(check_pipeline(self.job_config, self.model_args, pp)[1]) if pp > 1 else 1
+        return format_banner(self.parallel_dims, self.model_args, self.model_parts, self.job_config, stages)
 
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
@@ -235,6 +247,8 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         # last of the checks, so a rejected run leaves no folder behind
         lock = lock_dump_folder(config.job.dump_folder)
         trainer = FoldTrainer(config, stop_signals)
+        if torch.distributed.get_rank() == 0:
+            logger.info(trainer.banner())
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
                 raise ConfigError("checkpoint.create_seed_checkpoint: run it on a single rank (it must not be sharded)")

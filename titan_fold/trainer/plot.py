@@ -1,4 +1,4 @@
-"""`python -m titan_fold.plot DUMP_FOLDER [DUMP_FOLDER ...] [--out FILE.png]`
+"""Plots of runs: `python -m titan_fold.plot DUMP_FOLDER [DUMP_FOLDER ...] [--out FILE.png]`.
 
 One PNG of a run, or several overlaid: loss, gradient norm, tokens/s per device and expert
 load imbalance over the steps, read from each folder's `metrics.jsonl` (a path to a .jsonl

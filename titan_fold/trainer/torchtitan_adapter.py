@@ -51,7 +51,7 @@ def with_names(function: types.FunctionType, **names) -> types.FunctionType:
     return copy
 
 
-class _Names:
+class Names:
     """A torchtitan module as the copies see it: these attributes, the module's for the rest."""
 
     def __init__(self, module: types.ModuleType, **overrides):
@@ -84,8 +84,8 @@ def trainer_names(trainer) -> dict:
     """The names FoldTrainer's copies of Trainer.__init__, train_step and train see."""
     dev = device_type()
     return {
-        "utils": _Names(tt_utils, device_type=dev, device_module=getattr(torch, dev)),
-        "dist_utils": _Names(
+        "utils": Names(tt_utils, device_type=dev, device_module=getattr(torch, dev)),
+        "dist_utils": Names(
             dist_utils,
             maybe_enable_amp=maybe_enable_amp,
             # the optimizers exist once __init__ has built them, before the first step
@@ -93,7 +93,7 @@ def trainer_names(trainer) -> dict:
             set_pg_timeouts=dist_utils.set_pg_timeouts if dev == "cuda" else _set_pg_timeouts_gloo,
         ),
         "CheckpointManager": FoldCheckpointManager,
-        "time": _Names(time, sleep=lambda seconds: None),
+        "time": Names(time, sleep=lambda seconds: None),
     }
 
 
