@@ -484,7 +484,7 @@ def maybe_fault(step: int) -> None:
 class FoldCheckpointManager(CheckpointManager):
     """torchtitan's CheckpointManager, checking shapes before DCP reads, and saving the RNG state.
 
-    FoldTrainer builds it where torchtitan's Trainer builds its own (torchtitan_adapter.py).
+    FoldTrainer builds it where torchtitan's Trainer builds its own (trainer/torchtitan_adapter.py).
     """
 
     def __init__(self, *args, **kwargs):

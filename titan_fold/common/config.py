@@ -74,7 +74,7 @@ class Optimizer(TitanOptimizer):
     master_weights: bool = False
     """Keep fp32 master weights and fp32 optimizer states in the optimizer while the model's
     parameters are bf16 (training.dtype = "bfloat16"): bf16 compute without autocast, the
-    fp32 recipe's update (titan_fold/optimizer.py)."""
+    fp32 recipe's update (titan_fold/trainer/optimizer.py)."""
 
 
 @dataclass
