@@ -94,7 +94,7 @@ def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     shapes the layer is host-bound (docs/benchmarks.md)."""
     if choice == "torch":
         return False
-    if choice == "auto" and not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+    if choice == "auto" and not (torch.compiler.is_compiling() or x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     problem = None
     if not x.is_cuda:
