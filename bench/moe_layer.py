@@ -67,7 +67,7 @@ def build_layer(shape: dict, capacity_factor, device, dtype, impl: str = "titan_
     args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
                    shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["gate"],
                    norm_topk_prob=shape["norm_topk"], capacity_factor=capacity_factor,
-                   expert_fp8=impl == "titan_fold_fp8")
+                   expert_fp8=impl == "titan_fold_fp8", grouped_gemm="quack" if impl == "titan_fold_quack" else "torch")
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
@@ -289,15 +289,15 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
             # every case compiles its fused kernels for its own widths, as a trainer (one model)
             # does: kept from an earlier shape they would be recompiled with dynamic widths, slower
             torch._dynamo.reset()
-            if compiled:
-                fn = torch.compile(layer)
-            else:
-                fn = layer
+            fn = torch.compile(layer) if compiled == "compiled" or compiled is True else layer
 
             def step():
                 x.grad = None
                 layer.zero_grad(set_to_none=True)
                 fn(x).backward(grad)
+
+            if compiled == "graph":  # forward + backward captured once, replayed (no host work per step)
+                step = graph_of(step, device)
 
             moe_stats([layer])  # reset
             times = time_ms(step, a.warmup, a.iters, device)
@@ -330,11 +330,26 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
     return rows
 
 
+def graph_of(step, device):
+    """step() captured in a CUDA graph after warm-up on a side stream; returns its replay. The
+    gradients are written into the same buffers each replay (set to None only while capturing)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def _print_row(row):
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     what = (f"{row['impl']:10s} {row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} "
-            f"{'compiled' if row['compiled'] else 'eager':8s}"
+            f"{_mode_name(row['compiled']):8s}"
             f"{'' if row['shared_overlap'] else ' no-overlap'}")
     if "error" in row:
         print(f"{what} ERROR {row['error']}", flush=True)
@@ -343,15 +358,21 @@ def _print_row(row):
               f"kept {row['kept_frac']}", flush=True)
 
 
+def _mode_name(compiled) -> str:
+    return compiled if isinstance(compiled, str) else ("compiled" if compiled else "eager")
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,qwen3_30b_a3b")
-    p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold | titan_fold_fp8 (routed experts "
+    p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold (moe.grouped_gemm = torch) | "
+                   "titan_fold_quack (moe.grouped_gemm = quack) | titan_fold_fp8 (routed experts "
                    "in FP8, moe.expert_fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
                    "one GPU), each timed in this process")
     p.add_argument("--modes", default="dropless,cf1.0")
-    p.add_argument("--compile", default="both", choices=["off", "on", "both"])
+    p.add_argument("--compile", default="both", choices=["off", "on", "both", "graph", "all"],
+                   help="eager (off), compiled (on), both, the eager step captured in a CUDA graph (graph), or all three")
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
     p.add_argument("--shared-overlap", default="on", help="comma list of on | off: the shared expert beside the "
                    "all-to-all (MoEArgs.shared_expert_overlap); shapes with a shared expert only for off")
@@ -391,7 +412,8 @@ def main(argv=None) -> dict:
     a.dense_tflops = dense_gemm_tflops(device) if device.type == "cuda" else None
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s", flush=True)
-    compile_modes = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
+    compile_modes = {"off": [False], "on": [True], "both": [False, True], "graph": ["graph"],
+                     "all": [False, True, "graph"]}[a.compile]
     rows = []
     figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
                "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}

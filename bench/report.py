@@ -1,8 +1,8 @@
-"""Markdown tables of the benchmark results (the tables of docs/benchmarks.md).
+"""docs/benchmarks.md's tables from the suite results: `python -m bench.report`.
 
-    python bench/report.py [--results bench/results] > /tmp/tables.md
-
-Reads the JSON files the benchmarks wrote; a missing file leaves its table out.
+Reads bench/results/<suite>_<gpu>_<date>.json (written by `python -m bench SUITE`) and prints,
+for the latest file of each suite and machine, its tables. `--write` puts them into
+docs/benchmarks.md between its two REPORT markers.
 """
 
 import argparse
@@ -11,274 +11,255 @@ import json
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _load(results: str, name: str):
-    path = os.path.join(results, f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def _all(results: str, prefix: str) -> list[tuple[str, dict]]:
-    """Every result whose name starts with prefix, oldest first: (name, record)."""
-    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(results, f"{prefix}*.json"))]
-    recs = [(n, _load(results, n)) for n in names]
-    return sorted(recs, key=lambda nr: (nr[1].get("date_utc", ""), nr[0]))
+RESULTS = os.path.join(HERE, "results")
+DOC = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
+BEGIN, END = "<!-- REPORT BEGIN: python -m bench.report --write -->", "<!-- REPORT END -->"
+SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "loss-curve", "kernels", "2gpu")
 
 
 def _f(x, digits=1):
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
-def _dispatch(row: dict) -> str:
-    return row["dispatch"] + ("" if row.get("shared_overlap", True) else ", shared expert not overlapped")
-
-
-def moe_layer_table(results: str) -> list[str]:
-    rows = []
-    for name in ("moe_layer_eager", "moe_layer_compiled", "moe_layer_2gpu", "moe_layer_2gpu_overlap"):
-        rec = _load(results, name)
-        if rec:
-            dense = rec["figures"]["dense_bf16_gemm_tflops"]
-            rows += [(r, dense) for r in rec["figures"]["rows"]]
-    if not rows:
-        return []
-    out = ["| shape | mode | dispatch | eager/compiled | ms / step | TFLOP/s | dense GEMM TFLOP/s | ratio | kept |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|"]
-    for r, dense in rows:
-        if "error" in r:
-            out.append(f"| {r['shape']} | {r['mode']} | {_dispatch(r)} | {'compiled' if r['compiled'] else 'eager'} "
-                       f"| error: {r['error'][:60]} | | | | |")
+def latest(results: str) -> list[dict]:
+    """The latest record of each (suite, machine), in SUITE_ORDER, then by machine."""
+    best = {}
+    for path in glob.glob(os.path.join(results, "*.json")):
+        with open(path) as f:
+            rec = json.load(f)
+        if "suite" not in rec:
             continue
-        out.append(f"| {r['shape']} | {r['mode']} | {_dispatch(r)} | {'compiled' if r['compiled'] else 'eager'} | "
-                   f"{_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {_f(dense)} | {_f(r.get('ratio_to_dense_gemm'), 3)} | "
-                   f"{_f(r['kept_frac'], 3)} |")
+        key = (rec["suite"], rec["env"]["device"], rec["env"]["device_count"])
+        if key not in best or rec["date_utc"] > best[key]["date_utc"]:
+            best[key] = rec
+    order = {s: i for i, s in enumerate(SUITE_ORDER)}
+    return [best[k] for k in sorted(best, key=lambda k: (order.get(k[0], len(order)), k[1], k[2]))]
+
+
+def _steps(rec: dict, script_rows: str) -> list[tuple[str, dict]]:
+    """(step name, figures) of the steps whose figures hold rows of the kind named."""
+    out = []
+    for name, fig in rec["figures"].items():
+        if not fig or "rows" not in fig:
+            continue
+        rows = fig["rows"]
+        kind = ("layer" if rows and "impl" in rows[0] else "train" if rows and "case" in rows[0] else "other")
+        if kind == script_rows:
+            out.append((name, fig))
     return out
 
 
-ROUND2 = ("moe_layer_n_", "moe_layer_o_", "moe_layer_p_", "moe_layer_q")  # issue 18's calls (phases N-Q)
+def _mode(compiled) -> str:
+    return compiled if isinstance(compiled, str) else ("compiled" if compiled else "eager")
 
 
-def moe_layer_round2_table(results: str) -> list[str]:
-    """Every MoE-layer row of phases N to Q: titan_fold's layer (code of that call, or $BASE,
-    the code before it, in *_base_* files) and torchtitan 0.2.2's, each with the dense GEMM
-    rate of its own process."""
-    out = ["| result | layer | shape | eager/compiled | ms / step | TFLOP/s | dense GEMM TFLOP/s | share of dense | "
-           "torchtitan ms / titan_fold ms |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
+def _gemm_choice(impl: str) -> str:
+    return {"titan_fold": "torch", "titan_fold_quack": "quack", "titan_fold_fp8": "torch, FP8"}.get(impl, impl)
+
+
+def layer_table(rec: dict) -> list[str]:
+    """Each MoE-layer row; where the suite ran the code before too (<step>@base), its time and
+    the ratio before / after beside it."""
+    out = ["| step | shape | dispatch | moe.grouped_gemm | mode | ms / step | TFLOP/s | dense GEMM TFLOP/s | "
+           "share of dense | code before: ms | before / after |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     n = 0
-    for prefix in ROUND2:
-        for name, rec in _all(results, prefix):
-            rows, dense = rec["figures"]["rows"], rec["figures"]["dense_bf16_gemm_tflops"]
-            theirs = {(r["shape"], r["compiled"]): r.get("median_ms") for r in rows if r.get("impl") == "torchtitan"}
-            for r in rows:
-                if "error" in r:
-                    continue
-                layer = r.get("impl", "titan_fold") + (" ($BASE)" if "_base_" in name else "")
-                vs = theirs.get((r["shape"], r["compiled"])) if r.get("impl") == "titan_fold" else None
-                out.append(f"| {name} | {layer} | {r['shape']} | {'compiled' if r['compiled'] else 'eager'} | "
-                           f"{_f(r['median_ms'], 3)} | {_f(r['tflops'])} | {_f(dense)} | "
-                           f"{_f(r.get('ratio_to_dense_gemm'), 3)} | {_f(vs / r['median_ms'], 2) if vs else '-'} |")
-                n += 1
-    return out if n else []
-
-
-def kernel_class_table(results: str) -> list[str]:
-    """GPU time of one eager forward + backward by kernel class, phases N to Q."""
-    classes = ("gemm", "index_scatter_gather", "triton_fused", "add", "mul", "reduce", "elementwise_other", "sort_scan")
-    out = ["| result | layer | shape | step ms | GPU busy ms | kernels | " + " | ".join(classes) + " |",
-           "|---|---|---|---:|---:|---:|" + "---:|" * len(classes)]
-    n = 0
-    for prefix in ROUND2:
-        for name, rec in _all(results, prefix):
-            for r in rec["figures"]["rows"]:
-                b = r.get("breakdown")
-                if not b:
-                    continue
-                cls = b["step_gpu_ms_by_kernel_class"]
-                layer = r.get("impl", "titan_fold") + (" ($BASE)" if "_base_" in name else "")
-                out.append(f"| {name} | {layer} | {r['shape']} | {_f(r['median_ms'], 2)} | {_f(b['step_gpu_busy_ms'], 2)} | "
-                           f"{_f(b.get('kernels_per_step'), 0)} | " + " | ".join(_f(cls.get(c), 2) if cls.get(c) else "-"
-                                                                                 for c in classes) + " |")
-                n += 1
-    return out if n else []
-
-
-def breakdown_table(results: str) -> list[str]:
-    parts = ("router", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "grouped_gemm",
-             "reduce_scatter_v", "dispatcher_rest_gather_combine", "shared_expert")
-    classes = ("gemm", "nccl", "index_scatter_gather", "elementwise_other", "sort_scan", "reduce")
-    out = ["| shape | mode | dispatch | step ms | " + " | ".join(f"fwd {p}" for p in parts) + " | "
-           + " | ".join(f"step {c}" for c in classes) + " |",
-           "|---|---|---|---:|" + "---:|" * (len(parts) + len(classes))]
-    n = 0
-    for name in ("moe_layer_eager", "moe_layer_2gpu"):
-        rec = _load(results, name)
-        for r in (rec or {}).get("figures", {}).get("rows", []):
-            b = r.get("breakdown")
-            if not b:
+    for name, fig in _steps(rec, "layer"):
+        if name.endswith("@base"):
+            continue
+        base = rec["figures"].get(name + "@base") or {"rows": []}
+        before = {(r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])): r.get("median_ms")
+                  for r in base["rows"]}
+        for r in fig["rows"]:
+            shape = r["shape"] + ("" if r["mode"] == "dropless" else f" ({r['mode']})")
+            lead = f"| {name} | {shape} | {r['dispatch']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} "
+            if "error" in r:
+                out.append(lead + f"| error: {r['error'][:60]} | | | | | |")
                 continue
-            fwd, cls = b["forward_ms_by_part"], b["step_gpu_ms_by_kernel_class"]
-            out.append(f"| {r['shape']} | {r['mode']} | {_dispatch(r)} | {_f(r['median_ms'], 1)} | "
-                       + " | ".join(_f(fwd.get(p), 2) if fwd.get(p) else "-" for p in parts) + " | "
-                       + " | ".join(_f(cls.get(c), 1) if cls.get(c) else "-" for c in classes) + " |")
+            b = before.get((r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])))
+            out.append(lead + f"| {_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {_f(fig['dense_bf16_gemm_tflops'])} | "
+                       f"{_f(r.get('ratio_to_dense_gemm'), 3)} | {_f(b, 2) if b else '-'} | "
+                       f"{_f(b / r['median_ms'], 3) if b else '-'} |")
             n += 1
     return out if n else []
 
 
-def train_table(results: str) -> list[str]:
-    out = ["| result | run | GPUs | attention | experts (ep, etp, edp) | tokens/s per GPU | TFLOP/s per GPU | MFU % | "
-           "peak memory GiB | step s | loss first -> last |",
-           "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+def layer_breakdown_table(rec: dict) -> list[str]:
+    """GPU time of one eager step by kernel class, and the host gaps: the step's time minus its
+    GPU busy time."""
+    classes = ("gemm", "index_scatter_gather", "triton_fused", "add", "mul", "reduce", "elementwise_other", "sort_scan")
+    out = ["| step | shape | moe.grouped_gemm | step ms | GPU busy ms | host gaps, share of step | kernels | "
+           + " | ".join(classes) + " |", "|---|---|---|---:|---:|---:|---:|" + "---:|" * len(classes)]
     n = 0
-    for name, rec in _all(results, "train_step_"):
-        for r in rec.get("figures", {}).get("rows", []):
-            fold = r.get("folding")
-            experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
-            status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
-            out.append(f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | "
-                       f"{experts} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
-                       f"{_f(r['mfu_pct'])} | {_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
-                       f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
+    for name, fig in _steps(rec, "layer"):
+        for r in fig["rows"]:
+            b = r.get("breakdown")
+            if not b:
+                continue
+            cls, busy = b["step_gpu_ms_by_kernel_class"], b["step_gpu_busy_ms"]
+            gap = max(0.0, r["median_ms"] - busy) / r["median_ms"]
+            out.append(f"| {name} | {r['shape']} | {_gemm_choice(r['impl'])} | {_f(r['median_ms'], 2)} | {_f(busy, 2)} | "
+                       f"{_f(100 * gap)}% | {_f(b.get('kernels_per_step'), 0)} | "
+                       + " | ".join(_f(cls.get(c), 2) if cls.get(c) else "-" for c in classes) + " |")
             n += 1
     return out if n else []
 
 
 def _attention(row: dict) -> str:
     fold = row.get("folding") or {}
-    if fold.get("tp", 1) > 1:
-        return f"tp{fold['tp']} SP"
-    if fold.get("cp", 1) > 1:
-        return f"cp{fold['cp']}"
-    if fold.get("pp", 1) > 1:
-        return f"pp{fold['pp']}"
+    for key, label in (("tp", "tp{} SP"), ("cp", "cp{}"), ("pp", "pp{}")):
+        if fold.get(key, 1) > 1:
+            return label.format(fold[key])
     return f"dp{row['nproc']} FSDP" if row["nproc"] > 1 else "single"
 
 
-def profile_table(results: str) -> list[str]:
-    rows = [r for _, rec in _all(results, "train_step_") for r in rec.get("figures", {}).get("rows", [])
-            if r.get("trace_summary")]
-    if not rows:
-        return []
-    out = ["| run | step wall ms | GPU busy ms | kernel class | ms | share of step |", "|---|---:|---:|---|---:|---:|"]
-    for r in rows:
-        t = r["trace_summary"]
-        for i, (cls, ms) in enumerate(t["kernel_ms_by_class"].items()):
-            head = f"| {r['case']} | {_f(t['step_wall_ms'])} | {_f(t['gpu_busy_ms'])} " if i == 0 else "| | | "
-            out.append(head + f"| {cls} | {_f(ms)} | {_f(100 * ms / t['step_wall_ms'])}% |")
-    return out
-
-
-def vs_table(results: str) -> list[str]:
-    out = ["| result | case | torchtitan tokens/s | torchtitan MFU % (its count / ours) | titan_fold tokens/s | "
-           "titan_fold MFU % | ratio titan_fold / torchtitan | torchtitan peak GiB |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+def train_table(rec: dict) -> list[str]:
+    out = ["| step | case | GPUs | attention | experts (ep, etp, edp) | tokens/s per GPU | TFLOP/s per GPU | MFU % | "
+           "peak memory GiB | step s | loss first -> last |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
-    for name, rec in _all(results, "vs_torchtitan_"):
-        for r in rec.get("figures", {}).get("rows", []):
-            out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} / "
-                       f"{_f(r.get('mfu_pct_titan_fold_formula'))} | {_f(r.get('titan_fold_tokens_per_sec'), 0)} | "
-                       f"{_f(r.get('titan_fold_mfu_pct'))} | {_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} | "
-                       f"{_f(r['peak_memory_gib'])} |")
+    for name, fig in _steps(rec, "train"):
+        for r in fig["rows"]:
+            if "tokens_per_sec_per_gpu" not in r or "titan_fold_tokens_per_sec" in r:
+                continue  # torchtitan's rows: vs_table
+            fold = r.get("folding")
+            experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
+            status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
+            out.append(f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | {experts} | "
+                       f"{_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | {_f(r['mfu_pct'])} | "
+                       f"{_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
+                       f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
             n += 1
     return out if n else []
 
 
-def row_movement_table(results: str) -> list[str]:
-    rec = _load(results, "row_movement")
-    if not rec:
+def vs_table(rec: dict) -> list[str]:
+    out = ["| step | case | torchtitan tokens/s | torchtitan MFU % | titan_fold tokens/s | titan_fold MFU % | "
+           "titan_fold / torchtitan |", "|---|---|---:|---:|---:|---:|---:|"]
+    n = 0
+    for name, fig in _steps(rec, "train"):
+        for r in fig["rows"]:
+            if "titan_fold_tokens_per_sec" not in r:
+                continue
+            out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} | "
+                       f"{_f(r.get('titan_fold_tokens_per_sec'), 0)} | {_f(r.get('titan_fold_mfu_pct'))} | "
+                       f"{_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} |")
+            n += 1
+    return out if n else []
+
+
+def loss_curve_table(rec: dict) -> list[str]:
+    """Runs of one step compared to its first case, step by step: the largest relative
+    difference of the loss, and the mean of the last 20 steps."""
+    out = ["| step | case | steps | loss first -> last | mean of last 20 | max relative difference to the first case |",
+           "|---|---|---:|---|---:|---:|"]
+    n = 0
+    for name, fig in _steps(rec, "train"):
+        rows = [r for r in fig["rows"] if r.get("losses")]
+        if len(rows) < 2:
+            continue
+        ref = rows[0]["losses"]
+        for r in rows:
+            diff = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)), default=None)
+            out.append(f"| {name} | {r['case']} | {len(r['losses'])} | {_f(r['loss_first'], 3)} -> {_f(r['loss_last'], 3)} | "
+                       f"{_f(r['loss_mean_last20'], 4)} | {_f(100 * diff if diff is not None else None, 2)}% |")
+            n += 1
+    return out if n else []
+
+
+def grouped_gemm_table(rec: dict) -> list[str]:
+    """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone and the share of the dense
+    rate the routed GEMMs allow."""
+    fig = rec["figures"].get("grouped_gemm")
+    if not fig:
+        return []
+    gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
+    out = ["| shape | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
+           + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | stacked w13 / ours |",
+           "|---|---:|" + "---:|" * (len(gemms) + 4)]
+    for r in fig["rows"]:
+        if "error" in r:
+            out.append(f"| {r['shape']} | error: {r['error'][:60]} |" + " |" * (len(gemms) + 4))
+            continue
+        out.append(f"| {r['shape']} | {_f(fig['dense_bf16_gemm_tflops'])} | "
+                   + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
+                   + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
+                   f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r['experts_fwd_bwd']['stacked_over_separate'], 3)} |")
+    return out
+
+
+def row_movement_table(rec: dict) -> list[str]:
+    fig = rec["figures"].get("row_movement")
+    if not fig:
         return []
     out = ["| shape | rows MiB | indexing ms | embedding_bag ms | gather_sum ms | dispatcher ms | dispatcher speedup |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rec["figures"]["rows"]:
+    for r in fig["rows"]:
         out.append(f"| {r['shape']} | {_f(r['row_bytes_mib'], 0)} | {_f(r['indexing_ms'], 2)} | "
-                   f"{_f(r['embedding_bag_ms'], 2)} | {_f(r['gather_sum_ms'], 2)} | {_f(r['dispatcher_ms'], 2)} | {_f(r['dispatcher_speedup'], 2)} |")
+                   f"{_f(r['embedding_bag_ms'], 2)} | {_f(r['gather_sum_ms'], 2)} | {_f(r['dispatcher_ms'], 2)} | "
+                   f"{_f(r['dispatcher_speedup'], 2)} |")
     return out
 
 
-def collectives_table(results: str) -> list[str]:
-    rec = _load(results, "collectives")
-    if not rec:
-        return []
-    cases = ("raw_all_to_all", "dispatcher_a2a_even", "dispatcher_a2a_uneven", "raw_all_gather", "dispatcher_all_gather_v")
-    out = ["| payload | buffer MiB | " + " | ".join(f"{c} GB/s (ms)" for c in cases)
-           + " | a2a dispatcher/raw | all-gather dispatcher/raw |",
-           "|---|---:|" + "---:|" * (len(cases) + 2)]
-    for r in rec["figures"]["rows"]:
-        out.append(f"| {r['payload']} | {_f(r['buffer_mib'])} | "
-                   + " | ".join(f"{_f(r[c]['out_GBps'])} ({_f(r[c]['median_ms'], 3)})" for c in cases)
-                   + f" | {_f(r['dispatcher_over_raw_a2a'], 2)} | {_f(r['dispatcher_over_raw_all_gather'], 2)} |")
-    return out
-
-
-def ep_share_table(results: str) -> list[str]:
-    """moe_layer.py --ep-rank-share: each shape's step time against its balanced (0.5) row."""
-    rows = [r for _, rec in _all(results, "moe_layer_2gpu_") for r in rec["figures"]["rows"]
-            if r.get("ep_rank_share_asked") and "error" not in r]
-    if not rows:
-        return []
-    balanced = {r["shape"]: r["median_ms"] for r in rows if r["ep_rank_share_asked"] == "0.5"}
-    out = ["| shape | share asked of EP rank 0 | share measured | ms / step | against share 0.5 | "
-           "busiest rank's routed rows against 0.5 |",
-           "|---|---|---:|---:|---:|---:|"]
-    for r in rows:
-        base = balanced.get(r["shape"])
-        share = r["ep_rank0_share"]
-        out.append(f"| {r['shape']} | {r['ep_rank_share_asked']} | {_f(share, 3)} | {_f(r['median_ms'], 2)} | "
-                   f"{_f(r['median_ms'] / base if base else None, 3)} | {_f(max(share, 1 - share) / 0.5, 2)} |")
-    return out
-
-
-def grouped_gemm_table(results: str) -> list[str]:
-    """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone, bmm on equal groups,
-    the share of the dense rate the routed GEMMs allow, the stacked-w13 experts against ours."""
-    gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
-    out = ["| result | shape | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
-           + " | bmm up fwd / wgrad | bmm down fwd / wgrad | routed GEMMs TFLOP/s | gemm_bound_share | with shared | "
-           "experts fwd+bwd ms (ours) | stacked w13 / ours | max-autotune best: TFLOP/s (share) |",
-           "|---|---|---:|" + "---:|" * (len(gemms) + 8)]
+def streams_table(rec: dict) -> list[str]:
+    """bench/grad_norm.py and bench/master_step.py: ms and, for the master step, TB/s."""
+    out = ["| step | way | ms | TB/s |", "|---|---|---:|---:|"]
     n = 0
-    for name, rec in _all(results, "grouped_gemm"):
-        dense = rec["figures"]["dense_bf16_gemm_tflops"]
-        for r in rec["figures"]["rows"]:
-            if "error" in r:
-                out.append(f"| {name} | {r['shape']} | error: {r['error'][:60]} |" + " |" * (len(gemms) + 8))
-                continue
-            bmm = r["bmm_equal_groups"]
-            e = r["experts_fwd_bwd"]
-            best = (f"{_f(r['autotune_best_routed_gemms_tflops'])} ({_f(r['autotune_best_gemm_bound_share'], 3)})"
-                    if "autotune" in r else "-")
-            out.append(f"| {name} | {r['shape']} | {_f(dense)} | " + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
-                       + f" | {_f(bmm['up_fwd']['tflops'])} / {_f(bmm['up_wgrad']['tflops'])} | "
-                       f"{_f(bmm['down_fwd']['tflops'])} / {_f(bmm['down_wgrad']['tflops'])} | "
-                       f"{_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
-                       f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(e['separate_ms'], 2)} | "
-                       f"{_f(e['stacked_over_separate'], 3)} | {best} |")
+    for name in ("grad_norm", "master_step"):
+        for r in (rec["figures"].get(name) or {}).get("rows", []):
+            out.append(f"| {name} | {r.get('way') or r.get('kernel')} | {_f(r.get('ms'), 3)} | {_f(r.get('tb_per_s'), 2)} |")
             n += 1
     return out if n else []
 
 
-def report(results: str) -> str:
-    sections = [("MoE layer, forward + backward", moe_layer_table), ("MoE layer breakdown (ms)", breakdown_table),
-                ("MoE layer beside torchtitan 0.2.2's, issue 18 (1 GPU)", moe_layer_round2_table),
-                ("MoE layer GPU time by kernel class, issue 18 (ms per step)", kernel_class_table),
-                ("MoE layer at ep2, a set share of the routed assignments on EP rank 0 (2 GPUs)", ep_share_table),
-                ("Trainer, proxy Qwen2-57B-A14B-L2", train_table),
-                ("Profiled trainer steps", profile_table),
-                ("titan_fold vs torchtitan 0.2.2", vs_table),
-                ("Routed grouped GEMMs alone: the bound they set (1 GPU)", grouped_gemm_table),
-                ("Row movement, dispatch + combine forward + backward (1 GPU)", row_movement_table),
-                ("Collectives (2 GPUs)", collectives_table)]
+def collectives_table(rec: dict) -> list[str]:
+    fig = rec["figures"].get("collectives")
+    if not fig:
+        return []
+    cases = ("raw_all_to_all", "dispatcher_a2a_even", "dispatcher_a2a_uneven", "raw_all_gather", "dispatcher_all_gather_v")
+    out = ["| payload | buffer MiB | " + " | ".join(f"{c} GB/s (ms)" for c in cases) + " |",
+           "|---|---:|" + "---:|" * len(cases)]
+    for r in fig["rows"]:
+        out.append(f"| {r['payload']} | {_f(r['buffer_mib'])} | "
+                   + " | ".join(f"{_f(r[c]['out_GBps'])} ({_f(r[c]['median_ms'], 3)})" for c in cases) + " |")
+    return out
+
+
+TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
+          ("Trainer", train_table), ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
+          ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
+                                                               row_movement_table),
+          ("Gradient norm and fp32 master step", streams_table), ("Collectives", collectives_table))
+
+
+def report(results: str = RESULTS) -> str:
     text = []
-    for title, fn in sections:
-        lines = fn(results)
-        if lines:
-            text += [f"### {title}", ""] + lines + [""]
+    for rec in latest(results):
+        env = rec["env"]
+        gpus = f"{env['device_count']} x {env['device']}" if env["device_count"] else env["device"]
+        text += [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}", "",
+                 f"Command: `{rec['command']}`" if rec.get("command") else
+                 "Assembled from the per-script results of that date; each step's command is in the file.", ""]
+        for title, fn in TABLES:
+            lines = fn(rec)
+            if lines:
+                text += [f"{title}:", ""] + lines + [""]
     return "\n".join(text)
 
 
+def write_doc(results: str = RESULTS, doc: str = DOC) -> None:
+    with open(doc) as f:
+        text = f.read()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(doc, "w") as f:
+        f.write(head + BEGIN + "\n\n" + report(results) + "\n" + END + tail)
+
+
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--results", default=os.path.join(HERE, "results"))
-    print(report(p.parse_args().results))
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=RESULTS)
+    p.add_argument("--write", action="store_true", help=f"replace the tables in {os.path.relpath(DOC)}")
+    a = p.parse_args()
+    if a.write:
+        write_doc(a.results)
+    else:
+        print(report(a.results))

@@ -85,16 +85,19 @@ def parse_case(case: str) -> tuple[str, dict]:
     eager (the default), compiled, bf16params (bf16 weights, training.dtype), masters (bf16
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
-    experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance)."""
+    experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
+    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
                  if case == b or case.startswith(b + "_")), None)
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
     mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
-            "profile": False, "load_balance": None}
+            "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "fp8", "profile"):
+        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs"):
             mods[mod] = True
+        elif mod in ("torchgemm", "quack"):
+            mods["grouped_gemm"] = "torch" if mod == "torchgemm" else "quack"
         elif mod in LOAD_BALANCE:
             mods["load_balance"] = LOAD_BALANCE[mod]
         elif mod[:1] == "b" and mod[1:].isdigit():
@@ -140,6 +143,10 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--optimizer.master_weights"]
     if mods["fp8"]:
         args += ["--moe.expert_fp8"]
+    if mods["grouped_gemm"]:
+        args += ["--moe.grouped_gemm", mods["grouped_gemm"]]
+    if mods["cudagraphs"]:
+        args += ["--compile.cudagraphs"]
     if mods["load_balance"]:
         args += ["--moe.load_balance", mods["load_balance"]]
         if mods["load_balance"] in ("aux_free", "none"):
@@ -178,6 +185,7 @@ def summarize(records: list[dict], warmup_steps: int) -> dict:
         # the end of a long run (the loss comparisons, the routers' balance)
         "loss_mean_last20": mean([r["loss"] for r in records[-20:]]),
         "expert_load_imbalance_mean_last20": mean([r.get("expert_load_imbalance") for r in records[-20:]]),
+        "losses": [r["loss"] for r in records],
     }
     return out
 

@@ -211,14 +211,54 @@ def test_torchtitan_qwen3_is_our_qwen3(base):
             FLAVORS["qwen3_moe"].pop(base, None)
 
 
+def _suite_file(tmp_path, suite, figures, date="2026-11-25T10:00:00Z"):
+    env = {"device": "NVIDIA H100 80GB HBM3", "device_count": 1, "torch": "2.11.0"}
+    rec = {"suite": suite, "command": f"python -m bench {suite}", "date_utc": date, "env": env, "figures": figures}
+    (tmp_path / f"{suite}_h100_{date[:10]}.json").write_text(json.dumps(rec))
+
+
 def test_report_tables(tmp_path):
     assert report.report(str(tmp_path)) == ""  # no results, no tables
-    common.write_result("train_step_2gpu", {"rows": [
-        {"case": "dp2_ep2", "nproc": 2, "returncode": 0, "folding": {"ep": 2, "etp": 1, "edp": 1},
-         "tokens_per_sec_per_gpu": 44141.3, "tflops_per_gpu": 287.8, "mfu_pct": 29.1, "peak_memory_gib": 59.0,
-         "step_time_s": 0.186, "loss_first": 10.9, "loss_last": 2.6}]}, str(tmp_path), command="x")
+    row = {"case": "dp2_ep2", "nproc": 2, "returncode": 0, "folding": {"ep": 2, "etp": 1, "edp": 1},
+           "tokens_per_sec_per_gpu": 44141.3, "tflops_per_gpu": 287.8, "mfu_pct": 29.1, "peak_memory_gib": 59.0,
+           "step_time_s": 0.186, "loss_first": 10.9, "loss_last": 2.6}
+    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [row]}}, date="2026-11-24T10:00:00Z")
+    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [dict(row, mfu_pct=30.0)]}})  # the latest wins
+    layer = {"impl": "titan_fold_quack", "shape": "qwen3_30b_a3b", "mode": "dropless", "dispatch": "none",
+             "compiled": "graph", "median_ms": 4.59, "tflops": 407.2, "ratio_to_dense_gemm": 0.509}
+    base = dict(layer, median_ms=5.242)
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2, "rows": [layer]},
+                                    "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
     text = report.report(str(tmp_path))
-    assert "| dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | 44,141 | 287.8 | 29.1 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text
+    assert "| foldings | dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | 44,141 | 287.8 | 30.0 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text
+    assert "29.1" not in text
+    assert "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 5.24 | 1.142 |" in text
+    assert text.index("Suite `layer`") < text.index("Suite `trainer`")
+    assert "Command: `python -m bench layer`" in text
+
+
+def test_suites_listed_and_steps_planned(capsys):
+    from bench.__main__ import SUITES, gpu_tag, main, step_command
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("layer", "trainer", "vs-torchtitan", "loss-curve", "kernels", "2gpu"))
+    assert gpu_tag({"device": "NVIDIA H200", "device_count": 2}) == "h200x2"
+    assert gpu_tag({"device": "x86_64", "device_count": 0}) == "cpu"
+    step = SUITES["layer"].steps[0]
+    after, before = step_command(step, "/o", "s"), step_command(step, "/o", "s@base", base=True)
+    assert "titan_fold,titan_fold_quack" in after and "titan_fold_quack" not in " ".join(before)
+    assert before[-4:] == ["--name", "s@base", "--out-dir", "/o"]
+    two = step_command(SUITES["2gpu"].steps[0], "/o", "c")
+    assert two[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    vs = step_command(SUITES["vs-torchtitan"].steps[1], "/o", "t", ours_path="/o/q.json")
+    assert vs[-2:] == ["--ours", "/o/q.json"]
+    for suite in SUITES.values():  # every trainer case parses
+        for st in suite.steps:
+            if st.script == "train_step":
+                for case in st.args[st.args.index("--cases") + 1].split(","):
+                    train_step.parse_case(case)
 
 
 def test_trace_summary(tmp_path):
@@ -270,13 +310,13 @@ def test_rank_share_router_moves_the_asked_share(share):
 
 
 def test_benchmarks_doc_quotes_the_report():
-    """docs/benchmarks.md's Results tables are bench/report.py's output over bench/results, as
-    the script prints it today (no hand-copied figures)."""
+    """docs/benchmarks.md's Results tables are `python -m bench.report`'s output over bench/results,
+    as it prints it today (no hand-copied figures)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "benchmarks.md")) as f:
         doc = f.read()
     tables = report.report(os.path.join(root, "bench", "results")).strip()
-    assert tables and tables in doc, "docs/benchmarks.md: paste `python bench/report.py` under ## Results"
+    assert tables and tables in doc, "docs/benchmarks.md: run `python -m bench.report --write`"
 
 
 def test_grouped_gemm_smoke(tmp_path):
@@ -383,21 +423,16 @@ def test_grouped_gemm_stacked_w13_matches_float64_experts():
 def test_grouped_gemm_report_table(tmp_path):
     gemms = {f"{m}_{op}": {"ms": 1.0, "tflops": t} for (m, op), t in zip(
         [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")], (447.2, 352.1, 397.6, 440.3, 475.3, 448.3))}
-    row = {"shape": "qwen3_30b_a3b", "gemms": gemms,
-           "bmm_equal_groups": {k: {"ms": 1.0, "tflops": t} for k, t in
-                                (("up_fwd", 513.2), ("up_wgrad", 421.7), ("down_fwd", 566.0), ("down_wgrad", 520.3))},
-           "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549, "gemm_bound_share_with_shared": 0.5549,
-           "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912},
-           "autotune": {}, "autotune_best_routed_gemms_tflops": 420.0, "autotune_best_gemm_bound_share": 0.5677}
-    common.write_result("grouped_gemm_h100", {"dense_bf16_gemm_tflops": 739.8, "rows": [
-        row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}, str(tmp_path), command="x")
+    row = {"shape": "qwen3_30b_a3b", "gemms": gemms, "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549,
+           "gemm_bound_share_with_shared": 0.5549, "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912}}
+    _suite_file(tmp_path, "kernels", {"grouped_gemm": {"dense_bf16_gemm_tflops": 739.8, "rows": [
+        row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
     text = report.report(str(tmp_path))
-    assert "### Routed grouped GEMMs alone: the bound they set (1 GPU)" in text
-    assert ("| grouped_gemm_h100 | qwen3_30b_a3b | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 513.2 / 421.7 | "
-            "566.0 / 520.3 | 410.5 | 0.555 | 0.555 | 3.21 | 0.912 | 420.0 (0.568) |") in text
-    lines = report.grouped_gemm_table(str(tmp_path))
+    assert "Routed grouped GEMMs alone:" in text
+    assert "| qwen3_30b_a3b | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | 0.555 | 0.912 |" in text
+    lines = report.grouped_gemm_table(report.latest(str(tmp_path))[0])
     assert len({line.count("|") for line in lines}) == 1  # the error row has every column
-    assert "| grouped_gemm_h100 | mixtral_8x22b | error: OutOfMemoryError: x |" in text
+    assert "| mixtral_8x22b | error: OutOfMemoryError: x |" in text
 
 
 def test_grad_norm_smoke(tmp_path):

@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config.job_config import ActivationCheckpoint as TitanActivationCheckpoint
 from torchtitan.config.job_config import Comm as TitanComm
+from torchtitan.config.job_config import Compile as TitanCompile
 from torchtitan.config.job_config import Debug as TitanDebug
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Model as TitanModel
@@ -97,6 +98,14 @@ class Comm(TitanComm):
 
 
 @dataclass
+class Compile(TitanCompile):
+    cudagraphs: bool = False
+    """Each compiled block's forward and backward replayed as CUDA graphs (torch.compile
+    mode="reduce-overhead"): no host launch work per kernel. Needs compile.enable; the layer must
+    have no host sync (dropless on one EP rank, or token drop with pad_to_capacity)."""
+
+
+@dataclass
 class Debug(TitanDebug):
     seed: int | None = 0
     """Base RNG seed (weights, data-independent randomness). A fixed default, so the same command
@@ -128,6 +137,10 @@ class MoE:
     """The routed experts' forward and input-gradient grouped GEMMs in FP8 (float8_e4m3fn, one
     fp32 scale per row; weight gradient in bf16): sm90+ GPUs, bf16 compute (docs/benchmarks.md
     says at which shapes it pays)."""
+    grouped_gemm: Literal["auto", "torch", "quack"] | None = None
+    """The routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (QuACK's kernels on
+    sm90+ GPUs, the rows' gather fused: `pip install -e ".[quack]"`), or "auto" (default: QuACK where
+    it is installed and the GPU and dtype suit it, else torch)."""
 
 
 @dataclass
@@ -138,6 +151,7 @@ class JobConfig(TitanJobConfig):
     optimizer: Optimizer = field(default_factory=Optimizer)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     comm: Comm = field(default_factory=Comm)
+    compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
 
@@ -345,6 +359,8 @@ def validate(config: JobConfig) -> None:
     if opt.master_weights and tr.dtype != "bfloat16":
         raise ConfigError(f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
                           "are for bf16 model parameters; set training.dtype = 'bfloat16'")
+    if config.compile.cudagraphs and not config.compile.enable:
+        raise ConfigError("compile.cudagraphs = true needs compile.enable (the graphs are torch.compile's)")
     if config.moe.expert_fp8 and "bfloat16" not in (tr.dtype, tr.mixed_precision_param):
         raise ConfigError(f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
                           f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'")

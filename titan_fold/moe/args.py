@@ -38,3 +38,6 @@ class MoEArgs:
     prob_before_w2: bool = True
     # routed experts' forward and input-gradient GEMMs in rowwise-scaled FP8 (moe/fp8.py)
     expert_fp8: bool = False
+    # routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (moe/quack.py: QuACK's
+    # kernels, the gather fused), "auto": QuACK where installed and the rows suit it
+    grouped_gemm: Literal["auto", "torch", "quack"] = "auto"

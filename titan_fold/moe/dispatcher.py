@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_fold.common.fused import fused
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
+from titan_fold.moe.quack import Gather
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -112,6 +113,11 @@ def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool)
     for j in range(1, k):
         total = total + rows[slot[:, j]]
     return total.to(rows.dtype)
+
+
+def _sum_rows(rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+    # the backward of a gather fused into the experts (no dropped rows)
+    return fused(_sum_by_token)(rows, slot, k, False)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -283,6 +289,12 @@ class TokenDispatcher(nn.Module):
         # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
         # half the bytes, and the gradient's sum over k sees the dtype the combine sees
         x = x.to(compute_dtype(x))
+        if self.ep * self.etp == 1 and not dropped and experts.fuses_gather(x):
+            # the experts read each row from x in place; the gradient's sum over k is the same
+            gather = Gather(token_of_row, slot, k, _sum_rows)
+            y_rows = experts(x, rows_per_expert, weight_of_row, args.prob_before_w2, gather)
+            overlapped = overlap() if overlap is not None else None
+            return _Combine.apply(y_rows, token_of_row, slot, k, False), keep, overlapped
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
             if dropped and not args.pad_to_capacity:

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.common.fused import fused
 from titan_fold.moe.fp8 import fp8_grouped_linear
+from titan_fold.moe.quack import Gather, down_projection, offsets, up_projection, use_quack
 
 
 def local(w: torch.Tensor) -> torch.Tensor:
@@ -37,17 +38,24 @@ def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int, fp8: bool = False):
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, fp8: bool = False, grouped_gemm: str = "auto"):
         super().__init__()
         self.fp8 = fp8  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
+        self.grouped_gemm = grouped_gemm  # "torch" | "quack" | "auto" (moe/quack.py)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
 
+    def fuses_gather(self, x: torch.Tensor) -> bool:
+        """Whether forward() reads the routed rows from the tokens x (in the experts' dtype) in place."""
+        return not self.fp8 and use_quack(self.grouped_gemm, x, local(self.w1).shape[1])
+
     def forward(
-        self, x: torch.Tensor, counts: torch.Tensor | int, probs: torch.Tensor, prob_before_w2: bool
+        self, x: torch.Tensor, counts: torch.Tensor | int, probs: torch.Tensor, prob_before_w2: bool,
+        gather: Gather | None = None,
     ) -> torch.Tensor:
         """x [R, dim] rows grouped by local expert; probs [R] routing weight of each row.
+        With gather (only where fuses_gather(x)): x [T, dim] tokens, row i reads x[gather.rows[i]].
 
         counts: [E_local] int tensor of rows per expert, summing to R (torch._grouped_mm
         leaves rows past its last offset uninitialized, so there must be none), or an int
@@ -65,6 +73,10 @@ class GroupedExperts(nn.Module):
         if isinstance(counts, int):
             y = _swiglu_padded(x.view(w1.shape[0], counts, -1), w1, w2, w3, p.view(w1.shape[0], counts, 1), prob_before_w2)
             return y.flatten(0, 1)
+        if gather is not None or use_quack(self.grouped_gemm, x, w1.shape[1]):
+            offs = offsets(counts)
+            a, b = up_projection(x, offs, w1, w3, gather)  # [R, ffn]
+            return _apply(a, b, p, lambda h: down_projection(h, offs, w2), prob_before_w2)
         if _grouped_mm_ok(x, w1.shape[1]):
             return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2)
         return _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2)

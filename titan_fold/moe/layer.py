@@ -34,7 +34,7 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.moe_ffn_dim, args.num_experts, args.expert_fp8)
+        self.experts = GroupedExperts(dim, args.moe_ffn_dim, args.num_experts, args.expert_fp8, args.grouped_gemm)
         self.shared_expert = FeedForward(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
         # one rank holding every expert and whole sequences; the parallelize step replaces it

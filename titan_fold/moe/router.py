@@ -29,23 +29,61 @@ def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     return t if mesh is None else funcol.all_reduce(t, "sum", mesh)
 
 
-def balance_terms(scores: torch.Tensor, experts: torch.Tensor, num_experts: int, mesh: DeviceMesh | None):
+def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: MoEArgs):
+    """The router's per-token work as one function (on a GPU one or two generated kernels each
+    way): logits [T, E] (float32 or wider) -> (probs [T, k], experts [T, k], score_sums [b, E],
+    counts [b, E], z [] or None), b = num_seqs sequences of T / b tokens each.
+
+    scores: softmax or sigmoid; the choice adds the aux-free bias (never the combine weights);
+    probs optionally renormalized over the k chosen. score_sums: per sequence, the sum of each
+    expert's scores normalized to 1 per token (the balance losses' P); counts: assignments per
+    expert and sequence (their f), in the scores' dtype; z: sum of logsumexp^2 (z-loss) when
+    args.z_loss_coeff > 0. A choice rule that needs the scores of expert groups (group-limited
+    top-k) takes `choice` here, before the top-k."""
+    E, k = args.num_experts, args.top_k
+    scores = logits.softmax(dim=-1) if args.score_func == "softmax" else logits.sigmoid()
+    choice = scores + expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
+    experts = choice.topk(k, dim=-1).indices  # [T, k]
+    probs = scores.gather(-1, experts)  # [T, k]
+    if args.norm_topk_prob:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    # balance losses see scores that sum to 1 per token (sigmoid scores do not)
+    dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+    score_sums = dist.view(num_seqs, -1, E).sum(1)  # [b, E]
+    per_seq = experts.view(num_seqs, -1)  # [b, T/b * k]
+    counts = torch.zeros(num_seqs, E, dtype=scores.dtype, device=scores.device)
+    counts = counts.scatter_add(1, per_seq, torch.ones_like(per_seq, dtype=scores.dtype))  # [b, E]
+    z = torch.logsumexp(logits, dim=-1).square().sum() if args.z_loss_coeff > 0 else None
+    return probs, experts, score_sums, counts, z
+
+
+_COMPILED_ROUTE = []
+
+
+def _route_on(device: torch.device):
+    """route() itself on the CPU and inside an enclosing torch.compile; compiled once on CUDA
+    (differentiable: the aux losses' gradient reaches the scores), any number of tokens."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return route
+    if not _COMPILED_ROUTE:
+        _COMPILED_ROUTE.append(torch.compile(route, dynamic=True))
+    return _COMPILED_ROUTE[0]
+
+
+def balance_terms(score_sums: torch.Tensor, counts: torch.Tensor, T: int, k: int, mesh: DeviceMesh | None):
     """Switch/GShard load balancing E * sum_e f_e * P_e over groups of tokens.
 
-    scores [G, T, E]: per-token scores normalized to sum 1; experts [G, T, k]; G groups
-    (1 = the whole micro-batch, b = each sequence). f_e = share of the group's T*k
-    assignments that went to e (no gradient), P_e = mean score of e. `mesh` holds the
-    other parts of the same tokens (cp x tp): f and P are over the whole group, so the
-    loss equals the one-rank value; this rank's term carries the gradient of its own
-    tokens' scores, and the terms of all ranks of `mesh` add up to the loss.
+    score_sums [G, E]: per group, the sum of each expert's per-token scores (normalized to sum 1
+    per token); counts [G, E]: assignments per expert (no gradient); T tokens and k choices per
+    group on this rank. f_e = share of the group's T*k assignments that went to e, P_e = mean
+    score of e. `mesh` holds the other parts of the same tokens (cp x tp): f and P are over the
+    whole group, so the loss equals the one-rank value; this rank's term carries the gradient of
+    its own tokens' scores, and the terms of all ranks of `mesh` add up to the loss.
     Returns (term [G] with gradient, loss [G] detached: the whole group's value).
     """
-    G, T, k = experts.shape
+    num_experts = counts.shape[-1]
     n = 1 if mesh is None else mesh.size()
-    counts = torch.zeros(G, num_experts, dtype=scores.dtype, device=scores.device)
-    counts = counts.scatter_add(1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=scores.dtype))
-    score_sums = scores.sum(1)  # [G, E]
-    both = _group_sum(torch.cat([counts, score_sums.detach()], dim=-1), mesh)  # [G, 2E]
+    both = _group_sum(torch.cat([counts.detach(), score_sums.detach()], dim=-1), mesh)  # [G, 2E]
     f = both[:, :num_experts] / (n * T * k)  # [G, E]
     term = num_experts * (f * score_sums / (n * T)).sum(-1)  # [G]
     loss = num_experts * (f * both[:, num_experts:] / (n * T)).sum(-1)  # [G]
@@ -66,39 +104,24 @@ class Router(nn.Module):
         holding the other parts of these sequences (attention cp x tp, the dispatcher's):
         the balance and z losses are computed over all of them."""
         args = self.args
-        E, k = args.num_experts, args.top_k
+        k = args.top_k
         T = x.shape[0]
+        b = T // seq_len
         logits = self.gate(x)  # [T, E]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if args.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-        else:
-            scores = logits.sigmoid()
+        probs, experts, score_sums, counts, z = _route_on(x.device)(logits, self.expert_bias, b, args)
 
-        choice = scores + self.expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
-        experts = choice.topk(k, dim=-1).indices  # [T, k]
-        probs = scores.gather(-1, experts)  # [T, k]
-        if args.norm_topk_prob:
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-
-        # balance losses see scores that sum to 1 per token (sigmoid scores do not)
-        dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        term, whole = balance_terms(dist[None], experts[None], E, seq_mesh)
-        loss = torch.zeros((), dtype=scores.dtype, device=scores.device)
+        term, whole = balance_terms(score_sums.sum(0, keepdim=True), counts.sum(0, keepdim=True), T, k, seq_mesh)
+        loss = torch.zeros((), dtype=logits.dtype, device=logits.device)
         if args.load_balance == "aux_loss":
             loss = loss + args.aux_loss_coeff * term[0]
         elif args.load_balance == "seq_aux_loss":
-            b = T // seq_len
-            per_seq, _ = balance_terms(dist.view(b, seq_len, E), experts.view(b, seq_len, k), E, seq_mesh)
+            per_seq, _ = balance_terms(score_sums, counts, seq_len, k, seq_mesh)
             loss = loss + args.aux_loss_coeff * per_seq.mean()
-        if args.z_loss_coeff > 0:
+        if z is not None:
             n = 1 if seq_mesh is None else seq_mesh.size()
-            loss = loss + args.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / (n * T)
-
-        tokens_per_expert = torch.zeros(E, dtype=torch.float32, device=x.device)
-        tokens_per_expert = tokens_per_expert.index_add(
-            0, experts.flatten(), torch.ones(experts.numel(), dtype=torch.float32, device=x.device)
-        )
+            loss = loss + args.z_loss_coeff * z / (n * T)
+        tokens_per_expert = counts.sum(0).detach().float()  # [E]
         return Routing(probs, experts, loss * loss_scale, whole[0], tokens_per_expert)
 
     def init_weights(self, init_std: float):

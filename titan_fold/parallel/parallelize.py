@@ -40,7 +40,8 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     if compile_model:
         # per block: blocks repeat, so one compiled graph serves all of them
         for layer_id, block in model.layers.named_children():
-            model.layers.register_module(layer_id, torch.compile(block, backend=job_config.compile.backend))
+            mode = "reduce-overhead" if getattr(job_config.compile, "cudagraphs", False) else None
+            model.layers.register_module(layer_id, torch.compile(block, backend=job_config.compile.backend, mode=mode))
         logger.info("Compiled each transformer block with torch.compile")
     apply_fsdp(model, layout, plan, job_config)
     return model

@@ -11,6 +11,7 @@ from titan_fold.common.config import ConfigError, JobConfig
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
+from titan_fold.moe.quack import quack_problem
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.parallelize import op_sac_problem
 from titan_fold.parallel.pipeline import check_pipeline
@@ -65,6 +66,9 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
         )
     if model_args.moe.expert_fp8:
         check_expert_fp8(config, model_args, layout)
+    # a dry run plans for the real GPUs, where QuACK may be installed
+    if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
+        raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")
     # a dry run reports it and records the step with full AC instead (dryrun.step_config)
     if config.comm.mode != "fake_backend" and (problem := op_sac_problem(config, layout)):
         raise ConfigError(problem)

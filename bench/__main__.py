@@ -1,0 +1,182 @@
+"""The GPU benchmarks as named suites: `python -m bench SUITE`.
+
+Each suite runs its steps (the scripts beside this file, each in a process of its own with a
+time limit) and writes ONE file, bench/results/<suite>_<gpu>_<date>.json, holding the suite's
+command, the machine (GPU, torch, CUDA, NCCL), the date, and per step the script's command and
+every figure it measured. `python -m bench.report` turns the latest file of each suite and
+machine into docs/benchmarks.md's tables.
+
+    python -m bench --help                     # the suites
+    python -m bench layer                      # one suite on this machine's GPU(s)
+    python -m bench trainer --base ../before   # and, interleaved, the same steps in a checkout
+                                               # of the code before (steps named <step>@base)
+
+The trainer suites need torchtitan 0.2.2 and its data packages; on a GPU machine without
+network carry them as wheels (bench/wheels.sh says how).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from bench.common import RESULTS_DIR, env_info  # noqa: E402
+
+QWEN3 = ["--family", "qwen3_moe", "--proxy", "30B-A3B-L12"]
+QWEN2 = ["--family", "qwen3_moe", "--proxy", "57B-A14B-L2"]
+FINE, COARSE = "qwen3_30b_a3b,mixtral_8x22b_g8t8", "qwen2_57b_a14b,mixtral_8x22b"
+TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
+
+
+@dataclass
+class Step:
+    name: str
+    script: str  # bench/<script>.py
+    args: list[str]
+    timeout: int  # seconds
+    gpus: int = 1  # > 1: launched by torchrun with that many processes
+    ours: str | None = None  # vs_torchtitan: the step whose titan_fold rows sit beside torchtitan's
+    base_args: list[str] | None = None  # --base: the arguments the code before takes (default: args)
+
+
+@dataclass
+class Suite:
+    help: str
+    steps: list[Step] = field(default_factory=list)
+
+
+SUITES = {
+    "layer": Suite(
+        "1 GPU: one MoE layer forward + backward at every shape of bench/moe_layer.py with moe.grouped_gemm torch "
+        "and quack, each beside the dense GEMM rate: the fine-grained shapes eager, compiled and captured in a CUDA "
+        "graph, the coarse ones eager; one profiled eager step at Qwen3-30B-A3B shapes (kernel classes, host gaps)",
+        [Step("layer_fine", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
+                                          "--shapes", FINE, "--compile", "all", "--no-profile"], 400,
+              base_args=["--modes", "dropless", "--shapes", FINE, "--compile", "both", "--no-profile"]),
+         Step("layer_coarse", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
+                                            "--shapes", COARSE, "--compile", "off", "--no-profile"], 300,
+              base_args=["--modes", "dropless", "--shapes", COARSE, "--compile", "off", "--no-profile"]),
+         Step("layer_profile", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
+                                             "--shapes", "qwen3_30b_a3b", "--compile", "off"], 200,
+              base_args=["--modes", "dropless", "--shapes", "qwen3_30b_a3b", "--compile", "off"])]),
+    "trainer": Suite(
+        "1 GPU: the trainer on the Qwen3-MoE proxies (Qwen3-30B-A3B widths, 12 layers; Qwen2-57B-A14B widths, "
+        "2 layers), bf16 weights, aux-free balancing, eager and compiled",
+        [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"], 200),
+         Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], 200)]),
+    "vs-torchtitan": Suite(
+        "1 GPU: the trainer suite's Qwen3-MoE proxies in titan_fold and in torchtitan 0.2.2, side by side",
+        [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"], 200),
+         Step("torchtitan_qwen3_30b_a3b_l12", "vs_torchtitan", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"],
+              200, ours="qwen3_30b_a3b_l12"),
+         Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], 200),
+         Step("torchtitan_qwen2_57b_a14b_l2", "vs_torchtitan", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"],
+              200, ours="qwen2_57b_a14b_l2")]),
+    "loss-curve": Suite(
+        "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack (compiled)",
+        [Step("qwen3_30b_a3b_l12_200", "train_step",
+              [*QWEN3, "--cases", "1gpu_bf16params_auxfree_compiled_torchgemm,1gpu_bf16params_auxfree_compiled_quack",
+               "--steps", "200", "--warmup-steps", "10"], 560)]),
+    "kernels": Suite(
+        "1 GPU: the routed grouped GEMMs alone, the gradient norm, the fp32 master step, row movement",
+        [Step("grouped_gemm", "grouped_gemm", [], 330), Step("grad_norm", "grad_norm", [], 90),
+         Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60)]),
+    "2gpu": Suite(
+        "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan",
+        [Step("collectives", "collectives", [], 60, gpus=2),
+         Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
+         Step("foldings", "train_step", ["--cases", "dp2_ep2,dp2_etp2,dp2_edp2,tp2_ep2,tp2_etp2,pp2", "--steps", "15"],
+              480),
+         Step("qwen3_30b_a3b_l12_dp2_ep2", "train_step", [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree",
+                                                          "--steps", "15"], 200),
+         Step("torchtitan_qwen3_30b_a3b_l12_dp2_ep2", "vs_torchtitan",
+              [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"], 200,
+              ours="qwen3_30b_a3b_l12_dp2_ep2")]),
+}
+
+
+def gpu_tag(env: dict) -> str:
+    """'h100', 'h200', ... (x<count> for several GPUs); 'cpu' without one."""
+    name = env["device"].lower()
+    tag = next((t for t in ("h100", "h200", "b200", "a100") if t in name), "cpu" if not env["device_count"] else "gpu")
+    return tag + (f"x{env['device_count']}" if env["device_count"] > 1 else "")
+
+
+def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None, base: bool = False) -> list[str]:
+    args = step.base_args if base and step.base_args is not None else step.args
+    cmd = [sys.executable, os.path.join("bench", f"{step.script}.py"), *args, "--name", name, "--out-dir", out_dir]
+    if step.gpus > 1 and step.script in ("moe_layer", "collectives"):  # these are the workers themselves
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(step.gpus),
+               "--master_port", "29541", *cmd[1:]]
+    if ours_path:
+        cmd += ["--ours", ours_path]
+    return cmd
+
+
+def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None) -> dict:
+    """Runs one step in the checkout `root`; -> {command, returncode, figures}."""
+    cmd = step_command(step, out_dir, name, ours_path, base=name.endswith("@base"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "PYTHONUNBUFFERED": "1"}
+    shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
+    print(f"[bench] {name}: {shown}", flush=True)
+    try:
+        rc = subprocess.run(cmd, cwd=root, env=env, timeout=step.timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    path = os.path.join(out_dir, f"{name}.json")
+    figures = json.load(open(path))["figures"] if os.path.exists(path) else None
+    return {"command": shown, "returncode": rc, "figures": figures}
+
+
+def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str) -> str:
+    suite = SUITES[suite_name]
+    env = env_info()
+    date = datetime.datetime.now(datetime.timezone.utc)
+    record = {"suite": suite_name, "command": "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+              "date_utc": date.strftime("%Y-%m-%dT%H:%M:%SZ"), "env": env, "figures": {}, "steps": {}}
+    path = os.path.join(out_dir, f"{suite_name}_{gpu_tag(env)}_{date.strftime('%Y-%m-%d')}.json")
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in suite.steps:
+            if steps and step.name not in steps:
+                continue
+            # code before first, then this code: interleaved, on the same warm machine
+            for tag, root in ([("@base", os.path.abspath(base))] if base else []) + [("", ROOT)]:
+                ours = os.path.join(tmp, f"{step.ours}{tag}.json") if step.ours else None
+                result = run_step(step, root, tmp, step.name + tag, ours)
+                record["figures"][step.name + tag] = result.pop("figures")
+                record["steps"][step.name + tag] = result
+                with open(path, "w") as f:  # after every step: a cut-off run keeps what it had
+                    json.dump(record, f, indent=1)
+                    f.write("\n")
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench", description="Run one benchmark suite; write "
+                                "bench/results/<suite>_<gpu>_<date>.json.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="suites:\n" + "\n".join(f"  {n:14s}{s.help}" for n, s in SUITES.items()))
+    p.add_argument("suite", choices=sorted(SUITES))
+    p.add_argument("--steps", default=None, help="comma list: run only these steps of the suite")
+    p.add_argument("--base", default=None, help="a checkout of the code before: each step runs there first, "
+                   "then here (results <step>@base and <step>)")
+    p.add_argument("--out-dir", default=RESULTS_DIR)
+    a = p.parse_args(argv)
+    path = run_suite(a.suite, a.steps.split(",") if a.steps else None, a.base, a.out_dir)
+    print(f"[bench] wrote {path}", flush=True)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Wheels for a GPU machine without network: builds the carry folders beside the repository root.
+#
+#   bash bench/wheels.sh            # -> .whl/ (everything but one big library) and .whl_big/
+#
+# The GPU image (python 3.12, torch 2.11) lacks the trainer's torchtitan 0.2.2, tyro, torchdata
+# and datasets (and their few missing dependencies) and the optional QuACK kernels
+# (`moe.grouped_gemm = "quack"`). One of QuACK's wheels, nvidia-cutlass-dsl-libs-cu13, is 92 MB,
+# over what one device call carries (64 MiB with the repository): it is unpacked and repacked
+# as .whl_big/cutlass_cu13.tar.xz (61 MiB), carried alone in a first call that only copies it to
+# /tmp, and the rest of .whl/ in the next call (while the machine is still warm):
+#
+#   call 1 (carry .whl_big):  cp .whl_big/cutlass_cu13.tar.xz /tmp/
+#   call 2 (carry .whl):      source bench/wheels.sh --install && <the benchmark>
+#
+# Installed under a directory named site-packages: QuACK fingerprints only its own code for its
+# kernel cache and treats code under a site-packages folder as installed libraries (elsewhere it
+# rejects the CUTLASS DSL's functions as unkeyable). With --install (sourced) the wheels go to
+# /tmp/tf/site-packages and PYTHONPATH points there.
+set -u
+SITE=/tmp/tf/site-packages
+if [ "${1:-}" = --install ]; then
+  mkdir -p "$SITE"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  # after pip: --upgrade replaces whole top-level folders, and nvidia_cutlass_dsl/ is shared
+  if [ -f /tmp/cutlass_cu13.tar.xz ]; then tar xJf /tmp/cutlass_cu13.tar.xz -C "$SITE"; fi
+  # the CUTLASS DSL's package dir is added by its .pth file, which --target does not read
+  export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD"
+  return 0 2>/dev/null || exit 0
+fi
+set -e
+PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+download() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+    -d .whl "$@"
+}
+mkdir -p .whl .whl_big
+# the trainer
+download torchtitan==0.2.2 tyro docstring-parser typeguard shtab tomli torchdata datasets==3.6.0 dill==0.3.8 multiprocess==0.70.16
+# QuACK (moe.grouped_gemm = "quack")
+download quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+  nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 \
+  torch-c-dlpack-ext==0.1.5
+big=$(ls .whl/nvidia_cutlass_dsl_libs_cu13-*.whl)
+tmp=$(mktemp -d)
+python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$big" "$tmp"
+tar cf - -C "$tmp" . | xz -9e -T2 > .whl_big/cutlass_cu13.tar.xz
+rm -rf "$tmp" "$big"
+du -sh .whl .whl_big

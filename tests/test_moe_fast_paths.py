@@ -1,0 +1,268 @@
+"""The MoE layer's fast paths: the fused router against the op-by-op router, no host sync inside
+the dropless layer on one EP rank, the grouped-GEMM choice, and on an sm90 GPU with QuACK the
+QuACK experts against float64 and a CUDA-graph-captured layer against the uncaptured one."""
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+from titan_fold.moe import MoE, MoEArgs
+from titan_fold.moe.quack import quack_problem, use_quack
+from titan_fold.moe.router import Router, route
+
+GPU_QUACK = quack_problem() is None
+
+
+def reference_routing(router: Router, x: torch.Tensor, seq_len: int):
+    """The router as separate ops (the definition route() fuses): probs, experts, loss, balance
+    loss and tokens per expert of x [T, dim], one rank."""
+    args = router.args
+    E, k, T = args.num_experts, args.top_k, x.shape[0]
+    logits = router.gate(x).float()
+    scores = logits.softmax(-1) if args.score_func == "softmax" else logits.sigmoid()
+    choice = scores + router.expert_bias if args.load_balance == "aux_free" else scores
+    experts = choice.topk(k, dim=-1).indices
+    probs = scores.gather(-1, experts)
+    if args.norm_topk_prob:
+        probs = probs / probs.sum(-1, keepdim=True)
+    dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+
+    def balance(d, e):  # d [G, n, E], e [G, n, k]
+        f = torch.stack([torch.bincount(row.flatten(), minlength=E) for row in e]).float() / (e.shape[1] * k)
+        return E * (f * d.mean(1)).sum(-1)
+
+    whole = balance(dist[None], experts[None])[0]
+    loss = torch.zeros(())
+    if args.load_balance == "aux_loss":
+        loss = loss + args.aux_loss_coeff * whole
+    elif args.load_balance == "seq_aux_loss":
+        b = T // seq_len
+        loss = loss + args.aux_loss_coeff * balance(dist.view(b, seq_len, E), experts.view(b, seq_len, k)).mean()
+    if args.z_loss_coeff > 0:
+        loss = loss + args.z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
+    return probs, experts, loss, whole.detach(), torch.bincount(experts.flatten(), minlength=E).float()
+
+
+ROUTERS = list(itertools.product(["softmax", "sigmoid"], ["aux_loss", "seq_aux_loss", "aux_free", "none"],
+                                 [False, True], [0.0, 1e-3]))
+
+
+@pytest.mark.parametrize("score_func,load_balance,norm,z", ROUTERS)
+def test_fused_router_equals_op_by_op_router(score_func, load_balance, norm, z):
+    """fp32: the same choices, weights, losses, statistics, and gradients of the gate."""
+    args = MoEArgs(num_experts=16, top_k=4, score_func=score_func, load_balance=load_balance, norm_topk_prob=norm,
+                   z_loss_coeff=z, aux_loss_coeff=0.0 if load_balance in ("aux_free", "none") else 1e-2)
+    torch.manual_seed(0)
+    router = Router(32, args)
+    router.gate.weight.data.normal_(0, 0.3)
+    router.expert_bias.normal_(0, 0.1)
+    x = torch.randn(3 * 20, 32)
+    got = router(x, 20)
+    want = reference_routing(router, x, 20)
+    torch.testing.assert_close(got.experts, want[1])
+    for a, b in zip((got.probs, got.loss, got.balance_loss, got.tokens_per_expert), (want[0], want[2], want[3], want[4])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(got.probs.shape)
+    grad = torch.autograd.grad((got.probs * upstream).sum() + got.loss, router.gate.weight)[0]
+    grad_ref = torch.autograd.grad((want[0] * upstream).sum() + want[2], router.gate.weight)[0]
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_route_is_one_graph():
+    """route() traces whole (no graph break), so on a GPU it compiles into one or two kernels each way."""
+    args = MoEArgs(num_experts=8, top_k=2, load_balance="seq_aux_loss", z_loss_coeff=1e-3)
+    logits = torch.randn(40, 8, requires_grad=True)
+    compiled = torch.compile(route, backend="aot_eager", fullgraph=True)
+    got, want = compiled(logits, torch.zeros(8), 2, args), route(logits, torch.zeros(8), 2, args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def _layer_step_on_fake_tensors(args: MoEArgs):
+    default = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            moe = MoE(64, args)
+        finally:
+            torch.set_default_dtype(default)
+        x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+        moe(x).float().square().sum().backward()
+
+
+@pytest.mark.parametrize("load_balance", ["aux_loss", "seq_aux_loss", "aux_free"])
+def test_dropless_layer_has_no_host_sync(load_balance):
+    """On fake tensors (no data on the host to read) a forward and backward of the dropless layer,
+    bf16 rows, one EP rank: any .item(), .tolist(), bool() of a tensor or data-dependent shape
+    inside the layer (router, dispatch, experts, combine, aux-loss bookkeeping) raises. Such a
+    layer can be captured in a CUDA graph."""
+    _layer_step_on_fake_tensors(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32,
+                                        load_balance=load_balance, z_loss_coeff=1e-3,
+                                        aux_loss_coeff=1e-2 if load_balance != "aux_free" else 0.0))
+
+
+def test_host_sync_check_fails_on_a_sync():
+    """The check above can fail: token drop without padding cuts the dropped rows off, a size
+    read from the device."""
+    with pytest.raises(DataDependentOutputException):
+        _layer_step_on_fake_tensors(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, capacity_factor=1.0))
+
+
+def test_grouped_gemm_choice_on_cpu():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert not use_quack("auto", x, 32) and not use_quack("torch", x, 32)
+    with pytest.raises(RuntimeError, match="moe.grouped_gemm = 'quack' runs on CUDA tensors only"):
+        use_quack("quack", x, 32)
+
+
+def test_grouped_gemm_config_rule():
+    from titan_fold.common.config import ConfigError, parse_args
+    from titan_fold.trainer.preflight import preflight
+
+    if GPU_QUACK:
+        pytest.skip("QuACK runs here")
+    with pytest.raises(ConfigError, match="moe.grouped_gemm = 'quack' needs"):
+        preflight(parse_args(["--job.config_file", "debug_moe.toml", "--moe.grouped_gemm", "quack"]), 1)
+
+
+# ---- GPU (sm90+, quack-kernels installed) ------------------------------------------------------
+
+needs_quack = pytest.mark.skipif(not GPU_QUACK, reason=f"QuACK experts: {quack_problem()}")
+
+
+def _rel(got, want):
+    return ((got.double().cpu() - want.double().cpu()).norm() / want.double().cpu().norm()).item()
+
+
+@needs_quack
+@pytest.mark.parametrize("gathered", [True, False])
+@pytest.mark.parametrize("prob_before_w2", [True, False])
+def test_quack_experts_match_float64(gathered, prob_before_w2):
+    """Forward and every gradient (tokens, probabilities, w1, w2, w3) of the QuACK experts, with
+    the gather fused or on given rows, against float64 per-expert GEMMs; two experts get no row."""
+    from titan_fold.moe.dispatcher import _sum_rows
+    from titan_fold.moe.experts import GroupedExperts, _swiglu_loop
+    from titan_fold.moe.quack import Gather
+
+    torch.manual_seed(0)
+    T, k, E, dim, ffn = 300, 4, 8, 256, 128
+    experts_of = torch.randint(0, E - 2, (T * k,))  # experts E-2 and E-1 get nothing
+    order = torch.sort(experts_of, stable=True).indices
+    counts = torch.bincount(experts_of, minlength=E)
+    rows, slot = order // k, torch.empty_like(order).scatter_(0, order, torch.arange(T * k))
+    x = torch.randn(T, dim, dtype=torch.float64)
+    probs = torch.rand(T * k, dtype=torch.float64)
+    mod = GroupedExperts(dim, ffn, E, grouped_gemm="quack").cuda()
+    mod.init_weights(0.05)
+    w = {n: p.detach().double().cpu().requires_grad_() for n, p in mod.named_parameters()}
+    xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    want = _swiglu_loop(xr[rows], counts, w["w1"], w["w2"], w["w3"], pr[order].unsqueeze(-1), prob_before_w2)
+    gy = torch.randn_like(want)
+    want.backward(gy)
+
+    mod = mod.to(torch.bfloat16)
+    xg = x.cuda().bfloat16().requires_grad_()
+    pg = probs.cuda().float().requires_grad_()
+    cnt, ro, sl = counts.cuda(), rows.cuda(), slot.cuda()
+    if gathered:
+        y = mod(xg, cnt, pg[order.cuda()], prob_before_w2, Gather(ro, sl, k, _sum_rows))
+    else:
+        y = mod(xg[ro], cnt, pg[order.cuda()], prob_before_w2)
+    y.backward(gy.cuda().bfloat16())
+    assert _rel(y, want) < 1e-2
+    assert _rel(xg.grad, xr.grad) < 1e-2 and _rel(pg.grad, pr.grad) < 1e-2
+    for n in ("w1", "w2", "w3"):
+        assert _rel(getattr(mod, n).grad, w[n].grad) < 1e-2, n
+        assert getattr(mod, n).grad[E - 2:].abs().max() == 0  # experts without rows
+
+
+@needs_quack
+def test_quack_weight_gradient_writes_zeros_for_experts_without_rows():
+    """The varlen-K GEMM stores every expert's tile, zeros where the expert got no row, into
+    memory poisoned with NaN."""
+    from titan_fold.moe.quack import offsets, quack
+
+    counts = torch.tensor([5, 0, 7, 0, 4], device="cuda")
+    left, right = (torch.randn(16, n, device="cuda", dtype=torch.bfloat16) for n in (64, 32))
+    out = torch.full((5, 64, 32), float("nan"), device="cuda", dtype=torch.bfloat16)
+    quack().gemm(left.mT, right, out=out, cu_seqlens_k=offsets(counts))
+    assert out[1].abs().max() == 0 and out[3].abs().max() == 0
+    want = left[:5].double().mT @ right[:5].double()
+    assert _rel(out[0], want) < 1e-2
+
+
+def _qwen3_like(grouped_gemm):
+    return MoEArgs(num_experts=16, top_k=4, moe_ffn_dim=128, norm_topk_prob=True, grouped_gemm=grouped_gemm)
+
+
+@needs_quack
+@pytest.mark.parametrize("compiled", [False, True])
+def test_quack_layer_matches_torch_layer(compiled):
+    """The whole layer, bf16: QuACK against torch._grouped_mm (eager and compiled)."""
+    outs = {}
+    for choice in ("torch", "quack"):
+        torch.manual_seed(0)
+        moe = MoE(256, _qwen3_like(choice)).cuda()
+        moe.init_weights(0.05)
+        moe = moe.bfloat16()
+        run = torch.compile(moe, fullgraph=False) if compiled else moe
+        x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = run(x)
+        y.float().square().sum().backward()
+        outs[choice] = [y, x.grad] + [p.grad for p in moe.parameters()]
+    for a, b in zip(outs["quack"], outs["torch"]):
+        assert _rel(a, b) < 2e-2
+
+
+@needs_quack
+@pytest.mark.parametrize("grouped_gemm", ["torch", "quack"])
+def test_cuda_graph_captured_layer_matches_uncaptured(grouped_gemm):
+    """20 SGD steps of the dropless layer, forward and backward captured in one CUDA graph and
+    replayed, against the same steps run eagerly: the same losses."""
+    def train(capture: bool):
+        torch.manual_seed(0)
+        moe = MoE(256, replace(_qwen3_like(grouped_gemm), load_balance="aux_loss", shared_ffn_dim=128)).cuda()
+        moe.init_weights(0.05)
+        moe = moe.bfloat16()
+        params = list(moe.parameters())
+        data = [torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)] * 20  # one batch: the loss falls
+        x_static = torch.empty_like(data[0])
+
+        def step():
+            for p in params:
+                p.grad = None
+            loss = moe(x_static).float().square().mean()
+            loss.backward()
+            return loss
+
+        losses = []
+        if capture:
+            x_static.copy_(data[0])
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):  # warm-up (the fused kernels' and QuACK's compiles); no update
+                    step()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                loss_static = step()
+        for xb in data:
+            x_static.copy_(xb)
+            if capture:
+                graph.replay()
+                loss = loss_static.clone()
+            else:
+                loss = step()
+            losses.append(loss.item())
+            with torch.no_grad():
+                for p in params:
+                    p.sub_(0.5 * p.grad)
+        return losses
+
+    eager, captured = train(False), train(True)
+    assert eager == pytest.approx(captured, rel=1e-3)
+    assert eager[-1] < eager[0]

@@ -1,0 +1,224 @@
+"""Routed experts on QuACK's grouped GEMMs (`moe.grouped_gemm = "quack"`): sm90+ GPUs, bf16.
+
+QuACK (`pip install -e ".[quack]"`, CuTe-DSL kernels) runs grouped GEMMs whose group offsets
+live on the device: varlen-M (`cu_seqlens_m`, one group of rows per expert) for the forward and
+input-gradient products, varlen-K (`cu_seqlens_k`) for the weight gradients, and it gathers the
+rows of its left operand itself (`A_idx`). Per layer:
+
+    forward   a = x[rows] @ w1[e].T, b = x[rows] @ w3[e].T   gather fused: no [R, dim] copy of
+                                                             the tokens is made or saved
+              h = silu(a) * b * p                            one generated kernel (fused.py)
+              y = h @ w2[e].T
+    backward  dh = dy @ w2[e]; da, db, dp from (dh, a, b, p)
+              dw2 = dy^T h, dw1 = da^T x[rows], dw3 = db^T x[rows]   varlen-K
+              dx_rows = da @ w1[e] + db @ w3[e]              the second accumulated in place
+              dx = each token's rows summed (the caller's row sum)
+
+The SwiGLU stays a separate kernel: QuACK's gated epilogue reads gate and up from one weight
+[E, dim, 2 * ffn] (interleaved columns), and the experts hold w1 and w3 apart (checkpoints, HF
+adapter, etp placements), so fusing it would copy both weights every step: at Qwen3-30B-A3B
+widths and 8192 tokens that copy moves 1.6 GB, more than the up-projection GEMMs read.
+
+Each projection's forward and backward is a custom op: torch.compile sees opaque calls with
+known output shapes, and the weights arrive as plain local tensors (FSDP2 and EP/ETP shards as
+for the torch path).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CHOICES = ("auto", "torch", "quack")
+
+
+@dataclass
+class Gather:
+    """Routed rows read from the tokens in place: row i is x[rows[i]] (rows grouped by expert),
+    and row_sum(g [R, dim], slot, k) -> [T, dim] sums each token's k rows of a gradient, slot [T *
+    k] being the row of each (token, choice). A module-level function, so torch.compile can
+    trace the backward that calls it."""
+
+    rows: torch.Tensor
+    slot: torch.Tensor
+    k: int
+    row_sum: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+_ALIGN = 8  # bf16 elements per 16 bytes: QuACK's operands need 16-byte aligned rows
+
+
+def _import_quack():
+    try:
+        from quack import gemm_interface
+    except Exception:  # not installed, or its CUDA libraries do not load here
+        return None
+    return gemm_interface
+
+
+_QUACK = None
+_LOADED = False
+
+
+def quack():
+    """QuACK's gemm interface, or None where it is not installed (imported once)."""
+    global _QUACK, _LOADED
+    if not _LOADED:
+        _QUACK, _LOADED = _import_quack(), True
+    return _QUACK
+
+
+def quack_problem(device_index: int | None = None) -> str | None:
+    """Why the QuACK experts cannot run on this machine's GPU (for a config error), or None."""
+    if device_index not in _PROBLEMS:
+        _PROBLEMS[device_index] = _problem(device_index)
+    return _PROBLEMS[device_index]
+
+
+_PROBLEMS = {}
+
+
+def _problem(device_index: int | None) -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability < (9, 0):
+        return f"needs an sm90 (Hopper) GPU or newer; this GPU is sm{capability[0]}{capability[1]}"
+    if quack() is None:
+        return 'needs quack-kernels (pip install -e ".[quack]")'
+    return None
+
+
+def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
+    """Whether rows x go through QuACK: "torch" never; "quack" where installed and the inputs suit
+    it (an error where they do not); "auto" likewise, inside torch.compile or a CUDA graph capture
+    only: run op by op its GEMM calls cost more host time than torch._grouped_mm's, and at fine-grained
+    shapes the layer is host-bound (docs/benchmarks.md)."""
+    if choice == "torch":
+        return False
+    if choice == "auto" and not (torch.compiler.is_compiling() or x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    problem = None
+    if not x.is_cuda:
+        problem = "runs on CUDA tensors only"
+    elif x.dtype != torch.bfloat16:
+        problem = f"takes bf16 rows (got {x.dtype}): set training.mixed_precision_param or training.dtype to bfloat16"
+    elif x.shape[-1] % _ALIGN or ffn % _ALIGN:
+        problem = f"needs the model width ({x.shape[-1]}) and the expert width per etp rank ({ffn}) divisible by {_ALIGN}"
+    else:
+        problem = quack_problem(x.device.index)
+    if problem is not None and choice == "quack":
+        raise RuntimeError(f"moe.grouped_gemm = 'quack' {problem}")
+    return problem is None
+
+
+@torch.library.custom_op("titan_fold::quack_up_forward", mutates_args=(), device_types="cuda")
+def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w1: torch.Tensor,
+                w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
+    routed rows); offs [E + 1]; w1, w3 [E, ffn, dim] -> a, b [R, ffn]."""
+    q = quack()
+    return q.gemm(x, w1.mT, cu_seqlens_m=offs, A_idx=rows), q.gemm(x, w3.mT, cu_seqlens_m=offs, A_idx=rows)
+
+
+@_up_forward.register_fake
+def _(x, rows, offs, w1, w3):
+    R = x.shape[0] if rows is None else rows.shape[0]
+    return x.new_empty(R, w1.shape[1]), x.new_empty(R, w3.shape[1])
+
+
+@torch.library.custom_op("titan_fold::quack_up_backward", mutates_args=(), device_types="cuda")
+def _up_backward(da: torch.Tensor, db: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
+                 offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dx_rows [R, dim] (da @ w1[e] + db @ w3[e]), dw1, dw3 [E, ffn, dim]."""
+    q = quack()
+    x_rows = x if rows is None else x[rows]  # [R, dim]: the weight gradients contract over rows
+    dw1 = _wgrad(q, da, x_rows, offs)
+    dw3 = _wgrad(q, db, x_rows, offs)
+    dx_rows = q.gemm(da, w1, cu_seqlens_m=offs)
+    q.gemm_add_inplace(db, w3, dx_rows, cu_seqlens_m=offs)
+    return dx_rows, dw1, dw3
+
+
+@_up_backward.register_fake
+def _(da, db, x, rows, offs, w1, w3):
+    return da.new_empty(da.shape[0], x.shape[1]), torch.empty_like(w1), torch.empty_like(w3)
+
+
+@torch.library.custom_op("titan_fold::quack_down_forward", mutates_args=(), device_types="cuda")
+def _down_forward(h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """h [R, ffn], w2 [E, dim, ffn] -> [R, dim]."""
+    return quack().gemm(h, w2.mT, cu_seqlens_m=offs)
+
+
+@_down_forward.register_fake
+def _(h, offs, w2):
+    return h.new_empty(h.shape[0], w2.shape[1])
+
+
+@torch.library.custom_op("titan_fold::quack_down_backward", mutates_args=(), device_types="cuda")
+def _down_backward(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> dh [R, ffn], dw2 [E, dim, ffn]."""
+    q = quack()
+    return q.gemm(dy, w2, cu_seqlens_m=offs), _wgrad(q, dy, h, offs)
+
+
+@_down_backward.register_fake
+def _(dy, h, offs, w2):
+    return h.new_empty(h.shape), torch.empty_like(w2)
+
+
+def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # [R, m], [R, n] -> [E, m, n]: each expert's left rows^T times its right rows (an expert
+    # without rows gets zeros: its tiles run no K step and store the zero accumulator)
+    return q.gemm(left.mT, right, cu_seqlens_k=offs)
+
+
+class _Up(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows, offs, w1, w3, slot, k, row_sum):
+        a, b = _up_forward(x, rows, offs, w1, w3)
+        ctx.save_for_backward(x, rows, offs, w1, w3, slot)
+        ctx.k, ctx.row_sum = k, row_sum
+        return a, b
+
+    @staticmethod
+    def backward(ctx, da, db):
+        x, rows, offs, w1, w3, slot = ctx.saved_tensors
+        dx_rows, dw1, dw3 = _up_backward(da.contiguous(), db.contiguous(), x, rows, offs, w1, w3)
+        dx = dx_rows if rows is None else ctx.row_sum(dx_rows, slot, ctx.k)
+        return dx, None, None, dw1, dw3, None, None, None
+
+
+class _Down(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, offs, w2):
+        ctx.save_for_backward(h, offs, w2)
+        return _down_forward(h, offs, w2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, offs, w2 = ctx.saved_tensors
+        dh, dw2 = _down_backward(dy.contiguous(), h, offs, w2)
+        return dh, None, dw2
+
+
+def offsets(counts: torch.Tensor) -> torch.Tensor:
+    """[E] rows per expert (on the device) -> [E + 1] int32: each expert's first row, then R."""
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def up_projection(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                  gather: "Gather | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """a = x[rows] @ w1[e].T, b = x[rows] @ w3[e].T per expert's rows, [R, ffn] each.
+
+    x [T, dim] bf16 with gather (rows of x read in place), or the R routed rows themselves;
+    offs from offsets()."""
+    if gather is None:
+        return _Up.apply(x, None, offs, w1, w3, None, 1, None)
+    return _Up.apply(x, gather.rows.to(torch.int32), offs, w1, w3, gather.slot, gather.k, gather.row_sum)
+
+
+def down_projection(h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """h [R, ffn] -> h @ w2[e].T per expert's rows, [R, dim]."""
+    return _Down.apply(h, offs, w2)
