@@ -128,6 +128,14 @@ class MoE:
     """The routed experts' forward and input-gradient grouped GEMMs in FP8 (float8_e4m3fn, one
     fp32 scale per row; weight gradient in bf16): sm90+ GPUs, bf16 compute (docs/benchmarks.md
     says at which shapes it pays)."""
+    delay_wgrad_compute: bool = False
+    """Compute the routed experts' weight gradients apart from their input gradients: in backward
+    while the dispatch all-to-all's gradients travel (Megatron-Core's --delay-wgrad-compute);
+    needs expert_parallel_degree > 1."""
+    overlap_ep_comm: bool = False
+    """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
+    that the expert all-to-alls of each run under the other's compute (Megatron-Core's
+    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches."""
 
 
 @dataclass

@@ -38,3 +38,9 @@ class MoEArgs:
     prob_before_w2: bool = True
     # routed experts' forward and input-gradient GEMMs in rowwise-scaled FP8 (moe/fp8.py)
     expert_fp8: bool = False
+    # the experts' weight gradients computed apart from their input gradients, later in
+    # backward (moe/wgrad.py; Megatron-Core's --delay-wgrad-compute)
+    delay_wgrad_compute: bool = False
+    # two micro-batches' forward and backward interleaved layer by layer, so that each one's
+    # expert all-to-alls run beside the other's compute (parallel/overlap.py)
+    overlap_ep_comm: bool = False

@@ -9,6 +9,7 @@ dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.fused import fused
@@ -40,6 +41,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, fp8: bool = False):
         super().__init__()
         self.fp8 = fp8  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
+        # a WgradQueue: weight gradients computed apart from input gradients (moe/wgrad.py)
+        self.wgrad = None
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
@@ -58,6 +61,8 @@ class GroupedExperts(nn.Module):
         x = x.to(dtype)
         w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
+        if self.wgrad is not None:
+            return _swiglu_split_wgrad(self, x, counts, w1, w2, w3, p, prob_before_w2)
         if self.fp8:
             if isinstance(counts, int):
                 counts = torch.full((w1.shape[0],), counts, device=x.device)
@@ -173,6 +178,17 @@ def _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, linear=_bf16_group
     a = linear(x, w1, offs)  # [R, ffn]
     b = linear(x, w3, offs)
     return _apply(a, b, p, lambda h: linear(h, w2, offs), prob_before_w2)
+
+
+def _swiglu_split_wgrad(experts, x, counts, w1, w2, w3, p, prob_before_w2):
+    from titan_fold.moe.wgrad import flush_at_input, split_grouped_linear
+
+    if isinstance(counts, int):  # padded: groups of C rows
+        counts = torch.full((w1.shape[0],), counts, device=x.device)
+    if isinstance(experts, FSDPModule):
+        # FSDP2 reduce-scatters the unit's gradients when they reach its input
+        x, p = flush_at_input(x, experts.wgrad), flush_at_input(p, experts.wgrad)
+    return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, split_grouped_linear(experts.wgrad, experts.fp8))
 
 
 def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
