@@ -1,4 +1,5 @@
-"""Two micro-batches overlapped layer by layer (moe.overlap_ep_comm, parallel/overlap.py).
+"""Two micro-batches overlapped layer by layer (moe.overlap_ep_comm, parallel/overlap.py), and
+the trainer with it and with the weight-gradient split (moe.delay_wgrad_compute).
 
 On 4 gloo ranks in fp32, a small Qwen2-MoE (a dense first layer, shared expert with gate,
 aux and z losses) whose experts are spread over ep 2 (edp 2), ep 4 and ep 2 x etp 2: the
@@ -9,14 +10,16 @@ off. The recorded order of the pieces is the interleaving the schedule promises.
 
 import dataclasses
 import os
+import re
 import socket
 import traceback
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes
+from conftest import forget_earlier_meshes, train_from_seed
 
 WORLD = 4
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
@@ -66,7 +69,7 @@ def overlapped(ep_mesh, etp_mesh, delay):
     model = build(ep_mesh, etp_mesh, delay)
     schedule = OverlapSchedule(model, MICRO_BATCHES)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        losses = [schedule.step(tokens, labels, loss_fn, 1 / 100.0) for tokens, labels in batches()]
+        losses = [schedule.step(tokens, labels, lambda x, y: loss_fn(x, y) / 100.0) for tokens, labels in batches()]
     flush_wgrad(model)
     order = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("overlap:")]
     return losses, {n: p.grad for n, p in model.named_parameters()}, order
@@ -143,3 +146,58 @@ def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
     mp.start_processes(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
     assert not failures, "\n".join(failures)[:20000]
+
+
+# ---- the trainer: the one-rank run's numbers with the options on ----------------------------
+
+# (ranks, args); every run sees the global batch of 8 sequences in micro-batches of one, as
+# the one-rank reference: 4 micro-batches per rank at dp 2, 2 at dp 4
+TRAINER_RUNS = {
+    # the split alone: W in the dispatch backward, also when the MoE layers are recomputed
+    "delay_dp2_ep2_moe_recompute": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute",
+                                        "--activation_checkpoint.moe_layer_recompute")),
+    # FSDP2 over edp 2: W before the experts unit's reduce-scatter
+    "delay_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    # the overlap, FSDP2 over dp 2 for the dense layers
+    "overlap_dp2_ep2": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
+                            "--moe.delay_wgrad_compute")),
+    # sequence parallel attention, the MoE on each tp rank's tokens
+    "overlap_tp2_ep2": (2, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                            "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
+    "overlap_dp4_ep2_etp2": (4, ("--parallelism.expert_parallel_degree", "2",
+                                 "--parallelism.expert_tensor_parallel_degree", "2", "--moe.overlap_ep_comm",
+                                 "--moe.delay_wgrad_compute")),
+    "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINER_RUNS))
+def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
+    nproc, args = TRAINER_RUNS[name]
+    got = train_from_seed(tmp_path, nproc, seed_checkpoint, 5, "--training.local_batch_size", "1",
+                          "--training.global_batch_size", "8", *args)
+    assert len(got) == len(one_rank_reference) == 5
+    for ref, run in zip(one_rank_reference, got):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert run[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (name, key, ref["step"])
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--moe.delay_wgrad_compute",), "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree > 1"),
+    (("--moe.overlap_ep_comm",), "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree > 1"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
+     "moe.overlap_ep_comm = true needs at least 2 micro-batches per step"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
+      "2", "--training.local_batch_size", "4"), "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
+     "moe.delay_wgrad_compute = true with compile.enable"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",
+      "--activation_checkpoint.mode", "full"), "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
+])
+def test_refused_with_the_key(args, match):
+    from titan_fold.config import ConfigError, parse_args
+    from titan_fold.train import check_layout
+
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args])
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        check_layout(config, 4)

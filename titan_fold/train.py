@@ -33,9 +33,11 @@ from titan_fold.logs import setup_logging
 from titan_fold.models import FLAVORS
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.moe.fp8 import fp8_problem
+from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward, overlap_problem
 from titan_fold.parallel.parallelize import op_sac_problem
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
@@ -160,6 +162,8 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
         raise LayoutError(f"{', '.join(keys)} (world size {world_size}): {e}") from None
     if layout.pp > 1:
         check_pipeline(config, model_args, layout.pp)
+    if problem := overlap_problem(config, layout):
+        raise ConfigError(problem)
     return layout
 
 
@@ -193,6 +197,10 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = NonFiniteGuard(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py)
+        self.overlap = (OverlapSchedule(self.model_parts[0], self.gradient_accumulation_steps, self.train_context,
+                                        lambda: self.maybe_enable_amp)
+                        if self.model_args.moe.overlap_ep_comm else None)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
         if torch.distributed.get_rank() == 0:
@@ -234,6 +242,10 @@ class FoldTrainer(Trainer):
             loss = pipeline_forward_backward(
                 self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+        elif self.overlap is not None:
+            loss = overlap_forward_backward(
+                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
         else:
             # aux losses are token means over this micro-batch's sequences (the router gathers
             # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
@@ -244,6 +256,7 @@ class FoldTrainer(Trainer):
             loss = super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+        flush_wgrad(self.model_parts)  # weight gradients still queued (moe.delay_wgrad_compute)
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 

@@ -49,7 +49,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
+from titan_fold.moe import moe_layers
 from titan_fold.moe.router import AddAuxLoss
 from titan_fold.moe.wgrad import WgradQueue
 
@@ -98,11 +100,11 @@ def _a2a(t, out_splits, in_splits, mesh):
 
 class MicroBatch:
     """One micro-batch's pieces; forward() and backward() are generators that stop after
-    each all-to-all is issued. The loss is loss_fn(logits, labels) * loss_scale."""
+    each all-to-all is issued. loss_fn(logits, labels) -> the loss backward starts from."""
 
-    def __init__(self, model: nn.Module, inputs, labels, loss_fn, loss_scale, positions=None, index: int = 0):
+    def __init__(self, model: nn.Module, inputs, labels, loss_fn, positions=None, index: int = 0):
         self.model, self.inputs, self.labels, self.index = model, inputs, labels, index
-        self.loss_fn, self.loss_scale, self.positions = loss_fn, loss_scale, positions
+        self.loss_fn, self.positions = loss_fn, positions
         self.pieces: list = []  # forward order
         self.wgrad: dict[int, WgradQueue] = {}  # experts piece index -> its layer's weight-gradient queue
         self.loss = None
@@ -139,7 +141,7 @@ class MicroBatch:
             (h,) = self._compute(f"layer{i} post", lambda r, y, s, moe=moe, plan=plan: (_post(moe, plan, r, y, s),),
                                  h, y_rows, shared)
         (self.loss,) = self._compute(
-            "head", lambda x: (self.loss_fn(model.overlap_head(x), self.labels) * self.loss_scale,), h)
+            "head", lambda x: (self.loss_fn(model.overlap_head(x), self.labels),), h)
 
     def backward(self) -> Iterator[None]:
         grads = {id(self.loss): torch.ones_like(self.loss)}  # output -> its gradient, summed over readers
@@ -184,9 +186,10 @@ def _attention(block, x: torch.Tensor, cos, sin):
     """An MoE block up to the dispatch, as MoE.forward: x [b, s, dim] -> (h, shared expert
     output or None, rows to send [R, dim], their weights [R], plan)."""
     h = x + block.attention(block.attention_norm(x), cos, sin)  # [b, s, dim]
-    b, s, dim = h.shape
     moe = block.moe
-    tokens = block.ffn_norm(h).reshape(b * s, dim)  # [T, dim]
+    tokens = _local(block.ffn_norm(h))  # this rank's tokens, as the MoE takes them under sequence parallel
+    b, s, dim = tokens.shape
+    tokens = tokens.reshape(b * s, dim)  # [T, dim]
     routing = moe.router(tokens, s, moe.aux_loss_scale, moe.dispatcher.seq_mesh)
     shared = moe._shared(tokens) if moe.shared_expert is not None else None
     if moe.args.load_balance in ("aux_loss", "seq_aux_loss") or moe.args.z_loss_coeff > 0:
@@ -200,7 +203,14 @@ def _post(moe, plan, h: torch.Tensor, y_rows: torch.Tensor, shared: torch.Tensor
     y = moe.dispatcher.unpermute(y_rows, plan)  # [T, dim]
     if shared is not None:
         y = y + shared
-    return h + y.view(h.shape)
+    y = y.view(_local(h).shape)
+    if isinstance(h, DTensor):  # sequence parallel: the MoE returns this rank's tokens as h is placed
+        y = DTensor.from_local(y, h.device_mesh, h.placements, run_check=False)
+    return h + y
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _embed(model, tokens):
@@ -258,8 +268,8 @@ class OverlapSchedule:
         self.pending: MicroBatch | None = None
         self.done = 0
 
-    def step(self, inputs, labels, loss_fn, loss_scale, positions=None) -> torch.Tensor:
-        mb = MicroBatch(self.model, inputs, labels, loss_fn, loss_scale, positions, self.done)
+    def step(self, inputs, labels, loss_fn, positions=None) -> torch.Tensor:
+        mb = MicroBatch(self.model, inputs, labels, loss_fn, positions, self.done)
         previous = self.pending.backward() if self.pending is not None else iter(())
         interleave(previous, mb.forward(), self.context, self.forward_context)
         self.done += 1
@@ -269,3 +279,53 @@ class OverlapSchedule:
         else:
             self.pending = mb
         return mb.loss.detach()
+
+
+def micro_batches(config, layout) -> int:
+    """Gradient-accumulation micro-batches per step without PP."""
+    tr = config.training
+    per_step = tr.local_batch_size * layout.dp
+    return (tr.global_batch_size if tr.global_batch_size > 0 else per_step) // per_step
+
+
+def overlap_problem(config, layout) -> str | None:
+    """Why moe.delay_wgrad_compute / moe.overlap_ep_comm cannot apply to this job, or None."""
+    moe, ac = config.moe, config.activation_checkpoint
+    compiled = config.compile.enable and "model" in config.compile.components
+    for key in ("delay_wgrad_compute", "overlap_ep_comm"):
+        if not getattr(moe, key):
+            continue
+        if layout.ep == 1:
+            return (f"moe.{key} = true needs parallelism.expert_parallel_degree > 1: it hides the expert "
+                    "all-to-all, and ep = 1 has none")
+        if compiled:
+            return (f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
+                    "outside one compiled graph; choose one")
+    if not moe.overlap_ep_comm:
+        return None
+    if layout.pp > 1:
+        return (f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree = {layout.pp}: it overlaps "
+                "the micro-batches of gradient accumulation; the pipeline schedules run whole stages")
+    if (n := micro_batches(config, layout)) < 2:
+        tr = config.training
+        return (f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
+                f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}")
+    if ac.mode != "none" or ac.moe_layer_recompute:
+        what = f"activation_checkpoint.mode = '{ac.mode}'" if ac.mode != "none" else "activation_checkpoint.moe_layer_recompute"
+        return f"moe.overlap_ep_comm = true with {what}: the overlapped pieces are not recomputed; choose one"
+    return None
+
+
+def overlap_forward_backward(trainer, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+    """FoldTrainer.forward_backward_step with moe.overlap_ep_comm: this micro-batch's forward
+    beside the previous one's backward; -> its loss sum / global tokens."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
+    model = trainer.model_parts[0]
+    for moe in moe_layers(model):
+        # a new tensor, not fill_: the previous micro-batch's backward still reads its own
+        moe.aux_loss_scale = scale.detach().clone()
+    inputs, labels, _, extra_kwargs = trainer.post_dataloading_process(input_dict, labels)
+    return trainer.overlap.step(inputs, labels, lambda pred, target: trainer.loss_fn(pred, target) / global_valid_tokens,
+                                extra_kwargs.get("positions"))
