@@ -514,7 +514,8 @@ def _p2p_signature(call: dict) -> tuple:
 def shrunk_config(job_config, model_args):
     """The same job at the same layout with a tiny model: same experts, top-k and heads,
     widths of a few units, as few layers as the pipeline split allows; one gradient
-    accumulation step, the shortest valid sequence."""
+    accumulation step (the step trainer runs two under moe.overlap_ep_comm), the shortest
+    valid sequence."""
     from titan_fold.parallel.pipeline import stage_fqns
 
     config = _dry_config(job_config)
@@ -575,7 +576,7 @@ def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
     tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
     with CollectiveRecorder(rank) as recorder:
         try:
-            trainer.train_step(iter([({"input": tokens}, tokens.clone())]))
+            trainer.train_step(iter([({"input": tokens}, tokens.clone())] * trainer.gradient_accumulation_steps))
         except Exception as e:  # where a real run of this layout would fail too
             raise StepFailed(rank, e) from e
     return dict(recorder.calls)
@@ -598,6 +599,7 @@ class StepFailed(Exception):
 
 def _step_trainer_class():
     from titan_fold.guard import NonFiniteError, NonFiniteGuard, SkippedStep
+    from titan_fold.parallel.overlap import OverlapSchedule
     from titan_fold.train import FoldTrainer
 
     class _VerdictFreeGuard(NonFiniteGuard):
@@ -644,6 +646,11 @@ def _step_trainer_class():
             self.train_context = dist_utils.get_train_context(tp_loss)
             self.maybe_enable_amp = maybe_enable_amp(layout, config.training.mixed_precision_param, "cpu")
             self.checkpointer = self.metrics_processor = self
+            if model_args.moe.overlap_ep_comm:  # a step of two micro-batches, overlapped as a pair
+                self.gradient_accumulation_steps = 2
+                self.overlap = OverlapSchedule(self.model_parts[0], 2, self.train_context, lambda: self.maybe_enable_amp)
+            else:
+                self.overlap = None
 
         def maybe_wait_for_staging(self):
             pass

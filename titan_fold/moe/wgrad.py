@@ -23,6 +23,7 @@ forward used it (its cast, DTensor.to_local), so parameter gradients accumulate 
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from titan_fold.moe.fp8 import _weight_grad, fp8_grouped_linear
 
@@ -56,20 +57,34 @@ def defer_weight_grad(queue: WgradQueue, w: torch.Tensor, grad: torch.Tensor, x:
         return
 
     def work():
-        torch.autograd.backward(w, _weight_grad(grad, x, offs).to(w.dtype))  # dW [E, N, K]
+        torch.autograd.backward(w, _weight_grad_of(grad, x, offs).to(w.dtype))  # dW [E, N, K]
 
     queue.defer(work)
 
 
-def _grouped_ok(x: torch.Tensor) -> bool:
-    # the eager CPU kernel takes fp32 and bf16 with 16-byte aligned rows; CUDA bf16
-    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and (
-        x.is_cuda or x.dtype == torch.float32) and all((n * x.element_size()) % 16 == 0 for n in x.shape[1:])
+def _grouped_ok(x: torch.Tensor, *widths: int) -> bool:
+    # bf16 anywhere (CUDA, CPU eager, fake tensors), fp32 in CPU eager; 16-byte aligned rows
+    fp32_ok = x.dtype == torch.float32 and not x.is_cuda and not is_fake(x)
+    return (hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or fp32_ok)
+            and all((n * x.element_size()) % 16 == 0 for n in widths))
+
+
+def _weight_grad_of(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grad [M, N], x [M, K] -> [E, N, K], group e: grad[rows of e].T @ x[rows of e]."""
+    if grad.is_cuda:
+        return _weight_grad(grad, x, offs)
+    if _grouped_ok(x, grad.shape[1], x.shape[1]):
+        return torch._grouped_mm(grad.t(), x, offs=offs)
+    out, start = [], 0
+    for end in offs.tolist():
+        out.append(grad[start:end].T @ x[start:end])
+        start = end
+    return torch.stack(out)
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [M, K] rows grouped by offs, w [E, N, K] -> [M, N] (no autograd)."""
-    if _grouped_ok(x) and (w.shape[1] * x.element_size()) % 16 == 0:
+    if _grouped_ok(x, x.shape[1], w.shape[1]):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     out, start = [], 0
     for e, end in enumerate(offs.tolist()):
