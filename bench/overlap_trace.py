@@ -85,7 +85,7 @@ def worker(rank, port, out_dir, trace):
         pair = order[order.index("mb0 backward head"): order.index("mb1 forward head") + 1]
         if trace:
             prof.export_chrome_trace(trace)
-        summary = {"command": "python bench/overlap_trace.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+        summary = {"command": " ".join(["python bench/overlap_trace.py", *sys.argv[1:]]), "torch": torch.__version__,
                    "date": datetime.date.today().isoformat(), "device": "CPU, gloo, 2 ranks",
                    "pair_order": pair}
         with open(os.path.join(out_dir, "overlap_trace_cpu.json"), "w") as f:

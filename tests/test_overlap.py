@@ -156,6 +156,16 @@ TRAINER_RUNS = {
     # the split alone: W in the dispatch backward, also when the MoE layers are recomputed
     "delay_dp2_ep2_moe_recompute": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute",
                                         "--activation_checkpoint.moe_layer_recompute")),
+    # under the pipeline schedules, which run each stage's backward in one piece
+    "delay_pp2_dp2_ep2_1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                                   "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                   "--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    "delay_pp2_cp2_ep2_Interleaved1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2",
+                                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                              "--training.local_batch_size", "8",
+                                              "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                              "--parallelism.context_parallel_degree", "2",
+                                              "--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
     # FSDP2 over edp 2: W before the experts unit's reduce-scatter
     "delay_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
     # the overlap, FSDP2 over dp 2 for the dense layers
@@ -168,6 +178,9 @@ TRAINER_RUNS = {
                                  "--parallelism.expert_tensor_parallel_degree", "2", "--moe.overlap_ep_comm",
                                  "--moe.delay_wgrad_compute")),
     "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    # cp's load-balanced chunks: the pieces take the global positions for RoPE
+    "overlap_cp2_ep2": (2, ("--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                            "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
 }
 
 
@@ -175,7 +188,7 @@ TRAINER_RUNS = {
 def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
     nproc, args = TRAINER_RUNS[name]
     got = train_from_seed(tmp_path, nproc, seed_checkpoint, 5, "--training.local_batch_size", "1",
-                          "--training.global_batch_size", "8", *args)
+                          "--training.global_batch_size", "8", *args)  # a later --training.local_batch_size wins
     assert len(got) == len(one_rank_reference) == 5
     for ref, run in zip(one_rank_reference, got):
         for key in ("loss", "grad_norm", "moe_aux_loss"):

@@ -157,6 +157,7 @@ class MicroBatch:
             for source, g in zip(piece.sources, in_grads):
                 if g is not None:
                     grads[id(source)] = g if id(source) not in grads else _wait(grads[id(source)]) + _wait(g)
+            self.pieces[i] = piece.name  # its activations and gradients go now, not at the end
             if i in self.wgrad:
                 pending_wgrad = (piece.name, self.wgrad[i])
             if isinstance(piece, AllToAll):
