@@ -214,3 +214,26 @@ def test_refused_with_the_key(args, match):
     config = parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args])
     with pytest.raises(ConfigError, match=re.escape(match)):
         check_layout(config, 4)
+
+
+def test_dry_run_collectives_match_with_overlap():
+    """qwen2.toml at its 64 ranks with the overlap (pp 1: dp_shard 32 x tp 2, ep 4 x edp 16):
+    every rank's overlapped step of two micro-batches issues what the other members of each
+    of its groups issue."""
+    from test_dryrun import config
+
+    from titan_fold import dryrun
+
+    try:
+        c = config("qwen2.toml", "--parallelism.pipeline_parallel_degree", "1", "--activation_checkpoint.mode", "none",
+                   "--compile.no-enable", "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
+        _, args, _ = dryrun.check_config(c, 64)
+        per_group = dryrun.record_collectives(c, 64, args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert dryrun.first_divergence(per_group) is None
+    assert set().union(*(g.keys() for g in per_group.values())) == set(range(64))
+    # the ep all-to-alls of both micro-batches, forward and backward, come from the schedule's pieces
+    sites = {call["site"] for g in per_group.values() for calls in g.values() for call in calls}
+    assert any("parallel/overlap.py" in site for site in sites), sorted(sites)[:20]

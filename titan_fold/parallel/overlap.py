@@ -29,9 +29,10 @@ MoE layers (B's layer l, A's layer m, m counting down):
     A: experts weight gradients (W), attention backward | under B's combine a2a
     B: post forward ...
 
-The experts' weight gradients are split from their input gradients (moe/wgrad.py), so that
-the dispatch backward a2a waits only for dX and W fills the next slot. With FSDP2 over the
-experts (edp > 1) W runs before the unit's reduce-scatter instead (moe/wgrad.py).
+With moe.delay_wgrad_compute the experts' weight gradients are split from their input
+gradients (moe/wgrad.py), so that the dispatch backward a2a waits only for dX and W fills
+the next slot; without it W runs with dX. With FSDP2 over the experts (edp > 1) W runs
+before the unit's reduce-scatter instead (moe/wgrad.py).
 
 Gradient accumulation over n >= 2 micro-batches runs: forward 0; then (backward i-1 |
 forward i) for i = 1 .. n-1; then backward n-1. Every rank runs the same pieces in the same
@@ -57,9 +58,11 @@ from titan_fold.moe.wgrad import WgradQueue
 
 
 class Piece:
-    """A compute piece: fn(*inputs) -> tuple of outputs, on inputs cut from the graph before it."""
+    """A compute piece: fn(*inputs) -> tuple of outputs (tensors, or anything else, which
+    backward skips), on inputs cut from the graph before it."""
 
-    def __init__(self, fn, *sources):
+    def __init__(self, name: str, fn, *sources):
+        self.name = name
         self.sources = sources  # the tensors it reads, as their producers gave them
         self.inputs = [_cut(t) for t in sources]
         self.outputs = fn(*self.inputs)
@@ -86,8 +89,8 @@ def _wait(t):
 class AllToAll:
     """A comm piece: tensors [rows, ...] to the ep ranks, `send` rows to each, `recv` from each."""
 
-    def __init__(self, sources, send, recv, mesh):
-        self.sources, self.send, self.recv, self.mesh = sources, send, recv, mesh
+    def __init__(self, name: str, sources, send, recv, mesh):
+        self.name, self.sources, self.send, self.recv, self.mesh = name, sources, send, recv, mesh
         self.outputs = [_a2a(t.detach(), recv, send, mesh).requires_grad_(t.requires_grad) for t in sources]
 
     def backward(self, grads: list) -> list:
@@ -117,27 +120,18 @@ class MicroBatch:
             if not block.moe_enabled:
                 (h,) = self._compute(f"layer{i} dense", lambda x, block=block: (block(x, cos, sin),), h)
                 continue
-            moe, found = block.moe, {}
-
-            def attention(x, block=block, found=found):
-                *outputs, found["plan"] = block.overlap_attention(x, cos, sin)
-                return outputs
-
-            h, shared, x_rows, w_rows = self._compute(f"layer{i} attention", attention, h)
-            plan = found["plan"]
-            if moe.dispatcher.ep * moe.dispatcher.etp == 1:
-                (y_rows,) = self._compute(f"layer{i} experts", lambda x, w, moe=moe, plan=plan: (
-                    moe.experts(x, plan.rows_per_expert, w, moe.args.prob_before_w2),), x_rows, w_rows)
-            else:
-                sp, mesh = plan.splits, moe.dispatcher.ep_mesh
-                x_in, w_in = self._comm(f"layer{i} dispatch a2a", [x_rows, w_rows], sp.send, sp.recv, mesh)
-                yield
-                (y_in,) = self._compute(f"layer{i} experts", lambda x, w, moe=moe, plan=plan: (
-                    moe.dispatcher.compute(x, w, plan, moe.experts, moe.args),), x_in, w_in)
-                if moe.experts.wgrad is not None:
-                    self.wgrad[len(self.pieces) - 1] = moe.experts.wgrad
-                (y_rows,) = self._comm(f"layer{i} combine a2a", [y_in], sp.recv, sp.send, mesh)
-                yield
+            moe = block.moe
+            h, shared, x_rows, w_rows, plan = self._compute(
+                f"layer{i} attention", lambda x, block=block: block.overlap_attention(x, cos, sin), h)
+            sp, mesh = plan.splits, moe.dispatcher.ep_mesh  # ep > 1 (overlap_problem)
+            x_in, w_in = self._comm(f"layer{i} dispatch a2a", [x_rows, w_rows], sp.send, sp.recv, mesh)
+            yield
+            (y_in,) = self._compute(f"layer{i} experts", lambda x, w, moe=moe, plan=plan: (
+                moe.dispatcher.compute(x, w, plan, moe.experts, moe.args),), x_in, w_in)
+            if moe.experts.wgrad is not None:
+                self.wgrad[len(self.pieces) - 1] = moe.experts.wgrad
+            (y_rows,) = self._comm(f"layer{i} combine a2a", [y_in], sp.recv, sp.send, mesh)
+            yield
             (h,) = self._compute(f"layer{i} post", lambda r, y, s, moe=moe, plan=plan: (_post(moe, plan, r, y, s),),
                                  h, y_rows, shared)
         (self.loss,) = self._compute(
@@ -170,15 +164,13 @@ class MicroBatch:
 
     def _compute(self, name: str, fn, *inputs):
         with self._label(f"forward {name}"):
-            piece = Piece(fn, *inputs)
-        piece.name = name
+            piece = Piece(name, fn, *inputs)
         self.pieces.append(piece)
         return piece.outputs
 
     def _comm(self, name: str, tensors, send, recv, mesh):
         with self._label(f"forward {name}"):
-            piece = AllToAll(tensors, send, recv, mesh)
-        piece.name = name
+            piece = AllToAll(name, tensors, send, recv, mesh)
         self.pieces.append(piece)
         return piece.outputs
 
