@@ -85,6 +85,20 @@ def check_case(case, mesh, ep_mesh, etp_mesh):
         torch.testing.assert_close(got[2][key], ref[2][key], **tol, msg=lambda m, key=key: f"{name}: grad of {key}: {m}")
 
 
+def check_order(mesh, ep_mesh, etp_mesh):
+    """In backward the weight gradients run after the dispatch all-to-all's reverse is issued
+    and before it is waited for."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run({}, True, mesh, ep_mesh, etp_mesh, False, False, 1)
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    names = [e.name for e in events]
+    w = names.index("moe:experts weight gradients")
+    issued = [n for n in names[:w] if "all_to_all_single" in n or "wait_tensor" in n]
+    assert issued and "all_to_all_single" in issued[-1], issued[-3:]  # issued, not yet waited for
+    after = [e.name for e in events[w + 1:] if e.time_range.start >= events[w].time_range.end]
+    assert any("wait_tensor" in n for n in after), "the all-to-all was waited for before the weight gradients"
+
+
 def check_unflushed(mesh, ep_mesh, etp_mesh):
     ref = run({}, False, mesh, ep_mesh, etp_mesh, False, False, 2)
     got = run({}, True, mesh, ep_mesh, etp_mesh, False, False, 2, flush=False)
@@ -106,6 +120,7 @@ def worker(rank, port, out_dir):
         checks = [(c[0], lambda c=c: check_case(c, mesh, ep_mesh, etp_mesh)) for c in CASES
                   if not (c[3] and WORLD // (ep * etp) == 1)]
         checks.append(("unflushed", lambda: check_unflushed(mesh, ep_mesh, etp_mesh)))
+        checks.append(("order", lambda: check_order(mesh, ep_mesh, etp_mesh)))
         for name, check in checks:
             try:
                 check()

@@ -43,8 +43,10 @@ class WgradQueue:
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
-        for work in pending:
-            work()
+        if pending:
+            with torch.profiler.record_function("moe:experts weight gradients"):
+                for work in pending:
+                    work()
 
     def __len__(self) -> int:
         return len(self.pending)
