@@ -16,7 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["docs/layouts.md", "docs/parallelize.md", "docs/planning.md"]
+DOCS = ["docs/layouts.md", "docs/moe.md", "docs/parallelize.md", "docs/planning.md"]
 MARKER = "<!-- gen -->"
 
 

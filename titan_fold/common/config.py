@@ -141,6 +141,14 @@ class MoE:
     """The routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (QuACK's kernels on
     sm90+ GPUs, the rows' gather fused: `pip install -e ".[quack]"`), or "auto" (default: QuACK where
     it is installed and the GPU and dtype suit it, else torch)."""
+    delay_wgrad_compute: bool = False
+    """Compute the routed experts' weight gradients apart from their input gradients: in backward
+    while the dispatch all-to-all's gradients travel (Megatron-Core's --delay-wgrad-compute);
+    needs expert_parallel_degree > 1."""
+    overlap_ep_comm: bool = False
+    """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
+    that the expert all-to-alls of each run under the other's compute (Megatron-Core's
+    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches."""
 
 
 @dataclass

@@ -145,6 +145,8 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
 
     -> {(group desc, group ranks): {rank: [call, ...]}}"""
     config, args = shrunk_config(job_config, model_args)
+    if args.moe.overlap_ep_comm:  # micro-batches overlapped in pairs: a step of two
+        config.training.global_batch_size = 2 * config.training.local_batch_size * layout_from_config(config, world_size).dp
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     ranks = list(ranks if ranks is not None else range(world_size))
     with SharedShardingDecisions.installed():
@@ -169,7 +171,7 @@ def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
     tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
     with CollectiveRecorder(rank) as recorder:
         try:
-            trainer.train_step(iter([({"input": tokens}, tokens.clone())]))
+            trainer.train_step(iter([({"input": tokens}, tokens.clone())] * trainer.gradient_accumulation_steps))
         except Exception as e:  # where a real run of this layout would fail too
             raise StepFailed(rank, e) from e
     return dict(recorder.calls)

@@ -162,6 +162,14 @@ class Transformer(ModelProtocol):
         if self.output is not None and not args.tie_embeddings:
             trunc_normal_(self.output.weight, args.dim**-0.5)
 
+    def rope(self, seq_len: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the tokens' positions: [seq_len, head_dim], or [b, s, head_dim] for positions [b, s]."""
+        if positions is None:
+            if seq_len > self.args.max_seq_len:
+                raise ValueError(f"sequence length {seq_len} > max_seq_len {self.args.max_seq_len}")
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        return self.rope_cos[positions], self.rope_sin[positions]
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
@@ -170,12 +178,7 @@ class Transformer(ModelProtocol):
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [b, s, dim]
-        if positions is None:
-            if h.shape[1] > self.args.max_seq_len:
-                raise ValueError(f"sequence length {h.shape[1]} > max_seq_len {self.args.max_seq_len}")
-            cos, sin = self.rope_cos[: h.shape[1]], self.rope_sin[: h.shape[1]]
-        else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope(h.shape[1], positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h

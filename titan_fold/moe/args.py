@@ -41,3 +41,9 @@ class MoEArgs:
     # routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (moe/quack.py: QuACK's
     # kernels, the gather fused), "auto": QuACK where installed and the rows suit it
     grouped_gemm: Literal["auto", "torch", "quack"] = "auto"
+    # the experts' weight gradients computed apart from their input gradients, later in
+    # backward (moe/wgrad.py; Megatron-Core's --delay-wgrad-compute)
+    delay_wgrad_compute: bool = False
+    # two micro-batches' forward and backward interleaved layer by layer, so that each one's
+    # expert all-to-alls run beside the other's compute (parallel/overlap.py)
+    overlap_ep_comm: bool = False

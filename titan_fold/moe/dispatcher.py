@@ -155,10 +155,33 @@ def _size(mesh: DeviceMesh | None) -> int:
     return 1 if mesh is None else mesh.size()
 
 
-def _a2a(x: torch.Tensor, out_splits, in_splits, mesh: DeviceMesh | None) -> torch.Tensor:
+def _a2a(x: torch.Tensor, out_splits, in_splits, mesh: DeviceMesh | None, then: Callable | None = None) -> torch.Tensor:
+    """then: work run in backward after the reverse all-to-all is issued, before it is waited for."""
     if mesh is None:
         return x
+    if then is not None:
+        return _AllToAllThen.apply(x, out_splits, in_splits, mesh, then)
     return funcol.all_to_all_single_autograd(x, out_splits, in_splits, mesh)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class _AllToAllThen(torch.autograd.Function):
+    """all_to_all_single whose backward runs `then()` while the gradients travel."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, mesh, then):
+        ctx.splits, ctx.mesh, ctx.then = (out_splits, in_splits), mesh, then
+        return _wait(funcol.all_to_all_single(x, out_splits, in_splits, mesh))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_x = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.mesh)  # issued
+        ctx.then()
+        return _wait(grad_x), None, None, None, None
 
 
 def _all_gather_v(x: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -201,6 +224,19 @@ class _Splits:
     send: list[int] | None  # rows to each ep rank
     recv: list[int] | None  # rows from each ep rank
     gather: list[int] | None  # rows of each etp rank after its all-to-all
+
+
+@dataclass
+class Plan:
+    """Where one layer call's rows go and come back: what permute decided for the later phases."""
+
+    token_of_row: torch.Tensor  # [R] token of each row sent
+    slot: torch.Tensor  # [T*k] row of each assignment
+    k: int
+    keep: torch.Tensor | None  # [T, k] kept assignments (token drop)
+    rows_per_expert: torch.Tensor | int  # [E] rows for each expert, or C (padded)
+    splits: _Splits | None = None  # with an exchange: sizes of its collectives
+    rows_of_source: torch.Tensor | None = None  # [etp*ep, E_loc] rows each source sends each local expert
 
 
 class TokenDispatcher(nn.Module):
@@ -257,7 +293,36 @@ class TokenDispatcher(nn.Module):
         overlap: work that does not depend on the routed experts (the shared expert), run
         while the tokens are on their way: after the EP all-to-all is issued and before its
         result is read (functional collectives wait at first use), so that on a GPU its
-        kernels run beside the exchange; without an exchange, after the experts."""
+        kernels run beside the exchange; without an exchange, after the experts.
+
+        The phases (permute, dispatch, compute, combine, unpermute) are methods of their own:
+        the two-micro-batch schedule (parallel/overlap.py) runs them apart."""
+        # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
+        # half the bytes, and the gradient's sum over k sees the dtype the combine sees
+        x = x.to(compute_dtype(x))
+        # one rank, dropless: experts that can read each row from x in place get x itself
+        fused_gather = self.ep * self.etp == 1 and args.capacity_factor is None and experts.fuses_gather(x)
+        plan, x_rows, w_rows = self.permute(x, probs, experts_idx, args, num_seqs, gather_rows=not fused_gather)
+        if self.ep * self.etp == 1:
+            gather = Gather(plan.token_of_row, plan.slot, plan.k, _sum_rows) if fused_gather else None
+            y_rows = experts(x_rows, plan.rows_per_expert, w_rows, args.prob_before_w2, gather)
+            overlapped = overlap() if overlap is not None else None
+        else:
+            wgrad = experts.wgrad
+            flush = wgrad.flush if wgrad is not None and wgrad.flush_in_dispatch else None
+            # backward: the experts' weight gradients run while the tokens' gradients travel
+            x_in = _a2a(x_rows, plan.splits.recv, plan.splits.send, self.ep_mesh, then=flush)
+            w_in = _a2a(w_rows, plan.splits.recv, plan.splits.send, self.ep_mesh)
+            overlapped = overlap() if overlap is not None else None
+            y_in = self.compute(x_in, w_in, plan, experts, args)
+            y_rows = _a2a(y_in, plan.splits.send, plan.splits.recv, self.ep_mesh)  # [sum(send), dim]
+        return self.unpermute(y_rows, plan), plan.keep, overlapped
+
+    def permute(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor, args: MoEArgs,
+                num_seqs: int, gather_rows: bool = True) -> tuple["Plan", torch.Tensor, torch.Tensor]:
+        """Drop decisions, rows grouped by destination, split sizes exchanged (the layer's one
+        host sync) -> (plan, x_rows [R, dim], w_rows [R]: the rows to send and their weights).
+        gather_rows False (one rank, dropless): x itself in place of x_rows."""
         T, k = experts_idx.shape
         E, N = args.num_experts, T * k
         keep, cap = self.keep_mask(probs, experts_idx, num_seqs, args)
@@ -286,28 +351,49 @@ class TokenDispatcher(nn.Module):
             slot = _inverse(order)  # [N] row of each assignment
 
         dropped = keep is not None
-        # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
-        # half the bytes, and the gradient's sum over k sees the dtype the combine sees
         x = x.to(compute_dtype(x))
-        if self.ep * self.etp == 1 and not dropped and experts.fuses_gather(x):
-            # the experts read each row from x in place; the gradient's sum over k is the same
-            gather = Gather(token_of_row, slot, k, _sum_rows)
-            y_rows = experts(x, rows_per_expert, weight_of_row, args.prob_before_w2, gather)
-            overlapped = overlap() if overlap is not None else None
-            return _Combine.apply(y_rows, token_of_row, slot, k, False), keep, overlapped
+        plan = Plan(token_of_row, slot, k, keep, rows_per_expert)
+        if not gather_rows:
+            return plan, x, weight_of_row
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
             if dropped and not args.pad_to_capacity:
                 n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
-            y_rows = experts(x_rows, rows_per_expert, weight_of_row, args.prob_before_w2)
-            overlapped = overlap() if overlap is not None else None
-        else:
-            y_rows, overlapped = self._exchange(x_rows, weight_of_row, rows_per_expert, experts, args, overlap)
+            return plan, x_rows, weight_of_row
+        E_loc = E // self.ep
+        # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
+        plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
+        if plan.splits.send is not None:
+            n = _rows(sum(plan.splits.send), x_rows.shape[0])
+            x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
+        return plan, x_rows, weight_of_row
+
+    def compute(self, x_in: torch.Tensor, w_in: torch.Tensor, plan: "Plan", experts: GroupedExperts,
+                args: MoEArgs) -> torch.Tensor:
+        """Rows that arrived over ep -> the experts' output rows, summed over etp, to send back.
+        x_in [sum(recv), dim], w_in [sum(recv)], by (ep source, expert)."""
+        sp, rows_of_source = plan.splits, plan.rows_of_source
+        x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
+        w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
+
+        # group rows by local expert (stable: keeps source order inside an expert)
+        E_loc = rows_of_source.shape[1]
+        expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(rows_of_source.shape[0])
+        expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=x_all.shape[0])
+        perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
+        inv = _inverse(perm)
+        counts = plan.rows_per_expert
+        local_counts = rows_of_source.sum(0) if sp.send is not None else rows_of_source.shape[0] * counts
+        y_sorted = experts(_PermuteRows.apply(x_all, perm, inv), local_counts, w_all[perm], args.prob_before_w2)
+        y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
+        return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
+
+    def unpermute(self, y_rows: torch.Tensor, plan: "Plan") -> torch.Tensor:
+        """The experts' rows back on this rank [R, dim] -> y [T, dim], each token the sum of its rows."""
         R = y_rows.shape[0]  # dropped rows were cut off: their assignments read the zero row
-        # [T, dim], sum over k; in the experts' dtype (bf16 under autocast)
-        y = _Combine.apply(y_rows, token_of_row[:R], slot.clamp(max=R), k, dropped)
-        return y, keep, overlapped
+        # in the experts' dtype (bf16 under autocast)
+        return _Combine.apply(y_rows, plan.token_of_row[:R], plan.slot.clamp(max=R), plan.k, plan.keep is not None)
 
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
         """Exchange counts and bring the split sizes to the host: the layer's one sync.
@@ -337,31 +423,3 @@ class TokenDispatcher(nn.Module):
             gather=[sum(block(got, j * ep + s) for s in range(ep)) for j in range(etp)],
         )
         return splits, gathered.view(etp * ep, E_loc)
-
-    def _exchange(self, x_rows, w_rows, counts, experts: GroupedExperts, args: MoEArgs, overlap):
-        """-> (y_rows of this rank's rows, overlap() or None, run while the tokens travel)."""
-        E_loc = args.num_experts // self.ep
-        # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
-        sp, rows_of_source = self._splits(counts, E_loc, x_rows.device, x_rows.shape[0])
-        if sp.send is not None:
-            n = _rows(sum(sp.send), x_rows.shape[0])
-            x_rows, w_rows = x_rows[:n], w_rows[:n]  # cut the dropped rows off
-
-        x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh)  # [sum(recv), dim], by (ep source, expert)
-        w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)
-        overlapped = overlap() if overlap is not None else None
-        x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
-        w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
-
-        # group rows by local expert (stable: keeps source order inside an expert)
-        expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(rows_of_source.shape[0])
-        expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=x_all.shape[0])
-        perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
-        inv = _inverse(perm)
-        local_counts = rows_of_source.sum(0) if sp.send is not None else rows_of_source.shape[0] * counts
-        y_sorted = experts(_PermuteRows.apply(x_all, perm, inv), local_counts, w_all[perm], args.prob_before_w2)
-        y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
-
-        y_in = _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
-        return _a2a(y_in, sp.send, sp.recv, self.ep_mesh), overlapped  # [sum(send), dim]
-

@@ -9,11 +9,13 @@ dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.common.fused import fused
 from titan_fold.moe.fp8 import fp8_grouped_linear
 from titan_fold.moe.quack import Gather, down_projection, offsets, up_projection, use_quack
+from titan_fold.moe.wgrad import flush_at_input, split_grouped_linear
 
 
 def local(w: torch.Tensor) -> torch.Tensor:
@@ -42,13 +44,15 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.fp8 = fp8  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
         self.grouped_gemm = grouped_gemm  # "torch" | "quack" | "auto" (moe/quack.py)
+        # a WgradQueue: weight gradients computed apart from input gradients (moe/wgrad.py)
+        self.wgrad = None
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
 
     def fuses_gather(self, x: torch.Tensor) -> bool:
         """Whether forward() reads the routed rows from the tokens x (in the experts' dtype) in place."""
-        return not self.fp8 and use_quack(self.grouped_gemm, x, local(self.w1).shape[1])
+        return self.wgrad is None and not self.fp8 and use_quack(self.grouped_gemm, x, local(self.w1).shape[1])
 
     def forward(
         self, x: torch.Tensor, counts: torch.Tensor | int, probs: torch.Tensor, prob_before_w2: bool,
@@ -66,6 +70,8 @@ class GroupedExperts(nn.Module):
         x = x.to(dtype)
         w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
+        if self.wgrad is not None:
+            return _swiglu_split_wgrad(self, x, counts, w1, w2, w3, p, prob_before_w2)
         if self.fp8:
             if isinstance(counts, int):
                 counts = torch.full((w1.shape[0],), counts, device=x.device)
@@ -185,6 +191,15 @@ def _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, linear=_bf16_group
     a = linear(x, w1, offs)  # [R, ffn]
     b = linear(x, w3, offs)
     return _apply(a, b, p, lambda h: linear(h, w2, offs), prob_before_w2)
+
+
+def _swiglu_split_wgrad(experts, x, counts, w1, w2, w3, p, prob_before_w2):
+    if isinstance(counts, int):  # padded: groups of C rows
+        counts = torch.full((w1.shape[0],), counts, device=x.device)
+    if isinstance(experts, FSDPModule):
+        # FSDP2 reduce-scatters the unit's gradients when they reach its input
+        x, p = flush_at_input(x, experts.wgrad), flush_at_input(p, experts.wgrad)
+    return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, split_grouped_linear(experts.wgrad, experts.fp8))
 
 
 def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):

@@ -123,8 +123,9 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.
 
 class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs):
+    def forward(ctx, x, w, offs, defer_wgrad):
         ctx.save_for_backward(x, w, offs)
+        ctx.defer_wgrad = defer_wgrad
         x_q, x_s = quantize(x)
         w_q, w_s = quantize(w)  # per (expert, output row), amax over the input width
         return scaled_grouped_mm(x_q, x_s, w_q, w_s, offs, x.dtype)
@@ -136,10 +137,14 @@ class _FP8GroupedLinear(torch.autograd.Function):
         g_q, g_s = quantize(grad)
         wt_q, wt_s = quantize(w.transpose(1, 2))  # per (expert, input column), amax over the output rows
         grad_x = scaled_grouped_mm(g_q, g_s, wt_q, wt_s, offs, x.dtype)
-        return grad_x, _weight_grad(grad, x, offs).to(w.dtype), None
+        if ctx.defer_wgrad is not None:  # moe/wgrad.py computes it later
+            ctx.defer_wgrad(grad, x, offs)
+            return grad_x, None, None, None
+        return grad_x, _weight_grad(grad, x, offs).to(w.dtype), None, None
 
 
-def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, defer_wgrad=None) -> torch.Tensor:
     """x [M, K] rows grouped by expert, w [E, N, K], offs [E] int32 end rows -> x @ w[e].T per
-    group [M, N], forward and input gradient in FP8, weight gradient in x's dtype."""
-    return _FP8GroupedLinear.apply(x, w, offs)
+    group [M, N], forward and input gradient in FP8, weight gradient in x's dtype.
+    defer_wgrad(grad, x, offs): takes the weight gradient's operands instead of computing it."""
+    return _FP8GroupedLinear.apply(x, w, offs, defer_wgrad)

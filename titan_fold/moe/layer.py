@@ -7,6 +7,7 @@ from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.dispatcher import TokenDispatcher
 from titan_fold.moe.experts import GroupedExperts, swiglu
 from titan_fold.moe.router import AddAuxLoss, Router
+from titan_fold.moe.wgrad import WgradQueue
 
 
 class FeedForward(nn.Module):
@@ -35,6 +36,8 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.moe_ffn_dim, args.num_experts, args.expert_fp8, args.grouped_gemm)
+        if args.delay_wgrad_compute:
+            self.experts.wgrad = WgradQueue()
         self.shared_expert = FeedForward(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
         # one rank holding every expert and whole sequences; the parallelize step replaces it

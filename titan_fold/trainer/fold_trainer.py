@@ -24,9 +24,11 @@ from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.moe import moe_layers, update_expert_bias
+from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_
 from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
 from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
 from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
@@ -96,6 +98,10 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py)
+        self.overlap = (OverlapSchedule(self.model_parts[0], self.gradient_accumulation_steps, self.train_context,
+                                        lambda: self.maybe_enable_amp)
+                        if self.model_args.moe.overlap_ep_comm else None)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
         if self.model_args.moe.load_balance == "aux_free":
@@ -139,6 +145,10 @@ class FoldTrainer(Trainer):
             loss = pipeline_forward_backward(
                 self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+        elif self.overlap is not None:
+            loss = overlap_forward_backward(
+                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
         else:
             # aux losses are token means over this micro-batch's sequences (the router gathers
             # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
@@ -149,6 +159,7 @@ class FoldTrainer(Trainer):
             loss = super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+        flush_wgrad(self.model_parts)  # weight gradients still queued (moe.delay_wgrad_compute)
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 

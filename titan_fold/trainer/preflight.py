@@ -13,6 +13,7 @@ from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.moe.quack import quack_problem
 from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.overlap import overlap_problem
 from titan_fold.parallel.parallelize import op_sac_problem
 from titan_fold.parallel.pipeline import check_pipeline
 from titan_fold.trainer.train_spec import register_train_specs
@@ -122,5 +123,7 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
         raise LayoutError(f"{', '.join(keys)} (world size {world_size}): {e}") from None
     if layout.pp > 1:
         check_pipeline(config, model_args, layout.pp)
+    if problem := overlap_problem(config, layout):
+        raise ConfigError(problem)
     return layout
 

@@ -1,0 +1,239 @@
+"""Two micro-batches overlapped layer by layer (moe.overlap_ep_comm, parallel/overlap.py), and
+the trainer with it and with the weight-gradient split (moe.delay_wgrad_compute).
+
+On 4 gloo ranks in fp32, a small Qwen2-MoE (a dense first layer, shared expert with gate,
+aux and z losses) whose experts are spread over ep 2 (edp 2), ep 4 and ep 2 x etp 2: the
+overlapped schedule over 3 accumulated micro-batches gives every rank the losses and every
+parameter gradient of plain gradient accumulation, with the weight-gradient split on and
+off. The recorded order of the pieces is the interleaving the schedule promises.
+"""
+
+import dataclasses
+import os
+import re
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import forget_earlier_meshes, train_from_seed
+
+WORLD = 4
+LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
+MICRO_BATCHES = 3
+
+
+def build(ep_mesh, etp_mesh, delay):
+    from titan_fold.models import FLAVORS, Transformer
+    from titan_fold.parallel.experts import shard_moe
+
+    args = FLAVORS["qwen2_moe"]["debug"]
+    moe_args = dataclasses.replace(args.moe, z_loss_coeff=1e-3, delay_wgrad_compute=delay)
+    args = dataclasses.replace(args, n_layers=3, first_k_dense=1, moe=moe_args)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    for block in model.layers.values():
+        if block.moe_enabled:
+            shard_moe(block.moe, ep_mesh, etp_mesh)
+    return model
+
+
+def batches():
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return [(torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g))
+            for _ in range(MICRO_BATCHES)]
+
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def reference(ep_mesh, etp_mesh):
+    model = build(ep_mesh, etp_mesh, delay=False)
+    losses = []
+    for tokens, labels in batches():
+        loss = loss_fn(model(tokens), labels) / 100.0
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {n: p.grad for n, p in model.named_parameters()}
+
+
+def overlapped(ep_mesh, etp_mesh, delay):
+    from titan_fold.moe.wgrad import flush_wgrad
+    from titan_fold.parallel.overlap import OverlapSchedule
+
+    model = build(ep_mesh, etp_mesh, delay)
+    schedule = OverlapSchedule(model, MICRO_BATCHES)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        losses = [schedule.step(tokens, labels, lambda x, y: loss_fn(x, y) / 100.0) for tokens, labels in batches()]
+    flush_wgrad(model)
+    order = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("overlap:")]
+    return losses, {n: p.grad for n, p in model.named_parameters()}, order
+
+
+def check_order(order, ep):
+    """Between micro-batch 0's backward and 1's forward: each all-to-all of one is issued
+    before the other's next compute piece, which runs while it travels."""
+    assert order[0] == "overlap:mb0 forward embed", order[:3]
+    pair = order[order.index("overlap:mb0 backward head"):]
+    pair = pair[: pair.index("overlap:mb1 forward head") + 1]
+    if ep == 1:
+        return
+    expected_start = [
+        "overlap:mb0 backward head",
+        "overlap:mb0 backward layer2 post",
+        "overlap:mb0 backward layer2 combine a2a",  # issued ...
+        "overlap:mb1 forward embed",  # ... then the other micro-batch computes
+        "overlap:mb1 forward layer0 dense",
+        "overlap:mb1 forward layer1 attention",
+        "overlap:mb1 forward layer1 dispatch a2a",
+        "overlap:mb0 backward layer2 experts",
+        "overlap:mb0 backward layer2 dispatch a2a",
+        "overlap:mb1 forward layer1 experts",
+        "overlap:mb1 forward layer1 combine a2a",
+    ]
+    assert pair[: len(expected_start)] == expected_start, pair
+
+
+def case(ep_mesh, etp_mesh, ep):
+    ref_losses, ref_grads = reference(ep_mesh, etp_mesh)
+    for delay in (False, True):
+        losses, grads, order = overlapped(ep_mesh, etp_mesh, delay)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            assert ref is not None and grads[name] is not None, name
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name: f"delay={delay} grad of {name}: {m}")
+        check_order(order, ep)
+        if delay:
+            flushes = [i for i, e in enumerate(order) if e.endswith("experts W")]
+            assert flushes, "no weight gradient was delayed"
+            assert all(order[i + 1].endswith("attention") and "backward" in order[i + 1] for i in flushes), order
+
+
+def worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    forget_earlier_meshes()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    failures = []
+    for ep, etp in LAYOUTS:
+        mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
+        try:
+            case(mesh["ep"], mesh["etp"] if etp > 1 else None, ep)
+        except AssertionError:
+            failures.append(f"ep={ep} etp={etp}:\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
+    mp.start_processes(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
+    assert not failures, "\n".join(failures)[:20000]
+
+
+# ---- the trainer: the one-rank run's numbers with the options on ----------------------------
+
+# (ranks, args); every run sees the global batch of 8 sequences in micro-batches of one, as
+# the one-rank reference: 4 micro-batches per rank at dp 2, 2 at dp 4
+TRAINER_RUNS = {
+    # the split alone: W in the dispatch backward, also when the MoE layers are recomputed
+    "delay_dp2_ep2_moe_recompute": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute",
+                                        "--activation_checkpoint.moe_layer_recompute")),
+    # under the pipeline schedules, which run each stage's backward in one piece
+    "delay_pp2_dp2_ep2_1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                                   "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                   "--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    "delay_pp2_cp2_ep2_Interleaved1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2",
+                                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                              "--training.local_batch_size", "8",
+                                              "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                              "--parallelism.context_parallel_degree", "2",
+                                              "--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    # FSDP2 over edp 2: W before the experts unit's reduce-scatter
+    "delay_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    # the overlap, FSDP2 over dp 2 for the dense layers
+    "overlap_dp2_ep2": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
+                            "--moe.delay_wgrad_compute")),
+    # sequence parallel attention, the MoE on each tp rank's tokens
+    "overlap_tp2_ep2": (2, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                            "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
+    "overlap_dp4_ep2_etp2": (4, ("--parallelism.expert_parallel_degree", "2",
+                                 "--parallelism.expert_tensor_parallel_degree", "2", "--moe.overlap_ep_comm",
+                                 "--moe.delay_wgrad_compute")),
+    "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    # cp's load-balanced chunks: the pieces take the global positions for RoPE
+    "overlap_cp2_ep2": (2, ("--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                            "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINER_RUNS))
+def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
+    nproc, args = TRAINER_RUNS[name]
+    got = train_from_seed(tmp_path, nproc, seed_checkpoint, 5, "--training.local_batch_size", "1",
+                          "--training.global_batch_size", "8", *args)  # a later --training.local_batch_size wins
+    assert len(got) == len(one_rank_reference) == 5
+    for ref, run in zip(one_rank_reference, got):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert run[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (name, key, ref["step"])
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--moe.delay_wgrad_compute",), "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree > 1"),
+    (("--moe.overlap_ep_comm",), "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree > 1"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
+     "moe.overlap_ep_comm = true needs at least 2 micro-batches per step"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
+      "2", "--training.local_batch_size", "4"), "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
+     "moe.delay_wgrad_compute = true with compile.enable"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",
+      "--activation_checkpoint.mode", "full"), "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
+])
+def test_refused_with_the_key(args, match):
+    from titan_fold.config import ConfigError, parse_args
+    from titan_fold.train import check_layout
+
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args])
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        check_layout(config, 4)
+
+
+def test_dry_run_collectives_match_with_overlap():
+    """qwen2.toml at its 64 ranks with the overlap (pp 1: dp_shard 32 x tp 2, ep 4 x edp 16):
+    every rank's overlapped step of two micro-batches issues what the other members of each
+    of its groups issue."""
+    from test_dryrun import config
+
+    from titan_fold import dryrun
+
+    try:
+        c = config("qwen2.toml", "--parallelism.pipeline_parallel_degree", "1", "--activation_checkpoint.mode", "none",
+                   "--compile.no-enable", "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
+        _, args, _ = dryrun.check_config(c, 64)
+        per_group = dryrun.record_collectives(c, 64, args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert dryrun.first_divergence(per_group) is None
+    assert set().union(*(g.keys() for g in per_group.values())) == set(range(64))
+    # the ep all-to-alls of both micro-batches, forward and backward, come from the schedule's pieces
+    sites = {call["site"] for g in per_group.values() for calls in g.values() for call in calls}
+    assert any("parallel/overlap.py" in site for site in sites), sorted(sites)[:20]
