@@ -119,6 +119,13 @@ class MoE:
     top_k: int | None = None
     norm_topk_prob: bool | None = None
     """Renormalize the top-k probabilities to sum to one."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts form num_groups groups of consecutive ids (num_groups
+    = nodes of the EP group: node-limited routing, docs/moe.md); 1 = off."""
+    group_topk: int | None = None
+    """With num_groups > 1: the groups a token may route to (by the sum of each group's two best scores)."""
+    routed_scaling_factor: float | None = None
+    """Multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)."""
     load_balance: Literal["aux_loss", "seq_aux_loss", "aux_free", "none"] | None = None
     shared_expert_overlap: bool | None = None
     """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""

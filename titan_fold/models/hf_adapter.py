@@ -46,6 +46,12 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_fold.errors import UserError
 from titan_fold.models.args import TransformerArgs
+from titan_fold.models.hf_deepseek import (
+    DeepSeekV3Names,
+    deepseek_args_from_hf_config,
+    deepseek_compared,
+    deepseek_hf_config,
+)
 from titan_fold.moe import MoEArgs
 
 
@@ -114,7 +120,7 @@ class MoEStateDictAdapter(StateDictAdapter):
             return f"model.layers.{i}.{_LAYER[rest]}"
         if rest.startswith("moe."):
             inner = rest[len("moe.") :]
-            if inner == "router.expert_bias":
+            if inner == "router.expert_bias" and inner not in self.moe_layer:
                 return None
             if inner in self.moe_layer:
                 return f"model.layers.{i}.{self.moe_prefix}.{self.moe_layer[inner]}"
@@ -182,6 +188,10 @@ class MoEStateDictAdapter(StateDictAdapter):
             native["output.weight"] = native["tok_embeddings.weight"]
         return native
 
+    def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
+        """An HF folder's {key: shape} as from_hf reads it (keys it skips left out)."""
+        return shapes
+
 
 class Qwen2MoEStateDictAdapter(MoEStateDictAdapter):
     family = "qwen2_moe"
@@ -210,12 +220,47 @@ class MixtralStateDictAdapter(MoEStateDictAdapter):
     moe_layer = {"router.gate.weight": "gate.weight"}
 
 
+class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
+    """MLA, MTP and FP8 names are models/hf_deepseek.py's; the aux-free bias is HF's
+    e_score_correction_bias, so it is exported and imported."""
+
+    family = "deepseek_v3"
+    moe_prefix = "mlp"
+    expert_names = Qwen2MoEStateDictAdapter.expert_names
+    moe_layer = {
+        "router.gate.weight": "gate.weight",
+        "router.expert_bias": "gate.e_score_correction_bias",
+        "shared_expert.w1.weight": "shared_experts.gate_proj.weight",
+        "shared_expert.w3.weight": "shared_experts.up_proj.weight",
+        "shared_expert.w2.weight": "shared_experts.down_proj.weight",
+    }
+    exports_expert_bias = True
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return DeepSeekV3Names(self.model_args).native_to_hf(state_dict, super().to_hf)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return DeepSeekV3Names(self.model_args).hf_to_native(hf_state_dict, super().from_hf)
+
+    def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
+        return DeepSeekV3Names(self.model_args).model_view_of_hf_shapes(shapes)
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        if not from_quantized:
+            return super().get_hf_storage_reader(path)
+        from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+        return QuantizedHuggingFaceStorageReader(path=path, target_dtype=torch.float32, block_size=128)
+
+
 ADAPTERS = {
     "qwen2_moe": Qwen2MoEStateDictAdapter,
     "qwen3_moe": Qwen3MoEStateDictAdapter,
     "mixtral": MixtralStateDictAdapter,
+    "deepseek_v3": DeepSeekV3StateDictAdapter,
 }
-ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 # transformers' default rope_theta when a config.json has none
 _DEFAULT_ROPE_THETA = {"qwen2_moe": 10000.0, "qwen3_moe": 10000.0, "mixtral": 1e6}
 
@@ -342,6 +387,8 @@ def args_from_hf_config(config: dict | str, name: str | None = None) -> tuple[st
 
 
 def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
+    if family == "deepseek_v3":
+        return deepseek_args_from_hf_config(c, _INERT, HFConfigError)
     used = set(_INERT)
 
     def get(key, default=KeyError, *aliases):
@@ -431,6 +478,8 @@ def _sizes(args: TransformerArgs) -> dict[str, int]:
 
 def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
     """The computation-changing values of a model, under their HF names."""
+    if family == "deepseek_v3":
+        return deepseek_compared(args)
     moe = args.moe
     values = {
         **_sizes(args),
@@ -488,9 +537,12 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
         if not ok:
             raise HFConfigError(f"{family}: {ARCHITECTURES[family]} {what}; this model cannot be exported as one")
 
+    dtype_name = str(dtype).removeprefix("torch.")
+    if family == "deepseek_v3":
+        return {"architectures": [ARCHITECTURES[family]], "model_type": family, **deepseek_hf_config(args, need),
+                "torch_dtype": dtype_name, "dtype": dtype_name}
     need(moe.score_func == "softmax", f"routes with softmax scores, the model has {moe.score_func!r}")
     dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
-    dtype_name = str(dtype).removeprefix("torch.")
     config = {
         "architectures": [ARCHITECTURES[family]],
         "model_type": family,

@@ -18,7 +18,9 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_fold.models.args import TransformerArgs
+from titan_fold.models.mtp import MultiTokenPrediction
 from titan_fold.moe import FeedForward, MoE
+from titan_fold.moe.router import AddAuxLoss
 
 
 def trunc_normal_(weight: torch.Tensor, std: float):
@@ -102,7 +104,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        attention = args.attention_module()
+        self.attention = Attention(args) if attention is None else attention
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
@@ -138,8 +141,9 @@ class Transformer(ModelProtocol):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = MultiTokenPrediction(args) if args.mtp_layers > 0 else None
         # non-persistent: recomputed by init_weights, never saved in checkpoints
-        cos, sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = args.rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -148,7 +152,7 @@ class Transformer(ModelProtocol):
         args, init_std = self.args, 0.02
         buffer_device = buffer_device or self.rope_cos.device
         with torch.device(buffer_device):
-            self.rope_cos, self.rope_sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+            self.rope_cos, self.rope_sin = args.rope_tables()
         if args.tie_embeddings:
             # to_empty() gives each module its own new tensor: tie again
             self.output.weight = self.tok_embeddings.weight
@@ -161,12 +165,18 @@ class Transformer(ModelProtocol):
             self.norm.reset_parameters()
         if self.output is not None and not args.tie_embeddings:
             trunc_normal_(self.output.weight, args.dim**-0.5)
+        if self.mtp is not None:
+            self.mtp.init_weights(init_std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                future_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
         positions: global positions of these tokens, [s] or [b, s] int64, for context
         parallelism where a rank holds non-contiguous chunks; None = 0 .. s-1.
+        future_tokens: [b, s, mtp_layers + 1] int64, the tokens 1 .. mtp_layers + 1 positions
+        after each input token (IGNORE_INDEX past the end), for Multi-Token Prediction; its
+        loss enters backward through the logits (AddAuxLoss), its value goes to metrics.
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [b, s, dim]
@@ -178,5 +188,10 @@ class Transformer(ModelProtocol):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        out = self.norm(h) if self.norm is not None else h
+        if self.output is None:
+            return out
+        logits = self.output(out)
+        if self.mtp is not None and future_tokens is not None:
+            logits = AddAuxLoss.apply(logits, self.mtp(h, future_tokens, cos, sin, self.tok_embeddings, self.output))
+        return logits

@@ -52,6 +52,20 @@ def balance_terms(scores: torch.Tensor, experts: torch.Tensor, num_experts: int,
     return term, loss
 
 
+def limit_to_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """choice [T, E] with every expert outside the token's group_topk best groups set to -inf.
+
+    The experts form num_groups groups of consecutive ids; a group's score is the sum of its
+    two highest choice scores (its best expert alone with one expert per group).
+    """
+    T, E = choice.shape
+    grouped = choice.view(T, num_groups, E // num_groups)  # [T, G, E/G]
+    group_scores = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -76,10 +90,14 @@ class Router(nn.Module):
             scores = logits.sigmoid()
 
         choice = scores + self.expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
+        if args.num_groups > 1:
+            choice = limit_to_groups(choice, args.num_groups, args.group_topk)
         experts = choice.topk(k, dim=-1).indices  # [T, k]
         probs = scores.gather(-1, experts)  # [T, k]
         if args.norm_topk_prob:
             probs = probs / probs.sum(dim=-1, keepdim=True)
+        if args.routed_scaling_factor != 1.0:
+            probs = probs * args.routed_scaling_factor
 
         # balance losses see scores that sum to 1 per token (sigmoid scores do not)
         dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
