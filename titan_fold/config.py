@@ -138,6 +138,16 @@ class MoE:
 
 
 @dataclass
+class MTP:
+    """Multi-Token Prediction (DeepSeek-V3; Megatron-Core's --mtp-num-layers, --mtp-loss-scaling-factor)."""
+
+    num_layers: int = 0
+    """Extra blocks after the last layer, the k-th predicting the token k + 1 positions ahead; 0 = off."""
+    loss_scaling_factor: float = 0.1
+    """Their mean loss enters backward times this factor (logged as mtp_loss, unscaled)."""
+
+
+@dataclass
 class JobConfig(TitanJobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -147,6 +157,7 @@ class JobConfig(TitanJobConfig):
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
+    mtp: MTP = field(default_factory=MTP)
 
 
 def resolve_config_file(path: str) -> str:
@@ -326,6 +337,13 @@ def validate(config: JobConfig) -> None:
                 raise ConfigError(f"moe.{key} = {value!r} needs moe.capacity_factor (dropless mode drops nothing)")
     if moe.top_k is not None and moe.top_k < 1:
         raise ConfigError(f"moe.top_k = {moe.top_k}: must be >= 1")
+    if config.mtp.num_layers < 0 or config.mtp.loss_scaling_factor < 0:
+        raise ConfigError(f"mtp.num_layers = {config.mtp.num_layers}, mtp.loss_scaling_factor = "
+                          f"{config.mtp.loss_scaling_factor}: both must be >= 0")
+    for key in ("routed_scaling_factor",):
+        value = getattr(moe, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"moe.{key} = {value}: must be > 0")
     for key in ("aux_loss_coeff", "z_loss_coeff"):
         value = getattr(moe, key)
         if value is not None and value < 0:

@@ -31,6 +31,7 @@ from titan_fold.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_
 from titan_fold.lock import DumpFolderLock
 from titan_fold.logs import setup_logging
 from titan_fold.models import FLAVORS
+from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.parallel.attention import cp_shard
@@ -221,9 +222,14 @@ class FoldTrainer(Trainer):
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
         extra_kwargs = {}
         layout = self.parallel_dims
+        future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
         if layout.cp > 1:
             # load-balanced causal split; the model needs the global positions for RoPE
             inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
+            if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
+                future = future.index_select(1, extra_kwargs["positions"])
+        if future is not None:
+            extra_kwargs["future_tokens"] = future
         return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
@@ -232,6 +238,9 @@ class FoldTrainer(Trainer):
         return loss
 
     def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
+        for mtp in mtp_modules(self.model_parts):
+            # a token sum like the LM loss: one scale for every micro-batch of the step
+            mtp.loss_scale = (1.0 / torch.as_tensor(global_valid_tokens, dtype=torch.float32)).to(mtp.loss_scale.device)
         if self.parallel_dims.pp_enabled:
             loss = pipeline_forward_backward(
                 self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens

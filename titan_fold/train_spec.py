@@ -1,6 +1,6 @@
 """The TrainSpecs torchtitan's Trainer builds from: one per model family.
 
-`[model] name` picks the family ("qwen2_moe", "qwen3_moe" or "mixtral"), `[model] flavor` its
+`[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral" or "deepseek_v3"), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.metrics import build_metrics_processor
@@ -62,7 +62,9 @@ def _train_spec(family: str) -> TrainSpec:
 
 def register_train_specs() -> None:
     for family in FLAVORS:
+        # ours take precedence over torchtitan's own family of the same name (deepseek_v3):
+        # get_train_spec reads registered specs first
         try:
-            get_train_spec(family)
-        except ValueError:
             register_train_spec(family, _train_spec(family))
+        except ValueError:
+            pass  # registered by an earlier call in this process

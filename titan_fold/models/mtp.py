@@ -31,6 +31,17 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = TransformerBlock(layer_id, args)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.loss = TokenCrossEntropy()
+
+
+class TokenCrossEntropy(nn.Module):
+    """Cross-entropy sum over the valid targets, as a module: under loss parallelism the logits
+    arrive sharded on the vocabulary and the placement plan turns the result into a plain tensor."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # logits [b, s, vocab], targets [b, s]
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
 
 
 class MultiTokenPrediction(nn.Module):
@@ -52,9 +63,7 @@ class MultiTokenPrediction(nn.Module):
             e = embed(inputs.clamp(min=0))  # past the end: any token, its positions have no target
             h = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(h)], dim=-1))
             h = layer.block(h, cos, sin)
-            logits = head(layer.norm(h))  # [b, s, vocab]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
+            loss = layer.loss(head(layer.norm(h)), targets)
             total = total + loss
             means.append(loss.detach() / (targets != IGNORE_INDEX).sum().clamp(min=1))
         self._record(torch.stack(means).mean())

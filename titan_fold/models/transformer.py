@@ -147,6 +147,11 @@ class Transformer(ModelProtocol):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def transformer_blocks(self) -> list[TransformerBlock]:
+        """Every block: the layers this model (or pipeline stage) holds, then the MTP layers'."""
+        mtp = [layer.block for layer in self.mtp.layers.values()] if self.mtp is not None else []
+        return [*self.layers.values(), *mtp]
+
     def init_weights(self, buffer_device: torch.device | None = None):
         """Fill every parameter and buffer, e.g. after building on meta and `to_empty()`."""
         args, init_std = self.args, 0.02

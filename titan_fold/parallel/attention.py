@@ -188,5 +188,5 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     The trainer must feed `cp_shard`'s tokens and pass its positions to the model. Composes
     with apply_tp in either order: the inner attention sees local tensors of this tp rank's heads.
     """
-    for block in model.layers.values():
+    for block in model.transformer_blocks():
         block.attention.inner_attention = ContextParallelAttention(cp_mesh)

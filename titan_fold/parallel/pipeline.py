@@ -201,6 +201,9 @@ def check_pipeline(job_config, model_args, pp: int) -> tuple[type, list[list[str
         raise LayoutError("parallelism.pipeline_parallel_schedule_csv: not supported; name a schedule instead")
     if model_args.tie_embeddings:
         raise LayoutError("pipeline parallelism with tied embeddings: the first and last stages would share a weight")
+    if model_args.mtp_layers:
+        raise LayoutError(f"mtp.num_layers = {model_args.mtp_layers} with pipeline parallelism: the MTP layers on the "
+                          "last stage need the embedding of the first (not supported yet); set mtp.num_layers = 0")
     cls = schedule_class(p.pipeline_parallel_schedule)
     mb_size, local_batch = p.pipeline_parallel_microbatch_size, job_config.training.local_batch_size
     if local_batch % mb_size:
