@@ -284,3 +284,22 @@ def test_flavor_sizes():
     extra = count_parameters(with_mtp) - count_parameters(flavors["671B"])
     copies = 2 * 129280 * 7168
     assert round((count_parameters(with_mtp) + copies) / 1e9, 1) == 684.5 and 11.5e9 < extra < 11.7e9
+
+
+def test_trainer_imports_and_exports_hf(tmp_path):
+    """`--checkpoint.initial_load_in_hf` and `--checkpoint.last_save_in_hf` on 2 ranks, MLA on tp 2
+    (wkv_a and wk_rope cut out of kv_a_proj_with_mqa as DTensors) and experts on ep 2: with lr 0
+    the exported folder holds the imported tensors, e_score_correction_bias included."""
+    from conftest import torchrun
+
+    random_hf_model(BASE, tmp_path / "hf")
+    torchrun(2, "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "hf"), "--job.dump_folder",
+             str(tmp_path / "out"), "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+             "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--optimizer.lr", "0",
+             "--training.steps", "1", "--training.seq_len", "32", "--parallelism.expert_parallel_degree", "2",
+             "--parallelism.tensor_parallel_degree", "2", "--moe.load_balance", "none", config="debug_deepseek_v3.toml")
+    out = tmp_path / "out" / "checkpoint" / "step-1"
+    before, after = read_hf_folder(str(tmp_path / "hf")), read_hf_folder(str(out))
+    assert sorted(before) == sorted(after)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key

@@ -15,6 +15,7 @@ from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.metrics import build_metrics_processor
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.args import HFConfigArgs
+from titan_fold.models.deepseek_v3 import DeepSeekV3HFConfigArgs
 from titan_fold.models.hf_adapter import ADAPTERS
 from titan_fold.optimizer import build_optimizers
 from titan_fold.parallel.parallelize import parallelize
@@ -29,12 +30,13 @@ class FlavorCopies(Mapping):
     entry is filled from `[model] hf_config` by that same update_from_config.
     """
 
-    def __init__(self, flavors: dict):
+    def __init__(self, flavors: dict, hf_args=HFConfigArgs):
         self._flavors = flavors
+        self._hf_args = hf_args
 
     def __getitem__(self, flavor: str):
         if flavor == "hf":
-            return HFConfigArgs()
+            return self._hf_args()
         return copy.deepcopy(self._flavors[flavor])
 
     def __iter__(self):
@@ -47,7 +49,7 @@ class FlavorCopies(Mapping):
 def _train_spec(family: str) -> TrainSpec:
     return TrainSpec(
         model_cls=Transformer,
-        model_args=FlavorCopies(FLAVORS[family]),
+        model_args=FlavorCopies(FLAVORS[family], DeepSeekV3HFConfigArgs if family == "deepseek_v3" else HFConfigArgs),
         parallelize_fn=parallelize,
         pipelining_fn=pipeline,
         build_optimizers_fn=build_optimizers,

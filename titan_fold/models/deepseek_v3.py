@@ -11,7 +11,7 @@ q LoRA, softmax routing), `671B` (DeepSeek-V3 / R1's config.json), `kimi_k2` (Ki
 from dataclasses import dataclass
 from typing import Literal
 
-from titan_fold.models.args import TransformerArgs
+from titan_fold.models.args import HFConfigArgs, TransformerArgs
 from titan_fold.moe import MoEArgs
 
 
@@ -71,6 +71,11 @@ class DeepSeekV3Args(TransformerArgs):
         if self.rope_type == "yarn" and self.mscale_all_dim:
             scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim) ** 2
         return scale
+
+
+@dataclass
+class DeepSeekV3HFConfigArgs(HFConfigArgs, DeepSeekV3Args):
+    """The deepseek_v3 `hf` flavor: every size from `[model] hf_config`, the MLA model's methods."""
 
 
 def _yarn(factor: float, beta_fast: float, beta_slow: float, mscale: float, mscale_all_dim: float,

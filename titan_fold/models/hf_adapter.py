@@ -236,11 +236,15 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
     }
     exports_expert_bias = True
 
+    def __init__(self, model_args: TransformerArgs, hf_assets_path: str | None = None):
+        super().__init__(model_args, hf_assets_path)
+        self._mla_layout: dict[str, tuple] = {}
+
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return DeepSeekV3Names(self.model_args).native_to_hf(state_dict, super().to_hf)
+        return DeepSeekV3Names(self.model_args, self._mla_layout).native_to_hf(state_dict, super().to_hf)
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        return DeepSeekV3Names(self.model_args).hf_to_native(hf_state_dict, super().from_hf)
+        return DeepSeekV3Names(self.model_args, self._mla_layout).hf_to_native(hf_state_dict, super().from_hf)
 
     def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
         return DeepSeekV3Names(self.model_args).model_view_of_hf_shapes(shapes)

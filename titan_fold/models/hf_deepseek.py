@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.models.deepseek_v3 import DeepSeekV3Args
 from titan_fold.moe import MoEArgs
@@ -101,9 +101,12 @@ class DeepSeekV3Names:
     """The DeepSeek-specific renames around MoEStateDictAdapter (hf_adapter.py): MLA, the split
     kv_a projection, MTP layers, FP8 scales."""
 
-    def __init__(self, args: DeepSeekV3Args):
+    def __init__(self, args: DeepSeekV3Args, layouts: dict[str, tuple] | None = None):
         self.args = args
         self.n = args.n_layers
+        # (mesh, placements) of our DTensor wkv_a / wk_rope, seen by native_to_hf: hf_to_native cuts
+        # each rank's piece back out of the whole rows it reads
+        self.layouts = {} if layouts is None else layouts
 
     def mtp_layer(self, hf_index: int) -> int | None:
         """k of an HF layer index that is an MTP layer, else None."""
@@ -126,6 +129,8 @@ class DeepSeekV3Names:
             if m is not None and m.group(2) in MLA_LAYER:
                 hf[f"model.layers.{m.group(1)}.{MLA_LAYER[m.group(2)]}"] = value
             elif m is not None and m.group(2) in ("attention.wkv_a.weight", "attention.wk_rope.weight"):
+                if isinstance(value, DTensor):
+                    self.layouts[key] = (value.device_mesh, value.placements)
                 kv_parts.setdefault(m.group(1), {})[m.group(2)] = value
             else:
                 main[key] = value
@@ -179,6 +184,9 @@ class DeepSeekV3Names:
                   f"{', '.join(f'model.layers.{i}' for i in layers)} (set mtp.num_layers to import them)",
                   file=sys.stderr)
         native.update(base_from_hf(rest))
+        for key, (mesh, placements) in self.layouts.items():
+            if key in native:  # every rank read the whole rows: cut out its own piece, no communication
+                native[key] = distribute_tensor(native[key].contiguous(), mesh, placements, src_data_rank=None)
         # MTP blocks were named as layers n + k: move them under mtp.layers.{k}.block
         moved = {}
         for key, value in native.items():
