@@ -1,7 +1,8 @@
 """DeepSeek-V3 under folded layouts reproduces the one-rank run: multi-head latent attention on
 tp (colwise up-projections, replicated down-projections and rotary key) and cp (its rope and
 nope key parts gathered with the values), group-limited routing with the aux-free bias, the
-shared expert, and a Multi-Token Prediction layer, all at once.
+shared expert, and a Multi-Token Prediction layer, all at once; under pp the MTP layer sits on
+the last stage with a copy of the embedding kept equal to the first stage's.
 
 As tests/test_equivalence.py: one seed checkpoint, the same global batch of 8 sequences in
 micro-batches of one, fp32, dropless; loss, gradient norm and aux loss within 1e-4. mtp_loss is
@@ -15,12 +16,18 @@ from test_equivalence import BATCH, STEPS, degrees
 
 CONFIG = "debug_deepseek_v3.toml"
 MTP = ("--mtp.num_layers", "1")
+PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
+       "--parallelism.pipeline_parallel_microbatch_size", "1")
 
 LAYOUTS = {
     "tp2": (2, degrees(tp=2)),
     "cp2": (2, degrees(cp=2)),
     "dp8_ep4_etp2": (8, degrees(ep=4, etp=2)),
     "tp2_cp2_dp2_ep4_etp2": (8, degrees(tp=2, cp=2, ep=4, etp=2)),
+    # the MTP layer on the last stage with its copy of the first stage's embedding; 2 pipeline
+    # micro-batches of one sequence per accumulation step
+    "pp2": (2, PP2),
+    "pp2_tp2_ep2": (4, (*PP2, *degrees(tp=2, ep=2))),
 }
 
 

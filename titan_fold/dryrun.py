@@ -253,7 +253,7 @@ def fake_step(model_parts: list[nn.Module], stages: list, layout: Layout, job_co
     with FakeTensorMode(allow_non_fake_inputs=True):
         for part, stage in zip(model_parts, stages):
             part.to_empty(device="cpu")  # values do not matter: shapes only (no init_weights)
-            first, last = part.tok_embeddings is not None, part.output is not None
+            first, last = part.embeds_tokens, part.output is not None
             if first:
                 x = torch.zeros(mb, S, dtype=torch.int64)
             else:  # a later stage gets this rank's sequence shard of the hidden states
@@ -528,6 +528,9 @@ def shrunk_config(job_config, model_args):
     etp = par.expert_tensor_parallel_degree
     tp = par.tensor_parallel_degree
     args.n_layers = n_layers
+    if hasattr(args, "kv_lora_rank"):  # MLA: latents and per-head widths of a few units (head_dim 4 below)
+        args.q_lora_rank = None if args.q_lora_rank is None else 4
+        args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 4, 2, 2, 4
     args.head_dim = 4
     args.dim = 4 * args.n_heads
     args.ffn_dim = 8 * tp
@@ -632,7 +635,7 @@ def _step_trainer_class():
                 part.to_empty(device="cpu")
                 _init_weights(part, config, model_args)
                 part.train()
-            self.pp_has_first_stage = self.model_parts[0].tok_embeddings is not None
+            self.pp_has_first_stage = self.model_parts[0].embeds_tokens
             self.pp_has_last_stage = self.model_parts[-1].output is not None
             self.loss_fn = _loss_fn(config)
             self.optimizers = build_optimizers(self.model_parts, config.optimizer, layout)

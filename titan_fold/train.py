@@ -35,10 +35,15 @@ from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.parallel.attention import cp_shard
-from titan_fold.parallel.clip import clip_grad_norm_
+from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.parallelize import op_sac_problem
-from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
+from titan_fold.parallel.pipeline import (
+    check_pipeline,
+    embedding_copies,
+    pipeline_forward_backward,
+    sync_embedding_copies,
+)
 from titan_fold.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
 from titan_fold.storage import StorageError, storage_problem
 from titan_fold.torchtitan_adapter import init_distributed, trainer_names, with_names
@@ -196,6 +201,9 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = NonFiniteGuard(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
+            # the last stage's embedding copy starts as the first stage's (a checkpoint loads both)
+            sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "weights")
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
         if torch.distributed.get_rank() == 0:
@@ -258,11 +266,20 @@ class FoldTrainer(Trainer):
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 
-    def clip_grad_norm(self, *args, **kwargs) -> torch.Tensor:
+    def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
         """What torchtitan's train_step calls to clip (torchtitan_adapter): gradients on two
         meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
-        handed to the NaN/Inf guard."""
-        norm = clip_grad_norm_(*args, optimizers=self.optimizers.optimizers, **kwargs)
+        handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
+        takes the first stage's gradient too and is left out of the norm (counted once)."""
+        copies = []
+        if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
+            sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "grads")
+            copies = embedding_copies(self.model_parts)
+        skip = {id(p) for p in copies}
+        parameters = [p for p in parameters if id(p) not in skip]
+        norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
+        if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
+            torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
         self.guard.observe_grad_norm(norm)
         return norm
 

@@ -142,6 +142,9 @@ class Transformer(ModelProtocol):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.mtp = MultiTokenPrediction(args) if args.mtp_layers > 0 else None
+        # forward's first input: token ids; False on a later pipeline stage, which gets hidden
+        # states (its tok_embeddings, if any, is the MTP layers' copy of the first stage's)
+        self.embeds_tokens = True
         # non-persistent: recomputed by init_weights, never saved in checkpoints
         cos, sin = args.rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -184,7 +187,7 @@ class Transformer(ModelProtocol):
         loss enters backward through the logits (AddAuxLoss), its value goes to metrics.
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [b, s, dim]
+        h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # [b, s, dim]
         if positions is None:
             if h.shape[1] > self.args.max_seq_len:
                 raise ValueError(f"sequence length {h.shape[1]} > max_seq_len {self.args.max_seq_len}")
