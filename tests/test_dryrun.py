@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # world size each packaged config is written for (a new config must be added here)
 WORLD = {"debug_moe.toml": 2, "debug_qwen3_moe.toml": 2, "qwen3_30b_a3b.toml": 8, "qwen2.toml": 64,
-         "mixtral_8x22b.toml": 128, "mixtral_8x22b_g8t8.toml": 128}
+         "mixtral_8x22b.toml": 128, "mixtral_8x22b_g8t8.toml": 128, "debug_deepseek_v3.toml": 2,
+         "deepseek_v3_16b.toml": 8, "deepseek_v3_671b.toml": 1024}
 # the paper's 1024-GPU layouts: Table 5's folded Mixtral-8x22B at 128K (cp8 tp8 ep8 pp8 etp1,
 # global batch 128), its unfolded MCore row (cp16 tp4 ep8 pp8, etp = tp), and the packaged
 # 4K mappings scaled to 1024 GPUs (Table 4's strong scaling, global batch 1024)

@@ -23,6 +23,10 @@ Choices, and why:
 - shared expert: colwise/rowwise like the dense FFN, not replicated: it is the largest dense
   block of Qwen2-57B-A14B (3 x 20480 x 3584 per layer) and TP divides it by tp, at the price
   of an all-gather + reduce-scatter of the layer's tokens (the same traffic as attention).
+- multi-head latent attention (DeepSeek-V3, `mla_plan`): the up-projections to the heads (wq,
+  or wq_b after q LoRA; wkv_b) colwise, wo rowwise; the down-projections to the latents (wq_a,
+  wkv_a), their norms and the rotary key wk_rope replicated over tp (`ReplicateParallel`: the
+  latents are narrow, 512 + 64 of 7168 for kv, and every head needs all of them).
 - norms (Qwen3's q/k norms too: each tp rank normalizes its own heads), router gate,
   shared_expert_gate, wo's bias: `Replicate` on tp. Under sequence parallelism each
   tp rank feeds them different tokens, so their gradients are partial sums that are
