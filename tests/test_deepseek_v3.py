@@ -38,6 +38,8 @@ CASES = {
     "q_lora_yarn_groups": {},
     "no_q_lora_plain_rope_one_group": dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1,
                                            norm_topk_prob=False, routed_scaling_factor=1.0),
+    # transformers' defaults for the fields left out (num_key_value_heads 128 with 4 heads among them)
+    "defaults": dict(num_key_value_heads=None),
     # V2-Lite-like mscale (cos/sin and softmax scaled), factor given apart from the lengths, no dense layer,
     # half-split rotary layout, tied embeddings
     "yarn_mscale_half_split_tied": dict(
@@ -49,6 +51,7 @@ CASES = {
 
 
 def random_hf_model(config: dict, folder, dtype=torch.float32):
+    config = {k: v for k, v in config.items() if v is not None}
     torch.manual_seed(0)
     hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).eval()
     with torch.no_grad():
