@@ -120,12 +120,8 @@ def test_packaged_debug_flavor_against_transformers(tmp_path):
         torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-4)
 
 
-def test_fp8_checkpoint_dequantizes(tmp_path):
-    """A bf16 folder quantized here as DeepSeek publishes (e4m3, a scale_inv per 128 x 128 block;
-    weights of 200 x 300 leave partial blocks) imports to the dequantized weights, within e4m3's
-    rounding of the bf16 original, and exports bf16 tensors."""
-    config = {**BASE, "hidden_size": 200, "moe_intermediate_size": 136, "intermediate_size": 300,
-              "num_hidden_layers": 2}
+def fp8_folder(tmp_path, config):
+    """A bf16 folder and its FP8 twin quantized here as DeepSeek publishes -> (original, fp8 tensors, quantized keys)."""
     random_hf_model(config, tmp_path / "hf", dtype=torch.bfloat16)
     original = read_hf_folder(str(tmp_path / "hf"))
     fp8 = {}
@@ -139,10 +135,23 @@ def test_fp8_checkpoint_dequantizes(tmp_path):
             fp8[key] = value
     os.makedirs(tmp_path / "fp8")
     save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    # the published folders have an index (torch's quantized reader needs it)
+    json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in fp8}},
+              open(tmp_path / "fp8" / "model.safetensors.index.json", "w"))
     config_json = json.load(open(tmp_path / "hf" / "config.json"))
     config_json["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                           "weight_block_size": [128, 128]}
     json.dump(config_json, open(tmp_path / "fp8" / "config.json", "w"))
+    return original, fp8, quantized
+
+
+def test_fp8_checkpoint_dequantizes(tmp_path):
+    """A bf16 folder quantized here as DeepSeek publishes (e4m3, a scale_inv per 128 x 128 block;
+    weights of 200 x 300 leave partial blocks) imports to the dequantized weights, within e4m3's
+    rounding of the bf16 original, and exports bf16 tensors."""
+    config = {**BASE, "hidden_size": 200, "moe_intermediate_size": 136, "intermediate_size": 300,
+              "num_hidden_layers": 2}
+    original, fp8, quantized = fp8_folder(tmp_path, config)
 
     main(["import", str(tmp_path / "fp8"), str(tmp_path / "dcp")])
     main(["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model.name", "deepseek_v3", "--model.flavor",
@@ -306,3 +315,26 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     assert sorted(before) == sorted(after)
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+def test_trainer_loads_fp8_folder(tmp_path):
+    """`--checkpoint.initial_load_in_hf_quantized`: the trainer reads the FP8 folder through
+    torch's quantized HF reader (dequantized per 128 x 128 block, float32), under tp 2; with lr 0
+    the exported weights are the dequantized ones."""
+    from conftest import torchrun
+
+    config = {**BASE, "hidden_size": 200, "moe_intermediate_size": 136, "intermediate_size": 300,
+              "num_hidden_layers": 2}
+    original, fp8, quantized = fp8_folder(tmp_path, config)
+    torchrun(2, "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "fp8"), "--job.dump_folder",
+             str(tmp_path / "out"), "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "fp8"),
+             "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized",
+             "--checkpoint.last_save_in_hf", "--optimizer.lr", "0", "--training.steps", "1", "--training.seq_len", "32",
+             "--parallelism.tensor_parallel_degree", "2", "--moe.load_balance", "none", config="debug_deepseek_v3.toml")
+    after = read_hf_folder(str(tmp_path / "out" / "checkpoint" / "step-1"))
+    assert sorted(after) == sorted(original)
+    for key in quantized:
+        scale = fp8[key[: -len(".weight")] + ".weight_scale_inv"]
+        torch.testing.assert_close(after[key], dequantize_fp8(fp8[key], scale, torch.float32), rtol=0, atol=0)
+    for key in set(original) - set(quantized):
+        assert torch.equal(after[key], original[key].float()), key
