@@ -174,15 +174,10 @@ DEEPSEEK_V3 = {
 
 def count_parameters(args: DeepSeekV3Args) -> int:
     """Parameters of the model these args build (embedding, head and MTP layers included),
-    counted from the shapes, without building it."""
+    built on the meta device (no memory)."""
     import torch
 
     from titan_fold.models.transformer import Transformer
 
     with torch.device("meta"):
         return sum(p.numel() for p in Transformer(args).parameters())
-
-
-def size_text(n: int) -> str:
-    return f"{n / 1e12:.2f}T" if n >= 1e12 else f"{n / 1e9:.0f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-

@@ -334,10 +334,9 @@ def _rope(c: dict, used: set, error) -> dict:
     kind = chosen.get("rope_type", chosen.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise error(f"{where}.rope_type = {kind!r}: titan_fold implements 'default' and 'yarn' RoPE")
-    for key in (where,):
-        unknown = sorted(set(chosen) - YARN_KEYS)
-        if unknown:
-            raise error(f"{key}.{unknown[0]}: not a RoPE field titan_fold reads (it reads {', '.join(sorted(YARN_KEYS))})")
+    unknown = sorted(set(chosen) - YARN_KEYS)
+    if unknown:
+        raise error(f"{where}.{unknown[0]}: not a RoPE field titan_fold reads (it reads {', '.join(sorted(YARN_KEYS))})")
     for key, value in (("partial_rotary_factor", chosen.get("partial_rotary_factor", 1.0)),
                        ("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))):
         if value != 1.0:
