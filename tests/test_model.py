@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
-from titan_fold.models.transformer import Attention, rope_cos_sin
+from titan_fold.models.layers import rope_cos_sin
+from titan_fold.models.transformer import Attention
 
 
 def build(args, seed=0, device="cpu"):

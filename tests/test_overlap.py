@@ -208,8 +208,8 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
       "--activation_checkpoint.mode", "full"), "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
 ])
 def test_refused_with_the_key(args, match):
-    from titan_fold.config import ConfigError, parse_args
-    from titan_fold.train import check_layout
+    from titan_fold.common.config import ConfigError, parse_args
+    from titan_fold.trainer.preflight import check_layout
 
     config = parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args])
     with pytest.raises(ConfigError, match=re.escape(match)):

@@ -142,6 +142,8 @@ def test_format_plan_folds_blocks():
 # ---- the plan against the runtime, on the fake process group ------------------------------
 
 MIXTRAL = dataclasses.replace(FLAVORS["mixtral"]["debug"], first_k_dense=1)  # one dense FFN block too
+DEEPSEEK_MTP = dataclasses.replace(FLAVORS["deepseek_v3"]["debug"], mtp_layers=1)
+DEEPSEEK_NO_Q_LORA = dataclasses.replace(FLAVORS["deepseek_v3"]["debug"], q_lora_rank=None)
 # name: (world size, Layout kwargs, model, [section] key = value of the job config)
 RUNTIME_LAYOUTS = {
     "one_rank": (1, dict(), QWEN, {}),
@@ -156,6 +158,9 @@ RUNTIME_LAYOUTS = {
     # experts on no model-parallel dim: plain tensors FSDP-sharded over edp (= dp x tp)
     "tp2_dp4_ep1": (8, dict(tp=2), MIXTRAL, {}),
     "dp_replicate2_only": (2, dict(dp_replicate=2), QWEN, {}),
+    # multi-head latent attention (q LoRA: replicated down-projections) with an MTP layer; without q LoRA
+    "deepseek_tp2_cp2_ep4_etp2_mtp": (8, dict(tp=2, cp=2, ep=4, etp=2), DEEPSEEK_MTP, {}),
+    "deepseek_no_q_lora_pp2_tp4_ep2": (8, dict(pp=2, tp=4, ep=2), DEEPSEEK_NO_Q_LORA, {}),
 }
 
 

@@ -2,6 +2,7 @@
 
     python -m titan_fold.hf import HF_FOLDER DCP_FOLDER
     python -m titan_fold.hf import HF_FOLDER DCP_FOLDER --model.name qwen2_moe --model.flavor 57B-A14B
+    python -m titan_fold.hf import /models/DeepSeek-V3 DCP_FOLDER [--mtp.num_layers 1]   (FP8 is dequantized)
     python -m titan_fold.hf export DCP_FOLDER HF_FOLDER --model.name qwen3_moe --model.flavor hf \
         --model.hf_config /models/Qwen3-30B-A3B [--dtype bfloat16] [--max_shard_size 5GB]
 
@@ -81,7 +82,7 @@ def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs) -> N
     wanted = model_shapes(args)
     sd = ADAPTERS[family](args).from_hf(read_hf_folder(hf_folder))
     # HF has no aux-free router biases: they start at zero, as in a fresh model
-    sd.update({k: torch.zeros(shape) for k, shape in wanted.items() if k.endswith("router.expert_bias")})
+    sd.update({k: torch.zeros(shape) for k, shape in wanted.items() if k.endswith("router.expert_bias") and k not in sd})
     compare_shapes(f"Hugging Face checkpoint {hf_folder}", {k: list(v.shape) for k, v in sd.items()}, wanted)
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -119,9 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("direction", choices=["import", "export"])
     parser.add_argument("src")
     parser.add_argument("dst")
-    parser.add_argument("--model.name", dest="name", help="qwen2_moe, qwen3_moe or mixtral")
+    parser.add_argument("--model.name", dest="name", help="qwen2_moe, qwen3_moe, mixtral or deepseek_v3")
     parser.add_argument("--model.flavor", dest="flavor", help="a packaged flavor, or hf (needs --model.hf_config)")
     parser.add_argument("--model.hf_config", dest="hf_config", help="config.json or HF folder (with --model.flavor hf)")
+    parser.add_argument("--mtp.num_layers", dest="mtp_layers", type=int, default=0,
+                        help="deepseek_v3: Multi-Token Prediction layers to import / export (default 0: skipped)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="export: cast the tensors (default: as saved)")
     parser.add_argument("--max_shard_size", default="5GB", help="export: largest safetensors file (default 5GB)")
     a = parser.parse_args(argv)
@@ -130,10 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         if a.flavor is None:  # the folder's own config.json
             a.flavor, a.hf_config = "hf", a.hf_config or a.src
         family, args = resolve_model(a.name, a.flavor, a.hf_config)
+        args.mtp_layers = a.mtp_layers
         import_hf(a.src, a.dst, family, args)
     else:
         if a.flavor is None:
             raise ConfigError("export needs --model.name and --model.flavor (or --model.flavor hf --model.hf_config PATH)")
         family, args = resolve_model(a.name, a.flavor, a.hf_config)
+        args.mtp_layers = a.mtp_layers
         export_hf(a.src, a.dst, family, args, DTYPES.get(a.dtype), parse_size(a.max_shard_size))
     print(f"{a.direction}ed {a.src} -> {a.dst} ({family})")

@@ -252,10 +252,11 @@ def check_hf_checkpoint(folder: str, family: str, model_args) -> None:
     from titan_fold.models.hf_adapter import ADAPTERS, check_hf_config
 
     check_hf_config(folder, family, model_args)
-    saved = {k: shape for k, (shape, _) in hf_shapes(folder).items()}
+    adapter = ADAPTERS[family](model_args)
+    saved = adapter.hf_shapes_for_model({k: shape for k, (shape, _) in hf_shapes(folder).items()})
     with torch.device("meta"):
         model = Transformer(model_args)
-    wanted = {k: list(v.shape) for k, v in ADAPTERS[family](model_args).to_hf(model.state_dict()).items()}
+    wanted = {k: list(v.shape) for k, v in adapter.to_hf(model.state_dict()).items()}
     compare_shapes(f"Hugging Face checkpoint {folder}", saved, wanted)
 
 
@@ -278,7 +279,7 @@ def save_model_as_hf(state_dict: dict[str, Any], folder: str, family: str, model
     from titan_fold.models.hf_adapter import ADAPTERS, hf_config
 
     biased = [k for k, v in state_dict.items() if k.endswith("router.expert_bias") and torch.count_nonzero(v)]
-    if biased:
+    if biased and not getattr(ADAPTERS[family], "exports_expert_bias", False):
         raise CheckpointError(
             f"{folder}: the aux-free router biases are not zero ({biased[0]}, ...): Hugging Face models have no "
             "place for them and would route differently; nothing was written"
@@ -365,7 +366,7 @@ def read_model_tensors(folder: str, wanted: dict[str, list[int]] | None = None) 
 
     metadata = read_metadata(folder)
     check_storage_files(folder, metadata)
-    model_prefixes = ("tok_embeddings.", "layers.", "norm.", "output.")
+    model_prefixes = ("tok_embeddings.", "layers.", "norm.", "output.", "mtp.")
     sd = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in metadata.state_dict_metadata.items()

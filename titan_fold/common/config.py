@@ -128,6 +128,13 @@ class MoE:
     top_k: int | None = None
     norm_topk_prob: bool | None = None
     """Renormalize the top-k probabilities to sum to one."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts form num_groups groups of consecutive ids (num_groups
+    = nodes of the EP group: node-limited routing, docs/moe.md); 1 = off."""
+    group_topk: int | None = None
+    """With num_groups > 1: the groups a token may route to (by the sum of each group's two best scores)."""
+    routed_scaling_factor: float | None = None
+    """Multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)."""
     load_balance: Literal["aux_loss", "seq_aux_loss", "aux_free", "none"] | None = None
     shared_expert_overlap: bool | None = None
     """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""
@@ -152,6 +159,16 @@ class MoE:
 
 
 @dataclass
+class MTP:
+    """Multi-Token Prediction (DeepSeek-V3; Megatron-Core's --mtp-num-layers, --mtp-loss-scaling-factor)."""
+
+    num_layers: int = 0
+    """Extra blocks after the last layer, the k-th predicting the token k + 1 positions ahead; 0 = off."""
+    loss_scaling_factor: float = 0.1
+    """Their mean loss enters backward times this factor (logged as mtp_loss, unscaled)."""
+
+
+@dataclass
 class JobConfig(TitanJobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -162,6 +179,7 @@ class JobConfig(TitanJobConfig):
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
+    mtp: MTP = field(default_factory=MTP)
 
 
 def resolve_config_file(path: str) -> str:
@@ -341,6 +359,13 @@ def validate(config: JobConfig) -> None:
                 raise ConfigError(f"moe.{key} = {value!r} needs moe.capacity_factor (dropless mode drops nothing)")
     if moe.top_k is not None and moe.top_k < 1:
         raise ConfigError(f"moe.top_k = {moe.top_k}: must be >= 1")
+    if config.mtp.num_layers < 0 or config.mtp.loss_scaling_factor < 0:
+        raise ConfigError(f"mtp.num_layers = {config.mtp.num_layers}, mtp.loss_scaling_factor = "
+                          f"{config.mtp.loss_scaling_factor}: both must be >= 0")
+    for key in ("routed_scaling_factor",):
+        value = getattr(moe, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"moe.{key} = {value}: must be > 0")
     for key in ("aux_loss_coeff", "z_loss_coeff"):
         value = getattr(moe, key)
         if value is not None and value < 0:

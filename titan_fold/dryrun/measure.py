@@ -70,7 +70,7 @@ def fake_step(model_parts: list[nn.Module], stages: list, layout: Layout, job_co
     with FakeTensorMode(allow_non_fake_inputs=True):
         for part, stage in zip(model_parts, stages):
             part.to_empty(device="cpu")  # values do not matter: shapes only (no init_weights)
-            first, last = part.tok_embeddings is not None, part.output is not None
+            first, last = part.embeds_tokens, part.output is not None
             if first:
                 x = torch.zeros(mb, S, dtype=torch.int64)
             else:  # a later stage gets this rank's sequence shard of the hidden states

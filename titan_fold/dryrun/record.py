@@ -124,6 +124,9 @@ def shrunk_config(job_config, model_args):
     etp = par.expert_tensor_parallel_degree
     tp = par.tensor_parallel_degree
     args.n_layers = n_layers
+    if hasattr(args, "kv_lora_rank"):  # MLA: latents and per-head widths of a few units (head_dim 4 below)
+        args.q_lora_rank = None if args.q_lora_rank is None else 4
+        args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 4, 2, 2, 4
     args.head_dim = 4
     args.dim = 4 * args.n_heads
     args.ffn_dim = 8 * tp

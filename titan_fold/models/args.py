@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_fold.models.layers import rope_cos_sin
 from titan_fold.moe import MoEArgs
 
 
@@ -42,6 +43,10 @@ class TransformerArgs(BaseModelArgs):
 
     tie_embeddings: bool = False  # output head reuses tok_embeddings.weight
     moe: MoEArgs = field(default_factory=MoEArgs)
+    # Multi-Token Prediction (models/mtp.py): mtp_layers extra blocks after the last one, each
+    # predicting one token further ahead; their loss enters backward times mtp_loss_scaling_factor
+    mtp_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -50,6 +55,18 @@ class TransformerArgs(BaseModelArgs):
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.moe_layer_freq < 1:
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
+
+    def attention_module(self) -> nn.Module | None:
+        """The attention of one block; None: transformer.Attention (grouped-query attention)."""
+        return None
+
+    def rope_tables(self, device=None):
+        """(cos, sin) [max_seq_len, rotated dims], float32, half-split layout."""
+        return rope_cos_sin(self.head_dim, self.max_seq_len, self.rope_theta, device)
+
+    def attention_flops_dim(self) -> float:
+        """Per head: the mean of the q.k and the p.v widths (the attention-score FLOPs' factor)."""
+        return self.head_dim
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
@@ -74,6 +91,9 @@ class TransformerArgs(BaseModelArgs):
             raise ConfigError(f"training.seq_len = {seq_len}: longer than {whose} max_seq_len {limit} "
                               "(set model.max_seq_len to train longer sequences)")
         self.max_seq_len = seq_len
+        mtp = getattr(job_config, "mtp", None)
+        if mtp is not None:
+            self.mtp_layers, self.mtp_loss_scaling_factor = mtp.num_layers, mtp.loss_scaling_factor
         moe_config = getattr(job_config, "moe", None)
         if moe_config is not None:
             overrides = {
@@ -108,5 +128,5 @@ class TransformerArgs(BaseModelArgs):
         routed = sum(p.numel() for name, p in model.named_parameters() if ".moe.experts." in name)
         embedding = 0 if self.tie_embeddings else model.tok_embeddings.weight.numel()
         active = total - embedding - routed + routed * self.moe.top_k // self.moe.num_experts
-        attention = 6 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return total, 6 * active + attention
+        attention = 6 * (self.n_layers + self.mtp_layers) * self.n_heads * self.attention_flops_dim() * seq_len
+        return total, int(6 * active + attention)

@@ -9,6 +9,7 @@ The `[moe]` section of a job config may override the router settings of any flav
 """
 
 from titan_fold.models.args import TransformerArgs
+from titan_fold.models.deepseek_v3 import DEEPSEEK_V3
 from titan_fold.moe import MoEArgs
 
 # Qwen2-MoE: qkv bias, a shared expert scaled by sigmoid(x @ w_gate), softmax scores
@@ -129,4 +130,4 @@ QWEN3_MOE = {
                         num_experts=128, top_k=8, moe_ffn_dim=1536),
 }
 
-FLAVORS = {"qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+FLAVORS = {"qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK_V3}

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from titan_fold.common.config import ConfigError
 from titan_fold.models.args import TransformerArgs
+from titan_fold.models.deepseek_v3 import DeepSeekV3Args
 from titan_fold.models.hf_adapter import args_from_hf_config
 
 
@@ -25,3 +26,8 @@ class HFConfigArgs(TransformerArgs):
         for f in dataclasses.fields(loaded):
             setattr(self, f.name, getattr(loaded, f.name))
         super().update_from_config(job_config, **kwargs)
+
+
+@dataclass
+class DeepSeekV3HFConfigArgs(HFConfigArgs, DeepSeekV3Args):
+    """The deepseek_v3 `hf` flavor: every size from `[model] hf_config`, the MLA model's methods."""

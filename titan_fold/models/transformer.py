@@ -18,33 +18,10 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_fold.models.args import TransformerArgs
+from titan_fold.models.layers import apply_rope, trunc_normal_
+from titan_fold.models.mtp import MultiTokenPrediction
 from titan_fold.moe import FeedForward, MoE
-
-
-def trunc_normal_(weight: torch.Tensor, std: float):
-    # truncated at 3 standard deviations: no rare huge weights at start
-    nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
-
-
-def rope_cos_sin(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, [max_seq_len, head_dim], float32.
-
-    Half-split layout (HF Qwen2 / Mixtral): dimension i pairs with i + head_dim/2, so
-    checkpoints converted from HF need no permutation of wq / wk.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)  # [max_seq_len, head_dim]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [b, s, heads, head_dim]; cos, sin [s, head_dim] or [b, s, head_dim]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    xf = x.float()  # rotate in float32: bf16 angles lose precision at long positions
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).type_as(x)
+from titan_fold.moe.router import AddAuxLoss
 
 
 class CausalSelfAttention(nn.Module):
@@ -102,7 +79,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        attention = args.attention_module()
+        self.attention = Attention(args) if attention is None else attention
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
@@ -138,17 +116,26 @@ class Transformer(ModelProtocol):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = MultiTokenPrediction(args, TransformerBlock) if args.mtp_layers > 0 else None
+        # forward's first input: token ids; False on a later pipeline stage, which gets hidden
+        # states (its tok_embeddings, if any, is the MTP layers' copy of the first stage's)
+        self.embeds_tokens = True
         # non-persistent: recomputed by init_weights, never saved in checkpoints
-        cos, sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = args.rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def transformer_blocks(self) -> list[TransformerBlock]:
+        """Every block: the layers this model (or pipeline stage) holds, then the MTP layers'."""
+        mtp = [layer.block for layer in self.mtp.layers.values()] if self.mtp is not None else []
+        return [*self.layers.values(), *mtp]
 
     def init_weights(self, buffer_device: torch.device | None = None):
         """Fill every parameter and buffer, e.g. after building on meta and `to_empty()`."""
         args, init_std = self.args, 0.02
         buffer_device = buffer_device or self.rope_cos.device
         with torch.device(buffer_device):
-            self.rope_cos, self.rope_sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
+            self.rope_cos, self.rope_sin = args.rope_tables()
         if args.tie_embeddings:
             # to_empty() gives each module its own new tensor: tie again
             self.output.weight = self.tok_embeddings.weight
@@ -161,6 +148,8 @@ class Transformer(ModelProtocol):
             self.norm.reset_parameters()
         if self.output is not None and not args.tie_embeddings:
             trunc_normal_(self.output.weight, args.dim**-0.5)
+        if self.mtp is not None:
+            self.mtp.init_weights(init_std)
 
     def rope(self, seq_len: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the tokens' positions: [seq_len, head_dim], or [b, s, head_dim] for positions [b, s]."""
@@ -170,16 +159,25 @@ class Transformer(ModelProtocol):
             return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         return self.rope_cos[positions], self.rope_sin[positions]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                future_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
         positions: global positions of these tokens, [s] or [b, s] int64, for context
         parallelism where a rank holds non-contiguous chunks; None = 0 .. s-1.
+        future_tokens: [b, s, mtp_layers + 1] int64, the tokens 1 .. mtp_layers + 1 positions
+        after each input token (IGNORE_INDEX past the end), for Multi-Token Prediction; its
+        loss enters backward through the logits (AddAuxLoss), its value goes to metrics.
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [b, s, dim]
+        h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # [b, s, dim]
         cos, sin = self.rope(h.shape[1], positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        out = self.norm(h) if self.norm is not None else h
+        if self.output is None:
+            return out
+        logits = self.output(out)
+        if self.mtp is not None and future_tokens is not None:
+            logits = AddAuxLoss.apply(logits, self.mtp(h, future_tokens, cos, sin, self.tok_embeddings, self.output))
+        return logits

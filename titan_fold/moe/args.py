@@ -21,6 +21,13 @@ class MoEArgs:
 
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = False  # renormalize the k chosen probabilities to sum to 1
+    # group-limited routing (DeepSeek-V3; Megatron-Core's --moe-router-num-groups / -group-topk):
+    # the experts form num_groups equal groups (consecutive ids), a token picks its top_k
+    # experts among the group_topk groups with the highest sum of their two best scores.
+    # Groups = the experts of one node's EP ranks makes it node-limited routing.
+    num_groups: int = 1
+    group_topk: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the combine weights (after norm_topk_prob)
 
     # None = dropless; otherwise capacity = ceil(tokens * top_k * capacity_factor / num_experts)
     capacity_factor: float | None = None
@@ -47,3 +54,15 @@ class MoEArgs:
     # two micro-batches' forward and backward interleaved layer by layer, so that each one's
     # expert all-to-alls run beside the other's compute (parallel/overlap.py)
     overlap_ep_comm: bool = False
+
+    def routing_problem(self) -> str | None:
+        """Why the group-limited routing settings cannot route, naming the `[moe]` key; None if they can."""
+        E, G = self.num_experts, self.num_groups
+        if G < 1 or E % G:
+            return f"moe.num_groups = {G}: must divide the {E} experts"
+        if not 1 <= self.group_topk <= G:
+            return f"moe.group_topk = {self.group_topk}: must be in [1, moe.num_groups = {G}]"
+        if self.top_k > self.group_topk * (E // G):
+            return (f"moe.top_k = {self.top_k}: more than the {self.group_topk * (E // G)} experts of "
+                    f"moe.group_topk = {self.group_topk} groups of {E // G}")
+        return None

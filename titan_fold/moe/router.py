@@ -34,19 +34,23 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     way): logits [T, E] (float32 or wider) -> (probs [T, k], experts [T, k], score_sums [b, E],
     counts [b, E], z [] or None), b = num_seqs sequences of T / b tokens each.
 
-    scores: softmax or sigmoid; the choice adds the aux-free bias (never the combine weights);
-    probs optionally renormalized over the k chosen. score_sums: per sequence, the sum of each
+    scores: softmax or sigmoid; the choice adds the aux-free bias (never the combine weights)
+    and, with args.num_groups > 1, keeps the experts of the args.group_topk best groups only;
+    probs optionally renormalized over the k chosen, then times args.routed_scaling_factor. score_sums: per sequence, the sum of each
     expert's scores normalized to 1 per token (the balance losses' P); counts: assignments per
     expert and sequence (their f), in the scores' dtype; z: sum of logsumexp^2 (z-loss) when
-    args.z_loss_coeff > 0. A choice rule that needs the scores of expert groups (group-limited
-    top-k) takes `choice` here, before the top-k."""
+    args.z_loss_coeff > 0."""
     E, k = args.num_experts, args.top_k
     scores = logits.softmax(dim=-1) if args.score_func == "softmax" else logits.sigmoid()
     choice = scores + expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
+    if args.num_groups > 1:
+        choice = limit_to_groups(choice, args.num_groups, args.group_topk)
     experts = choice.topk(k, dim=-1).indices  # [T, k]
     probs = scores.gather(-1, experts)  # [T, k]
     if args.norm_topk_prob:
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if args.routed_scaling_factor != 1.0:
+        probs = probs * args.routed_scaling_factor
     # balance losses see scores that sum to 1 per token (sigmoid scores do not)
     dist = scores if args.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
     score_sums = dist.view(num_seqs, -1, E).sum(1)  # [b, E]
@@ -88,6 +92,20 @@ def balance_terms(score_sums: torch.Tensor, counts: torch.Tensor, T: int, k: int
     term = num_experts * (f * score_sums / (n * T)).sum(-1)  # [G]
     loss = num_experts * (f * both[:, num_experts:] / (n * T)).sum(-1)  # [G]
     return term, loss
+
+
+def limit_to_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """choice [T, E] with every expert outside the token's group_topk best groups set to -inf.
+
+    The experts form num_groups groups of consecutive ids; a group's score is the sum of its
+    two highest choice scores (its best expert alone with one expert per group).
+    """
+    T, E = choice.shape
+    grouped = choice.view(T, num_groups, E // num_groups)  # [T, G, E/G]
+    group_scores = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
 
 
 class Router(nn.Module):

@@ -74,7 +74,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     if sequence_parallel:
         # pipeline stages hand plain tensors to each other: a stage without the embedding
         # takes this rank's sequence shard [b, s/tp, dim], one without the output head returns it
-        if model.tok_embeddings is None:
+        if not model.embeds_tokens:
             model.register_forward_pre_hook(
                 lambda module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
             )
@@ -188,5 +188,5 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     The trainer must feed `cp_shard`'s tokens and pass its positions to the model. Composes
     with apply_tp in either order: the inner attention sees local tensors of this tp rank's heads.
     """
-    for block in model.layers.values():
+    for block in model.transformer_blocks():
         block.attention.inner_attention = ContextParallelAttention(cp_mesh)

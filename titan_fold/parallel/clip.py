@@ -54,7 +54,7 @@ def clip_grad_norm_(
         if pp_mesh is not None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total ** (1.0 / norm_type)
-    if optimizers and all(_divides_by_grad_scale(o) for o in optimizers):
+    if optimizers and all(divides_by_grad_scale(o) for o in optimizers):
         # the same coefficient as clip_grads_with_norm_, as a divisor
         grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0)  # []
         for opt in optimizers:
@@ -78,5 +78,5 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: 
     return norm
 
 
-def _divides_by_grad_scale(opt: torch.optim.Optimizer) -> bool:
+def divides_by_grad_scale(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in opt.param_groups)

@@ -303,6 +303,9 @@ def overlap_problem(config, layout) -> str | None:
         tr = config.training
         return (f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
                 f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}")
+    if config.mtp.num_layers > 0:
+        return (f"moe.overlap_ep_comm = true with mtp.num_layers = {config.mtp.num_layers}: the overlapped schedule "
+                "runs the main model's blocks only; choose one")
     if ac.mode != "none" or ac.moe_layer_recompute:
         what = f"activation_checkpoint.mode = '{ac.mode}'" if ac.mode != "none" else "activation_checkpoint.moe_layer_recompute"
         return f"moe.overlap_ep_comm = true with {what}: the overlapped pieces are not recomputed; choose one"

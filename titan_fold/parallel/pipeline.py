@@ -121,6 +121,13 @@ def stage_model(model: nn.Module, fqns: list[str]) -> nn.Module:
     """A copy of the (meta) model with only these modules; the rest set to None / deleted."""
     stage = copy.deepcopy(model)
     keep = set(fqns)
+    stage.embeds_tokens = "tok_embeddings" in keep
+    if "output" not in keep:
+        stage.mtp = None
+    elif stage.mtp is not None:
+        # the MTP layers embed the tokens ahead: the last stage holds a copy of the first
+        # stage's embedding, kept equal by sync_embedding_copies
+        keep.add("tok_embeddings")
     for name in ("tok_embeddings", "norm", "output"):
         if name not in keep:
             setattr(stage, name, None)
@@ -267,3 +274,44 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
     loss = loss.to(trainer.device).float()
     dist.all_reduce(loss, group=trainer.parallel_dims.get_mesh("pp").get_group())
     return loss
+
+
+def embedding_copies(model_parts: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters of this pp rank's copy of the embedding: the last stage's, for its MTP
+    layers ([] on a rank without one)."""
+    return [p for part in model_parts if part.mtp is not None and not part.embeds_tokens
+            for p in part.tok_embeddings.parameters()]
+
+
+@torch.no_grad()
+def sync_embedding_copies(model_parts: list[nn.Module], pp_mesh, what: str) -> None:
+    """Keep the MTP layers' embedding on the last stage equal to the first stage's (with
+    mtp_layers > 0 and pp > 1), between pp rank 0 and pp rank pp - 1: the same dp / cp / tp
+    coordinates, so the same local shards. what = "weights": pp rank 0 sends its weights
+    (after initialization); "grads": both ranks add the other's gradient (before clipping and
+    the optimizer step), so both copies take the same update. Other pp ranks take no part."""
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    if pp == 1 or rank not in (0, pp - 1):
+        return
+    if rank == 0:
+        params = [p for part in model_parts if part.embeds_tokens for p in part.tok_embeddings.parameters()]
+    else:
+        params = embedding_copies(model_parts)
+    group = pp_mesh.get_group()
+    peer = dist.get_global_rank(group, pp - 1 if rank == 0 else 0)
+    for p in params:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if what == "weights":
+            if rank == 0:
+                dist.send(local.contiguous(), peer, group=group)
+            else:
+                buf = torch.empty_like(local)
+                dist.recv(buf, peer, group=group)
+                local.copy_(buf)
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        buf = torch.empty_like(grad)
+        ops = [dist.P2POp(dist.isend, grad.contiguous(), peer, group), dist.P2POp(dist.irecv, buf, peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        grad.add_(buf)

@@ -23,6 +23,10 @@ Choices, and why:
 - shared expert: colwise/rowwise like the dense FFN, not replicated: it is the largest dense
   block of Qwen2-57B-A14B (3 x 20480 x 3584 per layer) and TP divides it by tp, at the price
   of an all-gather + reduce-scatter of the layer's tokens (the same traffic as attention).
+- multi-head latent attention (DeepSeek-V3, `mla_plan`): the up-projections to the heads (wq,
+  or wq_b after q LoRA; wkv_b) colwise, wo rowwise; the down-projections to the latents (wq_a,
+  wkv_a), their norms and the rotary key wk_rope replicated over tp (`ReplicateParallel`: the
+  latents are narrow, 512 + 64 of 7168 for kv, and every head needs all of them).
 - norms (Qwen3's q/k norms too: each tp rank normalizes its own heads), router gate,
   shared_expert_gate, wo's bias: `Replicate` on tp. Under sequence parallelism each
   tp rank feeds them different tokens, so their gradients are partial sums that are
@@ -44,11 +48,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -89,6 +94,47 @@ class TokenwiseReplicate(ParallelStyle):
         return distribute_module(module, device_mesh, self._replicate, self._input, self._output)
 
 
+class ReplicateParallel(ParallelStyle):
+    """A module with replicated weights that every tp rank applies to the same tokens (the
+    attention's input, already gathered over the sequence); returns a plain tensor.
+
+    For MLA's down-projections and their norms. The output's gradient arrives whole when a
+    colwise layer consumes it (its input gradient is reduced over tp on the way back), or as
+    this rank's share when only this rank's heads use it (`partial_grad`: MLA's rotary key,
+    shared by all heads): marked `Partial`, DTensor sums it over tp where it meets the weight
+    and the input gradients.
+    """
+
+    def __init__(self, partial_grad: bool = False):
+        super().__init__()
+        self.partial_grad = partial_grad
+
+    def _input(self, module, inputs, mesh):
+        return tuple(x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor)
+                     else DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def _output(self, module, output, mesh):
+        return output.to_local(grad_placements=[Partial()] if self.partial_grad else None)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, TokenwiseReplicate._replicate, self._input, self._output)
+
+
+def mla_plan(prefix: str, attention: nn.Module) -> dict[str, ParallelStyle]:
+    """Multi-head latent attention on tp: the up-projections (wq or wq_b, wkv_b) colwise by heads,
+    wo rowwise; the down-projections to the latents (wq_a, wkv_a), their norms and the rotary
+    key wk_rope (one for all heads) replicated, computed whole on every tp rank: they are
+    narrow (kv_lora_rank + rope = 576 of DeepSeek-V3's 7168)."""
+    plan = {prefix + "wkv_a": ReplicateParallel(), prefix + "kv_a_norm": ReplicateParallel(),
+            prefix + "wkv_b": ColwiseParallel(), prefix + "wk_rope": ReplicateParallel(partial_grad=True)}
+    if attention.wq is not None:
+        plan[prefix + "wq"] = ColwiseParallel()
+    else:
+        plan.update({prefix + "wq_a": ReplicateParallel(), prefix + "q_a_norm": ReplicateParallel(),
+                     prefix + "wq_b": ColwiseParallel()})
+    return plan
+
+
 def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     """{module FQN: ParallelStyle} on the attention mesh's tp dim, for a model or a pipeline
     stage of it (modules a stage does not hold are left out).
@@ -106,17 +152,33 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
         plan["tok_embeddings"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=seq, use_local_output=not keep_dtensor
         )
-    for layer_id, block in model.layers.items():
-        p = f"layers.{layer_id}."
+    blocks = [(f"layers.{layer_id}.", block) for layer_id, block in model.layers.items()]
+    for k, layer in (model.mtp.layers.items() if getattr(model, "mtp", None) is not None else ()):
+        # Multi-Token Prediction: its norms and the projection of [embedding; hidden] act on
+        # each rank's sequence shard with replicated weights; its block as any block; its
+        # loss (over vocab-sharded logits under loss parallel) comes back as a plain tensor
+        m = f"mtp.layers.{k}."
+        blocks.append((m + "block.", layer.block))
+        seq_style = SequenceParallel if sequence_parallel else None
+        if seq_style is not None:
+            for name in ("enorm", "hnorm", "eh_proj", "norm"):
+                plan[m + name] = seq_style()
+        if loss_parallel:
+            plan[m + "loss"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                                   use_local_output=True)
+    for p, block in blocks:
         if sequence_parallel:
             plan[p + "attention_norm"] = SequenceParallel()
         plan[p + "attention"] = PrepareModuleInput(
             input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
         )
-        for name in ("wq", "wk", "wv"):
-            plan[p + f"attention.{name}"] = ColwiseParallel()
+        if hasattr(block.attention, "wkv_a"):
+            plan.update(mla_plan(p + "attention.", block.attention))
+        else:
+            for name in ("wq", "wk", "wv"):
+                plan[p + f"attention.{name}"] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor)
-        if block.attention.q_norm is not None:
+        if getattr(block.attention, "q_norm", None) is not None:
             # Qwen3's per-head q/k norms: each tp rank normalizes its own heads
             # [b, s, heads/tp, head_dim], so the weight's gradient is a sum over tp
             plan[p + "attention.q_norm"] = TokenwiseReplicate()
@@ -164,7 +226,7 @@ def tp_placement(style: ParallelStyle, module: nn.Module, param_name: str) -> Pl
         return Shard(1) if embedding else Shard(0)
     if isinstance(style, RowwiseParallel):
         return Shard(0) if embedding else (Shard(1) if param_name == "weight" else Replicate())
-    if isinstance(style, (SequenceParallel, TokenwiseReplicate)):
+    if isinstance(style, (SequenceParallel, TokenwiseReplicate, ReplicateParallel)):
         return Replicate()
     return None  # input/output layouts only: the module's parameters belong to its children
 

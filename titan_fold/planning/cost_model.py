@@ -159,7 +159,7 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
     head = model.output.weight.numel() + model.norm.weight.numel()
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
     total, flops = args.get_nparams_and_flops(model, seq_len)
-    attention = 6 * args.n_heads * args.head_dim * seq_len
+    attention = 6 * args.n_heads * args.attention_flops_dim() * seq_len
     m = args.moe
     per_layer = {
         "moe": 6 * (tp_sharded["moe"] + replicated["moe"] + experts * m.top_k // m.num_experts) + attention,
@@ -288,11 +288,11 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
     T, Ta = S / (m.cp * m.tp), S / m.cp
     if recompute == "full":
         return A * h * T
-    qkv = (sizes.n_heads + 2 * sizes.n_kv_heads) * sizes.head_dim / m.tp
-    att = A * (6 * h * T + Ta * qkv + Ta * sizes.n_heads * sizes.head_dim / m.tp)  # 2 norms x 3h, q k v, out
+    qkv, out, kv_gathered, latent = _attention_widths(sizes)
+    att = A * (6 * h * T + Ta * (qkv + out) / m.tp + Ta * latent)  # 2 norms x 3h, q k v, out, MLA latents
     att += FP32 * (Ta * sizes.n_heads / m.tp + 2 * T)  # log-sum-exp, 1/rms of both norms
     if m.cp > 1:  # K and V of the whole sequence, gathered over cp, saved for backward
-        att += A * S * 2 * sizes.n_kv_heads * sizes.head_dim / m.tp
+        att += A * S * kv_gathered / m.tp
     selective = recompute == "selective"
     if kind == "dense":
         return att + A * Ta * (h + sizes.dense_ffn_dim / m.tp * (2 if selective else 3))
@@ -303,6 +303,19 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
     if sizes.shared_ffn_dim:
         moe += A * Ta * (h + sizes.shared_ffn_dim / m.tp * (2 if selective else 3)) + A * T * (h + 1)
     return att + moe
+
+
+def _attention_widths(sizes: ModelSizes) -> tuple[float, float, float, float]:
+    """Per token: (q + k + v widths, attention output width, K + V width gathered under cp, all
+    over every head; MLA's latents, replicated over tp: the q and kv latents with their norms'
+    inputs and outputs and the rotary key)."""
+    a = sizes.args
+    if not hasattr(a, "kv_lora_rank"):
+        kv = 2 * sizes.n_kv_heads * sizes.head_dim
+        return sizes.n_heads * sizes.head_dim + kv, sizes.n_heads * sizes.head_dim, kv, 0.0
+    qk, v = a.head_dim, a.v_head_dim  # q and k after the up-projections: nope + rope per head
+    latent = 3 * (a.q_lora_rank or 0) + 3 * a.kv_lora_rank + a.qk_rope_head_dim
+    return sizes.n_heads * (2 * qk + v), sizes.n_heads * v, sizes.n_heads * (qk + v), latent
 
 
 def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
@@ -399,7 +412,7 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
         out["tp"] = GroupComm("tp", mb * n * 2 * fwd * A * h * Ta * ring(m.tp), "ring", False, m.tp)
     n_layers = layers["moe"] + layers["dense"]
     if m.cp > 1:  # K, V all-gather forward, reduce-scatter of their grads backward
-        kv = A * S * 2 * sizes.n_kv_heads * sizes.head_dim / m.tp * ring(m.cp)
+        kv = A * S * _attention_widths(sizes)[2] / m.tp * ring(m.cp)
         out["cp"] = GroupComm("cp", mb * n_layers * 2 * fwd * kv, "ring", False, m.cp)
     rows = routed_rows(sizes, m, work)  # what this rank sends equals what it receives, on average
     if m.ep > 1:  # dispatch + combine, forward and backward

@@ -110,6 +110,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-factor", type=float, default=None, help="token drop; unset = dropless")
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--placements", action="store_true",
+                   help="also print where each parameter lives under the best mapping (tp / ep / etp, FSDP)")
     p.add_argument("--write-config", default=None, metavar="FILE.toml", help="job config of the best mapping")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--fix", nargs="+", default=[], metavar="DIM=N",
@@ -237,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             print("given mappings ('lgcy': legacy group order):")
             for label, e in given:
                 print(_row(label, e))
+    if args.placements and best:
+        from titan_fold.parallel.placement import format_plan, placement_plan
+
+        layout = best.mapping.layout()
+        print(f"placements under {best.mapping.short()}:")
+        print(format_plan(placement_plan(sizes.args, layout), layout))
     if args.write_config:
         if not best:
             return 1

@@ -23,13 +23,19 @@ from titan_fold.checkpoint.manager import maybe_fault
 from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
+from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
-from titan_fold.parallel.clip import clip_grad_norm_
+from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
-from titan_fold.parallel.pipeline import check_pipeline, pipeline_forward_backward
+from titan_fold.parallel.pipeline import (
+    check_pipeline,
+    embedding_copies,
+    pipeline_forward_backward,
+    sync_embedding_copies,
+)
 from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.trainer.lock import DumpFolderLock
@@ -98,6 +104,9 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
+            # the last stage's embedding copy starts as the first stage's (a checkpoint loads both)
+            sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "weights")
         # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py)
         self.overlap = (OverlapSchedule(self.model_parts[0], self.gradient_accumulation_steps, self.train_context,
                                         lambda: self.maybe_enable_amp)
@@ -130,9 +139,14 @@ class FoldTrainer(Trainer):
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
         extra_kwargs = {}
         layout = self.parallel_dims
+        future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
         if layout.cp > 1:
             # load-balanced causal split; the model needs the global positions for RoPE
             inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
+            if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
+                future = future.index_select(1, extra_kwargs["positions"])
+        if future is not None:
+            extra_kwargs["future_tokens"] = future
         return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
@@ -141,6 +155,9 @@ class FoldTrainer(Trainer):
         return loss
 
     def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
+        for mtp in mtp_modules(self.model_parts):
+            # a token sum like the LM loss: one scale for every micro-batch of the step
+            mtp.loss_scale = (1.0 / torch.as_tensor(global_valid_tokens, dtype=torch.float32)).to(mtp.loss_scale.device)
         if self.parallel_dims.pp_enabled:
             loss = pipeline_forward_backward(
                 self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
@@ -163,11 +180,20 @@ class FoldTrainer(Trainer):
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 
-    def clip_grad_norm(self, *args, **kwargs) -> torch.Tensor:
+    def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
         """What torchtitan's train_step calls to clip (torchtitan_adapter): gradients on two
         meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
-        handed to the NaN/Inf guard."""
-        norm = clip_grad_norm_(*args, optimizers=self.optimizers.optimizers, **kwargs)
+        handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
+        takes the first stage's gradient too and is left out of the norm (counted once)."""
+        copies = []
+        if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
+            sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "grads")
+            copies = embedding_copies(self.model_parts)
+        skip = {id(p) for p in copies}
+        parameters = [p for p in parameters if id(p) not in skip]
+        norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
+        if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
+            torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
         self.guard.observe_grad_norm(norm)
         return norm
 

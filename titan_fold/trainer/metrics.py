@@ -27,7 +27,8 @@ from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from titan_fold.moe import moe_stats
+from titan_fold.models.mtp import mtp_stats
+from titan_fold.moe import moe_layers, moe_stats
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.torchtitan_adapter import with_names
 
@@ -104,15 +105,19 @@ class FoldMetricsProcessor(MetricsProcessor):
         return super().should_log(step) or step == self.job_config.training.steps
 
     def _moe_stats(self) -> dict[str, float | None]:
-        stats = moe_stats(self.model_parts or [])
-        keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance")
+        parts = self.model_parts or []
+        n_moe = float(len(moe_layers(parts)))
+        stats = {**moe_stats(parts), **mtp_stats(parts)}
+        keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance", "mtp_loss")
         values = torch.tensor([float(stats.get(k, float("nan"))) for k in keys], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # mean over the ranks that hold MoE layers (NaN marks a rank without any, e.g. a PP stage)
-            have = (~values.isnan()).to(torch.float64)
-            both = torch.cat([values.nan_to_num(0.0), have]).to(_comm_device())
+            # mean over the ranks that hold MoE layers (NaN marks a rank without any, e.g. a PP
+            # stage), each rank's layer mean weighted by its number of layers: the mean over layers
+            weights = torch.tensor([n_moe] * 3 + [1.0], dtype=torch.float64)
+            have = (~values.isnan()).to(torch.float64) * weights
+            both = torch.cat([values.nan_to_num(0.0) * have, have]).to(_comm_device())
             dist.all_reduce(both)
-            values, have = both[:3].cpu(), both[3:].cpu()
+            values, have = both[: len(keys)].cpu(), both[len(keys) :].cpu()
             values = values / have
         return {k: (None if v != v else float(v)) for k, v in zip(keys, values.tolist())}
 
@@ -166,6 +171,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             f"{c.yellow}aux {r['moe_aux_loss']:.4f}" if r["moe_aux_loss"] is not None else "",
             f"drop {r['dropped_token_frac']:.3f}" if r["dropped_token_frac"] is not None else "",
             f"imbalance {r['expert_load_imbalance']:.2f}" if r["expert_load_imbalance"] is not None else "",
+            f"mtp {r['mtp_loss']:.4f}" if r["mtp_loss"] is not None else "",
             f"{c.white}elapsed {_hms(now - self.time_start)}  eta {_hms(self._eta(step, now))}{c.reset}",
         ]
         return "  ".join(p for p in parts if p)

@@ -113,6 +113,8 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     moe = model_args.moe
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
+    if problem := moe.routing_problem():
+        raise ConfigError(problem)
     try:
         layout = layout_from_config(config, world_size)
         layout.validate_model(model_args, config.training.seq_len)

@@ -1,6 +1,6 @@
 """The TrainSpecs torchtitan's Trainer builds from: one per model family.
 
-`[model] name` picks the family ("qwen2_moe", "qwen3_moe" or "mixtral"), `[model] flavor` its
+`[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral" or "deepseek_v3"), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
 
@@ -9,12 +9,12 @@ from collections.abc import Mapping
 
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS
-from titan_fold.models.hf_flavor import HFConfigArgs
+from titan_fold.models.hf_flavor import DeepSeekV3HFConfigArgs, HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 from titan_fold.trainer.metrics import build_metrics_processor
@@ -29,12 +29,13 @@ class FlavorCopies(Mapping):
     entry is filled from `[model] hf_config` by that same update_from_config.
     """
 
-    def __init__(self, flavors: dict):
+    def __init__(self, flavors: dict, hf_args=HFConfigArgs):
         self._flavors = flavors
+        self._hf_args = hf_args
 
     def __getitem__(self, flavor: str):
         if flavor == "hf":
-            return HFConfigArgs()
+            return self._hf_args()
         return copy.deepcopy(self._flavors[flavor])
 
     def __iter__(self):
@@ -47,7 +48,7 @@ class FlavorCopies(Mapping):
 def _train_spec(family: str) -> TrainSpec:
     return TrainSpec(
         model_cls=Transformer,
-        model_args=FlavorCopies(FLAVORS[family]),
+        model_args=FlavorCopies(FLAVORS[family], DeepSeekV3HFConfigArgs if family == "deepseek_v3" else HFConfigArgs),
         parallelize_fn=parallelize,
         pipelining_fn=pipeline,
         build_optimizers_fn=build_optimizers,
@@ -62,7 +63,9 @@ def _train_spec(family: str) -> TrainSpec:
 
 def register_train_specs() -> None:
     for family in FLAVORS:
+        # ours take precedence over torchtitan's own family of the same name (deepseek_v3):
+        # get_train_spec reads registered specs first
         try:
-            get_train_spec(family)
-        except ValueError:
             register_train_spec(family, _train_spec(family))
+        except ValueError:
+            pass  # registered by an earlier call in this process
