@@ -5,7 +5,11 @@ On 4 gloo ranks in fp32, a small Qwen2-MoE (a dense first layer, shared expert w
 aux and z losses) whose experts are spread over ep 2 (edp 2), ep 4 and ep 2 x etp 2: the
 overlapped schedule over 3 accumulated micro-batches gives every rank the losses and every
 parameter gradient of plain gradient accumulation, with the weight-gradient split on and
-off. The recorded order of the pieces is the interleaving the schedule promises.
+off. The recorded order of the pieces is the interleaving the schedule promises. The trainer
+with either key gives the one-rank run's losses and gradient norms (FSDP2, sequence and
+context parallel attention, etp, edp, the split under the pipeline schedules); bad
+combinations end in one line naming the key; qwen2.toml's 64-rank dry run with the overlap
+matches its collectives.
 """
 
 import dataclasses

@@ -169,12 +169,13 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 class _AllToAllThen(torch.autograd.Function):
-    """all_to_all_single whose backward runs `then()` while the gradients travel."""
+    """all_to_all_single whose backward runs `then()` while the gradients travel; forward
+    waits at first use, as the autograd version does (the shared expert runs meanwhile)."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, mesh, then):
         ctx.splits, ctx.mesh, ctx.then = (out_splits, in_splits), mesh, then
-        return _wait(funcol.all_to_all_single(x, out_splits, in_splits, mesh))
+        return funcol.all_to_all_single(x, out_splits, in_splits, mesh)
 
     @staticmethod
     def backward(ctx, grad):

@@ -32,7 +32,7 @@ class WgradQueue:
     """Deferred weight-gradient work of one MoE layer's experts, run in order by flush().
 
     flush_in_dispatch: the dispatcher flushes in its all-to-all's backward (the split alone);
-    a schedule that flushes on its own turns it off."""
+    off, the work waits for flush() or flush_wgrad()."""
 
     def __init__(self):
         self.pending: list[Callable[[], None]] = []
