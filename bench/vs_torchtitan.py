@@ -2,6 +2,8 @@
 
     python bench/vs_torchtitan.py --cases 1gpu_eager,1gpu_compiled --gpus 0 --ours <train_step result>
     python bench/vs_torchtitan.py --cases dp2_ep2_bf16params_b4 --gpus 0,1 --ours <train_step result>
+    python bench/vs_torchtitan.py --cases 1gpu_bf16params_auxfree --family deepseek_v3 --proxy 16B-L4 --gpus 0 \
+        --ours <bench/train_step.py result of the same cases, family and proxy>
 
 Case names follow bench/train_step.py (parse_case) on the two bases torchtitan runs: 1gpu,
 and dp2_ep2 (its FSDP2 over 2 GPUs with expert parallelism 2 borrowing the FSDP ranks, as
@@ -66,14 +68,48 @@ def qwen3_args(family: str, proxy: str, seq_len: int):
     )
 
 
+def deepseek_v3_args(proxy: str, seq_len: int):
+    """torchtitan's DeepSeekV3ModelArgs at the widths of titan_fold's deepseek_v3 proxy (e.g. "16B-L4"):
+    MLA, routing, shared experts, dense first layers; SDPA with a causal mask (its 16B flavor
+    uses flex attention over document masks); YaRN as ours (torchtitan applies it only past
+    original_seq_len: the same FLOPs)."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+    from torchtitan.models.moe import MoEArgs
+
+    from bench.train_step import register_proxy
+    from titan_fold.models import FLAVORS
+
+    register_proxy("deepseek_v3", proxy)
+    ours = FLAVORS["deepseek_v3"][proxy]
+    moe = ours.moe
+    return DeepSeekV3ModelArgs(
+        max_seq_len=seq_len, vocab_size=ours.vocab_size, dim=ours.dim, inter_dim=ours.ffn_dim,
+        moe_inter_dim=moe.moe_ffn_dim, n_layers=ours.n_layers, n_dense_layers=ours.first_k_dense,
+        n_heads=ours.n_heads, norm_eps=ours.norm_eps,
+        moe_args=MoEArgs(num_experts=moe.num_experts, num_shared_experts=moe.shared_ffn_dim // moe.moe_ffn_dim,
+                         top_k=moe.top_k, score_func=moe.score_func, route_norm=moe.norm_topk_prob,
+                         route_scale=moe.routed_scaling_factor, score_before_experts=False,
+                         num_expert_groups=moe.num_groups if moe.num_groups > 1 else None,
+                         num_limited_groups=moe.group_topk if moe.num_groups > 1 else None),
+        q_lora_rank=ours.q_lora_rank or 0, kv_lora_rank=ours.kv_lora_rank, qk_nope_head_dim=ours.qk_nope_head_dim,
+        qk_rope_head_dim=ours.qk_rope_head_dim, v_head_dim=ours.v_head_dim, attn_type="sdpa",
+        attn_mask_type="causal", original_seq_len=ours.original_max_seq_len, rope_theta=ours.rope_theta,
+        rope_factor=ours.rope_factor, beta_fast=int(ours.beta_fast), beta_slow=int(ours.beta_slow),
+        mscale=ours.mscale_all_dim,
+    )
+
+
 def register(family: str, proxy: str, seq_len: int) -> None:
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
     from titan_fold.data import build_dataloader, build_tokenizer
 
-    spec = get_train_spec("qwen3")
+    if family == "deepseek_v3":  # torchtitan's own deepseek_v3 family
+        spec, args = get_train_spec("deepseek_v3"), deepseek_v3_args(proxy, seq_len)
+    else:
+        spec, args = get_train_spec("qwen3"), qwen3_args(family, proxy, seq_len)
     register_train_spec(SPEC_NAME, dataclasses.replace(
-        spec, model_args={proxy: qwen3_args(family, proxy, seq_len)}, build_dataloader_fn=build_dataloader,
+        spec, model_args={proxy: args}, build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer, build_validator_fn=None))
 
 

@@ -211,6 +211,27 @@ def test_torchtitan_qwen3_is_our_qwen3(base):
             FLAVORS["qwen3_moe"].pop(base, None)
 
 
+def test_torchtitan_deepseek_v3_has_our_widths():
+    """torchtitan's deepseek_v3 at the 16B proxy's widths and ours: the same parameter count,
+    expert and shared-expert widths and layer kinds (its wkv_a is our wkv_a and wk_rope fused)."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    try:
+        args = vs_torchtitan.deepseek_v3_args("16B-L4", 4096)
+        args.moe_impl = "standard"  # what its update_from_config sets in the trainer
+        with torch.device("meta"):
+            theirs = DeepSeekV3Model(args)
+            ours = Transformer(FLAVORS["deepseek_v3"]["16B-L4"])
+        count = lambda m, key: sum(p.numel() for n, p in m.named_parameters() if key in n)  # noqa: E731
+        assert count(ours, "") == count(theirs, "")
+        assert count(ours, ".moe.experts.") == count(theirs, ".moe.experts.") == 3 * 64 * 3 * 2048 * 1408
+        assert count(ours, ".moe.shared_expert.") == count(theirs, ".moe.shared_experts.") == 3 * 3 * 2048 * 2816
+        assert count(ours, "attention.wkv_a") + count(ours, "attention.wk_rope") == count(theirs, "attention.wkv_a")
+        assert [b.moe_enabled for b in ours.layers.values()] == [b.moe_enabled for b in theirs.layers.values()]
+    finally:
+        FLAVORS["deepseek_v3"].pop("16B-L4", None)
+
+
 def _suite_file(tmp_path, suite, figures, date="2026-11-25T10:00:00Z"):
     env = {"device": "NVIDIA H100 80GB HBM3", "device_count": 1, "torch": "2.11.0"}
     rec = {"suite": suite, "command": f"python -m bench {suite}", "date_utc": date, "env": env, "figures": figures}

@@ -416,6 +416,9 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
         out["cp"] = GroupComm("cp", mb * n_layers * 2 * fwd * kv, "ring", False, m.cp)
     rows = routed_rows(sizes, m, work)  # what this rank sends equals what it receives, on average
     if m.ep > 1:  # dispatch + combine, forward and backward
+        # each of a token's top_k copies travels on its own; group- or node-limited routing
+        # (moe.num_groups, moe.group_topk) bounds the nodes a token reaches, not the share of
+        # copies that leave the node, which stays 1 - 1/nodes under uniform load (docs/moe.md)
         out["ep"] = GroupComm("ep", mb * layers["moe"] * 4 * fwd * A * h * rows * ring(m.ep), "a2a", False, m.ep)
     if m.etp > 1:  # AG-v of the received tokens + RS-v of the partial outputs, forward and backward
         out["etp"] = GroupComm("etp", mb * layers["moe"] * 4 * fwd * A * h * rows * (m.etp - 1), "ring", False, m.etp)
