@@ -1,5 +1,6 @@
 """Recording the collectives of one training step of a shrunk model on every simulated rank."""
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -140,8 +141,9 @@ def shrunk_config(job_config, model_args):
     return config, args
 
 
-def record_collectives(job_config, world_size: int, model_args, ranks=None) -> dict:
-    """One training step of the shrunk model on every rank (or `ranks`) of a fake world.
+def record_collectives(job_config, world_size: int, model_args, ranks=None, watch=None) -> dict:
+    """One training step of the shrunk model on every rank (or `ranks`) of a fake world;
+    watch(trainer, layout, rank): a context each rank's step runs in (the gradient check).
 
     -> {(group desc, group ranks): {rank: [call, ...]}}"""
     config, args = shrunk_config(job_config, model_args)
@@ -149,7 +151,7 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
     ranks = list(ranks if ranks is not None else range(world_size))
     with SharedShardingDecisions.installed():
         for rank in ranks:
-            for key, calls in step_collectives(config, args, world_size, rank).items():
+            for key, calls in step_collectives(config, args, world_size, rank, watch).items():
                 per_group[key][rank] = calls
     for (desc, pair), by_rank in per_group.items():
         if desc == P2P:  # a simulated rank that sent or received nothing to its peer
@@ -158,7 +160,7 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
     return per_group
 
 
-def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
+def step_collectives(config, model_args, world_size: int, rank: int, watch=None) -> dict:
     """The collectives `rank` issues in one training step of FoldTrainer (forward, backward,
     gradient clipping, optimizer step, loss logging), recorded per process group."""
     init_fake_world(world_size, rank)
@@ -167,7 +169,8 @@ def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
     trainer = StepTrainer(config, layout, model_args)
     b, S = config.training.local_batch_size, config.training.seq_len
     tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
-    with CollectiveRecorder(rank) as recorder:
+    observed = watch(trainer, layout, rank) if watch is not None else contextlib.nullcontext()
+    with observed, CollectiveRecorder(rank) as recorder:
         try:
             trainer.train_step(iter([({"input": tokens}, tokens.clone())]))
         except Exception as e:  # where a real run of this layout would fail too

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from titan_fold.common.config import parse_args
 from titan_fold.common.errors import UserError
+from titan_fold.dryrun.gradients import format_gradients, gradient_check
 from titan_fold.dryrun.match import first_divergence
 from titan_fold.dryrun.measure import compare, cost_model_estimate, simulate_rank
 from titan_fold.dryrun.record import StepFailed, record_collectives, shrunk_config
@@ -86,13 +87,16 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
                     f"{shrunk_config(job_config, model_args)[1].n_layers} layers) on all {world_size} ranks"
                     + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 else ""),
             "step_failed": None, "first_divergence": None}
+        check = gradient_check(step, world_size, model_args) if job_config.comm.check_gradients else None
         try:
-            per_group = record_collectives(step, world_size, model_args)
+            per_group = record_collectives(step, world_size, model_args, watch=check and check.watch)
         except StepFailed as e:
             col["step_failed"] = e.report
         else:
             col.update(groups=len(per_group), calls=sum(len(c) for g in per_group.values() for c in g.values()),
                        by_kind=_count_kinds(per_group), first_divergence=first_divergence(per_group))
+            if check is not None:
+                report["gradients"] = check.report()
         col["cpu_seconds"] = round(time.process_time() - t1, 2)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -161,6 +165,8 @@ def format_report(report: dict) -> str:
             lines.append(f"  MISMATCH in group {div['group']} {div['ranks'][:8]}{'...' if len(div['ranks']) > 8 else ''}, "
                          f"call {div['call']}: rank {div['rank']} issues {div['rank_issued']}; "
                          f"rank {div['reference_rank']} issues {div['reference_issued']}")
+    if "gradients" in report:
+        lines += ["", *format_gradients(report["gradients"])]
     lines.append(f"({report['cpu_seconds']:.1f} CPU s in all)")
     return "\n".join(lines)
 
@@ -181,7 +187,8 @@ def main(job_config) -> int:
         json.dump(report, f, indent=1, default=str)
     print(f"wrote {path}", flush=True)
     col = report.get("collectives", {})
-    return 1 if col.get("first_divergence") or col.get("step_failed") else 0
+    mismatched = report.get("gradients", {}).get("mismatches")
+    return 1 if col.get("first_divergence") or col.get("step_failed") or mismatched else 0
 
 
 README_COMMAND = ("NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "
