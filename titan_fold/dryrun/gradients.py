@@ -248,7 +248,7 @@ class GradientWatch:
                 continue
             self.hooked.add(id(p))
             fqn = f"{prefix}.{name}" if prefix else name
-            p.register_hook(self._replace(fqn))
+            self.handles.append(p.register_hook(self._replace(fqn)))
 
     def _replace(self, fqn: str):
         c = constant_of(fqn)
