@@ -30,7 +30,7 @@ def no_process_group():
 def test_packaged_config_collectives_match(name):
     """Every rank of the real world size records its own step; all members of every group
     issue the same sequence, every pipeline send meets its recv, and every parameter's
-    gradient is reduced as the placement plan says (dryrun_gradients.py)."""
+    gradient is reduced as the placement plan says (dryrun/gradients.py)."""
     c = config(name)
     layout, args, _ = dryrun.check_config(c, WORLD[name])
     matched, problem = dryrun.step_config(c, layout)
