@@ -250,3 +250,20 @@ def test_reduced_over_tp_where_ep_equals_tp(monkeypatch):
                     "--training.local_batch_size", "1"))
     assert set(found) == EXPERTS
     assert found["layers.0.moe.experts.w1"] == ["gradient summed over edp x etp, the plan says edp"]
+
+
+def test_one_parameter_listed_twice_for_the_norm(monkeypatch):
+    """mixtral_8x22b.toml at 128 ranks, a rank of the last stage: the trainer hands the clip
+    the final norm's weight twice. One parameter among the stage's, named alone."""
+    from titan_fold.trainer.fold_trainer import FoldTrainer
+
+    real = FoldTrainer.clip_grad_norm
+
+    def twice(self, parameters, *args, **kwargs):
+        extra = [p for part in self.model_parts for name, p in part.named_parameters() if name == "norm.weight"]
+        return real(self, [*parameters, *extra], *args, **kwargs)
+
+    monkeypatch.setattr(FoldTrainer, "clip_grad_norm", twice)
+    found = bad(run("mixtral_8x22b.toml", 128, ranks=[127]))
+    assert found == {"norm.weight": ["norm counts each piece 2 times (plan: once over pp x dp_shard; "
+                                     "recorded: summed over pp x dp_shard x tp)"]}
