@@ -267,3 +267,23 @@ def test_one_parameter_listed_twice_for_the_norm(monkeypatch):
     found = bad(run("mixtral_8x22b.toml", 128, ranks=[127]))
     assert found == {"norm.weight": ["norm counts each piece 2 times (plan: once over pp x dp_shard; "
                                      "recorded: summed over pp x dp_shard x tp)"]}
+
+
+def test_command_prints_the_table_and_exits_1_on_a_mismatch(tmp_path, monkeypatch, capsys):
+    """`--comm.check_gradients` on the dry run (without the collective check: one rank per
+    position): the table and exit 0; with the experts divided by ep, their lines and exit 1."""
+    from titan_fold.train import main
+
+    monkeypatch.setenv("NGPU", "8")
+    args = ["--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend", "--comm.check_gradients",
+            "--comm.no-dry_run_collectives", *TP2_EP4, "--comm.dry_run_json", str(tmp_path / "dry.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "gradients of one step against the placement plan on 2 rank(s): every parameter matches" in out
+    assert "on ranks [0, 7] (one per position" in out
+    for kind in ("attention", "norms", "router", "shared expert", "routed experts", "embeddings", "head"):
+        assert f"\n  {kind} " in out
+    _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_gradient_divide_factor(float(layout.ep)))
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH layers.0.moe.experts.w1 on rank 7: gradient scaled by 1/4 besides its sum over edp" in out
