@@ -132,6 +132,21 @@ def test_unplanted_layouts_match():
                    "--training.local_batch_size", "1")["mismatches"]
 
 
+def test_rowwise_bias_is_whole_on_every_tp_rank():
+    """wo with a bias (Qwen3's attention_bias): replicated on tp like the norms, but added after
+    wo's reduction: its gradient is whole on each tp rank, the plan sums it over dp only."""
+    c = config("debug_moe.toml", *TP2_EP4)
+    layout, args, _ = dryrun.check_config(c, 8)
+    args.out_bias = True
+    plan = placement.placement_plan(args, layout)
+    assert not plan["layers.0.attention.wo.bias"].tp_partial_grad
+    assert plan["layers.0.attention_norm.weight"].tp_partial_grad and plan["layers.0.moe.router.gate.weight"].tp_partial_grad
+    rep = check_gradients(c, 8, args, ranks=[0])["gradients"]
+    assert rep["mismatches"] == []
+    rows = {(r["grad_plan"], r["grad_recorded"]) for r in rep["table"] if "attention.wo.bias" in r["params"]}
+    assert rows == {("dp_shard", "dp_shard")}
+
+
 def test_router_never_summed_over_tp(monkeypatch):
     """TokenwiseReplicate declaring each tp rank's token rows replicated: DTensor then sees a
     complete router gradient on every tp rank and nothing sums it over tp."""

@@ -6,9 +6,10 @@ placement plan alone (no process group, no model):
 - grad_dims: the mesh dims whose ranks' contributions to this rank's piece of the gradient
   must be summed. The ranks of such a group hold the same piece of the parameter and saw
   different tokens: data parallel (dp_replicate, dp_shard), context parallel (cp: other
-  chunks of the same sequences), and tp for a parameter replicated on tp under sequence
-  parallelism (norms, router gate, shared_expert_gate, Qwen3's q/k norms: each tp rank
-  feeds it other tokens, or other heads); for routed experts edp only: the dispatcher has
+  chunks of the same sequences), and tp for a parameter replicated on tp whose gradient is a
+  different share on each tp rank (`Placed.tp_partial_grad`: under sequence parallelism the
+  norms, router gate and shared_expert_gate see other tokens, Qwen3's q/k norms other heads;
+  not a rowwise bias, which sees the whole gradient); for routed experts edp only: the dispatcher has
   already brought every token of the ep x etp group to the expert's owner. A sum, not a
   mean: the loss is divided by the global token count. Pipeline stages share no parameter
   (tied embeddings under PP are refused), so pp is never among them.
@@ -51,9 +52,7 @@ def expected(placed: Placed, layout: Layout) -> Expected:
     if placed.mesh == EXPERT:
         grad = {"edp"}
     else:
-        grad = {"dp_replicate", "dp_shard", "cp"}
-        if "tp" not in sharded:  # replicated on tp: each tp rank saw other tokens (sequence parallel)
-            grad.add("tp")
+        grad = {"dp_replicate", "dp_shard", "cp"} | ({"tp"} if placed.tp_partial_grad else set())
     return Expected(placed.mesh, tuple(d for d in big if d in grad),
                     tuple(d for d in big if d in sharded or d == "pp"))
 
