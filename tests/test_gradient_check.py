@@ -99,7 +99,7 @@ def test_groups_agree_with_the_layout_tool():
 # ---------------------------------------------------------------- the paper's layouts
 
 
-@pytest.mark.parametrize("label", ["mixtral folded 128K", "mixtral mcore 128K"])
+@pytest.mark.parametrize("label", sorted(PAPER_1024))
 def test_paper_1024_rank_layouts_gradients(label):
     """The first and the last rank of the first and the last pipeline stage."""
     name, overrides = PAPER_1024[label]
@@ -110,9 +110,11 @@ def test_paper_1024_rank_layouts_gradients(label):
     rep = run(name, 1024, *overrides, ranks=ranks)
     assert rep["ranks"] == ranks and not rep["mismatches"]
     kinds = {r["kind"] for r in rep["table"]}
-    assert kinds == {"attention", "embeddings", "head", "norms", "routed experts", "router"}
+    assert {"attention", "embeddings", "head", "norms", "routed experts", "router"} <= kinds
+    # the norms' gradients over every attention rank of a stage but pp; the experts' over edp
     rows = {(r["kind"], r["grad_plan"]) for r in rep["table"]}
-    assert ("norms", "dp_shard x cp x tp") in rows and ("routed experts", "edp") in rows
+    stage = " x ".join(d for d in ("dp_shard", "cp", "tp") if layout.size(d) > 1)
+    assert ("norms", stage) in rows and ("routed experts", "edp") in rows
 
 
 # ---------------------------------------------------------------- planted bugs

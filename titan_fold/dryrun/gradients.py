@@ -454,7 +454,7 @@ def format_gradients(rep: dict, limit: int = 20) -> list[str]:
 
 def gradient_check(job_config, world_size: int, model_args) -> GradientCheck:
     """The check of the step record_collectives records for this job (its shrunk model)."""
-    _, args = shrunk_config(job_config, model_args)
+    _, args = shrunk_config(job_config, model_args, world_size)
     return GradientCheck(layout_from_config(job_config, world_size), args)
 
 

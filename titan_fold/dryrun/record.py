@@ -109,10 +109,11 @@ def _p2p_signature(call: dict) -> tuple:
     return tuple((tuple(n for n in shape if n != 1), dtype) for shape, dtype in call["shapes"])
 
 
-def shrunk_config(job_config, model_args):
+def shrunk_config(job_config, model_args, world_size: int | None = None):
     """The same job at the same layout with a tiny model: same experts, top-k and heads,
     widths of a few units, as few layers as the pipeline split allows; one gradient
-    accumulation step, the shortest valid sequence."""
+    accumulation step, the shortest valid sequence. With the world size, a width FSDP2
+    shards the experts on (fewer experts per rank than edp ranks) splits edp ways."""
 
     config = _dry_config(job_config)
     par, tr = config.parallelism, config.training
@@ -127,6 +128,10 @@ def shrunk_config(job_config, model_args):
     args.n_layers = n_layers
     args.head_dim = 4
     args.dim = 4 * args.n_heads
+    if world_size is not None:
+        layout = layout_from_config(config, world_size)
+        if args.moe.num_experts // layout.ep < layout.edp:
+            args.dim = math.lcm(args.dim, layout.edp)
     args.ffn_dim = 8 * tp
     args.vocab_size = max(512, 16 * tp)
     args.moe = dataclasses.replace(args.moe, moe_ffn_dim=8 * etp,
@@ -146,7 +151,7 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None, watc
     watch(trainer, layout, rank): a context each rank's step runs in (the gradient check).
 
     -> {(group desc, group ranks): {rank: [call, ...]}}"""
-    config, args = shrunk_config(job_config, model_args)
+    config, args = shrunk_config(job_config, model_args, world_size)
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     ranks = list(ranks if ranks is not None else range(world_size))
     with SharedShardingDecisions.installed():
