@@ -14,7 +14,7 @@ from launcher import ZYGOTE
 # longest launches go first, so that the two workers finish together rather than one
 # waiting out the other's last long file.
 LONGEST_FIRST = ["test_dryrun.py", "test_overlap.py", "test_equivalence.py", "test_checkpoint.py", "test_optimizer.py",
-                 "test_reliability.py", "test_hf.py", "test_first_hour.py", "test_pipeline.py",
+                 "test_reliability.py", "test_hf.py", "test_first_hour.py", "test_pipeline.py", "test_gradient_check.py",
                  "test_attention_parallel.py", "test_docs.py"]
 
 

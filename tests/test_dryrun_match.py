@@ -31,14 +31,19 @@ def no_process_group():
 @pytest.mark.parametrize("name", sorted(n for n in WORLD if WORLD[n] <= 128))
 def test_packaged_config_collectives_match(name):
     """Every rank of the real world size records its own step; all members of every group
-    issue the same sequence and every pipeline send meets its recv."""
+    issue the same sequence, every pipeline send meets its recv, and every parameter's
+    gradient is reduced as the placement plan says (dryrun/gradients.py)."""
     c = config(name)
     layout, args, _ = dryrun.check_config(c, WORLD[name])
     matched, problem = dryrun.step_config(c, layout)
     assert (problem is not None) == (SAC_UNDER_PP_FAILS and name in ("qwen2.toml", "mixtral_8x22b.toml",
                                                                      "mixtral_8x22b_g8t8.toml"))
-    per_group = dryrun.record_collectives(matched, WORLD[name], args)
+    gradients = dryrun.gradient_check(matched, WORLD[name], args)
+    per_group = dryrun.record_collectives(matched, WORLD[name], args, watch=gradients.watch)
     assert dryrun.first_divergence(per_group) is None
+    # the same step: every parameter's reductions and norm share on every rank as the plan says
+    report = gradients.report()
+    assert report["ranks"] == list(range(WORLD[name])) and report["mismatches"] == []
     assert sum(len(calls) for g in per_group.values() for calls in g.values()) > 0
     # every rank recorded its own sequence, every pp pair its send/recv
     assert set().union(*(g.keys() for g in per_group.values())) == set(range(WORLD[name]))

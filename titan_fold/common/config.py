@@ -93,6 +93,11 @@ class Comm(TitanComm):
     dry_run_collectives: bool = True
     """With mode = "fake_backend": also record one step's collectives on every rank (shrunk
     model, same layout) and check that all members of each process group issue the same sequence."""
+    check_gradients: bool = False
+    """With mode = "fake_backend": check every parameter's gradient reductions and its share of
+    the gradient norm in the recorded step against the placement plan, on every rank with
+    dry_run_collectives, else on one rank per position (docs/parallelize.md, "Gradients proven
+    before launch"); exit 1 on a mismatch."""
     dry_run_json: str = ""
     """Where the dry run writes its JSON report; empty = <job.dump_folder>/dry_run.json."""
 

@@ -22,6 +22,7 @@ real job); a step that raises on a rank is reported with its cause.
 Output: a table on stdout and `<job.dump_folder>/dry_run.json`.
 """
 
+from titan_fold.dryrun.gradients import check_gradients, gradient_check
 from titan_fold.dryrun.match import first_divergence
 from titan_fold.dryrun.measure import build_rank, simulate_rank
 from titan_fold.dryrun.record import P2P, StepFailed, record_collectives, shrunk_config
@@ -36,6 +37,6 @@ from titan_fold.dryrun.report import (
 )
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
 
-__all__ = ["P2P", "SharedShardingDecisions", "StepFailed", "build_rank", "check_config", "dry_run", "first_divergence",
-           "format_report", "init_fake_world", "main", "readme_block", "readme_excerpt", "record_collectives",
+__all__ = ["P2P", "SharedShardingDecisions", "StepFailed", "build_rank", "check_config", "check_gradients", "dry_run", "first_divergence",
+           "format_report", "gradient_check", "init_fake_world", "main", "readme_block", "readme_excerpt", "record_collectives",
            "shrunk_config", "simulate_rank", "step_config"]

@@ -1,5 +1,6 @@
 """Recording the collectives of one training step of a shrunk model on every simulated rank."""
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -108,10 +109,12 @@ def _p2p_signature(call: dict) -> tuple:
     return tuple((tuple(n for n in shape if n != 1), dtype) for shape, dtype in call["shapes"])
 
 
-def shrunk_config(job_config, model_args):
+def shrunk_config(job_config, model_args, world_size: int | None = None):
     """The same job at the same layout with a tiny model: same experts, top-k and heads,
     widths of a few units, as few layers as the pipeline split allows; one gradient
-    accumulation step, the shortest valid sequence."""
+    accumulation step, the shortest valid sequence. With the world size, a width FSDP2
+    shards the experts on (fewer experts per rank than edp ranks) splits edp ways, and
+    moe.overlap_ep_comm gets its pair of micro-batches."""
 
     config = _dry_config(job_config)
     par, tr = config.parallelism, config.training
@@ -129,6 +132,9 @@ def shrunk_config(job_config, model_args):
         args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 4, 2, 2, 4
     args.head_dim = 4
     args.dim = 4 * args.n_heads
+    layout = layout_from_config(config, world_size) if world_size is not None else None
+    if layout is not None and args.moe.num_experts // layout.ep < layout.edp:
+        args.dim = math.lcm(args.dim, layout.edp)
     args.ffn_dim = 8 * tp
     args.vocab_size = max(512, 16 * tp)
     args.moe = dataclasses.replace(args.moe, moe_ffn_dim=8 * etp,
@@ -140,21 +146,22 @@ def shrunk_config(job_config, model_args):
     dp = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree
           if par.data_parallel_shard_degree > 0 else None)
     tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
+    if layout is not None and args.moe.overlap_ep_comm:  # micro-batches overlapped in pairs: a step of two
+        tr.global_batch_size = 2 * tr.local_batch_size * layout.dp
     return config, args
 
 
-def record_collectives(job_config, world_size: int, model_args, ranks=None) -> dict:
-    """One training step of the shrunk model on every rank (or `ranks`) of a fake world.
+def record_collectives(job_config, world_size: int, model_args, ranks=None, watch=None) -> dict:
+    """One training step of the shrunk model on every rank (or `ranks`) of a fake world;
+    watch(trainer, layout, rank): a context each rank's step runs in (the gradient check).
 
     -> {(group desc, group ranks): {rank: [call, ...]}}"""
-    config, args = shrunk_config(job_config, model_args)
-    if args.moe.overlap_ep_comm:  # micro-batches overlapped in pairs: a step of two
-        config.training.global_batch_size = 2 * config.training.local_batch_size * layout_from_config(config, world_size).dp
+    config, args = shrunk_config(job_config, model_args, world_size)
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     ranks = list(ranks if ranks is not None else range(world_size))
     with SharedShardingDecisions.installed():
         for rank in ranks:
-            for key, calls in step_collectives(config, args, world_size, rank).items():
+            for key, calls in step_collectives(config, args, world_size, rank, watch).items():
                 per_group[key][rank] = calls
     for (desc, pair), by_rank in per_group.items():
         if desc == P2P:  # a simulated rank that sent or received nothing to its peer
@@ -163,7 +170,7 @@ def record_collectives(job_config, world_size: int, model_args, ranks=None) -> d
     return per_group
 
 
-def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
+def step_collectives(config, model_args, world_size: int, rank: int, watch=None) -> dict:
     """The collectives `rank` issues in one training step of FoldTrainer (forward, backward,
     gradient clipping, optimizer step, loss logging), recorded per process group."""
     init_fake_world(world_size, rank)
@@ -172,7 +179,8 @@ def step_collectives(config, model_args, world_size: int, rank: int) -> dict:
     trainer = StepTrainer(config, layout, model_args)
     b, S = config.training.local_batch_size, config.training.seq_len
     tokens = torch.randint(0, model_args.vocab_size, (b, S), generator=torch.Generator().manual_seed(rank))
-    with CollectiveRecorder(rank) as recorder:
+    observed = watch(trainer, layout, rank) if watch is not None else contextlib.nullcontext()
+    with observed, CollectiveRecorder(rank) as recorder:
         try:
             trainer.train_step(iter([({"input": tokens}, tokens.clone())] * trainer.gradient_accumulation_steps))
         except Exception as e:  # where a real run of this layout would fail too

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from titan_fold.common.config import parse_args
 from titan_fold.common.errors import UserError
+from titan_fold.dryrun.gradients import format_gradients, gradient_check
 from titan_fold.dryrun.match import first_divergence
 from titan_fold.dryrun.measure import compare, cost_model_estimate, simulate_rank
 from titan_fold.dryrun.record import StepFailed, record_collectives, shrunk_config
@@ -76,23 +77,32 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
         rep = simulate_rank(job_config, world_size, r, model_args)
         rep["compare"] = compare(rep, est, info, layout)
         report["ranks"].append(rep)
-    if collectives:
+    check = gradient_check(job_config, world_size, model_args) if job_config.comm.check_gradients else None
+    if collectives or check is not None:
         t1 = time.process_time()
         step, problem = step_config(job_config, layout)
         if problem:
             warnings.append(f"{problem}; the collective step below runs with activation_checkpoint.mode = 'full'")
+        # without the collective check, the gradient check's step runs on one rank per position
+        step_ranks = None if collectives else positions(layout)
+        where = f"on all {world_size} ranks" if collectives else (
+            f"on ranks {step_ranks} (one per position; comm.dry_run_collectives off: collectives not matched)")
         col = report["collectives"] = {
             "note": "a shrunk model (same layout, experts, top-k and heads; tiny widths, "
-                    f"{shrunk_config(job_config, model_args)[1].n_layers} layers) on all {world_size} ranks"
-                    + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 else ""),
-            "step_failed": None, "first_divergence": None}
+                    f"{shrunk_config(job_config, model_args)[1].n_layers} layers) {where}"
+                    + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 and collectives else ""),
+            "matched": collectives, "step_failed": None, "first_divergence": None}
         try:
-            per_group = record_collectives(step, world_size, model_args)
+            per_group = record_collectives(step, world_size, model_args, ranks=step_ranks,
+                                           watch=check.watch if check is not None else None)
         except StepFailed as e:
             col["step_failed"] = e.report
         else:
             col.update(groups=len(per_group), calls=sum(len(c) for g in per_group.values() for c in g.values()),
-                       by_kind=_count_kinds(per_group), first_divergence=first_divergence(per_group))
+                       by_kind=_count_kinds(per_group),
+                       first_divergence=first_divergence(per_group) if collectives else None)
+            if check is not None:
+                report["gradients"] = check.report()
         col["cpu_seconds"] = round(time.process_time() - t1, 2)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -155,12 +165,14 @@ def format_report(report: dict) -> str:
         lines.append("")
         lines.append(f"collectives of one step: {col['calls']} calls in {col['groups']} process groups; {col['note']}")
         div = col["first_divergence"]
-        if div is None:
+        if col["matched"] and div is None:
             lines.append("  every member of every group issues the same sequence")
-        else:
+        elif col["matched"]:
             lines.append(f"  MISMATCH in group {div['group']} {div['ranks'][:8]}{'...' if len(div['ranks']) > 8 else ''}, "
                          f"call {div['call']}: rank {div['rank']} issues {div['rank_issued']}; "
                          f"rank {div['reference_rank']} issues {div['reference_issued']}")
+    if "gradients" in report:
+        lines += ["", *format_gradients(report["gradients"])]
     lines.append(f"({report['cpu_seconds']:.1f} CPU s in all)")
     return "\n".join(lines)
 
@@ -181,7 +193,8 @@ def main(job_config) -> int:
         json.dump(report, f, indent=1, default=str)
     print(f"wrote {path}", flush=True)
     col = report.get("collectives", {})
-    return 1 if col.get("first_divergence") or col.get("step_failed") else 0
+    mismatched = report.get("gradients", {}).get("mismatches")
+    return 1 if col.get("first_divergence") or col.get("step_failed") or mismatched else 0
 
 
 README_COMMAND = ("NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "

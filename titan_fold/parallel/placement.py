@@ -29,8 +29,9 @@ Choices, and why:
   latents are narrow, 512 + 64 of 7168 for kv, and every head needs all of them).
 - norms (Qwen3's q/k norms too: each tp rank normalizes its own heads), router gate,
   shared_expert_gate, wo's bias: `Replicate` on tp. Under sequence parallelism each
-  tp rank feeds them different tokens, so their gradients are partial sums that are
-  reduced over tp (`TokenwiseReplicate`, `attention.apply_tp`).
+  tp rank feeds the first four different tokens, so their gradients are partial sums that
+  are reduced over tp (`TokenwiseReplicate`, `attention.apply_tp`; `Placed.tp_partial_grad`);
+  wo's bias is added after wo's reduction and gets the whole gradient on every tp rank.
 - routed experts [E, ffn, dim] / [E, dim, ffn]: `Shard(0)` (experts) on ep, the ffn dim on etp.
 - FSDP2: dense parameters over dp_shard x cp (cp ranks hold different tokens of the same
   sequences, so their gradients are summed like data parallel ones), replicated over
@@ -231,6 +232,17 @@ def tp_placement(style: ParallelStyle, module: nn.Module, param_name: str) -> Pl
     return None  # input/output layouts only: the module's parameters belong to its children
 
 
+def tp_partial_grad(style: ParallelStyle | None, placement: Placement | None) -> bool:
+    """Whether a parameter replicated on tp gets a different share of its gradient on each tp
+    rank, which only a sum over tp makes whole: under sequence parallelism a norm, router gate
+    or shared_expert_gate sees other tokens on each tp rank, Qwen3's q/k norms other heads; a
+    rowwise bias is added to the output after its reduction and sees the whole gradient. A
+    style may say so itself with a `partial_grad` attribute."""
+    if not isinstance(placement, Replicate):
+        return False
+    return bool(getattr(style, "partial_grad", isinstance(style, (SequenceParallel, TokenwiseReplicate))))
+
+
 # stacked routed experts: (ep placement, etp placement, model-width dim); etp shards the ffn dim
 _EXPERT_RULES = {
     "w1": (Shard(0), Shard(1), 2),  # [E, ffn, dim]
@@ -252,6 +264,8 @@ class Placed:
     placements: tuple[Placement, ...]  # one per entry of dims
     shape: tuple[int, ...]  # global shape
     tp_style: str = ""  # the ParallelStyle of its module on tp ("" when not on tp)
+    # replicated on tp, with a different share of its gradient on each tp rank (tp_partial_grad)
+    tp_partial_grad: bool = False
     # FSDP2's mesh, dims of degree > 1: () no FSDP; one dim: sharded over it; two: HSDP,
     # replicated over the first, sharded over the second
     fsdp_mesh: tuple[str, ...] = ()
@@ -316,7 +330,8 @@ def placement_plan(model_args, layout: Layout, stages: list[list[str]] | None = 
         placement = tp_placement(style, model.get_submodule(owner), name) if style is not None else None
         plan[fqn] = Placed(
             ATTENTION, ("tp",) if placement else (), (placement,) if placement else (), tuple(param.shape),
-            tp_style=type(style).__name__ if placement else "", fsdp_mesh=_dense_fsdp_mesh(layout), stage=stage,
+            tp_style=type(style).__name__ if placement else "", tp_partial_grad=tp_partial_grad(style, placement),
+            fsdp_mesh=_dense_fsdp_mesh(layout), stage=stage,
         )
     return plan
 
