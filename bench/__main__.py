@@ -33,6 +33,7 @@ from bench.common import RESULTS_DIR, env_info  # noqa: E402
 
 QWEN3 = ["--family", "qwen3_moe", "--proxy", "30B-A3B-L12"]
 QWEN2 = ["--family", "qwen3_moe", "--proxy", "57B-A14B-L2"]
+DSV3 = ["--family", "deepseek_v3", "--proxy", "16B-L4"]
 FINE, COARSE = "qwen3_30b_a3b,mixtral_8x22b_g8t8", "qwen2_57b_a14b,mixtral_8x22b"
 TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
 
@@ -81,6 +82,12 @@ SUITES = {
          Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], 200),
          Step("torchtitan_qwen2_57b_a14b_l2", "vs_torchtitan", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"],
               200, ours="qwen2_57b_a14b_l2")]),
+    "deepseek-v3": Suite(
+        "1 GPU: the DeepSeek-V3 16B proxy (its widths, 4 layers) in titan_fold and in torchtitan 0.2.2's "
+        "deepseek_v3, side by side, eager and compiled",
+        [Step("deepseek_v3_16b_l4", "train_step", [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"], 240),
+         Step("torchtitan_deepseek_v3_16b_l4", "vs_torchtitan", [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"],
+              240, ours="deepseek_v3_16b_l4")]),
     "loss-curve": Suite(
         "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack (compiled)",
         [Step("qwen3_30b_a3b_l12_200", "train_step",
@@ -145,6 +152,8 @@ def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_di
     record = {"suite": suite_name, "command": "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "date_utc": date.strftime("%Y-%m-%dT%H:%M:%SZ"), "env": env, "figures": {}, "steps": {}}
     path = os.path.join(out_dir, f"{suite_name}_{gpu_tag(env)}_{date.strftime('%Y-%m-%d')}.json")
+    if os.path.exists(path):  # an earlier run of the day stays: this one's name gets the time
+        path = path[:-len(".json")] + date.strftime("_%H%M") + ".json"
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for step in suite.steps:

@@ -1,8 +1,9 @@
 """docs/benchmarks.md's tables from the suite results: `python -m bench.report`.
 
-Reads bench/results/<suite>_<gpu>_<date>.json (written by `python -m bench SUITE`) and prints,
-for the latest file of each suite and machine, its tables. `--write` puts them into
-docs/benchmarks.md between its two REPORT markers.
+Reads bench/results/<suite>_<gpu>_<date>[_<HHMM>].json (written by `python -m bench SUITE`) and
+prints, per suite and machine, the tables of each file holding the latest figures of some step,
+and where the suite ran twice there, the latest run's figures beside the run before's (each within
+3% or not). `--write` puts them into docs/benchmarks.md between its two REPORT markers.
 """
 
 import argparse
@@ -14,26 +15,73 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 DOC = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 BEGIN, END = "<!-- REPORT BEGIN: python -m bench.report --write -->", "<!-- REPORT END -->"
-SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "loss-curve", "kernels", "2gpu")
+SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "loss-curve", "kernels", "2gpu")
+TOLERANCE = 0.03  # a rerun of a suite on the same kind of machine reproduces each figure within this share
 
 
 def _f(x, digits=1):
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
-def latest(results: str) -> list[dict]:
-    """The latest record of each (suite, machine), in SUITE_ORDER, then by machine."""
-    best = {}
+def records(results: str) -> dict[tuple, list[dict]]:
+    """(suite, machine) -> its records, latest first, keys in SUITE_ORDER, then by machine."""
+    by_key = {}
     for path in glob.glob(os.path.join(results, "*.json")):
         with open(path) as f:
             rec = json.load(f)
         if "suite" not in rec:
             continue
-        key = (rec["suite"], rec["env"]["device"], rec["env"]["device_count"])
-        if key not in best or rec["date_utc"] > best[key]["date_utc"]:
-            best[key] = rec
+        by_key.setdefault((rec["suite"], rec["env"]["device"], rec["env"]["device_count"]), []).append(rec)
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
-    return [best[k] for k in sorted(best, key=lambda k: (order.get(k[0], len(order)), k[1], k[2]))]
+    return {k: sorted(by_key[k], key=lambda r: r["date_utc"], reverse=True)
+            for k in sorted(by_key, key=lambda k: (order.get(k[0], len(order)), k[1], k[2]))}
+
+
+def latest(results: str) -> list[dict]:
+    """The latest record of each (suite, machine), in SUITE_ORDER, then by machine."""
+    return [recs[0] for recs in records(results).values()]
+
+
+def _figures(rec: dict) -> dict[tuple[str, str, str], float]:
+    """(step, row, figure) -> value: each layer row's ms / step (and GPU busy ms where profiled),
+    each trainer row's tokens/s per GPU and peak memory, each step's dense GEMM rate; the code
+    before (<step>@base) left out."""
+    out = {}
+    for name, fig in rec["figures"].items():
+        if not fig or name.endswith("@base"):
+            continue
+        if fig.get("dense_bf16_gemm_tflops"):
+            out[(name, "-", "dense GEMM TFLOP/s")] = fig["dense_bf16_gemm_tflops"]
+        for r in fig.get("rows", []):
+            if "impl" in r and r.get("median_ms"):
+                row = f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, " \
+                      f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}"
+                out[(name, row, "ms / step")] = r["median_ms"]
+                if r.get("breakdown"):
+                    out[(name, row, "GPU busy ms")] = r["breakdown"]["step_gpu_busy_ms"]
+            elif "case" in r and r.get("tokens_per_sec_per_gpu"):
+                out[(name, r["case"], "tokens/s per GPU")] = r["tokens_per_sec_per_gpu"]
+                if r.get("peak_memory_gib"):
+                    out[(name, r["case"], "peak memory GiB")] = r["peak_memory_gib"]
+    return out
+
+
+def rerun_table(rec: dict, before: dict, tolerance: float = TOLERANCE) -> list[str]:
+    """Each figure `rec` shares with `before` (an earlier run of the same suite on the same kind of
+    machine): both values, their ratio and whether it lies within `tolerance` of 1."""
+    now, then = _figures(rec), _figures(before)
+    keys = [k for k in now if k in then]
+    if not keys:
+        return []
+    out = [f"| step | row | figure | {before['date_utc']} | {rec['date_utc']} | now / before | within "
+           f"{100 * tolerance:g}% |", "|---|---|---|---:|---:|---:|---|"]
+    inside = 0
+    for step, row, figure in keys:
+        b, n = then[(step, row, figure)], now[(step, row, figure)]
+        ok = abs(n / b - 1) <= tolerance
+        inside += ok
+        out.append(f"| {step} | {row} | {figure} | {_f(b, 2)} | {_f(n, 2)} | {_f(n / b, 3)} | {'yes' if ok else 'no'} |")
+    return out + ["", f"{inside} of {len(keys)} figures within {100 * tolerance:g}% of the earlier run."]
 
 
 def _steps(rec: dict, script_rows: str) -> list[tuple[str, dict]]:
@@ -232,17 +280,40 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
 
 def report(results: str = RESULTS) -> str:
     text = []
-    for rec in latest(results):
-        env = rec["env"]
-        gpus = f"{env['device_count']} x {env['device']}" if env["device_count"] else env["device"]
-        text += [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}", "",
-                 f"Command: `{rec['command']}`" if rec.get("command") else
-                 "Assembled from the per-script results of that date; each step's command is in the file.", ""]
-        for title, fn in TABLES:
-            lines = fn(rec)
+    for recs in records(results).values():
+        for rec in _shown(recs):
+            text += _record_text(rec)
+        if len(recs) > 1:  # the run before on this kind of machine: does the latest reproduce it?
+            lines = rerun_table(recs[0], recs[1])
             if lines:
-                text += [f"{title}:", ""] + lines + [""]
+                before = recs[1].get("command") or "assembled from per-script results"
+                text += [f"Beside the run before on this kind of machine (`{before}`):", ""] + lines + [""]
     return "\n".join(text)
+
+
+def _shown(recs: list[dict]) -> list[dict]:
+    """Of one suite's records on one kind of machine (latest first), those holding the latest
+    figures of some step: a run of part of a suite (--steps) leaves the other steps' records shown."""
+    shown, covered = [], set()
+    for rec in recs:
+        steps = {name for name, fig in rec["figures"].items() if fig and not name.endswith("@base")}
+        if steps - covered:
+            shown.append(rec)
+            covered |= steps
+    return shown
+
+
+def _record_text(rec: dict) -> list[str]:
+    env = rec["env"]
+    gpus = f"{env['device_count']} x {env['device']}" if env["device_count"] else env["device"]
+    text = [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}", "",
+            f"Command: `{rec['command']}`" if rec.get("command") else
+            "Assembled from the per-script results of that date; each step's command is in the file.", ""]
+    for title, fn in TABLES:
+        lines = fn(rec)
+        if lines:
+            text += [f"{title}:", ""] + lines + [""]
+    return text
 
 
 def write_doc(results: str = RESULTS, doc: str = DOC) -> None:

@@ -258,13 +258,47 @@ def test_report_tables(tmp_path):
     assert "Command: `python -m bench layer`" in text
 
 
+def test_report_rerun_beside_the_run_before(tmp_path):
+    """A second record of a suite on the same kind of machine: its figures beside the earlier
+    record's, the ratio and whether it lies within 3%; rows only one of them has are left out."""
+    def row(shape, ms):
+        return {"impl": "titan_fold", "shape": shape, "mode": "dropless", "dispatch": "none", "compiled": "graph",
+                "median_ms": ms, "tflops": 1.0, "ratio_to_dense_gemm": 0.5}
+
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0,
+                                                   "rows": [row("a", 5.0), row("b", 20.0), row("gone", 1.0)]},
+                                    "layer_fine@base": {"rows": [row("a", 9.0)]}}, date="2026-11-25T08:00:00Z")
+    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0800.json")
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 792.0,
+                                                   "rows": [row("a", 5.1), row("b", 21.0), row("new", 2.0)]},
+                                    "layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.0), breakdown={
+                                        "step_gpu_busy_ms": 5.0, "step_gpu_ms_by_kernel_class": {}})]}})
+    text = report.report(str(tmp_path))
+    assert "| layer_fine | a, none, torch, graph | ms / step | 5.00 | 5.10 | 1.020 | yes |" in text
+    assert "| layer_fine | b, none, torch, graph | ms / step | 20.00 | 21.00 | 1.050 | no |" in text
+    assert "| layer_fine | - | dense GEMM TFLOP/s | 800.00 | 792.00 | 0.990 | yes |" in text
+    assert "gone" not in text and "new, none" not in text and "9.00" not in text
+    assert "2 of 3 figures within 3% of the earlier run." in text
+    assert text.count("Suite `layer`") == 1  # the earlier record's steps are all in the latest: only beside it
+    # a later run of one step: the record before stays shown for its other steps, and is the one compared
+    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_1000.json")
+    _suite_file(tmp_path, "layer", {"layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.7), breakdown={
+        "step_gpu_busy_ms": 5.1, "step_gpu_ms_by_kernel_class": {}})]}}, date="2026-11-25T11:00:00Z")
+    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_1100.json")
+    text = report.report(str(tmp_path))
+    assert text.count("Suite `layer`") == 2 and "| layer_fine | b | none | torch | graph | 21.00 |" in text
+    assert "| layer_profile | a, none, torch, graph | GPU busy ms | 5.00 | 5.10 | 1.020 | yes |" in text
+    assert "2 of 3 figures within 3% of the earlier run." in text
+
+
 def test_suites_listed_and_steps_planned(capsys):
     from bench.__main__ import SUITES, gpu_tag, main, step_command
 
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in ("layer", "trainer", "vs-torchtitan", "loss-curve", "kernels", "2gpu"))
+    assert all(name in out for name in ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "loss-curve", "kernels",
+                                        "2gpu"))
     assert gpu_tag({"device": "NVIDIA H200", "device_count": 2}) == "h200x2"
     assert gpu_tag({"device": "x86_64", "device_count": 0}) == "cpu"
     step = SUITES["layer"].steps[0]
