@@ -577,6 +577,19 @@ class FoldCheckpointManager(CheckpointManager):
         if self.enable:
             self.states["rng"] = RNGState()
         self.settings: dict[str, Any] | None = None  # run_settings(), saved beside each checkpoint
+        self.last_saved: tuple[int, bool] | None = None  # (step, last_step) of this run's latest save
+
+    def describe_save(self, step: int, last_step: bool) -> str:
+        """The folder of a save and, unless it is a full DCP checkpoint, what it holds."""
+        path = self._create_checkpoint_id(step)
+        if last_step and self.last_save_in_hf:
+            return f"{path} (Hugging Face safetensors: checkpoint.last_save_in_hf)"
+        if last_step and self.last_save_model_only and step > 0:
+            dtype = str(self.export_dtype).removeprefix("torch.")
+            return f"{path} (weights only, {dtype}: checkpoint.last_save_model_only)"
+        if self.async_mode != AsyncMode.DISABLED:
+            return f"{path} (asynchronous save)"
+        return path
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         """torchtitan's save; one line per save in place of its four."""
@@ -584,14 +597,8 @@ class FoldCheckpointManager(CheckpointManager):
             return super().save(curr_step, last_step)
         begin = time.monotonic()
         super().save(curr_step, last_step)
-        what = "saved"
-        if last_step and self.last_save_in_hf:
-            what = "saved as Hugging Face safetensors"
-        elif last_step and self.last_save_model_only:
-            what = f"saved (weights only, {str(self.export_dtype).removeprefix('torch.')})"
-        elif self.async_mode != AsyncMode.DISABLED:
-            what = "staged (asynchronous save)"
-        logger.info(f"checkpoint {self._create_checkpoint_id(curr_step)} {what} in {time.monotonic() - begin:.2f} s")
+        self.last_saved = (curr_step, last_step)
+        logger.info(f"checkpoint {self.describe_save(curr_step, last_step)} saved in {time.monotonic() - begin:.2f} s")
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         if not to_hf:
