@@ -51,6 +51,13 @@ class CollectiveRecorder(TorchDispatchMode):
         if recorded and name == "c10d.recv_":
             for t in args[0]:
                 t.fill_(1)
+        if name.startswith("_c10d_functional.") and "wait_tensor" not in name:
+            # a fake collective is done when issued; its work never reports completion, so one
+            # whose output the code drops unread would stay registered and torch would warn
+            # of "unwaited collective calls" at exit
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    torch.ops._c10d_functional.wait_tensor(t)
         return out
 
     def _record(self, name, func, args, kwargs):

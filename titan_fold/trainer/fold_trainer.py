@@ -19,7 +19,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint.manager import maybe_fault, run_settings
+from titan_fold.checkpoint.manager import FoldCheckpointManager, maybe_fault, run_settings
 from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
@@ -98,10 +98,9 @@ class FoldTrainer(Trainer):
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
-        checkpointer = getattr(self, "checkpointer", None)
-        if checkpointer is not None and checkpointer.enable and self.tokenizer is not None:
+        if isinstance(self.checkpointer, FoldCheckpointManager) and self.checkpointer.enable:
             # saved beside every checkpoint: what a resume compares (preflight.check_resume)
-            checkpointer.settings = run_settings(job_config, self.tokenizer, self.parallel_dims.dp)
+            self.checkpointer.settings = run_settings(job_config, self.tokenizer, self.parallel_dims.dp)
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
