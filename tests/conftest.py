@@ -39,9 +39,9 @@ def pytest_configure(config):
 # handing out the next file as a worker nears the end of its last one: the files with the
 # longest launches go first, so that the two workers finish together rather than one
 # waiting out the other's last long file.
-LONGEST_FIRST = ["test_dryrun.py", "test_equivalence.py", "test_checkpoint.py", "test_optimizer.py",
-                 "test_reliability.py", "test_hf.py", "test_first_hour.py", "test_pipeline.py",
-                 "test_attention_parallel.py", "test_docs.py"]
+LONGEST_FIRST = ["test_dryrun.py", "test_readme_commands.py", "test_equivalence.py", "test_checkpoint.py",
+                 "test_optimizer.py", "test_reliability.py", "test_docs.py", "test_hf.py", "test_first_hour.py",
+                 "test_pipeline.py", "test_attention_parallel.py"]
 
 
 def pytest_collection_modifyitems(items):

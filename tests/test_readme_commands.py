@@ -22,6 +22,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 try:
     import tomllib
@@ -161,11 +162,16 @@ def test_commands_run_as_written(doc, tmp_path, monkeypatch):
     with open(os.path.join(ROOT, doc)) as f:
         found = commands(f.read())
     todo = [(n, c) for n, c, gen in found if reason_not_run(c, gen) is None]
+    for number, command, gen in found:
+        if (why := reason_not_run(command, gen)) is not None and not gen:
+            print(f"{doc}:{number}: not run ({why}): {command[:120]}")
     if not todo:
         pytest.skip(f"{doc}: no command to run here")
     monkeypatch.chdir(tmp_path)
     for number, command in todo:
+        start = time.monotonic()
         code, output = run(command)
+        print(f"{doc}:{number}: {time.monotonic() - start:.1f} s, exit {code}: {command[:120]}")
         assert code == 0, f"{doc}:{number}: `{command}` exited {code}:\n{output[-4000:]}"
         if "--comm.mode fake_backend" in command and "--comm.dry_run_verbose" not in command:
             assert output.count("\n") <= 60, f"{doc}:{number}: the dry run printed {output.count(chr(10))} lines"
