@@ -34,15 +34,8 @@ import torch
 from conftest import forked, read_metrics, torchrun
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from titan_fold.checkpoint.manager import (
-    SETTINGS_FILE,
-    CheckpointError,
-    check_resume,
-    complete,
-    read_metadata,
-    run_settings,
-    validate_against,
-)
+from titan_fold.checkpoint.manager import SETTINGS_FILE, CheckpointError, complete, read_metadata, validate_against
+from titan_fold.checkpoint.settings import check_resume, run_settings
 
 STEPS = 6
 COMMON = (

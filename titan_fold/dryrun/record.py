@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import titan_fold
 from titan_fold.dryrun.measure import _dry_config
 from titan_fold.dryrun.step import StepTrainer
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
@@ -92,8 +91,8 @@ class CollectiveRecorder(TorchDispatchMode):
 
 # the package's own folder, wherever it lives: matching "/titan_fold/" in a path would also
 # take torch's files in a clone named titan_fold that holds its .venv
-PACKAGE = os.path.dirname(os.path.abspath(titan_fold.__file__)) + os.sep
 DRYRUN = os.path.dirname(os.path.abspath(__file__)) + os.sep
+PACKAGE = os.path.dirname(os.path.dirname(DRYRUN)) + os.sep  # titan_fold/
 
 
 def in_package(filename: str) -> bool:

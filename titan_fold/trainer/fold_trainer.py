@@ -19,7 +19,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint.manager import FoldCheckpointManager, maybe_fault, run_settings
+from titan_fold.checkpoint.manager import FoldCheckpointManager, maybe_fault
+from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report

@@ -7,7 +7,8 @@ import torch
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
-from titan_fold.checkpoint.manager import check_initial_hf_load, check_resume, run_settings
+from titan_fold.checkpoint.manager import check_initial_hf_load
+from titan_fold.checkpoint.settings import check_resume, run_settings
 from titan_fold.common.config import ConfigError, JobConfig
 from titan_fold.common.errors import is_first_rank
 from titan_fold.data.dataloader import check_dataset
