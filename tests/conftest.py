@@ -1,21 +1,47 @@
 """Shared helpers for tests that launch the trainer on several CPU ranks."""
 
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
+import sys
 import tempfile
 
 import pytest
 from launcher import ZYGOTE
 
+# what the suite needs beyond pytest: the install README gives (pip install -e ".[test]")
+NEEDED = ("torch", "torchtitan", "titan_fold", "transformers")
+INSTALL = 'activate the venv (. .venv/bin/activate) or install the test extra: pip install torch==2.13.0 && pip install -e ".[test]"'
+
+
+def pytest_addoption(parser, pluginmanager):
+    if not pluginmanager.hasplugin("xdist"):
+        # pyproject.toml's addopts are pytest-xdist's options: accept them here, so that an
+        # interpreter without it says what is missing (pytest_configure) instead of
+        # "unrecognized arguments: -n --dist loadfile"
+        group = parser.getgroup("xdist", "pytest-xdist is not installed: these options do nothing")
+        group._addoption("-n", "--numprocesses", dest="numprocesses", default=None)
+        group.addoption("--dist", dest="dist", default="no")
+        group.addoption("--no-loadscope-reorder", dest="loadscopereorder", action="store_false")
+
+
+def pytest_configure(config):
+    missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.exit(f"{sys.executable} lacks {', '.join(missing)}: {INSTALL}", returncode=4)
+    if not config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses") not in (None, "0"):
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"pytest-xdist is not installed: the tests run in one process; {INSTALL}"), stacklevel=2)
+
 # pytest-xdist runs the files on two workers, a whole file each (pyproject.toml's addopts),
 # handing out the next file as a worker nears the end of its last one: the files with the
 # longest launches go first, so that the two workers finish together rather than one
 # waiting out the other's last long file.
-LONGEST_FIRST = ["test_dryrun.py", "test_overlap.py", "test_equivalence.py", "test_checkpoint.py", "test_optimizer.py",
-                 "test_reliability.py", "test_hf.py", "test_first_hour.py", "test_pipeline.py", "test_gradient_check.py",
-                 "test_attention_parallel.py", "test_docs.py"]
+LONGEST_FIRST = ["test_dryrun.py", "test_overlap.py", "test_readme_commands.py", "test_equivalence.py",
+                 "test_checkpoint.py", "test_optimizer.py", "test_reliability.py", "test_docs.py", "test_hf.py",
+                 "test_first_hour.py", "test_pipeline.py", "test_gradient_check.py", "test_attention_parallel.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -86,7 +86,7 @@ def _stages(model, n: int):
     first, last = model, copy.deepcopy(model)
     first.norm, first.output = None, None
     del first.layers["1"]
-    last.tok_embeddings = None
+    last.tok_embeddings, last.embeds_tokens = None, False  # as parallel/pipeline.py cuts a later stage
     del last.layers["0"]
     return [first, last]
 

@@ -22,6 +22,7 @@ R1 is the reference at every layout: folded layouts equal the one-rank run up to
 rounding (tests/test_equivalence.py; here checked again between A and R1 at 1e-5).
 """
 
+import json
 import os
 import pickle
 import shutil
@@ -30,10 +31,11 @@ import sys
 
 import pytest
 import torch
-from conftest import read_metrics, torchrun
+from conftest import forked, read_metrics, torchrun
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from titan_fold.checkpoint.manager import CheckpointError, complete, read_metadata, validate_against
+from titan_fold.checkpoint.manager import SETTINGS_FILE, CheckpointError, complete, read_metadata, validate_against
+from titan_fold.checkpoint.settings import check_resume, run_settings
 
 STEPS = 6
 COMMON = (
@@ -249,3 +251,48 @@ def test_non_tensor_entries_must_load_weights_only(tmp_path):
     dcp.save({"w": torch.zeros(2), "train_state": {"step": _Evil()}}, checkpoint_id=str(tmp_path / "bad"))
     with pytest.raises(CheckpointError, match="train_state.step"):
         check_bytes_entries(str(tmp_path / "bad"), read_metadata(str(tmp_path / "bad")))
+
+
+def test_checkpoint_records_the_runs_settings(run_a):
+    folder, _ = run_a
+    with open(folder / "checkpoint" / "step-3" / SETTINGS_FILE) as f:
+        saved = json.load(f)
+    assert saved["training.seq_len"] == 128 and saved["training.global_batch_size"] == 8
+    assert (saved["model.name"], saved["model.flavor"], saved["tokenizer"]) == ("qwen2_moe", "debug", "byte-level, 258 tokens")
+    assert saved["training.steps"] == STEPS and saved["optimizer.lr"] == 3e-3
+
+
+def test_resume_with_another_seq_len_is_one_line_before_any_work(run_a, tmp_path):
+    os.makedirs(tmp_path / "checkpoint")
+    shutil.copytree(run_a[0] / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
+    codes, out, err = forked(2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
+                             str(tmp_path), *COMMON, "--training.seq_len", "256")
+    assert codes[0] == 2, (codes, out[-2000:], err[-3000:])
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert lines == [f"error: training.seq_len = 256, but {tmp_path}/checkpoint/step-3 was saved with training.seq_len "
+                     f"= 128: a resume keeps it (to start from these weights with new settings: another "
+                     f"job.dump_folder and --checkpoint.initial_load_path {tmp_path}/checkpoint/step-3)"], lines
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]  # nothing written, the lock not taken
+
+
+def test_resume_names_what_changes_and_keeps_layout_changes_silent(run_a, tmp_path):
+    from titan_fold.common.config import parse_args
+    from titan_fold.data import build_tokenizer
+
+    os.makedirs(tmp_path / "checkpoint")
+    shutil.copytree(run_a[0] / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
+
+    def check(*args, dp=2):
+        config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path), *COMMON, *args])
+        return check_resume(config, run_settings(config, build_tokenizer(config), dp))
+
+    assert check(*EP2, "--parallelism.context_parallel_degree", "2", dp=1) == []  # another layout: resharding
+    assert check("--training.global_batch_size", "16", "--lr_scheduler.warmup_steps", "2") == [
+        f"resuming {tmp_path}/checkpoint/step-3 with training.global_batch_size = 16 (saved with 8): the run continues "
+        f"with the new value",
+        f"resuming {tmp_path}/checkpoint/step-3 with lr_scheduler.warmup_steps = 2 (saved with 5): the run continues "
+        f"with the new value"]
+    with pytest.raises(CheckpointError, match=r"^model.flavor = '57B-A14B', but .* was saved with model.flavor = 'debug'"):
+        check("--model.flavor", "57B-A14B")
+    os.remove(tmp_path / "checkpoint" / "step-3" / SETTINGS_FILE)  # saved before settings were recorded
+    assert check("--training.seq_len", "256") == []

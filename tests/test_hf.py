@@ -309,17 +309,20 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     """`--model.flavor hf`, `--checkpoint.initial_load_in_hf`, then `--checkpoint.last_save_in_hf`
     on 2 ranks, attention on tp=2 and experts on ep=2 (DTensors everywhere, q/k norms under
     tp): with lr 0 the exported folder holds the imported tensors and opens in transformers."""
-    from conftest import torchrun
+    from conftest import forked
 
     qwen3_folder = tmp_path / "hf"
     random_hf_model("qwen3_moe", TRAINER_CONFIG, qwen3_folder)
-    torchrun(2, "--model.name", "qwen3_moe", "--model.flavor", "hf", "--model.hf_config", str(qwen3_folder),
+    codes, stdout, stderr = forked(
+             2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--model.name", "qwen3_moe", "--model.flavor", "hf", "--model.hf_config", str(qwen3_folder),
              "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.enable",
              "--checkpoint.initial_load_path", str(qwen3_folder), "--checkpoint.initial_load_in_hf",
              "--checkpoint.last_save_in_hf", "--optimizer.lr", "0", "--training.steps", "1",
              "--training.seq_len", "32", "--parallelism.expert_parallel_degree", "2",
              "--parallelism.tensor_parallel_degree", "2", "--moe.aux_loss_coeff", "0")
+    assert codes == [0, 0], stderr[-4000:]
     out = tmp_path / "out" / "checkpoint" / "step-1"
+    assert f"last checkpoint: {out} (Hugging Face safetensors: checkpoint.last_save_in_hf)" in stdout, stdout
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no sharded/ copy
     before, after = read_hf_folder(str(qwen3_folder)), read_hf_folder(str(out))
     assert sorted(before) == sorted(after)

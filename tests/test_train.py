@@ -106,3 +106,14 @@ def test_mixed_precision_in_every_layout(degrees, dtype, autocast):
     assert isinstance(amp, torch.autocast) == autocast
     if autocast:
         assert amp.fast_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("first, logged", [(1, [1, 5, 10, 12]), (8, [8, 10, 12])])
+def test_logged_steps_include_a_resumed_runs_first(first, logged):
+    """Step 1, every log_freq-th and the last; a run resumed after step 7 logs step 8 first."""
+    from titan_fold.trainer.metrics import FoldMetricsProcessor
+
+    metrics = FoldMetricsProcessor.__new__(FoldMetricsProcessor)  # should_log reads the config alone
+    metrics.job_config = parse_args(["--job.config_file", "debug_moe.toml", "--training.steps", "12"])
+    metrics._last_logged_step, metrics._first_step = None, 0
+    assert [s for s in range(first, 13) if metrics.should_log(s)] == logged

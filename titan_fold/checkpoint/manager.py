@@ -22,6 +22,8 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
   a checkpoint that would need anything else is refused. HF safetensors are parsed as
   JSON headers + raw bytes (never pickle). Any torch.load here uses weights_only=True;
 - the RNG state (torch's CPU generator, and CUDA's when present) in the checkpoint;
+- the run's settings (`settings`, written as SETTINGS_FILE into each step-N), which a resume
+  is compared with (settings.py); one log line per save;
 - a fault-injection hook for tests, read in one place: TITAN_FOLD_FAULT_AT_STEP=k (and
   TITAN_FOLD_FAULT_RANK, default 0) kills that rank with SIGKILL in the middle of step k
   (after forward / backward, before the optimizer step) in the first torchrun attempt only
@@ -36,13 +38,15 @@ import pickle
 import shutil
 import signal
 import sys
+import time
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.tools.logging import logger
 
 from titan_fold.common.errors import UserError
 
@@ -461,6 +465,9 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state_dict["cuda"])
 
 
+SETTINGS_FILE = "titan_fold_settings.json"  # FoldCheckpointManager.settings, in every step-N (settings.py)
+
+
 # ---------------------------------------------------------------- faults (tests)
 
 FAULT_STEP_ENV, FAULT_RANK_ENV = "TITAN_FOLD_FAULT_AT_STEP", "TITAN_FOLD_FAULT_RANK"
@@ -492,9 +499,33 @@ class FoldCheckpointManager(CheckpointManager):
         super().__init__(*args, **kwargs)
         if self.enable:
             self.states["rng"] = RNGState()
+        self.settings: dict[str, Any] | None = None  # settings.run_settings(), saved in each step-N
+        self.last_saved: tuple[int, bool] | None = None  # (step, last_step) of this run's latest save
+
+    def describe_save(self, step: int, last_step: bool) -> str:
+        """The folder of a save and, unless it is a full DCP checkpoint, what it holds."""
+        path = self._create_checkpoint_id(step)
+        if last_step and self.last_save_in_hf:
+            return f"{path} (Hugging Face safetensors: checkpoint.last_save_in_hf)"
+        if last_step and self.last_save_model_only and step > 0:
+            dtype = str(self.export_dtype).removeprefix("torch.")
+            return f"{path} (weights only, {dtype}: checkpoint.last_save_model_only)"
+        if self.async_mode != AsyncMode.DISABLED:
+            return f"{path} (asynchronous save)"
+        return path
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        """torchtitan's save; one line per save in place of its four."""
+        if not self._should_save(curr_step, last_step):
+            return super().save(curr_step, last_step)
+        begin = time.monotonic()
+        super().save(curr_step, last_step)
+        self.last_saved = (curr_step, last_step)
+        logger.info(f"checkpoint {self.describe_save(curr_step, last_step)} saved in {time.monotonic() - begin:.2f} s")
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         if not to_hf:
+            self._save_settings(checkpoint_id)
             return super().dcp_save(state_dict, checkpoint_id=checkpoint_id, async_mode=async_mode,
                                     enable_garbage_collection=enable_garbage_collection)
         # the same writer as `python -m titan_fold.hf export`: config.json, safetensors, index
@@ -504,6 +535,14 @@ class FoldCheckpointManager(CheckpointManager):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         return None
+
+    def _save_settings(self, checkpoint_id: str) -> None:
+        # written before DCP's files: the .metadata that completes the checkpoint comes last
+        if self.settings is None or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+            return
+        os.makedirs(checkpoint_id, exist_ok=True)
+        with open(os.path.join(checkpoint_id, SETTINGS_FILE), "w") as f:
+            json.dump(self.settings, f, indent=1)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         hf = self.sd_adapter.to_hf(dict(state_dict)) if from_hf else None

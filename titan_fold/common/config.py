@@ -100,6 +100,9 @@ class Comm(TitanComm):
     before launch"); exit 1 on a mismatch."""
     dry_run_json: str = ""
     """Where the dry run writes its JSON report; empty = <job.dump_folder>/dry_run.json."""
+    dry_run_verbose: bool = False
+    """With mode = "fake_backend": also print the simulated ranks' own log lines (each rank's
+    set-up, as a real run logs it); by default the report alone."""
 
 
 @dataclass

@@ -158,7 +158,8 @@ def build_dataset(tokenizer, job_config) -> TokenWindows:
         corpus = HFTextCorpus(load_hf_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
     windows = TokenWindows(corpus, tr.seq_len)
     epoch = f"{windows.total_tokens:,} tokens per epoch" if windows.total_tokens else "epoch length found while reading"
-    logger.info(f"dataset {corpus.fingerprint}: {len(corpus):,} documents, {epoch}")
+    name = "stdlib (the Python standard library's sources)" if tr.dataset == "stdlib" else tr.dataset_path
+    logger.info(f"dataset {name}: {len(corpus):,} documents, {epoch}")
     return windows
 
 

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import traceback
 from collections import defaultdict
 
@@ -50,6 +51,13 @@ class CollectiveRecorder(TorchDispatchMode):
         if recorded and name == "c10d.recv_":
             for t in args[0]:
                 t.fill_(1)
+        if name.startswith("_c10d_functional.") and "wait_tensor" not in name:
+            # a fake collective is done when issued; its work never reports completion, so one
+            # whose output the code drops unread would stay registered and torch would warn
+            # of "unwaited collective calls" at exit
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    torch.ops._c10d_functional.wait_tensor(t)
         return out
 
     def _record(self, name, func, args, kwargs):
@@ -82,15 +90,36 @@ class CollectiveRecorder(TorchDispatchMode):
         self.calls[(desc, ranks)].append({"op": op, "shapes": shapes, "ints": ints, "site": call_site()})
 
 
+# the package's own folder, wherever it lives: matching "/titan_fold/" in a path would also
+# take torch's files in a clone named titan_fold that holds its .venv
+DRYRUN = os.path.dirname(os.path.abspath(__file__)) + os.sep
+PACKAGE = os.path.dirname(os.path.dirname(DRYRUN)) + os.sep  # titan_fold/
+
+
+def in_package(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(PACKAGE)
+
+
+def ours(filename: str) -> bool:
+    """A frame of titan_fold's code, not of the dry run itself."""
+    return in_package(filename) and not os.path.abspath(filename).startswith(DRYRUN)
+
+
+def where(filename: str) -> str:
+    """A file relative to the package (`moe/dispatcher.py`), or to site-packages (`torch/...`)."""
+    path = os.path.abspath(filename)
+    return os.path.relpath(path, PACKAGE) if in_package(path) else path.split("/site-packages/", 1)[-1]
+
+
 def call_site() -> str:
     """The innermost titan_fold frame and the torch subsystem that issued the collective."""
     stack = traceback.extract_stack()[:-3]
-    ours = next((f for f in reversed(stack) if "/titan_fold/" in f.filename and "/titan_fold/dryrun/" not in f.filename), None)
+    mine = next((f for f in reversed(stack) if ours(f.filename)), None)
     torch_part = next((f for f in reversed(stack) if "/torch/distributed/" in f.filename and not any(
         s in f.filename for s in ("_python_dispatch", "_functional_collectives", "distributed_c10d"))), None)
     parts = []
-    if ours is not None:
-        parts.append(f"{ours.filename.split('/titan_fold/', 1)[1]}:{ours.lineno} {ours.name}")
+    if mine is not None:
+        parts.append(f"{where(mine.filename)}:{mine.lineno} {mine.name}")
     if torch_part is not None:
         parts.append(f"torch/distributed/{torch_part.filename.split('/torch/distributed/', 1)[1]}:{torch_part.lineno}")
     return " via ".join(parts) or "?"
@@ -195,9 +224,9 @@ class StepFailed(Exception):
         while error.__cause__ is not None:  # the pipeline schedule wraps the stage's own error
             error = error.__cause__
         frames = traceback.extract_tb(error.__traceback__)
-        ours = [f for f in frames if "/titan_fold/" in f.filename]
-        site = ours[-1] if ours else frames[-1]
-        where = site.filename.split("/titan_fold/", 1)[-1].split("/site-packages/", 1)[-1]
+        mine = [f for f in frames if in_package(f.filename)]
+        site = mine[-1] if mine else frames[-1]
         self.report = {"rank": rank, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}",
-                       "site": f"{where}:{site.lineno} {site.name}", "innermost": f"{frames[-1].filename.split('/site-packages/', 1)[-1]}:{frames[-1].lineno}"}
+                       "site": f"{where(site.filename)}:{site.lineno} {site.name}",
+                       "innermost": f"{where(frames[-1].filename)}:{frames[-1].lineno}"}
         super().__init__(f"rank {rank}: {self.report['error']} at {self.report['site']}")

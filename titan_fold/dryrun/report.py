@@ -3,11 +3,13 @@
 import copy
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections import defaultdict
 
 import torch.distributed as dist
+from torchtitan.tools.logging import logger
 
 from titan_fold.common.config import parse_args
 from titan_fold.common.errors import UserError
@@ -185,7 +187,14 @@ def main(job_config) -> int:
     ngpu = os.environ.get("NGPU")
     if ngpu is None or not ngpu.isdigit() or int(ngpu) < 1:
         raise UserError(f"comm.mode = 'fake_backend' needs NGPU=<world size> in the environment (got {ngpu!r})")
-    report = dry_run(job_config, int(ngpu), collectives=job_config.comm.dry_run_collectives)
+    level = logger.level
+    if not job_config.comm.dry_run_verbose:
+        # the simulated ranks' set-up lines, NGPU times over; the report says what matters
+        logger.setLevel(logging.ERROR)
+    try:
+        report = dry_run(job_config, int(ngpu), collectives=job_config.comm.dry_run_collectives)
+    finally:
+        logger.setLevel(level)
     print(format_report(report), flush=True)
     path = job_config.comm.dry_run_json or os.path.join(job_config.job.dump_folder, "dry_run.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

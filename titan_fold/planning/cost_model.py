@@ -27,6 +27,7 @@ simplifications (docs/planning.md lists them again):
 
 import functools
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -450,11 +451,13 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
 def _node_stats(groups: list[list[int]], gpus_per_node: int) -> tuple[int, float]:
     crossing, worst = 0, 0.0
     for g in groups:
-        nodes = [r // gpus_per_node for r in g]
-        if len(set(nodes)) > 1:
-            crossing += 1
-            off = sum(sum(1 for o in nodes if o != n) for n in nodes) / (len(g) * (len(g) - 1))
-            worst = max(worst, off)
+        if min(g) // gpus_per_node == max(g) // gpus_per_node:
+            continue
+        crossing += 1
+        per_node = Counter(r // gpus_per_node for r in g)
+        # ordered pairs of members on different nodes, over all ordered pairs
+        off = (len(g) ** 2 - sum(c * c for c in per_node.values())) / (len(g) * (len(g) - 1))
+        worst = max(worst, off)
     return crossing, worst
 
 
@@ -533,10 +536,10 @@ def _seconds(c: GroupComm, cluster: Cluster) -> float:
 
 
 def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
-             groups: bool = True, legacy: bool = False) -> Estimate:
+             groups: bool = True, legacy: bool = False, mem: Memory | None = None) -> Estimate:
     """Step time and memory of one mapping; groups=False: every group inside a node (a lower bound);
-    legacy: the legacy (unfolded) scheme's expert groups."""
-    mem = memory(sizes, m, work)
+    legacy: the legacy (unfolded) scheme's expert groups; mem: `memory(sizes, m, work)` if known."""
+    mem = mem or memory(sizes, m, work)
     comm = comm_volumes(sizes, m, work)
     stats = node_stats(replace(m, recompute="none"), cluster.gpus_per_node, legacy) if groups else {}
     for name, c in comm.items():

@@ -97,10 +97,11 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
             continue
         for rc in recompute:
             m = replace(d, recompute=rc)
-            if memory(sizes, m, work).total > capacity:
+            mem = memory(sizes, m, work)
+            if mem.total > capacity:
                 rejected["out of memory"] += 1
                 continue
-            bounds.append(estimate(sizes, m, work, cluster, groups=False))
+            bounds.append(estimate(sizes, m, work, cluster, groups=False, mem=mem))
     bounds.sort(key=lambda e: e.step_s)
 
     def best_of(cands, k, legacy):
@@ -108,7 +109,7 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
         for lb in cands:
             if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
                 break
-            e = estimate(sizes, lb.mapping, work, cluster, True, legacy)
+            e = estimate(sizes, lb.mapping, work, cluster, True, legacy, lb.memory)
             exact.append(e)
             exact.sort(key=lambda e: (e.step_s, -e.headroom_gib))
         return exact[:k]

@@ -22,7 +22,8 @@ def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config,
     att = " x ".join(f"{k} {v}" for k, v in layout.degrees("attention").items())
     exp = " x ".join(f"{k} {v}" for k, v in layout.degrees("expert").items())
     return "\n".join([
-        f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} ranks",
+        f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} "
+        + ("rank" if layout.world_size == 1 else "ranks"),
         f"  attention mesh (pp, dp_replicate, dp_shard, cp, tp): {att}",
         (f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
          f"{model_args.moe.num_experts} experts per rank"),

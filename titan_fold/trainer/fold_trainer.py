@@ -19,7 +19,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint.manager import maybe_fault
+from titan_fold.checkpoint.manager import FoldCheckpointManager, maybe_fault
+from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
@@ -113,6 +114,9 @@ class FoldTrainer(Trainer):
                         if self.model_args.moe.overlap_ep_comm else None)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
+        if isinstance(self.checkpointer, FoldCheckpointManager) and self.checkpointer.enable:
+            # saved beside every checkpoint: what a resume compares (preflight.check_resume)
+            self.checkpointer.settings = run_settings(job_config, self.tokenizer, self.parallel_dims.dp)
         if self.model_args.moe.load_balance == "aux_free":
             # the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -203,8 +207,9 @@ class FoldTrainer(Trainer):
         self._torchtitan(Trainer.train)()
         last = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
         checkpoint = os.path.join(self.checkpointer.folder, last) if last else None
-        if checkpoint and checkpoint.endswith(f"step-{self.step}") and self.job_config.checkpoint.last_save_model_only:
-            checkpoint += " (weights only: checkpoint.last_save_model_only)"
+        saved = self.checkpointer.last_saved if self.checkpointer.enable else None
+        if saved and saved[0] == self.step:  # this run's last save (an HF export has no DCP metadata)
+            checkpoint = self.checkpointer.describe_save(*saved)
         self.metrics_processor.summary(checkpoint)
 
     def train_step(self, data_iterator):

@@ -37,6 +37,14 @@ _NOISE = [
     (r"Peak FLOPS used for computing MFU", True),
     # torchtitan's Trainer.train sleeps here; titan_fold's main waits at a barrier instead
     (r"Sleeping 2 seconds for other ranks to complete", False),
+    # garbage collection timings (training.gc_freq; the checkpointer's own collections)
+    (r"\[GC\] ", False),
+    # a save's four lines; FoldCheckpointManager.save says in one line what was saved where
+    (r"Saving the checkpoint \(or staging if async is enabled\)\.$", False),
+    (r"Finished saving the checkpoint \(or staging if async is enabled\) ?in \S+ seconds\.$", False),
+    (r"Saving a (full|model only) checkpoint (in \S+ )?at last step, step \d+\.$", False),
+    # the end of checkpoint.keep_latest_k's purge thread
+    (r"Destroying the purge thread\.$", False),
 ]
 
 # Python warnings that torch and torchdata raise on every CPU run, about nothing titan_fold uses
@@ -62,6 +70,22 @@ class _DropNoise(logging.Filter):
         return not any(p.match(message) for p in self.patterns)
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to sys.stdout as it is when a line is logged, not when the handler was made
+    (a caller that swaps sys.stdout, as pytest's capture does, may close the old one)."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def info_ranks() -> str:
     """The ranks that print INFO lines: LOG_RANK, default "0"."""
     return os.environ.get("LOG_RANK", "0").replace(" ", "") or "0"
@@ -75,7 +99,7 @@ def setup_logging(device_type: str) -> None:
     verbose = ranks == "all" or str(rank) in ranks.split(",")
     who = f"rank {rank} - " if world > 1 and rank != 0 else ""
 
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StdoutHandler()
     handler.setLevel(logging.INFO if verbose else logging.WARNING)
     handler.setFormatter(logging.Formatter(f"[titan] %(asctime)s - {who}%(levelname)s - %(message)s"))
     handler.addFilter(_DropNoise(on_cpu=device_type == "cpu"))

@@ -7,8 +7,8 @@ monitor that also works on the CPU, the JSON-lines file, the step line
 
     step N/TOTAL  loss L  grad_norm G  lr LR  tps TOKENS_PER_S  [mfu M%]  mem GIB  aux A  drop D  imbalance I  elapsed H:MM:SS  eta H:MM:SS
 
-(`mfu` on a GPU only) and `summary()`. Steps 1, every `metrics.log_freq`-th and the
-last one are logged.
+(`mfu` on a GPU only) and `summary()`. The first step of a run (1, or the one after the
+resumed checkpoint), every `metrics.log_freq`-th and the last one are logged.
 
 MFU = flops_per_token * tokens_per_sec / peak_flops, where flops_per_token counts the
 activated parameters (6 * N_active) plus causal attention (see
@@ -91,6 +91,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
         self.history: list[dict[str, Any]] = []  # per logged step, for summary()
         self._last_logged_step: int | None = None
+        self._first_step = 0  # the step this run started after (0, or the resumed checkpoint's)
         self.time_start = time.perf_counter()
 
     def begin(self) -> None:
@@ -99,10 +100,10 @@ class FoldMetricsProcessor(MetricsProcessor):
 
     def should_log(self, step: int) -> bool:
         # torchtitan's Trainer asks this at every step: the first call tells where this run
-        # started (after a resume, not at step 1)
+        # started (after a resume, not at step 1); that step is logged as step 1 is
         if self._last_logged_step is None:
-            self._last_logged_step = step - 1
-        return super().should_log(step) or step == self.job_config.training.steps
+            self._last_logged_step = self._first_step = step - 1
+        return super().should_log(step) or step in (self._first_step + 1, self.job_config.training.steps)
 
     def _moe_stats(self) -> dict[str, float | None]:
         parts = self.model_parts or []

@@ -5,9 +5,12 @@ import re
 
 import torch
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.manager import check_initial_hf_load
+from titan_fold.checkpoint.settings import check_resume, run_settings
 from titan_fold.common.config import ConfigError, JobConfig
+from titan_fold.common.errors import is_first_rank
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
@@ -78,6 +81,10 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
     ckpt = config.checkpoint
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
+    # the checkpoint a resume loads was saved with these settings (checkpoint/manager.py)
+    for line in check_resume(config, run_settings(config, tokenizer, layout.dp)):
+        if is_first_rank():
+            logger.warning(line)
     return layout
 
 
