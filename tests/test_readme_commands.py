@@ -41,9 +41,11 @@ NOT_RUN = [
     (r"^python3? -m venv|^\. \.venv/bin/activate|^pip install", "installs: .ci/run makes this install, then runs the tests"),
     (r"^python -m pytest", "the test suite itself (.ci/run)"),
     (r"--nnodes ([2-9]|\d\d)", "several nodes"),
-    (r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|qwen2|mixtral_8x22b\w*)\.toml", "a full-size model: GPUs"),
-    (r"^python bench/", "GPU benchmark results"),
-    (r"outputs/qwen3_30b_a3b/", "needs the GPU run above"),
+    (r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
+     "a full-size model: GPUs"),
+    (r"^python (bench/|-m bench (?!--help))", "GPU benchmark runs"),
+    (r"^python -m bench\.report --write", "rewrites docs/benchmarks.md (tests/test_bench.py checks that it holds the report)"),
+    (r"outputs/(qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))/", "needs the GPU run above"),
     (r"pipeline_parallel_degree 2 .*selective_ac_option op", "shown failing on torch 2.13 on purpose: the trainer "
      "refuses it with one line (tests/test_dryrun_match.py)"),
     (r"/models/|\$[A-Za-z_]|\.\.\.|\[--|\b(N|FILE\.toml|FLAVOR|HOST|HF_FOLDER|HF_OUT|DCP_FOLDER|DENSE|DENSE_DCP)\b",
@@ -142,7 +144,9 @@ def run(command: str) -> tuple[int, str]:
     else:
         assert words[0] in ("python", "python3"), command
         if words[1] == "-c":
-            codes, out, err = _python_c(words[2], env)
+            codes, out, err = _python(words[1:], env)
+        elif words[2] == "bench":  # a folder of the repository, not of the package: run from the root
+            codes, out, err = _python(words[1:], env, cwd=ROOT)
         else:
             assert words[1] == "-m", command
             extra = ["--training.steps", str(STEPS)] if words[2] == "titan_fold.train" else []
@@ -151,9 +155,9 @@ def run(command: str) -> tuple[int, str]:
     return code, out + err
 
 
-def _python_c(source: str, env: dict) -> tuple[list[int], str, str]:
-    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, **env))
+def _python(args: list[str], env: dict, cwd: str | None = None) -> tuple[list[int], str, str]:
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, **env), cwd=cwd)
     return [result.returncode], result.stdout, result.stderr
 
 
