@@ -31,7 +31,7 @@ import traceback
 GRACE_S = 10  # after a failure, SIGTERM the other ranks, then SIGKILL those still alive
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,7 +80,7 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
 
 def _launch(request: dict) -> list[int]:
     """Fork the ranks of one launch and wait for them; -> exit codes (-N: killed by signal N)."""
-    nproc, port = request["nproc"], _free_port()
+    nproc, port = request["nproc"], free_port()
     ranks = max(nproc, 1)
     sys.stdout.flush()
     sys.stderr.flush()

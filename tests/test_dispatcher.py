@@ -9,7 +9,6 @@ reference on the group's whole sequences and keeps its slice.
 """
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import forget_earlier_meshes
+from launcher import free_port
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
 
@@ -203,16 +203,11 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     # CPU: fork, so the ranks inherit the parent's imported torch and titan_fold (8 fresh
     # interpreters importing them cost more than all the cases); CUDA needs spawn
-    mp.start_processes(worker, args=(_free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
+    mp.start_processes(worker, args=(free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
                        join=True, start_method="fork" if device_type == "cpu" else "spawn")
     failures = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(world)]
     return [f for f in failures if f]

@@ -15,7 +15,6 @@ matches its collectives.
 import dataclasses
 import os
 import re
-import socket
 import traceback
 from datetime import timedelta
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import forget_earlier_meshes, train_from_seed
+from launcher import free_port
 
 WORLD = 4
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
@@ -140,14 +140,9 @@ def worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
-    mp.start_processes(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
     assert not failures, "\n".join(failures)[:20000]
 

@@ -8,7 +8,6 @@ The queue really holds the weight gradients: left unflushed, they are missing.
 """
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import forget_earlier_meshes
+from launcher import free_port
 from test_moe_layer import DIM, make_layer
 
 WORLD = 4
@@ -132,14 +132,9 @@ def worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_delayed_wgrad_matches(tmp_path):
-    mp.start_processes(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
     assert not failures, "\n".join(failures)[:20000]
 
