@@ -23,6 +23,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +37,10 @@ QWEN2 = ["--family", "qwen3_moe", "--proxy", "57B-A14B-L2"]
 DSV3 = ["--family", "deepseek_v3", "--proxy", "16B-L4"]
 FINE, COARSE = "qwen3_30b_a3b,mixtral_8x22b_g8t8", "qwen2_57b_a14b,mixtral_8x22b"
 TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
+# the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
+# the Qwen3-30B-A3B proxy also with compile.cudagraphs, and one compiled step profiled
+TRAIN_EXTRA = "1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_compiled_profile"
+TIMING = ["--warmup", "10", "--iters", "50"]
 
 
 @dataclass
@@ -61,18 +66,20 @@ SUITES = {
         "and quack, each beside the dense GEMM rate: the fine-grained shapes eager, compiled and captured in a CUDA "
         "graph, the coarse ones eager; one profiled eager step at Qwen3-30B-A3B shapes (kernel classes, host gaps)",
         [Step("layer_fine", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                          "--shapes", FINE, "--compile", "all", "--no-profile"], 400,
+                                          "--shapes", FINE, "--compile", "all", "--no-profile", *TIMING], 400,
               base_args=["--modes", "dropless", "--shapes", FINE, "--compile", "both", "--no-profile"]),
          Step("layer_coarse", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                            "--shapes", COARSE, "--compile", "off", "--no-profile"], 300,
+                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 300,
               base_args=["--modes", "dropless", "--shapes", COARSE, "--compile", "off", "--no-profile"]),
          Step("layer_profile", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                             "--shapes", "qwen3_30b_a3b", "--compile", "off"], 200,
+                                             "--shapes", "qwen3_30b_a3b", "--compile", "off", *TIMING], 200,
               base_args=["--modes", "dropless", "--shapes", "qwen3_30b_a3b", "--compile", "off"])]),
     "trainer": Suite(
         "1 GPU: the trainer on the Qwen3-MoE proxies (Qwen3-30B-A3B widths, 12 layers; Qwen2-57B-A14B widths, "
-        "2 layers), bf16 weights, aux-free balancing, eager and compiled",
-        [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"], 200),
+        "2 layers), bf16 weights, aux-free balancing, eager and compiled; the first also compiled with CUDA graphs "
+        "and one profiled compiled step (GPU time by kernel class)",
+        [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES + "," + TRAIN_EXTRA, "--steps", "15"],
+              420),
          Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], 200)]),
     "vs-torchtitan": Suite(
         "1 GPU: the trainer suite's Qwen3-MoE proxies in titan_fold and in torchtitan 0.2.2, side by side",
@@ -136,13 +143,14 @@ def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | No
            "PYTHONUNBUFFERED": "1"}
     shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
     print(f"[bench] {name}: {shown}", flush=True)
+    start = time.monotonic()
     try:
         rc = subprocess.run(cmd, cwd=root, env=env, timeout=step.timeout).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     path = os.path.join(out_dir, f"{name}.json")
     figures = json.load(open(path))["figures"] if os.path.exists(path) else None
-    return {"command": shown, "returncode": rc, "figures": figures}
+    return {"command": shown, "returncode": rc, "wall_s": round(time.monotonic() - start, 1), "figures": figures}
 
 
 def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str) -> str:

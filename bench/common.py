@@ -40,13 +40,22 @@ def env_info() -> dict:
         "nccl": nccl,
         "python": platform.python_version(),
         "host": platform.node(),
+        "cpu": _cpu_model(),  # host-bound (eager, fine-grained) figures follow the host CPU
     }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
 
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command that reproduces this run (as typed, from the repository root)."""
     argv = sys.argv if argv is None else argv
-    launcher = os.environ.get("BENCH_LAUNCHER")  # set by run_all.sh when it wraps us in torchrun
+    launcher = os.environ.get("BENCH_LAUNCHER")  # the torchrun prefix, where a wrapper launched us under it
     cmd = " ".join(shlex.quote(a) for a in argv)
     prefix = launcher + " " if launcher else ("python " if argv and argv[0].endswith(".py") else "")
     return prefix + cmd

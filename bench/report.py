@@ -179,6 +179,25 @@ def train_table(rec: dict) -> list[str]:
     return out if n else []
 
 
+def train_breakdown_table(rec: dict) -> list[str]:
+    """Profiled trainer steps (case modifier `profile`): the step's wall time, the time some kernel
+    runs, the rest (host gaps) as a share of the step, and GPU time by kernel class."""
+    rows = [(name, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("trace_summary")]
+    if not rows:
+        return []
+    classes = sorted({c for _, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
+                     key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for _, r in rows))
+    out = ["| step | case | step ms | GPU busy ms | host gaps, share of step | " + " | ".join(classes) + " |",
+           "|---|---|---:|---:|---:|" + "---:|" * len(classes)]
+    for name, r in rows:
+        t = r["trace_summary"]
+        wall, busy = t["step_wall_ms"], t["gpu_busy_ms"]
+        gaps = f"{100 * (wall - busy) / wall:.1f}%" if wall else "n/a"
+        out.append(f"| {name} | {r['case']} | {_f(wall)} | {_f(busy)} | {gaps} | "
+                   + " | ".join(_f(t["kernel_ms_by_class"].get(c), 1) for c in classes) + " |")
+    return out
+
+
 def vs_table(rec: dict) -> list[str]:
     out = ["| step | case | torchtitan tokens/s | torchtitan MFU % | titan_fold tokens/s | titan_fold MFU % | "
            "titan_fold / torchtitan |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -272,7 +291,8 @@ def collectives_table(rec: dict) -> list[str]:
 
 
 TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
-          ("Trainer", train_table), ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
+          ("Trainer", train_table), ("Trainer, one profiled step: GPU time by kernel class (ms)", train_breakdown_table),
+          ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
           ("Gradient norm and fp32 master step", streams_table), ("Collectives", collectives_table))
@@ -306,7 +326,8 @@ def _shown(recs: list[dict]) -> list[dict]:
 def _record_text(rec: dict) -> list[str]:
     env = rec["env"]
     gpus = f"{env['device_count']} x {env['device']}" if env["device_count"] else env["device"]
-    text = [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}", "",
+    cpu = f", host CPU {env['cpu']}" if env.get("cpu") else ""
+    text = [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}{cpu}", "",
             f"Command: `{rec['command']}`" if rec.get("command") else
             "Assembled from the per-script results of that date; each step's command is in the file.", ""]
     for title, fn in TABLES:
