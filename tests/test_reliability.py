@@ -70,7 +70,8 @@ def steps_saved(folder) -> list[int]:
 def assert_clean_exit(r: subprocess.CompletedProcess, folder) -> None:
     """Teardown: every rank passes a barrier before destroying the process groups, so no
     rank closes its gloo pairs while a peer still has work on them (the cause of an
-    intermittent `terminate called without an active exception` at exit)."""
+    intermittent `terminate called without an active exception` at exit), then ends without
+    the interpreter's teardown (fold_trainer.end_process)."""
     assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-4000:]
     assert not (folder / "trainer.lock").exists()
 
@@ -392,6 +393,45 @@ def test_finished_two_rank_runs_exit_0(tmp_path):
     for i in range(int(os.environ.get("TITAN_FOLD_TEARDOWN_RUNS", "1"))):
         r = launch(2, tmp_path / f"run{i}", "--training.global_batch_size", "2", "--training.steps", "1")
         assert_clean_exit(r, tmp_path / f"run{i}")
+
+
+# `python -m titan_fold.train` whose trainer has returned its exit code; its last object takes
+# seconds to free, as the interpreter's final collection of a model does (torchtitan turns
+# automatic collection off)
+_RETURNED_RANK = """
+import gc, runpy, signal, time
+from titan_fold.trainer import fold_trainer
+
+class Part:
+    def __del__(self):
+        time.sleep(5)
+
+def main(args=None, dry_run=None):
+    signal.signal(signal.SIGTERM, lambda *_: None)  # as StopSignals: a signal only sets a flag
+    gc.disable()
+    part = Part()
+    part.cycle = part
+    print("returning", flush=True)
+    return 3
+
+fold_trainer.main = main
+runpy.run_module("titan_fold.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_rank_that_returned_keeps_its_exit_code_through_torchruns_sigterm(tmp_path):
+    """torchrun sends SIGTERM to the ranks still running once one exits non-zero (a NaN stop:
+    3 on every rank). A rank that has returned its code ends with it: the interpreter's own
+    teardown would first reset the signal handlers, and the SIGTERM would kill it (-15)."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RETURNED_RANK)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)
+    assert proc.stdout.readline() == "returning\n", proc.communicate()[1][-3000:]
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 3, stderr[-3000:]
 
 
 def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):

@@ -13,4 +13,4 @@ def main(args: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_command(main)
+    run_command(main, end=fold_trainer.end_process)

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 # torchrun (torch.distributed.elastic) gives each worker an error file to fill when it fails
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -64,13 +65,14 @@ def report(error: UserError) -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
 
 
-def run_command(main: Callable[[], int | None]) -> None:
-    """Run a command's main; a UserError becomes one line on stderr and exit code 2."""
+def run_command(main: Callable[[], int | None], end: Callable[[int], NoReturn] = sys.exit) -> None:
+    """Run a command's main; a UserError becomes one line on stderr and exit code 2. `end(code)`
+    ends the process (a bug's traceback ends it as Python does)."""
     try:
         code = main()
     except UserError as e:
         report(e)
-        sys.exit(e.exit_code)
+        end(e.exit_code)
     except Exception as e:
         if os.environ.get(ERROR_FILE_ENV):
             # a bug: torchrun's failure summary shows its traceback (what torch's @record does)
@@ -78,4 +80,4 @@ def run_command(main: Callable[[], int | None]) -> None:
 
             get_error_handler().record_exception(e)
         raise
-    sys.exit(code or 0)
+    end(code or 0)

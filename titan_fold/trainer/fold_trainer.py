@@ -9,9 +9,12 @@ the dump folder is locked (lock.py). During training a NaN/Inf loss or gradient 
 or skips the step (guard.py) and signals stop every rank after the same step (signals.py).
 """
 
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -323,6 +326,9 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         return StorageError.exit_code
     finally:
         if trainer is not None:
+            if clean and trainer.checkpointer.enable:
+                # an asynchronous save runs collectives on its own process group: it ends first
+                trainer.checkpointer._async_wait()
             trainer.close()
         if torch.distributed.is_initialized():
             if clean:
@@ -331,3 +337,21 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
             torch.distributed.destroy_process_group()
         if lock is not None:
             lock.release()
+
+
+def end_process(code: int) -> NoReturn:
+    """How `python -m titan_fold.train` ends once main has returned: os._exit, after a flush.
+
+    destroy_process_group leaves a gloo process group running (its worker and socket threads,
+    its connections) while anything holds it, and the meshes do. torchtitan turns automatic
+    garbage collection off, so the group would go in the interpreter's final collection or
+    in C++'s static destructors at exit(), in no defined order, while its threads still run
+    and the peers' exits close its sockets. That teardown also resets the signal handlers:
+    the SIGTERM torchrun sends the ranks still running once one rank has exited non-zero
+    would kill them (-15) in place of their own exit code. By now every rank that ended
+    cleanly has passed the barrier, and the lock is released: nothing is left to do."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
+            stream.flush()
+    os._exit(code)
