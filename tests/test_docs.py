@@ -1,6 +1,8 @@
-"""Command output quoted in docs/ is what the tools print today (`python docs/gen.py` rewrites it)."""
+"""Command output quoted in docs/ is what the tools print today (`python docs/gen.py` rewrites it); the
+relative links of README.md and docs/ resolve; README.md stays short."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -36,3 +38,69 @@ def test_python_commands_are_forked_with_their_filter():
     assert gen.python_module("NGPU=8 python -m titan_fold.train") is None
     code, output = gen.fork_module(["titan_fold.plan", "--model", "57B-A14B", "--min-gpus", "cp=8", "ep=8"])
     assert code == 0 and "folded  cp=8 ep=8: 8 GPUs" in output, output
+
+
+README_MAX_LINES = 160  # the user's path; reference material goes to docs/
+
+
+def _markdown_files() -> list[str]:
+    docs = os.path.join(ROOT, "docs")
+    return ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(docs) if f.endswith(".md"))
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, -1, -2, ...
+    for repeats; `#` lines inside fenced code are not headings."""
+    found, fenced = set(), False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (heading := re.match(r"^#{1,6} +(.*?) *#* *$", line)):
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+            anchor, n = slug, 0
+            while anchor in found:
+                n += 1
+                anchor = f"{slug}-{n}"
+            found.add(anchor)
+    return found
+
+
+def _links(text: str) -> list[str]:
+    return [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"^[a-z]+:", link)]
+
+
+@pytest.mark.parametrize("doc", _markdown_files())
+def test_relative_links_resolve(doc):
+    with open(os.path.join(ROOT, doc)) as f:
+        text = f.read()
+    broken = []
+    for link in _links(text):
+        path, _, anchor = link.partition("#")
+        target = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), path)) if path else os.path.join(ROOT, doc)
+        if not os.path.exists(target):
+            broken.append(f"{link}: no file {os.path.relpath(target, ROOT)}")
+        elif anchor and target.endswith(".md"):
+            with open(target) as f:
+                if anchor not in _anchors(f.read()):
+                    broken.append(f"{link}: no heading #{anchor} in {os.path.relpath(target, ROOT)}")
+    assert not broken, f"{doc}: " + "; ".join(broken)
+
+
+def test_anchors_follow_github():
+    assert _anchors("# Quick start (CPU, no GPU)\n```\n# not a heading\n```\n## `[moe]`\n## metrics.jsonl\n## A\n## A") == {
+        "quick-start-cpu-no-gpu", "moe", "metricsjsonl", "a", "a-1"}
+    assert _links("see [x](docs/a.md#b), [y](https://e.org) and [z](#c)") == ["docs/a.md#b", "#c"]
+
+
+def test_readme_stays_short():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move reference material into docs/"
+
+
+@pytest.mark.parametrize("doc", _markdown_files())
+def test_code_fences_are_closed(doc):
+    """An unclosed ``` turns the rest of a page into code (and hides its headings from links)."""
+    with open(os.path.join(ROOT, doc)) as f:
+        fences = [n for n, line in enumerate(f.read().split("\n"), 1) if line.startswith("```")]
+    assert len(fences) % 2 == 0, f"{doc}: the ``` on line {fences[-1]} is not closed"

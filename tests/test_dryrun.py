@@ -191,9 +191,9 @@ def test_banner():
     assert f"params {4 * numel / 2**30:.2f} GiB" in text
 
 
-def test_readme_excerpt_is_current():
-    readme = (ROOT / "README.md").read_text()
-    assert dryrun.readme_block(dryrun.readme_excerpt()) in readme, "run: python -m titan_fold.dryrun --update-readme"
+def test_doc_excerpt_is_current():
+    doc = (ROOT / "docs" / "dryrun.md").read_text()
+    assert dryrun.excerpt_block(dryrun.doc_excerpt()) in doc, "run: python -m titan_fold.dryrun --update-docs"
 
 
 # debug_moe at pp 2 x (dp_shard 2 | ep 2) on 4 ranks: stage 0 on ranks 0, 1, stage 1 on ranks

@@ -28,15 +28,15 @@ from titan_fold.dryrun.measure import build_rank, simulate_rank
 from titan_fold.dryrun.record import P2P, StepFailed, record_collectives, shrunk_config
 from titan_fold.dryrun.report import (
            check_config,
+           doc_excerpt,
            dry_run,
+           excerpt_block,
            format_report,
            main,
-           readme_block,
-           readme_excerpt,
            step_config,
 )
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
 
-__all__ = ["P2P", "SharedShardingDecisions", "StepFailed", "build_rank", "check_config", "check_gradients", "dry_run", "first_divergence",
-           "format_report", "gradient_check", "init_fake_world", "main", "readme_block", "readme_excerpt", "record_collectives",
+__all__ = ["P2P", "SharedShardingDecisions", "StepFailed", "build_rank", "check_config", "check_gradients", "doc_excerpt", "dry_run",
+           "excerpt_block", "first_divergence", "format_report", "gradient_check", "init_fake_world", "main", "record_collectives",
            "shrunk_config", "simulate_rank", "step_config"]

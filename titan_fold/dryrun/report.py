@@ -1,4 +1,4 @@
-"""The whole dry run of a job config: checks, measured ranks, recorded collectives, the table, the JSON and the README excerpt."""
+"""The whole dry run of a job config: checks, measured ranks, recorded collectives, the table, the JSON and the excerpt docs/dryrun.md quotes."""
 
 import copy
 import dataclasses
@@ -206,14 +206,14 @@ def main(job_config) -> int:
     return 1 if col.get("first_divergence") or col.get("step_failed") or mismatched else 0
 
 
-README_COMMAND = ("NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "
-                  "--comm.no-dry_run_collectives")
-README_BEGIN = "<!-- dry-run excerpt: written by `python -m titan_fold.dryrun --update-readme`, checked by tests/test_dryrun.py -->"
-README_END = "<!-- end of dry-run excerpt -->"
+EXCERPT_COMMAND = ("NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "
+                   "--comm.no-dry_run_collectives")
+EXCERPT_BEGIN = "<!-- dry-run excerpt: written by `python -m titan_fold.dryrun --update-docs`, checked by tests/test_dryrun.py -->"
+EXCERPT_END = "<!-- end of dry-run excerpt -->"
 
 
-def readme_excerpt() -> str:
-    """The README's example: qwen2.toml at 64 ranks, rank 0; the CPU time lines (they vary)
+def doc_excerpt() -> str:
+    """docs/dryrun.md's example: qwen2.toml at 64 ranks, rank 0; the CPU time lines (they vary)
     left out."""
 
     config = parse_args(["--job.config_file", "qwen2.toml", "--comm.mode", "fake_backend"])
@@ -222,14 +222,14 @@ def readme_excerpt() -> str:
     return "\n".join(lines)
 
 
-def readme_block(excerpt: str) -> str:
-    return f"{README_BEGIN}\n\n    $ {README_COMMAND}\n" + "".join(
-        f"    {line}\n" if line else "\n" for line in excerpt.splitlines()) + f"\n{README_END}"
+def excerpt_block(excerpt: str) -> str:
+    return f"{EXCERPT_BEGIN}\n\n    $ {EXCERPT_COMMAND}\n" + "".join(
+        f"    {line}\n" if line else "\n" for line in excerpt.splitlines()) + f"\n{EXCERPT_END}"
 
 
-def update_readme(path: str) -> None:
+def update_doc(path: str) -> None:
     with open(path) as f:
         text = f.read()
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    start, end = text.index(EXCERPT_BEGIN), text.index(EXCERPT_END) + len(EXCERPT_END)
     with open(path, "w") as f:
-        f.write(text[:start] + readme_block(readme_excerpt()) + text[end:])
+        f.write(text[:start] + excerpt_block(doc_excerpt()) + text[end:])
