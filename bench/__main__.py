@@ -69,7 +69,7 @@ SUITES = {
                                           "--shapes", FINE, "--compile", "all", "--no-profile", *TIMING], 400,
               base_args=["--modes", "dropless", "--shapes", FINE, "--compile", "both", "--no-profile"]),
          Step("layer_coarse", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 300,
+                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 480,
               base_args=["--modes", "dropless", "--shapes", COARSE, "--compile", "off", "--no-profile"]),
          Step("layer_profile", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
                                              "--shapes", "qwen3_30b_a3b", "--compile", "off", *TIMING], 200,

@@ -42,46 +42,64 @@ def latest(results: str) -> list[dict]:
     return [recs[0] for recs in records(results).values()]
 
 
-def _figures(rec: dict) -> dict[tuple[str, str, str], float]:
-    """(step, row, figure) -> value: each layer row's ms / step (and GPU busy ms where profiled),
-    each trainer row's tokens/s per GPU and peak memory, each step's dense GEMM rate; the code
-    before (<step>@base) left out."""
-    out = {}
-    for name, fig in rec["figures"].items():
-        if not fig or name.endswith("@base"):
-            continue
-        if fig.get("dense_bf16_gemm_tflops"):
-            out[(name, "-", "dense GEMM TFLOP/s")] = fig["dense_bf16_gemm_tflops"]
-        for r in fig.get("rows", []):
-            if "impl" in r and r.get("median_ms"):
-                row = f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, " \
-                      f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}"
-                out[(name, row, "ms / step")] = r["median_ms"]
-                if r.get("breakdown"):
-                    out[(name, row, "GPU busy ms")] = r["breakdown"]["step_gpu_busy_ms"]
-            elif "case" in r and r.get("tokens_per_sec_per_gpu"):
-                out[(name, r["case"], "tokens/s per GPU")] = r["tokens_per_sec_per_gpu"]
-                if r.get("peak_memory_gib"):
-                    out[(name, r["case"], "peak memory GiB")] = r["peak_memory_gib"]
+STEADY = 1.05  # a timed row whose median lies within this factor of its fastest repeat
+
+
+def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
+    """(row, figure) -> (value, steady) of one step of a record: each layer row's share of the dense
+    GEMM rate (its result: the time over the dense rate measured in the same run, so that a card's
+    clock state, which moves both, cancels) and GPU busy ms where profiled, each trainer row's
+    tokens/s per GPU and peak memory, the step's dense GEMM rate. A layer row is steady when its
+    median time is within STEADY of its fastest repeat: a host-bound step (eager, fine-grained
+    shapes) moves with the host's other work, and its median does not reproduce; device-timed
+    figures (GPU busy, the GEMM rate) are steady."""
+    fig, out = rec["figures"].get(step), {}
+    if not fig:
+        return out
+    if fig.get("dense_bf16_gemm_tflops"):
+        out[("-", "dense GEMM TFLOP/s")] = (fig["dense_bf16_gemm_tflops"], True)
+    for r in fig.get("rows", []):
+        if "impl" in r and r.get("ratio_to_dense_gemm"):
+            row = f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, " \
+                  f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}"
+            steady = not r.get("min_ms") or r["median_ms"] <= STEADY * r["min_ms"]
+            out[(row, "share of dense")] = (r["ratio_to_dense_gemm"], steady)
+            if r.get("breakdown"):
+                out[(row, "GPU busy ms")] = (r["breakdown"]["step_gpu_busy_ms"], True)
+        elif "case" in r and r.get("tokens_per_sec_per_gpu"):
+            out[(r["case"], "tokens/s per GPU")] = (r["tokens_per_sec_per_gpu"], True)
+            if r.get("peak_memory_gib"):
+                out[(r["case"], "peak memory GiB")] = (r["peak_memory_gib"], True)
     return out
 
 
-def rerun_table(rec: dict, before: dict, tolerance: float = TOLERANCE) -> list[str]:
-    """Each figure `rec` shares with `before` (an earlier run of the same suite on the same kind of
-    machine): both values, their ratio and whether it lies within `tolerance` of 1."""
-    now, then = _figures(rec), _figures(before)
-    keys = [k for k in now if k in then]
-    if not keys:
+def rerun_table(recs: list[dict], tolerance: float = TOLERANCE) -> list[str]:
+    """Of one suite's records on one kind of machine (latest first): each step's figures in its
+    latest run beside the same figures in the run of that step before (the code before, <step>@base,
+    left out), their ratio, whether it lies within `tolerance` of 1, and whether both were steady."""
+    out = ["| step | row | figure | run before | latest run | before | latest | latest / before | within "
+           f"{100 * tolerance:g}% | steady |", "|---|---|---|---|---|---:|---:|---:|---|---|"]
+    counts = [0, 0, 0, 0]  # figures, within; steady figures, within
+    steps = dict.fromkeys(n for rec in recs for n, fig in rec["figures"].items() if fig and not n.endswith("@base"))
+    for step in steps:
+        runs = [rec for rec in recs if rec["figures"].get(step)]
+        if len(runs) < 2:
+            continue
+        now, then = _figures(runs[0], step), _figures(runs[1], step)
+        for key in [k for k in now if k in then]:
+            (n, n_steady), (b, b_steady) = now[key], then[key]
+            ok, steady = abs(n / b - 1) <= tolerance, n_steady and b_steady
+            counts[0] += 1
+            counts[1] += ok
+            counts[2] += steady
+            counts[3] += ok and steady
+            out.append(f"| {step} | {key[0]} | {key[1]} | {runs[1]['date_utc'][:16]} | {runs[0]['date_utc'][:16]} | "
+                       f"{_f(b, 3 if b < 10 else 2)} | {_f(n, 3 if n < 10 else 2)} | {_f(n / b, 3)} | {'yes' if ok else 'no'} | {'yes' if steady else 'no'} |")
+    if not counts[0]:
         return []
-    out = [f"| step | row | figure | {before['date_utc']} | {rec['date_utc']} | now / before | within "
-           f"{100 * tolerance:g}% |", "|---|---|---|---:|---:|---:|---|"]
-    inside = 0
-    for step, row, figure in keys:
-        b, n = then[(step, row, figure)], now[(step, row, figure)]
-        ok = abs(n / b - 1) <= tolerance
-        inside += ok
-        out.append(f"| {step} | {row} | {figure} | {_f(b, 2)} | {_f(n, 2)} | {_f(n / b, 3)} | {'yes' if ok else 'no'} |")
-    return out + ["", f"{inside} of {len(keys)} figures within {100 * tolerance:g}% of the earlier run."]
+    return out + ["", f"{counts[1]} of {counts[0]} figures within {100 * tolerance:g}% of the run before; of the "
+                  f"{counts[2]} steady ones (both medians within {100 * (STEADY - 1):g}% of their fastest repeat), "
+                  f"{counts[3]}."]
 
 
 def _steps(rec: dict, script_rows: str) -> list[tuple[str, dict]]:
@@ -303,11 +321,9 @@ def report(results: str = RESULTS) -> str:
     for recs in records(results).values():
         for rec in _shown(recs):
             text += _record_text(rec)
-        if len(recs) > 1:  # the run before on this kind of machine: does the latest reproduce it?
-            lines = rerun_table(recs[0], recs[1])
-            if lines:
-                before = recs[1].get("command") or "assembled from per-script results"
-                text += [f"Beside the run before on this kind of machine (`{before}`):", ""] + lines + [""]
+        lines = rerun_table(recs)  # each step's latest run beside its run before: does it reproduce?
+        if lines:
+            text += ["Each step's latest run beside its run before on this kind of machine:", ""] + lines + [""]
     return "\n".join(text)
 
 

@@ -255,40 +255,56 @@ def test_report_tables(tmp_path):
     assert "29.1" not in text
     assert "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 5.24 | 1.142 |" in text
     assert text.index("Suite `layer`") < text.index("Suite `trainer`")
+    assert "one profiled step" not in text  # no profiled row, no breakdown table
+    profiled = dict(row, case="1gpu_compiled_profile", trace_summary={
+        "step_wall_ms": 200.0, "gpu_busy_ms": 180.0, "kernel_ms_by_class": {"optimizer": 58.0, "attention": 22.5}})
+    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [profiled]}}, date="2026-11-25T11:00:00Z")
+    text = report.report(str(tmp_path))
+    assert "| step | case | step ms | GPU busy ms | host gaps, share of step | optimizer | attention |" in text
+    assert "| foldings | 1gpu_compiled_profile | 200.0 | 180.0 | 10.0% | 58.0 | 22.5 |" in text
     assert "Command: `python -m bench layer`" in text
 
 
 def test_report_rerun_beside_the_run_before(tmp_path):
-    """A second record of a suite on the same kind of machine: its figures beside the earlier
-    record's, the ratio and whether it lies within 3%; rows only one of them has are left out."""
-    def row(shape, ms):
+    """Each step's latest run beside its run before on the same kind of machine: the figures both
+    have (a layer row's share of the dense rate, GPU busy time, the dense rate), their ratio,
+    whether it lies within 3%, and whether both medians were steady (within 5% of their fastest
+    repeat); rows only one run has, and the code before (<step>@base), are left out."""
+    def row(shape, ms, share, fastest=None):
         return {"impl": "titan_fold", "shape": shape, "mode": "dropless", "dispatch": "none", "compiled": "graph",
-                "median_ms": ms, "tflops": 1.0, "ratio_to_dense_gemm": 0.5}
+                "median_ms": ms, "min_ms": fastest or ms, "tflops": 1.0, "ratio_to_dense_gemm": share}
 
     _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0,
-                                                   "rows": [row("a", 5.0), row("b", 20.0), row("gone", 1.0)]},
-                                    "layer_fine@base": {"rows": [row("a", 9.0)]}}, date="2026-11-25T08:00:00Z")
+                                                   "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7), row("gone", 1.0, 0.1)]},
+                                    "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]}}, date="2026-11-25T08:00:00Z")
     (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0800.json")
     _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 792.0,
-                                                   "rows": [row("a", 5.1), row("b", 21.0), row("new", 2.0)]},
-                                    "layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.0), breakdown={
-                                        "step_gpu_busy_ms": 5.0, "step_gpu_ms_by_kernel_class": {}})]}})
+                                                   "rows": [row("a", 5.1, 0.51), row("b", 21.0, 0.6, fastest=19.0),
+                                                            row("new", 2.0, 0.2)]},
+                                    "layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.0, 0.4), breakdown={
+                                        "step_gpu_busy_ms": 5.0, "step_gpu_ms_by_kernel_class": {}})]}},
+                date="2026-11-25T09:00:00Z")
     text = report.report(str(tmp_path))
-    assert "| layer_fine | a, none, torch, graph | ms / step | 5.00 | 5.10 | 1.020 | yes |" in text
-    assert "| layer_fine | b, none, torch, graph | ms / step | 20.00 | 21.00 | 1.050 | no |" in text
-    assert "| layer_fine | - | dense GEMM TFLOP/s | 800.00 | 792.00 | 0.990 | yes |" in text
-    assert "gone" not in text and "new, none" not in text and "9.00" not in text
-    assert "2 of 3 figures within 3% of the earlier run." in text
+    assert ("| layer_fine | a, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.500 | "
+            "0.510 | 1.020 | yes | yes |") in text
+    assert "| layer_fine | b, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.700 | " \
+           "0.600 | 0.857 | no | no |" in text  # 21 ms against a fastest repeat of 19: not steady
+    assert "| layer_fine | - | dense GEMM TFLOP/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 800.00 | 792.00 | 0.990 | yes | yes |" in text
+    assert "gone" not in text and "new, none" not in text and "0.300" not in text
+    assert "2 of 3 figures within 3% of the run before; of the 2 steady ones" in text and "ones (both medians within 5% " \
+           "of their fastest repeat), 2." in text
     assert text.count("Suite `layer`") == 1  # the earlier record's steps are all in the latest: only beside it
-    # a later run of one step: the record before stays shown for its other steps, and is the one compared
-    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_1000.json")
-    _suite_file(tmp_path, "layer", {"layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.7), breakdown={
+    # a later run of one step: the record before stays shown for its other steps; each step is
+    # compared with its own run before
+    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0900.json")
+    _suite_file(tmp_path, "layer", {"layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.7, 0.4), breakdown={
         "step_gpu_busy_ms": 5.1, "step_gpu_ms_by_kernel_class": {}})]}}, date="2026-11-25T11:00:00Z")
-    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_1100.json")
     text = report.report(str(tmp_path))
     assert text.count("Suite `layer`") == 2 and "| layer_fine | b | none | torch | graph | 21.00 |" in text
-    assert "| layer_profile | a, none, torch, graph | GPU busy ms | 5.00 | 5.10 | 1.020 | yes |" in text
-    assert "2 of 3 figures within 3% of the earlier run." in text
+    assert "| layer_profile | a, none, torch, graph | GPU busy ms | 2026-11-25T09:00 | 2026-11-25T11:00 | 5.000 | 5.100 | " \
+           "1.020 | yes | yes |" in text
+    assert "| layer_fine | a, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 |" in text
+    assert "5 of 6 figures within 3% of the run before" in text
 
 
 def test_suites_listed_and_steps_planned(capsys):
