@@ -30,18 +30,19 @@ LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
 MICRO_BATCHES = 3
 
 
-def build(ep_mesh, etp_mesh, delay):
+def build(ep_mesh, etp_mesh, delay, n_layers=3):
+    """The model, its experts spread over ep_mesh x etp_mesh (None: not yet)."""
     from titan_fold.models import FLAVORS, Transformer
     from titan_fold.parallel.experts import shard_moe
 
     args = FLAVORS["qwen2_moe"]["debug"]
     moe_args = dataclasses.replace(args.moe, z_loss_coeff=1e-3, delay_wgrad_compute=delay)
-    args = dataclasses.replace(args, n_layers=3, first_k_dense=1, moe=moe_args)
+    args = dataclasses.replace(args, n_layers=n_layers, first_k_dense=1, moe=moe_args)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
     for block in model.layers.values():
-        if block.moe_enabled:
+        if block.moe_enabled and ep_mesh is not None:
             shard_moe(block.moe, ep_mesh, etp_mesh)
     return model
 
@@ -143,6 +144,120 @@ def worker(rank, port, out_dir):
 
 def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
     mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
+    assert not failures, "\n".join(failures)[:20000]
+
+
+# ---- under the pipeline schedules: pp 2 x ep 2 -------------------------------------------
+
+PP_MICRO_BATCHES = 4
+
+
+def pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap, delay):
+    """One step of a 4-layer model cut into stages over pp 2, the experts over ep 2, by the
+    schedule alone or with its steady state overlapped; -> (losses on the last stage, every
+    parameter gradient of this rank's stages by name)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
+
+    from titan_fold.moe.wgrad import flush_wgrad
+    from titan_fold.parallel.experts import shard_moe
+    from titan_fold.parallel.overlap import overlapped_pipeline
+    from titan_fold.parallel.pipeline import StageHooks, split_layers, stage_model
+
+    cls = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule_name]
+    model = build(None, None, delay, n_layers=4)
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp * (1 if cls is Schedule1F1B else 2)
+    fqns = split_layers(4, num_stages)
+    meta = torch.device("meta")
+    hidden = torch.empty(1, 16, model.args.dim, device=meta, requires_grad=True)
+    stages, parts, hooks = [], [], []
+    for s in range(rank, num_stages, pp):
+        part = stage_model(model, fqns[s])
+        for block in part.layers.values():
+            if block.moe_enabled:
+                shard_moe(block.moe, ep_mesh, None)
+        parts.append(part)
+        hooks.append(StageHooks(part))
+        first = torch.empty(1, 16, dtype=torch.int64, device=meta) if s == 0 else hidden
+        last = torch.empty(1, 16, 512, device=meta, requires_grad=True) if s == num_stages - 1 else hidden
+        stages.append(PipelineStage(part, s, num_stages, torch.device("cpu"), input_args=first, output_args=last,
+                                    group=pp_mesh.get_group()))
+
+    def loss(x, y):
+        return loss_fn(x, y) / 100.0
+
+    if overlap:
+        schedule = overlapped_pipeline(cls, stages, PP_MICRO_BATCHES, loss, [h.pre_forward for h in hooks])
+    else:
+        schedule = cls(stages[0] if cls is Schedule1F1B else stages, n_microbatches=PP_MICRO_BATCHES, loss_fn=loss,
+                       scale_grads=False)
+    g = torch.Generator().manual_seed(dist.get_rank() // pp)  # the ep ranks see different batches
+    tokens = torch.randint(0, 512, (PP_MICRO_BATCHES, 16), generator=g)
+    labels = torch.randint(0, 512, (PP_MICRO_BATCHES, 16), generator=g)
+    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        schedule.step(*((tokens,) if has_first else ()), aux_loss_scale=torch.full((PP_MICRO_BATCHES,), 0.125),
+                      target=labels if has_last else None, losses=losses, return_outputs=False)
+    flush_wgrad(parts)
+    grads = {f"stage{st.stage_index}.{n}": p.grad for st, part in zip(stages, parts)
+             for n, p in part.named_parameters()}
+    order = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("overlap:")]
+    return losses, grads, order
+
+
+def interleaved(order) -> bool:
+    """Some micro-batch's backward all-to-all is followed by another micro-batch's forward."""
+    pattern = re.compile(r"overlap:mb(\d+) (backward|forward) ")
+    steps = [(m.group(1), m.group(2), name) for name in order if (m := pattern.match(name))]
+    return any(a[1] == "backward" and a[2].endswith("a2a") and b[1] == "forward" and b[0] != a[0]
+               for a, b in zip(steps, steps[1:]))
+
+
+def pipeline_case(pp_mesh, ep_mesh, schedule_name):
+    # every run before any check: a rank's failed check must not skip collectives the others issue
+    ref_losses, ref_grads, ref_order = pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap=False, delay=False)
+    assert not ref_order
+    runs = {delay: pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap=True, delay=delay) for delay in (False, True)}
+    for delay, (losses, grads, order) in runs.items():
+        assert interleaved(order), order
+        assert len(losses) == len(ref_losses)
+        if losses:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            assert ref is not None and grads[name] is not None, name
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name: f"{schedule_name} delay={delay} grad of {name}: {m}")
+
+
+def pipeline_worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    forget_earlier_meshes()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    failures = []
+    for name in ("1F1B", "Interleaved1F1B"):
+        try:
+            pipeline_case(mesh["pp"], mesh["ep"], name)
+        except AssertionError:
+            failures.append(f"{name}:\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_overlapped_pipeline_matches_the_schedule(tmp_path):
+    """pp 2 x ep 2: Schedule1F1B and ScheduleInterleaved1F1B with their steady state's
+    (backward, forward) pairs overlapped give the plain schedule's losses and gradients."""
+    mp.start_processes(pipeline_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="fork")
     failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
     assert not failures, "\n".join(failures)[:20000]
 
