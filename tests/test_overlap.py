@@ -292,6 +292,18 @@ TRAINER_RUNS = {
                                  "--parallelism.expert_tensor_parallel_degree", "2", "--moe.overlap_ep_comm",
                                  "--moe.delay_wgrad_compute")),
     "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    # under the pipeline schedules: each steady-state (backward, forward) pair overlapped, FSDP2
+    # over dp 2 for the dense layers of each stage
+    "overlap_pp2_dp2_ep2_1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                                     "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                     "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
+                                     "--moe.delay_wgrad_compute")),
+    "overlap_pp2_cp2_ep2_Interleaved1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2",
+                                                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                                "--training.local_batch_size", "8",
+                                                "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                                "--parallelism.context_parallel_degree", "2",
+                                                "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
     # cp's load-balanced chunks: the pieces take the global positions for RoPE
     "overlap_cp2_ep2": (2, ("--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                             "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
@@ -315,7 +327,8 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
      "moe.overlap_ep_comm = true needs at least 2 micro-batches per step"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
-      "2", "--training.local_batch_size", "4"), "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree"),
+      "2", "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "GPipe"),
+     "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
      "moe.delay_wgrad_compute = true with compile.enable"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",

@@ -296,6 +296,10 @@ class OverlapSchedule:
         return mb.output.detach()
 
 
+# the pipeline schedules overlapped_pipeline runs, by their parallelism.pipeline_parallel_schedule names
+PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
 def one_f_one_b(rank: int, pp: int, n: int) -> list[_Action]:
     """Schedule1F1B's compute actions on one pp rank (stage = rank): pp - rank forwards,
     then a backward and a forward in turn, then the last backwards."""
@@ -427,10 +431,11 @@ def overlap_problem(config, layout) -> str | None:
                     "outside one compiled graph; choose one")
     if not moe.overlap_ep_comm:
         return None
-    if layout.pp > 1:
-        return (f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree = {layout.pp}: it overlaps "
-                "the micro-batches of gradient accumulation; the pipeline schedules run whole stages")
-    if (n := micro_batches(config, layout)) < 2:
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if layout.pp > 1 and schedule.lower() not in [name.lower() for name in PIPELINE_SCHEDULES]:
+        return (f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = {schedule!r}: it pairs "
+                f"the backward and forward of a 1F1B steady state; choose {' or '.join(PIPELINE_SCHEDULES)}")
+    if layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
         tr = config.training
         return (f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
                 f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}")
