@@ -343,24 +343,41 @@ def test_refused_with_the_key(args, match):
         check_layout(config, 4)
 
 
-def test_dry_run_collectives_match_with_overlap():
-    """qwen2.toml at its 64 ranks with the overlap (pp 1: dp_shard 32 x tp 2, ep 4 x edp 16):
-    every rank's overlapped step of two micro-batches issues what the other members of each
-    of its groups issue."""
+# (config, world size, overrides): qwen2.toml at pp 1 (dp_shard 32 x tp 2, ep 4 x edp 16) and at
+# pp 2 with its Interleaved1F1B (dp_shard 16 x tp 2, ep 4 x edp 8); mixtral_8x22b.toml at pp 2 1F1B
+# (dp_shard 32 x tp 2, ep 8 x edp 8; 1F1B needs at least pp micro-batches). pp 2: every rank's
+# step runs 2 pp pipeline micro-batches, pp 4 would take minutes here
+DRY_RUNS = {
+    "qwen2_pp1": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "1")),
+    "qwen2_pp2_Interleaved1F1B": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "2")),
+    "mixtral_pp2_1F1B": ("mixtral_8x22b.toml", 128, ("--parallelism.pipeline_parallel_degree", "2",
+                                                     "--parallelism.pipeline_parallel_schedule", "1F1B",
+                                                     "--training.local_batch_size", "4")),
+}
+
+
+@pytest.mark.parametrize("name", list(DRY_RUNS))
+def test_dry_run_collectives_match_with_overlap(name):
+    """Every rank's overlapped step (two micro-batches without pp; under pp, a steady state of
+    pairs on every pp rank) issues what the other members of each of its groups issue, and
+    every pipeline send meets its recv."""
     from test_dryrun import config
 
     from titan_fold import dryrun
 
+    file, world, overrides = DRY_RUNS[name]
     try:
-        c = config("qwen2.toml", "--parallelism.pipeline_parallel_degree", "1", "--activation_checkpoint.mode", "none",
-                   "--compile.no-enable", "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
-        _, args, _ = dryrun.check_config(c, 64)
-        per_group = dryrun.record_collectives(c, 64, args)
+        c = config(file, *overrides, "--activation_checkpoint.mode", "none", "--compile.no-enable",
+                   "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
+        _, args, _ = dryrun.check_config(c, world)
+        per_group = dryrun.record_collectives(c, world, args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     assert dryrun.first_divergence(per_group) is None
-    assert set().union(*(g.keys() for g in per_group.values())) == set(range(64))
+    assert set().union(*(g.keys() for g in per_group.values())) == set(range(world))
     # the ep all-to-alls of both micro-batches, forward and backward, come from the schedule's pieces
     sites = {call["site"] for g in per_group.values() for calls in g.values() for call in calls}
     assert any("parallel/overlap.py" in site for site in sites), sorted(sites)[:20]
+    if c.parallelism.pipeline_parallel_degree > 1:
+        assert any(desc == dryrun.P2P for desc, _ in per_group)

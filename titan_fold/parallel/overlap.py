@@ -37,6 +37,16 @@ before the unit's reduce-scatter instead (moe/wgrad.py).
 Gradient accumulation over n >= 2 micro-batches runs: forward 0; then (backward i-1 |
 forward i) for i = 1 .. n-1; then backward n-1. Every rank runs the same pieces in the same
 order, so the collectives match; on the CPU (gloo) the same code runs in the same order.
+
+Under pipeline parallelism (Schedule1F1B, ScheduleInterleaved1F1B) the pairs are the
+steady state's: on each pp rank, a backward the schedule runs directly before a forward
+(another micro-batch's, or another stage's) becomes one OVERLAP_F_B action of torch's
+`_PipelineScheduleRuntime`, whose lowering places both halves' P2P sends and recvs; the
+runtime's FORWARD, FULL_BACKWARD and OVERLAP_F_B actions all run as pieces (StagePieces).
+A stage's pieces start from its received hidden states, or the tokens on the first stage;
+a stage without the head ends with its hidden states, whose received gradient starts its
+backward. The ranks of an ep group share a pp rank, hence its action list: their
+all-to-alls match as without PP.
 FSDP2 units are entered through their registered forward methods (an attention piece is a
 call of its block, the embedding and head of the root), so their gathers and reduce-scatters
 happen as in a plain forward and backward.
@@ -226,14 +236,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _embed(model, x):
-    # as Transformer.forward: a later pipeline stage takes the hidden states as they come
-    return (model.tok_embeddings(x) if model.embeds_tokens else x,)
+    # as Transformer.forward: a later pipeline stage takes the hidden states, as the hook of
+    # attention.apply_tp places them under sequence parallel
+    if model.embeds_tokens:
+        return (model.tok_embeddings(x),)
+    stage_input = getattr(model, "stage_input", None)
+    return (x if stage_input is None else stage_input(x),)
 
 
 def _head(model, h):
-    # as Transformer.forward: a pipeline stage without them passes h on
+    # as Transformer.forward: a pipeline stage without them passes h on (a plain tensor)
     out = model.norm(h) if model.norm is not None else h
-    return model.output(out) if model.output is not None else out
+    if model.output is not None:
+        return model.output(out)
+    stage_output = getattr(model, "stage_output", None)
+    return out if stage_output is None else stage_output(out)
 
 
 def prepare(model: nn.Module) -> None:
