@@ -5,11 +5,13 @@ On 4 gloo ranks in fp32, a small Qwen2-MoE (a dense first layer, shared expert w
 aux and z losses) whose experts are spread over ep 2 (edp 2), ep 4 and ep 2 x etp 2: the
 overlapped schedule over 3 accumulated micro-batches gives every rank the losses and every
 parameter gradient of plain gradient accumulation, with the weight-gradient split on and
-off. The recorded order of the pieces is the interleaving the schedule promises. The trainer
-with either key gives the one-rank run's losses and gradient norms (FSDP2, sequence and
-context parallel attention, etp, edp, the split under the pipeline schedules); bad
-combinations end in one line naming the key; qwen2.toml's 64-rank dry run with the overlap
-matches its collectives.
+off. The recorded order of the pieces is the interleaving the schedule promises. Under pp 2
+x ep 2, a 4-layer model's Schedule1F1B and ScheduleInterleaved1F1B with their steady state
+overlapped give the plain schedule's losses and every gradient. The trainer with either key
+gives the one-rank run's losses and gradient norms (FSDP2, sequence and context parallel
+attention, etp, edp, both under the pipeline schedules); bad combinations end in one line
+naming the key; the dry runs of qwen2.toml (64 ranks, pp 1 and pp 2) and mixtral_8x22b.toml
+(128 ranks, pp 2) with the overlap match their collectives and pipeline sends.
 """
 
 import dataclasses
@@ -304,6 +306,13 @@ TRAINER_RUNS = {
                                                 "--parallelism.pipeline_parallel_microbatch_size", "1",
                                                 "--parallelism.context_parallel_degree", "2",
                                                 "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    # FSDP2 over edp 2 for the experts too (attention pp2 dp4, experts pp2 ep2 edp2); 2 pipeline
+    # micro-batches: one overlapped pair, on the last stage
+    "overlap_pp2_dp4_ep2_edp2_1F1B": (8, ("--parallelism.pipeline_parallel_degree", "2",
+                                          "--training.local_batch_size", "2",
+                                          "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                          "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
+                                          "--moe.delay_wgrad_compute")),
     # cp's load-balanced chunks: the pieces take the global positions for RoPE
     "overlap_cp2_ep2": (2, ("--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                             "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
