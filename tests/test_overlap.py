@@ -235,6 +235,38 @@ def pipeline_case(pp_mesh, ep_mesh, schedule_name):
                                        msg=lambda m, name=name: f"{schedule_name} delay={delay} grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_paired_pipeline_orders_lower(pp):
+    """Schedule1F1B's and ScheduleInterleaved1F1B's orders at pp 2 .. 8, their steady state
+    paired: each pair is a forward and a backward of other micro-batches or stages, and
+    torch's lowering places every send and recv (it raises on an order it cannot)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (
+        FORWARD,
+        OVERLAP_F_B,
+        ScheduleInterleaved1F1B,
+        _add_send_recv,
+    )
+
+    from titan_fold.parallel.overlap import one_f_one_b, pair_steady_state
+
+    n = 2 * pp
+    # the interleaved order as ScheduleInterleaved1F1B computes it, without building stages
+    looped = SimpleNamespace(pp_group_size=pp, n_local_stages=2, _n_microbatches=n, number_of_rounds=2,
+                             microbatches_per_round=pp)
+    for stages, order in ((pp, lambda r: one_f_one_b(r, pp, n)),
+                          (2 * pp, lambda r: ScheduleInterleaved1F1B._calculate_single_rank_operations(looped, r))):
+        paired = {r: [a for a in pair_steady_state(order(r)) if a is not None] for r in range(pp)}
+        for r, actions in paired.items():
+            pairs = [a.sub_actions for a in actions if a.computation_type == OVERLAP_F_B]
+            assert pairs, (stages, r)  # a steady state on every pp rank
+            for f, b in pairs:
+                assert f.computation_type == FORWARD and (f.stage_index, f.microbatch_index) != (
+                    b.stage_index, b.microbatch_index)
+        _add_send_recv(paired, stage_to_rank=lambda s: s % pp, num_stages=stages)
+
+
 def pipeline_worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -338,6 +370,9 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
       "2", "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "GPipe"),
      "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
+      "2", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"),
+     "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
      "moe.delay_wgrad_compute = true with compile.enable"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",
