@@ -419,8 +419,8 @@ class StagePieces:
             stage.submod.set_is_last_backward(False)
             stage.submod.set_reshard_after_backward(False)
             stage.submod.set_requires_gradient_sync(False)
-        yield from self.micro_batches[s, j].backward(grad)
         mb = self.micro_batches.pop((s, j))
+        yield from mb.backward(grad)
         stage.fwd_cache.pop(j)
         if not stage.is_first:
             stage.bwd_cache[j] = (mb.input_grad,)
