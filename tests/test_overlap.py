@@ -5,11 +5,13 @@ On 4 gloo ranks in fp32, a small Qwen2-MoE (a dense first layer, shared expert w
 aux and z losses) whose experts are spread over ep 2 (edp 2), ep 4 and ep 2 x etp 2: the
 overlapped schedule over 3 accumulated micro-batches gives every rank the losses and every
 parameter gradient of plain gradient accumulation, with the weight-gradient split on and
-off. The recorded order of the pieces is the interleaving the schedule promises. The trainer
-with either key gives the one-rank run's losses and gradient norms (FSDP2, sequence and
-context parallel attention, etp, edp, the split under the pipeline schedules); bad
-combinations end in one line naming the key; qwen2.toml's 64-rank dry run with the overlap
-matches its collectives.
+off. The recorded order of the pieces is the interleaving the schedule promises. Under pp 2
+x ep 2, a 4-layer model's Schedule1F1B and ScheduleInterleaved1F1B with their steady state
+overlapped give the plain schedule's losses and every gradient. The trainer with either key
+gives the one-rank run's losses and gradient norms (FSDP2, sequence and context parallel
+attention, etp, edp, both under the pipeline schedules); bad combinations end in one line
+naming the key; the dry runs of qwen2.toml (64 ranks, pp 1 and pp 2) and mixtral_8x22b.toml
+(128 ranks, pp 2) with the overlap match their collectives and pipeline sends.
 """
 
 import dataclasses
@@ -30,18 +32,19 @@ LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
 MICRO_BATCHES = 3
 
 
-def build(ep_mesh, etp_mesh, delay):
+def build(ep_mesh, etp_mesh, delay, n_layers=3):
+    """The model, its experts spread over ep_mesh x etp_mesh (None: not yet)."""
     from titan_fold.models import FLAVORS, Transformer
     from titan_fold.parallel.experts import shard_moe
 
     args = FLAVORS["qwen2_moe"]["debug"]
     moe_args = dataclasses.replace(args.moe, z_loss_coeff=1e-3, delay_wgrad_compute=delay)
-    args = dataclasses.replace(args, n_layers=3, first_k_dense=1, moe=moe_args)
+    args = dataclasses.replace(args, n_layers=n_layers, first_k_dense=1, moe=moe_args)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
     for block in model.layers.values():
-        if block.moe_enabled:
+        if block.moe_enabled and ep_mesh is not None:
             shard_moe(block.moe, ep_mesh, etp_mesh)
     return model
 
@@ -147,6 +150,152 @@ def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
     assert not failures, "\n".join(failures)[:20000]
 
 
+# ---- under the pipeline schedules: pp 2 x ep 2 -------------------------------------------
+
+PP_MICRO_BATCHES = 4
+
+
+def pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap, delay):
+    """One step of a 4-layer model cut into stages over pp 2, the experts over ep 2, by the
+    schedule alone or with its steady state overlapped; -> (losses on the last stage, every
+    parameter gradient of this rank's stages by name)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
+
+    from titan_fold.moe.wgrad import flush_wgrad
+    from titan_fold.parallel.experts import shard_moe
+    from titan_fold.parallel.overlap import overlapped_pipeline
+    from titan_fold.parallel.pipeline import StageHooks, split_layers, stage_model
+
+    cls = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule_name]
+    model = build(None, None, delay, n_layers=4)
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp * (1 if cls is Schedule1F1B else 2)
+    fqns = split_layers(4, num_stages)
+    meta = torch.device("meta")
+    hidden = torch.empty(1, 16, model.args.dim, device=meta, requires_grad=True)
+    stages, parts, hooks = [], [], []
+    for s in range(rank, num_stages, pp):
+        part = stage_model(model, fqns[s])
+        for block in part.layers.values():
+            if block.moe_enabled:
+                shard_moe(block.moe, ep_mesh, None)
+        parts.append(part)
+        hooks.append(StageHooks(part))
+        first = torch.empty(1, 16, dtype=torch.int64, device=meta) if s == 0 else hidden
+        last = torch.empty(1, 16, 512, device=meta, requires_grad=True) if s == num_stages - 1 else hidden
+        stages.append(PipelineStage(part, s, num_stages, torch.device("cpu"), input_args=first, output_args=last,
+                                    group=pp_mesh.get_group()))
+
+    def loss(x, y):
+        return loss_fn(x, y) / 100.0
+
+    if overlap:
+        schedule = overlapped_pipeline(cls, stages, PP_MICRO_BATCHES, loss, [h.pre_forward for h in hooks])
+    else:
+        schedule = cls(stages[0] if cls is Schedule1F1B else stages, n_microbatches=PP_MICRO_BATCHES, loss_fn=loss,
+                       scale_grads=False)
+    g = torch.Generator().manual_seed(dist.get_rank() // pp)  # the ep ranks see different batches
+    tokens = torch.randint(0, 512, (PP_MICRO_BATCHES, 16), generator=g)
+    labels = torch.randint(0, 512, (PP_MICRO_BATCHES, 16), generator=g)
+    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        schedule.step(*((tokens,) if has_first else ()), aux_loss_scale=torch.full((PP_MICRO_BATCHES,), 0.125),
+                      target=labels if has_last else None, losses=losses, return_outputs=False)
+    flush_wgrad(parts)
+    grads = {f"stage{st.stage_index}.{n}": p.grad for st, part in zip(stages, parts)
+             for n, p in part.named_parameters()}
+    order = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("overlap:")]
+    return losses, grads, order
+
+
+def interleaved(order) -> bool:
+    """Some micro-batch's backward all-to-all is followed by another micro-batch's forward."""
+    pattern = re.compile(r"overlap:mb(\d+) (backward|forward) ")
+    steps = [(m.group(1), m.group(2), name) for name in order if (m := pattern.match(name))]
+    return any(a[1] == "backward" and a[2].endswith("a2a") and b[1] == "forward" and b[0] != a[0]
+               for a, b in zip(steps, steps[1:]))
+
+
+def pipeline_case(pp_mesh, ep_mesh, schedule_name):
+    # every run before any check: a rank's failed check must not skip collectives the others issue
+    ref_losses, ref_grads, ref_order = pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap=False, delay=False)
+    assert not ref_order
+    runs = {delay: pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap=True, delay=delay) for delay in (False, True)}
+    for delay, (losses, grads, order) in runs.items():
+        assert interleaved(order), order
+        assert len(losses) == len(ref_losses)
+        if losses:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            assert ref is not None and grads[name] is not None, name
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name: f"{schedule_name} delay={delay} grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_paired_pipeline_orders_lower(pp):
+    """Schedule1F1B's and ScheduleInterleaved1F1B's orders at pp 2 .. 8, their steady state
+    paired: each pair is a forward and a backward of other micro-batches or stages, and
+    torch's lowering places every send and recv (it raises on an order it cannot)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (
+        FORWARD,
+        OVERLAP_F_B,
+        ScheduleInterleaved1F1B,
+        _add_send_recv,
+    )
+
+    from titan_fold.parallel.overlap import one_f_one_b, pair_steady_state
+
+    n = 2 * pp
+    # the interleaved order as ScheduleInterleaved1F1B computes it, without building stages
+    looped = SimpleNamespace(pp_group_size=pp, n_local_stages=2, _n_microbatches=n, number_of_rounds=2,
+                             microbatches_per_round=pp)
+    for stages, order in ((pp, lambda r: one_f_one_b(r, pp, n)),
+                          (2 * pp, lambda r: ScheduleInterleaved1F1B._calculate_single_rank_operations(looped, r))):
+        paired = {r: [a for a in pair_steady_state(order(r)) if a is not None] for r in range(pp)}
+        for r, actions in paired.items():
+            pairs = [a.sub_actions for a in actions if a.computation_type == OVERLAP_F_B]
+            assert pairs, (stages, r)  # a steady state on every pp rank
+            for f, b in pairs:
+                assert f.computation_type == FORWARD and (f.stage_index, f.microbatch_index) != (
+                    b.stage_index, b.microbatch_index)
+        _add_send_recv(paired, stage_to_rank=lambda s: s % pp, num_stages=stages)
+
+
+def pipeline_worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    forget_earlier_meshes()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    failures = []
+    for name in ("1F1B", "Interleaved1F1B"):
+        try:
+            pipeline_case(mesh["pp"], mesh["ep"], name)
+        except AssertionError:
+            failures.append(f"{name}:\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_overlapped_pipeline_matches_the_schedule(tmp_path):
+    """pp 2 x ep 2: Schedule1F1B and ScheduleInterleaved1F1B with their steady state's
+    (backward, forward) pairs overlapped give the plain schedule's losses and gradients."""
+    mp.start_processes(pipeline_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="fork")
+    failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
+    assert not failures, "\n".join(failures)[:20000]
+
+
 # ---- the trainer: the one-rank run's numbers with the options on ----------------------------
 
 # (ranks, args); every run sees the global batch of 8 sequences in micro-batches of one, as
@@ -177,6 +326,25 @@ TRAINER_RUNS = {
                                  "--parallelism.expert_tensor_parallel_degree", "2", "--moe.overlap_ep_comm",
                                  "--moe.delay_wgrad_compute")),
     "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    # under the pipeline schedules: each steady-state (backward, forward) pair overlapped, FSDP2
+    # over dp 2 for the dense layers of each stage
+    "overlap_pp2_dp2_ep2_1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                                     "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                     "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
+                                     "--moe.delay_wgrad_compute")),
+    "overlap_pp2_cp2_ep2_Interleaved1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2",
+                                                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                                "--training.local_batch_size", "8",
+                                                "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                                "--parallelism.context_parallel_degree", "2",
+                                                "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    # FSDP2 over edp 2 for the experts too (attention pp2 dp4, experts pp2 ep2 edp2); 2 pipeline
+    # micro-batches: one overlapped pair, on the last stage
+    "overlap_pp2_dp4_ep2_edp2_1F1B": (8, ("--parallelism.pipeline_parallel_degree", "2",
+                                          "--training.local_batch_size", "2",
+                                          "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                          "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
+                                          "--moe.delay_wgrad_compute")),
     # cp's load-balanced chunks: the pieces take the global positions for RoPE
     "overlap_cp2_ep2": (2, ("--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                             "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
@@ -200,7 +368,11 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
      "moe.overlap_ep_comm = true needs at least 2 micro-batches per step"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
-      "2", "--training.local_batch_size", "4"), "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree"),
+      "2", "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "GPipe"),
+     "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'"),
+    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
+      "2", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"),
+     "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
      "moe.delay_wgrad_compute = true with compile.enable"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",
@@ -215,24 +387,41 @@ def test_refused_with_the_key(args, match):
         check_layout(config, 4)
 
 
-def test_dry_run_collectives_match_with_overlap():
-    """qwen2.toml at its 64 ranks with the overlap (pp 1: dp_shard 32 x tp 2, ep 4 x edp 16):
-    every rank's overlapped step of two micro-batches issues what the other members of each
-    of its groups issue."""
+# (config, world size, overrides): qwen2.toml at pp 1 (dp_shard 32 x tp 2, ep 4 x edp 16) and at
+# pp 2 with its Interleaved1F1B (dp_shard 16 x tp 2, ep 4 x edp 8); mixtral_8x22b.toml at pp 2 1F1B
+# (dp_shard 32 x tp 2, ep 8 x edp 8; 1F1B needs at least pp micro-batches). pp 2: every rank's
+# step runs 2 pp pipeline micro-batches, pp 4 would take minutes here
+DRY_RUNS = {
+    "qwen2_pp1": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "1")),
+    "qwen2_pp2_Interleaved1F1B": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "2")),
+    "mixtral_pp2_1F1B": ("mixtral_8x22b.toml", 128, ("--parallelism.pipeline_parallel_degree", "2",
+                                                     "--parallelism.pipeline_parallel_schedule", "1F1B",
+                                                     "--training.local_batch_size", "4")),
+}
+
+
+@pytest.mark.parametrize("name", list(DRY_RUNS))
+def test_dry_run_collectives_match_with_overlap(name):
+    """Every rank's overlapped step (two micro-batches without pp; under pp, a steady state of
+    pairs on every pp rank) issues what the other members of each of its groups issue, and
+    every pipeline send meets its recv."""
     from test_dryrun import config
 
     from titan_fold import dryrun
 
+    file, world, overrides = DRY_RUNS[name]
     try:
-        c = config("qwen2.toml", "--parallelism.pipeline_parallel_degree", "1", "--activation_checkpoint.mode", "none",
-                   "--compile.no-enable", "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
-        _, args, _ = dryrun.check_config(c, 64)
-        per_group = dryrun.record_collectives(c, 64, args)
+        c = config(file, *overrides, "--activation_checkpoint.mode", "none", "--compile.no-enable",
+                   "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
+        _, args, _ = dryrun.check_config(c, world)
+        per_group = dryrun.record_collectives(c, world, args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     assert dryrun.first_divergence(per_group) is None
-    assert set().union(*(g.keys() for g in per_group.values())) == set(range(64))
+    assert set().union(*(g.keys() for g in per_group.values())) == set(range(world))
     # the ep all-to-alls of both micro-batches, forward and backward, come from the schedule's pieces
     sites = {call["site"] for g in per_group.values() for calls in g.values() for call in calls}
     assert any("parallel/overlap.py" in site for site in sites), sorted(sites)[:20]
+    if c.parallelism.pipeline_parallel_degree > 1:
+        assert any(desc == dryrun.P2P for desc, _ in per_group)

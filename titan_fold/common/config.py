@@ -163,7 +163,8 @@ class MoE:
     overlap_ep_comm: bool = False
     """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
     that the expert all-to-alls of each run under the other's compute (Megatron-Core's
-    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches."""
+    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches; under
+    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state."""
 
 
 @dataclass

@@ -143,7 +143,7 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     widths of a few units, as few layers as the pipeline split allows; one gradient
     accumulation step, the shortest valid sequence. With the world size, a width FSDP2
     shards the experts on (fewer experts per rank than edp ranks) splits edp ways, and
-    moe.overlap_ep_comm gets its pair of micro-batches."""
+    moe.overlap_ep_comm gets its pair of micro-batches (under pp: a pipeline steady state)."""
 
     config = _dry_config(job_config)
     par, tr = config.parallelism, config.training
@@ -175,7 +175,11 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     dp = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree
           if par.data_parallel_shard_degree > 0 else None)
     tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
-    if layout is not None and args.moe.overlap_ep_comm:  # micro-batches overlapped in pairs: a step of two
+    if layout is not None and args.moe.overlap_ep_comm and layout.pp > 1:
+        # 2 pp pipeline micro-batches: (backward, forward) pairs on every pp rank of either schedule
+        tr.local_batch_size = 2 * layout.pp * par.pipeline_parallel_microbatch_size
+        tr.global_batch_size = tr.local_batch_size * layout.dp
+    elif layout is not None and args.moe.overlap_ep_comm:  # micro-batches overlapped in pairs: a step of two
         tr.global_batch_size = 2 * tr.local_batch_size * layout.dp
     return config, args
 

@@ -73,13 +73,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, loss_parallel))
     if sequence_parallel:
         # pipeline stages hand plain tensors to each other: a stage without the embedding
-        # takes this rank's sequence shard [b, s/tp, dim], one without the output head returns it
+        # takes this rank's sequence shard [b, s/tp, dim], one without the output head returns
+        # it; instance attributes, which the overlapped pieces (overlap.py) apply too
         if not model.embeds_tokens:
-            model.register_forward_pre_hook(
-                lambda module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
-            )
+            model.stage_input = lambda x: DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+            model.register_forward_pre_hook(lambda module, args: (module.stage_input(args[0]), *args[1:]))
         if model.output is None:
-            model.register_forward_hook(lambda module, args, out: out.to_local() if isinstance(out, DTensor) else out)
+            model.stage_output = lambda out: out.to_local() if isinstance(out, DTensor) else out
+            model.register_forward_hook(lambda module, args, out: module.stage_output(out))
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # each style made its own DTensor of the shared table (both Shard(0)): tie again
         model.output.weight = model.tok_embeddings.weight

@@ -37,6 +37,16 @@ before the unit's reduce-scatter instead (moe/wgrad.py).
 Gradient accumulation over n >= 2 micro-batches runs: forward 0; then (backward i-1 |
 forward i) for i = 1 .. n-1; then backward n-1. Every rank runs the same pieces in the same
 order, so the collectives match; on the CPU (gloo) the same code runs in the same order.
+
+Under pipeline parallelism (Schedule1F1B, ScheduleInterleaved1F1B) the pairs are the
+steady state's: on each pp rank, a backward the schedule runs directly before a forward
+(another micro-batch's, or another stage's) becomes one OVERLAP_F_B action of torch's
+`_PipelineScheduleRuntime`, whose lowering places both halves' P2P sends and recvs; the
+runtime's FORWARD, FULL_BACKWARD and OVERLAP_F_B actions all run as pieces (StagePieces).
+A stage's pieces start from its received hidden states, or the tokens on the first stage;
+a stage without the head ends with its hidden states, whose received gradient starts its
+backward. The ranks of an ep group share a pp rank, hence its action list: their
+all-to-alls match as without PP.
 FSDP2 units are entered through their registered forward methods (an attention piece is a
 call of its block, the embedding and head of the root), so their gathers and reduce-scatters
 happen as in a plain forward and backward.
@@ -49,7 +59,16 @@ from types import MethodType
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    ScheduleInterleaved1F1B,
+    _Action,
+    _PipelineScheduleRuntime,
+    _wait_batch_p2p,
+)
 from torch.distributed.tensor import DTensor
 
 from titan_fold.moe import moe_layers
@@ -102,20 +121,25 @@ def _a2a(t, out_splits, in_splits, mesh):
 
 
 class MicroBatch:
-    """One micro-batch's pieces; forward() and backward() are generators that stop after
-    each all-to-all is issued. loss_fn(logits, labels) -> the loss backward starts from."""
+    """One micro-batch's pieces on a model or a pipeline stage's model; forward() and
+    backward() are generators that stop after each all-to-all is issued.
+
+    inputs: token ids, or a later pipeline stage's hidden states [b, s, dim];
+    loss_fn(logits, labels) -> the loss, or None on a pipeline stage without the loss.
+    After forward, `output` is what backward starts from: the loss, or the stage's output."""
 
     def __init__(self, model: nn.Module, inputs, labels, loss_fn, positions=None, index: int = 0):
         self.model, self.inputs, self.labels, self.index = model, inputs, labels, index
         self.loss_fn, self.positions = loss_fn, positions
         self.pieces: list = []  # forward order
         self.wgrad: dict[int, WgradQueue] = {}  # experts piece index -> its layer's weight-gradient queue
-        self.loss = None
+        self.output = None
+        self.input_grad = None  # after backward: the gradient of hidden-state inputs
 
     def forward(self) -> Iterator[None]:
         model = self.model
-        cos, sin = model.rope(self.inputs.shape[1], self.positions)
         (h,) = self._compute("embed", model.overlap_embed, self.inputs)
+        cos, sin = model.rope(h.shape[1], self.positions)
         for i, block in model.layers.items():
             if not block.moe_enabled:
                 (h,) = self._compute(f"layer{i} dense", lambda x, block=block: (block(x, cos, sin),), h)
@@ -134,11 +158,15 @@ class MicroBatch:
             yield
             (h,) = self._compute(f"layer{i} post", lambda r, y, s, moe=moe, plan=plan: (_post(moe, plan, r, y, s),),
                                  h, y_rows, shared)
-        (self.loss,) = self._compute(
-            "head", lambda x: (self.loss_fn(model.overlap_head(x), self.labels),), h)
+        (self.output,) = self._compute("head", lambda x: (self._loss(model.overlap_head(x)),), h)
 
-    def backward(self) -> Iterator[None]:
-        grads = {id(self.loss): torch.ones_like(self.loss)}  # output -> its gradient, summed over readers
+    def _loss(self, out):
+        return out if self.loss_fn is None else self.loss_fn(out, self.labels)
+
+    def backward(self, output_grad: torch.Tensor | None = None) -> Iterator[None]:
+        """output_grad: the gradient of a stage's output; None: the output is the loss."""
+        # output -> its gradient, summed over readers
+        grads = {id(self.output): torch.ones_like(self.output) if output_grad is None else output_grad}
         pending_wgrad = None  # (name, queue)
         for i in range(len(self.pieces) - 1, -1, -1):
             piece = self.pieces[i]
@@ -156,6 +184,7 @@ class MicroBatch:
                 pending_wgrad = (piece.name, self.wgrad[i])
             if isinstance(piece, AllToAll):
                 yield
+        self.input_grad = grads.get(id(self.inputs))
         self.pieces.clear()
 
     def _label(self, what: str):
@@ -206,12 +235,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _embed(model, tokens):
-    return (model.tok_embeddings(tokens),)
+def _embed(model, x):
+    # as Transformer.forward: a later pipeline stage takes the hidden states, as the hook of
+    # attention.apply_tp places them under sequence parallel
+    if model.embeds_tokens:
+        return (model.tok_embeddings(x),)
+    stage_input = getattr(model, "stage_input", None)
+    return (x if stage_input is None else stage_input(x),)
 
 
 def _head(model, h):
-    return model.output(model.norm(h))
+    # as Transformer.forward: a pipeline stage without them passes h on (a plain tensor)
+    out = model.norm(h) if model.norm is not None else h
+    if model.output is not None:
+        return model.output(out)
+    stage_output = getattr(model, "stage_output", None)
+    return out if stage_output is None else stage_output(out)
 
 
 def prepare(model: nn.Module) -> None:
@@ -271,7 +310,120 @@ class OverlapSchedule:
             self.pending, self.done = None, 0
         else:
             self.pending = mb
-        return mb.loss.detach()
+        return mb.output.detach()
+
+
+# the pipeline schedules overlapped_pipeline runs, by their parallelism.pipeline_parallel_schedule names
+PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+def one_f_one_b(rank: int, pp: int, n: int) -> list[_Action]:
+    """Schedule1F1B's compute actions on one pp rank (stage = rank): pp - rank forwards,
+    then a backward and a forward in turn, then the last backwards."""
+    warmup = min(n, pp - rank)
+    actions = [_Action(rank, FORWARD, i) for i in range(warmup)]
+    for j in range(n):
+        actions.append(_Action(rank, FULL_BACKWARD, j))
+        if warmup + j < n:
+            actions.append(_Action(rank, FORWARD, warmup + j))
+    return actions
+
+
+def pair_steady_state(actions: list) -> list:
+    """Each backward directly followed by a forward on one rank -> one OVERLAP_F_B of the two.
+    A backward comes after its own micro-batch's forward, so the forward it pairs with is
+    another micro-batch's (or another stage's)."""
+    out = []
+    for a in actions:
+        b = out[-1] if out else None
+        if (a is not None and a.computation_type == FORWARD and b is not None
+                and b.computation_type == FULL_BACKWARD):
+            out[-1] = _Action(-1, OVERLAP_F_B, None, (a, b))
+        else:
+            out.append(a)
+    return out
+
+
+def overlapped_pipeline(cls: type, stages: list, n_microbatches: int, loss_fn, pre_forward: list):
+    """The pipeline schedule `cls` (Schedule1F1B or ScheduleInterleaved1F1B) with its steady
+    state's pairs overlapped: a `_PipelineScheduleRuntime` of the same compute order, each
+    (backward, forward) pair one OVERLAP_F_B, the P2P sends and recvs placed by torch's
+    lowering. pre_forward[k](module, args, kwargs) -> (args, kwargs): stages[k]'s forward
+    pre-hook (pipeline.StageHooks), which the pieces run in place of the module's call."""
+    if cls is ScheduleInterleaved1F1B:
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        order = schedule.pipeline_order
+    else:
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                            scale_grads=False)
+        pp = stages[0].group_size
+        order = {r: one_f_one_b(r, pp, n_microbatches) for r in range(pp)}
+    schedule.pipeline_order = {r: pair_steady_state(actions) for r, actions in order.items()}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    run = StagePieces(schedule, dict(zip((s.stage_index for s in stages), pre_forward)))
+    for kind in (FORWARD, FULL_BACKWARD, OVERLAP_F_B):
+        schedule.register_custom_function(kind, run)
+    return schedule
+
+
+class StagePieces:
+    """The runtime schedule's FORWARD, FULL_BACKWARD and OVERLAP_F_B actions, run as
+    MicroBatch pieces of the stage's model: an OVERLAP_F_B interleaves its backward with its
+    forward as `interleave` does without PP. Each action leaves the stage what torch's own
+    forward_one_chunk / backward_one_chunk would: the output to send (fwd_cache), the loss
+    (the schedule's losses), the input gradient to send (bwd_cache)."""
+
+    def __init__(self, schedule, pre_forward: dict):
+        self.schedule, self.pre_forward = schedule, pre_forward
+        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        self.micro_batches: dict[tuple[int, int], MicroBatch] = {}  # (stage, micro-batch) -> forward done
+        for stage in self.stages.values():
+            prepare(stage.submod)
+
+    def __call__(self, action, ctx) -> None:
+        forward = backward = iter(())
+        for a in action.sub_actions or (action,):
+            if a.computation_type == FORWARD:
+                forward = self.forward(a.stage_index, a.microbatch_index, ctx)
+            else:
+                backward = self.backward(a.stage_index, a.microbatch_index)
+        interleave(backward, forward, contextlib.nullcontext, contextlib.nullcontext)
+
+    def forward(self, s: int, i: int, ctx) -> Iterator[None]:
+        stage, schedule = self.stages[s], self.schedule
+        schedule._assert_unsharded(stage)
+        if stage.is_first:
+            args = ctx.arg_mbs[i]
+        else:  # loop placement: the previous stage is on another pp rank
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((s, i)))
+            args = stage._retrieve_recv_activations(i)
+        args, kwargs = self.pre_forward[s](stage.submod, args, dict(ctx.kwarg_mbs[i]))
+        last = stage.is_last
+        mb = MicroBatch(stage.submod, args[0], ctx.target_mbs[i] if last else None,
+                        schedule._loss_fn if last else None, kwargs.get("positions"), i)
+        yield from mb.forward()
+        self.micro_batches[s, i] = mb
+        stage.fwd_cache[i] = ((mb.output,), list(args))
+        if last:
+            schedule._internal_losses.append(mb.output)
+
+    def backward(self, s: int, j: int) -> Iterator[None]:
+        stage, schedule = self.stages[s], self.schedule
+        schedule._assert_unsharded(stage)
+        grad = None
+        if not stage.is_last:
+            _wait_batch_p2p(schedule.bwd_recv_ops.pop((s, j)))
+            (grad,) = stage._retrieve_recv_grads(j)
+        if isinstance(stage.submod, FSDPModule):
+            # as the stage's own backward: the schedule's REDUCE_GRAD reduces after the last one
+            stage.submod.set_is_last_backward(False)
+            stage.submod.set_reshard_after_backward(False)
+            stage.submod.set_requires_gradient_sync(False)
+        mb = self.micro_batches.pop((s, j))
+        yield from mb.backward(grad)
+        stage.fwd_cache.pop(j)
+        if not stage.is_first:
+            stage.bwd_cache[j] = (mb.input_grad,)
 
 
 def micro_batches(config, layout) -> int:
@@ -296,10 +448,11 @@ def overlap_problem(config, layout) -> str | None:
                     "outside one compiled graph; choose one")
     if not moe.overlap_ep_comm:
         return None
-    if layout.pp > 1:
-        return (f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_degree = {layout.pp}: it overlaps "
-                "the micro-batches of gradient accumulation; the pipeline schedules run whole stages")
-    if (n := micro_batches(config, layout)) < 2:
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if layout.pp > 1 and schedule.lower() not in [name.lower() for name in PIPELINE_SCHEDULES]:
+        return (f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = {schedule!r}: it pairs "
+                f"the backward and forward of a 1F1B steady state; choose {' or '.join(PIPELINE_SCHEDULES)}")
+    if layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
         tr = config.training
         return (f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
                 f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}")

@@ -41,6 +41,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.moe import moe_layers
 from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.overlap import overlapped_pipeline
 from titan_fold.parallel.parallelize import fsdp_compute_dtype
 
 # schedules tested here; zero-bubble ones split backward in two, V ones place stages otherwise
@@ -230,18 +231,22 @@ def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device,
     cls, all_fqns, n_microbatches = check_pipeline(job_config, model_args, layout.pp)
     pp_mesh = layout.get_mesh("pp")
     pp_rank, num_stages = pp_mesh.get_local_rank(), len(all_fqns)
-    stages, model_parts = [], []
+    stages, model_parts, hooks = [], [], []
     for s in range(pp_rank, num_stages, layout.pp):
         part = parallelize_fn(stage_model(model, all_fqns[s]), layout, job_config)
-        StageHooks(part)
+        hooks.append(StageHooks(part))
         model_parts.append(part)
         inputs, outputs = stage_io(s, num_stages, layout, job_config, model_args)
         stages.append(PipelineStage(part, s, num_stages, device, input_args=inputs, output_args=outputs,
                                     group=pp_mesh.get_group()))
         logger.info(f"Pipeline stage {s} of {num_stages} on pp rank {pp_rank}: {all_fqns[s]}")
     token_loss = TokenNormalizedLoss(loss_fn)
-    single = issubclass(cls, PipelineScheduleSingle)
-    schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=token_loss, scale_grads=False)
+    if model_args.moe.overlap_ep_comm:  # the steady state's pairs overlapped (parallel/overlap.py)
+        schedule = overlapped_pipeline(cls, stages, n_microbatches, token_loss, [h.pre_forward for h in hooks])
+    else:
+        single = issubclass(cls, PipelineScheduleSingle)
+        schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=token_loss,
+                       scale_grads=False)
     # pipeline_forward_backward sets its scale every step
     schedule.token_loss = token_loss
     logger.info(f"Pipeline schedule {cls.__name__}: {n_microbatches} micro-batches, {num_stages} stages")

@@ -111,10 +111,11 @@ class FoldTrainer(Trainer):
         if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
             # the last stage's embedding copy starts as the first stage's (a checkpoint loads both)
             sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "weights")
-        # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py)
+        # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py); under pp the
+        # pipeline schedule pairs them (pipeline.py)
         self.overlap = (OverlapSchedule(self.model_parts[0], self.gradient_accumulation_steps, self.train_context,
                                         lambda: self.maybe_enable_amp)
-                        if self.model_args.moe.overlap_ep_comm else None)
+                        if self.model_args.moe.overlap_ep_comm and not self.parallel_dims.pp_enabled else None)
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
         if isinstance(self.checkpointer, FoldCheckpointManager) and self.checkpointer.enable:
