@@ -40,6 +40,8 @@ TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 # the Qwen3-30B-A3B proxy also with compile.cudagraphs, and one compiled step profiled
 TRAIN_EXTRA = "1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_compiled_profile"
+# the coarse proxy compiled with torch's grouped GEMMs too: QuACK (what "auto" picks there) must not be slower
+COARSE_TORCH_GEMM = "1gpu_bf16params_auxfree_compiled_torchgemm"
 TIMING = ["--warmup", "10", "--iters", "50"]
 
 
@@ -69,7 +71,7 @@ SUITES = {
                                           "--shapes", FINE, "--compile", "all", "--no-profile", *TIMING], 400,
               base_args=["--modes", "dropless", "--shapes", FINE, "--compile", "both", "--no-profile"]),
          Step("layer_coarse", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 480,
+                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 900,
               base_args=["--modes", "dropless", "--shapes", COARSE, "--compile", "off", "--no-profile"]),
          Step("layer_profile", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
                                              "--shapes", "qwen3_30b_a3b", "--compile", "off", *TIMING], 200,
@@ -77,10 +79,11 @@ SUITES = {
     "trainer": Suite(
         "1 GPU: the trainer on the Qwen3-MoE proxies (Qwen3-30B-A3B widths, 12 layers; Qwen2-57B-A14B widths, "
         "2 layers), bf16 weights, aux-free balancing, eager and compiled; the first also compiled with CUDA graphs "
-        "and one profiled compiled step (GPU time by kernel class)",
+        "and one profiled compiled step (GPU time by kernel class), the second also compiled with torch's grouped GEMMs",
         [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES + "," + TRAIN_EXTRA, "--steps", "15"],
               420),
-         Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], 200)]),
+         Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES + "," + COARSE_TORCH_GEMM, "--steps",
+                                                  "15"], 300)]),
     "vs-torchtitan": Suite(
         "1 GPU: the trainer suite's Qwen3-MoE proxies in titan_fold and in torchtitan 0.2.2, side by side",
         [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"], 200),
