@@ -232,10 +232,11 @@ def vs_table(rec: dict) -> list[str]:
 
 
 def loss_curve_table(rec: dict) -> list[str]:
-    """Runs of one step compared to its first case, step by step: the largest relative
-    difference of the loss, and the mean of the last 20 steps."""
-    out = ["| step | case | steps | loss first -> last | mean of last 20 | max relative difference to the first case |",
-           "|---|---|---:|---|---:|---:|"]
+    """Runs of one step compared to its first case: the largest relative difference of the loss
+    step by step (one step's noise), and of the means of successive 20-step windows (the curve),
+    and the mean of the last 20 steps."""
+    out = ["| step | case | steps | loss first -> last | mean of last 20 | max relative difference to the first case: "
+           "per step | of 20-step means |", "|---|---|---:|---|---:|---:|---:|"]
     n = 0
     for name, fig in _steps(rec, "train"):
         rows = [r for r in fig["rows"] if r.get("losses")]
@@ -244,8 +245,11 @@ def loss_curve_table(rec: dict) -> list[str]:
         ref = rows[0]["losses"]
         for r in rows:
             diff = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)), default=None)
+            windows = [(r["losses"][i:i + 20], ref[i:i + 20]) for i in range(0, min(len(ref), len(r["losses"])), 20)]
+            curve = max((abs(sum(a) / sum(b) - 1) for a, b in windows if len(a) == len(b)), default=None)
             out.append(f"| {name} | {r['case']} | {len(r['losses'])} | {_f(r['loss_first'], 3)} -> {_f(r['loss_last'], 3)} | "
-                       f"{_f(r['loss_mean_last20'], 4)} | {_f(100 * diff if diff is not None else None, 2)}% |")
+                       f"{_f(r['loss_mean_last20'], 4)} | {_f(100 * diff if diff is not None else None, 2)}% | "
+                       f"{_f(100 * curve if curve is not None else None, 2)}% |")
             n += 1
     return out if n else []
 

@@ -533,3 +533,18 @@ def test_master_step_smoke(tmp_path):
     for r in rows.values():
         assert r["tb_per_s"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e12)
     assert json.loads((tmp_path / "master_step.json").read_text())["figures"]["parameters"] == figures["parameters"]
+
+
+def test_report_loss_curves_step_by_step_and_by_20_step_means(tmp_path):
+    """A loss curve beside the step's first case: one step 10% off, the 20-step means at most 1%."""
+    ref, other = [2.0] * 40, [2.0] * 19 + [2.2] + [2.02] * 20
+
+    def row(case, losses):
+        return {"case": case, "nproc": 1, "returncode": 0, "tokens_per_sec_per_gpu": 1.0, "tflops_per_gpu": 1.0,
+                "mfu_pct": 1.0, "peak_memory_gib": 1.0, "step_time_s": 1.0, "loss_first": losses[0],
+                "loss_last": losses[-1], "loss_mean_last20": sum(losses[-20:]) / 20, "losses": losses}
+
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [row("torchgemm", ref), row("quack", other)]}})
+    text = report.report(str(tmp_path))
+    assert "| curve | torchgemm | 40 | 2.000 -> 2.000 | 2.0000 | 0.00% | 0.00% |" in text
+    assert "| curve | quack | 40 | 2.000 -> 2.020 | 2.0200 | 10.00% | 1.00% |" in text
