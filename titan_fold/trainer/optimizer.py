@@ -6,10 +6,9 @@ The step: `optimizer.implementation = "fused"` (torchtitan's default) runs titan
 that reads the gradient, the weight and the Adam moments once, does torch.optim.Adam /
 AdamW's math in fp32 and writes the weight and the moments back in their dtypes. For bf16
 parameters that is the 14 bytes per parameter any Adam step must move, in one pass (torch's
-fused AdamW, multi_tensor_apply, reaches about 60% of an H100's bandwidth on them;
-bench/master_step.py). The torch optimizers torchtitan builds stay: their param groups hold
-the learning rate its scheduler sets and the settings, their states the moments and the step
-count (a float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and
+fused AdamW moves the same bytes through multi_tensor_apply; bench/master_step.py times
+both). The torch optimizers torchtitan builds stay: their param groups hold the learning
+rate its scheduler sets and the settings, their states the moments and the step count (a float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and
 checkpoints are torchtitan's, and parallel/clip.py sets their grad_scale (the clip
 coefficient as a divisor of the gradient, which the step applies). "foreach" and "for-loop"
 run torch's own step, and so do early_step_in_backward and fault tolerance (torchtitan's
