@@ -8,11 +8,11 @@ AdamW's math in fp32 and writes the weight and the moments back in their dtypes.
 parameters that is the 14 bytes per parameter any Adam step must move, in one pass (torch's
 fused AdamW moves the same bytes through multi_tensor_apply; bench/master_step.py times
 both). The torch optimizers torchtitan builds stay: their param groups hold the learning
-rate its scheduler sets and the settings, their states the moments and the step count (a float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and
-checkpoints are torchtitan's, and parallel/clip.py sets their grad_scale (the clip
-coefficient as a divisor of the gradient, which the step applies). "foreach" and "for-loop"
-run torch's own step, and so do early_step_in_backward and fault tolerance (torchtitan's
-other containers).
+rate its scheduler sets and the settings, their states the moments and the step count (a
+float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and checkpoints
+are torchtitan's, and parallel/clip.py sets their grad_scale (the clip coefficient as a
+divisor of the gradient, which the step applies). "foreach" and "for-loop" run torch's own
+step, and so do early_step_in_backward and fault tolerance (torchtitan's other containers).
 
 Master weights: with `training.dtype = "bfloat16"` the model's parameters are bf16: forward
 and backward compute in bf16 with no autocast re-cast of every weight, and the gradients
@@ -92,7 +92,9 @@ class AdamOptimizersContainer(OptimizersContainer):
     def _update(self) -> None:
         """One `_adam_step` per parameter with a gradient (torch skips those without). A
         parameter of the model is updated through its master where its optimizer has one
-        (the optimizer's parameter is then another tensor), in place otherwise."""
+        (the optimizer's parameter is then another tensor), in place otherwise. Apart from
+        step: torch wraps each class's step in its step hooks, so a subclass's step that
+        called this class's would run them twice."""
         for params, opt, scalars in zip(self.params, self.optimizers, self.scalars):
             group = opt.param_groups[0]
             (beta1, beta2), decoupled = group["betas"], _decoupled(opt)
