@@ -177,6 +177,22 @@ def test_one_pass_skips_parameters_without_gradient():
     assert not torch.equal(model[2].weight.grad, torch.zeros_like(model[2].weight))  # gradients kept for zero_grad
 
 
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_step_hooks_run_once_per_step(master_weights):
+    """The trainer's NaN guard and aux-free bias update are step hooks of the container: they
+    run once per step, with both containers' classes in use (torch wraps each class's step)."""
+    model = make_model()
+    opt = build(model, "fused", master_weights=master_weights)
+    build(make_model(), "fused", master_weights=not master_weights)
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
 @pytest.mark.parametrize("writer, reader", [("torch", "ours"), ("ours", "torch"), ("ours", "ours")])
 def test_checkpoint_interop_with_torch_fused_adamw(writer, reader):
     """The one-pass step keeps torch's fused AdamW's states and torchtitan's state_dict (bf16
