@@ -92,7 +92,9 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
     """The one-pass step (no masters) and torch's fused AdamW on bf16 parameters of `shapes`
     sharing their gradients: one step of each from the same state, compared (the largest
     distance in bf16 ulps and the fraction of values apart, over weights and both moments);
-    then each timed on its own tensors."""
+    then each timed on its own tensors. Given a grad_scale, torch's step also writes the
+    divided gradient back (16 bytes per parameter); both rows count 14, so their TB/s
+    compare as their times do."""
     lr, grad_scale, betas, eps, weight_decay = 1e-3, 2.0, (0.9, 0.95), 1e-8, 0.1
     ours, theirs = [], []
     for shape in shapes:
@@ -117,11 +119,13 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
     max_ulps, off, total = 0.0, 0, 0
     for (weight, _, exp_avg, exp_avg_sq, _), p in zip(ours, theirs):
         state = torch_adamw.state[p]
-        for x, ref in ((weight, p), (exp_avg, state["exp_avg"]), (exp_avg_sq, state["exp_avg_sq"])):
+        # a weight's ulp at |weight| + lr: a weight the step brings near 0 is the difference of two
+        # terms of about lr, whose fp32 roundings (op order, x / 2 against x * 0.5) show there
+        for x, ref, size in ((weight, p, lr), (exp_avg, state["exp_avg"], 0.0), (exp_avg_sq, state["exp_avg_sq"], 0.0)):
             for xs, rs in zip(x.split(1 << 26), ref.split(1 << 26)):  # float32 copies of a chunk at a time
                 rs = rs.float()
                 ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(
-                    rs.abs().clamp(min=torch.finfo(torch.bfloat16).tiny))))
+                    (rs.abs() + size).clamp(min=torch.finfo(torch.bfloat16).tiny))))
                 d = (xs.float() - rs).abs() / ulp
                 max_ulps, off, total = max(max_ulps, d.max().item()), off + (d > 0).sum().item(), total + d.numel()
     agreement = {"max_ulps": max_ulps, "fraction_off": off / total, "lr": lr, "grad_scale": grad_scale}
