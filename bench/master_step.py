@@ -1,4 +1,5 @@
-"""The fp32 master-weight step alone, against what the GPU's memory delivers.
+"""The one-pass Adam steps alone (fp32 masters; bf16 parameters beside torch's fused AdamW),
+against what the GPU's memory delivers.
 
     python bench/master_step.py               # GPU, the trainer proxy's parameters
     python bench/master_step.py --smoke       # CPU, the debug model's parameters
@@ -6,10 +7,15 @@
 `optimizer.master_weights` updates every parameter in one generated kernel
 (titan_fold/optimizer._adam_master_step through fused()): it reads the bf16 gradient and
 the fp32 master and Adam moments and writes the master, the moments and the bf16 weight,
-28 bytes per parameter. Here it runs over tensors of the proxy's parameter shapes (Qwen2-
-57B-A14B widths, 2 layers: 4.26e9 parameters, bench/train_step.py's default), timed with
-CUDA events, beside two streaming kernels on 2^30 float32 elements (c = a + b: 12 bytes an
-element; c.copy_(a): 8): the bandwidth a memory-bound kernel can reach on this GPU.
+28 bytes per parameter. Without masters (`optimizer.implementation = "fused"`) the same
+step updates bf16 parameters and moments in place: 14 bytes per parameter, as torch's fused
+AdamW (multi_tensor_apply) moves on the same parameters; after one step of each from the
+same state (the clip's grad_scale 2) the weights and moments agree within one bf16 ulp, or
+the script fails after writing its record. Here they run over tensors of the proxy's
+parameter shapes (Qwen2-57B-A14B widths, 2 layers: 4.26e9 parameters, bench/train_step.py's
+default), timed with CUDA events, beside two streaming kernels on 2^30 float32 elements
+(c = a + b: 12 bytes an element; c.copy_(a): 8): the bandwidth a memory-bound kernel can
+reach on this GPU.
 """
 
 import argparse
@@ -23,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import median, time_ms, write_result  # noqa: E402
 from bench.grad_norm import parameter_shapes  # noqa: E402
 from titan_fold.common.fused import fused  # noqa: E402
-from titan_fold.trainer.optimizer import _adam_master_step  # noqa: E402
+from titan_fold.trainer.optimizer import _adam_step  # noqa: E402
 
 BYTES_PER_PARAMETER = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2  # read g, master, m, v; write master, m, v, weight
+BF16_BYTES_PER_PARAMETER = 2 * 7  # read weight, g, m, v; write weight, m, v
 
 
 def main(argv=None) -> dict:
@@ -53,26 +60,79 @@ def main(argv=None) -> dict:
                         torch.zeros((), device=device)))
     numel = sum(t[0].numel() for t in tensors)
     scalars = torch.tensor([1e-4, 1.0], device=device)  # lr, 1 / grad_scale
-    step = fused(_adam_master_step)
+    step = fused(_adam_step)
 
     def master_step():
         for weight, grad, master, exp_avg, exp_avg_sq, count in tensors:
             step(weight, grad, master, exp_avg, exp_avg_sq, count, scalars, 0.9, 0.95, 1e-8, 0.1, True)
 
-    ms = median(time_ms(master_step, a.warmup, a.iters, device))
-    rows = [{"kernel": "master_step", "ms": ms, "bytes": BYTES_PER_PARAMETER * numel,
-             "tb_per_s": BYTES_PER_PARAMETER * numel / (ms * 1e-3) / 1e12}]
-    tensors.clear()  # the GPU memory back for the streaming kernels
+    rows = [_row("master_step", median(time_ms(master_step, a.warmup, a.iters, device)), BYTES_PER_PARAMETER * numel)]
+    tensors.clear()  # the GPU memory back for the bf16 parameters
+    bf16_rows, agreement = bf16_steps(parameter_shapes(a.family, a.proxy), device, gen, a.warmup, a.iters)
+    rows += bf16_rows
     x, y, z = (torch.rand(a.stream_elements, device=device, generator=gen) for _ in range(3))
     for kernel, fn, nbytes in (("add_fp32", lambda: torch.add(x, y, out=z), 12), ("copy_fp32", lambda: z.copy_(x), 8)):
-        ms = median(time_ms(fn, a.warmup, a.iters, device))
-        rows.append({"kernel": kernel, "ms": ms, "bytes": nbytes * a.stream_elements,
-                     "tb_per_s": nbytes * a.stream_elements / (ms * 1e-3) / 1e12})
+        rows.append(_row(kernel, median(time_ms(fn, a.warmup, a.iters, device)), nbytes * a.stream_elements))
     for r in rows:
         print(f"[master_step] {r['kernel']}: {r['ms']:.3f} ms, {r['tb_per_s']:.2f} TB/s", flush=True)
-    figures = {"family": a.family, "proxy": a.proxy, "parameters": numel, "rows": rows}
+    print(f"[master_step] bf16 one-pass step against torch's fused AdamW after one step: at most "
+          f"{agreement['max_ulps']:.0f} bf16 ulp apart, {agreement['fraction_off']:.2e} of the values differ", flush=True)
+    figures = {"family": a.family, "proxy": a.proxy, "parameters": numel, "rows": rows, "bf16_agreement": agreement}
     write_result(a.name, figures, a.out_dir)
+    if agreement["max_ulps"] > 1:
+        raise SystemExit("the one-pass bf16 step and torch's fused AdamW differ by more than one bf16 ulp")
     return figures
+
+
+def _row(kernel: str, ms: float, nbytes: int) -> dict:
+    return {"kernel": kernel, "ms": ms, "bytes": nbytes, "tb_per_s": nbytes / (ms * 1e-3) / 1e12}
+
+
+def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict], dict]:
+    """The one-pass step (no masters) and torch's fused AdamW on bf16 parameters of `shapes`
+    sharing their gradients: one step of each from the same state, compared (the largest
+    distance in bf16 ulps and the fraction of values apart, over weights and both moments);
+    then each timed on its own tensors. Given a grad_scale, torch's step also writes the
+    divided gradient back (16 bytes per parameter); both rows count 14, so their TB/s
+    compare as their times do."""
+    lr, grad_scale, betas, eps, weight_decay = 1e-3, 2.0, (0.9, 0.95), 1e-8, 0.1
+    ours, theirs = [], []
+    for shape in shapes:
+        n = torch.Size(shape).numel()
+        weight = (torch.randn(n, device=device, generator=gen) * 0.02).bfloat16()
+        grad = torch.randn(n, device=device, dtype=torch.bfloat16, generator=gen) * 1e-3
+        ours.append((weight, grad, torch.zeros_like(weight), torch.zeros_like(weight), torch.zeros((), device=device)))
+        theirs.append(weight.clone())
+        theirs[-1].grad = grad
+    numel = sum(t.numel() for t in theirs)
+    scalars = torch.tensor([lr, 1 / grad_scale], device=device)
+    step = fused(_adam_step)
+
+    def one_pass_step():
+        for weight, grad, exp_avg, exp_avg_sq, count in ours:
+            step(weight, grad, None, exp_avg, exp_avg_sq, count, scalars, *betas, eps, weight_decay, True)
+
+    torch_adamw = torch.optim.AdamW(theirs, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+    torch_adamw.grad_scale = torch.tensor(grad_scale, device=device)  # as parallel/clip.py sets it
+    one_pass_step()
+    torch_adamw.step()
+    max_ulps, off, total = 0.0, 0, 0
+    for (weight, _, exp_avg, exp_avg_sq, _), p in zip(ours, theirs):
+        state = torch_adamw.state[p]
+        # a weight's ulp at |weight| + lr: a weight the step brings near 0 is the difference of two
+        # terms of about lr, whose fp32 roundings (op order, x / 2 against x * 0.5) show there
+        for x, ref, size in ((weight, p, lr), (exp_avg, state["exp_avg"], 0.0), (exp_avg_sq, state["exp_avg_sq"], 0.0)):
+            for xs, rs in zip(x.split(1 << 26), ref.split(1 << 26)):  # float32 copies of a chunk at a time
+                rs = rs.float()
+                ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(
+                    (rs.abs() + size).clamp(min=torch.finfo(torch.bfloat16).tiny))))
+                d = (xs.float() - rs).abs() / ulp
+                max_ulps, off, total = max(max_ulps, d.max().item()), off + (d > 0).sum().item(), total + d.numel()
+    agreement = {"max_ulps": max_ulps, "fraction_off": off / total, "lr": lr, "grad_scale": grad_scale}
+    nbytes = BF16_BYTES_PER_PARAMETER * numel
+    rows = [_row("adam_step_bf16", median(time_ms(one_pass_step, warmup, iters, device)), nbytes),
+            _row("torch_fused_adamw_bf16", median(time_ms(torch_adamw.step, warmup, iters, device)), nbytes)]
+    return rows, agreement
 
 
 if __name__ == "__main__":

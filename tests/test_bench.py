@@ -521,15 +521,18 @@ def test_grad_norm_smoke(tmp_path):
 
 
 def test_master_step_smoke(tmp_path):
-    """bench/master_step.py on the CPU: the master step moves the weights as AdamW would
-    (checked in tests/test_optimizer.py); here the script's record: bytes and bandwidth
-    from the parameter count and the times."""
+    """bench/master_step.py on the CPU: the one-pass steps move the weights as Adam / AdamW
+    would (checked in tests/test_optimizer.py); here the script's record: bytes and bandwidth
+    from the parameter count and the times, and the bf16 step's agreement with torch's fused
+    AdamW (CPU here)."""
     from bench import master_step
 
     figures = master_step.main(["--smoke", "--out-dir", str(tmp_path)])
     rows = {r["kernel"]: r for r in figures["rows"]}
-    assert set(rows) == {"master_step", "add_fp32", "copy_fp32"}
+    assert set(rows) == {"master_step", "adam_step_bf16", "torch_fused_adamw_bf16", "add_fp32", "copy_fp32"}
     assert rows["master_step"]["bytes"] == 28 * figures["parameters"]
+    assert rows["adam_step_bf16"]["bytes"] == rows["torch_fused_adamw_bf16"]["bytes"] == 14 * figures["parameters"]
+    assert figures["bf16_agreement"]["max_ulps"] <= 1 and figures["bf16_agreement"]["fraction_off"] < 0.01
     for r in rows.values():
         assert r["tb_per_s"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e12)
     assert json.loads((tmp_path / "master_step.json").read_text())["figures"]["parameters"] == figures["parameters"]

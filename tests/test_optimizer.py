@@ -1,5 +1,6 @@
-"""fp32 master weights kept by the optimizer (titan_fold/optimizer.py) against float64 AdamW,
-and under FSDP2 on both meshes against the one-rank run."""
+"""The one-pass Adam / AdamW step (titan_fold/trainer/optimizer.py) against float64 Adam /
+AdamW and torch's fused AdamW, with and without fp32 master weights; the masters under FSDP2
+on both meshes against the one-rank run."""
 
 import copy
 import shutil
@@ -7,10 +8,17 @@ import shutil
 import pytest
 import torch
 import torch.nn as nn
+from torchtitan.components.optimizer import build_optimizers as build_titan_optimizers
 
 from titan_fold.checkpoint.manager import read_metadata, read_model_tensors
 from titan_fold.common.config import ConfigError, Optimizer, parse_args
-from titan_fold.trainer.optimizer import MASTER_KEY, MasterWeightOptimizersContainer, build_optimizers
+from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
+from titan_fold.trainer.optimizer import (
+    MASTER_KEY,
+    AdamOptimizersContainer,
+    MasterWeightOptimizersContainer,
+    build_optimizers,
+)
 
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 
@@ -31,21 +39,26 @@ def grads_for(model, step):
     return [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in model.parameters()]
 
 
-def adam_float64(w, grads_by_step, decoupled=True):
+def adam_float64(w, grads_by_step, decoupled=True, lrs=None, scales=None, store=torch.float64):
     """torch.optim.AdamW's update (Adam's with decoupled=False: L2 decay through the gradient)
-    in float64: decay, moments, bias-corrected step."""
+    in float64: decay, moments, bias-corrected step; at step t the learning rate lrs[t-1]
+    (LR by default) and the gradient divided by scales[t-1] (the clip's grad_scale; 1 by
+    default); the weight and moments rounded to `store` after every step (where they are
+    kept). -> the weight and the two moments."""
     w, m, v = w.double().clone(), torch.zeros_like(w, dtype=torch.float64), torch.zeros_like(w, dtype=torch.float64)
     for t, g in enumerate(grads_by_step, start=1):
-        g = g.double()
+        lr, scale = (lrs[t - 1] if lrs else LR), (scales[t - 1] if scales else 1.0)
+        g = g.double() / scale
         if decoupled:
-            w = w * (1 - LR * WD)
+            w = w * (1 - lr * WD)
         else:
             g = g + WD * w
         m = BETAS[0] * m + (1 - BETAS[0]) * g
         v = BETAS[1] * v + (1 - BETAS[1]) * g * g
         denom = (v / (1 - BETAS[1] ** t)).sqrt() + EPS
-        w = w - LR / (1 - BETAS[0] ** t) * m / denom
-    return w
+        w = w - lr / (1 - BETAS[0] ** t) * m / denom
+        w, m, v = (x.to(store).double() for x in (w, m, v))
+    return w, m, v
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -75,13 +88,154 @@ def test_master_update_matches_float64(name, implementation, device):
         opt.step()
         bf16_opt.step()
     for i, (p, q, m) in enumerate(zip(model.parameters(), bf16_model.parameters(), opt.masters[0])):
-        ref = adam_float64(start[i].cpu(), [h[i] for h in history], decoupled=name == "AdamW")
+        ref, _, _ = adam_float64(start[i].cpu(), [h[i] for h in history], decoupled=name == "AdamW")
         p, q, m = p.detach().cpu(), q.detach().cpu(), m.cpu()
         moved = (ref - start[i].cpu().double()).norm()
         assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
         assert ((m.double() - ref).norm() / moved) < 1e-4  # fp32 rounding of the master only
         assert torch.equal(p, m.to(torch.bfloat16))  # the model holds the rounded master
         assert ((q.double() - ref).norm() / moved) > 0.1  # bf16 weights lose the small updates
+
+
+# the learning rates of 6 steps, as a schedule sets them; the clip's max norm: the gradients'
+# norm is ~45 on even steps (clipped: grad_scale ~9), ~0.45 on odd ones (grad_scale 1)
+LRS, MAX_NORM = [1e-2, 5e-3, 2e-2, 1e-2, 3e-3, 1e-2], 5.0
+
+
+def clipped_steps(model, opt, first, steps):
+    """Steps first.. of opt over model: grads_for's gradients (a hundredth of them on odd
+    steps) in the parameters' dtype, parallel/clip.py's clip at MAX_NORM, the learning rates
+    LRS; -> the gradients of every step and the clip's grad_scale."""
+    grads_by_step, scales = [], []
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        for p, g in zip(model.parameters(), grads_for(model, step)):
+            p.grad = (g * (0.01 if step % 2 else 1.0)).to(p.device, p.dtype)
+        clip_grad_norm_(list(model.parameters()), MAX_NORM, optimizers=opt.optimizers)
+        for o in opt.optimizers:
+            o.param_groups[0]["lr"] = LRS[step]
+        grads_by_step.append([p.grad.cpu().clone() for p in model.parameters()])
+        scales.append(opt.optimizers[0].grad_scale.item())
+        opt.step()
+    return grads_by_step, scales
+
+
+def ulps(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|x - ref| in units in the last place of dtype at ref (float64)."""
+    finfo = torch.finfo(dtype)
+    ulp = finfo.eps * 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=finfo.tiny)))
+    return (x.double() - ref).abs() / ulp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_one_pass_update_matches_float64(name, dtype, device):
+    """implementation = "fused" without master weights: torch's optimizers stepped by the
+    one-pass step (on CUDA one generated kernel per parameter), 6 steps with a changing
+    learning rate and the clip's grad_scale, against Adam / AdamW in float64. fp32
+    parameters: within fp32 rounding. bf16 parameters: against the float64 update rounded to
+    bf16 after every step, where the step stores its weights and moments: an independent
+    reference of the same rounding points (torch's fused AdamW is compared in
+    test_checkpoint_interop_with_torch_fused_adamw); the step's math is fp32, which tips a
+    bf16 rounding the other way now and then: one ulp, in few elements."""
+    model = make_model().to(device, dtype)
+    start = [p.detach().cpu().clone() for p in model.parameters()]
+    opt = build(model, "fused", master_weights=False, name=name)
+    assert type(opt) is AdamOptimizersContainer and all(divides_by_grad_scale(o) for o in opt.optimizers)
+    grads, scales = clipped_steps(model, opt, 0, len(LRS))
+    assert scales[0] > 1 and scales[1] == 1  # clipped, and not
+    for i, p in enumerate(model.parameters()):
+        state = opt.optimizers[0].state[p]
+        assert state["step"].dtype == torch.float32 and state["step"].device == p.device and state["step"] == len(LRS)
+        store = torch.float64 if dtype == torch.float32 else dtype
+        ref = adam_float64(start[i], [g[i] for g in grads], name == "AdamW", LRS, scales, store)
+        assert (ref[0] - start[i].double()).norm() > 0.05 * ref[0].norm()  # the weights moved
+        for r, x in zip(ref, (p, state["exp_avg"], state["exp_avg_sq"])):
+            assert x.dtype == dtype
+            x = x.detach().cpu().double()
+            if dtype == torch.float32:
+                assert (x - r).norm() / r.norm() < 1e-6
+            else:
+                off = ulps(x, r, dtype)
+                assert off.max() <= 1 and (off > 0).double().mean() < 0.01, (off.max(), (off > 0).double().mean())
+
+
+def test_one_pass_skips_parameters_without_gradient():
+    """As torch's step: a parameter without a gradient keeps its value and gets no state; an
+    empty one (an FSDP shard of none of the rows) steps."""
+    model = make_model()
+    model.empty = nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+    opt = build(model, "fused", master_weights=False)
+    frozen = model[2].bias
+    before = frozen.detach().clone()
+    for p in model.parameters():
+        p.grad = None if p is frozen else torch.ones_like(p)
+    opt.step()
+    assert torch.equal(frozen, before) and not opt.optimizers[0].state[frozen]
+    assert opt.optimizers[0].state[model.empty]["step"] == 1
+    assert not torch.equal(model[2].weight.grad, torch.zeros_like(model[2].weight))  # gradients kept for zero_grad
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_step_hooks_run_once_per_step(master_weights):
+    """The trainer's NaN guard and aux-free bias update are step hooks of the container: they
+    run once per step, with both containers' classes in use (torch wraps each class's step)."""
+    model = make_model()
+    opt = build(model, "fused", master_weights=master_weights)
+    build(make_model(), "fused", master_weights=not master_weights)
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize("writer, reader", [("torch", "ours"), ("ours", "torch"), ("ours", "ours")])
+def test_checkpoint_interop_with_torch_fused_adamw(writer, reader):
+    """The one-pass step keeps torch's fused AdamW's states and torchtitan's state_dict (bf16
+    parameters and moments, a float32 step count): a checkpoint of either loads into the
+    other (the same keys, the same tensors after loading) and steps on as the writer does,
+    with the clip's grad_scale and a changing learning rate: bit for bit by the same step,
+    within one bf16 ulp (weights and moments) by the other (torch divides the gradient by
+    grad_scale, the one-pass step multiplies it by the reciprocal: fp32 roundings that tip a
+    bf16 rounding now and then)."""
+
+    def make(kind, seed):
+        model = make_model(seed)
+        config = Optimizer(name="AdamW", lr=LR, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+        opt = (build_titan_optimizers if kind == "torch" else build_optimizers)([model], config, None)
+        assert (type(opt) is AdamOptimizersContainer) == (kind == "ours")
+        return model, opt
+
+    def states(model, opt):
+        return [t.detach() for p in model.parameters() for t in (p, *opt.optimizers[0].state[p].values())]
+
+    model, opt = make(writer, 0)
+    clipped_steps(model, opt, 0, 3)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()}
+    assert {"state.0.weight.exp_avg", "state.0.weight.exp_avg_sq", "state.0.weight.step",
+            "param_groups.0.weight.lr"} <= saved.keys()
+    resumed_model, resumed = make(reader, 1)  # other weights: the checkpoint replaces them
+    resumed_model.load_state_dict(model.state_dict())
+    resumed.load_state_dict(saved)
+    loaded = resumed.state_dict()
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == loaded[key].dtype and torch.equal(value, loaded[key]), key
+        else:
+            assert value == loaded[key], key
+    clipped_steps(model, opt, 3, 2)
+    clipped_steps(resumed_model, resumed, 3, 2)
+    for a, b in zip(states(model, opt), states(resumed_model, resumed)):
+        if writer == reader or a.dtype == torch.float32:  # the step counts
+            assert torch.equal(a, b)
+        else:
+            off = ulps(b, a.double(), a.dtype)
+            assert off.max() <= 1 and (off > 0).double().mean() < 0.01, (off.max(), (off > 0).double().mean())
 
 
 def test_state_dict_round_trip_and_resume():

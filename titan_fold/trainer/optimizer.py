@@ -1,23 +1,33 @@
-"""fp32 master weights kept by the optimizer, bf16 weights in the model (Megatron-Core's
-precision-aware optimizer).
+"""Adam / AdamW stepped in one pass per parameter, optionally over fp32 master weights kept by
+the optimizer with bf16 weights in the model (Megatron-Core's precision-aware optimizer).
 
-With `training.dtype = "bfloat16"` the model's parameters are bf16: forward and backward
-compute in bf16 with no autocast re-cast of every weight, and the gradients arrive in
-bf16. `optimizer.master_weights = true` keeps an fp32 copy of every parameter and fp32
-Adam states in the optimizer instead of bf16 ones. Each step reads a parameter's bf16
-gradient, updates its fp32 master and moments by torch.optim.Adam / AdamW's algorithm, and
-writes the rounded master into the bf16 parameter, in one pass over the parameter (one
-generated kernel on CUDA: 28 bytes moved per parameter, where casting the gradients,
-running torch's fused AdamW on the masters and copying them back moves 40). So the update
-is the fp32 recipe's (updates smaller than a bf16 ulp of the weight accumulate in the
-master instead of being rounded away) at bf16 compute speed. Memory per parameter: 2 (bf16
-weight) + 2 (bf16 gradient) + 4 (master) + 8 (states) bytes, the fp32 recipe's 16.
-Gradients of several micro-batches are summed in bf16 (the model's gradient dtype).
+The step: `optimizer.implementation = "fused"` (torchtitan's default) runs titan_fold's step,
+`_adam_step`: per parameter, one generated kernel on CUDA (torch.compile through fused())
+that reads the gradient, the weight and the Adam moments once, does torch.optim.Adam /
+AdamW's math in fp32 and writes the weight and the moments back in their dtypes. For bf16
+parameters that is the 14 bytes per parameter any Adam step must move, in one pass (torch's
+fused AdamW moves the same bytes through multi_tensor_apply; bench/master_step.py times
+both). The torch optimizers torchtitan builds stay: their param groups hold the learning
+rate its scheduler sets and the settings, their states the moments and the step count (a
+float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and checkpoints
+are torchtitan's, and parallel/clip.py sets their grad_scale (the clip coefficient as a
+divisor of the gradient, which the step applies). "foreach" and "for-loop" run torch's own
+step, and so do early_step_in_backward and fault tolerance (torchtitan's other containers).
 
-The masters are parameters of the torch optimizers torchtitan builds (their param groups
-hold the learning rate its scheduler sets and the settings, their states the moments, and
-parallel/clip.py sets their grad_scale: the clip coefficient as a divisor of the gradient,
-which the step applies); checkpoints hold them as
+Master weights: with `training.dtype = "bfloat16"` the model's parameters are bf16: forward
+and backward compute in bf16 with no autocast re-cast of every weight, and the gradients
+arrive in bf16. `optimizer.master_weights = true` keeps an fp32 copy of every parameter and
+fp32 Adam states in the optimizer instead of bf16 ones. Each step reads a parameter's bf16
+gradient, updates its fp32 master and moments by the same `_adam_step`, and writes the
+rounded master into the bf16 parameter, in one pass over the parameter (28 bytes moved per
+parameter, where casting the gradients, running torch's fused AdamW on the masters and
+copying them back moves 40). So the update is the fp32 recipe's (updates smaller than a bf16
+ulp of the weight accumulate in the master instead of being rounded away) at bf16 compute
+speed. Memory per parameter: 2 (bf16 weight) + 2 (bf16 gradient) + 4 (master) + 8 (states)
+bytes, the fp32 recipe's 16. Gradients of several micro-batches are summed in bf16 (the
+model's gradient dtype).
+
+The masters are the parameters of the torch optimizers; checkpoints hold them as
 `state.<parameter name>.master` next to that parameter's Adam states, in the flattened
 layout of `torch.distributed.checkpoint.state_dict` (the keys a run without masters saves,
 plus one).
@@ -33,11 +43,14 @@ from torchtitan.components.optimizer import build_optimizers as build_titan_opti
 
 from titan_fold.common.config import ConfigError
 from titan_fold.common.fused import fused
+from titan_fold.parallel.clip import divides_by_grad_scale
 
 MASTER_KEY = "master"
 # wrapper names (torch.compile, activation checkpointing, FSDP1) that are no part of a
 # parameter's name in the model's state dict
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# torch Adam options `_adam_step` does not compute: an optimizer with any of them set steps itself
+_TORCH_ONLY = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +61,60 @@ def _fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
-class MasterWeightOptimizersContainer(OptimizersContainer):
+def steps_in_one_pass(opt: torch.optim.Optimizer) -> bool:
+    """Whether `_adam_step` computes what opt.step() would: a fused Adam / AdamW (whose
+    clip parallel/clip.py hands over as grad_scale) of one param group of real parameters,
+    with none of the options it does not compute."""
+    return (divides_by_grad_scale(opt) and len(opt.param_groups) == 1
+            and not any(group.get(key) for group in opt.param_groups for key in _TORCH_ONLY)
+            and not any(torch.is_complex(p) for group in opt.param_groups for p in group["params"]))
+
+
+class AdamOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizers (one torch Adam / AdamW per model part), stepped by `_adam_step`
+    one parameter at a time; their states, state_dict and load_state_dict are torch's."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, optimizer_kwargs: dict[str, Any]):
+        super().__init__(model_parts, optimizer_cls, optimizer_kwargs)
+        # per optimizer, the model's parameters in the order of its param group
+        self.params = [list(opt.param_groups[0]["params"]) for opt in self.optimizers]
+        self.scalars = self._scalars()
+
+    def _scalars(self) -> list[torch.Tensor]:
+        """Per optimizer [lr, 1 / grad_scale] on the device: set without a host sync, and a new
+        learning rate needs no new compile."""
+        return [torch.zeros(2, dtype=torch.float32, device=_local(params[0]).device) for params in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._update()
+
+    def _update(self) -> None:
+        """One `_adam_step` per parameter with a gradient (torch skips those without). A
+        parameter of the model is updated through its master where its optimizer has one
+        (the optimizer's parameter is then another tensor), in place otherwise. Apart from
+        step: torch wraps each class's step in its step hooks, so a subclass's step that
+        called this class's would run them twice."""
+        for params, opt, scalars in zip(self.params, self.optimizers, self.scalars):
+            group = opt.param_groups[0]
+            (beta1, beta2), decoupled = group["betas"], _decoupled(opt)
+            scalars[0].fill_(group["lr"])
+            scale = getattr(opt, "grad_scale", None)  # parallel/clip.py's clip coefficient, a divisor
+            if scale is None:
+                scalars[1].fill_(1.0)
+            else:
+                scalars[1].copy_(scale.reciprocal())
+            for p, optimized in zip(params, group["params"]):
+                if p.grad is None:
+                    continue
+                state = _state(opt, optimized)
+                master = None if optimized is p else _local(optimized).view(-1)
+                fused(_adam_step)(_local(p).view(-1), _local(p.grad).reshape(-1), master,
+                                  _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1),
+                                  state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
+
+
+class MasterWeightOptimizersContainer(AdamOptimizersContainer):
     """One torch optimizer per model part, over fp32 copies of the part's parameters."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, optimizer_kwargs: dict[str, Any]):
@@ -62,9 +128,7 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
             self.params.append(params)
             self.masters.append(masters)
             self.names.append([n for n, _ in named])
-        # per optimizer [lr, 1 / grad_scale] on the device: set without a host sync, and a new
-        # learning rate needs no new compile
-        self.scalars = [torch.zeros(2, dtype=torch.float32, device=_local(m[0]).device) for m in self.masters]
+        self.scalars = self._scalars()
         # a checkpoint loaded into the model alone (a seed or model-only checkpoint) changes
         # the parameters after this: the masters copy them again at the first step unless a
         # checkpoint of this optimizer was loaded
@@ -77,25 +141,9 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
         if not self._masters_loaded:
             self._copy(self.masters, self.params)
             self._masters_loaded = True
-        for params, masters, opt, scalars in zip(self.params, self.masters, self.optimizers, self.scalars):
-            _init_state(opt)
-            group = opt.param_groups[0]
-            (beta1, beta2), decoupled = group["betas"], isinstance(opt, torch.optim.AdamW)
-            scalars[0].fill_(group["lr"])
-            scale = getattr(opt, "grad_scale", None)  # parallel/clip.py's clip coefficient, a divisor
-            if scale is None:
-                scalars[1].fill_(1.0)
-            else:
-                scalars[1].copy_(scale.reciprocal())
-            for p, m in zip(params, masters):
-                if p.grad is None:
-                    continue
-                state = opt.state[m]
-                weight, master, exp_avg, exp_avg_sq = (_local(t).view(-1) for t in (p, m, state["exp_avg"],
-                                                                                     state["exp_avg_sq"]))
-                fused(_adam_master_step)(weight, _local(p.grad).reshape(-1), master, exp_avg, exp_avg_sq,
-                                         state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"],
-                                         decoupled)
+        self._update()
+        for params in self.params:  # the bf16 weights hold the update: their gradients are done
+            for p in params:
                 p.grad = None
 
     def zero_grad(self, *args, **kwargs) -> None:
@@ -113,11 +161,10 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         out = {}
         for names, masters, opt in zip(self.names, self.masters, self.optimizers):
-            _init_state(opt)
             hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
             for name, m in zip(names, masters):
                 out[f"state.{name}.{MASTER_KEY}"] = m
-                for key, value in opt.state[m].items():
+                for key, value in _state(opt, m).items():
                     out[f"state.{name}.{key}"] = value
                 for key, value in hyper.items():
                     out[f"param_groups.{name}.{key}"] = value
@@ -126,9 +173,8 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for names, masters, opt in zip(self.names, self.masters, self.optimizers):
-            _init_state(opt)
             for name, m in zip(names, masters):
-                for key, target in [(MASTER_KEY, m), *opt.state[m].items()]:
+                for key, target in [(MASTER_KEY, m), *_state(opt, m).items()]:
                     value = state_dict[f"state.{name}.{key}"]
                     if value is not target:
                         target.copy_(value)
@@ -139,57 +185,65 @@ class MasterWeightOptimizersContainer(OptimizersContainer):
         self._copy(self.params, self.masters)
 
 
-def _adam_master_step(weight, grad, master, exp_avg, exp_avg_sq, step, scalars, beta1: float, beta2: float,
-                      eps: float, weight_decay: float, decoupled: bool) -> None:
-    """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one fp32
-    master [n] and its fp32 moments, in place, from the bf16 gradient [n]; the rounded master
-    into the bf16 weight [n]. step: the parameter's step count, float32 []; scalars [2]:
-    the learning rate and the reciprocal of the clip's grad_scale."""
+def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, step, scalars, beta1: float, beta2: float,
+               eps: float, weight_decay: float, decoupled: bool) -> None:
+    """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one parameter
+    [n], in place, from its gradient [n] (any float dtype). With a master [n] (fp32) the
+    master is updated and rounded into the weight; without one (None) the weight itself, read
+    as fp32. The moments [n] are read as fp32 and written back in their dtype; all math is
+    fp32. step: the parameter's step count, float32 []; scalars [2]: the learning rate and the
+    reciprocal of the clip's grad_scale."""
     lr, inv_scale = scalars[0], scalars[1]
+    w = (weight if master is None else master).float()
     g = grad.float() * inv_scale
     step.add_(1)
     if decoupled:
-        master.mul_(1 - lr * weight_decay)
+        w = w * (1 - lr * weight_decay)
     else:
-        g = g + weight_decay * master
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = exp_avg_sq.sqrt() / (1 - beta2**step).sqrt() + eps
-    master.sub_(lr / (1 - beta1**step) * exp_avg / denom)
-    weight.copy_(master)
+        g = g + weight_decay * w
+    m = exp_avg.float().lerp(g, 1 - beta1)
+    v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
+    denom = v.sqrt() / (1 - beta2**step).sqrt() + eps
+    w = w - lr / (1 - beta1**step) * m / denom
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if master is not None:
+        master.copy_(w)
+    weight.copy_(w)
 
 
-@torch.no_grad()
-def _init_state(opt: torch.optim.Optimizer) -> None:
-    """Adam's states before its first step (so that a checkpoint has tensors to load into):
-    one step with zero gradients and lr 0 moves no parameter; then its moments (which Adam's
-    L2 decay did move) go back to zero, and its step count to 0, next to its parameter (the
-    master step updates it there)."""
-    if all(opt.state.get(p) for group in opt.param_groups for p in group["params"]):
-        return
-    lrs = [group["lr"] for group in opt.param_groups]
-    for group in opt.param_groups:
-        group["lr"] = 0.0
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    for group, lr in zip(opt.param_groups, lrs):
-        group["lr"] = lr
-        for p in group["params"]:
-            p.grad = None
-            for value in opt.state[p].values():
-                value.zero_()
-            opt.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+def _decoupled(opt: torch.optim.Optimizer) -> bool:
+    """AdamW's decay (Adam(decoupled_weight_decay=True) is AdamW) or Adam's L2 decay."""
+    return opt.param_groups[0].get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
+
+
+def _state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """p's Adam states in opt, made as torch's fused Adam makes them before its first step
+    (zero moments like p, in its dtype and layout; step count 0, float32 on p's device) where
+    there are none yet: a checkpoint has tensors to load into, and the first step finds them."""
+    state = opt.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
-    """torchtitan's optimizers, or with `optimizer.master_weights` the same optimizer class and
-    settings over fp32 masters (TrainSpec.build_optimizers_fn)."""
+    """torchtitan's optimizers, stepped by `_adam_step` where torchtitan builds the plain
+    container of fused Adam / AdamW; with `optimizer.master_weights` the same optimizer class
+    and settings over fp32 masters (TrainSpec.build_optimizers_fn)."""
     optimizers = build_titan_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
-    if not getattr(optimizer_config, "master_weights", False):
+    master_weights = getattr(optimizer_config, "master_weights", False)
+    if type(optimizers) is not OptimizersContainer:  # early_step_in_backward, fault tolerance: torchtitan's step
+        if master_weights:  # config.validate rules out the others but fault tolerance
+            raise ConfigError("optimizer.master_weights = true works with the plain optimizer step, "
+                              "not with fault tolerance")
         return optimizers
-    if type(optimizers) is not OptimizersContainer:  # config.validate rules out the others but fault tolerance
-        raise ConfigError("optimizer.master_weights = true works with the plain optimizer step, not with fault tolerance")
     first = optimizers.optimizers[0]
     kwargs = {k: first.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "fused", "foreach")}
-    return MasterWeightOptimizersContainer(model_parts, type(first), kwargs)
+    if master_weights:
+        return MasterWeightOptimizersContainer(model_parts, type(first), kwargs)
+    if all(steps_in_one_pass(opt) for opt in optimizers.optimizers):
+        return AdamOptimizersContainer(model_parts, type(first), kwargs)
+    return optimizers
