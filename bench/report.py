@@ -317,7 +317,7 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
-          ("Gradient norm and fp32 master step", streams_table), ("Collectives", collectives_table))
+          ("Gradient norm and the optimizer step", streams_table), ("Collectives", collectives_table))
 
 
 def report(results: str = RESULTS) -> str:
