@@ -37,6 +37,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_rank_checks(out_dir: str, rank: int, failures: list[str]) -> None:
+    """The end of a forked gloo rank's checks (mp.start_processes workers): its failures into
+    out_dir/rank<rank>.txt, then the process group's teardown."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank_failures(out_dir: str, world: int) -> list[str]:
+    """The failures end_rank_checks wrote, of the ranks that had any."""
+    return [f for r in range(world) if (f := open(os.path.join(out_dir, f"rank{r}.txt")).read())]
+
+
 def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     """Body of one forked rank (of a plain process when nproc is 0); returns its exit code."""
     try:

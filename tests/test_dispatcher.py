@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import forget_earlier_meshes
-from launcher import free_port
+from launcher import end_rank_checks, free_port, rank_failures
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
 
@@ -197,10 +197,7 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
                 run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, mesh["ep", "etp"], device)
             except AssertionError:
                 failures.append(f"ep={ep} etp={etp} case {case}:\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank_checks(out_dir, rank, failures)
 
 
 
@@ -209,8 +206,7 @@ def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     # interpreters importing them cost more than all the cases); CUDA needs spawn
     mp.start_processes(worker, args=(free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
                        join=True, start_method="fork" if device_type == "cpu" else "spawn")
-    failures = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(world)]
-    return [f for f in failures if f]
+    return rank_failures(str(out_dir), world)
 
 
 def test_dispatcher_matches_reference(tmp_path):

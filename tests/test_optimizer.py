@@ -4,6 +4,7 @@ on both meshes against the one-rank run."""
 
 import copy
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -191,6 +192,26 @@ def test_step_hooks_run_once_per_step(master_weights):
         p.grad = torch.ones_like(p)
     opt.step()
     assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_lr_schedulers_see_the_step(master_weights):
+    """torchtitan's LR schedulers over the one-pass containers: each scheduler sees its
+    optimizer step (torch warns when a scheduler steps before its optimizer did)."""
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.config import LRScheduler
+
+    model = make_model()
+    opt = build(model, "fused", master_weights=master_weights)
+    schedulers = build_lr_schedulers(opt, LRScheduler(warmup_steps=2, decay_ratio=None), training_steps=10)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+        opt.step()
+        schedulers.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("writer, reader", [("torch", "ours"), ("ours", "torch"), ("ours", "ours")])

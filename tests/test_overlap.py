@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import forget_earlier_meshes, train_from_seed
-from launcher import free_port
+from launcher import end_rank_checks, free_port, rank_failures
 
 WORLD = 4
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
@@ -106,16 +106,24 @@ def check_order(order, ep):
     assert pair[: len(expected_start)] == expected_start, pair
 
 
+def assert_same_numbers(losses, grads, ref_losses, ref_grads, label):
+    """The losses (a rank without the last stage has none) and every gradient of a run equal the
+    reference run's, in fp32."""
+    assert len(losses) == len(ref_losses), label
+    if losses:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert ref is not None and grads[name] is not None, name
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{label} grad of {name}: {m}")
+
+
 def case(ep_mesh, etp_mesh, ep):
     ref_losses, ref_grads = reference(ep_mesh, etp_mesh)
     for delay in (False, True):
         losses, grads, order = overlapped(ep_mesh, etp_mesh, delay)
-        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
-        assert grads.keys() == ref_grads.keys()
-        for name, ref in ref_grads.items():
-            assert ref is not None and grads[name] is not None, name
-            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m, name=name: f"delay={delay} grad of {name}: {m}")
+        assert_same_numbers(losses, grads, ref_losses, ref_grads, f"delay={delay}")
         check_order(order, ep)
         if delay:
             flushes = [i for i, e in enumerate(order) if e.endswith("experts W")]
@@ -137,16 +145,13 @@ def worker(rank, port, out_dir):
             case(mesh["ep"], mesh["etp"] if etp > 1 else None, ep)
         except AssertionError:
             failures.append(f"ep={ep} etp={etp}:\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank_checks(out_dir, rank, failures)
 
 
 
 def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
     mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
-    failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
+    failures = rank_failures(str(tmp_path), WORLD)
     assert not failures, "\n".join(failures)[:20000]
 
 
@@ -225,14 +230,7 @@ def pipeline_case(pp_mesh, ep_mesh, schedule_name):
     runs = {delay: pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap=True, delay=delay) for delay in (False, True)}
     for delay, (losses, grads, order) in runs.items():
         assert interleaved(order), order
-        assert len(losses) == len(ref_losses)
-        if losses:
-            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
-        assert grads.keys() == ref_grads.keys()
-        for name, ref in ref_grads.items():
-            assert ref is not None and grads[name] is not None, name
-            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m, name=name: f"{schedule_name} delay={delay} grad of {name}: {m}")
+        assert_same_numbers(losses, grads, ref_losses, ref_grads, f"{schedule_name} delay={delay}")
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
@@ -281,10 +279,7 @@ def pipeline_worker(rank, port, out_dir):
             pipeline_case(mesh["pp"], mesh["ep"], name)
         except AssertionError:
             failures.append(f"{name}:\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank_checks(out_dir, rank, failures)
 
 
 def test_overlapped_pipeline_matches_the_schedule(tmp_path):
@@ -292,7 +287,7 @@ def test_overlapped_pipeline_matches_the_schedule(tmp_path):
     (backward, forward) pairs overlapped give the plain schedule's losses and gradients."""
     mp.start_processes(pipeline_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
                        start_method="fork")
-    failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
+    failures = rank_failures(str(tmp_path), WORLD)
     assert not failures, "\n".join(failures)[:20000]
 
 

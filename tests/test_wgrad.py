@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import forget_earlier_meshes
-from launcher import free_port
+from launcher import end_rank_checks, free_port, rank_failures
 from test_moe_layer import DIM, make_layer
 
 WORLD = 4
@@ -126,16 +126,13 @@ def worker(rank, port, out_dir):
                 check()
             except AssertionError:
                 failures.append(f"ep={ep} etp={etp} {name}:\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank_checks(out_dir, rank, failures)
 
 
 
 def test_delayed_wgrad_matches(tmp_path):
     mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
-    failures = [f for r in range(WORLD) if (f := open(os.path.join(tmp_path, f"rank{r}.txt")).read())]
+    failures = rank_failures(str(tmp_path), WORLD)
     assert not failures, "\n".join(failures)[:20000]
 
 

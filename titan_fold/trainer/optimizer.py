@@ -33,6 +33,7 @@ layout of `torch.distributed.checkpoint.state_dict` (the keys a run without mast
 plus one).
 """
 
+from types import MethodType
 from typing import Any
 
 import torch
@@ -78,40 +79,46 @@ class AdamOptimizersContainer(OptimizersContainer):
         super().__init__(model_parts, optimizer_cls, optimizer_kwargs)
         # per optimizer, the model's parameters in the order of its param group
         self.params = [list(opt.param_groups[0]["params"]) for opt in self.optimizers]
-        self.scalars = self._scalars()
+        self._step_in_one_pass()
 
-    def _scalars(self) -> list[torch.Tensor]:
-        """Per optimizer [lr, 1 / grad_scale] on the device: set without a host sync, and a new
-        learning rate needs no new compile."""
-        return [torch.zeros(2, dtype=torch.float32, device=_local(params[0]).device) for params in self.params]
+    def _step_in_one_pass(self) -> None:
+        """Each torch optimizer's step becomes `_update` of it (an instance attribute): the
+        container's step (torchtitan's, which runs its hooks once) calls them, and torch's LR
+        schedulers, which wrap each optimizer's step to see that it ran, wrap this one."""
+        for opt, params in zip(self.optimizers, self.params):
+            # [lr, 1 / grad_scale] on the device: set without a host sync, and a new learning
+            # rate needs no new compile
+            scalars = torch.zeros(2, dtype=torch.float32, device=_local(params[0]).device)
 
-    @torch.no_grad()
-    def step(self) -> None:
-        self._update()
+            # a function, not a partial: the schedulers rebind the method's __func__
+            def step(opt, closure=None, params=params, scalars=scalars):
+                _update(opt, params, scalars)
 
-    def _update(self) -> None:
-        """One `_adam_step` per parameter with a gradient (torch skips those without). A
-        parameter of the model is updated through its master where its optimizer has one
-        (the optimizer's parameter is then another tensor), in place otherwise. Apart from
-        step: torch wraps each class's step in its step hooks, so a subclass's step that
-        called this class's would run them twice."""
-        for params, opt, scalars in zip(self.params, self.optimizers, self.scalars):
-            group = opt.param_groups[0]
-            (beta1, beta2), decoupled = group["betas"], _decoupled(opt)
-            scalars[0].fill_(group["lr"])
-            scale = getattr(opt, "grad_scale", None)  # parallel/clip.py's clip coefficient, a divisor
-            if scale is None:
-                scalars[1].fill_(1.0)
-            else:
-                scalars[1].copy_(scale.reciprocal())
-            for p, optimized in zip(params, group["params"]):
-                if p.grad is None:
-                    continue
-                state = _state(opt, optimized)
-                master = None if optimized is p else _local(optimized).view(-1)
-                fused(_adam_step)(_local(p).view(-1), _local(p.grad).reshape(-1), master,
-                                  _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1),
-                                  state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
+            opt.step = MethodType(step, opt)
+
+
+def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: torch.Tensor) -> None:
+    """One `_adam_step` per parameter of `params` (the model's, in the order of opt's param
+    group) with a gradient (torch skips those without). A parameter is updated through its
+    master where opt holds one (the optimizer's parameter is then another tensor), in place
+    otherwise."""
+    with torch.no_grad():
+        group = opt.param_groups[0]
+        (beta1, beta2), decoupled = group["betas"], _decoupled(opt)
+        scalars[0].fill_(group["lr"])
+        scale = getattr(opt, "grad_scale", None)  # parallel/clip.py's clip coefficient, a divisor
+        if scale is None:
+            scalars[1].fill_(1.0)
+        else:
+            scalars[1].copy_(scale.reciprocal())
+        for p, optimized in zip(params, group["params"]):
+            if p.grad is None:
+                continue
+            state = _state(opt, optimized)
+            master = None if optimized is p else _local(optimized).view(-1)
+            fused(_adam_step)(_local(p).view(-1), _local(_placed_like(p.grad, p)).reshape(-1), master,
+                              _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1),
+                              state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
 
 
 class MasterWeightOptimizersContainer(AdamOptimizersContainer):
@@ -128,7 +135,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
             self.params.append(params)
             self.masters.append(masters)
             self.names.append([n for n, _ in named])
-        self.scalars = self._scalars()
+        self._step_in_one_pass()
         # a checkpoint loaded into the model alone (a seed or model-only checkpoint) changes
         # the parameters after this: the masters copy them again at the first step unless a
         # checkpoint of this optimizer was loaded
@@ -141,7 +148,8 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
         if not self._masters_loaded:
             self._copy(self.masters, self.params)
             self._masters_loaded = True
-        self._update()
+        for opt in self.optimizers:  # not the class's step: it runs the container's hooks, as ours does
+            opt.step()
         for params in self.params:  # the bf16 weights hold the update: their gradients are done
             for p in params:
                 p.grad = None
@@ -210,6 +218,15 @@ def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, step, scalars, beta1: 
     if master is not None:
         master.copy_(w)
     weight.copy_(w)
+
+
+def _placed_like(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """grad with p's placements: a gradient may arrive otherwise placed (e.g. replicated, or
+    still partial, for a tp-sharded weight whose gradient hooks did not run), where torch's
+    step would redistribute it inside its DTensor ops."""
+    if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def _decoupled(opt: torch.optim.Optimizer) -> bool:
