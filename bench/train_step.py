@@ -2,7 +2,7 @@
 
     python bench/train_step.py --cases 1gpu_eager,1gpu_compiled --gpus 0
     python bench/train_step.py --cases dp2_ep2,dp2_etp2,dp2_edp2 --gpus 0,1
-    python bench/train_step.py --cases debug50 --gpus 0          # issue 2's bf16 acceptance run
+    python bench/train_step.py --cases debug50 --gpus 0          # the debug config itself, bf16
     python bench/train_step.py --cases 1gpu_bf16params_eager --gpus 0   # bf16 weights (training.dtype)
     python bench/train_step.py --cases dp2_ep2_bf16params_b4,dp2_ep2_bf16params_b4_ga2 --gpus 0,1
     python bench/train_step.py --cases 1gpu_masters_b4 --gpus 0   # bf16 weights, fp32 masters in the optimizer
@@ -115,7 +115,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     common = ["--job.config_file", "debug_moe.toml", "--metrics.log_freq", "1", "--optimizer.lr", "3e-4",
               "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none"]
     if base == "debug50":
-        # issue 2: the debug config itself, bf16 on one GPU
+        # the debug config itself, bf16 on one GPU
         return 1, ["--job.config_file", "debug_moe.toml", "--training.steps", "50",
                    "--training.mixed_precision_param", "bfloat16"]
     nproc, degrees = (1, dict(ep=1, etp=1, edp=-1)) if base == "1gpu" else (2, FOLDINGS[base])
