@@ -18,6 +18,8 @@ The residual stream stays a DTensor between blocks, so the model's own `h.shape[
 (cp-local) sequence length and its RoPE tables line up without the model knowing about tp.
 """
 
+from types import MethodType
+
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -47,7 +49,7 @@ def _grads_like_params(model: nn.Module) -> None:
         if param.grad is not None and param.grad.placements != param.placements:
             param.grad = param.grad.redistribute(placements=param.placements)
 
-    def register(module, args) -> None:
+    def register(module, args=()) -> None:
         # at forward, not now: to_empty() after parallelizing a meta model swaps every
         # parameter's contents and drops hooks registered on it (the marker goes with them)
         for param in module.parameters():
@@ -55,6 +57,8 @@ def _grads_like_params(model: nn.Module) -> None:
                 param.register_post_accumulate_grad_hook(hook)
                 param._grads_like_params = True
 
+    # an instance attribute too: the overlapped pieces (overlap.py) never call the model
+    model.grads_like_params = MethodType(register, model)
     model.register_forward_pre_hook(register)
 
 

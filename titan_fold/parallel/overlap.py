@@ -236,8 +236,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _embed(model, x):
-    # as Transformer.forward: a later pipeline stage takes the hidden states, as the hook of
-    # attention.apply_tp places them under sequence parallel
+    # as the model's forward pre-hooks (attention.apply_tp): gradients placed like their
+    # parameters; then as Transformer.forward: a later pipeline stage takes the hidden states,
+    # placed as the hook places them under sequence parallel
+    grads_like_params = getattr(model, "grads_like_params", None)
+    if grads_like_params is not None:
+        grads_like_params()
     if model.embeds_tokens:
         return (model.tok_embeddings(x),)
     stage_input = getattr(model, "stage_input", None)
