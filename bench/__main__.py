@@ -37,11 +37,11 @@ QWEN2 = ["--family", "qwen3_moe", "--proxy", "57B-A14B-L2"]
 DSV3 = ["--family", "deepseek_v3", "--proxy", "16B-L4"]
 FINE, COARSE = "qwen3_30b_a3b,mixtral_8x22b_g8t8", "qwen2_57b_a14b,mixtral_8x22b"
 TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
-# the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 # the Qwen3-30B-A3B proxy also with compile.cudagraphs, and one compiled step profiled
 TRAIN_EXTRA = "1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_compiled_profile"
 # the coarse proxy compiled with torch's grouped GEMMs too: QuACK (what "auto" picks there) must not be slower
 COARSE_TORCH_GEMM = "1gpu_bf16params_auxfree_compiled_torchgemm"
+# the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
 
 

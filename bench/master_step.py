@@ -5,7 +5,7 @@ against what the GPU's memory delivers.
     python bench/master_step.py --smoke       # CPU, the debug model's parameters
 
 `optimizer.master_weights` updates every parameter in one generated kernel
-(titan_fold/optimizer._adam_master_step through fused()): it reads the bf16 gradient and
+(titan_fold/trainer/optimizer.py's _adam_step through fused()): it reads the bf16 gradient and
 the fp32 master and Adam moments and writes the master, the moments and the bf16 weight,
 28 bytes per parameter. Without masters (`optimizer.implementation = "fused"`) the same
 step updates bf16 parameters and moments in place: 14 bytes per parameter, as torch's fused
