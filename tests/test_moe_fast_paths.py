@@ -138,14 +138,17 @@ def _rel(got, want):
 
 
 @needs_quack
-@pytest.mark.parametrize("gathered", [True, False])
+@pytest.mark.parametrize("rows_in", ["gathered", "given", "given_split_wgrad"])
 @pytest.mark.parametrize("prob_before_w2", [True, False])
-def test_quack_experts_match_float64(gathered, prob_before_w2):
+def test_quack_experts_match_float64(rows_in, prob_before_w2):
     """Forward and every gradient (tokens, probabilities, w1, w2, w3) of the QuACK experts, with
-    the gather fused or on given rows, against float64 per-expert GEMMs; two experts get no row."""
+    the gather fused, on given rows, or on given rows with the weight gradients queued apart
+    (moe.delay_wgrad_compute) and run after backward, against float64 per-expert GEMMs; two
+    experts get no row."""
     from titan_fold.moe.dispatcher import _sum_rows
     from titan_fold.moe.experts import GroupedExperts, _swiglu_loop
     from titan_fold.moe.quack import Gather
+    from titan_fold.moe.wgrad import WgradQueue
 
     torch.manual_seed(0)
     T, k, E, dim, ffn = 300, 4, 8, 256, 128
@@ -167,11 +170,15 @@ def test_quack_experts_match_float64(gathered, prob_before_w2):
     xg = x.cuda().bfloat16().requires_grad_()
     pg = probs.cuda().float().requires_grad_()
     cnt, ro, sl = counts.cuda(), rows.cuda(), slot.cuda()
-    if gathered:
+    if rows_in == "gathered":
         y = mod(xg, cnt, pg[order.cuda()], prob_before_w2, Gather(ro, sl, k, _sum_rows))
     else:
+        mod.wgrad = WgradQueue() if rows_in == "given_split_wgrad" else None
         y = mod(xg[ro], cnt, pg[order.cuda()], prob_before_w2)
     y.backward(gy.cuda().bfloat16())
+    if mod.wgrad is not None:
+        assert all(getattr(mod, n).grad is None for n in ("w1", "w2", "w3")) and len(mod.wgrad) == 3
+        mod.wgrad.flush()
     assert _rel(y, want) < 1e-2
     assert _rel(xg.grad, xr.grad) < 1e-2 and _rel(pg.grad, pr.grad) < 1e-2
     for n in ("w1", "w2", "w3"):

@@ -370,8 +370,6 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
      "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
      "moe.delay_wgrad_compute = true with compile.enable"),
-    (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--moe.grouped_gemm", "quack"),
-     "moe.delay_wgrad_compute = true with moe.grouped_gemm = 'quack'"),
     (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",
       "--activation_checkpoint.mode", "full"), "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
 ])

@@ -199,7 +199,9 @@ def _swiglu_split_wgrad(experts, x, counts, w1, w2, w3, p, prob_before_w2):
     if isinstance(experts, FSDPModule):
         # FSDP2 reduce-scatters the unit's gradients when they reach its input
         x, p = flush_at_input(x, experts.wgrad), flush_at_input(p, experts.wgrad)
-    return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2, split_grouped_linear(experts.wgrad, experts.fp8))
+    quack = not experts.fp8 and use_quack(experts.grouped_gemm, x, w1.shape[1])
+    return _swiglu_grouped(x, counts, w1, w2, w3, p, prob_before_w2,
+                           split_grouped_linear(experts.wgrad, experts.fp8, quack))
 
 
 def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):

@@ -203,6 +203,54 @@ class _Down(torch.autograd.Function):
         return dh, None, dw2
 
 
+@torch.library.custom_op("titan_fold::quack_dgrad", mutates_args=(), device_types="cuda")
+def _dgrad(dy: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dy [R, n], w [E, n, k] -> dy @ w[e] per expert's rows, [R, k]."""
+    return quack().gemm(dy, w, cu_seqlens_m=offs)
+
+
+@_dgrad.register_fake
+def _(dy, offs, w):
+    return dy.new_empty(dy.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("titan_fold::quack_wgrad", mutates_args=(), device_types="cuda")
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """dy [R, n], x [R, k] -> [E, n, k]: each expert's dy rows^T times its x rows (varlen-K)."""
+    return _wgrad(quack(), dy, x, offs)
+
+
+@weight_grad.register_fake
+def _(dy, x, offs):
+    return dy.new_empty(offs.shape[0] - 1, dy.shape[1], x.shape[1])
+
+
+class _SplitLinear(torch.autograd.Function):
+    """y = x @ w[e].T per expert's rows; backward returns dX and hands (dy, x) to `defer`,
+    which queues dW (moe/wgrad.py: moe.delay_wgrad_compute)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, defer):
+        ctx.save_for_backward(x, w, offs)
+        ctx.defer = defer
+        return _down_forward(x, offs, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        ctx.defer(dy, x, offs)
+        return _dgrad(dy, offs, w), None, None, None
+
+
+def split_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, defer) -> torch.Tensor:
+    """x [R, k] rows grouped by expert (ends [E] int32: each expert's end row), w [E, n, k] ->
+    [R, n] on QuACK's GEMMs; its weight gradient goes to defer(dy, x, offs) (weight_grad
+    computes it)."""
+    offs = torch.nn.functional.pad(ends, (1, 0))
+    return _SplitLinear.apply(x, w, offs, defer)
+
+
 def offsets(counts: torch.Tensor) -> torch.Tensor:
     """[E] rows per expert (on the device) -> [E + 1] int32: each expert's first row, then R."""
     return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)

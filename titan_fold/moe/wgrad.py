@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from titan_fold.moe.fp8 import _weight_grad, fp8_grouped_linear
+from titan_fold.moe.quack import split_linear, weight_grad
 
 
 class WgradQueue:
@@ -53,13 +54,14 @@ class WgradQueue:
 
 
 def defer_weight_grad(queue: WgradQueue, w: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
-                      offs: torch.Tensor) -> None:
-    """Queue dW = grad^T x per group, sent into w's autograd graph (w is the forward's weight operand)."""
+                      offs: torch.Tensor, weight_grad: Callable = None) -> None:
+    """Queue dW = grad^T x per group, sent into w's autograd graph (w is the forward's weight
+    operand); weight_grad(grad, x, offs) -> [E, N, K] computes it (default: torch's GEMMs)."""
     if not w.requires_grad:
         return
 
     def work():
-        torch.autograd.backward(w, _weight_grad_of(grad, x, offs).to(w.dtype))  # dW [E, N, K]
+        torch.autograd.backward(w, (weight_grad or _weight_grad_of)(grad, x, offs).to(w.dtype))  # dW [E, N, K]
 
     queue.defer(work)
 
@@ -116,12 +118,16 @@ class _SplitGroupedLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def split_grouped_linear(queue: WgradQueue, fp8: bool = False) -> Callable:
+def split_grouped_linear(queue: WgradQueue, fp8: bool = False, quack: bool = False) -> Callable:
     """A `linear(x, w, offs)` for experts._swiglu_grouped whose weight gradient goes to
-    `queue`; fp8: moe/fp8.py's (FP8 forward and input gradient)."""
+    `queue`; fp8: moe/fp8.py's (FP8 forward and input gradient); quack: QuACK's grouped GEMMs
+    (moe/quack.py), the weight gradient by its varlen-K GEMM."""
     if fp8:
         return lambda x, w, offs: fp8_grouped_linear(
             x, w, offs, defer_wgrad=lambda grad, x_, offs_: defer_weight_grad(queue, w, grad, x_, offs_))
+    if quack:
+        return lambda x, w, offs: split_linear(
+            x, w, offs, lambda grad, x_, offs_: defer_weight_grad(queue, w, grad, x_, offs_, weight_grad))
     return lambda x, w, offs: _SplitGroupedLinear.apply(x, w, offs, queue)
 
 

@@ -450,9 +450,6 @@ def overlap_problem(config, layout) -> str | None:
         if compiled:
             return (f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
                     "outside one compiled graph; choose one")
-    if moe.delay_wgrad_compute and moe.grouped_gemm == "quack":
-        return ("moe.delay_wgrad_compute = true with moe.grouped_gemm = 'quack': the split weight gradients run on "
-                "torch's grouped GEMMs; set moe.grouped_gemm to 'torch' or 'auto'")
     if not moe.overlap_ep_comm:
         return None
     schedule = config.parallelism.pipeline_parallel_schedule
