@@ -98,37 +98,41 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
 
 
 class _SplitGroupedLinear(torch.autograd.Function):
-    """y = x @ w[e].T per group; backward returns dX and queues dW."""
+    """y = x @ w[e].T per group; backward returns dX and hands (dY, x, offs) to `defer`."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, queue):
+    def forward(ctx, x, w, offs, defer):
         ctx.save_for_backward(x, w, offs)
-        ctx.queue = queue
-        # the weight operand as the forward saw it, with its graph back to the parameter; not a
-        # saved tensor: activation checkpointing recomputes saved tensors without that graph
-        ctx.w = w
+        ctx.defer = defer
         return _grouped_linear(x, w, offs)
 
     @staticmethod
     def backward(ctx, grad):
         x, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = _grouped_linear(grad, w.transpose(1, 2), offs)  # [M, K]
-        defer_weight_grad(ctx.queue, ctx.w, grad, x, offs)
-        return grad_x, None, None, None
+        ctx.defer(grad, x, offs)
+        return _grouped_linear(grad, w.transpose(1, 2), offs), None, None, None  # dX [M, K]
 
 
 def split_grouped_linear(queue: WgradQueue, fp8: bool = False, quack: bool = False) -> Callable:
     """A `linear(x, w, offs)` for experts._swiglu_grouped whose weight gradient goes to
     `queue`; fp8: moe/fp8.py's (FP8 forward and input gradient); quack: QuACK's grouped GEMMs
-    (moe/quack.py), the weight gradient by its varlen-K GEMM."""
-    if fp8:
-        return lambda x, w, offs: fp8_grouped_linear(
-            x, w, offs, defer_wgrad=lambda grad, x_, offs_: defer_weight_grad(queue, w, grad, x_, offs_))
-    if quack:
-        return lambda x, w, offs: split_linear(
-            x, w, offs, lambda grad, x_, offs_: defer_weight_grad(queue, w, grad, x_, offs_, weight_grad))
-    return lambda x, w, offs: _SplitGroupedLinear.apply(x, w, offs, queue)
+    (moe/quack.py), the weight gradient by its varlen-K GEMM.
+
+    The GEMM takes w detached: w's own graph (its cast, DTensor.to_local) is run once, by the
+    queued work, and not by the layer's backward (where, given no gradient, a DTensor's
+    to_local would still accumulate a zero gradient into the parameter)."""
+    def linear(x, w, offs):
+        def defer(grad, x_, offs_):
+            defer_weight_grad(queue, w, grad, x_, offs_, weight_grad if quack else None)
+
+        if fp8:
+            return fp8_grouped_linear(x, w.detach(), offs, defer_wgrad=defer)
+        if quack:
+            return split_linear(x, w.detach(), offs, defer)
+        return _SplitGroupedLinear.apply(x, w.detach(), offs, defer)
+
+    return linear
 
 
 class _FlushAtInput(torch.autograd.Function):
