@@ -128,8 +128,19 @@ def gpu_tag(env: dict) -> str:
     return tag + (f"x{env['device_count']}" if env["device_count"] > 1 else "")
 
 
-def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None, base: bool = False) -> list[str]:
-    args = step.base_args if base and step.base_args is not None else step.args
+def only_cases(args: list[str], cases: list[str] | None) -> list[str] | None:
+    """A step's arguments with its --cases list cut to `cases` (None: all; a step without --cases
+    runs whole); None when none of its cases is asked for."""
+    if cases is None or "--cases" not in args:
+        return args
+    i = args.index("--cases") + 1
+    kept = [c for c in args[i].split(",") if c in cases]
+    return [*args[:i], ",".join(kept), *args[i + 1:]] if kept else None
+
+
+def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None, base: bool = False,
+                 cases: list[str] | None = None) -> list[str]:
+    args = only_cases(step.base_args if base and step.base_args is not None else step.args, cases)
     cmd = [sys.executable, os.path.join("bench", f"{step.script}.py"), *args, "--name", name, "--out-dir", out_dir]
     if step.gpus > 1 and step.script in ("moe_layer", "collectives"):  # these are the workers themselves
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(step.gpus),
@@ -139,9 +150,9 @@ def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = No
     return cmd
 
 
-def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None) -> dict:
+def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None, cases: list[str] | None) -> dict:
     """Runs one step in the checkout `root`; -> {command, returncode, figures}."""
-    cmd = step_command(step, out_dir, name, ours_path, base=name.endswith("@base"))
+    cmd = step_command(step, out_dir, name, ours_path, base=name.endswith("@base"), cases=cases)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
@@ -156,7 +167,8 @@ def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | No
     return {"command": shown, "returncode": rc, "wall_s": round(time.monotonic() - start, 1), "figures": figures}
 
 
-def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str) -> str:
+def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str,
+              cases: list[str] | None = None) -> str:
     suite = SUITES[suite_name]
     env = env_info()
     date = datetime.datetime.now(datetime.timezone.utc)
@@ -168,12 +180,12 @@ def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_di
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for step in suite.steps:
-            if steps and step.name not in steps:
+            if steps and step.name not in steps or only_cases(step.args, cases) is None:
                 continue
             # code before first, then this code: interleaved, on the same warm machine
             for tag, root in ([("@base", os.path.abspath(base))] if base else []) + [("", ROOT)]:
                 ours = os.path.join(tmp, f"{step.ours}{tag}.json") if step.ours else None
-                result = run_step(step, root, tmp, step.name + tag, ours)
+                result = run_step(step, root, tmp, step.name + tag, ours, cases)
                 record["figures"][step.name + tag] = result.pop("figures")
                 record["steps"][step.name + tag] = result
                 with open(path, "w") as f:  # after every step: a cut-off run keeps what it had
@@ -189,11 +201,13 @@ def main(argv=None):
                                 epilog="suites:\n" + "\n".join(f"  {n:14s}{s.help}" for n, s in SUITES.items()))
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--steps", default=None, help="comma list: run only these steps of the suite")
+    p.add_argument("--cases", default=None, help="comma list: of the trainer steps' cases, run only these")
     p.add_argument("--base", default=None, help="a checkout of the code before: each step runs there first, "
                    "then here (results <step>@base and <step>)")
     p.add_argument("--out-dir", default=RESULTS_DIR)
     a = p.parse_args(argv)
-    path = run_suite(a.suite, a.steps.split(",") if a.steps else None, a.base, a.out_dir)
+    path = run_suite(a.suite, a.steps.split(",") if a.steps else None, a.base, a.out_dir,
+                     a.cases.split(",") if a.cases else None)
     print(f"[bench] wrote {path}", flush=True)
     return path
 

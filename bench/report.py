@@ -198,20 +198,24 @@ def train_table(rec: dict) -> list[str]:
 
 
 def train_breakdown_table(rec: dict) -> list[str]:
-    """Profiled trainer steps (case modifier `profile`): the step's wall time, the time some kernel
-    runs, the rest (host gaps) as a share of the step, and GPU time by kernel class."""
-    rows = [(name, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("trace_summary")]
+    """Profiled trainer steps (case modifier `profile`): the time some kernel runs (GPU busy), the
+    step's wall time without the profiler (the same case without `profile`, in the same run: the
+    profiler's own host work slows the traced step), the rest of that step (host gaps) as a share
+    of it, and GPU time by kernel class."""
+    rows = [(name, fig, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("trace_summary")]
     if not rows:
         return []
-    classes = sorted({c for _, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
-                     key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for _, r in rows))
-    out = ["| step | case | step ms | GPU busy ms | host gaps, share of step | " + " | ".join(classes) + " |",
-           "|---|---|---:|---:|---:|" + "---:|" * len(classes)]
-    for name, r in rows:
+    classes = sorted({c for *_, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
+                     key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for *_, r in rows))
+    out = ["| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
+           + " | ".join(classes) + " |", "|---|---|---:|---:|---:|---:|" + "---:|" * len(classes)]
+    for name, fig, r in rows:
         t = r["trace_summary"]
-        wall, busy = t["step_wall_ms"], t["gpu_busy_ms"]
-        gaps = f"{100 * (wall - busy) / wall:.1f}%" if wall else "n/a"
-        out.append(f"| {name} | {r['case']} | {_f(wall)} | {_f(busy)} | {gaps} | "
+        busy = t["gpu_busy_ms"]
+        plain = next((1e3 * q["step_time_s"] for q in fig["rows"]
+                      if q["case"] == r["case"].replace("_profile", "") and q.get("step_time_s")), None)
+        gaps = f"{100 * (plain - busy) / plain:.1f}%" if plain else "n/a"
+        out.append(f"| {name} | {r['case']} | {_f(t['step_wall_ms'])} | {_f(plain)} | {_f(busy)} | {gaps} | "
                    + " | ".join(_f(t["kernel_ms_by_class"].get(c), 1) for c in classes) + " |")
     return out
 

@@ -9,6 +9,7 @@ keeping the (large) trace file.
 """
 
 import argparse
+import bisect
 import glob
 import json
 import os
@@ -43,10 +44,27 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def _launched_in(events: list[dict], prefix: str) -> set:
+    """Correlation ids of the GPU work launched inside a host range whose name starts with
+    prefix (torch's optimizers annotate their steps "Optimizer.step#<class>.step")."""
+    ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                    if e.get("ph") == "X" and e.get("name", "").startswith(prefix))
+    starts = [s for s, _ in ranges]
+    ids = set()
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            i = bisect.bisect_right(starts, float(e["ts"])) - 1
+            if i >= 0 and float(e["ts"]) <= ranges[i][1]:
+                ids.add(e["args"]["correlation"])
+    return ids
+
+
 def summarize_trace(path: str) -> dict:
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    # an optimizer's kernels by where they were launched: a generated kernel's name does not say
+    optimizer = _launched_in(events, "Optimizer.step#")
     by_class, top, spans = {}, {}, []
     step_ms = None
     for e in events:
@@ -56,7 +74,12 @@ def summarize_trace(path: str) -> dict:
         if name.startswith("ProfilerStep#"):
             step_ms = dur / 1e3
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            cls = kernel_class(name) if cat == "kernel" else "memcpy_memset"
+            if cat != "kernel":
+                cls = "memcpy_memset"
+            elif e.get("args", {}).get("correlation") in optimizer:
+                cls = "optimizer"
+            else:
+                cls = kernel_class(name)
             by_class[cls] = by_class.get(cls, 0.0) + dur / 1e3
             top[name] = top.get(name, 0.0) + dur / 1e3
             spans.append((float(e["ts"]), float(e["ts"]) + dur))

@@ -256,12 +256,15 @@ def test_report_tables(tmp_path):
     assert "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 5.24 | 1.142 |" in text
     assert text.index("Suite `layer`") < text.index("Suite `trainer`")
     assert "one profiled step" not in text  # no profiled row, no breakdown table
+    # the host gaps are measured against the same case's step without the profiler, in the same run
     profiled = dict(row, case="1gpu_compiled_profile", trace_summary={
-        "step_wall_ms": 200.0, "gpu_busy_ms": 180.0, "kernel_ms_by_class": {"optimizer": 58.0, "attention": 22.5}})
-    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [profiled]}}, date="2026-11-25T11:00:00Z")
+        "step_wall_ms": 250.0, "gpu_busy_ms": 180.0, "kernel_ms_by_class": {"optimizer": 58.0, "attention": 22.5}})
+    plain = dict(row, case="1gpu_compiled", step_time_s=0.2)
+    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [plain, profiled]}}, date="2026-11-25T11:00:00Z")
     text = report.report(str(tmp_path))
-    assert "| step | case | step ms | GPU busy ms | host gaps, share of step | optimizer | attention |" in text
-    assert "| foldings | 1gpu_compiled_profile | 200.0 | 180.0 | 10.0% | 58.0 | 22.5 |" in text
+    assert ("| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
+            "optimizer | attention |") in text
+    assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 58.0 | 22.5 |" in text
     assert "Command: `python -m bench layer`" in text
 
 
@@ -308,7 +311,7 @@ def test_report_rerun_beside_the_run_before(tmp_path):
 
 
 def test_suites_listed_and_steps_planned(capsys):
-    from bench.__main__ import SUITES, gpu_tag, main, step_command
+    from bench.__main__ import SUITES, gpu_tag, main, only_cases, step_command
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -325,6 +328,11 @@ def test_suites_listed_and_steps_planned(capsys):
     assert two[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
     vs = step_command(SUITES["vs-torchtitan"].steps[1], "/o", "t", ours_path="/o/q.json")
     assert vs[-2:] == ["--ours", "/o/q.json"]
+    # --cases: a trainer step keeps only the asked cases, in its own order; a step without --cases runs whole
+    trainer = SUITES["trainer"].steps[0]
+    cut = step_command(trainer, "/o", "t", cases=["1gpu_bf16params_auxfree_compiled_profile", "1gpu_bf16params_auxfree"])
+    assert cut[cut.index("--cases") + 1] == "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled_profile"
+    assert only_cases(trainer.args, ["dp2_ep2"]) is None and only_cases(step.args, ["x"]) == step.args
     for suite in SUITES.values():  # every trainer case parses
         for st in suite.steps:
             if st.script == "train_step":
@@ -344,6 +352,14 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "kernel", "name": "void at::native::multi_tensor_apply_kernel<Adam>", "ts": 800, "dur": 50},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 900, "dur": 10},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+        # a generated kernel is the optimizer's when launched inside an optimizer step's range
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 700, "dur": 50},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": 710, "dur": 5, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 920, "dur": 30,
+         "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": 760, "dur": 5, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 960, "dur": 20,
+         "args": {"correlation": 8}},
     ]
     path = tmp_path / "iteration_10" / "rank0_trace.json"
     path.parent.mkdir()
@@ -352,8 +368,8 @@ def test_trace_summary(tmp_path):
     s = trace_summary.summarize_trace(str(path))
     assert s["step_wall_ms"] == 1.0
     assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "dense_gemm": 0.1, "attention": 0.1,
-                                       "optimizer": 0.05, "memcpy_memset": 0.01}
-    assert s["gpu_busy_ms"] == pytest.approx(0.71)  # [0, 650] + [800, 850] + [900, 910]
+                                       "optimizer": 0.08, "elementwise_other": 0.02, "memcpy_memset": 0.01}
+    assert s["gpu_busy_ms"] == pytest.approx(0.76)  # [0, 650] + [800, 850] + [900, 950] + [960, 980]
 
 
 @pytest.mark.parametrize("share", [0.5, 0.7, 0.9])

@@ -102,7 +102,8 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
     group) with a gradient (torch skips those without). A parameter is updated through its
     master where opt holds one (the optimizer's parameter is then another tensor), in place
     otherwise."""
-    with torch.no_grad():
+    # the name torch's own optimizers give their step in a profile
+    with torch.no_grad(), torch.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
         group = opt.param_groups[0]
         (beta1, beta2), decoupled = group["betas"], _decoupled(opt)
         scalars[0].fill_(group["lr"])
