@@ -347,9 +347,9 @@ class TokenDispatcher(nn.Module):
             rows_per_expert = C
         else:
             token_of_row = order // k  # [N], dropped rows last
-            weight_of_row = weights[order]
-            rows_per_expert = counts
             slot = _inverse(order)  # [N] row of each assignment
+            weight_of_row = _PermuteRows.apply(weights, order, slot)  # backward a gather, not a scatter-add
+            rows_per_expert = counts
 
         dropped = keep is not None
         x = x.to(compute_dtype(x))
