@@ -52,7 +52,8 @@ def _launched_in(events: list[dict], prefix: str) -> set:
     starts = [s for s, _ in ranges]
     ids = set()
     for e in events:
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        # generated (Triton) and CuTe kernels are launched through the driver API, the rest the runtime's
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             i = bisect.bisect_right(starts, float(e["ts"])) - 1
             if i >= 0 and float(e["ts"]) <= ranges[i][1]:
                 ids.add(e["args"]["correlation"])

@@ -354,10 +354,10 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
         # a generated kernel is the optimizer's when launched inside an optimizer step's range
         {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 700, "dur": 50},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": 710, "dur": 5, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 710, "dur": 5, "args": {"correlation": 7}},
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 920, "dur": 30,
          "args": {"correlation": 7}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": 760, "dur": 5, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 760, "dur": 5, "args": {"correlation": 8}},
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 960, "dur": 20,
          "args": {"correlation": 8}},
     ]
