@@ -46,16 +46,23 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
 
 def _launched_in(events: list[dict], prefix: str) -> set:
     """Correlation ids of the GPU work launched inside a host range whose name starts with
-    prefix (torch's optimizers annotate their steps "Optimizer.step#<class>.step")."""
+    prefix (torch's optimizers annotate their steps "Optimizer.step#<class>.step"; a container's
+    range holds its optimizers' ranges)."""
     ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                    if e.get("ph") == "X" and e.get("name", "").startswith(prefix))
-    starts = [s for s, _ in ranges]
+                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(prefix))
+    merged = []  # nested and overlapping ranges as one
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [s for s, _ in merged]
     ids = set()
     for e in events:
         # generated (Triton) and CuTe kernels are launched through the driver API, the rest the runtime's
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             i = bisect.bisect_right(starts, float(e["ts"])) - 1
-            if i >= 0 and float(e["ts"]) <= ranges[i][1]:
+            if i >= 0 and float(e["ts"]) <= merged[i][1]:
                 ids.add(e["args"]["correlation"])
     return ids
 

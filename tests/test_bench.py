@@ -353,7 +353,9 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 900, "dur": 10},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
         # a generated kernel is the optimizer's when launched inside an optimizer step's range
-        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 700, "dur": 50},
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#Container.step", "ts": 690, "dur": 60},
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 700, "dur": 5},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 705, "dur": 2},
         {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 710, "dur": 5, "args": {"correlation": 7}},
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 920, "dur": 30,
          "args": {"correlation": 7}},
