@@ -59,11 +59,25 @@ def test_missing_file_names_it():
         ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
         ('[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n', "choose one"),
         ("[moe\n", "not valid TOML"),
+        ("[moe]\ncapacity_factor = 1.0\nstatic_ep_exchange = true\n",
+         "moe.static_ep_exchange = true with moe.capacity_factor = 1.0: it is for dropless routing"),
+        ("[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
+         "compile.cudagraphs = true with dropless routing .*; set moe.static_ep_exchange = true"),
     ],
 )
 def test_bad_config_names_key_and_rule(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--job.config_file", write(tmp_path, text)])
+
+
+@pytest.mark.parametrize("args", [
+    [],  # one EP rank: the dropless layer has no host sync
+    ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],
+    ["--parallelism.expert_parallel_degree", "2", "--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"],
+])
+def test_cudagraphs_with_static_shapes_accepted(args):
+    config = parse_args(["--compile.enable", "--compile.cudagraphs", *args])
+    assert config.compile.cudagraphs
 
 
 @pytest.mark.parametrize("name, world", [("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)])

@@ -8,8 +8,9 @@ Forward of one layer (rank r, N = T * top_k assignments):
 
     keep mask        token drop only: capacity per expert, by probs or by position,
                      on local tokens (sub_sequence) or on the whole sequences (full_sequence)
-    permute          rows grouped by destination expert; dropped ones last (or padded slots)
-    counts           all-to-all over ep, all-gather over etp, ONE .tolist() (none if padded)
+    permute          rows grouped by destination expert; dropped ones last (or padded slots;
+                     or, static exchange, a worst-case block of rows per ep peer, padding last)
+    counts           all-to-all over ep, all-gather over etp, ONE .tolist() (none if padded or static)
     all-to-all-v     over ep: rows go to the rank that owns their expert
     all-gather-v     over etp: every etp rank sees all rows of its local experts
     group            rows sorted by local expert -> grouped GEMM on the ffn shard
@@ -113,6 +114,17 @@ def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool)
     for j in range(1, k):
         total = total + rows[slot[:, j]]
     return total.to(rows.dtype)
+
+
+def _fixed_rows(slot: torch.Tensor, R: int, weights: torch.Tensor, k: int):
+    """slot [N]: each assignment's row among R fixed rows (R: dropped, no row) -> (token_of_row [R],
+    weight_of_row [R]). Empty rows point at assignment N: token 0 with weight 0, so they add nothing."""
+    N = slot.numel()
+    assign = torch.full((R + 1,), N, dtype=torch.int64, device=slot.device)
+    assign = assign.scatter(0, slot, torch.arange(N, device=slot.device))[:R]  # [R]
+    token_of_row = torch.where(assign < N, assign // k, 0)
+    weight_of_row = torch.cat([weights, weights.new_zeros(1)])[assign]
+    return token_of_row, weight_of_row
 
 
 def _sum_rows(rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
@@ -238,6 +250,7 @@ class Plan:
     rows_per_expert: torch.Tensor | int  # [E] rows for each expert, or C (padded)
     splits: _Splits | None = None  # with an exchange: sizes of its collectives
     rows_of_source: torch.Tensor | None = None  # [etp*ep, E_loc] rows each source sends each local expert
+    padding: bool = False  # static exchange: each source's block ends in rows that carry nothing
 
 
 class TokenDispatcher(nn.Module):
@@ -322,7 +335,8 @@ class TokenDispatcher(nn.Module):
     def permute(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor, args: MoEArgs,
                 num_seqs: int, gather_rows: bool = True) -> tuple["Plan", torch.Tensor, torch.Tensor]:
         """Drop decisions, rows grouped by destination, split sizes exchanged (the layer's one
-        host sync) -> (plan, x_rows [R, dim], w_rows [R]: the rows to send and their weights).
+        host sync, none with static shapes) -> (plan, x_rows [R, dim], w_rows [R]: the rows to
+        send and their weights).
         gather_rows False (one rank, dropless): x itself in place of x_rows."""
         T, k = experts_idx.shape
         E, N = args.num_experts, T * k
@@ -335,16 +349,23 @@ class TokenDispatcher(nn.Module):
         counts = counts[:E]  # [E] kept rows per expert
         weights = probs.flatten()  # [N]
 
+        static = keep is None and args.static_ep_exchange and self.ep * self.etp > 1
         if keep is not None and args.pad_to_capacity:
-            # static shapes: expert e owns rows [e*C, (e+1)*C); empty slots point at
-            # assignment N (token 0 with weight 0, so they add nothing)
+            # static shapes: expert e owns rows [e*C, (e+1)*C)
             C = min(cap, T)  # one expert cannot get more than T of this rank's assignments
             slot = torch.where(key < E, key * C + pos, E * C)  # [N]; dropped -> a spare slot
-            assign = torch.full((E * C + 1,), N, dtype=torch.int64, device=x.device)
-            assign = assign.scatter(0, slot, torch.arange(N, device=x.device))[: E * C]  # [E*C]
-            token_of_row = torch.where(assign < N, assign // k, 0)
-            weight_of_row = torch.cat([weights, weights.new_zeros(1)])[assign]
+            token_of_row, weight_of_row = _fixed_rows(slot, E * C, weights, k)
             rows_per_expert = C
+        elif static:
+            # static shapes, dropless: ep peer d owns rows [d*B, (d+1)*B), its rows by expert
+            # first, padding after; B is the most rows one peer can get from this rank
+            E_loc = E // self.ep
+            B = T * min(k, E_loc)  # a token's k experts are distinct: at most E_loc on one peer
+            per_peer = counts.view(self.ep, E_loc)
+            before = (per_peer.cumsum(1) - per_peer).flatten()  # [E] rows of the peer's earlier experts
+            slot = (key // E_loc) * B + before[key] + pos  # [N]
+            token_of_row, weight_of_row = _fixed_rows(slot, self.ep * B, weights, k)
+            rows_per_expert = counts
         else:
             token_of_row = order // k  # [N], dropped rows last
             weight_of_row = weights[order]
@@ -353,7 +374,7 @@ class TokenDispatcher(nn.Module):
 
         dropped = keep is not None
         x = x.to(compute_dtype(x))
-        plan = Plan(token_of_row, slot, k, keep, rows_per_expert)
+        plan = Plan(token_of_row, slot, k, keep, rows_per_expert, padding=static)
         if not gather_rows:
             return plan, x, weight_of_row
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
@@ -364,7 +385,7 @@ class TokenDispatcher(nn.Module):
             return plan, x_rows, weight_of_row
         E_loc = E // self.ep
         # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
-        plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
+        plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, N, static)
         if plan.splits.send is not None:
             n = _rows(sum(plan.splits.send), x_rows.shape[0])
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
@@ -378,15 +399,30 @@ class TokenDispatcher(nn.Module):
         x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
         w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
 
-        # group rows by local expert (stable: keeps source order inside an expert)
-        E_loc = rows_of_source.shape[1]
-        expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(rows_of_source.shape[0])
-        expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=x_all.shape[0])
+        # group rows by local expert (stable: keeps source order inside an expert), padding last
+        S, E_loc = rows_of_source.shape
+        R_all = x_all.shape[0]
+        if sp.recv is None:  # every source sent a block of B rows: its rows by expert, then padding
+            B = R_all // S
+            ends = rows_of_source.cumsum(1)  # [S, E_loc] end of each expert's rows in its block
+            within = torch.arange(B, device=x_all.device).expand(S, B).contiguous()
+            expert_of_row = torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding
+        else:
+            expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(S)
+            expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=R_all)
         perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
         inv = _inverse(perm)
         counts = plan.rows_per_expert
-        local_counts = rows_of_source.sum(0) if sp.send is not None else rows_of_source.shape[0] * counts
-        y_sorted = experts(_PermuteRows.apply(x_all, perm, inv), local_counts, w_all[perm], args.prob_before_w2)
+        local_counts = S * counts if isinstance(counts, int) else rows_of_source.sum(0)  # [E_loc]
+        x_sorted, w_sorted = _PermuteRows.apply(x_all, perm, inv), w_all[perm]
+        if plan.padding:
+            # the experts skip the rows past the last group and leave their outputs and input
+            # gradients undefined (uninitialized memory): zeros in both directions instead
+            valid = torch.arange(R_all, device=x_all.device) < local_counts.sum()  # [R_all]
+            x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
+        y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
+        if plan.padding:
+            y_sorted = torch.where(valid[:, None], y_sorted, 0)
         y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
         return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
 
@@ -396,8 +432,9 @@ class TokenDispatcher(nn.Module):
         # in the experts' dtype (bf16 under autocast)
         return _Combine.apply(y_rows, plan.token_of_row[:R], plan.slot.clamp(max=R), plan.k, plan.keep is not None)
 
-    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
-        """Exchange counts and bring the split sizes to the host: the layer's one sync.
+    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int, static: bool = False):
+        """Exchange counts and bring the split sizes to the host: the layer's one sync, none
+        when every split is a fixed block (padded, or static: the counts stay on the device).
         rows: this rank's routed rows (the sum of counts without drops).
 
         -> (_Splits, rows_of_source [etp*ep, E_loc] on device: rows each (etp, ep) source
@@ -413,7 +450,9 @@ class TokenDispatcher(nn.Module):
             sent = [rows // (ep * E_loc) + (e < rows % (ep * E_loc)) for e in range(ep * E_loc)]
             got = sent * etp
             gathered = torch.tensor(got, dtype=torch.int64, device=device)
-        else:
+        if static:
+            return _Splits(None, None, None), gathered.view(etp * ep, E_loc)
+        if not self.fake:
             host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
             sent, got = host[: ep * E_loc], host[ep * E_loc :]
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
