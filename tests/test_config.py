@@ -63,6 +63,11 @@ def test_missing_file_names_it():
          "moe.static_ep_exchange = true with moe.capacity_factor = 1.0: it is for dropless routing"),
         ("[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
          "compile.cudagraphs = true with dropless routing .*; set moe.static_ep_exchange = true"),
+        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.static_ep_exchange"),
+        ("[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
+         "moe.stash_rows = 100 with compile.enable or activation checkpointing"),
+        ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
+         "[compile]\nenable = true\n", "moe.stash_rows = 100 with compile.enable"),
     ],
 )
 def test_bad_config_names_key_and_rule(tmp_path, text, message):
@@ -78,6 +83,11 @@ def test_bad_config_names_key_and_rule(tmp_path, text, message):
 def test_cudagraphs_with_static_shapes_accepted(args):
     config = parse_args(["--compile.enable", "--compile.cudagraphs", *args])
     assert config.compile.cudagraphs
+
+
+def test_stash_accepted_in_eager_without_recompute():
+    config = parse_args(["--moe.static_ep_exchange", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none"])
+    assert config.moe.stash_rows == 4096
 
 
 @pytest.mark.parametrize("name, world", [("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)])

@@ -8,7 +8,9 @@ routed to the first ep rank's experts (each rank's block for that peer full: the
 with the routing weight after w2, with the weight gradients split off (delay_wgrad_compute); the
 experts' outputs and input gradients on the padding rows NaN, as undefined as they may be.
 Forward and backward of the static layer make no host sync (tests/host_sync.py); the same
-check raises on the exact exchange.
+check raises on the exact exchange. The static layer compiles to one graph each way with
+static sizes. Paged stashing (moe.stash_rows): the same numbers, the real rows only, the
+overflow stop.
 """
 
 import copy
@@ -150,19 +152,22 @@ def check_case(case, ep_mesh, etp_mesh):
 
 
 def check_no_host_sync(ep_mesh, etp_mesh):
-    """Forward and backward of the whole static layer (shared expert, aux loss) read nothing
-    on the host; the exact exchange does (its split sizes)."""
+    """Forward and backward of the whole static layer (shared expert, aux loss, the stash) read
+    nothing on the host; the exact exchange does (its split sizes)."""
     from titan_fold.moe import MoEArgs
+    from titan_fold.moe.stash import Stash
     from titan_fold.parallel.experts import shard_moe
 
     args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, shared_ffn_dim=FFN, load_balance="aux_loss",
                    z_loss_coeff=1e-3, static_ep_exchange=True)
     moe = make_layer(args, torch.float32)
     shard_moe(moe, ep_mesh, etp_mesh)
+    moe.dispatcher.stash = Stash(rows=10_000)
     x = torch.randn(B_LOC, S_LOC, DIM, requires_grad=True)
     with no_host_sync():
         moe(x).square().sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in moe.parameters())
+    assert moe.dispatcher.stash.pools, "nothing was stashed"
     moe.args.static_ep_exchange = False
     try:
         with no_host_sync():
@@ -206,6 +211,72 @@ def check_compiles_static(ep_mesh, etp_mesh):
     assert len(graphs) == 2, f"{len(graphs)} graphs: one forward and one backward expected"
 
 
+def check_stash(ep_mesh):
+    """moe.stash_rows, ep 2, every token routed to the first rank's experts: two layer calls in
+    flight (one layer run twice before backward) give the same outputs and gradients as without
+    the stash, with the pools' rows past the real ones poisoned with NaN after forward; the pool
+    holds exactly the real rows the rank's experts got (V1 + V2, not twice the worst case), and
+    is free again after backward. One row fewer: the guard's check before the optimizer step
+    stops every rank with a line naming moe.stash_rows."""
+    from titan_fold.moe import MoEArgs
+    from titan_fold.moe.stash import Stash
+    from titan_fold.parallel.experts import shard_moe
+    from titan_fold.trainer.guard import NonFiniteGuard, StashOverflow
+
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, load_balance="none", static_ep_exchange=True)
+    layer = make_layer(args, torch.float32, skew=3.0)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    xs = [torch.randn(B_LOC, S_LOC, DIM, generator=g).abs() + 0.5 for _ in range(2)]
+    # the real rows each ep rank's experts get in the two calls: every rank's assignments to them
+    ep, E_loc = ep_mesh.size(), args.num_experts // ep_mesh.size()
+    sent = sum(torch.bincount(layer.router(x.flatten(0, 1), S_LOC).experts.flatten() // E_loc, minlength=ep) for x in xs)
+    dist.all_reduce(sent, group=ep_mesh.get_group())
+    real = int(sent[ep_mesh.get_local_rank()])
+    most = sent.max().clone()  # the pool rows the config must give: the most any rank needs
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    most = int(most)
+
+    def run(stash):
+        moe = copy.deepcopy(layer)
+        shard_moe(moe, ep_mesh)
+        moe.dispatcher.stash = stash
+        inputs = [x.clone().requires_grad_() for x in xs]
+        ys = [moe(x) for x in inputs]
+        held = None
+        if stash is not None:
+            held = (int(stash.offset), stash.outstanding)
+            for pool in stash.pools:  # what later layers would write past the real rows
+                pool[int(stash.offset):] = float("nan") if pool.is_floating_point() else 0
+        sum((y * y.detach().roll(1, -1)).sum() for y in ys).backward()
+        grads = [x.grad for x in inputs] + [p.grad for p in moe.parameters()]
+        return [y.detach() for y in ys] + grads, held
+
+    want, _ = run(None)
+    stash = Stash(rows=most)
+    got, held = run(stash)
+    small = Stash(rows=most - 1)
+    run(small)
+    guard = NonFiniteGuard("stop", torch.device("cpu"))
+    guard.stashes, guard.stash_rows = [small], small.rows
+    try:
+        guard.before_optimizer_step()
+    except StashOverflow as e:
+        overflow = str(e)
+    else:
+        overflow = None
+
+    # all collectives done: now compare
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"stash on vs off\n{m}")
+    assert held[0] == real and held[1] > 0, f"pool rows in use, stashed tensors {held}; real rows {real}"
+    assert (stash.outstanding, int(stash.offset)) == (0, 0), "the pool is not free after backward"
+    worst = ep * B_LOC * S_LOC * args.top_k  # one layer call's received rows R: the tail room
+    assert stash.pools and all(p.shape[0] == most + worst for p in stash.pools), [p.shape for p in stash.pools]
+    assert overflow is not None and f"moe.stash_rows = {most - 1}:" in overflow \
+        and f"needed {most} rows" in overflow, overflow
+    assert most == 2 * worst, "the skewed case does not send every row to one rank"
+
+
 def worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -221,6 +292,7 @@ def worker(rank, port, out_dir):
         checks.append(("no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh)))
         if (ep, etp) == (2, 1):
             checks.append(("compiles static", lambda: check_compiles_static(ep_mesh, etp_mesh)))
+            checks.append(("stash", lambda: check_stash(ep_mesh)))
         for name, check in checks:
             try:
                 check()

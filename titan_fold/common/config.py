@@ -171,6 +171,12 @@ class MoE:
     compile.cudagraphs needs with ep or etp > 1): every rank sends each ep peer a block of the
     most rows it could get, T * min(top_k, experts per ep rank), padding after its real rows; the
     all-to-alls move up to ep x the bytes of the exact exchange. No effect with ep = etp = 1."""
+    stash_rows: int = 0
+    """With static_ep_exchange: the tensors the routed experts save for backward keep only their
+    real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers
+    (paged stashing, docs/moe.md): at least the real rows an ep rank's experts get in all the
+    layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
+    Eager only (no compile, no activation checkpointing)."""
 
 
 @dataclass
@@ -412,6 +418,13 @@ def validate(config: JobConfig) -> None:
     if moe.static_ep_exchange and moe.capacity_factor is not None:
         raise ConfigError(f"moe.static_ep_exchange = true with moe.capacity_factor = {moe.capacity_factor}: it is for "
                           "dropless routing; token drop has moe.pad_to_capacity for static shapes")
+    if moe.stash_rows:
+        if moe.stash_rows < 0 or not moe.static_ep_exchange:
+            raise ConfigError(f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
+                              "moe.static_ep_exchange = true (it stashes that exchange's real rows)")
+        if config.compile.enable or ac.mode != "none" or ac.moe_layer_recompute:
+            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with compile.enable or activation checkpointing: "
+                              "the stash hooks autograd's saved tensors in eager mode only; choose one")
     exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
     if config.compile.cudagraphs and exchange and moe.capacity_factor is None and not moe.static_ep_exchange:
         raise ConfigError("compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "

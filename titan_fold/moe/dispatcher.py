@@ -23,6 +23,7 @@ reversed, all-gather <-> reduce-scatter) without hand-written communication code
 Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from titan_fold.common.fused import fused
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
+from titan_fold.moe.stash import Stash
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -271,6 +273,8 @@ class TokenDispatcher(nn.Module):
         # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
         # of each token, rank after rank; None: every rank holds one contiguous chunk
         self.seq_positions = seq_positions
+        # moe.stash_rows: the pools (moe/stash.py) shared by the MoE layers of a model part, or None
+        self.stash: Stash | None = None
 
     def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
         """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
@@ -385,7 +389,11 @@ class TokenDispatcher(nn.Module):
             return plan, x_rows, weight_of_row
         E_loc = E // self.ep
         # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
-        plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, N, static)
+        if static:  # every split a fixed block: the counts stay on the device
+            sources = self._source_counts(rows_per_expert, E_loc, x_rows.device, N)
+            plan.splits, plan.rows_of_source = _Splits(None, None, None), sources.view(self.etp * self.ep, E_loc)
+        else:
+            plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
         if plan.splits.send is not None:
             n = _rows(sum(plan.splits.send), x_rows.shape[0])
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
@@ -415,12 +423,17 @@ class TokenDispatcher(nn.Module):
         counts = plan.rows_per_expert
         local_counts = S * counts if isinstance(counts, int) else rows_of_source.sum(0)  # [E_loc]
         x_sorted, w_sorted = _PermuteRows.apply(x_all, perm, inv), w_all[perm]
+        stashing = contextlib.nullcontext()
         if plan.padding:
             # the experts skip the rows past the last group and leave their outputs and input
             # gradients undefined (uninitialized memory): zeros in both directions instead
-            valid = torch.arange(R_all, device=x_all.device) < local_counts.sum()  # [R_all]
+            V = local_counts.sum()
+            valid = torch.arange(R_all, device=x_all.device) < V  # [R_all]
             x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
-        y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
+            if self.stash is not None:  # what the experts save for backward: the V real rows only
+                stashing = self.stash.layer(V, R_all)
+        with stashing:
+            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
         if plan.padding:
             y_sorted = torch.where(valid[:, None], y_sorted, 0)
         y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
@@ -432,9 +445,24 @@ class TokenDispatcher(nn.Module):
         # in the experts' dtype (bf16 under autocast)
         return _Combine.apply(y_rows, plan.token_of_row[:R], plan.slot.clamp(max=R), plan.k, plan.keep is not None)
 
-    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int, static: bool = False):
-        """Exchange counts and bring the split sizes to the host: the layer's one sync, none
-        when every split is a fixed block (padded, or static: the counts stay on the device).
+    def _source_counts(self, counts: torch.Tensor, E_loc: int, device: torch.device, rows: int) -> torch.Tensor:
+        """counts [ep*E_loc]: rows this rank sends each expert -> [etp*ep*E_loc] on the device: rows
+        each (etp, ep) source sends each local expert (all-to-all over ep, all-gather over etp)."""
+        ep, etp = self.ep, self.etp
+        recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
+        gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
+        if self.fake:  # no counts come back
+            gathered = torch.tensor(self._fake_sent(rows, E_loc) * etp, dtype=torch.int64, device=device)
+        return gathered
+
+    def _fake_sent(self, rows: int, E_loc: int) -> list[int]:
+        # a dry run's counts: rows spread evenly over the experts, and every source sends this
+        # rank what this rank sends it (sizes agree both ways)
+        n = self.ep * E_loc
+        return [rows // n + (e < rows % n) for e in range(n)]
+
+    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
+        """Exchange counts and bring the split sizes to the host: the layer's one sync.
         rows: this rank's routed rows (the sum of counts without drops).
 
         -> (_Splits, rows_of_source [etp*ep, E_loc] on device: rows each (etp, ep) source
@@ -443,16 +471,11 @@ class TokenDispatcher(nn.Module):
         if isinstance(counts, int):  # padded: every split is E_loc * C rows
             full = torch.full((etp * ep, E_loc), counts, dtype=torch.int64, device=device)
             return _Splits(None, None, None), full
-        recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
-        gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
-        if self.fake:  # no counts come back: rows spread evenly over the experts, and every
-            # source sends this rank what this rank sends it (sizes agree both ways)
-            sent = [rows // (ep * E_loc) + (e < rows % (ep * E_loc)) for e in range(ep * E_loc)]
+        gathered = self._source_counts(counts, E_loc, device, rows)
+        if self.fake:
+            sent = self._fake_sent(rows, E_loc)
             got = sent * etp
-            gathered = torch.tensor(got, dtype=torch.int64, device=device)
-        if static:
-            return _Splits(None, None, None), gathered.view(etp * ep, E_loc)
-        if not self.fake:
+        else:
             host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
             sent, got = host[: ep * E_loc], host[ep * E_loc :]
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
