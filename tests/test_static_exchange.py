@@ -305,3 +305,44 @@ def test_static_exchange_matches_exact_and_one_rank(tmp_path):
     mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     failures = rank_failures(str(tmp_path), WORLD)
     assert not failures, "\n".join(failures)[:20000]
+
+
+class _Saves(torch.autograd.Function):
+    """x -> x, saving t for backward, where it is handed to `seen`."""
+
+    @staticmethod
+    def forward(ctx, x, t, seen):
+        ctx.save_for_backward(t)
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(ctx.saved_tensors[0])
+        return grad, None, None
+
+
+def test_stash_gives_back_the_real_rows_of_every_dtype():
+    """A stashed tensor comes back with its dtype and shape, its V real rows as saved and the
+    rest zero, also after a second layer's stash has written over its padding; FP8 and bool
+    rows travel as bytes."""
+    from titan_fold.moe.stash import Stash
+
+    R, V = 6, torch.tensor(4)
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.bool):
+        stash = Stash(rows=10)
+        x = torch.randn(R, 3, requires_grad=True)
+        saved = [torch.randn(R, 3).to(dtype), (torch.randn(R) + 2).to(dtype)]
+        seen = []
+        with stash.layer(V, R):
+            y = _Saves.apply(_Saves.apply(x, saved[0], seen), saved[1], seen)
+        with stash.layer(V, R):  # a second layer: its rows start at the first one's V
+            z = _Saves.apply(x, torch.ones(R, 3).to(dtype), [])
+        assert int(stash.offset) == 8 and stash.outstanding == 3
+        (y.sum() + z.sum()).backward()
+        for got, want in zip(seen[::-1], saved):
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.equal(got[:4].view(torch.uint8), want[:4].view(torch.uint8)), dtype  # bit for bit
+            assert not got[4:].view(torch.uint8).any(), dtype
+        assert (stash.outstanding, int(stash.offset)) == (0, 0)
+        assert [tuple(p.shape) for p in stash.pools] == [(16, 3), (16,)]  # 10 rows + R

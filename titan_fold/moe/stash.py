@@ -72,15 +72,16 @@ class Stash:
         return peak
 
     def _put(self, i: int, t: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> "_Stashed":
-        R = t.shape[0]
+        R, dtype = t.shape[0], t.dtype
+        t = _bytes(t.detach())
         if i == len(self.pools):
             self.pools.append(torch.empty((self.rows + R, *t.shape[1:]), dtype=t.dtype, device=t.device))
         pool = self.pools[i]
         if pool.shape[1:] != t.shape[1:] or pool.dtype != t.dtype or pool.shape[0] < self.rows + R:
             raise RuntimeError(f"moe.stash_rows: saved tensor {i} of a layer is {tuple(t.shape)} {t.dtype}, "
                                f"its pool {tuple(pool.shape)} {pool.dtype}: every MoE layer must save alike")
-        pool.index_copy_(0, start + torch.arange(R, device=t.device), t.detach())
-        return _Stashed(self, pool, start, valid, R)
+        pool.index_copy_(0, start + torch.arange(R, device=t.device), t)
+        return _Stashed(self, pool, start, valid, R, dtype)
 
     def _release(self) -> None:
         self.outstanding -= 1
@@ -91,8 +92,9 @@ class Stash:
 class _Stashed:
     """What autograd keeps of one stashed tensor: where its rows are."""
 
-    def __init__(self, stash: Stash, pool: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, R: int):
-        self.pool, self.start, self.valid, self.R = pool, start, valid, R
+    def __init__(self, stash: Stash, pool: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, R: int,
+                 dtype: torch.dtype):
+        self.pool, self.start, self.valid, self.R, self.dtype = pool, start, valid, R, dtype
         stash.outstanding += 1
         weakref.finalize(self, stash._release)
 
@@ -100,7 +102,12 @@ class _Stashed:
         rows = torch.arange(self.R, device=self.pool.device)
         t = self.pool.index_select(0, self.start + rows)
         padding = (rows >= self.valid).view(-1, *[1] * (t.dim() - 1))
-        return t.masked_fill(padding, 0)  # rows past V: the padding, or a later layer's rows
+        return t.masked_fill(padding, 0).view(self.dtype)  # rows past V: the padding, or a later layer's rows
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # one-byte dtypes (FP8 experts' rows, masks) travel as uint8: index_copy_ and masked_fill take it on any device
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _unpack(saved):
