@@ -9,8 +9,8 @@ with the routing weight after w2, with the weight gradients split off (delay_wgr
 experts' outputs and input gradients on the padding rows NaN, as undefined as they may be.
 Forward and backward of the static layer make no host sync (tests/host_sync.py); the same
 check raises on the exact exchange. The static layer compiles to one graph each way with
-static sizes. Paged stashing (moe.stash_rows): the same numbers, the real rows only, the
-overflow stop.
+static sizes. Paged stashing (moe.stash_rows): the same numbers, the real rows only, every
+dtype given back bit for bit, and the trainer's stop when the pool is too small.
 """
 
 import copy
@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes
+from conftest import forget_earlier_meshes, forked
 from host_sync import HostSync, no_host_sync
 from launcher import end_rank_checks, free_port, rank_failures
 from test_moe_layer import DIM, make_layer
@@ -346,3 +346,18 @@ def test_stash_gives_back_the_real_rows_of_every_dtype():
             assert not got[4:].view(torch.uint8).any(), dtype
         assert (stash.outstanding, int(stash.offset)) == (0, 0)
         assert [tuple(p.shape) for p in stash.pools] == [(16, 3), (16,)]  # 10 rows + R
+
+
+def test_trainer_stops_when_the_stash_overflows(tmp_path):
+    """The trainer on 2 gloo ranks at ep 2: its MoE layers share a stash whose overflow the
+    NaN/Inf guard reads before the optimizer step: too few rows stop every rank at step 1 with
+    one line naming moe.stash_rows and the rows needed; no step is logged."""
+    folder = tmp_path / "run"
+    codes, _, stderr = forked(2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
+                              str(folder), "--training.local_batch_size", "1", "--training.seq_len", "32",
+                              "--training.steps", "2", "--parallelism.expert_parallel_degree", "2",
+                              "--moe.static_ep_exchange", "--moe.stash_rows", "8")
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert codes == [2, 2] and len(lines) == 1, stderr[-4000:]
+    assert lines[0].startswith("error: moe.stash_rows = 8: the MoE layers in flight at step 1 needed "), lines[0]
+    assert not (folder / "metrics.jsonl").exists() or not (folder / "metrics.jsonl").read_text().strip()
