@@ -48,18 +48,21 @@ class Stash:
             self.needed = torch.zeros_like(self.offset)
         start = self.offset.clamp(max=self.rows)  # beyond stash_rows: overwrite, flagged by `needed`
         positions = itertools.count()
-        stashed = {}  # a tensor saved twice (x by the w1 and w3 GEMMs) is stashed once
+        # a tensor saved twice (x by the w1 and w3 GEMMs) is stashed once; each is held until the
+        # layer ends, so that no other tensor takes its memory address meanwhile
+        stashed = {}
 
         def pack(t: torch.Tensor):
             if t.dim() not in (1, 2) or t.shape[0] != R or not t.is_contiguous():
                 return t
             key = (t.data_ptr(), t.dtype, tuple(t.shape))
             if key not in stashed:
-                stashed[key] = self._put(next(positions), t, start, valid)
-            return stashed[key]
+                stashed[key] = (t, self._put(next(positions), t, start, valid))
+            return stashed[key][1]
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
+        stashed.clear()
         self.offset += valid
         torch.maximum(self.needed, self.offset, out=self.needed)
 
