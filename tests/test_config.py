@@ -59,11 +59,35 @@ def test_missing_file_names_it():
         ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
         ('[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n', "choose one"),
         ("[moe\n", "not valid TOML"),
+        ("[moe]\ncapacity_factor = 1.0\nstatic_ep_exchange = true\n",
+         "moe.static_ep_exchange = true with moe.capacity_factor = 1.0: it is for dropless routing"),
+        ("[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
+         "compile.cudagraphs = true with dropless routing .*; set moe.static_ep_exchange = true"),
+        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.static_ep_exchange"),
+        ("[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
+         "moe.stash_rows = 100 with compile.enable or activation checkpointing"),
+        ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
+         "[compile]\nenable = true\n", "moe.stash_rows = 100 with compile.enable"),
     ],
 )
 def test_bad_config_names_key_and_rule(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--job.config_file", write(tmp_path, text)])
+
+
+@pytest.mark.parametrize("args", [
+    [],  # one EP rank: the dropless layer has no host sync
+    ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],
+    ["--parallelism.expert_parallel_degree", "2", "--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"],
+])
+def test_cudagraphs_with_static_shapes_accepted(args):
+    config = parse_args(["--compile.enable", "--compile.cudagraphs", *args])
+    assert config.compile.cudagraphs
+
+
+def test_stash_accepted_in_eager_without_recompute():
+    config = parse_args(["--moe.static_ep_exchange", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none"])
+    assert config.moe.stash_rows == 4096
 
 
 @pytest.mark.parametrize("name, world", [("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)])

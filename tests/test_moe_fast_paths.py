@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from host_sync import HostSync, no_host_sync
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from titan_fold.moe import MoE, MoEArgs
@@ -81,7 +82,16 @@ def test_route_is_one_graph():
         torch.testing.assert_close(a, b)
 
 
-def _layer_step_on_fake_tensors(args: MoEArgs):
+def _layer_step(args: MoEArgs, tensors: str):
+    """Forward and backward of the layer, one EP rank: on fake tensors in bf16 (no data on the
+    host to read), or on real fp32 tensors under no_host_sync() (tests/host_sync.py)."""
+    if tensors == "real":
+        moe = MoE(64, args)
+        moe.init_weights(0.1)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        with no_host_sync():
+            moe(x).square().sum().backward()
+        return
     default = torch.get_default_dtype()
     with FakeTensorMode():
         torch.set_default_dtype(torch.bfloat16)
@@ -93,22 +103,24 @@ def _layer_step_on_fake_tensors(args: MoEArgs):
         moe(x).float().square().sum().backward()
 
 
+@pytest.mark.parametrize("tensors", ["fake", "real"])
 @pytest.mark.parametrize("load_balance", ["aux_loss", "seq_aux_loss", "aux_free"])
-def test_dropless_layer_has_no_host_sync(load_balance):
-    """On fake tensors (no data on the host to read) a forward and backward of the dropless layer,
-    bf16 rows, one EP rank: any .item(), .tolist(), bool() of a tensor or data-dependent shape
-    inside the layer (router, dispatch, experts, combine, aux-loss bookkeeping) raises. Such a
-    layer can be captured in a CUDA graph."""
-    _layer_step_on_fake_tensors(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32,
-                                        load_balance=load_balance, z_loss_coeff=1e-3,
-                                        aux_loss_coeff=1e-2 if load_balance != "aux_free" else 0.0))
+def test_dropless_layer_has_no_host_sync(load_balance, tensors):
+    """A forward and backward of the dropless layer, one EP rank, on fake tensors (bf16 rows) and
+    on real ones under the host-sync check: any .item(), .tolist(), bool() of a tensor or
+    data-dependent shape inside the layer (router, dispatch, experts, combine, aux-loss
+    bookkeeping) raises. Such a layer can be captured in a CUDA graph. (Over ep > 1 with
+    moe.static_ep_exchange: tests/test_static_exchange.py.)"""
+    _layer_step(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32, load_balance=load_balance,
+                        z_loss_coeff=1e-3, aux_loss_coeff=1e-2 if load_balance != "aux_free" else 0.0), tensors)
 
 
-def test_host_sync_check_fails_on_a_sync():
+@pytest.mark.parametrize("tensors, error", [("fake", DataDependentOutputException), ("real", HostSync)])
+def test_host_sync_check_fails_on_a_sync(tensors, error):
     """The check above can fail: token drop without padding cuts the dropped rows off, a size
     read from the device."""
-    with pytest.raises(DataDependentOutputException):
-        _layer_step_on_fake_tensors(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, capacity_factor=1.0))
+    with pytest.raises(error):
+        _layer_step(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, capacity_factor=1.0), tensors)
 
 
 def test_grouped_gemm_choice_on_cpu():

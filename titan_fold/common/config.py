@@ -110,7 +110,8 @@ class Compile(TitanCompile):
     cudagraphs: bool = False
     """Each compiled block's forward and backward replayed as CUDA graphs (torch.compile
     mode="reduce-overhead"): no host launch work per kernel. Needs compile.enable; the layer must
-    have no host sync (dropless on one EP rank, or token drop with pad_to_capacity)."""
+    have no host sync (dropless on one EP rank or with moe.static_ep_exchange, or token drop with
+    pad_to_capacity)."""
 
 
 @dataclass
@@ -165,6 +166,17 @@ class MoE:
     that the expert all-to-alls of each run under the other's compute (Megatron-Core's
     --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches; under
     pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state."""
+    static_ep_exchange: bool = False
+    """Dropless only: the exchange over ep x etp with static shapes and no host sync (what
+    compile.cudagraphs needs with ep or etp > 1): every rank sends each ep peer a block of the
+    most rows it could get, T * min(top_k, experts per ep rank), padding after its real rows; the
+    all-to-alls move up to ep x the bytes of the exact exchange. No effect with ep = etp = 1."""
+    stash_rows: int = 0
+    """With static_ep_exchange: the tensors the routed experts save for backward keep only their
+    real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers
+    (paged stashing, docs/moe.md): at least the real rows an ep rank's experts get in all the
+    layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
+    Eager only (no compile, no activation checkpointing)."""
 
 
 @dataclass
@@ -403,6 +415,21 @@ def validate(config: JobConfig) -> None:
                           "are for bf16 model parameters; set training.dtype = 'bfloat16'")
     if config.compile.cudagraphs and not config.compile.enable:
         raise ConfigError("compile.cudagraphs = true needs compile.enable (the graphs are torch.compile's)")
+    if moe.static_ep_exchange and moe.capacity_factor is not None:
+        raise ConfigError(f"moe.static_ep_exchange = true with moe.capacity_factor = {moe.capacity_factor}: it is for "
+                          "dropless routing; token drop has moe.pad_to_capacity for static shapes")
+    if moe.stash_rows:
+        if moe.stash_rows < 0 or not moe.static_ep_exchange:
+            raise ConfigError(f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
+                              "moe.static_ep_exchange = true (it stashes that exchange's real rows)")
+        if config.compile.enable or ac.mode != "none" or ac.moe_layer_recompute:
+            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with compile.enable or activation checkpointing: "
+                              "the stash hooks autograd's saved tensors in eager mode only; choose one")
+    exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
+    if config.compile.cudagraphs and exchange and moe.capacity_factor is None and not moe.static_ep_exchange:
+        raise ConfigError("compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "
+                          "expert_tensor_parallel_degree > 1: the exchange sizes reach the host in every layer "
+                          "(a graph per shape); set moe.static_ep_exchange = true")
     if config.moe.expert_fp8 and "bfloat16" not in (tr.dtype, tr.mixed_precision_param):
         raise ConfigError(f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
                           f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'")

@@ -16,7 +16,7 @@ from torchtitan.tools.utils import NoColor
 from titan_fold.parallel.mesh import Layout
 from titan_fold.planning.accounting import local_tensor
 from titan_fold.trainer.fold_trainer import FoldTrainer
-from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep
+from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, StashOverflow
 from titan_fold.trainer.torchtitan_adapter import Names
 from titan_fold.trainer.train_spec import register_train_specs
 
@@ -29,7 +29,7 @@ class VerdictFreeGuard(NonFiniteGuard):
     def before_optimizer_step(self, *hook_args) -> None:
         try:
             super().before_optimizer_step(*hook_args)
-        except (NonFiniteError, SkippedStep):
+        except (NonFiniteError, SkippedStep, StashOverflow):
             pass
 
 

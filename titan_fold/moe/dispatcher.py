@@ -8,8 +8,9 @@ Forward of one layer (rank r, N = T * top_k assignments):
 
     keep mask        token drop only: capacity per expert, by probs or by position,
                      on local tokens (sub_sequence) or on the whole sequences (full_sequence)
-    permute          rows grouped by destination expert; dropped ones last (or padded slots)
-    counts           all-to-all over ep, all-gather over etp, ONE .tolist() (none if padded)
+    permute          rows grouped by destination expert; dropped ones last (or padded slots;
+                     or, static exchange, a worst-case block of rows per ep peer, padding last)
+    counts           all-to-all over ep, all-gather over etp, ONE .tolist() (none if padded or static)
     all-to-all-v     over ep: rows go to the rank that owns their expert
     all-gather-v     over etp: every etp rank sees all rows of its local experts
     group            rows sorted by local expert -> grouped GEMM on the ffn shard
@@ -22,6 +23,7 @@ reversed, all-gather <-> reduce-scatter) without hand-written communication code
 Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from titan_fold.common.fused import fused
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
+from titan_fold.moe.stash import Stash
 
 
 def capacity(num_tokens: int, args: MoEArgs) -> int:
@@ -113,6 +116,17 @@ def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool)
     for j in range(1, k):
         total = total + rows[slot[:, j]]
     return total.to(rows.dtype)
+
+
+def _fixed_rows(slot: torch.Tensor, R: int, weights: torch.Tensor, k: int):
+    """slot [N]: each assignment's row among R fixed rows (R: dropped, no row) -> (token_of_row [R],
+    weight_of_row [R]). Empty rows point at assignment N: token 0 with weight 0, so they add nothing."""
+    N = slot.numel()
+    assign = torch.full((R + 1,), N, dtype=torch.int64, device=slot.device)
+    assign = assign.scatter(0, slot, torch.arange(N, device=slot.device))[:R]  # [R]
+    token_of_row = torch.where(assign < N, assign // k, 0)
+    weight_of_row = torch.cat([weights, weights.new_zeros(1)])[assign]
+    return token_of_row, weight_of_row
 
 
 def _sum_rows(rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
@@ -238,6 +252,7 @@ class Plan:
     rows_per_expert: torch.Tensor | int  # [E] rows for each expert, or C (padded)
     splits: _Splits | None = None  # with an exchange: sizes of its collectives
     rows_of_source: torch.Tensor | None = None  # [etp*ep, E_loc] rows each source sends each local expert
+    padding: bool = False  # static exchange: each source's block ends in rows that carry nothing
 
 
 class TokenDispatcher(nn.Module):
@@ -258,6 +273,8 @@ class TokenDispatcher(nn.Module):
         # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
         # of each token, rank after rank; None: every rank holds one contiguous chunk
         self.seq_positions = seq_positions
+        # moe.stash_rows: the pools (moe/stash.py) shared by the MoE layers of a model part, or None
+        self.stash: Stash | None = None
 
     def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
         """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
@@ -322,7 +339,8 @@ class TokenDispatcher(nn.Module):
     def permute(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor, args: MoEArgs,
                 num_seqs: int, gather_rows: bool = True) -> tuple["Plan", torch.Tensor, torch.Tensor]:
         """Drop decisions, rows grouped by destination, split sizes exchanged (the layer's one
-        host sync) -> (plan, x_rows [R, dim], w_rows [R]: the rows to send and their weights).
+        host sync, none with static shapes) -> (plan, x_rows [R, dim], w_rows [R]: the rows to
+        send and their weights).
         gather_rows False (one rank, dropless): x itself in place of x_rows."""
         T, k = experts_idx.shape
         E, N = args.num_experts, T * k
@@ -335,16 +353,23 @@ class TokenDispatcher(nn.Module):
         counts = counts[:E]  # [E] kept rows per expert
         weights = probs.flatten()  # [N]
 
+        static = keep is None and args.static_ep_exchange and self.ep * self.etp > 1
         if keep is not None and args.pad_to_capacity:
-            # static shapes: expert e owns rows [e*C, (e+1)*C); empty slots point at
-            # assignment N (token 0 with weight 0, so they add nothing)
+            # static shapes: expert e owns rows [e*C, (e+1)*C)
             C = min(cap, T)  # one expert cannot get more than T of this rank's assignments
             slot = torch.where(key < E, key * C + pos, E * C)  # [N]; dropped -> a spare slot
-            assign = torch.full((E * C + 1,), N, dtype=torch.int64, device=x.device)
-            assign = assign.scatter(0, slot, torch.arange(N, device=x.device))[: E * C]  # [E*C]
-            token_of_row = torch.where(assign < N, assign // k, 0)
-            weight_of_row = torch.cat([weights, weights.new_zeros(1)])[assign]
+            token_of_row, weight_of_row = _fixed_rows(slot, E * C, weights, k)
             rows_per_expert = C
+        elif static:
+            # static shapes, dropless: ep peer d owns rows [d*B, (d+1)*B), its rows by expert
+            # first, padding after; B is the most rows one peer can get from this rank
+            E_loc = E // self.ep
+            B = T * min(k, E_loc)  # a token's k experts are distinct: at most E_loc on one peer
+            per_peer = counts.view(self.ep, E_loc)
+            before = (per_peer.cumsum(1) - per_peer).flatten()  # [E] rows of the peer's earlier experts
+            slot = (key // E_loc) * B + before[key] + pos  # [N]
+            token_of_row, weight_of_row = _fixed_rows(slot, self.ep * B, weights, k)
+            rows_per_expert = counts
         else:
             token_of_row = order // k  # [N], dropped rows last
             slot = _inverse(order)  # [N] row of each assignment
@@ -353,7 +378,7 @@ class TokenDispatcher(nn.Module):
 
         dropped = keep is not None
         x = x.to(compute_dtype(x))
-        plan = Plan(token_of_row, slot, k, keep, rows_per_expert)
+        plan = Plan(token_of_row, slot, k, keep, rows_per_expert, padding=static)
         if not gather_rows:
             return plan, x, weight_of_row
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
@@ -364,7 +389,11 @@ class TokenDispatcher(nn.Module):
             return plan, x_rows, weight_of_row
         E_loc = E // self.ep
         # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
-        plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
+        if static:  # every split a fixed block: the counts stay on the device
+            sources = self._source_counts(rows_per_expert, E_loc, x_rows.device, N)
+            plan.splits, plan.rows_of_source = _Splits(None, None, None), sources.view(self.etp * self.ep, E_loc)
+        else:
+            plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
         if plan.splits.send is not None:
             n = _rows(sum(plan.splits.send), x_rows.shape[0])
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
@@ -378,15 +407,35 @@ class TokenDispatcher(nn.Module):
         x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
         w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
 
-        # group rows by local expert (stable: keeps source order inside an expert)
-        E_loc = rows_of_source.shape[1]
-        expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(rows_of_source.shape[0])
-        expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=x_all.shape[0])
+        # group rows by local expert (stable: keeps source order inside an expert), padding last
+        S, E_loc = rows_of_source.shape
+        R_all = x_all.shape[0]
+        if sp.recv is None:  # every source sent a block of B rows: its rows by expert, then padding
+            B = R_all // S
+            ends = rows_of_source.cumsum(1)  # [S, E_loc] end of each expert's rows in its block
+            within = torch.arange(B, device=x_all.device).expand(S, B).contiguous()
+            expert_of_row = torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding
+        else:
+            expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(S)
+            expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=R_all)
         perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
         inv = _inverse(perm)
         counts = plan.rows_per_expert
-        local_counts = rows_of_source.sum(0) if sp.send is not None else rows_of_source.shape[0] * counts
-        y_sorted = experts(_PermuteRows.apply(x_all, perm, inv), local_counts, w_all[perm], args.prob_before_w2)
+        local_counts = S * counts if isinstance(counts, int) else rows_of_source.sum(0)  # [E_loc]
+        x_sorted, w_sorted = _PermuteRows.apply(x_all, perm, inv), w_all[perm]
+        stashing = contextlib.nullcontext()
+        if plan.padding:
+            # the experts skip the rows past the last group and leave their outputs and input
+            # gradients undefined (uninitialized memory): zeros in both directions instead
+            V = local_counts.sum()
+            valid = torch.arange(R_all, device=x_all.device) < V  # [R_all]
+            x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
+            if self.stash is not None:  # what the experts save for backward: the V real rows only
+                stashing = self.stash.layer(V, R_all)
+        with stashing:
+            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
+        if plan.padding:
+            y_sorted = torch.where(valid[:, None], y_sorted, 0)
         y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
         return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
 
@@ -395,6 +444,22 @@ class TokenDispatcher(nn.Module):
         R = y_rows.shape[0]  # dropped rows were cut off: their assignments read the zero row
         # in the experts' dtype (bf16 under autocast)
         return _Combine.apply(y_rows, plan.token_of_row[:R], plan.slot.clamp(max=R), plan.k, plan.keep is not None)
+
+    def _source_counts(self, counts: torch.Tensor, E_loc: int, device: torch.device, rows: int) -> torch.Tensor:
+        """counts [ep*E_loc]: rows this rank sends each expert -> [etp*ep*E_loc] on the device: rows
+        each (etp, ep) source sends each local expert (all-to-all over ep, all-gather over etp)."""
+        ep, etp = self.ep, self.etp
+        recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
+        gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
+        if self.fake:  # no counts come back
+            gathered = torch.tensor(self._fake_sent(rows, E_loc) * etp, dtype=torch.int64, device=device)
+        return gathered
+
+    def _fake_sent(self, rows: int, E_loc: int) -> list[int]:
+        # a dry run's counts: rows spread evenly over the experts, and every source sends this
+        # rank what this rank sends it (sizes agree both ways)
+        n = self.ep * E_loc
+        return [rows // n + (e < rows % n) for e in range(n)]
 
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
         """Exchange counts and bring the split sizes to the host: the layer's one sync.
@@ -406,13 +471,10 @@ class TokenDispatcher(nn.Module):
         if isinstance(counts, int):  # padded: every split is E_loc * C rows
             full = torch.full((etp * ep, E_loc), counts, dtype=torch.int64, device=device)
             return _Splits(None, None, None), full
-        recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
-        gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
-        if self.fake:  # no counts come back: rows spread evenly over the experts, and every
-            # source sends this rank what this rank sends it (sizes agree both ways)
-            sent = [rows // (ep * E_loc) + (e < rows % (ep * E_loc)) for e in range(ep * E_loc)]
+        gathered = self._source_counts(counts, E_loc, device, rows)
+        if self.fake:
+            sent = self._fake_sent(rows, E_loc)
             got = sent * etp
-            gathered = torch.tensor(got, dtype=torch.int64, device=device)
         else:
             host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
             sent, got = host[: ep * E_loc], host[ep * E_loc :]

@@ -61,9 +61,11 @@ class GroupedExperts(nn.Module):
         """x [R, dim] rows grouped by local expert; probs [R] routing weight of each row.
         With gather (only where fuses_gather(x)): x [T, dim] tokens, row i reads x[gather.rows[i]].
 
-        counts: [E_local] int tensor of rows per expert, summing to R (torch._grouped_mm
-        leaves rows past its last offset uninitialized, so there must be none), or an int
-        C meaning R = E_local * C (padded, static shapes: batched GEMM).
+        counts: [E_local] int tensor of rows per expert, summing to at most R, or an int C
+        meaning R = E_local * C (padded, static shapes: batched GEMM). Rows past the last
+        group are padding, never computed: torch._grouped_mm and QuACK leave their outputs
+        and input gradients uninitialized, so a caller that passes such rows masks both
+        (the dispatcher's static exchange).
         Returns [R, dim], already multiplied by probs. With etp > 1 it is a partial sum.
         """
         dtype = compute_dtype(x)
@@ -207,7 +209,9 @@ def _swiglu_split_wgrad(experts, x, counts, w1, w2, w3, p, prob_before_w2):
 def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
     # fallback (float64 tests, no _grouped_mm): one GEMM chain per expert
     sizes = counts.tolist()
+    padding = x.shape[0] - sum(sizes)  # rows past the last group: zeros, not computed
     ys = []
-    for e, (xe, pe) in enumerate(zip(x.split(sizes), p.split(sizes))):
-        ys.append(_apply(xe @ w1[e].T, xe @ w3[e].T, pe, lambda h: h @ w2[e].T, prob_before_w2))  # [n_e, dim]
-    return torch.cat(ys)
+    for e, (xe, pe) in enumerate(zip(x.split(sizes + [padding]), p.split(sizes + [padding]))):
+        if e < len(sizes):
+            ys.append(_apply(xe @ w1[e].T, xe @ w3[e].T, pe, lambda h: h @ w2[e].T, prob_before_w2))  # [n_e, dim]
+    return torch.cat(ys + [x.new_zeros(padding, w2.shape[1])])

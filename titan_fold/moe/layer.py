@@ -108,6 +108,12 @@ def moe_layers(model_parts) -> list[MoE]:
     return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
 
 
+def moe_stashes(model_parts) -> list:
+    """The distinct stashes (moe.stash_rows, moe/stash.py) of the MoE layers of a module or a list of them."""
+    found = {id(m.dispatcher.stash): m.dispatcher.stash for m in moe_layers(model_parts) if m.dispatcher.stash is not None}
+    return list(found.values())
+
+
 @torch.no_grad()
 def moe_stats(model_parts) -> dict:
     """Averages over MoE layers (each over its calls since the last moe_stats), then reset.

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.moe import MoE, TokenDispatcher, moe_layers
+from titan_fold.moe.stash import Stash
 from titan_fold.parallel.attention import sequence_positions
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.placement import EXPERT, Placed, expert_placements
@@ -36,7 +37,7 @@ def dispatcher(layout: Layout) -> TokenDispatcher:
 
 def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None:
     """Routed experts as DTensors on the expert mesh where the plan lays them out on ep / etp;
-    every MoE layer's dispatcher for this layout."""
+    every MoE layer's dispatcher for this layout (with moe.stash_rows, sharing one Stash)."""
     for fqn, param in list(model.named_parameters()):  # a pipeline stage holds only some layers
         placed = plan[fqn]
         if placed.mesh != EXPERT or not placed.dims:
@@ -44,8 +45,12 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
         owner_name, name = fqn.rsplit(".", 1)
         tensor = distribute_tensor(param.data, layout.expert[placed.dims], placed.placements)
         setattr(model.get_submodule(owner_name), name, nn.Parameter(tensor, param.requires_grad))
+    stash = None  # moe.stash_rows: one pool for the model part's MoE layers
     for moe in moe_layers(model):
         moe.dispatcher = dispatcher(layout)
+        if moe.args.stash_rows:
+            stash = stash or Stash(moe.args.stash_rows)
+            moe.dispatcher.stash = stash
 
 
 def expert_slice(w: torch.Tensor, name: str, ep_mesh: DeviceMesh | None = None,

@@ -29,6 +29,7 @@ from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers, update_expert_bias
+from titan_fold.moe.layer import moe_stashes
 from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
@@ -108,6 +109,8 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        # moe.stash_rows: the stashes' overflow is checked there too
+        self.guard.stashes, self.guard.stash_rows = moe_stashes(self.model_parts), self.model_args.moe.stash_rows
         if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
             # the last stage's embedding copy starts as the first stage's (a checkpoint loads both)
             sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "weights")

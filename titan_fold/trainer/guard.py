@@ -12,8 +12,11 @@ NaN or Inf. Then, by `training.nonfinite`:
   warning is printed and metrics.jsonl gets `{"step": n, "skipped": "loss is nan", "skipped_steps": k}`.
 
 The check is an optimizer step pre-hook (raising there skips the step), fed by the
-trainer with each micro-batch's loss and the clipped norm. Its cost is one 2-element
-all-reduce and one device sync per step.
+trainer with each micro-batch's loss and the clipped norm. Its cost is one 3-element
+all-reduce and one device sync per step. The third element is the MoE stash's verdict
+(`moe.stash_rows`, moe/stash.py): the most rows the layers needed, where more than the pool
+holds; then every rank raises StashOverflow (one line naming the key), whatever the policy:
+the step's saved activations were overwritten.
 
 `check_weights` refuses a loaded checkpoint whose weights hold NaN or Inf.
 """
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_fold.checkpoint.manager import CheckpointError
+from titan_fold.common.config import ConfigError
 
 # codes, ordered so that MAX keeps the worst
 FINITE, INF, NAN = 0, 1, 2
@@ -39,6 +43,14 @@ class NonFiniteError(BaseException):
     def __init__(self, step: int, what: str):
         super().__init__(f"step {step}: {what}")
         self.step, self.what = step, what
+
+
+class StashOverflow(ConfigError):
+    """The MoE layers needed more stash rows than moe.stash_rows at `step`; the optimizer has not stepped."""
+
+    def __init__(self, step: int, rows: int, needed: int):
+        super().__init__(f"moe.stash_rows = {rows}: the MoE layers in flight at step {step} needed {needed} rows; "
+                         f"set moe.stash_rows >= {needed} (stopped before that step's optimizer step)")
 
 
 class SkippedStep(Exception):
@@ -60,6 +72,8 @@ class NonFiniteGuard:
         self.skipped = 0
         self._loss_code = None
         self._grad_norm = None
+        self.stashes = []  # the model's MoE stashes (moe/stash.py), read at every check
+        self.stash_rows = 0  # moe.stash_rows, for the message
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         code = _code(_value(loss).detach().float())
@@ -74,10 +88,17 @@ class NonFiniteGuard:
         loss_code = self._loss_code if self._loss_code is not None else torch.tensor(FINITE)
         norm = self._grad_norm if self._grad_norm is not None else torch.zeros(())
         self._loss_code = self._grad_norm = None
-        codes = torch.stack([loss_code.to(self.device, torch.int64), _code(norm.float()).to(self.device, torch.int64)])
+        overflow = torch.zeros((), dtype=torch.int64, device=self.device)
+        for stash in self.stashes:  # rows needed beyond the pool, else 0
+            peak = stash.peak().to(self.device)
+            overflow = torch.maximum(overflow, torch.where(peak > stash.rows, peak, 0))
+        codes = torch.stack([loss_code.to(self.device, torch.int64), _code(norm.float()).to(self.device, torch.int64),
+                             overflow])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(codes, op=dist.ReduceOp.MAX)
-        loss_code, norm_code = codes.tolist()
+        loss_code, norm_code, needed = codes.tolist()
+        if needed:
+            raise StashOverflow(self.step, self.stash_rows, needed)
         if loss_code == norm_code == FINITE:
             return
         what = f"loss is {_NAMES[loss_code]}" if loss_code else f"grad_norm is {_NAMES[norm_code]}"
