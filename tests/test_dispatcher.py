@@ -43,8 +43,8 @@ CASES = [
 
 
 def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device):
+    from titan_fold.common.tensors import local
     from titan_fold.moe import MoEArgs
-    from titan_fold.moe.experts import local
     from titan_fold.parallel.experts import expert_slice, shard_moe
 
     top_k, E, cf, policy, skew, pad, n, dtype, before = case

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from titan_fold import dryrun
 from titan_fold.common.config import PACKAGED_CONFIGS, parse_args
+from titan_fold.common.tensors import local
 from titan_fold.dryrun.measure import _dry_config
 from titan_fold.models import FLAVORS, Transformer
-from titan_fold.planning.accounting import local_tensor
 from titan_fold.trainer.banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_banner():
     assert "pp 4 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 2" in text
     assert "pp 4 x edp 4 x ep 4 x etp 1; 16 of 64 experts per rank" in text
     assert "pipeline stages: 8 (2 on this rank)" in text
-    numel = sum(local_tensor(p).numel() for part in parts for p in part.parameters())
+    numel = sum(local(p).numel() for part in parts for p in part.parameters())
     assert f"params {4 * numel / 2**30:.2f} GiB" in text
 
 

@@ -12,11 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torchtitan.protocols.train_spec import get_train_spec
 
+from titan_fold.common.tensors import local
 from titan_fold.dryrun.world import coordinates, init_fake_world
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, format_stages, pipeline
 from titan_fold.planning import cost_model
-from titan_fold.planning.accounting import GIB, bytes_of, local_tensor, parameter_report
+from titan_fold.planning.accounting import GIB, bytes_of, parameter_report
 from titan_fold.trainer.preflight import layout_from_config
 from titan_fold.trainer.train_spec import register_train_specs
 
@@ -38,7 +39,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                st = local_tensor(t).untyped_storage()
+                st = local(t).untyped_storage()
                 key = st._cdata
                 if key not in self.sizes:
                     self.sizes[key] = st.nbytes()
@@ -48,7 +49,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def bytes_of(self, tensors) -> int:
-        keys = {local_tensor(t).untyped_storage()._cdata for t in tensors}
+        keys = {local(t).untyped_storage()._cdata for t in tensors}
         return sum(self.sizes.get(k, 0) for k in keys)
 
 

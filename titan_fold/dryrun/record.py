@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from titan_fold.common.tensors import local
 from titan_fold.dryrun.measure import _dry_config
 from titan_fold.dryrun.step import StepTrainer
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
 from titan_fold.parallel.pipeline import stage_fqns
-from titan_fold.planning.accounting import local_tensor
 from titan_fold.trainer.preflight import layout_from_config
 
 P2P = "p2p"  # the group name under which a pair of ranks' send/recv are recorded
@@ -70,7 +70,7 @@ class CollectiveRecorder(TorchDispatchMode):
             elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
                 group = dist.ProcessGroup.unbox(a)  # c10d ops (FSDP2, pipelining) carry the group boxed
             elif isinstance(a, torch.Tensor):
-                shapes.append((tuple(local_tensor(a).shape), str(a.dtype).removeprefix("torch.")))
+                shapes.append((tuple(local(a).shape), str(a.dtype).removeprefix("torch.")))
             elif isinstance(a, int) and not isinstance(a, bool):
                 ints.append(a)
         if group is None:

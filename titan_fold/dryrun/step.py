@@ -13,8 +13,8 @@ from torchtitan.protocols import train_spec as train_spec_module
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import NoColor
 
+from titan_fold.common.tensors import local
 from titan_fold.parallel.mesh import Layout
-from titan_fold.planning.accounting import local_tensor
 from titan_fold.trainer.fold_trainer import FoldTrainer
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, StashOverflow
 from titan_fold.trainer.torchtitan_adapter import Names
@@ -73,8 +73,8 @@ def init_by_shard(model_cls: type[nn.Module]) -> type[nn.Module]:
     (init_weights ties them again)."""
 
     def init_weights(self, *args, **kwargs):
-        local = {name: local_tensor(p) for name, p in self.named_parameters()}
-        with _reparametrize_module(self, local):
+        shards = {name: local(p) for name, p in self.named_parameters()}
+        with _reparametrize_module(self, shards):
             super(by_shard, self).init_weights(*args, **kwargs)
 
     by_shard = type(model_cls.__name__, (model_cls,), {"init_weights": init_weights})

@@ -13,13 +13,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.common.fused import fused
+from titan_fold.common.tensors import local
 from titan_fold.moe.fp8 import fp8_grouped_linear
 from titan_fold.moe.quack import Gather, down_projection, offsets, up_projection, use_quack
 from titan_fold.moe.wgrad import flush_at_input, split_grouped_linear
-
-
-def local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+from titan_fold.common.tensors import local
 from titan_fold.parallel.placement import tp_plan
 
 # ---------------------------------------------------------------- tensor / sequence parallel
@@ -83,7 +84,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
             model.stage_input = lambda x: DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
             model.register_forward_pre_hook(lambda module, args: (module.stage_input(args[0]), *args[1:]))
         if model.output is None:
-            model.stage_output = lambda out: out.to_local() if isinstance(out, DTensor) else out
+            model.stage_output = local
             model.register_forward_hook(lambda module, args, out: module.stage_output(out))
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # each style made its own DTensor of the shared table (both Shard(0)): tie again

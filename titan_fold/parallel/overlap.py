@@ -71,6 +71,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_fold.common.tensors import local
 from titan_fold.moe import moe_layers
 from titan_fold.moe.router import AddAuxLoss
 from titan_fold.moe.wgrad import WgradQueue
@@ -209,7 +210,7 @@ def _attention(block, x: torch.Tensor, cos, sin):
     output or None, rows to send [R, dim], their weights [R], plan)."""
     h = x + block.attention(block.attention_norm(x), cos, sin)  # [b, s, dim]
     moe = block.moe
-    tokens = _local(block.ffn_norm(h))  # this rank's tokens, as the MoE takes them under sequence parallel
+    tokens = local(block.ffn_norm(h))  # this rank's tokens, as the MoE takes them under sequence parallel
     b, s, dim = tokens.shape
     tokens = tokens.reshape(b * s, dim)  # [T, dim]
     routing = moe.router(tokens, s, moe.aux_loss_scale, moe.dispatcher.seq_mesh)
@@ -225,14 +226,10 @@ def _post(moe, plan, h: torch.Tensor, y_rows: torch.Tensor, shared: torch.Tensor
     y = moe.dispatcher.unpermute(y_rows, plan)  # [T, dim]
     if shared is not None:
         y = y + shared
-    y = y.view(_local(h).shape)
+    y = y.view(local(h).shape)
     if isinstance(h, DTensor):  # sequence parallel: the MoE returns this rank's tokens as h is placed
         y = DTensor.from_local(y, h.device_mesh, h.placements, run_check=False)
     return h + y
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _embed(model, x):

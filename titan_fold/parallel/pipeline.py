@@ -39,6 +39,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.tensors import local
 from titan_fold.moe import moe_layers
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.overlap import overlapped_pipeline
@@ -305,16 +306,16 @@ def sync_embedding_copies(model_parts: list[nn.Module], pp_mesh, what: str) -> N
     group = pp_mesh.get_group()
     peer = dist.get_global_rank(group, pp - 1 if rank == 0 else 0)
     for p in params:
-        local = p.to_local() if isinstance(p, DTensor) else p
+        shard = local(p)
         if what == "weights":
             if rank == 0:
-                dist.send(local.contiguous(), peer, group=group)
+                dist.send(shard.contiguous(), peer, group=group)
             else:
-                buf = torch.empty_like(local)
+                buf = torch.empty_like(shard)
                 dist.recv(buf, peer, group=group)
-                local.copy_(buf)
+                shard.copy_(buf)
             continue
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = local(p.grad)
         buf = torch.empty_like(grad)
         ops = [dist.P2POp(dist.isend, grad.contiguous(), peer, group), dist.P2POp(dist.irecv, buf, peer, group)]
         for work in dist.batch_isend_irecv(ops):

@@ -4,7 +4,8 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+
+from titan_fold.common.tensors import local
 
 GIB = 1024**3
 # optimizer states per parameter, in the parameter's dtype
@@ -27,10 +28,6 @@ def param_kind(fqn: str) -> str:
     return "norms"
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
     """Local shapes by kind and the bytes of params, grads and optimizer states of this rank."""
     master = bytes_of(job_config.training.dtype)  # master weights, their gradients and states
@@ -39,7 +36,7 @@ def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
     numel = 0
     for part in model_parts:
         for fqn, p in part.named_parameters():
-            shape = tuple(local_tensor(p).shape)
+            shape = tuple(local(p).shape)
             n = math.prod(shape)
             numel += n
             k = kinds.setdefault(param_kind(fqn), {"numel": 0, "shapes": {}})

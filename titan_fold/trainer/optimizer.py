@@ -44,6 +44,7 @@ from torchtitan.components.optimizer import build_optimizers as build_titan_opti
 
 from titan_fold.common.config import ConfigError
 from titan_fold.common.fused import fused
+from titan_fold.common.tensors import local
 from titan_fold.parallel.clip import divides_by_grad_scale
 
 MASTER_KEY = "master"
@@ -52,10 +53,6 @@ MASTER_KEY = "master"
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 # torch Adam options `_adam_step` does not compute: an optimizer with any of them set steps itself
 _TORCH_ONLY = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _fqn(name: str) -> str:
@@ -88,7 +85,7 @@ class AdamOptimizersContainer(OptimizersContainer):
         for opt, params in zip(self.optimizers, self.params):
             # [lr, 1 / grad_scale] on the device: set without a host sync, and a new learning
             # rate needs no new compile
-            scalars = torch.zeros(2, dtype=torch.float32, device=_local(params[0]).device)
+            scalars = torch.zeros(2, dtype=torch.float32, device=local(params[0]).device)
 
             # a function, not a partial: the schedulers rebind the method's __func__
             def step(opt, closure=None, params=params, scalars=scalars):
@@ -116,9 +113,9 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
             if p.grad is None:
                 continue
             state = _state(opt, optimized)
-            master = None if optimized is p else _local(optimized).view(-1)
-            fused(_adam_step)(_local(p).view(-1), _local(_placed_like(p.grad, p)).reshape(-1), master,
-                              _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1),
+            master = None if optimized is p else local(optimized).view(-1)
+            fused(_adam_step)(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), master,
+                              local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1),
                               state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
 
 
@@ -165,7 +162,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
     @torch.no_grad()
     def _copy(dst_parts, src_parts) -> None:
         for dst, src in zip(dst_parts, src_parts):
-            torch._foreach_copy_([_local(t) for t in dst], [_local(t) for t in src])
+            torch._foreach_copy_([local(t) for t in dst], [local(t) for t in src])
 
     def state_dict(self) -> dict[str, Any]:
         out = {}
@@ -241,7 +238,7 @@ def _state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tenso
     there are none yet: a checkpoint has tensors to load into, and the first step finds them."""
     state = opt.state[p]
     if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
