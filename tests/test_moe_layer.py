@@ -253,6 +253,19 @@ def test_autocast_bf16_matches_fp32():
     assert moe.experts.w1.grad.dtype == torch.float32 and moe.experts.w1.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("n,groups", [(0, 3), (1, 1), (40, 7), (300, 129)])
+def test_group_by(n, groups):
+    """order: a stable sort by key; counts: bincount (empty groups included); pos: how many
+    earlier items share the key."""
+    from titan_fold.moe.dispatcher import group_by
+
+    key = torch.randint(0, groups, (n,), generator=torch.Generator().manual_seed(n))
+    order, counts, pos = group_by(key, groups)
+    assert torch.equal(order, torch.tensor(sorted(range(n), key=lambda i: (int(key[i]), i)), dtype=torch.int64))
+    assert torch.equal(counts, torch.bincount(key, minlength=groups))
+    assert pos.tolist() == [int((key[:i] == key[i]).sum()) for i in range(n)]
+
+
 @pytest.mark.parametrize("case", ["dropless", "dropped", "padded"])
 def test_dispatch_and_combine_are_gathers_with_the_indexing_gradients(case):
     """_Dispatch / _Combine (gathers both ways) against x[token_of_row] and index_add, float64:

@@ -52,10 +52,12 @@ def group_by(key: torch.Tensor, num_groups: int):
     pos[i] is item i's position inside its group.
     """
     n = key.numel()
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_groups, dtype=torch.int64, device=key.device).index_add(0, key, torch.ones_like(key))
-    starts = counts.cumsum(0) - counts
-    rank_in_group = torch.arange(n, device=key.device) - starts[key[order]]
+    sorted_key, order = torch.sort(key, stable=True)
+    # group boundaries by binary search in the sorted keys: a counting index_add of int64 becomes
+    # a sort-based index_put under torch.compile (0.5 ms a layer at Qwen3-30B-A3B shapes)
+    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device))  # [G + 1]
+    counts, starts = bounds.diff(), bounds[:-1]
+    rank_in_group = torch.arange(n, device=key.device) - starts[sorted_key]
     pos = torch.empty_like(key).scatter(0, order, rank_in_group)
     return order, counts, pos
 
