@@ -335,15 +335,23 @@ def report(results: str = RESULTS) -> str:
     return "\n".join(text)
 
 
+def _measured(rec: dict) -> set[tuple[str, str | None]]:
+    """(step, trainer case or None) of each figure set a record holds, the code before's left out."""
+    return {(name, row.get("case") if isinstance(row, dict) else None)
+            for name, fig in rec["figures"].items() if fig and not name.endswith("@base")
+            for row in (fig.get("rows") or [None])}
+
+
 def _shown(recs: list[dict]) -> list[dict]:
     """Of one suite's records on one kind of machine (latest first), those holding the latest
-    figures of some step: a run of part of a suite (--steps) leaves the other steps' records shown."""
+    figures of some step or trainer case: a run of part of a suite (--steps, --cases) leaves the
+    records of the rest shown."""
     shown, covered = [], set()
     for rec in recs:
-        steps = {name for name, fig in rec["figures"].items() if fig and not name.endswith("@base")}
-        if steps - covered:
+        measured = _measured(rec)
+        if measured - covered:
             shown.append(rec)
-            covered |= steps
+            covered |= measured
     return shown
 
 

@@ -268,6 +268,24 @@ def test_report_tables(tmp_path):
     assert "Command: `python -m bench layer`" in text
 
 
+def test_report_partial_run_leaves_the_other_cases_shown(tmp_path):
+    """A run of some of a step's trainer cases (--cases) is shown above the run holding the other
+    cases' latest figures; a run of all of them hides the older one."""
+    def row(case, tps):
+        return {"case": case, "nproc": 1, "returncode": 0, "folding": {"ep": 1, "etp": 1, "edp": 1},
+                "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": 1.0, "mfu_pct": 1.0, "peak_memory_gib": 1.0,
+                "step_time_s": 0.1, "loss_first": 1.0, "loss_last": 1.0}
+    _suite_file(tmp_path, "trainer", {"q": {"rows": [row("1gpu", 11111), row("1gpu_compiled", 22222)]}},
+                date="2026-11-24T10:00:00Z")
+    _suite_file(tmp_path, "trainer", {"q": {"rows": [row("1gpu_compiled", 33333)]}}, date="2026-11-25T10:00:00Z")
+    text = report.report(str(tmp_path))
+    assert text.count("### Suite `trainer`") == 2 and text.index("33,333 |") < text.index("11,111 |")
+    _suite_file(tmp_path, "trainer", {"q": {"rows": [row("1gpu", 44444), row("1gpu_compiled", 33333)]}},
+                date="2026-11-25T10:00:00Z")
+    text = report.report(str(tmp_path))
+    assert text.count("### Suite `trainer`") == 1 and "44,444 |" in text and "11,111 |" not in text
+
+
 def test_report_rerun_beside_the_run_before(tmp_path):
     """Each step's latest run beside its run before on the same kind of machine: the figures both
     have (a layer row's share of the dense rate, GPU busy time, the dense rate), their ratio,
