@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.common.fused import fused
+from titan_fold.common.tensors import cast
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
@@ -114,10 +115,10 @@ def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool)
     if dropped:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
     slot = slot.view(-1, k)  # [T, k]
-    total = rows[slot[:, 0]].to(torch.promote_types(rows.dtype, torch.float32))
+    total = cast(rows[slot[:, 0]], torch.promote_types(rows.dtype, torch.float32))
     for j in range(1, k):
         total = total + rows[slot[:, j]]
-    return total.to(rows.dtype)
+    return cast(total, rows.dtype)
 
 
 def _fixed_rows(slot: torch.Tensor, R: int, weights: torch.Tensor, k: int):

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.common.fused import fused
-from titan_fold.common.tensors import local
+from titan_fold.common.tensors import cast, local
 from titan_fold.moe.fp8 import fp8_grouped_linear
 from titan_fold.moe.quack import Gather, down_projection, offsets, up_projection, use_quack
 from titan_fold.moe.wgrad import flush_at_input, split_grouped_linear
@@ -129,12 +129,12 @@ def _swiglu_math(a, b, p, g=None):
     silu = a * sig
     if g is None:
         h = silu * b
-        return (h if p is None else h * p).to(dtype)
+        return cast(h if p is None else h * p, dtype)
     g = g.to(compute)
     gh = g if p is None else g * p
     grad_a = gh * b * sig * (1 + a * (1 - sig))
     grad_p = None if p is None else (g * silu * b).sum(-1, keepdim=True)
-    return grad_a.to(dtype), (gh * silu).to(dtype), grad_p
+    return cast(grad_a, dtype), cast(gh * silu, dtype), grad_p
 
 
 # one function per call pattern: torch.compile keeps its cache per function, so calls with and
