@@ -53,6 +53,53 @@ def rank_failures(out_dir: str, world: int) -> list[str]:
     return [f for r in range(world) if (f := open(os.path.join(out_dir, f"rank{r}.txt")).read())]
 
 
+def start_rank(rank: int, port: int, world: int, backend: str = "gloo") -> None:
+    """The start of a forked rank (fork_ranks' workers): the rendezvous address, torch on one
+    thread, no mesh left from an earlier test in this process, then the process group."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from conftest import forget_earlier_meshes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    forget_earlier_meshes()
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+
+
+def fork_ranks(worker, world: int, out_dir, *args, start_method: str = "fork") -> list[str]:
+    """worker(rank, port, out_dir, *args) on `world` ranks -> the failures they wrote with
+    end_rank_checks. Forked on the CPU: the ranks inherit this process's imported torch and
+    titan_fold (fresh interpreters importing them cost more than most checks); CUDA needs spawn."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(free_port(), str(out_dir), *args), nprocs=world, join=True,
+                       start_method=start_method)
+    return rank_failures(str(out_dir), world)
+
+
+def expert_meshes(layouts, world: int):
+    """For each (ep, etp) of layouts: (ep, etp, mesh, ep_mesh, etp_mesh), mesh the (edp, ep, etp)
+    CPU mesh of world ranks, etp_mesh None at etp 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for ep, etp in layouts:
+        mesh = init_device_mesh("cpu", (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
+        yield ep, etp, mesh, mesh["ep"], mesh["etp"] if etp > 1 else None
+
+
+def run_checks(checks, label: str) -> list[str]:
+    """Each (name, check) of checks run; -> "<label> <name>:" and the traceback of each that failed an assertion."""
+    failures = []
+    for name, check in checks:
+        try:
+            check()
+        except AssertionError:
+            failures.append(f"{label} {name}:\n{traceback.format_exc()}")
+    return failures
+
+
 def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     """Body of one forked rank (of a plain process when nproc is 0); returns its exit code."""
     try:

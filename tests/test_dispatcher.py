@@ -8,15 +8,11 @@ dropping couples the ranks of one sequence group: there every rank of the group 
 reference on the group's whole sequences and keeps its slice.
 """
 
-import os
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes
-from launcher import end_rank_checks, free_port, rank_failures
+from launcher import end_rank_checks, fork_ranks, start_rank
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
 
@@ -168,13 +164,9 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
 
 
 def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    forget_earlier_meshes()
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    start_rank(rank, port, world, "nccl" if device_type == "cuda" else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device(device_type, rank if device_type == "cuda" else None)
@@ -202,11 +194,8 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
 
 
 def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
-    # CPU: fork, so the ranks inherit the parent's imported torch and titan_fold (8 fresh
-    # interpreters importing them cost more than all the cases); CUDA needs spawn
-    mp.start_processes(worker, args=(free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
-                       join=True, start_method="fork" if device_type == "cpu" else "spawn")
-    return rank_failures(str(out_dir), world)
+    return fork_ranks(worker, world, out_dir, world, layouts, device_type,
+                      start_method="fork" if device_type == "cpu" else "spawn")
 
 
 def test_dispatcher_matches_reference(tmp_path):

@@ -15,17 +15,13 @@ naming the key; the dry runs of qwen2.toml (64 ranks, pp 1 and pp 2) and mixtral
 """
 
 import dataclasses
-import os
 import re
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes, train_from_seed
-from launcher import end_rank_checks, free_port, rank_failures
+from conftest import train_from_seed
+from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 
 WORLD = 4
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
@@ -132,26 +128,16 @@ def case(ep_mesh, etp_mesh, ep):
 
 
 def worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    forget_earlier_meshes()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    from torch.distributed.device_mesh import init_device_mesh
-
+    start_rank(rank, port, WORLD)
     failures = []
-    for ep, etp in LAYOUTS:
-        mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
-        try:
-            case(mesh["ep"], mesh["etp"] if etp > 1 else None, ep)
-        except AssertionError:
-            failures.append(f"ep={ep} etp={etp}:\n{traceback.format_exc()}")
+    for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
+        failures += run_checks([("", lambda: case(ep_mesh, etp_mesh, ep))], f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
 
 
 
 def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
-    failures = rank_failures(str(tmp_path), WORLD)
+    failures = fork_ranks(worker, WORLD, tmp_path)
     assert not failures, "\n".join(failures)[:20000]
 
 
@@ -266,28 +252,18 @@ def test_paired_pipeline_orders_lower(pp):
 
 
 def pipeline_worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    forget_earlier_meshes()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    start_rank(rank, port, WORLD)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
-    failures = []
-    for name in ("1F1B", "Interleaved1F1B"):
-        try:
-            pipeline_case(mesh["pp"], mesh["ep"], name)
-        except AssertionError:
-            failures.append(f"{name}:\n{traceback.format_exc()}")
-    end_rank_checks(out_dir, rank, failures)
+    checks = [(name, lambda name=name: pipeline_case(mesh["pp"], mesh["ep"], name)) for name in ("1F1B", "Interleaved1F1B")]
+    end_rank_checks(out_dir, rank, run_checks(checks, "schedule"))
 
 
 def test_overlapped_pipeline_matches_the_schedule(tmp_path):
     """pp 2 x ep 2: Schedule1F1B and ScheduleInterleaved1F1B with their steady state's
     (backward, forward) pairs overlapped give the plain schedule's losses and gradients."""
-    mp.start_processes(pipeline_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
-                       start_method="fork")
-    failures = rank_failures(str(tmp_path), WORLD)
+    failures = fork_ranks(pipeline_worker, WORLD, tmp_path)
     assert not failures, "\n".join(failures)[:20000]
 
 

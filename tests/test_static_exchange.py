@@ -14,16 +14,12 @@ dtype given back bit for bit, and the trainer's stop when the pool is too small.
 """
 
 import copy
-import os
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes, forked
+from conftest import forked
 from host_sync import HostSync, no_host_sync
-from launcher import end_rank_checks, free_port, rank_failures
+from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 from test_moe_layer import DIM, make_layer
 
 WORLD = 4
@@ -278,32 +274,20 @@ def check_stash(ep_mesh):
 
 
 def worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    forget_earlier_meshes()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    from torch.distributed.device_mesh import init_device_mesh
-
+    start_rank(rank, port, WORLD)
     failures = []
-    for ep, etp in LAYOUTS:
-        mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
-        ep_mesh, etp_mesh = mesh["ep"], mesh["etp"] if etp > 1 else None
+    for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [(c[0], lambda c=c: check_case(c, ep_mesh, etp_mesh)) for c in CASES]
         checks.append(("no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh)))
         if (ep, etp) == (2, 1):
             checks.append(("compiles static", lambda: check_compiles_static(ep_mesh, etp_mesh)))
             checks.append(("stash", lambda: check_stash(ep_mesh)))
-        for name, check in checks:
-            try:
-                check()
-            except AssertionError:
-                failures.append(f"ep={ep} etp={etp} {name}:\n{traceback.format_exc()}")
+        failures += run_checks(checks, f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
 
 
 def test_static_exchange_matches_exact_and_one_rank(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
-    failures = rank_failures(str(tmp_path), WORLD)
+    failures = fork_ranks(worker, WORLD, tmp_path)
     assert not failures, "\n".join(failures)[:20000]
 
 

@@ -7,16 +7,11 @@ ep 2 x etp 2; with token dropping and padding, with the layer recomputed in back
 The queue really holds the weight gradients: left unflushed, they are missing.
 """
 
-import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes
-from launcher import end_rank_checks, free_port, rank_failures
+from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 from test_moe_layer import DIM, make_layer
 
 WORLD = 4
@@ -107,32 +102,20 @@ def check_unflushed(mesh, ep_mesh, etp_mesh):
 
 
 def worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    forget_earlier_meshes()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    from torch.distributed.device_mesh import init_device_mesh
-
+    start_rank(rank, port, WORLD)
     failures = []
-    for ep, etp in LAYOUTS:
-        mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
-        ep_mesh, etp_mesh = mesh["ep"], mesh["etp"] if etp > 1 else None
+    for ep, etp, mesh, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [(c[0], lambda c=c: check_case(c, mesh, ep_mesh, etp_mesh)) for c in CASES
                   if not (c[3] and WORLD // (ep * etp) == 1)]
         checks.append(("unflushed", lambda: check_unflushed(mesh, ep_mesh, etp_mesh)))
         checks.append(("order", lambda: check_order(mesh, ep_mesh, etp_mesh)))
-        for name, check in checks:
-            try:
-                check()
-            except AssertionError:
-                failures.append(f"ep={ep} etp={etp} {name}:\n{traceback.format_exc()}")
+        failures += run_checks(checks, f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
 
 
 
 def test_delayed_wgrad_matches(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
-    failures = rank_failures(str(tmp_path), WORLD)
+    failures = fork_ranks(worker, WORLD, tmp_path)
     assert not failures, "\n".join(failures)[:20000]
 
 
