@@ -207,8 +207,7 @@ def _swiglu_loop(x, counts, w1, w2, w3, p, prob_before_w2):
     # fallback (float64 tests, no _grouped_mm): one GEMM chain per expert
     sizes = counts.tolist()
     padding = x.shape[0] - sum(sizes)  # rows past the last group: zeros, not computed
-    ys = []
-    for e, (xe, pe) in enumerate(zip(x.split(sizes + [padding]), p.split(sizes + [padding]))):
-        if e < len(sizes):
-            ys.append(_apply(xe @ w1[e].T, xe @ w3[e].T, pe, lambda h: h @ w2[e].T, prob_before_w2))  # [n_e, dim]
+    xs, ps = x.split(sizes + [padding]), p.split(sizes + [padding])
+    ys = [_apply(xs[e] @ w1[e].T, xs[e] @ w3[e].T, ps[e], lambda h: h @ w2[e].T, prob_before_w2)  # [n_e, dim]
+          for e in range(len(sizes))]
     return torch.cat(ys + [x.new_zeros(padding, w2.shape[1])])

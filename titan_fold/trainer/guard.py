@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_fold.checkpoint.manager import CheckpointError
 from titan_fold.common.config import ConfigError
+from titan_fold.common.tensors import local
 
 # codes, ordered so that MAX keeps the worst
 FINITE, INF, NAN = 0, 1, 2
@@ -119,8 +120,8 @@ def check_weights(model_parts, where: str) -> None:
     bad = ""
     for part in model_parts:
         for name, p in part.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.numel() and not bool(torch.isfinite(local).all()):
+            shard = local(p)
+            if shard.numel() and not bool(torch.isfinite(shard).all()):
                 bad = name
                 break
         if bad:
