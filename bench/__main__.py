@@ -41,6 +41,12 @@ TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
 TRAIN_EXTRA = "1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_compiled_profile"
 # the coarse proxy compiled with torch's grouped GEMMs too: QuACK (what "auto" picks there) must not be slower
 COARSE_TORCH_GEMM = "1gpu_bf16params_auxfree_compiled_torchgemm"
+# dp2 x ep2: the exact exchange (split sizes to the host in every layer) beside the static one (worst-case
+# blocks, no host sync) eager, with paged stashing (1M rows: 12 layers of 8192 tokens x top-8 with a third
+# to spare for imbalance), compiled and captured in CUDA graphs
+DP2_EP2 = "dp2_ep2_bf16params_auxfree"
+STATIC_CASES = ",".join(DP2_EP2 + m for m in ("", "_static", "_static_stash1048576", "_compiled", "_compiled_static",
+                                               "_compiled_static_cudagraphs"))
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
 
@@ -108,7 +114,8 @@ SUITES = {
         [Step("grouped_gemm", "grouped_gemm", [], 330), Step("grad_norm", "grad_norm", [], 90),
          Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60)]),
     "2gpu": Suite(
-        "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan",
+        "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "
+        "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs)",
         [Step("collectives", "collectives", [], 60, gpus=2),
          Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
          Step("foldings", "train_step", ["--cases", "dp2_ep2,dp2_etp2,dp2_edp2,tp2_ep2,tp2_etp2,pp2", "--steps", "15"],
@@ -117,7 +124,9 @@ SUITES = {
                                                           "--steps", "15"], 200),
          Step("torchtitan_qwen3_30b_a3b_l12_dp2_ep2", "vs_torchtitan",
               [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"], 200,
-              ours="qwen3_30b_a3b_l12_dp2_ep2")]),
+              ours="qwen3_30b_a3b_l12_dp2_ep2"),
+         Step("qwen3_30b_a3b_l12_dp2_ep2_static", "train_step", [*QWEN3, "--cases", STATIC_CASES, "--steps", "15"],
+              900)]),
 }
 
 

@@ -10,7 +10,8 @@
     python bench/train_step.py --cases 1gpu_bf16params_auxfree --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0
     (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
     batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
-    by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance)
+    by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static moe.static_ep_exchange,
+    _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -86,15 +87,17 @@ def parse_case(case: str) -> tuple[str, dict]:
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
-    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs)."""
+    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static (moe.static_ep_exchange), stash<N>
+    (moe.stash_rows = N)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
                  if case == b or case.startswith(b + "_")), None)
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
     mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
-            "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False}
+            "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False, "static": False,
+            "stash": 0}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs"):
+        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "static"):
             mods[mod] = True
         elif mod in ("torchgemm", "quack"):
             mods["grouped_gemm"] = "torch" if mod == "torchgemm" else "quack"
@@ -104,6 +107,8 @@ def parse_case(case: str) -> tuple[str, dict]:
             mods["batch"] = int(mod[1:])
         elif mod[:2] == "ga" and mod[2:].isdigit():
             mods["accum"] = int(mod[2:])
+        elif mod[:5] == "stash" and mod[5:].isdigit():
+            mods["stash"] = int(mod[5:])
         elif mod != "eager":
             raise ValueError(f"case {case!r}: unknown modifier {mod!r}")
     return base, mods
@@ -147,6 +152,10 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--moe.grouped_gemm", mods["grouped_gemm"]]
     if mods["cudagraphs"]:
         args += ["--compile.cudagraphs"]
+    if mods["static"]:
+        args += ["--moe.static_ep_exchange"]
+    if mods["stash"]:
+        args += ["--moe.stash_rows", str(mods["stash"])]
     if mods["load_balance"]:
         args += ["--moe.load_balance", mods["load_balance"]]
         if mods["load_balance"] in ("aux_free", "none"):

@@ -142,19 +142,25 @@ def test_train_step_summary_and_plans():
         train_step.case_plan("dp2_ep2_fast", A)
     with pytest.raises(ValueError, match="must start with"):
         train_step.case_plan("dp4_ep2", A)
+    _, args = train_step.case_plan("dp2_ep2_compiled_static_stash4096", A)
+    assert "--moe.static_ep_exchange" in args and get("--moe.stash_rows") == "4096"
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
     # every case's command passes the trainer's checks for its world size
-    from titan_fold.common.config import parse_args
+    from titan_fold.common.config import ConfigError, parse_args
     from titan_fold.models import FLAVORS
     from titan_fold.trainer.preflight import preflight
 
     train_step.register_proxy(A.family, A.proxy)
     try:
-        for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager", "dp2_ep2_b4_ga2"]:
+        for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager", "dp2_ep2_b4_ga2",
+                     "dp2_ep2_bf16params_static_stash4096", "dp2_ep2_bf16params_compiled_static_cudagraphs"]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
+        # the static exchange is what lets CUDA graphs run over ep2: without it the trainer refuses
+        with pytest.raises(ConfigError, match="moe.static_ep_exchange"):
+            preflight(parse_args(train_step.case_plan("dp2_ep2_compiled_cudagraphs", A)[1]), 2)
     finally:
         FLAVORS[A.family].pop(A.proxy, None)
 
