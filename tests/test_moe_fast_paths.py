@@ -130,6 +130,27 @@ def test_grouped_gemm_choice_on_cpu():
         use_quack("quack", x, 32)
 
 
+def test_quack_check_leaves_no_graph_break(monkeypatch):
+    """The machine check behind moe.grouped_gemm = "auto" runs once, outside the traced graph: on a
+    GPU it queries the device in a way dynamo cannot trace, and a break there split every compiled
+    MoE layer (and kept its buffers' updates out of CUDA graphs)."""
+    import titan_fold.moe.quack as quack_module
+
+    calls = []
+
+    def problem(device_index):
+        calls.append(device_index)
+        torch._dynamo.graph_break()  # stands for the device query: nothing eager, a break if traced
+        return "not here"
+
+    monkeypatch.setattr(quack_module, "_problem", problem)
+    monkeypatch.setattr(quack_module, "_PROBLEMS", {})
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1 if quack_problem(0) is None else x - 1, backend="eager", fullgraph=True)
+    assert torch.equal(f(torch.ones(2)), torch.zeros(2)) and calls == [0]
+    torch._dynamo.reset()
+
+
 def test_grouped_gemm_config_rule():
     from titan_fold.common.config import ConfigError, parse_args
     from titan_fold.trainer.preflight import preflight

@@ -66,6 +66,9 @@ def quack():
     return _QUACK
 
 
+# a constant to torch.compile: evaluated when traced, not traced (its device query,
+# torch.cuda.get_device_capability, would break the MoE layer's graph where "auto" asks)
+@torch.compiler.assume_constant_result
 def quack_problem(device_index: int | None = None) -> str | None:
     """Why the QuACK experts cannot run on this machine's GPU (for a config error), or None."""
     if device_index not in _PROBLEMS:
