@@ -125,8 +125,8 @@ SUITES = {
          Step("torchtitan_qwen3_30b_a3b_l12_dp2_ep2", "vs_torchtitan",
               [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"], 200,
               ours="qwen3_30b_a3b_l12_dp2_ep2"),
-         Step("qwen3_30b_a3b_l12_dp2_ep2_static", "train_step", [*QWEN3, "--cases", STATIC_CASES, "--steps", "15"],
-              900)]),
+         Step("qwen3_30b_a3b_l12_dp2_ep2_static", "train_step", [*QWEN3, "--cases", STATIC_CASES, "--steps", "15",
+                                                                 "--case-timeout", "200"], 900)]),
 }
 
 

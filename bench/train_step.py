@@ -30,6 +30,7 @@ loop fallback), because the loop is several times slower.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,6 +38,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -207,15 +209,36 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def run_group(cmd: list[str], env: dict, log, timeout: float):
-    """Run cmd in its own process group; on timeout kill the whole group (torchrun's workers
-    too, so they free the GPU for the next case). -> return code or "timeout"."""
+    """Run cmd in its own process group; on timeout torchrun's workers write their Python stacks
+    to the log (SIGUSR1, see worker), then they and torchrun's group are killed, so that they free
+    the GPU for the next case (torchrun starts each worker in a session of its own: killing
+    torchrun's group alone would leave them running). -> return code or "timeout"."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        workers = children(proc.pid)
+        for pid in workers:
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return "timeout"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
 
 
 def run_case(case: str, a) -> dict:
@@ -281,12 +304,16 @@ def finish_row(tag: str, row: dict, log_path: str) -> dict:
 
 
 def worker(argv: list[str], family: str, proxy: str) -> None:
-    """Runs under torchrun: register the proxy flavor, count the expert path, train."""
+    """Runs under torchrun: register the proxy flavor, count the expert path, train. SIGUSR1
+    writes every thread's Python stack to the log (where a case that outlived its time hung)."""
+    import faulthandler
+
     import torch
 
     import titan_fold.moe.experts as experts_mod
     from titan_fold.train import main as train_main
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     register_proxy(family, proxy)
     calls = {"grouped_mm": 0, "loop": 0, "padded": 0}
 
