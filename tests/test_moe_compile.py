@@ -46,3 +46,18 @@ def test_fullgraph_compile(capacity_factor, pad, dtype):
         torch.testing.assert_close(a, b, **tol)
     with torch._dynamo.config.patch(error_on_recompile=True):
         _fwd_bwd(compiled, torch.randn_like(x) * 3)
+
+
+def test_cudagraphs_marks_the_moe_buffers_static():
+    """compile.cudagraphs: the buffers every MoE call updates in place are inputs at fixed
+    addresses to torch.compile (a CUDA graph replays in-place updates only of such inputs);
+    without the mark an FSDP2-wrapped block's forward is left out of the graphs."""
+    from torch._dynamo.utils import get_static_address_type
+
+    from titan_fold.parallel.parallelize import mark_static_buffers
+
+    layers = [MoE(64, MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=32, load_balance="aux_free")) for _ in range(2)]
+    buffers = [b for layer in layers for b in layer.buffers()]
+    assert buffers and all(get_static_address_type(b) is None for b in buffers)
+    mark_static_buffers(layers)
+    assert all(get_static_address_type(b) == "unguarded" for b in buffers)

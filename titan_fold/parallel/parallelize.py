@@ -47,6 +47,17 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     return model
 
 
+def mark_static_buffers(model_parts) -> None:
+    """Under compile.cudagraphs, after the weights exist: the MoE layers' buffers (statistics and
+    aux-free counts, updated in place by every call) keep their addresses, and say so to
+    torch.compile. CUDA graphs replay in-place updates only of inputs at fixed addresses; a
+    block that FSDP2 wraps reaches them as plain inputs, and its forward would not be captured
+    (its backward then copies every saved activation into its graph's inputs)."""
+    for moe in moe_layers(model_parts):
+        for buffer in moe.buffers():
+            torch._dynamo.mark_static_address(buffer, guard=False)
+
+
 def fsdp_compute_dtype(training) -> torch.dtype | None:
     """The dtype FSDP2 casts parameters and inputs to: mixed_precision_param on a GPU; None
     (the parameters' own) on the CPU."""

@@ -35,6 +35,7 @@ from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
+from titan_fold.parallel.parallelize import mark_static_buffers
 from titan_fold.parallel.pipeline import (
     check_pipeline,
     embedding_copies,
@@ -109,6 +110,8 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        if job_config.compile.enable and job_config.compile.cudagraphs:
+            mark_static_buffers(self.model_parts)
         # moe.stash_rows: the stashes' overflow is checked there too
         self.guard.stashes, self.guard.stash_rows = moe_stashes(self.model_parts), self.model_args.moe.stash_rows
         if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
