@@ -362,6 +362,8 @@ def _record_text(rec: dict) -> list[str]:
     text = [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}{cpu}", "",
             f"Command: `{rec['command']}`" if rec.get("command") else
             "Assembled from the per-script results of that date; each step's command is in the file.", ""]
+    if rec.get("note"):  # how a record came to be, where its command alone does not say
+        text += [f"Note: {rec['note']}", ""]
     for title, fn in TABLES:
         lines = fn(rec)
         if lines:

@@ -245,7 +245,7 @@ def run_case(case: str, a) -> dict:
     nproc, train_args = case_plan(case, a)
     dump = os.path.join(a.work_dir, case)
     os.makedirs(dump, exist_ok=True)
-    for stale in ("metrics.jsonl", "expert_path.json"):
+    for stale in ("metrics.jsonl", "expert_path.json") if not a.rebuild else ():
         if os.path.exists(os.path.join(dump, stale)):
             os.remove(os.path.join(dump, stale))
     worker = ["bench/train_step.py", "--worker", "--family", a.family, "--proxy", a.proxy, "--"]
@@ -259,8 +259,11 @@ def run_case(case: str, a) -> dict:
     log_path = os.path.join(a.work_dir, f"{case}.log")
     shown = " ".join(shlex.quote(c) for c in ["torchrun"] + launch)
     print(f"[train_step] {case}: {shown}", flush=True)
-    with open(log_path, "w") as log:
-        rc = run_group(cmd, env, log, a.case_timeout)
+    if a.rebuild:  # the run was cut off before this process could read what it left
+        rc = "cut"
+    else:
+        with open(log_path, "w") as log:
+            rc = run_group(cmd, env, log, a.case_timeout)
     records = read_jsonl(os.path.join(dump, "metrics.jsonl"))
     warm = 0 if case == "debug50" else a.warmup_steps
     row = {"case": case, "nproc": nproc, "returncode": rc, "command": shown, **summarize(records, warm)}
@@ -356,6 +359,8 @@ def parse(argv=None):
     p.add_argument("--out-dir", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, debug-width proxy, 4 steps (tests)")
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--rebuild", action="store_true", help="no training: the rows from the metrics and logs in "
+                   "--work-dir that a run cut off (e.g. by a device call's time limit) left, return code 'cut'")
     a, rest = p.parse_known_args(argv)
     if a.smoke:
         a.proxy, a.seq_len, a.steps, a.warmup_steps, a.param_dtype = "debug-L2", 128, 4, 1, "float32"

@@ -117,6 +117,22 @@ def test_log_flags(tmp_path):
     assert train_step.log_flags(str(log)) == {"dtype_mismatch_warnings": 0, "recompiles": 0}
 
 
+def test_train_step_rebuild_reads_what_a_cut_run_left(tmp_path):
+    """--rebuild: no training, the rows from the metrics and logs a cut-off run left (return code 'cut')."""
+    case = "dp2_ep2_compiled"
+    (tmp_path / case).mkdir()
+    recs = [{"step": s, "loss": 10.0 - s, "tokens_per_sec": 100.0 * s, "max_memory_gib": 5.0} for s in range(1, 9)]
+    (tmp_path / case / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / f"{case}.log").write_text("[0/1] [__recompiles] Recompiling function forward in x.py:1\n")
+    out = tmp_path / "out"
+    figures = train_step.main(["--cases", case, "--steps", "8", "--work-dir", str(tmp_path), "--rebuild",
+                               "--name", "cut", "--out-dir", str(out)])
+    (row,) = figures["rows"]
+    assert row["returncode"] == "cut" and row["steps_logged"] == 8 and row["steps_measured"] == 3
+    assert row["tokens_per_sec_per_gpu"] == 700.0 and row["recompiles"] == 1 and "log_tail" in row
+    assert json.load(open(out / "cut.json"))["figures"]["rows"][0]["case"] == case
+
+
 def test_train_step_summary_and_plans():
     recs = [{"step": s, "loss": 10.0 - s, "tokens_per_sec": 100.0 * s, "mfu": float(s), "tflops": 1.0,
              "max_memory_gib": 5.0 + (s == 2), "time_per_step_s": 1.0 / s} for s in range(1, 8)]
