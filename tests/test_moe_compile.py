@@ -61,3 +61,30 @@ def test_cudagraphs_marks_the_moe_buffers_static():
     assert buffers and all(get_static_address_type(b) is None for b in buffers)
     mark_static_buffers(layers)
     assert all(get_static_address_type(b) == "unguarded" for b in buffers)
+
+
+def test_cudagraphs_freed_before_the_process_group(monkeypatch):
+    """compile.cudagraphs: torch.compile's graphs are dropped before the process group goes (a graph
+    holding NCCL kernels keeps its communicator, whose destruction then hangs); other runs keep
+    their compiled code."""
+    import torch.distributed as dist
+
+    from titan_fold.common.config import parse_args
+    from titan_fold.parallel.parallelize import release_cuda_graphs
+    from titan_fold.trainer.fold_trainer import main
+
+    resets = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append("reset"))
+    release_cuda_graphs(parse_args(["--compile.enable"]))
+    assert resets == []
+    release_cuda_graphs(parse_args(["--compile.enable", "--compile.cudagraphs"]))
+    assert resets == ["reset"]
+    # the trainer's teardown: the graphs go, then the process group
+    order = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: order.append("reset"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: order.append("destroy"))
+    # a run that stops before training (experts over 2 ranks in a world of 1): the same order
+    main(["--job.config_file", "debug_moe.toml", "--compile.enable", "--compile.cudagraphs",
+          "--moe.static_ep_exchange", "--parallelism.expert_parallel_degree", "2"])
+    assert order == ["reset", "destroy"]

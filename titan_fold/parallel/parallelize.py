@@ -7,6 +7,8 @@ before `to_empty` and `init_weights`). Under pipelining, `parallel/pipeline.py` 
 model into stages and calls this function on each stage model.
 """
 
+import gc
+
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -56,6 +58,17 @@ def mark_static_buffers(model_parts) -> None:
     for moe in moe_layers(model_parts):
         for buffer in moe.buffers():
             torch._dynamo.mark_static_address(buffer, guard=False)
+
+
+def release_cuda_graphs(job_config) -> None:
+    """Under compile.cudagraphs, before the process group is destroyed: free the recorded graphs.
+    A graph that captured NCCL kernels holds its communicator, and destroying the communicator
+    first hangs (pytorch/pytorch#115388). torch.compiler.reset() drops torch.compile's graphs;
+    the collection frees those only reachable through cycles (torchtitan turns automatic
+    collection off)."""
+    if job_config.compile.enable and job_config.compile.cudagraphs:
+        torch.compiler.reset()
+        gc.collect()
 
 
 def fsdp_compute_dtype(training) -> torch.dtype | None:

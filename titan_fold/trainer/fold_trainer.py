@@ -35,7 +35,7 @@ from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
-from titan_fold.parallel.parallelize import mark_static_buffers
+from titan_fold.parallel.parallelize import mark_static_buffers, release_cuda_graphs
 from titan_fold.parallel.pipeline import (
     check_pipeline,
     embedding_copies,
@@ -341,6 +341,8 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
             if clean:
                 # no rank closes its connections while a peer still uses them
                 torch.distributed.barrier()
+            if config is not None:
+                release_cuda_graphs(config)
             torch.distributed.destroy_process_group()
         if lock is not None:
             lock.release()
