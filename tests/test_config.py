@@ -65,9 +65,11 @@ def test_missing_file_names_it():
          "compile.cudagraphs = true with dropless routing .*; set moe.static_ep_exchange = true"),
         ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.static_ep_exchange"),
         ("[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
-         "moe.stash_rows = 100 with compile.enable or activation checkpointing"),
+         "moe.stash_rows = 100 with activation checkpointing"),
         ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
-         "[compile]\nenable = true\n", "moe.stash_rows = 100 with compile.enable"),
+         "moe_layer_recompute = true\n", "moe.stash_rows = 100 with activation checkpointing"),
+        ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
+         "[compile]\nenable = true\ncudagraphs = true\n", "moe.stash_rows = 100 with compile.cudagraphs = true"),
     ],
 )
 def test_bad_config_names_key_and_rule(tmp_path, text, message):
@@ -85,8 +87,10 @@ def test_cudagraphs_with_static_shapes_accepted(args):
     assert config.compile.cudagraphs
 
 
-def test_stash_accepted_in_eager_without_recompute():
-    config = parse_args(["--moe.static_ep_exchange", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none"])
+@pytest.mark.parametrize("args", [[], ["--compile.enable"]])
+def test_stash_accepted_without_recompute(args):
+    config = parse_args(["--moe.static_ep_exchange", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none",
+                         "--parallelism.expert_parallel_degree", "2", *args])
     assert config.moe.stash_rows == 4096
 
 

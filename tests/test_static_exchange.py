@@ -210,9 +210,9 @@ def check_compiles_static(ep_mesh, etp_mesh):
 def check_stash(ep_mesh):
     """moe.stash_rows, ep 2, every token routed to the first rank's experts: two layer calls in
     flight (one layer run twice before backward) give the same outputs and gradients as without
-    the stash, with the pools' rows past the real ones poisoned with NaN after forward; the pool
-    holds exactly the real rows the rank's experts got (V1 + V2, not twice the worst case), and
-    is free again after backward. One row fewer: the guard's check before the optimizer step
+    the stash, with the pools' rows past the real ones poisoned with NaN after forward, eager and
+    under torch.compile; the pool holds exactly the real rows the rank's experts got (V1 + V2,
+    not twice the worst case), and is free again after backward. One row fewer: the guard's check before the optimizer step
     stops every rank with a line naming moe.stash_rows."""
     from titan_fold.moe import MoEArgs
     from titan_fold.moe.stash import Stash
@@ -232,12 +232,16 @@ def check_stash(ep_mesh):
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     most = int(most)
 
-    def run(stash):
+    def run(stash, compiled=False):
         moe = copy.deepcopy(layer)
         shard_moe(moe, ep_mesh)
         moe.dispatcher.stash = stash
+        call = moe
+        if compiled:
+            torch._dynamo.reset()
+            call = torch.compile(moe, backend="aot_eager")
         inputs = [x.clone().requires_grad_() for x in xs]
-        ys = [moe(x) for x in inputs]
+        ys = [call(x) for x in inputs]
         held = None
         if stash is not None:
             held = (int(stash.offset), stash.outstanding)
@@ -250,6 +254,8 @@ def check_stash(ep_mesh):
     want, _ = run(None)
     stash = Stash(rows=most)
     got, held = run(stash)
+    compiled_stash = Stash(rows=most)
+    got_compiled, held_compiled = run(compiled_stash, compiled=True)
     small = Stash(rows=most - 1)
     run(small)
     guard = NonFiniteGuard("stop", torch.device("cpu"))
@@ -264,8 +270,12 @@ def check_stash(ep_mesh):
     # all collectives done: now compare
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"stash on vs off\n{m}")
+    for a, b in zip(got_compiled, want):
+        torch.testing.assert_close(a, b, msg=lambda m: f"compiled, stash on vs eager, off\n{m}")
     assert held[0] == real and held[1] > 0, f"pool rows in use, stashed tensors {held}; real rows {real}"
-    assert (stash.outstanding, int(stash.offset)) == (0, 0), "the pool is not free after backward"
+    assert held_compiled == held, f"compiled: pool rows in use, stashed tensors {held_compiled}; eager {held}"
+    for s in (stash, compiled_stash):
+        assert (s.outstanding, int(s.offset)) == (0, 0), "the pool is not free after backward"
     worst = ep * B_LOC * S_LOC * args.top_k  # one layer call's received rows R: the tail room
     assert stash.pools and all(p.shape[0] == most + worst for p in stash.pools), [p.shape for p in stash.pools]
     assert overflow is not None and f"moe.stash_rows = {most - 1}:" in overflow \

@@ -176,7 +176,8 @@ class MoE:
     real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers
     (paged stashing, docs/moe.md): at least the real rows an ep rank's experts get in all the
     layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
-    Eager only (no compile, no activation checkpointing)."""
+    Not with activation checkpointing nor compile.cudagraphs; under torch.compile the experts run in
+    eager mode between the layer's graphs (the stash hooks autograd's saved tensors)."""
 
 
 @dataclass
@@ -422,9 +423,14 @@ def validate(config: JobConfig) -> None:
         if moe.stash_rows < 0 or not moe.static_ep_exchange:
             raise ConfigError(f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
                               "moe.static_ep_exchange = true (it stashes that exchange's real rows)")
-        if config.compile.enable or ac.mode != "none" or ac.moe_layer_recompute:
-            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with compile.enable or activation checkpointing: "
-                              "the stash hooks autograd's saved tensors in eager mode only; choose one")
+        if ac.mode != "none" or ac.moe_layer_recompute:
+            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' "
+                              "saved tensors are recomputed, not stashed; choose one")
+        if config.compile.cudagraphs:
+            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the "
+                              "experts in eager mode between the layer's graphs, where their fused kernels (torch.compile "
+                              "functions) make CUDA graph trees start a new step and free the graphs' outputs that "
+                              "backward still needs; choose one")
     exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
     if config.compile.cudagraphs and exchange and moe.capacity_factor is None and not moe.static_ep_exchange:
         raise ConfigError("compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "

@@ -23,7 +23,6 @@ reversed, all-gather <-> reduce-scatter) without hand-written communication code
 Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
 """
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -426,16 +425,15 @@ class TokenDispatcher(nn.Module):
         counts = plan.rows_per_expert
         local_counts = S * counts if isinstance(counts, int) else rows_of_source.sum(0)  # [E_loc]
         x_sorted, w_sorted = _PermuteRows.apply(x_all, perm, inv), w_all[perm]
-        stashing = contextlib.nullcontext()
         if plan.padding:
             # the experts skip the rows past the last group and leave their outputs and input
             # gradients undefined (uninitialized memory): zeros in both directions instead
             V = local_counts.sum()
             valid = torch.arange(R_all, device=x_all.device) < V  # [R_all]
             x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
-            if self.stash is not None:  # what the experts save for backward: the V real rows only
-                stashing = self.stash.layer(V, R_all)
-        with stashing:
+        if plan.padding and self.stash is not None:  # what the experts save for backward: the V real rows only
+            y_sorted = self.stash.call(V, R_all, experts, x_sorted, local_counts, w_sorted, args.prob_before_w2)
+        else:
             y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
         if plan.padding:
             y_sorted = torch.where(valid[:, None], y_sorted, 0)

@@ -21,6 +21,10 @@ optimizer step, and stops the run with one line naming moe.stash_rows.
 
 The offset returns to 0 when no stash is outstanding: every stashed tensor freed by autograd
 (after its backward, or with its graph), counted on the host.
+
+Under torch.compile the experts' call stays in eager mode (`Stash.call`): the layer compiles to
+a graph before the experts and one after, and compile.cudagraphs captures those two while the
+experts, the pools' writes and the offset run between them every step.
 """
 
 import contextlib
@@ -39,6 +43,16 @@ class Stash:
         self.offset: torch.Tensor | None = None  # [] int64: first free row
         self.needed: torch.Tensor | None = None  # [] int64: most rows the layers in flight needed
         self.outstanding = 0  # stashed tensors not yet freed
+
+    @torch.compiler.disable
+    def call(self, valid: torch.Tensor, R: int, fn, *args):
+        """fn(*args), the tensors with R rows it saves stashed (layer()). Always in eager mode:
+        saved-tensor hooks are Python that torch.compile's graphs cannot hold, so a compiled MoE
+        layer runs as two graphs with its experts between them (their GEMMs are few launches),
+        and under compile.cudagraphs the pools stay outside the graphs at fixed addresses."""
+        # a copy: under CUDA graphs V is a graph output that the layer's next replay rewrites
+        with self.layer(valid.clone(), R):
+            return fn(*args)
 
     @contextlib.contextmanager
     def layer(self, valid: torch.Tensor, R: int):
