@@ -48,6 +48,10 @@ DP2_EP2 = "dp2_ep2_bf16params_auxfree"
 STASH = "_stash1048576"
 STATIC_CASES = ",".join(DP2_EP2 + m for m in ("", "_static", "_static" + STASH, "_compiled", "_compiled_static",
                                                "_compiled_static" + STASH, "_compiled_static_cudagraphs"))
+# dp2 x ep2 compiled with torch's grouped GEMMs (exact and static exchange) beside QuACK's (installed:
+# bench/wheels.sh), which need the static exchange's fixed row count, also captured in CUDA graphs
+QUACK_CASES = ",".join(DP2_EP2 + m for m in ("_compiled_torchgemm", "_compiled_static_torchgemm",
+                                              "_compiled_static_quack", "_compiled_static_cudagraphs_quack"))
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
 
@@ -116,7 +120,8 @@ SUITES = {
          Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60)]),
     "2gpu": Suite(
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "
-        "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs)",
+        "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs) "
+        "and with QuACK's grouped GEMMs",
         [Step("collectives", "collectives", [], 60, gpus=2),
          Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
          Step("foldings", "train_step", ["--cases", "dp2_ep2,dp2_etp2,dp2_edp2,tp2_ep2,tp2_etp2,pp2", "--steps", "15"],
@@ -127,7 +132,9 @@ SUITES = {
               [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"], 200,
               ours="qwen3_30b_a3b_l12_dp2_ep2"),
          Step("qwen3_30b_a3b_l12_dp2_ep2_static", "train_step", [*QWEN3, "--cases", STATIC_CASES, "--steps", "15",
-                                                                 "--case-timeout", "200"], 1200)]),
+                                                                 "--case-timeout", "200"], 1200),
+         Step("qwen3_30b_a3b_l12_dp2_ep2_quack", "train_step", [*QWEN3, "--cases", QUACK_CASES, "--steps", "15",
+                                                                "--case-timeout", "300"], 900)]),
 }
 
 

@@ -161,6 +161,44 @@ def test_grouped_gemm_config_rule():
         preflight(parse_args(["--job.config_file", "debug_moe.toml", "--moe.grouped_gemm", "quack"]), 1)
 
 
+def test_quack_only_where_the_row_count_is_fixed():
+    """QuACK tunes its kernels for every new row count: "quack" with a count that changes in every
+    call (the exact exchange over ep > 1, token drop without padding) is refused before the run
+    starts, naming the setting; the static exchange and padding to capacity fix the count, and so
+    does one ep rank dropless. "auto" takes torch's GEMMs where the count varies."""
+    from titan_fold.common.config import ConfigError, parse_args
+    from titan_fold.moe.quack import varying_rows
+    from titan_fold.parallel.experts import apply_moe
+    from titan_fold.parallel.placement import EXPERT, Placed
+    from titan_fold.trainer.preflight import preflight
+
+    # a dry run's plan (fake backend): QuACK's machine check is left to the GPUs, the row rule is not
+    base = ["--job.config_file", "debug_moe.toml", "--moe.grouped_gemm", "quack", "--comm.mode", "fake_backend"]
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match=r"^moe.grouped_gemm = 'quack' with the exact exchange over "
+                                          r"parallelism.expert_parallel_degree x expert_tensor_parallel_degree = 2 x 1"):
+        preflight(parse_args(base + ep2), 2)
+    with pytest.raises(ConfigError, match=r"^moe.grouped_gemm = 'quack' with moe.capacity_factor = 1.0 without "
+                                          r"moe.pad_to_capacity"):
+        preflight(parse_args(base + ["--moe.capacity_factor", "1.0"]), 1)
+    for extra, world in ((ep2 + ["--moe.static_ep_exchange"], 2), (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity",
+                                                                  "True"], 1), ([], 1)):
+        preflight(parse_args(base + extra), world)
+
+    class _Layout:  # what apply_moe reads of a layout for a model without expert placements
+        ep, etp, cp, tp = 2, 1, 1, 1
+
+        def get_optional_mesh(self, name):
+            return None
+
+    for static, want in ((False, "torch"), (True, "auto")):
+        layer = MoE(64, MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, static_ep_exchange=static))
+        # every weight left where it is (no model-parallel dims): only the dispatchers and the GEMM choice change
+        apply_moe(layer, _Layout(), {n: Placed(EXPERT, (), (), tuple(p.shape)) for n, p in layer.named_parameters()})
+        assert layer.experts.grouped_gemm == want, (static, layer.experts.grouped_gemm)
+    assert varying_rows(MoEArgs(), 1, 1) is None and varying_rows(MoEArgs(), 1, 2) is not None
+
+
 # ---- GPU (sm90+, quack-kernels installed) ------------------------------------------------------
 
 needs_quack = pytest.mark.skipif(not GPU_QUACK, reason=f"QuACK experts: {quack_problem()}")

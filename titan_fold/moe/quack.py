@@ -90,6 +90,19 @@ def _problem(device_index: int | None) -> str | None:
     return None
 
 
+def varying_rows(args, ep: int, etp: int) -> str | None:
+    """What gives the routed experts a new row count in every layer call under these MoEArgs and
+    degrees (the setting, for messages), or None where the count is fixed. QuACK tunes its kernels
+    for every new count (its autotuner keys on the operands' shapes): there it would tune in every
+    layer and step, so "auto" takes torch's GEMMs and "quack" is refused."""
+    if args.capacity_factor is not None:
+        return None if args.pad_to_capacity else f"moe.capacity_factor = {args.capacity_factor} without moe.pad_to_capacity"
+    if ep * etp > 1 and not args.static_ep_exchange:
+        return (f"the exact exchange over parallelism.expert_parallel_degree x expert_tensor_parallel_degree = "
+                f"{ep} x {etp} (moe.static_ep_exchange = false)")
+    return None
+
+
 def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     """Whether rows x go through QuACK: "torch" never; "quack" where installed and the inputs suit
     it (an error where they do not); "auto" likewise, inside torch.compile or a CUDA graph capture

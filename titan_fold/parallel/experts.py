@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.moe import MoE, TokenDispatcher, moe_layers
+from titan_fold.moe.quack import varying_rows
 from titan_fold.moe.stash import Stash
 from titan_fold.parallel.attention import sequence_positions
 from titan_fold.parallel.mesh import Layout
@@ -37,7 +38,8 @@ def dispatcher(layout: Layout) -> TokenDispatcher:
 
 def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None:
     """Routed experts as DTensors on the expert mesh where the plan lays them out on ep / etp;
-    every MoE layer's dispatcher for this layout (with moe.stash_rows, sharing one Stash)."""
+    every MoE layer's dispatcher for this layout (with moe.stash_rows, sharing one Stash); "auto"
+    grouped GEMMs are torch's where the experts' row count varies (moe/quack.py: varying_rows)."""
     for fqn, param in list(model.named_parameters()):  # a pipeline stage holds only some layers
         placed = plan[fqn]
         if placed.mesh != EXPERT or not placed.dims:
@@ -48,6 +50,8 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
     stash = None  # moe.stash_rows: one pool for the model part's MoE layers
     for moe in moe_layers(model):
         moe.dispatcher = dispatcher(layout)
+        if moe.experts.grouped_gemm == "auto" and varying_rows(moe.args, layout.ep, layout.etp):
+            moe.experts.grouped_gemm = "torch"  # QuACK would tune its kernels in every call
         if moe.args.stash_rows:
             stash = stash or Stash(moe.args.stash_rows)
             moe.dispatcher.stash = stash

@@ -14,7 +14,7 @@ from titan_fold.common.errors import is_first_rank
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
-from titan_fold.moe.quack import quack_problem
+from titan_fold.moe.quack import quack_problem, varying_rows
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.overlap import overlap_problem
 from titan_fold.parallel.parallelize import op_sac_problem
@@ -73,6 +73,10 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
     # a dry run plans for the real GPUs, where QuACK may be installed
     if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
         raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")
+    if model_args.moe.grouped_gemm == "quack" and (varying := varying_rows(model_args.moe, layout.ep, layout.etp)):
+        raise ConfigError(f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
+                          "layer and step, and QuACK tunes its kernels for each new count; set "
+                          "moe.grouped_gemm = 'torch' (or 'auto', which picks it here)")
     # a dry run reports it and records the step with full AC instead (dryrun.step_config)
     if config.comm.mode != "fake_backend" and (problem := op_sac_problem(config, layout)):
         raise ConfigError(problem)
