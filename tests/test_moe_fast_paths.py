@@ -181,8 +181,10 @@ def test_quack_only_where_the_row_count_is_fixed():
     with pytest.raises(ConfigError, match=r"^moe.grouped_gemm = 'quack' with moe.capacity_factor = 1.0 without "
                                           r"moe.pad_to_capacity"):
         preflight(parse_args(base + ["--moe.capacity_factor", "1.0"]), 1)
-    for extra, world in ((ep2 + ["--moe.static_ep_exchange"], 2), (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity",
-                                                                  "True"], 1), ([], 1)):
+    fixed = [(ep2 + ["--moe.static_ep_exchange"], 2),
+             (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"], 1),
+             ([], 1)]
+    for extra, world in fixed:
         preflight(parse_args(base + extra), world)
 
     class _Layout:  # what apply_moe reads of a layout for a model without expert placements

@@ -212,8 +212,8 @@ def check_stash(ep_mesh):
     flight (one layer run twice before backward) give the same outputs and gradients as without
     the stash, with the pools' rows past the real ones poisoned with NaN after forward, eager and
     under torch.compile; the pool holds exactly the real rows the rank's experts got (V1 + V2,
-    not twice the worst case), and is free again after backward. One row fewer: the guard's check before the optimizer step
-    stops every rank with a line naming moe.stash_rows."""
+    not twice the worst case), and is free again after backward. One row fewer: the guard's
+    check before the optimizer step stops every rank with a line naming moe.stash_rows."""
     from titan_fold.moe import MoEArgs
     from titan_fold.moe.stash import Stash
     from titan_fold.parallel.experts import shard_moe

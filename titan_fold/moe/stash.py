@@ -23,8 +23,9 @@ The offset returns to 0 when no stash is outstanding: every stashed tensor freed
 (after its backward, or with its graph), counted on the host.
 
 Under torch.compile the experts' call stays in eager mode (`Stash.call`): the layer compiles to
-a graph before the experts and one after, and compile.cudagraphs captures those two while the
-experts, the pools' writes and the offset run between them every step.
+a graph before the experts and one after. Not under compile.cudagraphs (the configuration
+refuses it): CUDA graph trees take the eager experts' torch.compile calls (the fused SwiGLU) for
+the start of a new step and free graph outputs that backward still needs.
 """
 
 import contextlib
@@ -48,10 +49,8 @@ class Stash:
     def call(self, valid: torch.Tensor, R: int, fn, *args):
         """fn(*args), the tensors with R rows it saves stashed (layer()). Always in eager mode:
         saved-tensor hooks are Python that torch.compile's graphs cannot hold, so a compiled MoE
-        layer runs as two graphs with its experts between them (their GEMMs are few launches),
-        and under compile.cudagraphs the pools stay outside the graphs at fixed addresses."""
-        # a copy: under CUDA graphs V is a graph output that the layer's next replay rewrites
-        with self.layer(valid.clone(), R):
+        layer runs as two graphs with its experts between them (their GEMMs are few launches)."""
+        with self.layer(valid, R):
             return fn(*args)
 
     @contextlib.contextmanager
