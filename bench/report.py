@@ -293,10 +293,11 @@ def row_movement_table(rec: dict) -> list[str]:
 
 
 def streams_table(rec: dict) -> list[str]:
-    """bench/grad_norm.py and bench/master_step.py: ms and, for the master step, TB/s."""
+    """bench/grad_norm.py and bench/master_step.py: ms and, for the master step, TB/s; the code
+    before's rows (<step>@base) first where the suite ran it."""
     out = ["| step | way | ms | TB/s |", "|---|---|---:|---:|"]
     n = 0
-    for name in ("grad_norm", "master_step"):
+    for name in ("grad_norm@base", "grad_norm", "master_step@base", "master_step"):
         for r in (rec["figures"].get(name) or {}).get("rows", []):
             out.append(f"| {name} | {r.get('way') or r.get('kernel')} | {_f(r.get('ms'), 3)} | {_f(r.get('tb_per_s'), 2)} |")
             n += 1

@@ -7,7 +7,10 @@ that reads the gradient, the weight and the Adam moments once, does torch.optim.
 AdamW's math in fp32 and writes the weight and the moments back in their dtypes. For bf16
 parameters that is the 14 bytes per parameter any Adam step must move, in one pass (torch's
 fused AdamW moves the same bytes through multi_tensor_apply; bench/master_step.py times
-both). The torch optimizers torchtitan builds stay: their param groups hold the learning
+both). The per-parameter factors (bias corrections, decay, 1 / grad_scale) are computed for
+all parameters in one small kernel before (`adam_coefficients`): inside the update each
+element would recompute them, two powers and a division, which makes that kernel
+instruction-bound rather than bandwidth-bound. The torch optimizers torchtitan builds stay: their param groups hold the learning
 rate its scheduler sets and the settings, their states the moments and the step count (a
 float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and checkpoints
 are torchtitan's, and parallel/clip.py sets their grad_scale (the clip coefficient as a
@@ -109,14 +112,16 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
             scalars[1].fill_(1.0)
         else:
             scalars[1].copy_(scale.reciprocal())
-        for p, optimized in zip(params, group["params"]):
-            if p.grad is None:
-                continue
-            state = _state(opt, optimized)
+        live = [(p, optimized) for p, optimized in zip(params, group["params"]) if p.grad is not None]
+        if not live:
+            return
+        states = [_state(opt, optimized) for _, optimized in live]
+        coefs = adam_coefficients([state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"])
+        for (p, optimized), state, coef in zip(live, states, coefs):
             master = None if optimized is p else local(optimized).view(-1)
             fused(_adam_step)(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), master,
                               local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1),
-                              state["step"], scalars, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
+                              coef, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
 
 
 class MasterWeightOptimizersContainer(AdamOptimizersContainer):
@@ -191,26 +196,45 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
         self._copy(self.params, self.masters)
 
 
-def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, step, scalars, beta1: float, beta2: float,
+def adam_coefficients(steps: list[torch.Tensor], scalars: torch.Tensor, beta1: float, beta2: float,
+                      weight_decay: float) -> tuple[torch.Tensor, ...]:
+    """Counts a step of each parameter (steps: their step counts, float32 [] on one device) and
+    returns each one's `_adam_step` coefficients [4], computed once per parameter rather than
+    for every element inside its update. scalars [2]: the learning rate and the reciprocal of
+    the clip's grad_scale."""
+    torch._foreach_add_(steps, 1)
+    return fused(_coefficients)(torch.stack(steps), scalars, beta1, beta2, weight_decay).unbind(0)
+
+
+def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
+    """[n] step counts -> [n, 4]: torch's fused Adam's step size lr / (1 - beta1^t) and
+    sqrt(1 - beta2^t), AdamW's decay factor 1 - lr * weight_decay and the gradient's factor
+    1 / grad_scale (4 columns: each row 16-byte aligned, as generated kernels assume)."""
+    lr, inv_scale = scalars[0], scalars[1]
+    step_size = lr / (1 - beta1**steps)
+    bias_correction2_sqrt = (1 - beta2**steps).sqrt()
+    decay = (1 - lr * weight_decay).expand_as(steps)
+    return torch.stack([step_size, bias_correction2_sqrt, decay, inv_scale.expand_as(steps)], dim=1)
+
+
+def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, beta2: float,
                eps: float, weight_decay: float, decoupled: bool) -> None:
     """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one parameter
     [n], in place, from its gradient [n] (any float dtype). With a master [n] (fp32) the
     master is updated and rounded into the weight; without one (None) the weight itself, read
     as fp32. The moments [n] are read as fp32 and written back in their dtype; all math is
-    fp32. step: the parameter's step count, float32 []; scalars [2]: the learning rate and the
-    reciprocal of the clip's grad_scale."""
-    lr, inv_scale = scalars[0], scalars[1]
+    fp32, in the order of torch's fused Adam. coef [4]: the parameter's `_coefficients` row."""
+    step_size, bias_correction2_sqrt, decay, inv_scale = coef[0], coef[1], coef[2], coef[3]
     w = (weight if master is None else master).float()
     g = grad.float() * inv_scale
-    step.add_(1)
     if decoupled:
-        w = w * (1 - lr * weight_decay)
+        w = w * decay
     else:
         g = g + weight_decay * w
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
-    denom = v.sqrt() / (1 - beta2**step).sqrt() + eps
-    w = w - lr / (1 - beta1**step) * m / denom
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    w = w - step_size * m / denom
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if master is not None:
