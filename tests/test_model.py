@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
-from titan_fold.models.layers import rope_cos_sin
+from titan_fold.models.layers import apply_rope, apply_rope_qk, rope_cos_sin
 from titan_fold.models.transformer import Attention
 
 
@@ -89,6 +89,38 @@ def test_gqa_attention_matches_float64_reference(offset):
     )
     # the RoPE table is float32: ~1e-7 relative error on the angles
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_rope_qk_equals_apply_rope_forward_and_backward(per_batch, dtype, device):
+    """apply_rope_qk's autograd Function (one fused() call each way on CUDA) against apply_rope
+    differentiated by autograd: on the CPU equal; on CUDA within one rounding of the dtype."""
+    gen = torch.Generator().manual_seed(0)
+    b, s, d = 2, 24, 16
+    cos, sin = rope_cos_sin(d, s, 1000.0)
+    if per_batch:  # positions given per sequence: [b, s, head_dim]
+        perm = torch.stack([torch.randperm(s, generator=gen) for _ in range(b)])
+        cos, sin = cos[perm], sin[perm]
+    q, k = (torch.randn(b, s, h, d, generator=gen).to(dtype) for h in (6, 2))
+    gq, gk = (torch.randn(b, s, h, d, generator=gen).to(dtype) for h in (6, 2))
+    cos, sin = cos.to(device), sin.to(device)
+
+    ref = [t.to(device, copy=True).requires_grad_() for t in (q, k)]
+    out_ref = [apply_rope(t, cos, sin) for t in ref]
+    torch.autograd.backward(out_ref, [gq.to(device), gk.to(device)])
+    x = [t.to(device, copy=True).requires_grad_() for t in (q, k)]
+    out = apply_rope_qk(*x, cos, sin)
+    torch.autograd.backward(out, [gq.to(device), gk.to(device)])
+
+    tol = {} if device == "cpu" else {"rtol": torch.finfo(dtype).eps, "atol": 1e-6}
+    for a, r in [*zip(out, out_ref), (x[0].grad, ref[0].grad), (x[1].grad, ref[1].grad)]:
+        assert a.dtype == dtype and a.shape == r.shape
+        if tol:
+            torch.testing.assert_close(a, r, **tol)
+        else:
+            assert torch.equal(a, r)
 
 
 def test_positions_argument():

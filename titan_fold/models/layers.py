@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from titan_fold.common.fused import fused
+
 
 def trunc_normal_(weight: torch.Tensor, std: float):
     # truncated at 3 standard deviations: no rare huge weights at start
@@ -28,3 +30,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rotated * sin).type_as(x)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """apply_rope of q and k ([b, s, heads, head_dim] each, their own head counts). Op by op
+    that is a cast, a concatenation and fp32 products per tensor, each through memory; on
+    plain tensors outside torch.compile (which fuses apply_rope itself) forward and backward
+    are each one fused() call over both."""
+    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or cos.requires_grad or sin.requires_grad):
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return _RopeQK.apply(q, k, cos, sin)
+
+
+class _RopeQK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return fused(_rope_qk)(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        return *fused(_rope_qk_backward)(grad_q, grad_k, cos, sin), None, None
+
+
+def _rope_qk(q, k, cos, sin):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _rope_qk_backward(grad_q, grad_k, cos, sin):
+    return _rope_backward(grad_q, cos, sin), _rope_backward(grad_k, cos, sin)
+
+
+def _rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of apply_rope's input from its output's: the transposed rotation, in fp32."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    gf = grad.float()
+    g1, g2 = (gf * sin).chunk(2, dim=-1)
+    return (gf * cos + torch.cat([g2, -g1], dim=-1)).type_as(grad)

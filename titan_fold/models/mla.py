@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from titan_fold.models.layers import apply_rope, trunc_normal_
+from titan_fold.models.layers import apply_rope_qk, trunc_normal_
 from titan_fold.models.transformer import CausalSelfAttention
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps, not rms_norm_eps
@@ -113,7 +113,7 @@ class MLAttention(nn.Module):
         k_rope = self.wk_rope(x).view(b, s, 1, self.rope_dim)  # [b, s, 1, rope]
         if self.interleaved:
             q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
-        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+        q_rope, k_rope = apply_rope_qk(q_rope, k_rope, cos, sin)
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # [b, s, heads, nope + rope]
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, v_dim]

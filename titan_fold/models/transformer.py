@@ -18,7 +18,7 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_fold.models.args import TransformerArgs
-from titan_fold.models.layers import apply_rope, trunc_normal_
+from titan_fold.models.layers import apply_rope_qk, trunc_normal_
 from titan_fold.models.mtp import MultiTokenPrediction
 from titan_fold.moe import FeedForward, MoE
 from titan_fold.moe.router import AddAuxLoss
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope_qk(q, k, cos, sin)
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, head_dim]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
