@@ -241,30 +241,15 @@ def _(dy, x, offs):
     return dy.new_empty(offs.shape[0] - 1, dy.shape[1], x.shape[1])
 
 
-class _SplitLinear(torch.autograd.Function):
-    """y = x @ w[e].T per expert's rows; backward returns dX and hands (dy, x) to `defer`,
-    which queues dW (moe/wgrad.py: moe.delay_wgrad_compute)."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs, defer):
-        ctx.save_for_backward(x, w, offs)
-        ctx.defer = defer
-        return _down_forward(x, offs, w)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
-        dy = dy.contiguous()
-        ctx.defer(dy, x, offs)
-        return _dgrad(dy, offs, w), None, None, None
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [R, k] rows grouped by expert (offs from offsets()), w [E, n, k] -> x @ w[e].T per
+    expert's rows, [R, n] (no autograd: moe/wgrad.py's split GEMM)."""
+    return _down_forward(x, offs, w)
 
 
-def split_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, defer) -> torch.Tensor:
-    """x [R, k] rows grouped by expert (ends [E] int32: each expert's end row), w [E, n, k] ->
-    [R, n] on QuACK's GEMMs; its weight gradient goes to defer(dy, x, offs) (weight_grad
-    computes it)."""
-    offs = torch.nn.functional.pad(ends, (1, 0))
-    return _SplitLinear.apply(x, w, offs, defer)
+def grouped_dgrad(dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_linear's input gradient: dy [R, n] -> dy @ w[e] per expert's rows, [R, k]."""
+    return _dgrad(dy, offs, w)
 
 
 def offsets(counts: torch.Tensor) -> torch.Tensor:

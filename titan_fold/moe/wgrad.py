@@ -26,7 +26,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from titan_fold.moe.fp8 import _weight_grad, fp8_grouped_linear
-from titan_fold.moe.quack import split_linear, weight_grad
+from titan_fold.moe.quack import grouped_dgrad as quack_dgrad
+from titan_fold.moe.quack import grouped_linear as quack_linear
+from titan_fold.moe.quack import weight_grad
 
 
 class WgradQueue:
@@ -97,21 +99,27 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return torch.cat(out)
 
 
+def _grouped_dgrad(grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """_grouped_linear's input gradient: grad [M, N] -> grad @ w[e] per group, [M, K]."""
+    return _grouped_linear(grad, w.transpose(1, 2), offs)
+
+
 class _SplitGroupedLinear(torch.autograd.Function):
-    """y = x @ w[e].T per group; backward returns dX and hands (dY, x, offs) to `defer`."""
+    """y = linear(x, w, offs) = x @ w[e].T per group; backward returns dX = dgrad(dY, w, offs)
+    and hands (dY, x, offs) to `defer`. linear and dgrad: torch's GEMMs or QuACK's."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, defer):
+    def forward(ctx, x, w, offs, defer, linear, dgrad):
         ctx.save_for_backward(x, w, offs)
-        ctx.defer = defer
-        return _grouped_linear(x, w, offs)
+        ctx.defer, ctx.dgrad = defer, dgrad
+        return linear(x, w, offs)
 
     @staticmethod
     def backward(ctx, grad):
         x, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
         ctx.defer(grad, x, offs)
-        return _grouped_linear(grad, w.transpose(1, 2), offs), None, None, None  # dX [M, K]
+        return ctx.dgrad(grad, w, offs), None, None, None, None, None  # dX [M, K]
 
 
 def split_grouped_linear(queue: WgradQueue, fp8: bool = False, quack: bool = False) -> Callable:
@@ -128,9 +136,10 @@ def split_grouped_linear(queue: WgradQueue, fp8: bool = False, quack: bool = Fal
 
         if fp8:
             return fp8_grouped_linear(x, w.detach(), offs, defer_wgrad=defer)
-        if quack:
-            return split_linear(x, w.detach(), offs, defer)
-        return _SplitGroupedLinear.apply(x, w.detach(), offs, defer)
+        if quack:  # QuACK's offsets: [E + 1], from 0
+            offs = torch.nn.functional.pad(offs, (1, 0))
+            return _SplitGroupedLinear.apply(x, w.detach(), offs, defer, quack_linear, quack_dgrad)
+        return _SplitGroupedLinear.apply(x, w.detach(), offs, defer, _grouped_linear, _grouped_dgrad)
 
     return linear
 
