@@ -2,20 +2,20 @@
 the optimizer with bf16 weights in the model (Megatron-Core's precision-aware optimizer).
 
 The step: `optimizer.implementation = "fused"` (torchtitan's default) runs titan_fold's step,
-`_adam_step`: per parameter, one generated kernel on CUDA (torch.compile through fused())
-that reads the gradient, the weight and the Adam moments once, does torch.optim.Adam /
-AdamW's math in fp32 and writes the weight and the moments back in their dtypes. For bf16
-parameters that is the 14 bytes per parameter any Adam step must move, in one pass (torch's
-fused AdamW moves the same bytes through multi_tensor_apply; bench/master_step.py times
-both). The per-parameter factors (bias corrections, decay, 1 / grad_scale) are computed for
-all parameters in one small kernel before (`adam_coefficients`): inside the update each
-element would recompute them, two powers and a division, which makes that kernel
-instruction-bound rather than bandwidth-bound. The torch optimizers torchtitan builds stay: their param groups hold the learning
-rate its scheduler sets and the settings, their states the moments and the step count (a
-float32 tensor on the device, as torch's fused Adam keeps it), so state_dict and checkpoints
-are torchtitan's, and parallel/clip.py sets their grad_scale (the clip coefficient as a
-divisor of the gradient, which the step applies). "foreach" and "for-loop" run torch's own
-step, and so do early_step_in_backward and fault tolerance (torchtitan's other containers).
+`_adam_step`: per parameter, one generated kernel on CUDA (torch.compile through fused()) that
+reads the gradient, the weight and the Adam moments once, does torch.optim.Adam / AdamW's math
+in fp32 and writes the weight and the moments back in their dtypes. For bf16 parameters that is
+the 14 bytes per parameter any Adam step must move, in one pass (torch's fused AdamW moves the
+same bytes through multi_tensor_apply; bench/master_step.py times both). The per-parameter
+factors (bias corrections, decay, 1 / grad_scale) are computed for all parameters in one small
+kernel before (`adam_coefficients`): inside the update each element would recompute them, two
+powers and a division, which makes that kernel instruction-bound rather than bandwidth-bound.
+The torch optimizers torchtitan builds stay: their param groups hold the learning rate its
+scheduler sets and the settings, their states the moments and the step count (a float32 tensor
+on the device, as torch's fused Adam keeps it), so state_dict and checkpoints are torchtitan's,
+and parallel/clip.py sets their grad_scale (the clip coefficient as a divisor of the gradient,
+which the step applies). "foreach" and "for-loop" run torch's own step, and so do
+early_step_in_backward and fault tolerance (torchtitan's other containers).
 
 Master weights: with `training.dtype = "bfloat16"` the model's parameters are bf16: forward
 and backward compute in bf16 with no autocast re-cast of every weight, and the gradients
