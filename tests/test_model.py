@@ -123,6 +123,44 @@ def test_rope_qk_equals_apply_rope_forward_and_backward(per_batch, dtype, device
             assert torch.equal(a, r)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_qk_equals_float64(dtype, device):
+    """apply_rope_qk with Qwen3's q / k RMSNorms (their backward written out, one fused() call
+    each way on CUDA) against the norms and apply_rope differentiated by autograd in float64:
+    the output and the gradients of q, k and both norm weights, no further from it than the
+    op-by-op path in the same dtype plus one rounding."""
+    gen = torch.Generator().manual_seed(0)
+    b, s, d = 2, 24, 16
+    cos, sin = rope_cos_sin(d, s, 1000.0)
+    q, k = (torch.randn(b, s, h, d, generator=gen) * 3 for h in (6, 2))
+    gq, gk = (torch.randn(b, s, h, d, generator=gen) for h in (6, 2))
+    weights = [1 + torch.randn(d, generator=gen) / 2 for _ in range(2)]
+
+    def run(path, dtype, device):
+        norms = [nn.RMSNorm(d, eps=1e-6).to(device, dtype) for _ in range(2)]
+        with torch.no_grad():
+            for norm, w in zip(norms, weights):
+                norm.weight.copy_(w)
+        x = [t.to(device, dtype).requires_grad_() for t in (q, k)]
+        c, s_ = cos.to(device, dtype if dtype == torch.float64 else torch.float32), sin.to(device)
+        s_ = s_.to(c.dtype)
+        if path == "fused":
+            out = apply_rope_qk(*x, c, s_, *norms)
+        else:
+            out = [apply_rope(norm(t), c, s_) for norm, t in zip(norms, x)]
+        torch.autograd.backward(out, [g.to(device, dtype) for g in (gq, gk)])
+        return [t.double().cpu() for t in (*out, x[0].grad, x[1].grad, norms[0].weight.grad, norms[1].weight.grad)]
+
+    want = run("ops", torch.float64, "cpu")
+    got, ops = run("fused", dtype, device), run("ops", dtype, device)
+    eps = torch.finfo(dtype).eps
+    for g, o, w in zip(got, ops, want):
+        scale = w.abs().max().item()
+        assert (g - w).abs().max() <= (o - w).abs().max() + 4 * eps * scale, ((g - w).abs().max(), (o - w).abs().max())
+        torch.testing.assert_close(g, w, rtol=0, atol=(1e-5 if dtype == torch.float32 else 4e-2) * scale)
+
+
 def test_positions_argument():
     args = FLAVORS["qwen2_moe"]["debug"]
     model = build(args).double()

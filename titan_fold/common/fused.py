@@ -1,10 +1,10 @@
 """Several elementwise passes as one generated kernel, on CUDA in eager mode.
 
 The SwiGLU (routed experts, shared expert, dense FFN), the MoE layer's sums over k, the rotary
-embedding of q and k and the Adam step are short chains of elementwise work over large tensors;
-run op by op each intermediate goes through memory. `fused(fn)(...)` runs fn through
-torch.compile on CUDA, so its intermediates stay in registers; on the CPU, and inside an
-enclosing torch.compile (which fuses it there), fn runs as written.
+embedding of q and k (with Qwen3's q / k norms) and the Adam step are short chains of
+elementwise work over large tensors; run op by op each intermediate goes through memory.
+`fused(fn)(...)` runs fn through torch.compile on CUDA, so its intermediates stay in registers;
+on the CPU, and inside an enclosing torch.compile (which fuses it there), fn runs as written.
 """
 
 import torch

@@ -1,7 +1,9 @@
 """Pieces the model files share: weight initialization and the rotary embedding."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_fold.common.fused import fused
 
@@ -32,15 +34,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated * sin).type_as(x)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """apply_rope of q and k ([b, s, heads, head_dim] each, their own head counts). Op by op
-    that is a cast, a concatenation and fp32 products per tensor, each through memory; on
-    plain tensors outside torch.compile (which fuses apply_rope itself) forward and backward
-    are each one fused() call over both."""
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  q_norm: nn.RMSNorm | None = None, k_norm: nn.RMSNorm | None = None):
+    """apply_rope of q and k ([b, s, heads, head_dim] each, their own head counts), after
+    q_norm and k_norm where given (Qwen3: one RMSNorm over head_dim for every query head, one
+    for every key head). Op by op that is a cast, a concatenation and fp32 products per tensor,
+    and the norms' own passes, each through memory; on plain tensors outside torch.compile
+    (which fuses these itself) forward and backward are each one fused() call over both."""
+    norms = () if q_norm is None else (q_norm, k_norm)
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or cos.requires_grad or sin.requires_grad):
+            or cos.requires_grad or sin.requires_grad
+            or any(norm.weight is None or isinstance(norm.weight, DTensor) for norm in norms)):
+        if norms:
+            q, k = q_norm(q), k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return _RopeQK.apply(q, k, cos, sin)
+    if not norms:
+        return _RopeQK.apply(q, k, cos, sin)
+    eps = [torch.finfo(q.dtype).eps if norm.eps is None else norm.eps for norm in norms]
+    return _NormRopeQK.apply(q, k, q_norm.weight, k_norm.weight, cos, sin, *eps)
 
 
 class _RopeQK(torch.autograd.Function):
@@ -55,12 +66,52 @@ class _RopeQK(torch.autograd.Function):
         return *fused(_rope_qk_backward)(grad_q, grad_k, cos, sin), None, None
 
 
+class _NormRopeQK(torch.autograd.Function):
+    """RMSNorm then RoPE of q and k; saves what the norms alone would (q, k, their weights)."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, q_eps: float, k_eps: float):
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        ctx.eps = q_eps, k_eps
+        return fused(_norm_rope_qk)(q, k, q_weight, k_weight, cos, sin, *ctx.eps)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        grads = fused(_norm_rope_qk_backward)(grad_q, grad_k, *ctx.saved_tensors, *ctx.eps)
+        return *grads, None, None, None, None
+
+
 def _rope_qk(q, k, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def _rope_qk_backward(grad_q, grad_k, cos, sin):
     return _rope_backward(grad_q, cos, sin), _rope_backward(grad_k, cos, sin)
+
+
+def _norm_rope_qk(q, k, q_weight, k_weight, cos, sin, q_eps: float, k_eps: float):
+    q = F.rms_norm(q, q.shape[-1:], q_weight, q_eps)
+    k = F.rms_norm(k, k.shape[-1:], k_weight, k_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _norm_rope_qk_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, q_eps: float, k_eps: float):
+    """-> the gradients of q, k, q_weight, k_weight."""
+    grad_q, grad_q_weight = _rms_norm_backward(_rope_backward(grad_q, cos, sin), q, q_weight, q_eps)
+    grad_k, grad_k_weight = _rms_norm_backward(_rope_backward(grad_k, cos, sin), k, k_weight, k_eps)
+    return grad_q, grad_k, grad_q_weight, grad_k_weight
+
+
+def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The gradients of x [..., d] and weight [d] of F.rms_norm(x, (d,), weight, eps) from its
+    output's, in fp32: with x^ = x / rms(x), dx = (g - x^ mean(g x^)) / rms(x) for g = grad * weight."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = xf * rstd
+    g = grad.float() * weight.float()
+    grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    grad_weight = (grad.float() * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    return grad_x.type_as(x), grad_weight.type_as(weight)
 
 
 def _rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -55,9 +55,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope_qk(q, k, cos, sin)
+        q, k = apply_rope_qk(q, k, cos, sin, self.q_norm, self.k_norm)
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, head_dim]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
