@@ -63,6 +63,25 @@ def test_cudagraphs_marks_the_moe_buffers_static():
     assert all(get_static_address_type(b) == "unguarded" for b in buffers)
 
 
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_cudagraphs_step_starts_marked(monkeypatch, cudagraphs):
+    """compile.cudagraphs: each training step tells CUDA graph trees that a step starts, before
+    any of its work (left to guess, the trees start one at any torch.compile call outside their
+    graphs, such as the stash's eager experts' fused kernels); without graphs nothing is marked."""
+    from types import SimpleNamespace
+
+    from titan_fold.trainer.fold_trainer import FoldTrainer
+
+    calls = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("mark"))
+    trainer = SimpleNamespace(step=3, guard=SimpleNamespace(step=None), cudagraphs=cudagraphs,
+                              _torchtitan=lambda method: lambda data: calls.append(("step", data)))
+    FoldTrainer.train_step(trainer, "batches")
+    FoldTrainer.train_step(trainer, "batches")
+    step = [("step", "batches")]
+    assert calls == (["mark", *step] * 2 if cudagraphs else step * 2) and trainer.guard.step == 3
+
+
 def test_cudagraphs_freed_before_the_process_group(monkeypatch):
     """compile.cudagraphs: torch.compile's graphs are dropped before the process group goes (a graph
     holding NCCL kernels keeps its communicator, whose destruction then hangs); other runs keep

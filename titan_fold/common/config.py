@@ -428,9 +428,9 @@ def validate(config: JobConfig) -> None:
                               "saved tensors are recomputed, not stashed; choose one")
         if config.compile.cudagraphs:
             raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the "
-                              "experts in eager mode between the layer's graphs, where their fused kernels (torch.compile "
-                              "functions) make CUDA graph trees start a new step and free the graphs' outputs that "
-                              "backward still needs; choose one")
+                              "experts in eager mode between the layer's graphs, and CUDA graph trees then record the "
+                              "graphs again in most steps (the parameters FSDP2 gathers move with the eager experts' "
+                              "allocations), slower than compile.enable alone; choose one")
     exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
     if config.compile.cudagraphs and exchange and moe.capacity_factor is None and not moe.static_ep_exchange:
         raise ConfigError("compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "

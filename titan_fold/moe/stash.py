@@ -24,8 +24,9 @@ The offset returns to 0 when no stash is outstanding: every stashed tensor freed
 
 Under torch.compile the experts' call stays in eager mode (`Stash.call`): the layer compiles to
 a graph before the experts and one after. Not under compile.cudagraphs (the configuration
-refuses it): CUDA graph trees take the eager experts' torch.compile calls (the fused SwiGLU) for
-the start of a new step and free graph outputs that backward still needs.
+refuses it): the two graphs would be captured and replayed around the eager experts, but CUDA
+graph trees record them again whenever a parameter they read moves, and the parameters FSDP2
+gathers move with the eager experts' allocations, so most steps record instead of replaying.
 """
 
 import contextlib

@@ -110,7 +110,8 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
-        if job_config.compile.enable and job_config.compile.cudagraphs:
+        self.cudagraphs = job_config.compile.enable and job_config.compile.cudagraphs
+        if self.cudagraphs:
             mark_static_buffers(self.model_parts)
         # moe.stash_rows: the stashes' overflow is checked there too
         self.guard.stashes, self.guard.stash_rows = moe_stashes(self.model_parts), self.model_args.moe.stash_rows
@@ -224,6 +225,11 @@ class FoldTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.guard.step = self.step
+        if self.cudagraphs:
+            # CUDA graph trees take this, and only this, for the start of a step. Left to guess,
+            # they start one at any torch.compile call outside their graphs (a fused() kernel in
+            # eager code between compiled blocks) and free graph outputs that backward still needs.
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             self._torchtitan(Trainer.train_step)(data_iterator)
         except SkippedStep as e:
