@@ -161,6 +161,23 @@ def test_norm_rope_qk_equals_float64(dtype, device):
         torch.testing.assert_close(g, w, rtol=0, atol=(1e-5 if dtype == torch.float32 else 4e-2) * scale)
 
 
+def test_norm_rope_qk_calls_hooked_norms():
+    """A q / k norm with hooks on it (a parallel plan's, the dry run's gradient watch) is called,
+    not bypassed: its hooks run, and the result is the fused path's."""
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = rope_cos_sin(16, 8, 1000.0)
+    q, k = (torch.randn(2, 8, h, 16, generator=gen) for h in (4, 2))
+    norms = [nn.RMSNorm(16, eps=1e-6) for _ in range(2)]
+    fused_out = apply_rope_qk(q, k, cos, sin, *norms)
+    calls = []
+    for norm in norms:
+        norm.register_forward_pre_hook(lambda module, args: calls.append(module))
+    hooked_out = apply_rope_qk(q, k, cos, sin, *norms)
+    assert calls == norms
+    for a, b in zip(hooked_out, fused_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_positions_argument():
     args = FLAVORS["qwen2_moe"]["debug"]
     model = build(args).double()

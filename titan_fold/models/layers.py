@@ -44,7 +44,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     norms = () if q_norm is None else (q_norm, k_norm)
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
             or cos.requires_grad or sin.requires_grad
-            or any(norm.weight is None or isinstance(norm.weight, DTensor) for norm in norms)):
+            or any(norm.weight is None or isinstance(norm.weight, DTensor) or _hooked(norm) for norm in norms)):
         if norms:
             q, k = q_norm(q), k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -52,6 +52,13 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         return _RopeQK.apply(q, k, cos, sin)
     eps = [torch.finfo(q.dtype).eps if norm.eps is None else norm.eps for norm in norms]
     return _NormRopeQK.apply(q, k, q_norm.weight, k_norm.weight, cos, sin, *eps)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of module runs hooks registered on it (a parallel plan's, a dry run's): it
+    is then called, not bypassed by reading its weight."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks)
 
 
 class _RopeQK(torch.autograd.Function):
