@@ -143,8 +143,8 @@ def test_norm_rope_qk_equals_float64(dtype, device):
             for norm, w in zip(norms, weights):
                 norm.weight.copy_(w)
         x = [t.to(device, dtype).requires_grad_() for t in (q, k)]
-        c, s_ = cos.to(device, dtype if dtype == torch.float64 else torch.float32), sin.to(device)
-        s_ = s_.to(c.dtype)
+        table = torch.float64 if dtype == torch.float64 else torch.float32  # the RoPE table's dtype
+        c, s_ = cos.to(device, table), sin.to(device, table)
         if path == "fused":
             out = apply_rope_qk(*x, c, s_, *norms)
         else:

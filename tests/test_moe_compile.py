@@ -67,7 +67,8 @@ def test_cudagraphs_marks_the_moe_buffers_static():
 def test_cudagraphs_step_starts_marked(monkeypatch, cudagraphs):
     """compile.cudagraphs: each training step tells CUDA graph trees that a step starts, before
     any of its work (left to guess, the trees start one at any torch.compile call outside their
-    graphs, such as the stash's eager experts' fused kernels); without graphs nothing is marked."""
+    graphs, such as a fused() kernel in eager code between compiled blocks); without graphs
+    nothing is marked."""
     from types import SimpleNamespace
 
     from titan_fold.trainer.fold_trainer import FoldTrainer
