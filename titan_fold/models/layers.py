@@ -115,9 +115,10 @@ def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     x_hat = xf * rstd
-    g = grad.float() * weight.float()
+    grad = grad.float()
+    g = grad * weight.float()
     grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
-    grad_weight = (grad.float() * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    grad_weight = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
     return grad_x.type_as(x), grad_weight.type_as(weight)
 
 
