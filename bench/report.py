@@ -304,6 +304,22 @@ def streams_table(rec: dict) -> list[str]:
     return out if n else []
 
 
+def attention_table(rec: dict) -> list[str]:
+    """bench/attention.py: each proxy's attention per SDPA backend and as the models call it."""
+    fig = rec["figures"].get("attention")
+    if not fig:
+        return []
+    out = ["| proxy | heads (kv) | head_dim q.k / v | way | ms | TFLOP/s | max rel err vs fp32 math |",
+           "|---|---|---|---|---:|---:|---:|"]
+    for r in fig["rows"]:
+        head = f"| {r['family']} {r['proxy']} | {r['heads']} ({r['kv_heads']}) | {r['qk_dim']} / {r['v_dim']} | {r['way']} |"
+        if "error" in r:
+            out.append(f"{head} not taken | | |")
+        else:
+            out.append(f"{head} {_f(r['ms'], 3)} | {_f(r['tflops'])} | {r['max_rel_err_vs_fp32_math']:.1e} |")
+    return out
+
+
 def collectives_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("collectives")
     if not fig:
@@ -322,7 +338,8 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
-          ("Gradient norm and the optimizer step", streams_table), ("Collectives", collectives_table))
+          ("Gradient norm and the optimizer step", streams_table),
+          ("Attention forward + backward per SDPA backend", attention_table), ("Collectives", collectives_table))
 
 
 def report(results: str = RESULTS) -> str:

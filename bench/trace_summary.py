@@ -17,7 +17,7 @@ import os
 # (class, substrings of the kernel name), first match wins
 CLASSES = (
     ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn")),  # cudnn: its SDPA's helper kernels too
     ("optimizer", ("multi_tensor_apply", "adam", "foreach")),
     ("grouped_gemm", ("cutlass",)),  # torch._grouped_mm on sm90
     ("dense_gemm", ("nvjet", "gemm", "xmma", "gmma", "matmul")),

@@ -388,6 +388,7 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "kernel", "name": "_ZN7cutlass13device_kernel_GemmUniversal", "ts": 0, "dur": 400},
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 400, "dur": 100},
         {"ph": "X", "cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel", "ts": 500, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "void cudnn::fusion::convert_dq_to_16bits<true>", "ts": 600, "dur": 40},
         {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 450, "dur": 200},  # overlaps
         {"ph": "X", "cat": "kernel", "name": "void at::native::multi_tensor_apply_kernel<Adam>", "ts": 800, "dur": 50},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 900, "dur": 10},
@@ -409,7 +410,7 @@ def test_trace_summary(tmp_path):
     assert trace_summary.find_trace(str(tmp_path)) == str(path)
     s = trace_summary.summarize_trace(str(path))
     assert s["step_wall_ms"] == 1.0
-    assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "dense_gemm": 0.1, "attention": 0.1,
+    assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "attention": 0.14, "dense_gemm": 0.1,
                                        "optimizer": 0.08, "elementwise_other": 0.02, "memcpy_memset": 0.01}
     assert s["gpu_busy_ms"] == pytest.approx(0.76)  # [0, 650] + [800, 850] + [900, 950] + [960, 980]
 
@@ -576,6 +577,26 @@ def test_grad_norm_smoke(tmp_path):
     assert rows["per_tensor"]["rel_err_vs_float64"] < 1e-5
     assert rows["foreach"]["rel_err_vs_float64"] < 1e-2
     assert all(r["ms"] > 0 for r in rows.values())
+
+
+def test_attention_smoke(tmp_path):
+    """bench/attention.py on the CPU: the models' call (torch's choice of backend) equals the
+    float32 math backend; MLA's value width (other than the query's) is refused by flash and
+    taken by torch's choice; the report lists every row."""
+    from bench import attention, report
+
+    figures = attention.main(["--smoke", "--out-dir", str(tmp_path)])
+    rows = {(r["family"], r["way"]): r for r in figures["rows"]}
+    assert rows[("deepseek_v3", "default")]["qk_dim"] != rows[("deepseek_v3", "default")]["v_dim"]
+    assert "error" in rows[("deepseek_v3", "flash")]
+    for family in ("qwen3_moe", "deepseek_v3"):
+        r = rows[(family, "default")]
+        assert r["max_rel_err_vs_fp32_math"] < 1e-5 and r["ms"] > 0
+        assert r["tflops"] == pytest.approx(6 * r["batch"] * r["seq_len"] ** 2 * r["heads"]
+                                            * (r["qk_dim"] + r["v_dim"]) / 2 / (r["ms"] * 1e-3) / 1e12)
+    rec = json.loads((tmp_path / "attention.json").read_text())
+    lines = report.attention_table({"figures": {"attention": rec["figures"]}})
+    assert len(lines) == 2 + len(figures["rows"]) and len({line.count("|") for line in lines}) == 1
 
 
 def test_master_step_smoke(tmp_path):
