@@ -100,6 +100,35 @@ def test_layer_matches_reference(dtype, prob_before_w2, top_k, num_experts, capa
     assert moe_stats([moe]) == {}  # reset
 
 
+def test_moe_stats_leave_out_idle_layers_in_one_read():
+    """moe_stats over a layer that ran twice and one that did not run (another micro-batch's
+    stage, say) are the first layer's means alone, read from the device in one transfer."""
+    from torch.overrides import TorchFunctionMode
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", None) in ("tolist", "item", "__bool__", "__float__", "__int__"):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, capacity_factor=1.0, load_balance="none")
+    ran, idle = make_layer(args, torch.float32), make_layer(args, torch.float32, seed=1)
+    with torch.no_grad():
+        ran(make_input(torch.float32))
+        ran(make_input(torch.float32, seed=2))
+    sums, calls = ran.stats[:3].clone(), ran.stats[3].item()
+    with Reads() as reads:
+        stats = moe_stats([ran, idle])
+    assert reads.count == 1 and calls == 2
+    want = (sums / calls).tolist()
+    assert [stats[k] for k in ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance")] == pytest.approx(want)
+    assert stats["dropped_token_frac"] > 0 and moe_stats([ran, idle]) == {}
+
+
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_pad_to_capacity_equals_unpadded(drop_policy, dtype):

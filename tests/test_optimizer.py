@@ -194,6 +194,76 @@ def test_step_hooks_run_once_per_step(master_weights):
     assert calls == ["pre", "post"]
 
 
+@pytest.mark.parametrize("implementation, master_weights", [("fused", False), ("fused", True), ("for-loop", False)])
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_guard_keeps_the_weights_of_a_nonfinite_step(policy, implementation, master_weights):
+    """Step 2's gradients hold a NaN (so does its norm). The guard raises (stop: NonFiniteError,
+    skip: SkippedStep) and the step leaves every weight, moment, master and step count as it was:
+    a third step then gives what the same step gives right after step 1, bit for bit. A fused
+    step (titan_fold's one pass) is queued behind the verdict with no host read before it and
+    the post-hook raises; torch's for-loop step takes no verdict, and its pre-hook raises."""
+    from host_sync import no_host_sync
+
+    from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep
+
+    def run(nan_step: bool):
+        model = make_model()
+        opt = build(model, implementation, master_weights)
+        guard = NonFiniteGuard(policy, torch.device("cpu"))
+        hooks = []
+        pre, post = guard.before_optimizer_step, guard.after_optimizer_step
+
+        def checked_pre(*args):
+            hooks.append("pre")
+            if implementation == "fused":
+                with no_host_sync():
+                    return pre(*args)
+            return pre(*args)
+
+        guard.before_optimizer_step = checked_pre
+        guard.after_optimizer_step = lambda *args: (hooks.append("post"), post(*args))
+        guard.watch(opt)
+        steps = [1, "nan", 3] if nan_step else [1, 3]
+        for step in steps:
+            grads = grads_for(model, 2 if step == "nan" else step)
+            if step == "nan":
+                grads[1][3] = float("nan")
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            norm = torch.stack([g.float().norm() for g in grads]).norm()
+            guard.observe_loss(torch.tensor(1.0))
+            guard.observe_grad_norm(norm)
+            if step == "nan":
+                hooks.clear()
+                with pytest.raises(NonFiniteError if policy == "stop" else SkippedStep):
+                    opt.step()
+                assert hooks == (["pre", "post"] if implementation == "fused" else ["pre"])
+            else:
+                opt.step()
+        state = [t.clone() for o in opt.optimizers for s in o.state.values() for t in s.values()]
+        return [p.detach().clone() for p in model.parameters()] + state
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_guard_gives_no_verdict_to_optimizers_stepped_in_backward():
+    """early_step_in_backward: the optimizers step inside backward, before the guard's hooks, so
+    they get no found_inf (it would skip the next step's update); the pre-hook decides."""
+    from torchtitan.components.optimizer import OptimizersInBackwardContainer
+
+    from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard
+
+    model = make_model()
+    opt = OptimizersInBackwardContainer([model], torch.optim.AdamW, {"lr": LR, "fused": True})
+    guard = NonFiniteGuard("stop", torch.device("cpu"))
+    guard.watch(opt)
+    assert guard.optimizers == [] and not any(hasattr(o, "found_inf") for o in opt.optimizers)
+    guard.observe_loss(torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteError):
+        guard.before_optimizer_step()
+
+
 @pytest.mark.parametrize("master_weights", [False, True])
 def test_lr_schedulers_see_the_step(master_weights):
     """torchtitan's LR schedulers over the one-pass containers: each scheduler sees its

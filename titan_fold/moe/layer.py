@@ -120,14 +120,19 @@ def moe_stats(model_parts) -> dict:
 
     One host sync, here, outside forward. Returns {} when no layer ran.
     """
-    per_layer = []
-    for module in moe_layers(model_parts):
-        if module.stats[3] > 0:
-            per_layer.append(module.stats[:3] / module.stats[3])
-        module.stats.zero_()
-    if not per_layer:
+    layers = moe_layers(model_parts)
+    if not layers:
         return {}
-    aux, dropped, imbalance = torch.stack(per_layer).mean(0).tolist()
+    stats = torch.stack([module.stats for module in layers])  # [layers, 4]: three sums and the calls
+    for module in layers:
+        module.stats.zero_()
+    calls = stats[:, 3]
+    ran = (calls > 0).to(stats.dtype)
+    per_layer = stats[:, :3] / calls.clamp(min=1)[:, None]
+    aux, dropped, imbalance, layers_ran = torch.cat([(per_layer * ran[:, None]).sum(0) / ran.sum().clamp(min=1),
+                                                     ran.sum()[None]]).tolist()
+    if not layers_ran:
+        return {}
     return {"moe_aux_loss": aux, "dropped_token_frac": dropped, "expert_load_imbalance": imbalance}
 
 

@@ -107,9 +107,9 @@ class FoldTrainer(Trainer):
         register_train_specs()
         self._names = self.torchtitan_names()
         self._torchtitan(Trainer.__init__)(job_config)
-        # NaN/Inf in the loss or gradient norm: stop or skip before the optimizer steps (guard.py)
+        # NaN/Inf in the loss or gradient norm: stop or skip with the weights untouched (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
-        self.optimizers.register_step_pre_hook(self.guard.before_optimizer_step)
+        self.guard.watch(self.optimizers)
         self.cudagraphs = job_config.compile.enable and job_config.compile.cudagraphs
         if self.cudagraphs:
             mark_static_buffers(self.model_parts)

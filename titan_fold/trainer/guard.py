@@ -11,12 +11,18 @@ NaN or Inf. Then, by `training.nonfinite`:
 - "skip": the optimizer step (and the lr schedule's step) is skipped on every rank, a
   warning is printed and metrics.jsonl gets `{"step": n, "skipped": "loss is nan", "skipped_steps": k}`.
 
-The check is an optimizer step pre-hook (raising there skips the step), fed by the
-trainer with each micro-batch's loss and the clipped norm. Its cost is one 3-element
-all-reduce and one device sync per step. The third element is the MoE stash's verdict
-(`moe.stash_rows`, moe/stash.py): the most rows the layers needed, where more than the pool
-holds; then every rank raises StashOverflow (one line naming the key), whatever the policy:
-the step's saved activations were overwritten.
+The check is an optimizer step pre-hook, fed by the trainer with each micro-batch's loss and
+the clipped norm. Its cost is one 3-element all-reduce per step, and no wait for the device
+where every optimizer is a fused Adam / AdamW (titan_fold's one-pass step included): the
+pre-hook hands them the verdict as GradScaler's `found_inf` (a device tensor: nonzero, and
+their step leaves the weights, moments and step counts as they were), the optimizer step is
+queued behind it, and a post-hook reads the verdict once the device has computed it, while
+the device runs the optimizer. It raises there, before the learning-rate schedule steps.
+Other optimizers take no `found_inf`: the pre-hook waits for the verdict and raises before
+their step. The third element is the MoE stash's verdict (`moe.stash_rows`, moe/stash.py):
+the most rows the layers needed, where more than the pool holds; then every rank raises
+StashOverflow (one line naming the key), whatever the policy: the step's saved activations
+were overwritten.
 
 `check_weights` refuses a loaded checkpoint whose weights hold NaN or Inf.
 """
@@ -24,10 +30,13 @@ the step's saved activations were overwritten.
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_fold.checkpoint.manager import CheckpointError
 from titan_fold.common.config import ConfigError
 from titan_fold.common.tensors import local
+from titan_fold.parallel.clip import divides_by_grad_scale
+from titan_fold.trainer.optimizer import AdamOptimizersContainer
 
 # codes, ordered so that MAX keeps the worst
 FINITE, INF, NAN = 0, 1, 2
@@ -75,6 +84,21 @@ class NonFiniteGuard:
         self._grad_norm = None
         self.stashes = []  # the model's MoE stashes (moe/stash.py), read at every check
         self.stash_rows = 0  # moe.stash_rows, for the message
+        self.optimizers = []  # the torch optimizers it guards (`watch`)
+        self._verdict = None  # the codes on their way to the host, and the event after their copy
+        self._host = None  # a pinned buffer they land in
+
+    def watch(self, optimizers: OptimizersContainer) -> None:
+        """Guard a torchtitan OptimizersContainer's steps: the checks run as its step hooks. Its
+        optimizers take the verdict where its step is theirs (not early_step_in_backward's)."""
+        if type(optimizers) is OptimizersContainer or isinstance(optimizers, AdamOptimizersContainer):
+            self.optimizers = list(optimizers.optimizers)
+        optimizers.register_step_pre_hook(self.before_optimizer_step)
+        optimizers.register_step_post_hook(self.after_optimizer_step)
+
+    def _skips_on_device(self) -> bool:
+        # fused Adam / AdamW take GradScaler's found_inf beside its grad_scale
+        return bool(self.optimizers) and all(divides_by_grad_scale(opt) for opt in self.optimizers)
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         code = _code(_value(loss).detach().float())
@@ -85,7 +109,8 @@ class NonFiniteGuard:
         self._grad_norm = _value(norm)
 
     def before_optimizer_step(self, *_hook_args) -> None:
-        """Optimizer step pre-hook: decide on every rank alike, then stop, skip or go on."""
+        """Optimizer step pre-hook: the verdict of every rank alike, handed to the optimizers as
+        found_inf (the post-hook reads it), or read now and acted on (stop, skip or go on)."""
         loss_code = self._loss_code if self._loss_code is not None else torch.tensor(FINITE)
         norm = self._grad_norm if self._grad_norm is not None else torch.zeros(())
         self._loss_code = self._grad_norm = None
@@ -97,7 +122,34 @@ class NonFiniteGuard:
                              overflow])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(codes, op=dist.ReduceOp.MAX)
-        loss_code, norm_code, needed = codes.tolist()
+        if not self._skips_on_device():
+            self._act(codes.tolist())
+            return
+        found_inf = (codes.amax() > 0).float()  # []: the optimizers read it as a skip
+        for opt in self.optimizers:
+            opt.found_inf = found_inf
+        if codes.device.type == "cuda":
+            if self._host is None:
+                self._host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+            self._host.copy_(codes, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._verdict = (self._host, event)
+        else:
+            self._verdict = (codes, None)
+
+    def after_optimizer_step(self, *_hook_args) -> None:
+        """Optimizer step post-hook: the verdict the step was queued behind, acted on."""
+        if self._verdict is None:
+            return
+        codes, event = self._verdict
+        self._verdict = None
+        if event is not None:
+            event.synchronize()  # the optimizer's kernels are queued: the device stays busy meanwhile
+        self._act(codes.tolist())
+
+    def _act(self, codes: list[int]) -> None:
+        loss_code, norm_code, needed = codes
         if needed:
             raise StashOverflow(self.step, self.stash_rows, needed)
         if loss_code == norm_code == FINITE:

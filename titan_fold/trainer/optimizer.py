@@ -112,16 +112,20 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
             scalars[1].fill_(1.0)
         else:
             scalars[1].copy_(scale.reciprocal())
+        # the NaN/Inf guard's verdict (trainer/guard.py), as torch's fused Adam takes it: nonzero
+        # leaves the weights, moments and step counts as they were
+        found_inf = getattr(opt, "found_inf", None)
         live = [(p, optimized) for p, optimized in zip(params, group["params"]) if p.grad is not None]
         if not live:
             return
         states = [_state(opt, optimized) for _, optimized in live]
-        coefs = adam_coefficients([state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"])
+        coefs = adam_coefficients([state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"],
+                                  found_inf)
         for (p, optimized), state, coef in zip(live, states, coefs):
             master = None if optimized is p else local(optimized).view(-1)
             fused(_adam_step)(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), master,
                               local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1),
-                              coef, beta1, beta2, group["eps"], group["weight_decay"], decoupled)
+                              coef, beta1, beta2, group["eps"], group["weight_decay"], decoupled, found_inf)
 
 
 class MasterWeightOptimizersContainer(AdamOptimizersContainer):
@@ -197,13 +201,16 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
 
 
 def adam_coefficients(steps: list[torch.Tensor], scalars: torch.Tensor, beta1: float, beta2: float,
-                      weight_decay: float) -> tuple[torch.Tensor, ...]:
-    """Counts a step of each parameter (steps: their step counts, float32 [] on one device) and
-    returns each one's `_adam_step` coefficients [4], computed once per parameter rather than
-    for every element inside its update. scalars [2]: the learning rate and the reciprocal of
-    the clip's grad_scale."""
+                      weight_decay: float, found_inf: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Counts a step of each parameter (steps: their step counts, float32 [] on one device;
+    none where found_inf [] is nonzero) and returns each one's `_adam_step` coefficients [4],
+    computed once per parameter rather than for every element inside its update. scalars [2]:
+    the learning rate and the reciprocal of the clip's grad_scale."""
     torch._foreach_add_(steps, 1)
-    return fused(_coefficients)(torch.stack(steps), scalars, beta1, beta2, weight_decay).unbind(0)
+    coefs = fused(_coefficients)(torch.stack(steps), scalars, beta1, beta2, weight_decay).unbind(0)
+    if found_inf is not None:  # torch's fused Adam counts a skipped step and takes it back the same way
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
+    return coefs
 
 
 def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
@@ -218,23 +225,27 @@ def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: floa
 
 
 def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, beta2: float,
-               eps: float, weight_decay: float, decoupled: bool) -> None:
+               eps: float, weight_decay: float, decoupled: bool, found_inf=None) -> None:
     """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one parameter
     [n], in place, from its gradient [n] (any float dtype). With a master [n] (fp32) the
     master is updated and rounded into the weight; without one (None) the weight itself, read
     as fp32. The moments [n] are read as fp32 and written back in their dtype; all math is
-    fp32, in the order of torch's fused Adam. coef [4]: the parameter's `_coefficients` row."""
+    fp32, in the order of torch's fused Adam. coef [4]: the parameter's `_coefficients` row.
+    found_inf [] (or None): where nonzero, every tensor is written back as it was read."""
     step_size, bias_correction2_sqrt, decay, inv_scale = coef[0], coef[1], coef[2], coef[3]
-    w = (weight if master is None else master).float()
-    g = grad.float() * inv_scale
+    w0, m0, v0 = (weight if master is None else master).float(), exp_avg.float(), exp_avg_sq.float()
+    w, g = w0, grad.float() * inv_scale
     if decoupled:
         w = w * decay
     else:
         g = g + weight_decay * w
-    m = exp_avg.float().lerp(g, 1 - beta1)
-    v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
+    m = m0.lerp(g, 1 - beta1)
+    v = torch.addcmul(v0 * beta2, g, g, value=1 - beta2)
     denom = v.sqrt() / bias_correction2_sqrt + eps
     w = w - step_size * m / denom
+    if found_inf is not None:
+        keep = found_inf == 0
+        w, m, v = torch.where(keep, w, w0), torch.where(keep, m, m0), torch.where(keep, v, v0)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if master is not None:
