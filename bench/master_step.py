@@ -5,9 +5,9 @@ against what the GPU's memory delivers.
     python bench/master_step.py --smoke       # CPU, the debug model's parameters
 
 `optimizer.master_weights` updates every parameter in one generated kernel
-(titan_fold/trainer/optimizer.py's _adam_step through fused()): it reads the bf16 gradient and
-the fp32 master and Adam moments and writes the master, the moments and the bf16 weight,
-28 bytes per parameter. Without masters (`optimizer.implementation = "fused"`) the same
+(titan_fold/trainer/optimizer.py's adam_update: _adam_step through fused()): it reads the bf16
+gradient and the fp32 master and Adam moments and writes the master, the moments and the bf16
+weight, 28 bytes per parameter. Without masters (`optimizer.implementation = "fused"`) the same
 step updates bf16 parameters and moments in place: 14 bytes per parameter, as torch's fused
 AdamW (multi_tensor_apply) moves on the same parameters; after one step of each from the
 same state (the clip's grad_scale 2) the weights and moments agree within one bf16 ulp, or
@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import median, time_ms, write_result  # noqa: E402
 from bench.grad_norm import parameter_shapes  # noqa: E402
-from titan_fold.common.fused import fused  # noqa: E402
-from titan_fold.trainer.optimizer import _adam_step, adam_coefficients  # noqa: E402
+from titan_fold.trainer.optimizer import adam_coefficients, adam_update  # noqa: E402
 
 BYTES_PER_PARAMETER = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2  # read g, master, m, v; write master, m, v, weight
 BF16_BYTES_PER_PARAMETER = 2 * 7  # read weight, g, m, v; write weight, m, v
@@ -60,12 +59,11 @@ def main(argv=None) -> dict:
                         torch.zeros((), device=device)))
     numel = sum(t[0].numel() for t in tensors)
     scalars = torch.tensor([1e-4, 1.0], device=device)  # lr, 1 / grad_scale
-    step = fused(_adam_step)
 
     def master_step():
         coefs = adam_coefficients([t[-1] for t in tensors], scalars, 0.9, 0.95, 0.1)
         for (weight, grad, master, exp_avg, exp_avg_sq, _), coef in zip(tensors, coefs):
-            step(weight, grad, master, exp_avg, exp_avg_sq, coef, 0.9, 0.95, 1e-8, 0.1, True)
+            adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, 0.9, 0.95, 1e-8, 0.1, True)
 
     rows = [_row("master_step", median(time_ms(master_step, a.warmup, a.iters, device)), BYTES_PER_PARAMETER * numel)]
     tensors.clear()  # the GPU memory back for the bf16 parameters
@@ -107,12 +105,11 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
         theirs[-1].grad = grad
     numel = sum(t.numel() for t in theirs)
     scalars = torch.tensor([lr, 1 / grad_scale], device=device)
-    step = fused(_adam_step)
 
     def one_pass_step():
         coefs = adam_coefficients([t[-1] for t in ours], scalars, *betas, weight_decay)
         for (weight, grad, exp_avg, exp_avg_sq, _), coef in zip(ours, coefs):
-            step(weight, grad, None, exp_avg, exp_avg_sq, coef, *betas, eps, weight_decay, True)
+            adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef, *betas, eps, weight_decay, True)
 
     torch_adamw = torch.optim.AdamW(theirs, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
     torch_adamw.grad_scale = torch.tensor(grad_scale, device=device)  # as parallel/clip.py sets it

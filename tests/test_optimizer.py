@@ -162,6 +162,40 @@ def test_one_pass_update_matches_float64(name, dtype, device):
                 assert off.max() <= 1 and (off > 0).double().mean() < 0.01, (off.max(), (off > 0).double().mean())
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("rows, extra", [(2, 37), (3, 0), (1, 5), (0, 9), (0, 0)])
+def test_adam_update_steps_every_element_once(rows, extra, device):
+    """adam_update (the bulk of a parameter as [rows, ROW], the rest 1-D) against one step over
+    the whole flat tensors (the masters' dtypes: bf16 weight and gradient, fp32 master and
+    moments). On the CPU: equal to _adam_step. On CUDA (two generated kernels): no further from
+    _adam_step run op by op on the CPU than fused(_adam_step) over the flat tensors is, plus one
+    rounding. No element missed or stepped twice (either would be off by a whole update)."""
+    from titan_fold.common.fused import fused
+    from titan_fold.trainer.optimizer import ROW, _adam_step, adam_update
+
+    n = rows * ROW + extra
+    gen = torch.Generator().manual_seed(n)
+    tensors = [torch.randn(n, generator=gen) for _ in range(4)] + [torch.rand(n, generator=gen)]
+    dtypes = (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32)
+    got = [t.to(device, dtype, copy=True) for t, dtype in zip(tensors, dtypes)]
+    flat = [t.clone() for t in got]
+    coef = torch.tensor([1e-3, 0.5, 0.99, 0.5])
+    adam_update(*got, coef.to(device), *BETAS, EPS, WD, True)
+    if device == "cpu" or not n:
+        _adam_step(*flat, coef.to(device), *BETAS, EPS, WD, True)
+        assert all(torch.equal(g, f) for g, f in zip(got, flat))
+    else:
+        fused(_adam_step)(*flat, coef.to(device), *BETAS, EPS, WD, True)
+        ref = [t.to(dtype) for t, dtype in zip(tensors, dtypes)]
+        _adam_step(*ref, coef, *BETAS, EPS, WD, True)
+        for g, f, r, dtype in zip(got, flat, ref, dtypes):
+            r = r.double()
+            bound = (f.double().cpu() - r).abs().max() + torch.finfo(dtype).eps * r.abs().max()
+            assert (g.double().cpu() - r).abs().max() <= bound
+    if n:
+        assert not torch.equal(got[2].cpu(), tensors[2])  # the master did move
+
+
 def test_one_pass_skips_parameters_without_gradient():
     """As torch's step: a parameter without a gradient keeps its value and gets no state; an
     empty one (an FSDP shard of none of the rows) steps."""

@@ -2,9 +2,10 @@
 the optimizer with bf16 weights in the model (Megatron-Core's precision-aware optimizer).
 
 The step: `optimizer.implementation = "fused"` (torchtitan's default) runs titan_fold's step,
-`_adam_step`: per parameter, one generated kernel on CUDA (torch.compile through fused()) that
-reads the gradient, the weight and the Adam moments once, does torch.optim.Adam / AdamW's math
-in fp32 and writes the weight and the moments back in their dtypes. For bf16 parameters that is
+`_adam_step`: per parameter, one generated kernel on CUDA (torch.compile through fused(); two
+where its size is no multiple of `ROW`, see `adam_update`) that reads the gradient, the weight
+and the Adam moments once, does torch.optim.Adam / AdamW's math in fp32 and writes the weight
+and the moments back in their dtypes. For bf16 parameters that is
 the 14 bytes per parameter any Adam step must move, in one pass (torch's fused AdamW moves the
 same bytes through multi_tensor_apply; bench/master_step.py times both). The per-parameter
 factors (bias corrections, decay, 1 / grad_scale) are computed for all parameters in one small
@@ -123,9 +124,9 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
                                   found_inf)
         for (p, optimized), state, coef in zip(live, states, coefs):
             master = None if optimized is p else local(optimized).view(-1)
-            fused(_adam_step)(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), master,
-                              local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1),
-                              coef, beta1, beta2, group["eps"], group["weight_decay"], decoupled, found_inf)
+            adam_update(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), master,
+                        local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1),
+                        coef, beta1, beta2, group["eps"], group["weight_decay"], decoupled, found_inf)
 
 
 class MasterWeightOptimizersContainer(AdamOptimizersContainer):
@@ -213,6 +214,26 @@ def adam_coefficients(steps: list[torch.Tensor], scalars: torch.Tensor, beta1: f
     return coefs
 
 
+# Elements per row of the [rows, ROW] view `adam_update` steps a parameter's bulk through: a
+# multiple of the largest block of a generated elementwise kernel (4096), so its kernel knows its
+# size to be a multiple of its block and runs without bounds checks, about 8% faster than one
+# for any size (on an H100, 2.85 against 2.64 TB/s).
+ROW = 1 << 16
+
+
+def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, beta2: float, eps: float,
+                weight_decay: float, decoupled: bool, found_inf=None) -> None:
+    """`_adam_step` of one parameter's flat [n] tensors (master: [n] or None) through fused():
+    the first n // ROW * ROW elements viewed [rows, ROW] (two rows or more: one row would be a
+    second compile), the rest as they are."""
+    tensors, n = (weight, grad, master, exp_avg, exp_avg_sq), weight.numel()
+    bulk = n // ROW * ROW if n >= 2 * ROW else 0
+    for step, start, stop, shape in ((_fused_adam_rows, 0, bulk, (-1, ROW)), (_fused_adam_step, bulk, n, (-1,))):
+        if stop > start:
+            step(*(None if t is None else t[start:stop].view(shape) for t in tensors), coef, beta1, beta2, eps,
+                 weight_decay, decoupled, found_inf)
+
+
 def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
     """[n] step counts -> [n, 4]: torch's fused Adam's step size lr / (1 - beta1^t) and
     sqrt(1 - beta2^t), AdamW's decay factor 1 - lr * weight_decay and the gradient's factor
@@ -251,6 +272,16 @@ def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, be
     if master is not None:
         master.copy_(w)
     weight.copy_(w)
+
+
+def _adam_step_rows(*args) -> None:
+    """_adam_step over [rows, ROW] views, as a function of its own: torch.compile counts its
+    compiles (one per set of dtypes and arguments) against a recompile limit of their own
+    instead of doubling _adam_step's."""
+    _adam_step(*args)
+
+
+_fused_adam_step, _fused_adam_rows = fused(_adam_step), fused(_adam_step_rows)
 
 
 def _placed_like(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
