@@ -224,8 +224,8 @@ ROW = 1 << 16
 def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, beta2: float, eps: float,
                 weight_decay: float, decoupled: bool, found_inf=None) -> None:
     """`_adam_step` of one parameter's flat [n] tensors (master: [n] or None) through fused():
-    the first n // ROW * ROW elements viewed [rows, ROW] (two rows or more: one row would be a
-    second compile), the rest as they are."""
+    the first n // ROW * ROW elements viewed [rows, ROW] where that makes two rows or more
+    (fused() runs one row op by op, as any size under 2), the rest as they are."""
     tensors, n = (weight, grad, master, exp_avg, exp_avg_sq), weight.numel()
     bulk = n // ROW * ROW if n >= 2 * ROW else 0
     for step, start, stop, shape in ((_fused_adam_rows, 0, bulk, (-1, ROW)), (_fused_adam_step, bulk, n, (-1,))):
