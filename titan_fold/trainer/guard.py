@@ -84,21 +84,19 @@ class NonFiniteGuard:
         self._grad_norm = None
         self.stashes = []  # the model's MoE stashes (moe/stash.py), read at every check
         self.stash_rows = 0  # moe.stash_rows, for the message
-        self.optimizers = []  # the torch optimizers it guards (`watch`)
+        self.optimizers = []  # the torch optimizers handed the verdict as found_inf (`watch`)
         self._verdict = None  # the codes on their way to the host, and the event after their copy
         self._host = None  # a pinned buffer they land in
 
     def watch(self, optimizers: OptimizersContainer) -> None:
         """Guard a torchtitan OptimizersContainer's steps: the checks run as its step hooks. Its
-        optimizers take the verdict where its step is theirs (not early_step_in_backward's)."""
-        if type(optimizers) is OptimizersContainer or isinstance(optimizers, AdamOptimizersContainer):
+        optimizers take the verdict where its step is theirs (not early_step_in_backward's) and
+        every one is a fused Adam / AdamW (they take GradScaler's found_inf beside its grad_scale)."""
+        steps_here = type(optimizers) is OptimizersContainer or isinstance(optimizers, AdamOptimizersContainer)
+        if steps_here and all(divides_by_grad_scale(opt) for opt in optimizers.optimizers):
             self.optimizers = list(optimizers.optimizers)
         optimizers.register_step_pre_hook(self.before_optimizer_step)
         optimizers.register_step_post_hook(self.after_optimizer_step)
-
-    def _skips_on_device(self) -> bool:
-        # fused Adam / AdamW take GradScaler's found_inf beside its grad_scale
-        return bool(self.optimizers) and all(divides_by_grad_scale(opt) for opt in self.optimizers)
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         code = _code(_value(loss).detach().float())
@@ -122,7 +120,7 @@ class NonFiniteGuard:
                              overflow])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(codes, op=dist.ReduceOp.MAX)
-        if not self._skips_on_device():
+        if not self.optimizers:
             self._act(codes.tolist())
             return
         found_inf = (codes.amax() > 0).float()  # []: the optimizers read it as a skip
