@@ -320,6 +320,19 @@ def attention_table(rec: dict) -> list[str]:
     return out
 
 
+def launch_table(rec: dict) -> list[str]:
+    """bench/launch.py: host microseconds per call; beside the code before's (launch@base) where the suite ran it."""
+    now, before = rec["figures"].get("launch"), rec["figures"].get("launch@base")
+    if not now:
+        return []
+    base = {r["call"]: r["host_us"] for r in (before or {}).get("rows", [])}
+    out = ["| call | host us | code before: host us | before / after |", "|---|---:|---:|---:|"]
+    for r in now["rows"]:
+        b = base.get(r["call"])
+        out.append(f"| {r['call']} | {_f(r['host_us'])} | {_f(b) if b else '-'} | {_f(b / r['host_us'], 2) if b else '-'} |")
+    return out
+
+
 def collectives_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("collectives")
     if not fig:
@@ -339,7 +352,8 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
           ("Gradient norm and the optimizer step", streams_table),
-          ("Attention forward + backward per SDPA backend", attention_table), ("Collectives", collectives_table))
+          ("Attention forward + backward per SDPA backend", attention_table),
+          ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table))
 
 
 def report(results: str = RESULTS) -> str:

@@ -599,6 +599,19 @@ def test_attention_smoke(tmp_path):
     assert len(lines) == 2 + len(figures["rows"]) and len({line.count("|") for line in lines}) == 1
 
 
+def test_launch_smoke(tmp_path):
+    """bench/launch.py on the CPU: every call runs and has a host time; the report sets the code
+    before's time beside each call and their ratio."""
+    from bench import launch, report
+
+    figures = launch.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert [r["call"] for r in figures["rows"]] == list(launch.calls(torch.device("cpu")))
+    assert all(r["host_us"] > 0 for r in figures["rows"])
+    before = {"rows": [{**r, "host_us": 2 * r["host_us"]} for r in figures["rows"]]}
+    lines = report.launch_table({"figures": {"launch": figures, "launch@base": before}})
+    assert len(lines) == 2 + len(figures["rows"]) and all(line.endswith("| 2.00 |") for line in lines[2:])
+
+
 def test_master_step_smoke(tmp_path):
     """bench/master_step.py on the CPU: the one-pass steps move the weights as Adam / AdamW
     would (checked in tests/test_optimizer.py); here the script's record: bytes and bandwidth

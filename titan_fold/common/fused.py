@@ -19,25 +19,31 @@ def fused(fn):
     one in backward (outside it) share one compile. Its tensors are passed detached: it runs
     inside autograd Functions or under no_grad, and a tensor that requires grad and one that
     does not would need two compiles. In-place updates of its inputs reach the callers'
-    tensors (detach shares storage)."""
+    tensors (detach shares storage). The call itself is kept short: in eager mode the host
+    launches these kernels one layer at a time, and a slow launch leaves the GPU waiting."""
 
     def call(*args):
         if args[0].device.type != "cuda" or torch.compiler.is_compiling():
             return fn(*args)
-        if fn not in _COMPILED:
-            _COMPILED[fn] = torch.compile(fn, fullgraph=True)
-        # a collective's output still in flight (AsyncCollectiveTensor) is waited for here: its
-        # type would be a second compile
-        args = [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in args]
-        args = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        sized = [t for t in args if isinstance(t, torch.Tensor) and t.dim() > 0]
-        with torch.autocast("cuda", enabled=False):
-            if any(t.shape[0] < 2 for t in sized):
-                # torch.compile specializes sizes 0 and 1 (a second compile), e.g. an empty
-                # FSDP shard in the master step: so few rows run as written
-                return fn(*args)
-            for t in sized:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            return _COMPILED[fn](*args)
+        compiled = _COMPILED.get(fn)
+        if compiled is None:
+            compiled = _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+        # torch.compile specializes sizes 0 and 1 (a second compile), e.g. an empty FSDP shard
+        # in the master step: so few rows run as written
+        few_rows, passed = False, []
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                if isinstance(t, AsyncCollectiveTensor):  # in flight: its type would be a second compile
+                    t = t.wait()
+                t = t.detach()
+                if t.dim():
+                    few_rows = few_rows or t.shape[0] < 2
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            passed.append(t)
+        run = fn if few_rows else compiled
+        if torch.is_autocast_enabled("cuda"):
+            with torch.autocast("cuda", enabled=False):
+                return run(*passed)
+        return run(*passed)
 
     return call

@@ -1,0 +1,107 @@
+"""Host time per call of the eager path's generated kernels, against one plain torch op.
+
+    python bench/launch.py              # GPU
+    python bench/launch.py --smoke      # CPU (for tests: fused() runs its function as written there)
+
+In eager mode the host launches a fine-grained MoE layer's kernels one by one, and at
+Qwen3-30B-A3B shapes the forward is host-bound (docs/benchmarks.md): a call's host time is
+then step time. Each call here runs on a few rows, so that the GPU finishes every kernel before
+the host launches the next and the loop measures the host alone: microseconds per call over
+--iters calls after --warmup, the median of --repeats such loops. The calls are those an eager
+step makes per layer or per parameter: the SwiGLU times the routing weight and the sum over k
+(common/fused.py's fused()), the q / k norms with RoPE, the router's per-token function
+(moe/router.py, compiled with its backward) and one parameter's Adam step (trainer/optimizer.py).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_result  # noqa: E402
+from titan_fold.common.fused import fused  # noqa: E402
+from titan_fold.models.layers import apply_rope_qk  # noqa: E402
+from titan_fold.moe.args import MoEArgs  # noqa: E402
+from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
+from titan_fold.moe.experts import _swiglu_prob_forward  # noqa: E402
+from titan_fold.moe.router import _route_on  # noqa: E402
+from titan_fold.trainer.optimizer import adam_update  # noqa: E402
+
+
+def host_us(fn, warmup: int, iters: int, repeats: int, sync) -> float:
+    """Median over repeats of the host's microseconds per call of fn, the device idle at each start."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - start) / iters * 1e6)
+    sync()
+    return statistics.median(times)
+
+
+def calls(device: torch.device) -> dict:
+    """name -> a function making one call, on tensors of a few rows."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    rows, ffn, dim, k, experts, head_dim = 256, 768, 2048, 8, 128, 128
+    a, b, p = randn(rows, ffn), randn(rows, ffn), torch.rand(rows, 1, device=device, generator=gen)
+    routed, slot = randn(rows * k, dim), torch.randperm(rows * k, device=device, generator=gen)
+    q, kk = randn(1, rows, 4, head_dim), randn(1, rows, 1, head_dim)
+    cos, sin = randn(rows, head_dim, dtype=torch.float32), randn(rows, head_dim, dtype=torch.float32)
+    norms = [torch.nn.RMSNorm(head_dim, eps=1e-6, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    logits = randn(rows, experts, dtype=torch.float32).requires_grad_()
+    bias = torch.zeros(experts, device=device)
+    args = MoEArgs(num_experts=experts, top_k=k, load_balance="aux_free")
+    route = _route_on(device)
+    n = 1 << 20
+    weight, grad, exp_avg, exp_avg_sq = randn(n), randn(n), randn(n), randn(n).abs()
+    coef = torch.tensor([1e-4, 1.0, 1.0, 1.0], device=device)
+    return {
+        "torch.add (one plain op)": lambda: torch.add(a, b),
+        "swiglu x routing weight (fused)": lambda: fused(_swiglu_prob_forward)(a, b, p),
+        "sum over k (fused)": lambda: fused(_sum_by_token)(routed, slot, k, False),
+        "q / k norms + RoPE (autograd Function, fused)": lambda: apply_rope_qk(q, kk, cos, sin, *norms),
+        "router per-token function (compiled with backward)": lambda: route(logits, bias, 1, args),
+        "Adam step of one parameter (fused)": lambda: adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef,
+                                                                  0.9, 0.95, 1e-8, 0.0, True),
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="CPU, few calls (for tests)")
+    p.add_argument("--name", default="launch")
+    p.add_argument("--out-dir", default=None)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.device, a.warmup, a.iters, a.repeats = "cpu", 1, 2, 1
+    device = torch.device(a.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for name, fn in calls(device).items():
+        us = host_us(fn, a.warmup, a.iters, a.repeats, sync)
+        rows.append({"call": name, "host_us": us})
+        print(f"[launch] {name}: {us:.1f} us", flush=True)
+    figures = {"device": a.device, "iters": a.iters, "repeats": a.repeats, "rows": rows}
+    write_result(a.name, figures, a.out_dir)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
