@@ -220,6 +220,24 @@ def train_breakdown_table(rec: dict) -> list[str]:
     return out
 
 
+def train_phases_table(rec: dict) -> list[str]:
+    """Trainer cases with the modifier `phases` (metrics.step_phases): each phase's median host and
+    GPU milliseconds per step; a phase whose GPU time is about its host time was paced by the host."""
+    rows = [(name, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("phases")]
+    if not rows:
+        return []
+    phases = list(dict.fromkeys(p for _, r in rows for p in r["phases"]))
+    out = ["| step | case | " + " | ".join(f"{p} host / GPU ms" for p in phases) + " |",
+           "|---|---|" + "---:|" * len(phases)]
+    for name, r in rows:
+        cells = []
+        for p in phases:
+            t = r["phases"].get(p)
+            cells.append("-" if t is None else f"{_f(t['host_ms'])} / {_f(t['gpu_ms'])}")
+        out.append(f"| {name} | {r['case']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def vs_table(rec: dict) -> list[str]:
     out = ["| step | case | torchtitan tokens/s | torchtitan MFU % | titan_fold tokens/s | titan_fold MFU % | "
            "titan_fold / torchtitan |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -348,6 +366,7 @@ def collectives_table(rec: dict) -> list[str]:
 
 TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
           ("Trainer", train_table), ("Trainer, one profiled step: GPU time by kernel class (ms)", train_breakdown_table),
+          ("Trainer step phases, medians per step (metrics.step_phases)", train_phases_table),
           ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),

@@ -11,7 +11,7 @@
     (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
     batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
     by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static moe.static_ep_exchange,
-    _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs)
+    _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs, _phases metrics.step_phases)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
 The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
@@ -90,16 +90,16 @@ def parse_case(case: str) -> tuple[str, dict]:
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
     quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static (moe.static_ep_exchange), stash<N>
-    (moe.stash_rows = N)."""
+    (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
                  if case == b or case.startswith(b + "_")), None)
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
     mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
             "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False, "static": False,
-            "stash": 0}
+            "stash": 0, "phases": False}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "static"):
+        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "static", "phases"):
             mods[mod] = True
         elif mod in ("torchgemm", "quack"):
             mods["grouped_gemm"] = "torch" if mod == "torchgemm" else "quack"
@@ -162,6 +162,8 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--moe.load_balance", mods["load_balance"]]
         if mods["load_balance"] in ("aux_free", "none"):
             args += ["--moe.aux_loss_coeff", "0"]  # the config's coefficient would be refused as unused
+    if mods["phases"]:
+        args += ["--metrics.step_phases"]
     if mods["profile"]:  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args
@@ -198,6 +200,9 @@ def summarize(records: list[dict], warmup_steps: int) -> dict:
         "expert_load_imbalance_mean_last20": mean([r.get("expert_load_imbalance") for r in records[-20:]]),
         "losses": [r["loss"] for r in records],
     }
+    if steady and all("phases" in r for r in steady):  # metrics.step_phases: each phase's medians
+        out["phases"] = {phase: {k: med([r["phases"].get(phase, {}).get(k) for r in steady]) for k in ("host_ms", "gpu_ms")}
+                         for phase in steady[-1]["phases"]}
     return out
 
 

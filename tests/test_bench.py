@@ -171,7 +171,8 @@ def test_train_step_summary_and_plans():
     train_step.register_proxy(A.family, A.proxy)
     try:
         for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager", "dp2_ep2_b4_ga2",
-                     "dp2_ep2_bf16params_static_stash4096", "dp2_ep2_bf16params_compiled_static_cudagraphs"]:
+                     "dp2_ep2_bf16params_static_stash4096", "dp2_ep2_bf16params_compiled_static_cudagraphs",
+                     "1gpu_bf16params_auxfree_phases"]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
         # the static exchange is what lets CUDA graphs run over ep2: without it the trainer refuses
@@ -179,6 +180,26 @@ def test_train_step_summary_and_plans():
             preflight(parse_args(train_step.case_plan("dp2_ep2_compiled_cudagraphs", A)[1]), 2)
     finally:
         FLAVORS[A.family].pop(A.proxy, None)
+
+
+def test_train_step_phases_medians_and_table():
+    """The case modifier `phases` turns metrics.step_phases on; the summary takes each phase's
+    medians over the measured steps, and the report lists them per case (host / GPU ms)."""
+    class A:
+        family, proxy, seq_len, local_batch, steps, param_dtype = "qwen2_moe", "57B-A14B-L2", 4096, 2, 20, "bfloat16"
+
+    assert "--metrics.step_phases" in train_step.case_plan("1gpu_bf16params_auxfree_phases", A)[1]
+    assert "--metrics.step_phases" not in train_step.case_plan("1gpu_bf16params_auxfree", A)[1]
+    recs = [{"step": s, "loss": 1.0, "tokens_per_sec": 1.0, "time_per_step_s": 1.0,
+             "phases": {"forward": {"host_ms": 10.0 * s, "gpu_ms": 12.0 * s}, "optimizer": {"host_ms": 1.0, "gpu_ms": 5.0}}}
+            for s in range(1, 6)]
+    out = train_step.summarize(recs, warmup_steps=2)  # steps 3, 4, 5
+    assert out["phases"] == {"forward": {"host_ms": 40.0, "gpu_ms": 48.0}, "optimizer": {"host_ms": 1.0, "gpu_ms": 5.0}}
+    assert "phases" not in train_step.summarize([{k: v for k, v in r.items() if k != "phases"} for r in recs], 2)
+    rec = {"figures": {"q": {"rows": [{"case": "1gpu_phases", **out}, {"case": "1gpu", "tokens_per_sec_per_gpu": 1.0}]}}}
+    lines = report.train_phases_table(rec)
+    assert lines[0] == "| step | case | forward host / GPU ms | optimizer host / GPU ms |"
+    assert lines[2:] == ["| q | 1gpu_phases | 40.0 / 48.0 | 1.0 / 5.0 |"]
 
 
 def test_proxy_flavor_keeps_widths():

@@ -6,6 +6,8 @@ divided by the global token count. So the 2-rank run must reproduce the 1-rank l
 and gradient norms, not just run.
 """
 
+import re
+
 import pytest
 from conftest import train_from_seed
 
@@ -19,7 +21,9 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint):
     root = tmp_path_factory.mktemp("train")
-    return train_from_seed(root / "r1", 1, seed_checkpoint, STEPS), train_from_seed(root / "r2", 2, seed_checkpoint, STEPS)
+    # the 2-rank run times its steps' phases too: its losses must still be the 1-rank run's
+    return (train_from_seed(root / "r1", 1, seed_checkpoint, STEPS),
+            train_from_seed(root / "r2", 2, seed_checkpoint, STEPS, "--metrics.step_phases"))
 
 
 def test_metrics_file_has_every_field(runs):
@@ -32,6 +36,46 @@ def test_metrics_file_has_every_field(runs):
     assert one[0]["tokens_per_sec"] > 0 and one[0]["max_memory_gib"] > 0
     assert one[0]["moe_aux_loss"] > 0 and one[0]["expert_load_imbalance"] >= 1.0
     assert one[0]["dropped_token_frac"] == 0.0  # dropless
+
+
+def test_step_phases_account_for_the_logged_steps(runs):
+    """metrics.step_phases: every logged step's phases in the order they ran, host times only on
+    the CPU, together most of the step and no more than it (they run from the step's start to
+    its log; the step's time runs from the log before)."""
+    one, two = runs
+    assert "phases" not in one[0]
+    for m in two:
+        phases = m["phases"]
+        assert list(phases) == ["data", "forward", "backward", "clip", "optimizer", "rest"], m["step"]
+        assert all(p["gpu_ms"] is None and p["host_ms"] >= 0 for p in phases.values())
+        assert phases["forward"]["host_ms"] > 0 and phases["backward"]["host_ms"] > 0
+        if m["step"] > 1:
+            total, step_ms = sum(p["host_ms"] for p in phases.values()), 1e3 * m["time_per_step_s"]
+            assert 0.5 * step_ms < total <= step_ms, (m["step"], total, step_ms)
+
+
+def test_step_phases_sum_each_phase_over_its_stretches():
+    """StepPhases: a phase that recurs (each micro-batch's data and forward) adds up; marks
+    outside a started step and a finish without one record nothing."""
+    import time
+
+    import torch
+
+    from titan_fold.trainer.phases import StepPhases, phases_text
+
+    phases = StepPhases(torch.device("cpu"))
+    phases.mark("forward")
+    assert phases.finish() is None
+    phases.start()
+    for _ in range(2):
+        phases.mark("forward")
+        time.sleep(0.02)
+        phases.mark("data")
+    got = phases.finish()
+    assert list(got) == ["data", "forward"] and got["forward"]["gpu_ms"] is None
+    assert got["forward"]["host_ms"] >= 40 and got["data"]["host_ms"] < got["forward"]["host_ms"]
+    assert phases.finish() is None
+    assert re.fullmatch(r"phases ms host data \d+(\.\d)? forward \d+", phases_text(got)), phases_text(got)
 
 
 def test_loss_falls(runs):

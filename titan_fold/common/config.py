@@ -29,6 +29,7 @@ from torchtitan.config.job_config import Comm as TitanComm
 from torchtitan.config.job_config import Compile as TitanCompile
 from torchtitan.config.job_config import Debug as TitanDebug
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
+from torchtitan.config.job_config import Metrics as TitanMetrics
 from torchtitan.config.job_config import Model as TitanModel
 from torchtitan.config.job_config import Optimizer as TitanOptimizer
 from torchtitan.config.job_config import Parallelism as TitanParallelism
@@ -103,6 +104,14 @@ class Comm(TitanComm):
     dry_run_verbose: bool = False
     """With mode = "fake_backend": also print the simulated ranks' own log lines (each rank's
     set-up, as a real run logs it); by default the report alone."""
+
+
+@dataclass
+class Metrics(TitanMetrics):
+    step_phases: bool = False
+    """Host and GPU milliseconds per phase of every logged step (data, forward, backward, clip,
+    optimizer, rest) in metrics.jsonl and the step line, from the host's clock and CUDA events
+    (no profiler, no added sync): which phases are host-bound (trainer/phases.py)."""
 
 
 @dataclass
@@ -199,6 +208,7 @@ class JobConfig(TitanJobConfig):
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     comm: Comm = field(default_factory=Comm)
     compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
     debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
     mtp: MTP = field(default_factory=MTP)

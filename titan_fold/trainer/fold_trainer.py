@@ -46,6 +46,7 @@ from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
+from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.preflight import layout_from_config, preflight
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
 from titan_fold.trainer.storage import StorageError, storage_problem
@@ -141,6 +142,23 @@ class FoldTrainer(Trainer):
             self.optimizers.register_step_post_hook(
                 lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
             )
+        # metrics.step_phases: host and GPU time per phase of each logged step (phases.py)
+        self.phases = StepPhases(self.device) if job_config.metrics.step_phases else None
+        if self.phases is not None:
+            self._mark_phases(self.phases)
+
+    def _mark_phases(self, phases: StepPhases) -> None:
+        """The phase boundaries this class does not mark in its own methods, as hooks: the model's
+        forward ends (where forward and backward do not interleave), the optimizers' step starts
+        and ends (after the guard's and the aux-free bias's hooks)."""
+        interleaved = self.parallel_dims.pp_enabled or self.overlap is not None
+        self._forward_phase = "forward_backward" if interleaved else "forward"
+        if not interleaved:
+            for part in self.model_parts:
+                part.register_forward_hook(lambda *args: phases.mark("backward"))
+        self.optimizers.register_step_pre_hook(lambda *args, **kwargs: phases.mark("optimizer"))
+        self.optimizers.register_step_post_hook(lambda *args, **kwargs: phases.mark("rest"))
+        self.metrics_processor.phases = phases
 
     def banner(self) -> str:
         """What a real run prints once at start (banner.py)."""
@@ -165,8 +183,12 @@ class FoldTrainer(Trainer):
         return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if self.phases is not None:
+            self.phases.mark(self._forward_phase)
         loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
         self.guard.observe_loss(loss)
+        if self.phases is not None:
+            self.phases.mark("data")  # the next micro-batch to the device
         return loss
 
     def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
@@ -200,6 +222,8 @@ class FoldTrainer(Trainer):
         meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
         handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
         takes the first stage's gradient too and is left out of the norm (counted once)."""
+        if self.phases is not None:
+            self.phases.mark("clip")
         copies = []
         if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
             sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "grads")
@@ -225,6 +249,8 @@ class FoldTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.guard.step = self.step
+        if self.phases is not None and self.metrics_processor.should_log(self.step):
+            self.phases.start()
         if self.cudagraphs:
             # CUDA graph trees take this, and only this, for the start of a step. Left to guess,
             # they start one at any torch.compile call outside their graphs (a fused() kernel in

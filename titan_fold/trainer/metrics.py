@@ -30,6 +30,7 @@ from torchtitan.tools.logging import logger
 from titan_fold.models.mtp import mtp_stats
 from titan_fold.moe import moe_layers, moe_stats
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
+from titan_fold.trainer.phases import phases_text
 from titan_fold.trainer.torchtitan_adapter import with_names
 
 GIB = 1024**3
@@ -90,6 +91,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         # rank 0's metrics.jsonl; FoldTrainer starts it once it knows the resumed step
         self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
         self.history: list[dict[str, Any]] = []  # per logged step, for summary()
+        self.phases = None  # metrics.step_phases: the trainer's StepPhases (phases.py)
         self._last_logged_step: int | None = None
         self._first_step = 0  # the step this run started after (0, or the resumed checkpoint's)
         self.time_start = time.perf_counter()
@@ -124,6 +126,7 @@ class FoldMetricsProcessor(MetricsProcessor):
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None):
+        phases = self.phases.finish() if self.phases is not None else None
         now = time.perf_counter()
         time_delta = now - self.time_last_log
         steps = max(1, self._steps_since_last_log(step))
@@ -145,6 +148,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             "max_memory_gib": memory.max_reserved_gib,
             **self._moe_stats(),
             "time_per_step_s": time_delta / steps,
+            **({"phases": phases} if phases else {}),
             **extra,
         }
         # TensorBoard and W&B take numbers only (mfu and the MoE statistics can be null)
@@ -173,6 +177,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             f"drop {r['dropped_token_frac']:.3f}" if r["dropped_token_frac"] is not None else "",
             f"imbalance {r['expert_load_imbalance']:.2f}" if r["expert_load_imbalance"] is not None else "",
             f"mtp {r['mtp_loss']:.4f}" if r["mtp_loss"] is not None else "",
+            phases_text(r["phases"]) if r.get("phases") else "",
             f"{c.white}elapsed {_hms(now - self.time_start)}  eta {_hms(self._eta(step, now))}{c.reset}",
         ]
         return "  ".join(p for p in parts if p)
