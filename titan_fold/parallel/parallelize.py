@@ -42,11 +42,17 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     if compile_model:
         # per block: blocks repeat, so one compiled graph serves all of them
         for layer_id, block in model.layers.named_children():
-            mode = "reduce-overhead" if getattr(job_config.compile, "cudagraphs", False) else None
+            mode = "reduce-overhead" if cuda_graphs(job_config) else None
             model.layers.register_module(layer_id, torch.compile(block, backend=job_config.compile.backend, mode=mode))
         logger.info("Compiled each transformer block with torch.compile")
     apply_fsdp(model, layout, plan, job_config)
     return model
+
+
+def cuda_graphs(job_config) -> bool:
+    """Whether compiled blocks replay as CUDA graphs: compile.cudagraphs, which needs compile.enable
+    (a job config without the key, torchtitan's own, has none)."""
+    return job_config.compile.enable and getattr(job_config.compile, "cudagraphs", False)
 
 
 def mark_static_buffers(model_parts) -> None:
@@ -66,7 +72,7 @@ def release_cuda_graphs(job_config) -> None:
     first hangs (pytorch/pytorch#115388). torch.compiler.reset() drops torch.compile's graphs;
     the collection frees those only reachable through cycles (torchtitan turns automatic
     collection off)."""
-    if job_config.compile.enable and job_config.compile.cudagraphs:
+    if cuda_graphs(job_config):
         torch.compiler.reset()
         gc.collect()
 

@@ -35,7 +35,7 @@ from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
-from titan_fold.parallel.parallelize import mark_static_buffers, release_cuda_graphs
+from titan_fold.parallel.parallelize import cuda_graphs, mark_static_buffers, release_cuda_graphs
 from titan_fold.parallel.pipeline import (
     check_pipeline,
     embedding_copies,
@@ -111,7 +111,7 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip with the weights untouched (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.guard.watch(self.optimizers)
-        self.cudagraphs = job_config.compile.enable and job_config.compile.cudagraphs
+        self.cudagraphs = cuda_graphs(job_config)
         if self.cudagraphs:
             mark_static_buffers(self.model_parts)
         # moe.stash_rows: the stashes' overflow is checked there too
