@@ -16,9 +16,9 @@ The phases, each summed over the step's micro-batches:
             micro-batches (moe.overlap_ep_comm) interleave forward and backward
   backward  the loss and backward
   clip      the gradient norm (the NaN/Inf guard's check of it included)
-  optimizer the optimizers' step (the guard's reading of its verdict included)
-  rest      what follows until the step is logged: learning-rate schedule, aux-free expert bias,
-            the loss's reduction
+  optimizer the optimizers' step (the guard's reading of its verdict and the aux-free expert
+            bias's update included: hooks of the step that run before this one's)
+  rest      what follows until the step is logged: learning-rate schedule, the loss's reduction
 """
 
 import time
