@@ -41,7 +41,8 @@ def attention_shape(family: str, proxy: str) -> dict:
     args = FLAVORS[family][proxy]
     mla = hasattr(args, "v_head_dim")  # MLA: every head has its own key and value
     return {"heads": args.n_heads, "kv_heads": args.n_heads if mla else args.n_kv_heads,
-            "qk_dim": args.head_dim, "v_dim": args.v_head_dim if mla else args.head_dim}
+            "qk_dim": args.head_dim, "v_dim": args.v_head_dim if mla else args.head_dim,
+            "flops_dim": args.attention_flops_dim()}
 
 
 def main(argv=None) -> dict:
@@ -79,7 +80,7 @@ def main(argv=None) -> dict:
             out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=gqa)
         out.backward(grad.float())
         ref = [out.detach(), *(t.grad for t in xs)]
-        flops = 6 * batch * s * s * h * (dqk + dv) / 2
+        flops = 6 * batch * s * s * h * shape["flops_dim"]  # the trainer's MFU count for these tokens
         ways = {**{n: [b] for n, b in BACKENDS.items()}, "default": None}
         for way, backends in ways.items():
             row = {"family": family, "proxy": proxy, "batch": batch, "seq_len": s, **shape, "way": way}
