@@ -66,7 +66,7 @@ class StepPhases:
 
 
 def phases_text(phases: dict[str, dict[str, float | None]]) -> str:
-    """The step line's part: `phases ms host/GPU data 1.2/1.3 forward 37/39 ...` (host only without CUDA)."""
+    """The step line's part: `phases ms host/GPU data H/G forward H/G ...` (host only without CUDA)."""
     def ms(v: float) -> str:
         return f"{v:.1f}" if v < 10 else f"{v:.0f}"
 
