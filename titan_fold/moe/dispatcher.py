@@ -45,8 +45,9 @@ def capacity(num_tokens: int, args: MoEArgs) -> int:
     return math.ceil(num_tokens * args.top_k * args.capacity_factor / args.num_experts)
 
 
-def group_by(key: torch.Tensor, num_groups: int):
-    """key [N] int64 in [0, num_groups) -> (order [N], counts [num_groups], pos [N]).
+def group_by(key: torch.Tensor, num_groups: int, positions: bool = True):
+    """key [N] int64 in [0, num_groups) -> (order [N], counts [num_groups], pos [N], or None
+    without positions: in eager mode each op costs the host a launch).
 
     order lists the items grouped by key, stable (original order within a group);
     pos[i] is item i's position inside its group.
@@ -57,6 +58,8 @@ def group_by(key: torch.Tensor, num_groups: int):
     # a sort-based index_put under torch.compile (0.5 ms a layer at Qwen3-30B-A3B shapes)
     bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device))  # [G + 1]
     counts, starts = bounds.diff(), bounds[:-1]
+    if not positions:
+        return order, counts, None
     rank_in_group = torch.arange(n, device=key.device) - starts[sorted_key]
     pos = torch.empty_like(key).scatter(0, order, rank_in_group)
     return order, counts, pos
@@ -351,12 +354,13 @@ class TokenDispatcher(nn.Module):
         key = experts_idx.flatten()  # [N] destination expert of each assignment
         if keep is not None:
             key = torch.where(keep.flatten(), key, E)  # dropped -> an extra last group
-        order, counts, pos = group_by(key, E + 1)
+        static = keep is None and args.static_ep_exchange and self.ep * self.etp > 1
+        padded = keep is not None and args.pad_to_capacity
+        order, counts, pos = group_by(key, E + 1, positions=static or padded)
         counts = counts[:E]  # [E] kept rows per expert
         weights = probs.flatten()  # [N]
 
-        static = keep is None and args.static_ep_exchange and self.ep * self.etp > 1
-        if keep is not None and args.pad_to_capacity:
+        if padded:
             # static shapes: expert e owns rows [e*C, (e+1)*C)
             C = min(cap, T)  # one expert cannot get more than T of this rank's assignments
             slot = torch.where(key < E, key * C + pos, E * C)  # [N]; dropped -> a spare slot
@@ -442,9 +446,12 @@ class TokenDispatcher(nn.Module):
 
     def unpermute(self, y_rows: torch.Tensor, plan: "Plan") -> torch.Tensor:
         """The experts' rows back on this rank [R, dim] -> y [T, dim], each token the sum of its rows."""
-        R = y_rows.shape[0]  # dropped rows were cut off: their assignments read the zero row
+        R = y_rows.shape[0]
+        dropped = plan.keep is not None
+        # dropped rows were cut off: their assignments read the zero row
+        slot = plan.slot.clamp(max=R) if dropped else plan.slot
         # in the experts' dtype (bf16 under autocast)
-        return _Combine.apply(y_rows, plan.token_of_row[:R], plan.slot.clamp(max=R), plan.k, plan.keep is not None)
+        return _Combine.apply(y_rows, plan.token_of_row[:R], slot, plan.k, dropped)
 
     def _source_counts(self, counts: torch.Tensor, E_loc: int, device: torch.device, rows: int) -> torch.Tensor:
         """counts [ep*E_loc]: rows this rank sends each expert -> [etp*ep*E_loc] on the device: rows
