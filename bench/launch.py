@@ -9,8 +9,9 @@ then step time. Each call here runs on a few rows, so that the GPU finishes ever
 the host launches the next and the loop measures the host alone: microseconds per call over
 --iters calls after --warmup, the median of --repeats such loops. The calls are those an eager
 step makes per layer or per parameter: the SwiGLU times the routing weight and the sum over k
-(common/fused.py's fused()), the q / k norms with RoPE, the router's per-token function
-(moe/router.py, compiled with its backward) and one parameter's Adam step (trainer/optimizer.py).
+(common/fused.py's fused()), the q / k norms with RoPE, the router's choice with its losses and
+statistics (moe/router.py's route_whole, compiled with its backward) and one parameter's Adam
+step (trainer/optimizer.py).
 """
 
 import argparse
@@ -29,7 +30,7 @@ from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
 from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
 from titan_fold.moe.experts import _swiglu_prob_forward  # noqa: E402
-from titan_fold.moe.router import _route_on  # noqa: E402
+from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
 from titan_fold.trainer.optimizer import adam_update  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def calls(device: torch.device) -> dict:
     logits = randn(rows, experts, dtype=torch.float32).requires_grad_()
     bias = torch.zeros(experts, device=device)
     args = MoEArgs(num_experts=experts, top_k=k, load_balance="aux_free")
-    route = _route_on(device)
+    route = _compiled_on(device, route_whole)
     n = 1 << 20
     weight, grad, exp_avg, exp_avg_sq = randn(n), randn(n), randn(n), randn(n).abs()
     coef = torch.tensor([1e-4, 1.0, 1.0, 1.0], device=device)
@@ -73,7 +74,7 @@ def calls(device: torch.device) -> dict:
         "swiglu x routing weight (fused)": lambda: fused(_swiglu_prob_forward)(a, b, p),
         "sum over k (fused)": lambda: fused(_sum_by_token)(routed, slot, k, False),
         "q / k norms + RoPE (autograd Function, fused)": lambda: apply_rope_qk(q, kk, cos, sin, *norms),
-        "router per-token function (compiled with backward)": lambda: route(logits, bias, 1, args),
+        "router: choice and losses (compiled with backward)": lambda: route(logits, bias, rows, args, 1.0),
         "Adam step of one parameter (fused)": lambda: adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef,
                                                                   0.9, 0.95, 1e-8, 0.0, True),
     }

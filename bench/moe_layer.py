@@ -118,7 +118,9 @@ class RankShareRouter(torch.nn.Module):
                 self.remap = torch.where(u < self.share, 0, others.clamp(max=self.ep - 1))
             experts = self.remap * per_rank + experts % per_rank
             counts = torch.bincount(experts.flatten(), minlength=num_experts).float()
-            routing = dataclasses.replace(routing, experts=experts, tokens_per_expert=counts)
+            record = routing.record.clone()
+            record[2] = counts.max() / counts.mean()  # the load imbalance of the remapped choices
+            routing = dataclasses.replace(routing, experts=experts, tokens_per_expert=counts, record=record)
         with torch.no_grad():
             on_rank0 = (experts < per_rank).sum()
             self.on_rank0 = on_rank0 if self.on_rank0 is None else self.on_rank0 + on_rank0

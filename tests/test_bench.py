@@ -454,6 +454,7 @@ def test_rank_share_router_moves_the_asked_share(share):
     assert torch.equal(routing.experts % per_rank, natural.experts % per_rank)
     assert torch.equal(routing.probs, natural.probs)
     assert torch.equal(routing.tokens_per_expert, torch.bincount(routing.experts.flatten(), minlength=16).float())
+    assert routing.record[2].item() == pytest.approx((routing.tokens_per_expert.max() / routing.tokens_per_expert.mean()).item())
     assert router.observed_share() == pytest.approx((rank == 0).float().mean().item())
     keep = moe_layer.RankShareRouter(router.inner, None, ep=4, seed=3)
     assert torch.equal(keep(x, 4096).experts, natural.experts)

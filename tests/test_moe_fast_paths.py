@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from titan_fold.moe import MoE, MoEArgs
 from titan_fold.moe.quack import quack_problem, use_quack
-from titan_fold.moe.router import Router, route
+from titan_fold.moe.router import Router, route, route_whole
 
 GPU_QUACK = quack_problem() is None
 
@@ -36,7 +36,7 @@ def reference_routing(router: Router, x: torch.Tensor, seq_len: int):
         return E * (f * d.mean(1)).sum(-1)
 
     whole = balance(dist[None], experts[None])[0]
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=x.device)
     if args.load_balance == "aux_loss":
         loss = loss + args.aux_loss_coeff * whole
     elif args.load_balance == "seq_aux_loss":
@@ -51,35 +51,46 @@ ROUTERS = list(itertools.product(["softmax", "sigmoid"], ["aux_loss", "seq_aux_l
                                  [False, True], [0.0, 1e-3]))
 
 
-@pytest.mark.parametrize("score_func,load_balance,norm,z", ROUTERS)
-def test_fused_router_equals_op_by_op_router(score_func, load_balance, norm, z):
+# on a GPU the router runs compiled (route_whole): a few of the settings there
+GPU_ROUTERS = [("softmax", "aux_loss", True, 1e-3), ("sigmoid", "aux_free", True, 0.0), ("softmax", "seq_aux_loss", False, 0.0)]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device,score_func,load_balance,norm,z",
+                         [("cpu", *r) for r in ROUTERS] + [pytest.param("cuda", *r, marks=needs_cuda) for r in GPU_ROUTERS])
+def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, norm, z):
     """fp32: the same choices, weights, losses, statistics, and gradients of the gate."""
     args = MoEArgs(num_experts=16, top_k=4, score_func=score_func, load_balance=load_balance, norm_topk_prob=norm,
                    z_loss_coeff=z, aux_loss_coeff=0.0 if load_balance in ("aux_free", "none") else 1e-2)
     torch.manual_seed(0)
-    router = Router(32, args)
+    router = Router(32, args).to(device)
     router.gate.weight.data.normal_(0, 0.3)
     router.expert_bias.normal_(0, 0.1)
-    x = torch.randn(3 * 20, 32)
+    x = torch.randn(3 * 20, 32, device=device)
     got = router(x, 20)
     want = reference_routing(router, x, 20)
     torch.testing.assert_close(got.experts, want[1])
     for a, b in zip((got.probs, got.loss, got.balance_loss, got.tokens_per_expert), (want[0], want[2], want[3], want[4])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    upstream = torch.randn(got.probs.shape)
+    imbalance = want[4].max() / want[4].mean()
+    record = torch.stack([want[3], torch.zeros_like(imbalance), imbalance, torch.ones_like(imbalance)])
+    torch.testing.assert_close(got.record, record, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(got.probs.shape, device=device)
     grad = torch.autograd.grad((got.probs * upstream).sum() + got.loss, router.gate.weight)[0]
     grad_ref = torch.autograd.grad((want[0] * upstream).sum() + want[2], router.gate.weight)[0]
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
 
 
 def test_route_is_one_graph():
-    """route() traces whole (no graph break), so on a GPU it compiles into one or two kernels each way."""
+    """route() and route_whole() trace whole (no graph break), so on a GPU each compiles into one or
+    two kernels each way."""
     args = MoEArgs(num_experts=8, top_k=2, load_balance="seq_aux_loss", z_loss_coeff=1e-3)
     logits = torch.randn(40, 8, requires_grad=True)
-    compiled = torch.compile(route, backend="aot_eager", fullgraph=True)
-    got, want = compiled(logits, torch.zeros(8), 2, args), route(logits, torch.zeros(8), 2, args)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    for fn, extra in ((route, (2, args)), (route_whole, (20, args, torch.tensor(0.5)))):
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        got, want = compiled(logits, torch.zeros(8), *extra), fn(logits, torch.zeros(8), *extra)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
 
 
 def _layer_step(args: MoEArgs, tensors: str):

@@ -69,7 +69,7 @@ class MoE(nn.Module):
             y = y + shared_y
         if self.args.load_balance in ("aux_loss", "seq_aux_loss") or self.args.z_loss_coeff > 0:
             y = AddAuxLoss.apply(y, routing.loss)
-        self._record(routing.balance_loss, keep, routing.tokens_per_expert)
+        self._record(routing, keep)
         return y.view(b, s, dim)
 
     def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -79,14 +79,13 @@ class MoE(nn.Module):
         return shared
 
     @torch.no_grad()
-    def _record(self, balance_loss, keep, tokens_per_expert):
+    def _record(self, routing, keep):
         # device-side accumulation: no host sync inside forward
-        dropped = torch.zeros((), device=self.stats.device) if keep is None else 1.0 - keep.float().mean()
-        imbalance = tokens_per_expert.max() / tokens_per_expert.mean()
-        one = torch.ones((), device=self.stats.device)
-        self.stats.add_(torch.stack([balance_loss.float(), dropped.float(), imbalance, one]))
+        self.stats.add_(routing.record)
+        if keep is not None:
+            self.stats[1].add_(1.0 - keep.float().mean())
         if self.args.load_balance == "aux_free":
-            self.tokens_per_expert.add_(tokens_per_expert)
+            self.tokens_per_expert.add_(routing.tokens_per_expert)
 
     def init_weights(self, init_std: float):
         self.router.init_weights(0.02)

@@ -22,6 +22,9 @@ class Routing:
     loss: torch.Tensor  # scalar: coeff-weighted aux + z loss terms of this rank's tokens; enters backward
     balance_loss: torch.Tensor  # scalar, detached: E * sum_e f_e * P_e over the sequence group's tokens (metric)
     tokens_per_expert: torch.Tensor  # [E] float32, detached: routed assignments before any drop
+    # [4] float32, detached: this call's addition to MoE.stats (balance loss, dropped share 0 (a
+    # token-drop dispatcher adds its own), load imbalance max / mean of tokens_per_expert, 1 call)
+    record: torch.Tensor
 
 
 def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -61,17 +64,50 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     return probs, experts, score_sums, counts, z
 
 
-_COMPILED_ROUTE = []
+def losses(score_sums: torch.Tensor, counts: torch.Tensor, z: torch.Tensor | None, seq_len: int, args: MoEArgs,
+           loss_scale: torch.Tensor | float, mesh: DeviceMesh | None):
+    """route()'s statistics of T = b * seq_len tokens -> the Routing fields after the choice: (loss
+    scaled by loss_scale, balance_loss, tokens_per_expert, record). mesh: the ranks holding the
+    other parts of these sequences (Router.forward's seq_mesh)."""
+    k = args.top_k
+    T = seq_len * counts.shape[0]
+    term, whole = balance_terms(score_sums.sum(0, keepdim=True), counts.sum(0, keepdim=True), T, k, mesh)
+    loss = torch.zeros((), dtype=score_sums.dtype, device=score_sums.device)
+    if args.load_balance == "aux_loss":
+        loss = loss + args.aux_loss_coeff * term[0]
+    elif args.load_balance == "seq_aux_loss":
+        per_seq, _ = balance_terms(score_sums, counts, seq_len, k, mesh)
+        loss = loss + args.aux_loss_coeff * per_seq.mean()
+    if z is not None:
+        n = 1 if mesh is None else mesh.size()
+        loss = loss + args.z_loss_coeff * z / (n * T)
+    tokens_per_expert = counts.sum(0).detach().float()  # [E]
+    imbalance = tokens_per_expert.max() / tokens_per_expert.mean()
+    record = torch.stack([whole[0].float(), torch.zeros_like(imbalance), imbalance, torch.ones_like(imbalance)])
+    return loss * loss_scale, whole[0], tokens_per_expert, record
 
 
-def _route_on(device: torch.device):
-    """route() itself on the CPU and inside an enclosing torch.compile; compiled once on CUDA
-    (differentiable: the aux losses' gradient reaches the scores), any number of tokens."""
+def route_whole(logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs,
+                loss_scale: torch.Tensor | float):
+    """route() and losses() of a rank that holds its sequences whole (no seq_mesh): the Routing
+    fields from the logits, one function to compile."""
+    probs, experts, score_sums, counts, z = route(logits, expert_bias, logits.shape[0] // seq_len, args)
+    return probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, None)
+
+
+_COMPILED = {}
+
+
+def _compiled_on(device: torch.device, fn):
+    """fn (route or route_whole) itself on the CPU and inside an enclosing torch.compile; compiled
+    once on CUDA (differentiable: the aux losses' gradient reaches the scores), any number of
+    tokens. In eager mode one compiled call costs the host less than the dozens of small ops it
+    replaces, which the layer's launches wait on."""
     if device.type != "cuda" or torch.compiler.is_compiling():
-        return route
-    if not _COMPILED_ROUTE:
-        _COMPILED_ROUTE.append(torch.compile(route, dynamic=True))
-    return _COMPILED_ROUTE[0]
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
 
 
 def balance_terms(score_sums: torch.Tensor, counts: torch.Tensor, T: int, k: int, mesh: DeviceMesh | None):
@@ -122,25 +158,14 @@ class Router(nn.Module):
         holding the other parts of these sequences (attention cp x tp, the dispatcher's):
         the balance and z losses are computed over all of them."""
         args = self.args
-        k = args.top_k
-        T = x.shape[0]
-        b = T // seq_len
         logits = self.gate(x)  # [T, E]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        probs, experts, score_sums, counts, z = _route_on(x.device)(logits, self.expert_bias, b, args)
-
-        term, whole = balance_terms(score_sums.sum(0, keepdim=True), counts.sum(0, keepdim=True), T, k, seq_mesh)
-        loss = torch.zeros((), dtype=logits.dtype, device=logits.device)
-        if args.load_balance == "aux_loss":
-            loss = loss + args.aux_loss_coeff * term[0]
-        elif args.load_balance == "seq_aux_loss":
-            per_seq, _ = balance_terms(score_sums, counts, seq_len, k, seq_mesh)
-            loss = loss + args.aux_loss_coeff * per_seq.mean()
-        if z is not None:
-            n = 1 if seq_mesh is None else seq_mesh.size()
-            loss = loss + args.z_loss_coeff * z / (n * T)
-        tokens_per_expert = counts.sum(0).detach().float()  # [E]
-        return Routing(probs, experts, loss * loss_scale, whole[0], tokens_per_expert)
+        if seq_mesh is None:
+            return Routing(*_compiled_on(x.device, route_whole)(logits, self.expert_bias, seq_len, args, loss_scale))
+        # the statistics' all-reduce over seq_mesh runs between the choice and the losses
+        probs, experts, score_sums, counts, z = _compiled_on(x.device, route)(logits, self.expert_bias,
+                                                                              x.shape[0] // seq_len, args)
+        return Routing(probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, seq_mesh))
 
     def init_weights(self, init_std: float):
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)

@@ -218,7 +218,7 @@ def _attention(block, x: torch.Tensor, cos, sin):
     if moe.args.load_balance in ("aux_loss", "seq_aux_loss") or moe.args.z_loss_coeff > 0:
         h = AddAuxLoss.apply(h, routing.loss)  # identity; the aux losses enter backward with h's gradient
     plan, x_rows, w_rows = moe.dispatcher.permute(tokens, routing.probs, routing.experts, moe.args, b)
-    moe._record(routing.balance_loss, plan.keep, routing.tokens_per_expert)
+    moe._record(routing, plan.keep)
     return h, shared, x_rows, w_rows, plan
 
 
