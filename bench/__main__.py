@@ -37,9 +37,11 @@ QWEN2 = ["--family", "qwen3_moe", "--proxy", "57B-A14B-L2"]
 DSV3 = ["--family", "deepseek_v3", "--proxy", "16B-L4"]
 FINE, COARSE = "qwen3_30b_a3b,mixtral_8x22b_g8t8", "qwen2_57b_a14b,mixtral_8x22b"
 TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
-# the Qwen3-30B-A3B proxy also with compile.cudagraphs, and one eager and one compiled step profiled
+# the Qwen3-30B-A3B proxy also with compile.cudagraphs, one eager and one compiled step profiled, and
+# both with metrics.step_phases (host and GPU time of each phase of every step, no profiler)
 TRAIN_EXTRA = ("1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_profile,"
-               "1gpu_bf16params_auxfree_compiled_profile")
+               "1gpu_bf16params_auxfree_compiled_profile,1gpu_bf16params_auxfree_phases,"
+               "1gpu_bf16params_auxfree_compiled_phases")
 # the coarse proxy compiled with torch's grouped GEMMs too: QuACK (what "auto" picks there) must not be slower
 COARSE_TORCH_GEMM = "1gpu_bf16params_auxfree_compiled_torchgemm"
 # dp2 x ep2: the exact exchange (split sizes to the host in every layer) beside the static one (worst-case
@@ -91,9 +93,10 @@ SUITES = {
     "trainer": Suite(
         "1 GPU: the trainer on the Qwen3-MoE proxies (Qwen3-30B-A3B widths, 12 layers; Qwen2-57B-A14B widths, "
         "2 layers), bf16 weights, aux-free balancing, eager and compiled; the first also compiled with CUDA graphs "
-        "and one profiled eager and compiled step each (GPU time by kernel class), the second also compiled with torch's grouped GEMMs",
+        "and one profiled eager and compiled step each (GPU time by kernel class), eager and compiled with each step's "
+        "phases timed, the second also compiled with torch's grouped GEMMs",
         [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES + "," + TRAIN_EXTRA, "--steps", "15"],
-              480),
+              600),
          Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES + "," + COARSE_TORCH_GEMM, "--steps",
                                                   "15"], 300)]),
     "vs-torchtitan": Suite(
