@@ -536,6 +536,20 @@ class FoldCheckpointManager(CheckpointManager):
             torch.distributed.barrier()
         return None
 
+    def save_now(self, step: int) -> None:
+        """A full (resumable) checkpoint of `step`, off the interval, synchronously (a stop
+        request's save). torchtitan 0.2.2's save only saves on the interval or as the last step,
+        which may be model-only (checkpoint.last_save_model_only): these are the calls its save
+        makes for an interval step, after any asynchronous save still running."""
+        self.wait_for_async_save()
+        self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
+                      async_mode=AsyncMode.DISABLED)
+
+    def wait_for_async_save(self) -> None:
+        """Returns when the asynchronous save in flight, if any, has finished (it runs collectives
+        on a process group of its own, which must end before the process does)."""
+        self._async_wait()
+
     def _save_settings(self, checkpoint_id: str) -> None:
         # written before DCP's files: the .metadata that completes the checkpoint comes last
         if self.settings is None or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):

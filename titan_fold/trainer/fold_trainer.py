@@ -48,7 +48,7 @@ from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.preflight import layout_from_config, preflight
-from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint, save_now
+from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
 from titan_fold.trainer.storage import StorageError, storage_problem
 from titan_fold.trainer.torchtitan_adapter import init_distributed, trainer_names, with_names
 from titan_fold.trainer.train_spec import register_train_specs
@@ -277,7 +277,7 @@ class FoldTrainer(Trainer):
         kind = self.stop_signals.agreed(self.device)
         if kind:
             if kind == PREEMPT and self.checkpointer.enable and self.step > self.start_step:
-                save_now(self.checkpointer, self.step)
+                self.checkpointer.save_now(self.step)
             raise StopRequested(kind, self.step)
         return True
 
@@ -366,8 +366,7 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
     finally:
         if trainer is not None:
             if clean and trainer.checkpointer.enable:
-                # an asynchronous save runs collectives on its own process group: it ends first
-                trainer.checkpointer._async_wait()
+                trainer.checkpointer.wait_for_async_save()
             trainer.close()
         if torch.distributed.is_initialized():
             if clean:

@@ -67,19 +67,3 @@ def last_complete_checkpoint(folder: str) -> str | None:
         return None
     done = [s for s in steps if complete(os.path.join(folder, f"step-{s}"))]
     return f"step-{max(done)}" if done else None
-
-
-def save_now(checkpointer, step: int) -> None:
-    """A full (resumable) checkpoint of `step`, off the interval, synchronously.
-
-    torchtitan 0.2.2's CheckpointManager.save only saves on the interval or as the last
-    step, which may be model-only (checkpoint.last_save_model_only); these are the calls
-    its save makes for an interval step."""
-    from torchtitan.components.checkpoint import AsyncMode
-
-    checkpointer._async_wait()
-    checkpointer.dcp_save(
-        checkpointer._flattened_model_states_sd(),
-        checkpoint_id=checkpointer._create_checkpoint_id(step),
-        async_mode=AsyncMode.DISABLED,
-    )
