@@ -430,19 +430,27 @@ class TokenDispatcher(nn.Module):
         local_counts = S * counts if isinstance(counts, int) else rows_of_source.sum(0)  # [E_loc]
         x_sorted, w_sorted = _PermuteRows.apply(x_all, perm, inv), w_all[perm]
         if plan.padding:
-            # the experts skip the rows past the last group and leave their outputs and input
-            # gradients undefined (uninitialized memory): zeros in both directions instead
-            V = local_counts.sum()
-            valid = torch.arange(R_all, device=x_all.device) < V  # [R_all]
-            x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
-        if plan.padding and self.stash is not None:  # what the experts save for backward: the V real rows only
+            y_sorted = self._padded_experts(x_sorted, w_sorted, local_counts, experts, args)
+        else:
+            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
+        y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
+        return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
+
+    def _padded_experts(self, x_sorted: torch.Tensor, w_sorted: torch.Tensor, local_counts: torch.Tensor,
+                        experts: GroupedExperts, args: MoEArgs) -> torch.Tensor:
+        """The experts over rows by local expert that end in padding (the static exchange):
+        x_sorted [R_all, dim], w_sorted [R_all], local_counts [E_loc] summing to the V real rows.
+        The experts skip the rows past the last group and leave their outputs and input gradients
+        undefined (uninitialized memory): zeros in both directions instead."""
+        R_all = x_sorted.shape[0]
+        V = local_counts.sum()
+        valid = torch.arange(R_all, device=x_sorted.device) < V  # [R_all]
+        x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
+        if self.stash is not None:  # what the experts save for backward: the V real rows only
             y_sorted = self.stash.call(V, R_all, experts, x_sorted, local_counts, w_sorted, args.prob_before_w2)
         else:
             y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
-        if plan.padding:
-            y_sorted = torch.where(valid[:, None], y_sorted, 0)
-        y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
-        return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
+        return torch.where(valid[:, None], y_sorted, 0)
 
     def unpermute(self, y_rows: torch.Tensor, plan: "Plan") -> torch.Tensor:
         """The experts' rows back on this rank [R, dim] -> y [T, dim], each token the sum of its rows."""
