@@ -67,7 +67,6 @@ class Step:
     timeout: int  # seconds
     gpus: int = 1  # > 1: launched by torchrun with that many processes
     ours: str | None = None  # vs_torchtitan: the step whose titan_fold rows sit beside torchtitan's
-    base_args: list[str] | None = None  # --base: the arguments the code before takes (default: args)
 
 
 @dataclass
@@ -82,14 +81,11 @@ SUITES = {
         "and quack, each beside the dense GEMM rate: the fine-grained shapes eager, compiled and captured in a CUDA "
         "graph, the coarse ones eager; one profiled eager step at Qwen3-30B-A3B shapes (kernel classes, host gaps)",
         [Step("layer_fine", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                          "--shapes", FINE, "--compile", "all", "--no-profile", *TIMING], 400,
-              base_args=["--modes", "dropless", "--shapes", FINE, "--compile", "both", "--no-profile"]),
+                                          "--shapes", FINE, "--compile", "all", "--no-profile", *TIMING], 400),
          Step("layer_coarse", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 900,
-              base_args=["--modes", "dropless", "--shapes", COARSE, "--compile", "off", "--no-profile"]),
+                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 900),
          Step("layer_profile", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                             "--shapes", "qwen3_30b_a3b", "--compile", "off", *TIMING], 200,
-              base_args=["--modes", "dropless", "--shapes", "qwen3_30b_a3b", "--compile", "off"])]),
+                                             "--shapes", "qwen3_30b_a3b", "--compile", "off", *TIMING], 200)]),
     "trainer": Suite(
         "1 GPU: the trainer on the Qwen3-MoE proxies (Qwen3-30B-A3B widths, 12 layers; Qwen2-57B-A14B widths, "
         "2 layers), bf16 weights, aux-free balancing, eager and compiled; the first also compiled with CUDA graphs "
@@ -161,9 +157,9 @@ def only_cases(args: list[str], cases: list[str] | None) -> list[str] | None:
     return [*args[:i], ",".join(kept), *args[i + 1:]] if kept else None
 
 
-def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None, base: bool = False,
+def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None,
                  cases: list[str] | None = None) -> list[str]:
-    args = only_cases(step.base_args if base and step.base_args is not None else step.args, cases)
+    args = only_cases(step.args, cases)
     cmd = [sys.executable, os.path.join("bench", f"{step.script}.py"), *args, "--name", name, "--out-dir", out_dir]
     if step.gpus > 1 and step.script in ("moe_layer", "collectives"):  # these are the workers themselves
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(step.gpus),
@@ -175,7 +171,7 @@ def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = No
 
 def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None, cases: list[str] | None) -> dict:
     """Runs one step in the checkout `root`; -> {command, returncode, figures}."""
-    cmd = step_command(step, out_dir, name, ours_path, base=name.endswith("@base"), cases=cases)
+    cmd = step_command(step, out_dir, name, ours_path, cases=cases)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
