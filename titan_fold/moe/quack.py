@@ -14,6 +14,13 @@ rows of its left operand itself (`A_idx`). Per layer:
               dx_rows = da @ w1[e] + db @ w3[e]              the second accumulated in place
               dx = each token's rows summed (the caller's row sum)
 
+The backward copies x[rows] once for the two weight gradients, and the gradient's rows once
+(the caller's combine backward), rather than reading them in place: QuACK gathers rows with
+cp.async loads instead of TMA, and at Qwen3-30B-A3B shapes on an H200 each GEMM reading its
+rows in place ran slower than one gather and the plain GEMMs together (down projection: even;
+the two up-projection weight gradients, which must be computed transposed to gather: slower
+by more than the gather).
+
 The SwiGLU stays a separate kernel: QuACK's gated epilogue reads gate and up from one weight
 [E, dim, 2 * ffn] (interleaved columns), and the experts hold w1 and w3 apart (checkpoints, HF
 adapter, etp placements), so fusing it would copy both weights every step: at Qwen3-30B-A3B
