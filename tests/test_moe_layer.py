@@ -5,9 +5,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from host_sync import no_host_sync
 from test_moe_reference import reference_moe
 
-from titan_fold.moe import MoE, MoEArgs, moe_stats, update_expert_bias
+from titan_fold.moe import MoE, MoEArgs, moe_stats, moe_stats_from, moe_stats_values, update_expert_bias
 
 DIM, FFN = 16, 12  # 16-byte aligned rows in fp32: the grouped-GEMM path runs
 
@@ -102,7 +103,8 @@ def test_layer_matches_reference(dtype, prob_before_w2, top_k, num_experts, capa
 
 def test_moe_stats_leave_out_idle_layers_in_one_read():
     """moe_stats over a layer that ran twice and one that did not run (another micro-batch's
-    stage, say) are the first layer's means alone, read from the device in one transfer."""
+    stage, say) are the first layer's means alone, gathered on the device without a host sync
+    and read from it in one transfer."""
     from torch.overrides import TorchFunctionMode
 
     class Reads(TorchFunctionMode):
@@ -121,8 +123,10 @@ def test_moe_stats_leave_out_idle_layers_in_one_read():
         ran(make_input(torch.float32))
         ran(make_input(torch.float32, seed=2))
     sums, calls = ran.stats[:3].clone(), ran.stats[3].item()
+    with no_host_sync():  # the values stay on the device until the one read (the trainer's host copy)
+        values = moe_stats_values([ran, idle])
     with Reads() as reads:
-        stats = moe_stats([ran, idle])
+        stats = moe_stats_from(values)
     assert reads.count == 1 and calls == 2
     want = (sums / calls).tolist()
     assert [stats[k] for k in ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance")] == pytest.approx(want)

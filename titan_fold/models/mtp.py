@@ -102,12 +102,27 @@ def mtp_modules(model_parts) -> list[MultiTokenPrediction]:
 
 
 @torch.no_grad()
+def mtp_stats_values(model_parts) -> torch.Tensor | None:
+    """The MTP layers' statistics since the last call, then reset, as one tensor on their device
+    (no host sync): [2] = their cross-entropy sums and calls, summed. None without MTP layers."""
+    modules = mtp_modules(model_parts)
+    if not modules:
+        return None
+    total = torch.stack([m.stats for m in modules]).sum(0)
+    for m in modules:
+        m.stats.zero_()
+    return total
+
+
+def mtp_stats_from(values: torch.Tensor | None) -> dict:
+    """mtp_stats_values' tensor read on the host: {"mtp_loss": mean per-layer cross-entropy}, {}
+    where no MTP layer ran."""
+    if values is None:
+        return {}
+    loss_sum, calls = values.tolist()
+    return {"mtp_loss": loss_sum / calls} if calls > 0 else {}
+
+
 def mtp_stats(model_parts) -> dict:
     """{"mtp_loss": mean per-layer cross-entropy since the last call} ({} without MTP), then reset."""
-    stats = [m.stats.clone() for m in mtp_modules(model_parts) if m.stats[1] > 0]
-    for m in mtp_modules(model_parts):
-        m.stats.zero_()
-    if not stats:
-        return {}
-    total = torch.stack(stats).sum(0)
-    return {"mtp_loss": (total[0] / total[1]).item()}
+    return mtp_stats_from(mtp_stats_values(model_parts))

@@ -114,25 +114,39 @@ def moe_stashes(model_parts) -> list:
 
 
 @torch.no_grad()
-def moe_stats(model_parts) -> dict:
-    """Averages over MoE layers (each over its calls since the last moe_stats), then reset.
-
-    One host sync, here, outside forward. Returns {} when no layer ran.
-    """
+def moe_stats_values(model_parts) -> torch.Tensor | None:
+    """The MoE layers' statistics since the last call, then reset, as one tensor on their device
+    (no host sync): [4] = the means of (aux loss, dropped share, load imbalance) over the layers
+    that ran, each layer's over its calls, and the number of layers that ran. None without MoE
+    layers."""
     layers = moe_layers(model_parts)
     if not layers:
-        return {}
+        return None
     stats = torch.stack([module.stats for module in layers])  # [layers, 4]: three sums and the calls
     for module in layers:
         module.stats.zero_()
     calls = stats[:, 3]
     ran = (calls > 0).to(stats.dtype)
     per_layer = stats[:, :3] / calls.clamp(min=1)[:, None]
-    aux, dropped, imbalance, layers_ran = torch.cat([(per_layer * ran[:, None]).sum(0) / ran.sum().clamp(min=1),
-                                                     ran.sum()[None]]).tolist()
+    return torch.cat([(per_layer * ran[:, None]).sum(0) / ran.sum().clamp(min=1), ran.sum()[None]])
+
+
+def moe_stats_from(values: torch.Tensor | None) -> dict:
+    """moe_stats_values' tensor read on the host: {} where no layer ran."""
+    if values is None:
+        return {}
+    aux, dropped, imbalance, layers_ran = values.tolist()
     if not layers_ran:
         return {}
     return {"moe_aux_loss": aux, "dropped_token_frac": dropped, "expert_load_imbalance": imbalance}
+
+
+def moe_stats(model_parts) -> dict:
+    """Averages over MoE layers (each over its calls since the last moe_stats), then reset.
+
+    One host sync, here, outside forward. Returns {} when no layer ran.
+    """
+    return moe_stats_from(moe_stats_values(model_parts))
 
 
 @torch.no_grad()

@@ -111,6 +111,11 @@ class FoldTrainer(Trainer):
         # NaN/Inf in the loss or gradient norm: stop or skip with the weights untouched (guard.py)
         self.guard = self.guard_class(job_config.training.nonfinite, self.device)
         self.guard.watch(self.optimizers)
+        # a logged step's values reach the host beside the guard's verdict (host_copies.py): the
+        # MoE statistics queued here, before the optimizer's kernels; the loss and the gradient
+        # norm where they are computed
+        self.optimizers.register_step_pre_hook(
+            lambda *args, **kwargs: self.metrics_processor.stage(self.guard.copies.copy) if self._logs() else None)
         self.cudagraphs = cuda_graphs(job_config)
         if self.cudagraphs:
             mark_static_buffers(self.model_parts)
@@ -189,7 +194,12 @@ class FoldTrainer(Trainer):
         self.guard.observe_loss(loss)
         if self.phases is not None:
             self.phases.mark("data")  # the next micro-batch to the device
-        return loss
+        # torchtitan's train_step reads the loss with .item() after the optimizer step, except
+        # under dp or cp, where it reduces the device value over the ranks first
+        return loss if self.parallel_dims.dp_cp_enabled or not self._logs() else self.guard.copies.copy(loss)
+
+    def _logs(self) -> bool:
+        return self.metrics_processor.should_log(self.step)
 
     def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
         for mtp in mtp_modules(self.model_parts):
@@ -234,7 +244,7 @@ class FoldTrainer(Trainer):
         if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
             torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
         self.guard.observe_grad_norm(norm)
-        return norm
+        return self.guard.copies.copy(norm) if self._logs() else norm  # read with .item() at a logged step
 
     @record
     def train(self):

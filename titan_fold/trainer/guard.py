@@ -36,6 +36,7 @@ from titan_fold.checkpoint.manager import CheckpointError
 from titan_fold.common.config import ConfigError
 from titan_fold.common.tensors import local
 from titan_fold.parallel.clip import divides_by_grad_scale
+from titan_fold.trainer.host_copies import HostCopies
 from titan_fold.trainer.optimizer import AdamOptimizersContainer
 
 # codes, ordered so that MAX keeps the worst
@@ -85,8 +86,10 @@ class NonFiniteGuard:
         self.stashes = []  # the model's MoE stashes (moe/stash.py), read at every check
         self.stash_rows = 0  # moe.stash_rows, for the message
         self.optimizers = []  # the torch optimizers handed the verdict as found_inf (`watch`)
-        self._verdict = None  # the codes on their way to the host, and the event after their copy
-        self._host = None  # a pinned buffer they land in
+        # the verdict's codes on their way to the host, beside the trainer's logged values; the
+        # post-hook waits for them all
+        self.copies = HostCopies()
+        self._verdict = None
 
     def watch(self, optimizers: OptimizersContainer) -> None:
         """Guard a torchtitan OptimizersContainer's steps: the checks run as its step hooks. Its
@@ -126,24 +129,14 @@ class NonFiniteGuard:
         found_inf = (codes.amax() > 0).float()  # []: the optimizers read it as a skip
         for opt in self.optimizers:
             opt.found_inf = found_inf
-        if codes.device.type == "cuda":
-            if self._host is None:
-                self._host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
-            self._host.copy_(codes, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._verdict = (self._host, event)
-        else:
-            self._verdict = (codes, None)
+        self._verdict = self.copies.copy(codes)
 
     def after_optimizer_step(self, *_hook_args) -> None:
         """Optimizer step post-hook: the verdict the step was queued behind, acted on."""
+        self.copies.wait()  # the optimizer's kernels are queued: the device stays busy meanwhile
         if self._verdict is None:
             return
-        codes, event = self._verdict
-        self._verdict = None
-        if event is not None:
-            event.synchronize()  # the optimizer's kernels are queued: the device stays busy meanwhile
+        codes, self._verdict = self._verdict, None
         self._act(codes.tolist())
 
     def _act(self, codes: list[int]) -> None:

@@ -27,8 +27,8 @@ from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from titan_fold.models.mtp import mtp_stats
-from titan_fold.moe import moe_layers, moe_stats
+from titan_fold.models.mtp import mtp_stats_from, mtp_stats_values
+from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.phases import phases_text
 from titan_fold.trainer.torchtitan_adapter import with_names
@@ -92,6 +92,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
         self.history: list[dict[str, Any]] = []  # per logged step, for summary()
         self.phases = None  # metrics.step_phases: the trainer's StepPhases (phases.py)
+        self._staged = None  # a logged step's MoE and MTP statistics on their way to the host (stage)
         self._last_logged_step: int | None = None
         self._first_step = 0  # the step this run started after (0, or the resumed checkpoint's)
         self.time_start = time.perf_counter()
@@ -107,10 +108,19 @@ class FoldMetricsProcessor(MetricsProcessor):
             self._last_logged_step = self._first_step = step - 1
         return super().should_log(step) or step in (self._first_step + 1, self.job_config.training.steps)
 
+    def stage(self, copy) -> None:
+        """At a logged step, before the optimizer's kernels are queued: the MoE and MTP statistics'
+        device values, each through copy(t) (HostCopies.copy), which log() reads once they have
+        landed, without waiting for the optimizer step."""
+        parts = self.model_parts or []
+        self._staged = tuple(v if v is None else copy(v) for v in (moe_stats_values(parts), mtp_stats_values(parts)))
+
     def _moe_stats(self) -> dict[str, float | None]:
         parts = self.model_parts or []
         n_moe = float(len(moe_layers(parts)))
-        stats = {**moe_stats(parts), **mtp_stats(parts)}
+        moe_values, mtp_values = self._staged or (moe_stats_values(parts), mtp_stats_values(parts))
+        self._staged = None
+        stats = {**moe_stats_from(moe_values), **mtp_stats_from(mtp_values)}
         keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance", "mtp_loss")
         values = torch.tensor([float(stats.get(k, float("nan"))) for k in keys], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -55,7 +55,7 @@ class StepPhases:
         self.mark("")
         marks, self.marks = self.marks, None
         if self.events:
-            marks[-1][2].synchronize()  # the logging has synced already: no wait
+            marks[-1][2].synchronize()  # the one wait the option adds: for the step's last kernels
         phases = {}
         for (phase, t0, e0), (_, t1, e1) in zip(marks, marks[1:]):
             p = phases.setdefault(phase, {"host_ms": 0.0, "gpu_ms": 0.0 if self.events else None})

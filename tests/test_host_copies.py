@@ -1,0 +1,33 @@
+"""HostCopies (trainer/host_copies.py): a logged step's values reach the host without a wait for
+the device's queued work."""
+
+import pytest
+import torch
+
+from titan_fold.trainer.host_copies import HostCopies
+
+
+def test_values_off_cuda_are_returned_as_they_are():
+    copies = HostCopies()
+    t = torch.tensor([1.5, 2.0])
+    assert copies.copy(t) is t
+    copies.wait()  # nothing queued: returns
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copy_queues_behind_the_device_work_and_wait_brings_it():
+    """copy() returns while the device is still busy with the work queued before it (a kernel
+    that spins for about a second), and wait() returns the value that work computed. The first
+    round loads the kernels and allocates the pinned block, either of which may wait for the
+    device; the trainer's steps after its first are like the second."""
+    copies = HostCopies()
+    x = torch.zeros((), device="cuda")
+    for value in (3.0, 6.0):
+        torch.cuda._sleep(2_000_000_000)  # cycles: about a second at GPU clocks
+        x += 3.0
+        host = copies.copy(x)
+        assert host.device.type == "cpu" and host.is_pinned()
+        if value == 6.0:
+            assert not copies._event.query()  # the device has not reached the copy: copy() did not wait
+        copies.wait()
+        assert host.item() == value
