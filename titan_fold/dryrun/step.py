@@ -50,6 +50,9 @@ class NoRecords:
     def should_log(self, step: int) -> bool:
         return True
 
+    def stage(self, copy) -> None:
+        pass
+
     def log(self, *args, **kwargs) -> None:
         pass
 
