@@ -112,12 +112,11 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
 
 def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     """Whether rows x go through QuACK: "torch" never; "quack" where installed and the inputs suit
-    it (an error where they do not); "auto" likewise, inside torch.compile or a CUDA graph capture
-    only: run op by op its GEMM calls cost more host time than torch._grouped_mm's, and at fine-grained
-    shapes the layer is host-bound (docs/benchmarks.md)."""
+    it (an error where they do not); "auto" likewise (torch's GEMMs where they do not), eager
+    included: op by op each QuACK call costs more host time than torch._grouped_mm's, which slows
+    a layer timed alone, but in the trainer the eager step's forward is GPU-bound and QuACK's
+    backward faster (docs/benchmarks.md)."""
     if choice == "torch":
-        return False
-    if choice == "auto" and not (torch.compiler.is_compiling() or x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     problem = None
     if not x.is_cuda:
