@@ -1,24 +1,26 @@
-"""The gradient norm of the clip: torch's foreach norm against one norm per tensor.
+"""The gradient norm of the clip: torch's foreach norm, one norm per tensor, and titan_fold's.
 
-    python bench/grad_norm.py                 # GPU, the trainer proxy's gradients (bf16)
+    python bench/grad_norm.py                 # GPU, the Qwen3-30B-A3B proxy's gradients (bf16)
     python bench/grad_norm.py --smoke         # CPU, the debug model's gradients
 
-Gradients of random values with the shapes of a model's parameters (the proxy Qwen2-57B-A14B,
-2 layers, 4.26e9 parameters: bench/train_step.py's default), in bf16 as the trainer with
-bf16 weights has them. Two ways to the total 2-norm, timed side by side with CUDA events
-(median after warm-up):
-  foreach     torch.nn.utils.get_total_norm(grads, foreach=True): torch's multi-tensor
-              norm, what the trainer's clip ran before 2026-11-24 (4.1 ms of a 216 ms step
-              in the profiled proxy, about 2.1 TB/s)
+Gradients of random values with the shapes of a model's parameters (the trainer suite's
+Qwen3-30B-A3B proxy, 12 layers, 7.6e9 parameters), in bf16 as the trainer with bf16 weights
+has them. Three ways to the total 2-norm, timed side by side with CUDA events (median after
+warm-up):
+  foreach     torch.nn.utils.get_total_norm(grads, foreach=True): torch's multi-tensor norm
   per_tensor  one torch.linalg.vector_norm per gradient, accumulated in float32
-              (parallel/clip.py since 2026-11-24)
-Both against a float64 norm of the same gradients (relative error), and the effective
-bandwidth (the gradients' bytes over the time).
+  titan_fold  parallel/clip.py's total_norm: per_tensor, but the large CUDA gradients'
+              squares summed by a Triton kernel (parallel/sum_squares.py); equals per_tensor
+              off CUDA
+Each against a float64 norm of the same gradients (relative error), with the effective
+bandwidth (the gradients' bytes over the time) and the host's time to queue one call
+(median wall time of calls made without waiting for the device).
 """
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -41,8 +43,8 @@ def parameter_shapes(family: str, proxy: str) -> list[torch.Size]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default="qwen2_moe")
-    p.add_argument("--proxy", default="57B-A14B-L2")
+    p.add_argument("--family", default="qwen3_moe")
+    p.add_argument("--proxy", default="30B-A3B-L12")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -60,20 +62,35 @@ def main(argv=None) -> dict:
     ref = sum(float(g.double().square().sum()) for g in grads) ** 0.5
     ways = {
         "foreach": lambda: torch.nn.utils.get_total_norm(grads, 2.0, False, True),
-        "per_tensor": lambda: total_norm(grads, 2.0),
+        "per_tensor": lambda: torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads])),
+        "titan_fold": lambda: total_norm(grads, 2.0),
     }
     rows = []
     for way, fn in ways.items():
         got = float(fn())
         ms = median(time_ms(fn, a.warmup, a.iters, device))
         rows.append({"way": way, "ms": ms, "tb_per_s": 2 * numel / (ms * 1e-3) / 1e12,
+                     "host_ms": median(host_ms(fn, a.iters, device)),
                      "norm": got, "rel_err_vs_float64": abs(got - ref) / ref})
-        print(f"[grad_norm] {way}: {ms:.3f} ms, {rows[-1]['tb_per_s']:.2f} TB/s, rel err {rows[-1]['rel_err_vs_float64']:.2e}",
-              flush=True)
+        print(f"[grad_norm] {way}: {ms:.3f} ms, {rows[-1]['tb_per_s']:.2f} TB/s, host {rows[-1]['host_ms']:.3f} ms, "
+              f"rel err {rows[-1]['rel_err_vs_float64']:.2e}", flush=True)
     figures = {"family": a.family, "proxy": a.proxy, "parameters": numel, "tensors": len(grads),
                "dtype": "bfloat16", "norm_float64": ref, "rows": rows}
     write_result(a.name, figures, a.out_dir)
     return figures
+
+
+def host_ms(fn, iters: int, device: torch.device) -> list[float]:
+    """The host's milliseconds to queue each of `iters` calls, the device left running."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 if __name__ == "__main__":

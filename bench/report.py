@@ -311,13 +311,13 @@ def row_movement_table(rec: dict) -> list[str]:
 
 
 def streams_table(rec: dict) -> list[str]:
-    """bench/grad_norm.py and bench/master_step.py: ms and, for the master step, TB/s; the code
-    before's rows (<step>@base) first where the suite ran it."""
-    out = ["| step | way | ms | TB/s |", "|---|---|---:|---:|"]
+    """bench/grad_norm.py and bench/master_step.py: ms, TB/s and, for the norm, the host's ms to queue
+    one call; the code before's rows (<step>@base) first where the suite ran it."""
+    out = ["| step | way | ms | TB/s | host ms |", "|---|---|---:|---:|---:|"]
     n = 0
     for name in ("grad_norm@base", "grad_norm", "master_step@base", "master_step"):
         for r in (rec["figures"].get(name) or {}).get("rows", []):
-            out.append(f"| {name} | {r.get('way') or r.get('kernel')} | {_f(r.get('ms'), 3)} | {_f(r.get('tb_per_s'), 2)} |")
+            out.append(f"| {name} | {r.get('way') or r.get('kernel')} | {_f(r.get('ms'), 3)} | {_f(r.get('tb_per_s'), 2)} | {_f(r.get('host_ms'), 3)} |")
             n += 1
     return out if n else []
 

@@ -588,8 +588,9 @@ def test_grouped_gemm_report_table(tmp_path):
 
 
 def test_grad_norm_smoke(tmp_path):
-    """bench/grad_norm.py on the CPU: both ways give the float64 norm of the same gradients,
-    the per-tensor one within float32 accumulation, torch's foreach one within bf16 rounding."""
+    """bench/grad_norm.py on the CPU: every way gives the float64 norm of the same gradients, the
+    per-tensor one and titan_fold's (the same computation off CUDA) within float32 accumulation,
+    torch's foreach one within bf16 rounding."""
     from bench import grad_norm
 
     figures = grad_norm.main(["--smoke", "--out-dir", str(tmp_path)])
@@ -597,8 +598,9 @@ def test_grad_norm_smoke(tmp_path):
     assert rec["figures"]["parameters"] == figures["parameters"] > 0
     rows = {r["way"]: r for r in figures["rows"]}
     assert rows["per_tensor"]["rel_err_vs_float64"] < 1e-5
+    assert rows["titan_fold"]["norm"] == rows["per_tensor"]["norm"]
     assert rows["foreach"]["rel_err_vs_float64"] < 1e-2
-    assert all(r["ms"] > 0 for r in rows.values())
+    assert all(r["ms"] > 0 and r["host_ms"] > 0 for r in rows.values())
 
 
 def test_attention_smoke(tmp_path):

@@ -5,6 +5,8 @@ every trainer equivalence test (tests/test_equivalence.py, test_pipeline.py); he
 two ways of applying it are checked against torch's own clip on one process.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -71,3 +73,55 @@ def test_total_norm_refuses_nonfinite_when_asked():
     assert torch.isnan(total_norm(grads, 2.0))
     with pytest.raises(RuntimeError, match="non-finite"):
         total_norm(grads, 2.0, error_if_nonfinite=True)
+
+
+_INTERPRETED = """
+import torch
+from titan_fold.parallel import sum_squares
+
+g = torch.Generator().manual_seed(0)
+tensors = [torch.randn(n, generator=g).to(dtype) for n, dtype in
+           ((70_001, torch.bfloat16), (3 * sum_squares.CHUNK, torch.bfloat16), (100, torch.bfloat16),
+            (40_000, torch.bfloat16), (sum_squares.CHUNK + 1, torch.bfloat16))]
+parts = sum_squares.partials(tensors).double()
+chunks = [torch.nn.functional.pad(t.double(), (0, -t.numel() % sum_squares.CHUNK)).view(-1, sum_squares.CHUNK)
+          for t in tensors]
+torch.testing.assert_close(parts, torch.cat(chunks).square().sum(1), rtol=1e-5, atol=1e-12)
+print("programs", parts.numel())
+"""
+
+
+def test_sum_squares_kernel_in_the_triton_interpreter():
+    """The gradient norm's kernel (sum_squares.py) run by Triton's interpreter on the CPU: five
+    tensors of one dtype (the binary search over a padded table of eight), each program's
+    partial against a float64 sum of squares of its CHUNK elements."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "programs 14" in done.stdout  # ceil(numel / CHUNK) each: 5 + 3 + 1 + 3 + 2
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton sum of squares runs on CUDA")
+def test_total_norm_of_large_cuda_gradients_equals_float64():
+    """bf16 and float32 gradients above the kernel's size (sum_squares.py, one launch per dtype)
+    beside small ones (vector_norm): the norm against float64, the same bits in a second call,
+    and the kernel's partials against float64 sums of squares of each program's chunk."""
+    from titan_fold.parallel import sum_squares
+    from titan_fold.parallel.clip import _KERNEL_MIN_NUMEL, total_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = ((_KERNEL_MIN_NUMEL + 12_345, 1e-3, torch.bfloat16), (5_000_011, 2.0, torch.float32),
+             (4097, 5.0, torch.bfloat16), (7_000_001, 1e-2, torch.bfloat16), (_KERNEL_MIN_NUMEL, 0.5, torch.float32))
+    grads = [(torch.randn(n, generator=g, device="cuda") * s).to(dtype) for n, s, dtype in sizes]
+    want = torch.linalg.vector_norm(torch.cat([t.double() for t in grads]))
+    got = total_norm(grads, 2.0)
+    assert got.dtype == torch.float32
+    assert abs(got.double() - want) / want < 1e-5
+    assert torch.equal(total_norm(grads, 2.0), got)
+
+    bf16 = [grads[0], grads[3]]
+    parts = sum_squares.partials(bf16).double()  # [programs]: each CHUNK elements of a tensor in turn
+    chunks = [torch.nn.functional.pad(t.double(), (0, -t.numel() % sum_squares.CHUNK)).view(-1, sum_squares.CHUNK)
+              for t in bf16]
+    torch.testing.assert_close(parts, torch.cat(chunks).square().sum(1), rtol=1e-5, atol=1e-12)

@@ -67,16 +67,39 @@ def clip_grad_norm_(
 
 def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:
     """The norm of the gradients of one mesh, in float32 (a plain tensor): one vector_norm per
-    tensor, accumulated in float32 (bf16 gradients too), then the norm of those. torch's foreach
-    norm (get_total_norm) returns bf16 for bf16 gradients, and over the proxy's 4.3e9 bf16
-    gradients on an H200 took 3.75 ms against 2.61 (bench/grad_norm.py)."""
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+    tensor, accumulated in float32 (bf16 gradients too), then the norm of those; torch's foreach
+    norm (get_total_norm) returns bf16 for bf16 gradients, and is slower (bench/grad_norm.py).
+    The 2-norm of the large plain CUDA gradients comes from one Triton launch of partial sums of
+    squares per dtype instead (sum_squares.py), which reads them at the memory's rate."""
+    large = [g for g in grads if _summed_by_kernel(g, norm_type)]
+    norms = []
+    if large:  # queued first: the device reads these while the host queues the small norms
+        from titan_fold.parallel import sum_squares
+
+        by_dtype = defaultdict(list)
+        for g in large:
+            by_dtype[g.dtype].append(g)
+        norms.append(torch.cat([sum_squares.partials(gs) for gs in by_dtype.values()]).sum().sqrt())
+    kernel = {id(g) for g in large}
+    norms += [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if id(g) not in kernel]
+    norms = torch.stack(norms)
     if isinstance(norms, DTensor):  # [tensors], partial over the mesh dims the gradients are sharded on
         norms = full_norm(norms, norm_type)
     norm = torch.linalg.vector_norm(norms, norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
     return norm
+
+
+# the kernel gives every tensor the same number of programs: the smallest ones (norm weights,
+# biases) would leave most of theirs idle, and read too little for the launch to matter
+_KERNEL_MIN_NUMEL = 1 << 16
+
+
+def _summed_by_kernel(g: torch.Tensor, norm_type: float) -> bool:
+    return (norm_type == 2.0 and g.is_cuda and not isinstance(g, DTensor) and g.is_contiguous()
+            and g.numel() >= _KERNEL_MIN_NUMEL and g.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and g.data_ptr() % g.element_size() == 0)
 
 
 def full_norm(norm: DTensor, norm_type: float) -> torch.Tensor:
