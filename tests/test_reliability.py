@@ -365,6 +365,35 @@ def test_sigterm_saves_exits_143_and_resumes_once_per_step(tmp_path):
     assert steps == list(range(1, stop + 3))  # each step once
 
 
+def _agree_worker(rank: int, port: int, out_dir: str) -> None:
+    from launcher import end_rank_checks, start_rank
+
+    from titan_fold.trainer.signals import NONE, PREEMPT, StopSignals
+
+    start_rank(rank, port, 2)
+    signals, seen = StopSignals(), []
+    for step in range(1, 5):
+        seen.append(signals.agreed(torch.device("cpu")))
+        if rank == 1 and step == 2:  # SIGTERM reaches rank 1 only, during step 2
+            signals.kind = PREEMPT
+    want = [NONE, NONE, NONE, PREEMPT]  # the request of step 2 is read at the end of step 3
+    end_rank_checks(out_dir, rank, [] if seen == want else [f"rank {rank}: {seen} != {want}"])
+
+
+def test_a_stop_request_is_agreed_one_step_later_on_every_rank(tmp_path):
+    """StopSignals.agreed on two ranks: a request that only rank 1 gets during step 2 stops both
+    after step 3 (the all-reduce queued at one step's end is read at the next); one rank alone
+    acts on its own request at once."""
+    from launcher import fork_ranks
+
+    from titan_fold.trainer.signals import PREEMPT, StopSignals
+
+    assert fork_ranks(_agree_worker, 2, tmp_path) == []
+    alone = StopSignals()
+    alone.kind = PREEMPT
+    assert alone.agreed(torch.device("cpu")) == PREEMPT
+
+
 def test_ctrl_c_is_one_line_exit_130_and_the_folder_is_locked_meanwhile(tmp_path):
     folder = tmp_path / "run"
     proc = subprocess.Popen(trainer_cmd(1, folder, "--training.global_batch_size", "1", "--training.steps", "1000"),

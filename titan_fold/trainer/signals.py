@@ -3,8 +3,11 @@
 A handler only records the signal; the trainer asks `agreed()` at the end of every step,
 an all-reduce (MAX) over all ranks, so every rank stops after the same step even when only
 some got the signal (torchrun forwards SIGTERM/SIGINT to every worker; a terminal's Ctrl-C
-reaches them directly too, so a worker often sees SIGINT twice). A save that is running
-when a signal arrives is never cut: the handler returns and the step finishes.
+reaches them directly too, so a worker often sees SIGINT twice). The all-reduce queued at one
+step is read at the next, through a pinned host copy: reading it at once would make the host
+wait for the step the device is running, every step. So a request made during step N stops
+every rank after step N + 1 (after step N on one rank, which has nothing to agree on). A save
+that is running when a signal arrives is never cut: the handler returns and the step finishes.
 
 - SIGTERM (what schedulers and `torchrun` send) and SIGUSR1 (SLURM's warning before the end
   of a job): the step finishes, a complete checkpoint of it is saved (when
@@ -19,6 +22,8 @@ import signal
 
 import torch
 import torch.distributed as dist
+
+from titan_fold.trainer.host_copies import HostCopies
 
 NONE, INTERRUPT, PREEMPT = 0, 1, 2  # MAX keeps the stronger request
 EXIT_CODES = {INTERRUPT: 130, PREEMPT: 143}
@@ -39,6 +44,7 @@ class StopSignals:
     def __init__(self):
         self.kind = NONE
         self.name = ""
+        self._pending = None  # (HostCopies, the previous call's agreed request)
 
     def install(self) -> None:
         for sig in _KIND:
@@ -49,12 +55,18 @@ class StopSignals:
             self.kind, self.name = _KIND[signum], signal.Signals(signum).name
 
     def agreed(self, device: torch.device) -> int:
-        """The strongest request of any rank (a collective: every rank calls it at the same step)."""
+        """The strongest request any rank had made at the previous call (a collective: every rank
+        calls it at the same step; NONE at the first call); on one rank, its request now."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.kind
         kind = torch.tensor([self.kind], dtype=torch.int64, device=device)
         dist.all_reduce(kind, op=dist.ReduceOp.MAX)
-        return int(kind.item())
+        copies = HostCopies()
+        pending, self._pending = self._pending, (copies, copies.copy(kind))
+        if pending is None:
+            return NONE
+        pending[0].wait()
+        return int(pending[1].item())
 
 
 def last_complete_checkpoint(folder: str) -> str | None:
