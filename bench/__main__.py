@@ -10,6 +10,7 @@ machine into docs/benchmarks.md's tables.
     python -m bench layer                      # one suite on this machine's GPU(s)
     python -m bench trainer --base ../before   # and, interleaved, the same steps in a checkout
                                                # of the code before (steps named <step>@base)
+    python -m bench trainer --base ../before --base-last   # this code's step first in each pair
 
 The trainer suites need torchtitan 0.2.2 and its data packages; on a GPU machine without
 network carry them as wheels (bench/wheels.sh says how).
@@ -187,7 +188,7 @@ def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | No
 
 
 def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str,
-              cases: list[str] | None = None) -> str:
+              cases: list[str] | None = None, base_last: bool = False) -> str:
     suite = SUITES[suite_name]
     env = env_info()
     date = datetime.datetime.now(datetime.timezone.utc)
@@ -201,8 +202,10 @@ def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_di
         for step in suite.steps:
             if steps and step.name not in steps or only_cases(step.args, cases) is None:
                 continue
-            # code before first, then this code: interleaved, on the same warm machine
-            for tag, root in ([("@base", os.path.abspath(base))] if base else []) + [("", ROOT)]:
+            # interleaved, on the same warm machine: code before first, then this code (base_last: the
+            # other way round; processes differ by a percent or two, pairs in both orders tell order from change)
+            order = ([("@base", os.path.abspath(base))] if base else []) + [("", ROOT)]
+            for tag, root in reversed(order) if base_last else order:
                 ours = os.path.join(tmp, f"{step.ours}{tag}.json") if step.ours else None
                 result = run_step(step, root, tmp, step.name + tag, ours, cases)
                 record["figures"][step.name + tag] = result.pop("figures")
@@ -223,10 +226,14 @@ def main(argv=None):
     p.add_argument("--cases", default=None, help="comma list: of the trainer steps' cases, run only these")
     p.add_argument("--base", default=None, help="a checkout of the code before: each step runs there first, "
                    "then here (results <step>@base and <step>)")
+    p.add_argument("--base-last", action="store_true", help="with --base: each step runs here first, then in "
+                   "the code before")
     p.add_argument("--out-dir", default=RESULTS_DIR)
     a = p.parse_args(argv)
+    if a.base_last and not a.base:
+        p.error("--base-last needs --base")
     path = run_suite(a.suite, a.steps.split(",") if a.steps else None, a.base, a.out_dir,
-                     a.cases.split(",") if a.cases else None)
+                     a.cases.split(",") if a.cases else None, a.base_last)
     print(f"[bench] wrote {path}", flush=True)
     return path
 

@@ -401,6 +401,34 @@ def test_suites_listed_and_steps_planned(capsys):
                     train_step.parse_case(case)
 
 
+@pytest.mark.parametrize("base_last", [False, True])
+def test_suite_interleaves_each_step_with_the_code_before(tmp_path, monkeypatch, base_last):
+    """python -m bench vs-torchtitan --base B: per step, the code before's process and this
+    code's, @base first or (--base-last) second; the torchtitan step reads the titan_fold step's
+    figures of its own checkout; the record holds every step under its name."""
+    import bench.__main__ as suite
+
+    ran = []
+
+    def fake_run_step(step, root, out_dir, name, ours_path, cases):
+        ran.append((name, root, ours_path and os.path.basename(ours_path)))
+        return {"command": name, "returncode": 0, "wall_s": 0.0, "figures": {"name": name}}
+
+    monkeypatch.setattr(suite, "run_step", fake_run_step)
+    monkeypatch.setattr(suite, "env_info", lambda: {"device": "NVIDIA H200", "device_count": 1})
+    argv = ["vs-torchtitan", "--steps", "qwen3_30b_a3b_l12,torchtitan_qwen3_30b_a3b_l12", "--base", str(tmp_path / "b"),
+            "--out-dir", str(tmp_path)] + (["--base-last"] if base_last else [])
+    record = json.loads(open(suite.main(argv)).read())
+    pairs = [("qwen3_30b_a3b_l12@base", str(tmp_path / "b"), None), ("qwen3_30b_a3b_l12", suite.ROOT, None),
+             ("torchtitan_qwen3_30b_a3b_l12@base", str(tmp_path / "b"), "qwen3_30b_a3b_l12@base.json"),
+             ("torchtitan_qwen3_30b_a3b_l12", suite.ROOT, "qwen3_30b_a3b_l12.json")]
+    want = [pairs[1], pairs[0], pairs[3], pairs[2]] if base_last else pairs
+    assert ran == want
+    assert record["figures"] == {name: {"name": name} for name, _, _ in pairs}
+    with pytest.raises(SystemExit):
+        suite.main(["trainer", "--base-last"])
+
+
 def test_trace_summary(tmp_path):
     from bench import trace_summary
 
