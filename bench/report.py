@@ -183,9 +183,11 @@ def train_table(rec: dict) -> list[str]:
            "peak memory GiB | step s | loss first -> last |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
     for name, fig in _steps(rec, "train"):
+        if "titan_fold_proxy" in fig:
+            continue  # torchtitan's rows (bench/vs_torchtitan.py): vs_table
         for r in fig["rows"]:
-            if "tokens_per_sec_per_gpu" not in r or "titan_fold_tokens_per_sec" in r:
-                continue  # torchtitan's rows: vs_table
+            if "tokens_per_sec_per_gpu" not in r:
+                continue
             fold = r.get("folding")
             experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
             status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
@@ -243,9 +245,9 @@ def vs_table(rec: dict) -> list[str]:
            "titan_fold / torchtitan |", "|---|---|---:|---:|---:|---:|---:|"]
     n = 0
     for name, fig in _steps(rec, "train"):
-        for r in fig["rows"]:
-            if "titan_fold_tokens_per_sec" not in r:
-                continue
+        if "titan_fold_proxy" not in fig:
+            continue
+        for r in fig["rows"]:  # titan_fold's figures n/a where its step left none
             out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} | "
                        f"{_f(r.get('titan_fold_tokens_per_sec'), 0)} | {_f(r.get('titan_fold_mfu_pct'))} | "
                        f"{_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} |")
@@ -427,8 +429,9 @@ def write_doc(results: str = RESULTS, doc: str = DOC) -> None:
         text = f.read()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
+    tables = report(results)  # before the file is opened for writing: a failing record leaves the doc as it was
     with open(doc, "w") as f:
-        f.write(head + BEGIN + "\n\n" + report(results) + "\n" + END + tail)
+        f.write(head + BEGIN + "\n\n" + tables + "\n" + END + tail)
 
 
 if __name__ == "__main__":

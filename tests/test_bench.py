@@ -329,6 +329,27 @@ def test_report_partial_run_leaves_the_other_cases_shown(tmp_path):
     assert text.count("### Suite `trainer`") == 1 and "44,444 |" in text and "11,111 |" not in text
 
 
+def test_report_vs_torchtitan_without_titan_folds_rows(tmp_path):
+    """A vs-torchtitan record whose titan_fold step left no figures (cut by its time limit):
+    torchtitan's rows are shown beside n/a, not taken for titan_fold's; a record the report
+    cannot read leaves docs/benchmarks.md as it was."""
+    row = {"case": "1gpu_bf16params_auxfree", "returncode": 0, "tokens_per_sec_per_gpu": 28174.6, "mfu_pct": 19.7,
+           "tflops_per_gpu": 195.0, "peak_memory_gib": 71.0, "step_time_s": 0.29, "loss_first": 10.9, "loss_last": 4.9}
+    _suite_file(tmp_path, "vs-torchtitan", {"qwen3_30b_a3b_l12": None,
+                                            "torchtitan_qwen3_30b_a3b_l12": {"titan_fold_proxy": "30B-A3B-L12",
+                                                                             "rows": [row]}})
+    text = report.report(str(tmp_path))
+    assert "| torchtitan_qwen3_30b_a3b_l12 | 1gpu_bf16params_auxfree | 28,175 | 19.7 | n/a | n/a | n/a |" in text
+    assert "Trainer:" not in text
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{report.BEGIN}\nold tables\n{report.END}\nafter\n")
+    _suite_file(tmp_path, "trainer", {"broken": {"rows": [{"case": "x", "tokens_per_sec_per_gpu": 1.0}]}})  # no nproc
+    with pytest.raises(KeyError):
+        report.write_doc(str(tmp_path), str(doc))
+    assert doc.read_text() == f"before\n{report.BEGIN}\nold tables\n{report.END}\nafter\n"
+
+
 def test_report_rerun_beside_the_run_before(tmp_path):
     """Each step's latest run beside its run before on the same kind of machine: the figures both
     have (a layer row's share of the dense rate, GPU busy time, the dense rate), their ratio,
