@@ -11,7 +11,7 @@ The embedding and the output head are the main model's (shared, passed in). The 
 layer k is its cross-entropy sum over valid targets times `loss_scale` (1 / the step's global
 token count, set by the trainer, as for the main loss) times mtp_loss_scaling_factor /
 mtp_layers; the model adds it to backward. `stats` keeps (sum of the per-layer mean losses,
-calls) for the `mtp_loss` metric (mtp_stats).
+calls) for the `mtp_loss` metric (mtp_stats_values, mtp_stats_from).
 """
 
 from collections.abc import Callable
@@ -121,8 +121,3 @@ def mtp_stats_from(values: torch.Tensor | None) -> dict:
         return {}
     loss_sum, calls = values.tolist()
     return {"mtp_loss": loss_sum / calls} if calls > 0 else {}
-
-
-def mtp_stats(model_parts) -> dict:
-    """{"mtp_loss": mean per-layer cross-entropy since the last call} ({} without MTP), then reset."""
-    return mtp_stats_from(mtp_stats_values(model_parts))

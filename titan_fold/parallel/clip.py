@@ -71,17 +71,15 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: 
     norm (get_total_norm) returns bf16 for bf16 gradients, and is slower (bench/grad_norm.py).
     The 2-norm of the large plain CUDA gradients comes from one Triton launch of partial sums of
     squares per dtype instead (sum_squares.py), which reads them at the memory's rate."""
-    large = [g for g in grads if _summed_by_kernel(g, norm_type)]
+    large, small = defaultdict(list), []  # large: by dtype
+    for g in grads:
+        (large[g.dtype] if _summed_by_kernel(g, norm_type) else small).append(g)
     norms = []
     if large:  # queued first: the device reads these while the host queues the small norms
         from titan_fold.parallel import sum_squares
 
-        by_dtype = defaultdict(list)
-        for g in large:
-            by_dtype[g.dtype].append(g)
-        norms.append(torch.cat([sum_squares.partials(gs) for gs in by_dtype.values()]).sum().sqrt())
-    kernel = {id(g) for g in large}
-    norms += [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if id(g) not in kernel]
+        norms.append(torch.cat([sum_squares.partials(gs) for gs in large.values()]).sum().sqrt())
+    norms += [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in small]
     norms = torch.stack(norms)
     if isinstance(norms, DTensor):  # [tensors], partial over the mesh dims the gradients are sharded on
         norms = full_norm(norms, norm_type)
