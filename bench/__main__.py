@@ -57,7 +57,7 @@ STATIC_CASES = ",".join(DP2_EP2 + m for m in ("", "_static", "_static" + STASH, 
 QUACK_CASES = ",".join(DP2_EP2 + m for m in ("_compiled_torchgemm", "_compiled_static_torchgemm",
                                               "_compiled_static_quack", "_compiled_static_cudagraphs_quack"))
 # seconds for a titan_fold trainer step of eager and compiled cases where QuACK is installed: on a fresh machine
-# its kernels compile in the first case (the Qwen3-30B-A3B proxy's step ran past 200 s on an H100)
+# its kernels compile in the first case, which takes the Qwen3-30B-A3B proxy's step past 200 s on an H100
 QUACK_COLD = 420
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
