@@ -203,14 +203,18 @@ def train_breakdown_table(rec: dict) -> list[str]:
     """Profiled trainer steps (case modifier `profile`): the time some kernel runs (GPU busy), the
     step's wall time without the profiler (the same case without `profile`, in the same run: the
     profiler's own host work slows the traced step), the rest of that step (host gaps) as a share
-    of it, and GPU time by kernel class."""
+    of it, the step before's kernels that ran inside the trace (counted in nothing else), and GPU
+    time by kernel class."""
     rows = [(name, fig, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("trace_summary")]
     if not rows:
         return []
     classes = sorted({c for *_, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
                      key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for *_, r in rows))
+    # records from before trace_summary told the step before's kernels apart have no such column
+    earlier = any("earlier_step_ms" in r["trace_summary"] for *_, r in rows)
     out = ["| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
-           + " | ".join(classes) + " |", "|---|---|---:|---:|---:|---:|" + "---:|" * len(classes)]
+           + ("step before's kernels ms | " if earlier else "") + " | ".join(classes) + " |",
+           "|---|---|---:|---:|---:|---:|" + "---:|" * (len(classes) + earlier)]
     for name, fig, r in rows:
         t = r["trace_summary"]
         busy = t["gpu_busy_ms"]
@@ -218,6 +222,7 @@ def train_breakdown_table(rec: dict) -> list[str]:
                       if q["case"] == r["case"].replace("_profile", "") and q.get("step_time_s")), None)
         gaps = f"{100 * (plain - busy) / plain:.1f}%" if plain else "n/a"
         out.append(f"| {name} | {r['case']} | {_f(t['step_wall_ms'])} | {_f(plain)} | {_f(busy)} | {gaps} | "
+                   + (f"{_f(t.get('earlier_step_ms'), 1)} | " if earlier else "")
                    + " | ".join(_f(t["kernel_ms_by_class"].get(c), 1) for c in classes) + " |")
     return out
 

@@ -6,6 +6,10 @@ torchtitan's profiler (`--profiling.enable_profiling`) writes one trace per prof
 this reads it and sums kernel durations by what they do, so a step's time can be split
 between the MoE experts, dense layers, attention, the optimizer and the rest without
 keeping the (large) trace file.
+
+Where the host runs ahead of the GPU, the trace also holds the end of the step before: kernels
+queued before tracing began (their launch is not in the trace) that ran inside it. They are
+left out of the classes and the busy time, and summed apart (`earlier_step_ms`).
 """
 
 import argparse
@@ -73,8 +77,10 @@ def summarize_trace(path: str) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     # an optimizer's kernels by where they were launched: a generated kernel's name does not say
     optimizer = _launched_in(events, "Optimizer.step#")
+    launched = {e["args"]["correlation"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     by_class, top, spans = {}, {}, []
-    step_ms = None
+    step_ms, earlier = None, 0.0
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -82,9 +88,13 @@ def summarize_trace(path: str) -> dict:
         if name.startswith("ProfilerStep#"):
             step_ms = dur / 1e3
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            correlation = e.get("args", {}).get("correlation")
+            if correlation is not None and correlation not in launched:
+                earlier += dur / 1e3
+                continue
             if cat != "kernel":
                 cls = "memcpy_memset"
-            elif e.get("args", {}).get("correlation") in optimizer:
+            elif correlation in optimizer:
                 cls = "optimizer"
             else:
                 cls = kernel_class(name)
@@ -96,6 +106,7 @@ def summarize_trace(path: str) -> dict:
         "gpu_busy_ms": round(_union_ms(spans), 3),  # overlapping streams counted once
         "kernel_ms_by_class": {k: round(v, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]},
+        "earlier_step_ms": round(earlier, 3),
     }
 
 

@@ -90,16 +90,17 @@ def parse_case(case: str) -> tuple[str, dict]:
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
     quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static (moe.static_ep_exchange), stash<N>
-    (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step)."""
+    (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
+    same configuration once more, under a name of its own: the run-to-run spread in one call)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
                  if case == b or case.startswith(b + "_")), None)
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
     mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
             "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False, "static": False,
-            "stash": 0, "phases": False}
+            "stash": 0, "phases": False, "rerun": False}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "static", "phases"):
+        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "static", "phases", "rerun"):
             mods[mod] = True
         elif mod in ("torchgemm", "quack"):
             mods["grouped_gemm"] = "torch" if mod == "torchgemm" else "quack"

@@ -190,6 +190,9 @@ def test_train_step_phases_medians_and_table():
 
     assert "--metrics.step_phases" in train_step.case_plan("1gpu_bf16params_auxfree_phases", A)[1]
     assert "--metrics.step_phases" not in train_step.case_plan("1gpu_bf16params_auxfree", A)[1]
+    # `rerun` names a second run of a configuration apart and changes none of its arguments
+    assert (train_step.case_plan("1gpu_bf16params_auxfree_compiled_torchgemm_rerun", A)
+            == train_step.case_plan("1gpu_bf16params_auxfree_compiled_torchgemm", A))
     recs = [{"step": s, "loss": 1.0, "tokens_per_sec": 1.0, "time_per_step_s": 1.0,
              "phases": {"forward": {"host_ms": 10.0 * s, "gpu_ms": 12.0 * s}, "optimizer": {"host_ms": 1.0, "gpu_ms": 5.0}}}
             for s in range(1, 6)]
@@ -308,6 +311,11 @@ def test_report_tables(tmp_path):
     assert ("| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
             "optimizer | attention |") in text
     assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 58.0 | 22.5 |" in text
+    profiled["trace_summary"]["earlier_step_ms"] = 24.0  # the step before's kernels, in a column of their own
+    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [plain, profiled]}}, date="2026-11-25T11:00:00Z")
+    text = report.report(str(tmp_path))
+    assert "| GPU busy ms | host gaps, share of step | step before's kernels ms | optimizer | attention |" in text
+    assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 24.0 | 58.0 | 22.5 |" in text
     assert "Command: `python -m bench layer`" in text
 
 
@@ -473,6 +481,9 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 760, "dur": 5, "args": {"correlation": 8}},
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 960, "dur": 20,
          "args": {"correlation": 8}},
+        # queued in the step before (its launch is not in the trace), run inside this one: in no class
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 985, "dur": 15,
+         "args": {"correlation": 3}},
     ]
     path = tmp_path / "iteration_10" / "rank0_trace.json"
     path.parent.mkdir()
@@ -483,6 +494,8 @@ def test_trace_summary(tmp_path):
     assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "attention": 0.14, "dense_gemm": 0.1,
                                        "optimizer": 0.08, "elementwise_other": 0.02, "memcpy_memset": 0.01}
     assert s["gpu_busy_ms"] == pytest.approx(0.76)  # [0, 650] + [800, 850] + [900, 950] + [960, 980]
+    assert s["earlier_step_ms"] == pytest.approx(0.015)
+    assert s["top_kernels_ms"]["triton_poi_fused_lerp_mul_sqrt_0"] == pytest.approx(0.03)
 
 
 @pytest.mark.parametrize("share", [0.5, 0.7, 0.9])
