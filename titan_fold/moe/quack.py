@@ -51,6 +51,10 @@ class Gather:
     k: int
     row_sum: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 _ALIGN = 8  # bf16 elements per 16 bytes: QuACK's operands need 16-byte aligned rows
+# Every GEMM's CTAs claim their tiles from a counter rather than in a fixed round-robin: the
+# experts' groups differ in rows (varlen-M) and in K (varlen-K), so fixed shares leave SMs idle
+# at a GEMM's end. The tiles and their sums are the same either way (no split-K): same bits.
+_SCHED = {"dynamic_scheduler": True}
 
 
 def _import_quack():
@@ -138,7 +142,8 @@ def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, 
     """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
     routed rows); offs [E + 1]; w1, w3 [E, ffn, dim] -> a, b [R, ffn]."""
     q = quack()
-    return q.gemm(x, w1.mT, cu_seqlens_m=offs, A_idx=rows), q.gemm(x, w3.mT, cu_seqlens_m=offs, A_idx=rows)
+    return (q.gemm(x, w1.mT, cu_seqlens_m=offs, A_idx=rows, **_SCHED),
+            q.gemm(x, w3.mT, cu_seqlens_m=offs, A_idx=rows, **_SCHED))
 
 
 @_up_forward.register_fake
@@ -156,8 +161,8 @@ def _up_backward(da: torch.Tensor, db: torch.Tensor, x: torch.Tensor, rows: torc
     x_rows = x if rows is None else x[rows]  # [R, dim]: the weight gradients contract over rows
     dw1 = _wgrad(q, da, x_rows, offs)
     dw3 = _wgrad(q, db, x_rows, offs)
-    dx_rows = q.gemm(da, w1, cu_seqlens_m=offs)
-    q.gemm_add_inplace(db, w3, dx_rows, cu_seqlens_m=offs)
+    dx_rows = q.gemm(da, w1, cu_seqlens_m=offs, **_SCHED)
+    q.gemm_add_inplace(db, w3, dx_rows, cu_seqlens_m=offs, **_SCHED)
     return dx_rows, dw1, dw3
 
 
@@ -169,7 +174,7 @@ def _(da, db, x, rows, offs, w1, w3):
 @torch.library.custom_op("titan_fold::quack_down_forward", mutates_args=(), device_types="cuda")
 def _down_forward(h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """h [R, ffn], w2 [E, dim, ffn] -> [R, dim]."""
-    return quack().gemm(h, w2.mT, cu_seqlens_m=offs)
+    return quack().gemm(h, w2.mT, cu_seqlens_m=offs, **_SCHED)
 
 
 @_down_forward.register_fake
@@ -182,7 +187,7 @@ def _down_backward(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, w2: to
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> dh [R, ffn], dw2 [E, dim, ffn]."""
     q = quack()
-    return q.gemm(dy, w2, cu_seqlens_m=offs), _wgrad(q, dy, h, offs)
+    return q.gemm(dy, w2, cu_seqlens_m=offs, **_SCHED), _wgrad(q, dy, h, offs)
 
 
 @_down_backward.register_fake
@@ -193,7 +198,7 @@ def _(dy, h, offs, w2):
 def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # [R, m], [R, n] -> [E, m, n]: each expert's left rows^T times its right rows (an expert
     # without rows gets zeros: its tiles run no K step and store the zero accumulator)
-    return q.gemm(left.mT, right, cu_seqlens_k=offs)
+    return q.gemm(left.mT, right, cu_seqlens_k=offs, **_SCHED)
 
 
 class _Up(torch.autograd.Function):
@@ -228,7 +233,7 @@ class _Down(torch.autograd.Function):
 @torch.library.custom_op("titan_fold::quack_dgrad", mutates_args=(), device_types="cuda")
 def _dgrad(dy: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """dy [R, n], w [E, n, k] -> dy @ w[e] per expert's rows, [R, k]."""
-    return quack().gemm(dy, w, cu_seqlens_m=offs)
+    return quack().gemm(dy, w, cu_seqlens_m=offs, **_SCHED)
 
 
 @_dgrad.register_fake
