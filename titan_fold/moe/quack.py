@@ -50,6 +50,8 @@ class Gather:
     slot: torch.Tensor
     k: int
     row_sum: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
 _ALIGN = 8  # bf16 elements per 16 bytes: QuACK's operands need 16-byte aligned rows
 # Every GEMM's CTAs claim their tiles from a counter rather than in a fixed round-robin: the
 # experts' groups differ in rows (varlen-M) and in K (varlen-K), so fixed shares leave SMs idle
