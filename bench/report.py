@@ -210,7 +210,7 @@ def train_breakdown_table(rec: dict) -> list[str]:
         return []
     classes = sorted({c for *_, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
                      key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for *_, r in rows))
-    # records from before trace_summary told the step before's kernels apart have no such column
+    # the column only where some summary tells the step before's kernels apart (earlier_step_ms)
     earlier = any("earlier_step_ms" in r["trace_summary"] for *_, r in rows)
     out = ["| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
            + ("step before's kernels ms | " if earlier else "") + " | ".join(classes) + " |",
