@@ -128,6 +128,22 @@ def time_ms(fn, warmup: int, iters: int, device: torch.device) -> list[float]:
         return times
 
 
+def host_us(fn, warmup: int, iters: int, repeats: int, device: torch.device) -> float:
+    """Median over repeats of the host's microseconds per call of fn, the device idle at each start."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - start) / iters * 1e6)
+    sync()
+    return statistics.median(times)
+
+
 @contextlib.contextmanager
 def _gc_off():
     enabled = gc.isenabled()

@@ -20,13 +20,12 @@ bandwidth (the gradients' bytes over the time) and the host's time to queue one 
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import median, time_ms, write_result  # noqa: E402
+from bench.common import host_us, median, time_ms, write_result  # noqa: E402
 from bench.train_step import register_proxy  # noqa: E402
 from titan_fold.parallel.clip import total_norm  # noqa: E402
 
@@ -71,7 +70,7 @@ def main(argv=None) -> dict:
         got = float(fn())
         ms = median(time_ms(fn, a.warmup, a.iters, device))
         rows.append({"way": way, "ms": ms, "tb_per_s": 2 * numel / (ms * 1e-3) / 1e12,
-                     "host_ms": median(host_ms(fn, a.iters, device)),
+                     "host_ms": host_us(fn, 0, 1, a.iters, device) / 1e3,
                      "norm": got, "rel_err_vs_float64": abs(got - ref) / ref})
         print(f"[grad_norm] {way}: {ms:.3f} ms, {rows[-1]['tb_per_s']:.2f} TB/s, host {rows[-1]['host_ms']:.3f} ms, "
               f"rel err {rows[-1]['rel_err_vs_float64']:.2e}", flush=True)
@@ -79,18 +78,6 @@ def main(argv=None) -> dict:
                "dtype": "bfloat16", "norm_float64": ref, "rows": rows}
     write_result(a.name, figures, a.out_dir)
     return figures
-
-
-def host_ms(fn, iters: int, device: torch.device) -> list[float]:
-    """The host's milliseconds to queue each of `iters` calls, the device left running."""
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 if __name__ == "__main__":

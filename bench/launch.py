@@ -16,15 +16,13 @@ step (trainer/optimizer.py).
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_result  # noqa: E402
+from bench.common import host_us, write_result  # noqa: E402
 from titan_fold.common.fused import fused  # noqa: E402
 from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
@@ -32,21 +30,6 @@ from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
 from titan_fold.moe.experts import _swiglu_prob_forward  # noqa: E402
 from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
 from titan_fold.trainer.optimizer import adam_update  # noqa: E402
-
-
-def host_us(fn, warmup: int, iters: int, repeats: int, sync) -> float:
-    """Median over repeats of the host's microseconds per call of fn, the device idle at each start."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - start) / iters * 1e6)
-    sync()
-    return statistics.median(times)
 
 
 def calls(device: torch.device) -> dict:
@@ -93,10 +76,9 @@ def main(argv=None) -> dict:
     if a.smoke:
         a.device, a.warmup, a.iters, a.repeats = "cpu", 1, 2, 1
     device = torch.device(a.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for name, fn in calls(device).items():
-        us = host_us(fn, a.warmup, a.iters, a.repeats, sync)
+        us = host_us(fn, a.warmup, a.iters, a.repeats, device)
         rows.append({"call": name, "host_us": us})
         print(f"[launch] {name}: {us:.1f} us", flush=True)
     figures = {"device": a.device, "iters": a.iters, "repeats": a.repeats, "rows": rows}
