@@ -48,8 +48,15 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def _launched_in(events: list[dict], prefix: str) -> set:
-    """Correlation ids of the GPU work launched inside a host range whose name starts with
+def _launches(events: list[dict]) -> dict:
+    """Correlation id -> host time of each launch in the trace (generated (Triton) and CuTe kernels
+    are launched through the driver API, the rest through the runtime's)."""
+    return {e["args"]["correlation"]: float(e["ts"]) for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
+def _launched_in(events: list[dict], launches: dict, prefix: str) -> set:
+    """Correlation ids of the launches (_launches) made inside a host range whose name starts with
     prefix (torch's optimizers annotate their steps "Optimizer.step#<class>.step"; a container's
     range holds its optimizers' ranges)."""
     ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
@@ -62,12 +69,10 @@ def _launched_in(events: list[dict], prefix: str) -> set:
             merged.append([start, end])
     starts = [s for s, _ in merged]
     ids = set()
-    for e in events:
-        # generated (Triton) and CuTe kernels are launched through the driver API, the rest the runtime's
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            i = bisect.bisect_right(starts, float(e["ts"])) - 1
-            if i >= 0 and float(e["ts"]) <= merged[i][1]:
-                ids.add(e["args"]["correlation"])
+    for correlation, ts in launches.items():
+        i = bisect.bisect_right(starts, ts) - 1
+        if i >= 0 and ts <= merged[i][1]:
+            ids.add(correlation)
     return ids
 
 
@@ -76,9 +81,8 @@ def summarize_trace(path: str) -> dict:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     # an optimizer's kernels by where they were launched: a generated kernel's name does not say
-    optimizer = _launched_in(events, "Optimizer.step#")
-    launched = {e["args"]["correlation"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launched = _launches(events)
+    optimizer = _launched_in(events, launched, "Optimizer.step#")
     by_class, top, spans = {}, {}, []
     step_ms, earlier = None, 0.0
     for e in events:
