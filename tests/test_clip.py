@@ -75,8 +75,19 @@ def test_total_norm_refuses_nonfinite_when_asked():
         total_norm(grads, 2.0, error_if_nonfinite=True)
 
 
+def _chunk_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """float64 sums of squares of each CHUNK elements of each tensor in turn: what
+    sum_squares.partials returns, one per program."""
+    from titan_fold.parallel import sum_squares
+
+    chunk = sum_squares.CHUNK
+    return torch.cat([torch.nn.functional.pad(t.double(), (0, -t.numel() % chunk)).view(-1, chunk)
+                      for t in tensors]).square().sum(1)
+
+
 _INTERPRETED = """
 import torch
+from test_clip import _chunk_sums
 from titan_fold.parallel import sum_squares
 
 g = torch.Generator().manual_seed(0)
@@ -84,9 +95,7 @@ tensors = [torch.randn(n, generator=g).to(dtype) for n, dtype in
            ((70_001, torch.bfloat16), (3 * sum_squares.CHUNK, torch.bfloat16), (100, torch.bfloat16),
             (40_000, torch.bfloat16), (sum_squares.CHUNK + 1, torch.bfloat16))]
 parts = sum_squares.partials(tensors).double()
-chunks = [torch.nn.functional.pad(t.double(), (0, -t.numel() % sum_squares.CHUNK)).view(-1, sum_squares.CHUNK)
-          for t in tensors]
-torch.testing.assert_close(parts, torch.cat(chunks).square().sum(1), rtol=1e-5, atol=1e-12)
+torch.testing.assert_close(parts, _chunk_sums(tensors), rtol=1e-5, atol=1e-12)
 print("programs", parts.numel())
 """
 
@@ -98,10 +107,15 @@ def test_sum_squares_kernel_in_the_triton_interpreter():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+    here = os.path.dirname(os.path.abspath(__file__))  # the script imports _chunk_sums from this file
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED],
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "programs 14" in done.stdout  # ceil(numel / CHUNK) each: 5 + 3 + 1 + 3 + 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton sum of squares runs on CUDA")
 def test_total_norm_of_large_cuda_gradients_equals_float64():
     """bf16 and float32 gradients above the kernel's size (sum_squares.py, one launch per dtype)
@@ -122,6 +136,4 @@ def test_total_norm_of_large_cuda_gradients_equals_float64():
 
     bf16 = [grads[0], grads[3]]
     parts = sum_squares.partials(bf16).double()  # [programs]: each CHUNK elements of a tensor in turn
-    chunks = [torch.nn.functional.pad(t.double(), (0, -t.numel() % sum_squares.CHUNK)).view(-1, sum_squares.CHUNK)
-              for t in bf16]
-    torch.testing.assert_close(parts, torch.cat(chunks).square().sum(1), rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(parts, _chunk_sums(bf16), rtol=1e-5, atol=1e-12)
