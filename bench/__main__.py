@@ -114,11 +114,12 @@ SUITES = {
          Step("torchtitan_deepseek_v3_16b_l4", "vs_torchtitan", [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"],
               240, ours="deepseek_v3_16b_l4")]),
     "loss-curve": Suite(
-        "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack, then torch again "
-        "(compiled): the two paths' difference beside one path's run-to-run spread",
+        "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack, then each again "
+        "(compiled): the two paths' difference beside each path's run-to-run spread",
         [Step("qwen3_30b_a3b_l12_200", "train_step",
               [*QWEN3, "--cases", "1gpu_bf16params_auxfree_compiled_torchgemm,1gpu_bf16params_auxfree_compiled_quack,"
-               "1gpu_bf16params_auxfree_compiled_torchgemm_rerun", "--steps", "200", "--warmup-steps", "10"], 560)]),
+               "1gpu_bf16params_auxfree_compiled_torchgemm_rerun,1gpu_bf16params_auxfree_compiled_quack_rerun",
+               "--steps", "200", "--warmup-steps", "10"], 560)]),
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone, the gradient norm, the fp32 master step, row movement, "
         "attention per SDPA backend, the host time per call of the eager path's generated kernels",

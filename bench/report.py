@@ -45,6 +45,15 @@ def latest(results: str) -> list[dict]:
 STEADY = 1.05  # a timed row whose median lies within this factor of its fastest repeat
 
 
+def _row_label(r: dict) -> str | None:
+    """What a row measured: a layer row's shape, mode, dispatch, GEMM path and compile mode, a
+    trainer row's case."""
+    if "impl" in r:
+        return (f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, "
+                f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}")
+    return r.get("case")
+
+
 def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
     """(row, figure) -> (value, steady) of one step of a record: each layer row's share of the dense
     GEMM rate (its result: the time over the dense rate measured in the same run, so that a card's
@@ -60,8 +69,7 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
         out[("-", "dense GEMM TFLOP/s")] = (fig["dense_bf16_gemm_tflops"], True)
     for r in fig.get("rows", []):
         if "impl" in r and r.get("ratio_to_dense_gemm"):
-            row = f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, " \
-                  f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}"
+            row = _row_label(r)
             steady = not r.get("min_ms") or r["median_ms"] <= STEADY * r["min_ms"]
             out[(row, "share of dense")] = (r["ratio_to_dense_gemm"], steady)
             if r.get("breakdown"):
@@ -260,27 +268,89 @@ def vs_table(rec: dict) -> list[str]:
     return out if n else []
 
 
+CURVE_WINDOW = 20  # steps per window of the curve's means; the first window, the loss's fall, is left out
+
+
+def _curve_differences(losses: list[float], ref: list[float]) -> tuple[float | None, float | None]:
+    """Relative differences of a curve to a reference curve after its first CURVE_WINDOW steps: the
+    largest over the means of successive CURVE_WINDOW-step windows, and that of the mean of all
+    those steps (the curve's level, signed)."""
+    n = min(len(losses), len(ref))
+    windows = [abs(sum(losses[i:i + CURVE_WINDOW]) / sum(ref[i:i + CURVE_WINDOW]) - 1)
+               for i in range(CURVE_WINDOW, n - CURVE_WINDOW + 1, CURVE_WINDOW)]
+    level = sum(losses[CURVE_WINDOW:n]) / sum(ref[CURVE_WINDOW:n]) - 1 if n > CURVE_WINDOW else None
+    return max(windows, default=None), level
+
+
+def _pct(x: float | None, signed: bool = False) -> str:
+    return "n/a" if x is None else f"{100 * x:+.2f}%" if signed else f"{100 * x:.2f}%"
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" + "s" * (n != 1)
+
+
+def _path(case: str) -> str:
+    """The run's code path: its case without the naming modifier rerun."""
+    return case.removesuffix("_rerun")
+
+
 def loss_curve_table(rec: dict) -> list[str]:
     """Runs of one step compared to its first case: the largest relative difference of the loss
-    step by step (one step's noise), and of the means of successive 20-step windows (the curve),
-    and the mean of the last 20 steps."""
-    out = ["| step | case | steps | loss first -> last | mean of last 20 | max relative difference to the first case: "
-           "per step | of 20-step means |", "|---|---|---:|---|---:|---:|---:|"]
-    n = 0
+    step by step (one step's noise) and, after the first 20 steps, of the means of successive
+    20-step windows (the curve) and of the mean of all those steps (the curve's level); where a path
+    ran twice, the differences between runs of one path beside those between runs of two paths, and
+    between the paths' mean curves."""
+    out = ["| step | case | steps | loss first -> last | mean of last 20 | relative difference to the first case: "
+           "max per step | max of 20-step means after step 20 | mean after step 20 |",
+           "|---|---|---:|---|---:|---:|---:|---:|"]
+    pairs = ["| step | runs compared | pairs | max difference of 20-step means after step 20 | "
+             "difference of the means after step 20 |", "|---|---|---:|---:|---|"]
     for name, fig in _steps(rec, "train"):
         rows = [r for r in fig["rows"] if r.get("losses")]
         if len(rows) < 2:
             continue
         ref = rows[0]["losses"]
         for r in rows:
-            diff = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)), default=None)
-            windows = [(r["losses"][i:i + 20], ref[i:i + 20]) for i in range(0, min(len(ref), len(r["losses"])), 20)]
-            curve = max((abs(sum(a) / sum(b) - 1) for a, b in windows if len(a) == len(b)), default=None)
+            step = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)), default=None)
+            curve, level = _curve_differences(r["losses"], ref)
             out.append(f"| {name} | {r['case']} | {len(r['losses'])} | {_f(r['loss_first'], 3)} -> {_f(r['loss_last'], 3)} | "
-                       f"{_f(r['loss_mean_last20'], 4)} | {_f(100 * diff if diff is not None else None, 2)}% | "
-                       f"{_f(100 * curve if curve is not None else None, 2)}% |")
-            n += 1
-    return out if n else []
+                       f"{_f(r['loss_mean_last20'], 4)} | {_pct(step)} | {_pct(curve)} | {_pct(level, True)} |")
+        pairs += _path_pairs(name, rows)
+    if len(out) == 2:
+        return []
+    return out + (["", "Runs of one path against runs of two paths (the run-to-run spread beside the paths' "
+                   "difference):", ""] + pairs if len(pairs) > 2 else [])
+
+
+def _path_pairs(name: str, rows: list[dict]) -> list[str]:
+    """Rows of the pairs table for one step whose paths ran more than once (none otherwise)."""
+    paths = {}
+    for r in rows:
+        paths.setdefault(_path(r["case"]), []).append(r["losses"])
+    if len(paths) < 2 or all(len(runs) < 2 for runs in paths.values()):
+        return []
+    names = list(paths)
+    # each pair as (later run, earlier run): a later run of one path against its earlier, the second
+    # path's runs against the first's
+    groups = [(f"within {p}", [(b, a) for i, a in enumerate(paths[p]) for b in paths[p][i + 1:]]) for p in names]
+    groups.append((f"across paths ({', '.join(names[1:])} against {names[0]})",
+                   [(b, a) for i, p in enumerate(names) for q in names[i + 1:] for a in paths[p] for b in paths[q]]))
+    out = []
+    for label, group in groups:
+        if not group:
+            continue
+        diffs = [_curve_differences(a, b) for a, b in group]
+        curve = max((c for c, _ in diffs if c is not None), default=None)
+        levels = sorted({lv for _, lv in diffs if lv is not None})
+        level = " to ".join(_pct(lv, True) for lv in (levels[0], levels[-1])[:len(levels)]) if levels else "n/a"
+        out.append(f"| {name} | {label} | {len(group)} | {_pct(curve)} | {level} |")
+    means = {p: [sum(step) / len(runs) for step in zip(*runs)] for p, runs in paths.items()}
+    for p in names[1:]:
+        curve, level = _curve_differences(means[p], means[names[0]])
+        out.append(f"| {name} | mean curve of {p} ({_runs(len(paths[p]))}) against {names[0]} "
+                   f"({_runs(len(paths[names[0]]))}) | 1 | {_pct(curve)} | {_pct(level, True)} |")
+    return out
 
 
 def grouped_gemm_table(rec: dict) -> list[str]:
@@ -394,16 +464,16 @@ def report(results: str = RESULTS) -> str:
 
 
 def _measured(rec: dict) -> set[tuple[str, str | None]]:
-    """(step, trainer case or None) of each figure set a record holds, the code before's left out."""
-    return {(name, row.get("case") if isinstance(row, dict) else None)
+    """(step, row label or None) of each figure set a record holds, the code before's left out."""
+    return {(name, _row_label(row) if isinstance(row, dict) else None)
             for name, fig in rec["figures"].items() if fig and not name.endswith("@base")
             for row in (fig.get("rows") or [None])}
 
 
 def _shown(recs: list[dict]) -> list[dict]:
     """Of one suite's records on one kind of machine (latest first), those holding the latest
-    figures of some step or trainer case: a run of part of a suite (--steps, --cases) leaves the
-    records of the rest shown."""
+    figures of some row of some step (a layer shape and mode, a trainer case): a run of part of a
+    suite (--steps, --cases, fewer shapes) leaves the records of the rest shown."""
     shown, covered = [], set()
     for rec in recs:
         measured = _measured(rec)

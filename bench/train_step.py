@@ -121,7 +121,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     """-> (processes, titan_fold.train arguments) of one case."""
     base, mods = parse_case(case)
     common = ["--job.config_file", "debug_moe.toml", "--metrics.log_freq", "1", "--optimizer.lr", "3e-4",
-              "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none"]
+              "--lr_scheduler.warmup_steps", str(a.lr_warmup_steps), "--activation_checkpoint.mode", "none"]
     if base == "debug50":
         # the debug config itself, bf16 on one GPU
         return 1, ["--job.config_file", "debug_moe.toml", "--training.steps", "50",
@@ -355,7 +355,8 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--local-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the timing")
+    p.add_argument("--lr-warmup-steps", type=int, default=2, help="steps of the learning rate's linear warmup")
     p.add_argument("--param-dtype", default="bfloat16")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES for the cases")
     p.add_argument("--port", type=int, default=29511)
@@ -385,7 +386,8 @@ def main(argv=None) -> dict:
 
     rows = []
     figures = {"family": a.family, "proxy_flavor": a.proxy, "seq_len": a.seq_len, "local_batch": a.local_batch,
-               "steps": a.steps, "warmup_steps": a.warmup_steps, "mixed_precision_param": a.param_dtype,
+               "steps": a.steps, "warmup_steps": a.warmup_steps, "lr_warmup_steps": a.lr_warmup_steps,
+               "mixed_precision_param": a.param_dtype,
                "rows": rows}
     for case in a.cases.split(","):
         rows.append(run_case(case, a))

@@ -144,6 +144,7 @@ def test_train_step_summary_and_plans():
 
     class A:
         family, proxy, seq_len, local_batch, steps, param_dtype = "qwen2_moe", "57B-A14B-L2", 4096, 2, 20, "bfloat16"
+        lr_warmup_steps = 2
 
     nproc, args = train_step.case_plan("dp2_etp2", A)
     get = lambda k: args[args.index(k) + 1]  # noqa: E731
@@ -151,6 +152,10 @@ def test_train_step_summary_and_plans():
     assert get("--parallelism.expert_parallel_degree") == "1" and get("--training.global_batch_size") == "4"
     nproc, args = train_step.case_plan("1gpu_compiled", A)
     assert nproc == 1 and "--compile.enable" in args and get("--training.mixed_precision_param") == "bfloat16"
+    assert get("--lr_scheduler.warmup_steps") == "2"
+    A.lr_warmup_steps = 20
+    nproc, args = train_step.case_plan("1gpu_compiled", A)
+    assert get("--lr_scheduler.warmup_steps") == "20"
     nproc, args = train_step.case_plan("dp2_ep2_bf16params_b4_ga2", A)
     assert nproc == 2 and get("--training.local_batch_size") == "4" and get("--training.global_batch_size") == "16"
     assert get("--training.dtype") == "bfloat16" and "--compile.enable" not in args
@@ -187,6 +192,7 @@ def test_train_step_phases_medians_and_table():
     medians over the measured steps, and the report lists them per case (host / GPU ms)."""
     class A:
         family, proxy, seq_len, local_batch, steps, param_dtype = "qwen2_moe", "57B-A14B-L2", 4096, 2, 20, "bfloat16"
+        lr_warmup_steps = 2
 
     assert "--metrics.step_phases" in train_step.case_plan("1gpu_bf16params_auxfree_phases", A)[1]
     assert "--metrics.step_phases" not in train_step.case_plan("1gpu_bf16params_auxfree", A)[1]
@@ -383,13 +389,21 @@ def test_report_rerun_beside_the_run_before(tmp_path):
     assert "| layer_fine | b, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.700 | " \
            "0.600 | 0.857 | no | no |" in text  # 21 ms against a fastest repeat of 19: not steady
     assert "| layer_fine | - | dense GEMM TFLOP/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 800.00 | 792.00 | 0.990 | yes | yes |" in text
-    assert "gone" not in text and "new, none" not in text and "0.300" not in text
+    reruns = text[text.index("Each step's latest run beside its run before"):]
+    assert "gone" not in reruns and "new, none" not in reruns and "0.300" not in reruns
     assert "2 of 3 figures within 3% of the run before; of the 2 steady ones" in text and "ones (both medians within 5% " \
            "of their fastest repeat), 2." in text
-    assert text.count("Suite `layer`") == 1  # the earlier record's steps are all in the latest: only beside it
+    # the earlier record holds a row no later one has (shape gone): it stays shown, for that row
+    assert text.count("Suite `layer`") == 2 and "| layer_fine | gone | none | torch | graph |" in text
+    (tmp_path / "layer_h100_2026-11-25_0800.json").unlink()
+    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0900.json")
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0, "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7)]},
+                                    "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]}}, date="2026-11-25T08:00:00Z")
+    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0800.json")
+    text = report.report(str(tmp_path))
+    assert text.count("Suite `layer`") == 1  # the earlier record's rows are all in the latest: only beside it
     # a later run of one step: the record before stays shown for its other steps; each step is
     # compared with its own run before
-    (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0900.json")
     _suite_file(tmp_path, "layer", {"layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.7, 0.4), breakdown={
         "step_gpu_busy_ms": 5.1, "step_gpu_ms_by_kernel_class": {}})]}}, date="2026-11-25T11:00:00Z")
     text = report.report(str(tmp_path))
@@ -716,16 +730,39 @@ def test_master_step_smoke(tmp_path):
     assert json.loads((tmp_path / "master_step.json").read_text())["figures"]["parameters"] == figures["parameters"]
 
 
+def _loss_row(case, losses):
+    return {"case": case, "nproc": 1, "returncode": 0, "tokens_per_sec_per_gpu": 1.0, "tflops_per_gpu": 1.0,
+            "mfu_pct": 1.0, "peak_memory_gib": 1.0, "step_time_s": 1.0, "loss_first": losses[0],
+            "loss_last": losses[-1], "loss_mean_last20": sum(losses[-20:]) / 20, "losses": losses}
+
+
 def test_report_loss_curves_step_by_step_and_by_20_step_means(tmp_path):
-    """A loss curve beside the step's first case: one step 10% off, the 20-step means at most 1%."""
+    """A loss curve beside the step's first case: one step 10% off (in the first 20 steps, which
+    the curve's windows and level leave out), the 20-step means and the level 1% off."""
     ref, other = [2.0] * 40, [2.0] * 19 + [2.2] + [2.02] * 20
-
-    def row(case, losses):
-        return {"case": case, "nproc": 1, "returncode": 0, "tokens_per_sec_per_gpu": 1.0, "tflops_per_gpu": 1.0,
-                "mfu_pct": 1.0, "peak_memory_gib": 1.0, "step_time_s": 1.0, "loss_first": losses[0],
-                "loss_last": losses[-1], "loss_mean_last20": sum(losses[-20:]) / 20, "losses": losses}
-
-    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [row("torchgemm", ref), row("quack", other)]}})
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", ref), _loss_row("quack", other)]}})
     text = report.report(str(tmp_path))
-    assert "| curve | torchgemm | 40 | 2.000 -> 2.000 | 2.0000 | 0.00% | 0.00% |" in text
-    assert "| curve | quack | 40 | 2.000 -> 2.020 | 2.0200 | 10.00% | 1.00% |" in text
+    assert "| curve | torchgemm | 40 | 2.000 -> 2.000 | 2.0000 | 0.00% | 0.00% | +0.00% |" in text
+    assert "| curve | quack | 40 | 2.000 -> 2.020 | 2.0200 | 10.00% | 1.00% | +1.00% |" in text
+    assert "within" not in text  # no path ran twice: no pairs table
+
+
+def test_report_loss_curves_within_and_across_paths(tmp_path):
+    """Two runs of each path (rerun names the second): each path's later run against its earlier,
+    every run of the second path against every run of the first, and the two paths' mean curves,
+    by the largest 20-step-mean difference after step 20 and the level after step 20."""
+    flat = [2.0] * 20
+
+    def runs(*windows):
+        return flat + [w for level in windows for w in [level] * 20]
+
+    rows = [_loss_row("torchgemm", runs(2.0, 2.0)), _loss_row("quack", runs(2.04, 2.0)),
+            _loss_row("torchgemm_rerun", runs(1.96, 2.0)), _loss_row("quack_rerun", runs(2.0, 2.0))]
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": rows}})
+    text = report.report(str(tmp_path))
+    assert "| curve | within torchgemm | 1 | 2.00% | -1.00% |" in text
+    assert "| curve | within quack | 1 | 1.96% | -0.99% |" in text  # 2.00 / 2.04, 2.00 / 2.02
+    # quack / torchgemm pairs: 2.04 / 1.96 the largest window; levels 2.00 / 2.00 up to 2.02 / 1.98
+    assert "| curve | across paths (quack against torchgemm) | 4 | 4.08% | +0.00% to +2.02% |" in text
+    # mean curves: 2.02 against 1.98 in the window, 2.01 against 1.99 after step 20
+    assert "| curve | mean curve of quack (2 runs) against torchgemm (2 runs) | 1 | 2.02% | +1.01% |" in text
