@@ -343,7 +343,8 @@ def _path_pairs(name: str, rows: list[dict]) -> list[str]:
         diffs = [_curve_differences(a, b) for a, b in group]
         curve = max((c for c, _ in diffs if c is not None), default=None)
         levels = sorted({lv for _, lv in diffs if lv is not None})
-        level = " to ".join(_pct(lv, True) for lv in (levels[0], levels[-1])[:len(levels)]) if levels else "n/a"
+        level = ("n/a" if not levels else _pct(levels[0], True) if len(levels) == 1
+                 else f"{_pct(levels[0], True)} to {_pct(levels[-1], True)}")
         out.append(f"| {name} | {label} | {len(group)} | {_pct(curve)} | {level} |")
     means = {p: [sum(step) / len(runs) for step in zip(*runs)] for p, runs in paths.items()}
     for p in names[1:]:
