@@ -406,7 +406,7 @@ def loss_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("cross_entropy")
     if not fig:
         return []
-    out = ["| tokens x vocab | way | ms | TB/s | peak GiB added | loss rel diff | gradient max abs diff | "
+    out = [f"| tokens x vocab | way | ms | TB/s | peak GiB added | loss rel diff | gradient max abs diff | "
            "gradient elements differing |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in fig["rows"]:
         out.append(f"| {fig['tokens']} x {fig['vocab']} | {r['way']} | {_f(r['ms'], 3)} | {_f(r['tb_per_s'], 2)} | "
