@@ -121,10 +121,9 @@ SUITES = {
                "1gpu_bf16params_auxfree_compiled_torchgemm_rerun,1gpu_bf16params_auxfree_compiled_quack_rerun",
                "--steps", "200", "--warmup-steps", "10"], 560)]),
     "kernels": Suite(
-        "1 GPU: the routed grouped GEMMs alone, the gradient norm, the fp32 master step, the loss, row movement, "
+        "1 GPU: the routed grouped GEMMs alone, the gradient norm, the fp32 master step, row movement, "
         "attention per SDPA backend, the host time per call of the eager path's generated kernels",
         [Step("grouped_gemm", "grouped_gemm", [], 330), Step("grad_norm", "grad_norm", [], 90),
-         Step("cross_entropy", "cross_entropy", [], 90),
          Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60),
          Step("attention", "attention", [], 120), Step("launch", "launch", [], 120)]),
     "2gpu": Suite(

@@ -400,21 +400,6 @@ def streams_table(rec: dict) -> list[str]:
     return out if n else []
 
 
-def loss_table(rec: dict) -> list[str]:
-    """bench/cross_entropy.py: the loss forward + backward each way, its peak memory over the logits,
-    and how far titan_fold's loss and gradient lie from torchtitan's."""
-    fig = rec["figures"].get("cross_entropy")
-    if not fig:
-        return []
-    out = [f"| tokens x vocab | way | ms | TB/s | peak GiB added | loss rel diff | gradient max abs diff | "
-           "gradient elements differing |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in fig["rows"]:
-        out.append(f"| {fig['tokens']} x {fig['vocab']} | {r['way']} | {_f(r['ms'], 3)} | {_f(r['tb_per_s'], 2)} | "
-                   f"{_f(r['peak_gib'], 2)} | {r['loss_rel_diff']:.1e} | {r['grad_max_abs_diff']:.1e} | "
-                   f"{_pct(r['grad_share_differing'])} |")
-    return out
-
-
 def attention_table(rec: dict) -> list[str]:
     """bench/attention.py: each proxy's attention per SDPA backend and as the models call it."""
     fig = rec["figures"].get("attention")
@@ -463,7 +448,7 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
-          ("Gradient norm and the optimizer step", streams_table), ("The loss, forward + backward", loss_table),
+          ("Gradient norm and the optimizer step", streams_table),
           ("Attention forward + backward per SDPA backend", attention_table),
           ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table))
 

@@ -17,10 +17,12 @@ calls) for the `mtp_loss` metric (mtp_stats_values, mtp_stats_from).
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from titan_fold.common.cross_entropy import IGNORE_INDEX, token_cross_entropy
 from titan_fold.models.layers import trunc_normal_
+
+IGNORE_INDEX = -100  # torchtitan's, for labels past the end of a sequence
 
 
 class MTPLayer(nn.Module):
@@ -40,7 +42,8 @@ class TokenCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits [b, s, vocab], targets [b, s]
-        return token_cross_entropy(logits, targets)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
 
 
 class MultiTokenPrediction(nn.Module):

@@ -11,7 +11,6 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
-from titan_fold.common.cross_entropy import token_cross_entropy
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS
@@ -46,14 +45,6 @@ class FlavorCopies(Mapping):
         return len(self._flavors) + 1
 
 
-def build_loss(job_config, **kwargs):
-    """The token cross-entropy sum: torchtitan's, compiled, where `compile.components` holds "loss"
-    (torch.compile fuses it); common/cross_entropy.py's otherwise (generated kernels on CUDA)."""
-    if job_config.compile.enable and "loss" in job_config.compile.components:
-        return build_cross_entropy_loss(job_config, **kwargs)
-    return token_cross_entropy
-
-
 def _train_spec(family: str) -> TrainSpec:
     return TrainSpec(
         model_cls=Transformer,
@@ -64,7 +55,7 @@ def _train_spec(family: str) -> TrainSpec:
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,
-        build_loss_fn=build_loss,
+        build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_metrics_processor,
         state_dict_adapter=ADAPTERS[family],
     )
