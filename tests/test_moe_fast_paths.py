@@ -301,8 +301,8 @@ def test_quack_experts_match_float64(rows_in, prob_before_w2):
 def test_quack_experts_round_no_more_than_torch(prob_before_w2):
     """The QuACK experts (gather fused) and torch._grouped_mm's (rows gathered by the dispatcher),
     bf16, each against float64 at Qwen3-MoE-like proportions (top-8 of 64 experts, width 1024, expert
-    width 384): the output and every gradient no further off through QuACK than through torch, so the
-    two paths' loss curves differ by the run-to-run spread, not by a bias of one path."""
+    width 384): the output and every gradient no further off through QuACK than through torch, so a
+    difference between the two paths' loss curves does not come from one path rounding more."""
     case, want = _experts_case(2048, 8, 64, 1024, 384, prob_before_w2)
     err = {path: {n: _rel(g, want[n]) for n, g in _run_experts(case, path, "gathered", prob_before_w2).items()}
            for path in ("torch", "quack")}
