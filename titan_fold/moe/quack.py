@@ -144,8 +144,7 @@ def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, 
     """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
     routed rows); offs [E + 1]; w1, w3 [E, ffn, dim] -> a, b [R, ffn]."""
     q = quack()
-    return (q.gemm(x, w1.mT, cu_seqlens_m=offs, A_idx=rows, **_SCHED),
-            q.gemm(x, w3.mT, cu_seqlens_m=offs, A_idx=rows, **_SCHED))
+    return _varlen_m(q, x, w1.mT, offs, rows), _varlen_m(q, x, w3.mT, offs, rows)
 
 
 @_up_forward.register_fake
@@ -163,7 +162,7 @@ def _up_backward(da: torch.Tensor, db: torch.Tensor, x: torch.Tensor, rows: torc
     x_rows = x if rows is None else x[rows]  # [R, dim]: the weight gradients contract over rows
     dw1 = _wgrad(q, da, x_rows, offs)
     dw3 = _wgrad(q, db, x_rows, offs)
-    dx_rows = q.gemm(da, w1, cu_seqlens_m=offs, **_SCHED)
+    dx_rows = _varlen_m(q, da, w1, offs)
     q.gemm_add_inplace(db, w3, dx_rows, cu_seqlens_m=offs, **_SCHED)
     return dx_rows, dw1, dw3
 
@@ -176,7 +175,7 @@ def _(da, db, x, rows, offs, w1, w3):
 @torch.library.custom_op("titan_fold::quack_down_forward", mutates_args=(), device_types="cuda")
 def _down_forward(h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """h [R, ffn], w2 [E, dim, ffn] -> [R, dim]."""
-    return quack().gemm(h, w2.mT, cu_seqlens_m=offs, **_SCHED)
+    return _varlen_m(quack(), h, w2.mT, offs)
 
 
 @_down_forward.register_fake
@@ -189,12 +188,19 @@ def _down_backward(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, w2: to
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> dh [R, ffn], dw2 [E, dim, ffn]."""
     q = quack()
-    return q.gemm(dy, w2, cu_seqlens_m=offs, **_SCHED), _wgrad(q, dy, h, offs)
+    return _varlen_m(q, dy, w2, offs), _wgrad(q, dy, h, offs)
 
 
 @_down_backward.register_fake
 def _(dy, h, offs, w2):
     return h.new_empty(h.shape), torch.empty_like(w2)
+
+
+def _varlen_m(q, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    # [T or R, k], [E, k, n] -> [R, n]: each expert's rows of a (a[rows] when rows is given,
+    # gathered by the GEMM) times b[e]
+    return q.gemm(a, b, cu_seqlens_m=offs, A_idx=rows, **_SCHED)
 
 
 def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -235,7 +241,7 @@ class _Down(torch.autograd.Function):
 @torch.library.custom_op("titan_fold::quack_dgrad", mutates_args=(), device_types="cuda")
 def _dgrad(dy: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """dy [R, n], w [E, n, k] -> dy @ w[e] per expert's rows, [R, k]."""
-    return quack().gemm(dy, w, cu_seqlens_m=offs, **_SCHED)
+    return _varlen_m(quack(), dy, w, offs)
 
 
 @_dgrad.register_fake
