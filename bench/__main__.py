@@ -115,11 +115,13 @@ SUITES = {
               240, ours="deepseek_v3_16b_l4")]),
     "loss-curve": Suite(
         "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack, then each again "
-        "(compiled): the two paths' difference beside each path's run-to-run spread",
-        [Step("qwen3_30b_a3b_l12_200", "train_step",
-              [*QWEN3, "--cases", "1gpu_bf16params_auxfree_compiled_torchgemm,1gpu_bf16params_auxfree_compiled_quack,"
-               "1gpu_bf16params_auxfree_compiled_torchgemm_rerun,1gpu_bf16params_auxfree_compiled_quack_rerun",
-               "--steps", "200", "--warmup-steps", "10"], 560)]),
+        "(compiled): the two paths' difference beside each path's run-to-run spread; with the aux-free bias "
+        "(the trainer suite's balancing) and with the aux loss",
+        [Step(f"qwen3_30b_a3b_l12_200{suffix}", "train_step",
+              [*QWEN3, "--cases", ",".join(f"1gpu_bf16params_{balance}_compiled_{path}"
+                                           for path in ("torchgemm", "quack", "torchgemm_rerun", "quack_rerun")),
+               "--steps", "200", "--warmup-steps", "10"], 560)
+         for balance, suffix in (("auxfree", ""), ("auxloss", "_auxloss"))]),
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone, the gradient norm, the fp32 master step, row movement, "
         "attention per SDPA backend, the host time per call of the eager path's generated kernels",

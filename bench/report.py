@@ -346,12 +346,59 @@ def _path_pairs(name: str, rows: list[dict]) -> list[str]:
         level = ("n/a" if not levels else _pct(levels[0], True) if len(levels) == 1
                  else f"{_pct(levels[0], True)} to {_pct(levels[-1], True)}")
         out.append(f"| {name} | {label} | {len(group)} | {_pct(curve)} | {level} |")
-    means = {p: [sum(step) / len(runs) for step in zip(*runs)] for p, runs in paths.items()}
+    means = {p: _mean_curve(runs) for p, runs in paths.items()}
     for p in names[1:]:
         curve, level = _curve_differences(means[p], means[names[0]])
         out.append(f"| {name} | mean curve of {p} ({_runs(len(paths[p]))}) against {names[0]} "
                    f"({_runs(len(paths[names[0]]))}) | 1 | {_pct(curve)} | {_pct(level, True)} |")
     return out
+
+
+def _mean_curve(runs: list[list[float]]) -> list[float]:
+    return [sum(step) / len(runs) for step in zip(*runs)]
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for one value)."""
+    mean = sum(xs) / len(xs)
+    return mean, (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else None
+
+
+def pooled_loss_curves(recs: list[dict]) -> list[str]:
+    """Every recorded run of each loss-curve step (a step's name fixes its training arguments),
+    over all records and machines, by path: the runs' levels after step 20 (mean and standard
+    deviation over runs), and each path's mean curve against the first path's, with the standard
+    error of the levels' difference. One path's runs part after a few steps (GPU kernels that are
+    not run-to-run deterministic, amplified by the routing), so two paths are compared by their
+    mean over many runs."""
+    steps = {}
+    for rec in sorted(recs, key=lambda r: r["date_utc"]):
+        for name, fig in _steps(rec, "train"):
+            for r in fig["rows"]:
+                if r.get("losses"):
+                    runs = steps.setdefault(name, {}).setdefault(_path(r["case"]), [])
+                    runs.append((r["losses"], rec["env"]["device"]))
+    out = ["| step | path | runs | machines | mean after step 20, over runs | standard deviation over runs | "
+           "mean curve against the first path: max difference of 20-step means after step 20 | "
+           "difference of the means after step 20 | its standard error |",
+           "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for name, paths in steps.items():
+        if len(paths) < 2:
+            continue
+        stats = {p: _mean_sd([sum(c[CURVE_WINDOW:]) / len(c[CURVE_WINDOW:]) for c, _ in runs]) for p, runs in paths.items()}
+        ref = next(iter(paths))
+        ref_curve = _mean_curve([c for c, _ in paths[ref]])
+        (ref_mean, ref_sd), n_ref = stats[ref], len(paths[ref])
+        for p, runs in paths.items():
+            mean, sd = stats[p]
+            compared = "(the reference) | | |"
+            if p != ref:
+                curve, level = _curve_differences(_mean_curve([c for c, _ in runs]), ref_curve)
+                err = None if sd is None or ref_sd is None else (sd ** 2 / len(runs) + ref_sd ** 2 / n_ref) ** 0.5 / ref_mean
+                compared = f"{_pct(curve)} | {_pct(level, True)} | {_pct(err)} |"
+            machines = ", ".join(sorted({d for _, d in runs}))
+            out.append(f"| {name} | {p} | {len(runs)} | {machines} | {_f(mean, 4)} | {_f(sd, 4)} | {compared}")
+    return out if len(out) > 2 else []
 
 
 def grouped_gemm_table(rec: dict) -> list[str]:
@@ -455,12 +502,18 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
 
 def report(results: str = RESULTS) -> str:
     text = []
-    for recs in records(results).values():
+    groups = records(results)
+    loss_curves = [key for key in groups if key[0] == "loss-curve"]
+    for key, recs in groups.items():
         for rec in _shown(recs):
             text += _record_text(rec)
         lines = rerun_table(recs)  # each step's latest run beside its run before: does it reproduce?
         if lines:
             text += ["Each step's latest run beside its run before on this kind of machine:", ""] + lines + [""]
+        if loss_curves and key == loss_curves[-1]:  # after the suite's last machine: its runs on every machine together
+            pooled = pooled_loss_curves([rec for k in loss_curves for rec in groups[k]])
+            if pooled:
+                text += ["### Suite `loss-curve`: every recorded run, pooled over records and machines", ""] + pooled + [""]
     return "\n".join(text)
 
 

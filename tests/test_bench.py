@@ -284,10 +284,10 @@ def test_torchtitan_deepseek_v3_has_our_widths():
         FLAVORS["deepseek_v3"].pop("16B-L4", None)
 
 
-def _suite_file(tmp_path, suite, figures, date="2026-11-25T10:00:00Z"):
-    env = {"device": "NVIDIA H100 80GB HBM3", "device_count": 1, "torch": "2.11.0"}
+def _suite_file(tmp_path, suite, figures, date="2026-11-25T10:00:00Z", device="NVIDIA H100 80GB HBM3"):
+    env = {"device": device, "device_count": 1, "torch": "2.11.0"}
     rec = {"suite": suite, "command": f"python -m bench {suite}", "date_utc": date, "env": env, "figures": figures}
-    (tmp_path / f"{suite}_h100_{date[:10]}.json").write_text(json.dumps(rec))
+    (tmp_path / f"{suite}_{device.split()[1].lower()}_{date[:10]}.json").write_text(json.dumps(rec))
 
 
 def test_report_tables(tmp_path):
@@ -766,3 +766,28 @@ def test_report_loss_curves_within_and_across_paths(tmp_path):
     assert "| curve | across paths (quack against torchgemm) | 4 | 4.08% | +0.00% to +2.02% |" in text
     # mean curves: 2.02 against 1.98 in the window, 2.01 against 1.99 after step 20
     assert "| curve | mean curve of quack (2 runs) against torchgemm (2 runs) | 1 | 2.02% | +1.01% |" in text
+
+
+def test_report_pools_loss_curves_over_records_and_machines(tmp_path):
+    """Every run of a loss-curve step in any record, by path: the levels after step 20 over runs,
+    and the mean curves' difference with the standard error of the levels' difference."""
+    flat = [2.0] * 20
+
+    def runs(*windows):
+        return flat + [w for level in windows for w in [level] * 20]
+
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", runs(2.0, 2.2)),
+                                                            _loss_row("quack", runs(2.1, 2.1))]}})
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", runs(1.8, 2.0)),
+                                                            _loss_row("quack_rerun", runs(1.9, 1.9)),
+                                                            _loss_row("quack", runs(1.9, 2.0))]},
+                                         "alone": {"rows": [_loss_row("torchgemm", runs(2.0))]}},
+                date="2026-11-26T10:00:00Z", device="NVIDIA H200")
+    text = report.report(str(tmp_path))
+    assert "every recorded run, pooled over records and machines" in text
+    # torchgemm levels 2.1, 1.9: mean 2.0, sd 0.1414; its mean curve 1.9, 2.1
+    assert "| curve | torchgemm | 2 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 2.0000 | 0.1414 | (the reference) | | |" in text
+    # quack levels 2.1, 1.9, 1.95: mean 1.9833, sd 0.1041; its mean curve 1.9667, 2.0 against 1.9, 2.1:
+    # windows 3.51% and 4.76%, level 1.9833 / 2.0 - 1; error sqrt(0.1041^2 / 3 + 0.1414^2 / 2) / 2.0
+    assert "| curve | quack | 3 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 1.9833 | 0.1041 | 4.76% | -0.83% | 5.83% |" in text
+    assert "| alone |" not in text.split("pooled over records and machines")[1]  # one path: nothing to compare
