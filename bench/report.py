@@ -3,7 +3,8 @@
 Reads bench/results/<suite>_<gpu>_<date>[_<HHMM>].json (written by `python -m bench SUITE`) and
 prints, per suite and machine, the tables of each file holding the latest figures of some step,
 and where the suite ran twice there, the latest run's figures beside the run before's (each within
-3% or not). `--write` puts them into docs/benchmarks.md between its two REPORT markers.
+3% or not); after the loss-curve suite's records, every recorded run of each of its steps pooled
+over records and machines. `--write` puts them into docs/benchmarks.md between its two REPORT markers.
 """
 
 import argparse
@@ -368,9 +369,9 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
     """Every recorded run of each loss-curve step (a step's name fixes its training arguments),
     over all records and machines, by path: the runs' levels after step 20 (mean and standard
     deviation over runs), and each path's mean curve against the first path's, with the standard
-    error of the levels' difference. One path's runs part after a few steps (GPU kernels that are
-    not run-to-run deterministic, amplified by the routing), so two paths are compared by their
-    mean over many runs."""
+    error of the levels' difference. One path's runs part after a few steps (the GPU step is not
+    deterministic from run to run, and training amplifies the difference), so two paths are
+    compared by their means over many runs."""
     steps = {}
     for rec in sorted(recs, key=lambda r: r["date_utc"]):
         for name, fig in _steps(rec, "train"):
