@@ -11,6 +11,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -361,8 +362,7 @@ def _mean_curve(runs: list[list[float]]) -> list[float]:
 
 def _mean_sd(xs: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (None for one value)."""
-    mean = sum(xs) / len(xs)
-    return mean, (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else None
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else None
 
 
 def pooled_loss_curves(recs: list[dict]) -> list[str]:

@@ -736,6 +736,11 @@ def _loss_row(case, losses):
             "loss_last": losses[-1], "loss_mean_last20": sum(losses[-20:]) / 20, "losses": losses}
 
 
+def _curve(*windows):
+    """A loss curve: 20 steps at 2.0, then 20 steps at each of windows in turn."""
+    return [2.0] * 20 + [w for level in windows for w in [level] * 20]
+
+
 def test_report_loss_curves_step_by_step_and_by_20_step_means(tmp_path):
     """A loss curve beside the step's first case: one step 10% off (in the first 20 steps, which
     the curve's windows and level leave out), the 20-step means and the level 1% off."""
@@ -751,13 +756,8 @@ def test_report_loss_curves_within_and_across_paths(tmp_path):
     """Two runs of each path (rerun names the second): each path's later run against its earlier,
     every run of the second path against every run of the first, and the two paths' mean curves,
     by the largest 20-step-mean difference after step 20 and the level after step 20."""
-    flat = [2.0] * 20
-
-    def runs(*windows):
-        return flat + [w for level in windows for w in [level] * 20]
-
-    rows = [_loss_row("torchgemm", runs(2.0, 2.0)), _loss_row("quack", runs(2.04, 2.0)),
-            _loss_row("torchgemm_rerun", runs(1.96, 2.0)), _loss_row("quack_rerun", runs(2.0, 2.0))]
+    rows = [_loss_row("torchgemm", _curve(2.0, 2.0)), _loss_row("quack", _curve(2.04, 2.0)),
+            _loss_row("torchgemm_rerun", _curve(1.96, 2.0)), _loss_row("quack_rerun", _curve(2.0, 2.0))]
     _suite_file(tmp_path, "loss-curve", {"curve": {"rows": rows}})
     text = report.report(str(tmp_path))
     assert "| curve | within torchgemm | 1 | 2.00% | -1.00% |" in text
@@ -771,17 +771,12 @@ def test_report_loss_curves_within_and_across_paths(tmp_path):
 def test_report_pools_loss_curves_over_records_and_machines(tmp_path):
     """Every run of a loss-curve step in any record, by path: the levels after step 20 over runs,
     and the mean curves' difference with the standard error of the levels' difference."""
-    flat = [2.0] * 20
-
-    def runs(*windows):
-        return flat + [w for level in windows for w in [level] * 20]
-
-    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", runs(2.0, 2.2)),
-                                                            _loss_row("quack", runs(2.1, 2.1))]}})
-    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", runs(1.8, 2.0)),
-                                                            _loss_row("quack_rerun", runs(1.9, 1.9)),
-                                                            _loss_row("quack", runs(1.9, 2.0))]},
-                                         "alone": {"rows": [_loss_row("torchgemm", runs(2.0))]}},
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", _curve(2.0, 2.2)),
+                                                            _loss_row("quack", _curve(2.1, 2.1))]}})
+    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", _curve(1.8, 2.0)),
+                                                            _loss_row("quack_rerun", _curve(1.9, 1.9)),
+                                                            _loss_row("quack", _curve(1.9, 2.0))]},
+                                         "alone": {"rows": [_loss_row("torchgemm", _curve(2.0))]}},
                 date="2026-11-26T10:00:00Z", device="NVIDIA H200")
     text = report.report(str(tmp_path))
     assert "every recorded run, pooled over records and machines" in text
