@@ -11,7 +11,10 @@ the host launches the next and the loop measures the host alone: microseconds pe
 step makes per layer or per parameter: the SwiGLU times the routing weight and the sum over k
 (common/fused.py's fused()), the q / k norms with RoPE, the router's choice with its losses and
 statistics (moe/router.py's route_whole, compiled with its backward) and one parameter's Adam
-step (trainer/optimizer.py).
+step (trainer/optimizer.py). Where QuACK runs (moe.grouped_gemm = "quack"), also one routed
+varlen-M GEMM: torch._grouped_mm, QuACK's gemm (its general path: it replays only plain calls),
+moe/quack.py's replay of the launch QuACK resolved, and the down projection's op through the
+dispatcher against the direct call eager code makes.
 """
 
 import argparse
@@ -28,6 +31,7 @@ from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
 from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
 from titan_fold.moe.experts import _swiglu_prob_forward  # noqa: E402
+from titan_fold.moe.quack import _down_forward, _varlen_m, offsets, quack, quack_problem  # noqa: E402
 from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
 from titan_fold.trainer.optimizer import adam_update  # noqa: E402
 
@@ -52,7 +56,7 @@ def calls(device: torch.device) -> dict:
     n = 1 << 20
     weight, grad, exp_avg, exp_avg_sq = randn(n), randn(n), randn(n), randn(n).abs()
     coef = torch.tensor([1e-4, 1.0, 1.0, 1.0], device=device)
-    return {
+    found = {
         "torch.add (one plain op)": lambda: torch.add(a, b),
         "swiglu x routing weight (fused)": lambda: fused(_swiglu_prob_forward)(a, b, p),
         "sum over k (fused)": lambda: fused(_sum_by_token)(routed, slot, k, False),
@@ -61,6 +65,17 @@ def calls(device: torch.device) -> dict:
         "Adam step of one parameter (fused)": lambda: adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef,
                                                                   0.9, 0.95, 1e-8, 0.0, True),
     }
+    if device.type == "cuda" and quack_problem(device.index) is None:
+        h, w2 = randn(rows * k, ffn), randn(experts, dim, ffn)  # rows * k routed rows, 16 per expert
+        offs, gi = offsets(torch.full((experts,), rows * k // experts, device=device)), quack()
+        found.update({
+            "varlen-M GEMM: torch._grouped_mm": lambda: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs[1:]),
+            "varlen-M GEMM: QuACK's gemm": lambda: gi.gemm(h, w2.mT, cu_seqlens_m=offs, dynamic_scheduler=True),
+            "varlen-M GEMM: QuACK's launch replayed (moe/quack.py)": lambda: _varlen_m(gi, h, w2.mT, offs),
+            "down projection op, through the dispatcher": lambda: torch.ops.titan_fold.quack_down_forward(h, offs, w2),
+            "down projection op, called directly (eager)": lambda: _down_forward(h, offs, w2),
+        })
+    return found
 
 
 def main(argv=None) -> dict:

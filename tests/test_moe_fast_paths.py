@@ -212,6 +212,106 @@ def test_quack_only_where_the_row_count_is_fixed():
     assert varying_rows(MoEArgs(), 1, 1) is None and varying_rows(MoEArgs(), 1, 2) is not None
 
 
+def _grouped_product(a, b, c, cu_seqlens_m, cu_seqlens_k, a_idx):
+    """float64 a @ b (+ c) per group: rows of a (a[a_idx] where given) by cu_seqlens_m, b [E, k, n];
+    or the contraction by cu_seqlens_k, a [m, R], b [R, n] -> [E, m, n]."""
+    a, b = a.double(), b.double()
+    if cu_seqlens_k is not None:
+        bounds = cu_seqlens_k.tolist()
+        out = torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(bounds, bounds[1:])])
+    else:
+        rows = a if a_idx is None else a[a_idx.long()]
+        bounds = cu_seqlens_m.tolist()
+        out = torch.cat([rows[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    return out if c is None else out + c.double()
+
+
+def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
+    """moe/quack.py's _gemm: the first call of a call signature (dtypes, shapes, strides) goes
+    through QuACK's tuner, later calls of it replay the launch the tuner resolved, whatever their
+    values; a new shape is tuned again; an empty contraction writes zeros and an empty output is
+    left alone, with no launch. A stand-in for QuACK's interface records each call and computes it
+    in float64: each result must equal the grouped product computed apart."""
+    from types import SimpleNamespace
+
+    import titan_fold.moe.quack as qm
+
+    monkeypatch.setattr(qm, "_PLANS", {})
+    calls = []
+
+    def launch(kind, a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan):
+        calls.append((kind, plan))
+        out.copy_(_grouped_product(a, b, c, cu_seqlens_m, cu_seqlens_k, A_idx))
+
+    def gemm_tuned(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, dynamic_scheduler):
+        assert dynamic_scheduler
+        plan = (f"config {len(calls)}", 1, True, object())
+        launch("tuned", a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan)
+        return plan
+
+    def gemm_execute(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, config, split_k, dynamic_scheduler,
+                     dispatch_plan, **fixed):
+        assert fixed["rounding_mode"] == "RN" and fixed["split_k_mode"] == "SERIAL" and fixed["beta"] == 1.0
+        launch("replay", a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, (config, split_k, dynamic_scheduler,
+                                                                            dispatch_plan))
+
+    q = SimpleNamespace(gemm_tuned=gemm_tuned, _gemm_execute=gemm_execute, RoundingMode=SimpleNamespace(RN="RN"),
+                        SplitKMode=SimpleNamespace(SERIAL="SERIAL"))
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 8), torch.randn(3, 8, 4)
+    for counts in ([4, 0, 6], [1, 7, 2]):  # one signature, two routings
+        offs = qm.offsets(torch.tensor(counts))
+        rows = torch.randint(0, 6, (10,), dtype=torch.int32)
+        got = qm._varlen_m(q, x, w, offs, rows)
+        assert torch.allclose(got.double(), _grouped_product(x, w, None, offs, None, rows))
+    tuned_plan = calls[0][1]
+    assert [kind for kind, _ in calls] == ["tuned", "replay"] and calls[1][1] == tuned_plan
+    grad = torch.randn(10, 4)
+    dw = qm._wgrad(q, grad, torch.randn(10, 8), offs)  # a new signature: tuned
+    acc = torch.randn(10, 4)
+    want = _grouped_product(grad[:, :4], w[:, :4], acc, offs, None, None)
+    qm._gemm(q, grad[:, :4].contiguous(), w[:, :4].contiguous(), acc, acc, cu_seqlens_m=offs)  # += in place
+    assert torch.allclose(acc.double(), want) and dw.shape == (3, 4, 8)
+    assert [kind for kind, _ in calls] == ["tuned", "replay", "tuned", "tuned"]
+    empty_k = torch.full((3, 4, 8), float("nan"))
+    qm._gemm(q, torch.randn(4, 0), torch.randn(0, 8), empty_k, cu_seqlens_k=torch.zeros(4, dtype=torch.int32))
+    assert torch.equal(empty_k, torch.zeros(3, 4, 8)) and len(calls) == 4
+    assert qm._varlen_m(q, x, w, qm.offsets(torch.zeros(3, dtype=torch.int64)), rows[:0]).shape == (0, 4)
+    assert len(calls) == 4
+
+
+def test_quack_ops_run_directly_in_eager_and_as_ops_when_traced():
+    """moe/quack.py's _op: eager code on plain tensors runs the implementation without the
+    dispatcher (no titan_fold op reaches a dispatch mode); traced with fake tensors the call is
+    the registered op, with the shapes of its fake."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titan_fold.moe.quack import _op
+
+    @_op("test_scale_rows")
+    def scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s[:, None]
+
+    @scale_rows.register_fake
+    def _(x, s):
+        return torch.empty_like(x)
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x, s = torch.randn(3, 2), torch.randn(3)
+    with Ops():
+        got = scale_rows(x, s)
+    assert torch.equal(got, x * s[:, None]) and seen and not any("titan_fold" in n for n in seen)
+    graph = make_fx(scale_rows, tracing_mode="fake")(x, s).graph
+    assert [str(n.target) for n in graph.nodes if n.op == "call_function"] == ["titan_fold.test_scale_rows.default"]
+
+
 # ---- GPU (sm90+, quack-kernels installed) ------------------------------------------------------
 
 needs_quack = pytest.mark.skipif(not GPU_QUACK, reason=f"QuACK experts: {quack_problem()}")
@@ -314,15 +414,51 @@ def test_quack_experts_round_no_more_than_torch(prob_before_w2):
 def test_quack_weight_gradient_writes_zeros_for_experts_without_rows():
     """The varlen-K GEMM stores every expert's tile, zeros where the expert got no row, into
     memory poisoned with NaN."""
-    from titan_fold.moe.quack import offsets, quack
+    from titan_fold.moe.quack import _gemm, offsets, quack
 
     counts = torch.tensor([5, 0, 7, 0, 4], device="cuda")
     left, right = (torch.randn(16, n, device="cuda", dtype=torch.bfloat16) for n in (64, 32))
-    out = torch.full((5, 64, 32), float("nan"), device="cuda", dtype=torch.bfloat16)
-    quack().gemm(left.mT, right, out=out, cu_seqlens_k=offsets(counts))
-    assert out[1].abs().max() == 0 and out[3].abs().max() == 0
-    want = left[:5].double().mT @ right[:5].double()
-    assert _rel(out[0], want) < 1e-2
+    for _ in ("tuned", "replayed"):
+        out = torch.full((5, 64, 32), float("nan"), device="cuda", dtype=torch.bfloat16)
+        _gemm(quack(), left.mT, right, out, cu_seqlens_k=offsets(counts))
+        assert out[1].abs().max() == 0 and out[3].abs().max() == 0
+        want = left[:5].double().mT @ right[:5].double()
+        assert _rel(out[0], want) < 1e-2
+
+
+@needs_quack
+def test_quack_replayed_launch_equals_tuned_launch(monkeypatch):
+    """moe/quack.py's _gemm on the GPU: a replayed launch gives the bits of the tuned launch on the
+    same inputs, and on another routing of the same shapes the grouped product within bf16's
+    rounding of float64, for the three kinds of call the experts make (varlen-M with gathered rows,
+    varlen-K, varlen-M added in place)."""
+    import titan_fold.moe.quack as qm
+
+    monkeypatch.setattr(qm, "_PLANS", {})
+    q, gen = qm.quack(), torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    T, k, E, dim, ffn = 64, 4, 8, 128, 64
+    x, w, dy, acc = randn(T, dim), randn(E, dim, ffn), randn(T * k, ffn), randn(T * k, ffn)
+    calls = {
+        "varlen-M, gathered rows": lambda offs, rows: (qm._varlen_m(q, x, w, offs, rows), (x, w, None, offs, None, rows)),
+        "varlen-K": lambda offs, rows: (qm._wgrad(q, dy, x[rows.long()], offs), (dy.mT, x[rows.long()], None, None, offs, None)),
+        "varlen-M added in place": lambda offs, rows: (
+            qm._gemm(q, x[rows.long()], w, out := acc.clone(), out, cu_seqlens_m=offs), (x[rows.long()], w, acc, offs, None, None)),
+    }
+    for name, call in calls.items():
+        first = None
+        for counts in ([T * k // E] * E, [0, 40, 3, 100, 0, 60, 53, 0]):  # even, then lopsided with idle experts
+            offs = qm.offsets(torch.tensor(counts, device="cuda"))
+            rows = torch.randint(0, T, (T * k,), device="cuda", dtype=torch.int32, generator=gen)
+            got, operands = call(offs, rows)
+            again, _ = call(offs, rows)
+            assert torch.equal(got, again), name
+            assert _rel(got, _grouped_product(*operands)) < 1e-2, name
+            first = first or len(qm._PLANS)
+        assert len(qm._PLANS) == first, name  # the second routing replayed the first's launch
 
 
 def _qwen3_like(grouped_gemm):

@@ -28,11 +28,14 @@ widths and 8192 tokens that copy moves 1.6 GB, more than the up-projection GEMMs
 
 Each projection's forward and backward is a custom op: torch.compile sees opaque calls with
 known output shapes, and the weights arrive as plain local tensors (FSDP2 and EP/ETP shards as
-for the torch path).
+for the torch path). Eager code calls their implementations directly, and each GEMM replays the
+launch QuACK resolved at its signature's first call (_gemm): the fine-grained layer's eager
+forward is host-bound, and both cut host time per call (bench/launch.py).
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -98,9 +101,19 @@ def _problem(device_index: int | None) -> str | None:
     capability = torch.cuda.get_device_capability(device_index)
     if capability < (9, 0):
         return f"needs an sm90 (Hopper) GPU or newer; this GPU is sm{capability[0]}{capability[1]}"
-    if quack() is None:
+    q = quack()
+    if q is None:
         return 'needs quack-kernels (pip install -e ".[quack]")'
+    if not all(hasattr(q, name) for name in ("gemm_tuned", "_gemm_execute", "RoundingMode", "SplitKMode")):
+        return f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): _gemm replays its launches'
     return None
+
+
+def _version() -> str:
+    try:
+        return version("quack-kernels")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def varying_rows(args, ep: int, etp: int) -> str | None:
@@ -119,9 +132,8 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
 def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     """Whether rows x go through QuACK: "torch" never; "quack" where installed and the inputs suit
     it (an error where they do not); "auto" likewise (torch's GEMMs where they do not), eager
-    included: op by op each QuACK call costs more host time than torch._grouped_mm's, which slows
-    a layer timed alone, but in the trainer the eager step's forward is GPU-bound and QuACK's
-    backward faster (docs/benchmarks.md)."""
+    included: with its launches replayed (_gemm) a QuACK call costs the host about what a
+    torch._grouped_mm call does, and its GEMMs are faster (docs/benchmarks.md)."""
     if choice == "torch":
         return False
     problem = None
@@ -138,7 +150,26 @@ def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     return problem is None
 
 
-@torch.library.custom_op("titan_fold::quack_up_forward", mutates_args=(), device_types="cuda")
+def _op(name: str):
+    """fn registered as the custom op titan_fold::<name>, returned as a function that records
+    that op where it is traced (torch.compile, fake or functional tensors: an opaque call with
+    the shapes register_fake gives) and runs fn itself on plain tensors in eager code, where the
+    dispatcher's round trip would add about 20 us a call (bench/launch.py) in a layer whose
+    eager forward is host-bound."""
+    def wrap(fn):
+        op = torch.library.custom_op(f"titan_fold::{name}", fn, mutates_args=(), device_types="cuda")
+
+        def call(*args):
+            if torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:
+                return op(*args)
+            return fn(*args)
+
+        call.register_fake = op.register_fake
+        return call
+    return wrap
+
+
+@_op("quack_up_forward")
 def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w1: torch.Tensor,
                 w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
@@ -153,7 +184,7 @@ def _(x, rows, offs, w1, w3):
     return x.new_empty(R, w1.shape[1]), x.new_empty(R, w3.shape[1])
 
 
-@torch.library.custom_op("titan_fold::quack_up_backward", mutates_args=(), device_types="cuda")
+@_op("quack_up_backward")
 def _up_backward(da: torch.Tensor, db: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
                  offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,7 +194,7 @@ def _up_backward(da: torch.Tensor, db: torch.Tensor, x: torch.Tensor, rows: torc
     dw1 = _wgrad(q, da, x_rows, offs)
     dw3 = _wgrad(q, db, x_rows, offs)
     dx_rows = _varlen_m(q, da, w1, offs)
-    q.gemm_add_inplace(db, w3, dx_rows, cu_seqlens_m=offs, **_SCHED)
+    _gemm(q, db, w3, dx_rows, dx_rows, cu_seqlens_m=offs)  # += db @ w3[e]
     return dx_rows, dw1, dw3
 
 
@@ -172,7 +203,7 @@ def _(da, db, x, rows, offs, w1, w3):
     return da.new_empty(da.shape[0], x.shape[1]), torch.empty_like(w1), torch.empty_like(w3)
 
 
-@torch.library.custom_op("titan_fold::quack_down_forward", mutates_args=(), device_types="cuda")
+@_op("quack_down_forward")
 def _down_forward(h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """h [R, ffn], w2 [E, dim, ffn] -> [R, dim]."""
     return _varlen_m(quack(), h, w2.mT, offs)
@@ -183,7 +214,7 @@ def _(h, offs, w2):
     return h.new_empty(h.shape[0], w2.shape[1])
 
 
-@torch.library.custom_op("titan_fold::quack_down_backward", mutates_args=(), device_types="cuda")
+@_op("quack_down_backward")
 def _down_backward(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> dh [R, ffn], dw2 [E, dim, ffn]."""
@@ -200,13 +231,45 @@ def _varlen_m(q, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: tor
               ) -> torch.Tensor:
     # [T or R, k], [E, k, n] -> [R, n]: each expert's rows of a (a[rows] when rows is given,
     # gathered by the GEMM) times b[e]
-    return q.gemm(a, b, cu_seqlens_m=offs, A_idx=rows, **_SCHED)
+    out = a.new_empty(a.shape[0] if rows is None else rows.shape[0], b.shape[-1])
+    return _gemm(q, a, b, out, cu_seqlens_m=offs, a_idx=rows)
 
 
 def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # [R, m], [R, n] -> [E, m, n]: each expert's left rows^T times its right rows (an expert
     # without rows gets zeros: its tiles run no K step and store the zero accumulator)
-    return q.gemm(left.mT, right, cu_seqlens_k=offs, **_SCHED)
+    out = left.new_empty(offs.shape[0] - 1, left.shape[1], right.shape[1])
+    return _gemm(q, left.mT, right, out, cu_seqlens_k=offs)
+
+
+# QuACK's resolved launch of each call signature: (autotuned config, split-K, scheduler, its
+# dispatch plan). QuACK's eager gemm replays plain calls so, but takes its general path for every
+# varlen or gathered call (all of ours), at about three times a replay's host time (bench/launch.py).
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None, *,
+          cu_seqlens_m: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+          a_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """out = a @ b (+ c) per group: of rows (cu_seqlens_m; a's rows a[a_idx] where given) or of
+    the contraction (cu_seqlens_k). A signature's first call goes through QuACK's tuner (as its
+    gemm / gemm_add_inplace do), later calls replay the launch it resolved: the same kernel."""
+    if not out.numel():
+        return out
+    if not a.numel():  # an empty contraction (QuACK's kernels refuse it): a @ b = 0
+        return out if c is not None else out.zero_()
+    groups = dict(cu_seqlens_m=cu_seqlens_m, cu_seqlens_k=cu_seqlens_k, A_idx=a_idx)
+    key = (a.device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in (a, b, out, c, *groups.values())))
+    plan = _PLANS.get(key)
+    if plan is None:
+        _PLANS[key] = q.gemm_tuned(a, b, out, c, **groups, **_SCHED)
+        return out
+    config, split_k, dynamic, dispatch = plan
+    q._gemm_execute(a, b, out, c, **groups, bias=None, alpha=1.0, beta=1.0, batch_idx_permute=None,
+                    add_to_output=False, dynamic_scheduler=dynamic, config=config, rounding_mode=q.RoundingMode.RN,
+                    sr_seed=0, concat_layout=None, SFA=None, SFB=None, split_k=split_k,
+                    split_k_mode=q.SplitKMode.SERIAL, dispatch_plan=dispatch)
+    return out
 
 
 class _Up(torch.autograd.Function):
@@ -238,7 +301,7 @@ class _Down(torch.autograd.Function):
         return dh, None, dw2
 
 
-@torch.library.custom_op("titan_fold::quack_dgrad", mutates_args=(), device_types="cuda")
+@_op("quack_dgrad")
 def _dgrad(dy: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """dy [R, n], w [E, n, k] -> dy @ w[e] per expert's rows, [R, k]."""
     return _varlen_m(quack(), dy, w, offs)
@@ -249,7 +312,7 @@ def _(dy, offs, w):
     return dy.new_empty(dy.shape[0], w.shape[2])
 
 
-@torch.library.custom_op("titan_fold::quack_wgrad", mutates_args=(), device_types="cuda")
+@_op("quack_wgrad")
 def weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """dy [R, n], x [R, k] -> [E, n, k]: each expert's dy rows^T times its x rows (varlen-K)."""
     return _wgrad(quack(), dy, x, offs)
