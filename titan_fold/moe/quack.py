@@ -132,7 +132,7 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
 def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     """Whether rows x go through QuACK: "torch" never; "quack" where installed and the inputs suit
     it (an error where they do not); "auto" likewise (torch's GEMMs where they do not), eager
-    included: with its launches replayed (_gemm) a QuACK call costs the host about what a
+    included: with its launches replayed (_gemm) a QuACK call costs the host close to what a
     torch._grouped_mm call does, and its GEMMs are faster (docs/benchmarks.md)."""
     if choice == "torch":
         return False
