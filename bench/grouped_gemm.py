@@ -11,8 +11,9 @@ event times after warm-up, beside the dense bf16 8192^3 GEMM rate of the same pr
 
 The six grouped GEMMs are timed on the very operands autograd passes to _grouped_mm in
 one forward + backward of torch._grouped_mm(x, w.transpose(1, 2), offs) at the shape
-(their [shape, stride] in "operand_layouts"): for up (x [R, dim], w1 or w3 [E, ffn, dim])
-and down (h [R, ffn], w2 [E, dim, ffn]), with w [E, N, K] and g = dL/dy [R, N], torch
+(their [shape, stride] in "operand_layouts"): for up (x [R, dim], w13 [E, 2 * ffn, dim], the
+gate and up projections of moe/experts.py in one weight) and down (h [R, ffn], w2 [E, dim,
+ffn]), with w [E, N, K] and g = dL/dy [R, N], torch
 2.13 passes
   fwd    y [R, N]    = _grouped_mm(x, w.transpose(1, 2), offs)   per group x_e @ w_e.T
   dgrad  dx [R, K]   = _grouped_mm(g, w, offs)                   per group g_e @ w_e
@@ -21,12 +22,12 @@ Each costs 2 * R * K * N FLOPs. Beside them, torch.bmm of the same operands in E
 groups of R // E rows (fwd and wgrad): what cuBLAS gives the batched shape without the
 raggedness.
 
-The bound: titan_fold runs the routed experts (w1, w3 separate) as nine grouped GEMMs per
-step, up fwd/dgrad/wgrad twice (w1, w3) and down fwd/dgrad/wgrad once, FLOPs 6 * R * 3 *
-dim * ffn (bench.common.moe_layer_flops' "routed").
-  gemm_bound_share              routed FLOPs / (2 * up GEMMs' ms + down GEMMs' ms) / dense rate:
+The bound: titan_fold runs the routed experts as six grouped GEMMs per step, up (w13, width
+2 * ffn) and down fwd/dgrad/wgrad, FLOPs 6 * R * 3 * dim * ffn (bench.common.moe_layer_flops'
+"routed"); gemm_gflop_each is 2 * R * dim * ffn, the up GEMMs do twice that.
+  gemm_bound_share              routed FLOPs / the six GEMMs' ms / dense rate:
                                 the routed experts' share of the dense rate if only their
-                                GEMMs took time (no SwiGLU, no sum of the two dgrads)
+                                GEMMs took time (no SwiGLU)
   gemm_bound_share_with_shared  the same with the shared expert (6 * tokens * 3 * dim *
                                 shared_ffn FLOPs) added to the FLOPs and, at the dense rate,
                                 to the time (equals gemm_bound_share without one)
@@ -37,13 +38,6 @@ dim * ffn (bench.common.moe_layer_flops' "routed").
                                 kernel took no time and the shared expert ran at the dense rate
 Each GEMM is timed alone, repeated on the same operands (at the four shapes every operand
 is larger than the GPU's L2 cache), with the kernel PyTorch picks for these layouts.
-
-Experts forward + backward: titan_fold.moe.experts._swiglu_grouped (probability before
-w2, as MoEArgs defaults) against a stacked variant, one grouped GEMM x @ [w1; w3].T of
-width 2 * ffn, SwiGLU reading its two halves and its backward writing one [R, 2 * ffn]
-gradient (one dgrad and one wgrad GEMM instead of two each). Both from the same weights;
-the largest difference of dx, dprobs and the weight gradients relative to the largest
-magnitude is recorded (bf16 rounding apart).
 
 --autotune SHAPES: the six GEMMs of those shapes compiled with torch.compile(mode=
 "max-autotune-no-cudagraphs") (inductor's Triton grouped GEMM templates against the ATen
@@ -62,8 +56,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
 from bench.moe_layer import SHAPES  # noqa: E402
-from titan_fold.common.fused import fused  # noqa: E402
-from titan_fold.moe.experts import _bf16_grouped_linear, _swiglu_grouped, _swiglu_prob_backward, _swiglu_prob_forward  # noqa: E402
 
 GEMM_SHAPES = ("qwen2_57b_a14b", "mixtral_8x22b", "mixtral_8x22b_g8t8", "qwen3_30b_a3b")
 OPS = ("fwd", "dgrad", "wgrad")
@@ -117,76 +109,6 @@ def rel_diff(a, b) -> float:
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
 
 
-# ---- stacked w13 ----------------------------------------------------------------------------------
-
-def _swiglu13_forward(ab, p):
-    f = ab.shape[1] // 2
-    return _swiglu_prob_forward(ab[:, :f], ab[:, f:], p)
-
-
-def _swiglu13_backward(g, ab, p):
-    f = ab.shape[1] // 2
-    grad_a, grad_b, grad_p = _swiglu_prob_backward(g, ab[:, :f], ab[:, f:], p)
-    return torch.cat([grad_a, grad_b], -1), grad_p
-
-
-class _SwiGLU13Prob(torch.autograd.Function):
-    """_SwiGLUProb over the two halves of one [R, 2 * ffn] product (a, then b)."""
-
-    @staticmethod
-    def forward(ctx, ab, p):
-        p = p.to(torch.promote_types(p.dtype, torch.float32))
-        ctx.save_for_backward(ab, p)
-        return fused(_swiglu13_forward)(ab, p)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ab, p = ctx.saved_tensors
-        return fused(_swiglu13_backward)(grad.contiguous(), ab, p)
-
-
-def swiglu_stacked(x, counts, w13, w2, p, linear=_bf16_grouped_linear):
-    """The routed experts with w13 = [w1; w3] stacked on the ffn rows [E, 2 * ffn, dim],
-    probability before w2: titan_fold's _swiglu_grouped with one up GEMM."""
-    offs = counts.cumsum(0).to(torch.int32)
-    return linear(_SwiGLU13Prob.apply(linear(x, w13, offs), p), w2, offs)
-
-
-def experts_fwd_bwd(dim, ffn, E, R, counts, device, dtype, gen, warmup, iters) -> dict:
-    """titan_fold's separate w1/w3 experts against the stacked w13 variant: ms of forward +
-    backward, and how far apart their gradients are."""
-    x = torch.randn(R, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
-    p = torch.rand(R, 1, device=device, generator=gen).requires_grad_()
-    w1, w3 = (torch.randn(E, ffn, dim, device=device, dtype=dtype, generator=gen) * dim**-0.5 for _ in range(2))
-    w2 = torch.randn(E, dim, ffn, device=device, dtype=dtype, generator=gen) * ffn**-0.5
-    gy = torch.randn(R, dim, device=device, dtype=dtype, generator=gen)
-    sep = [w.requires_grad_() for w in (w1, w2, w3)]
-    stk = [torch.cat([w1, w3], 1).detach().requires_grad_(), w2.detach().clone().requires_grad_()]
-
-    def separate():
-        _swiglu_grouped(x, counts, *sep, p, True).backward(gy)
-
-    def stacked():
-        swiglu_stacked(x, counts, *stk, p).backward(gy)
-
-    def zero():
-        for t in (x, p, *sep, *stk):
-            t.grad = None
-
-    grads = {}
-    for way, fn, ws in (("separate", separate, sep), ("stacked", stacked, stk)):
-        zero()
-        fn()
-        dw13 = torch.cat([ws[0].grad, ws[2].grad], 1) if way == "separate" else ws[0].grad
-        grads[way] = {"dx": x.grad.clone(), "dprobs": p.grad.clone(), "dw13": dw13.clone(), "dw2": ws[1].grad.clone()}
-    out = {f"max_rel_diff_{k}": rel_diff(grads["separate"][k], grads["stacked"][k]) for k in grads["separate"]}
-    del grads
-    for way, fn in (("separate", separate), ("stacked", stacked)):
-        out[f"{way}_ms"] = median(time_ms(lambda fn=fn: (zero(), fn()), warmup, iters, device))
-    out["stacked_over_separate"] = out["stacked_ms"] / out["separate_ms"]
-    return out
-
-
 # ---- one shape --------------------------------------------------------------------------------
 
 def routing_counts(tokens, top_k, E, seed=0):
@@ -200,7 +122,7 @@ def bounds(gemm_ms: dict, tokens: int, shape: dict, dense: float) -> dict:
     each of the six GEMMs (up_fwd ... down_wgrad) at this shape and tokens."""
     f = moe_layer_flops(tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"], shape["shared_ffn"],
                         shape["gate"])
-    routed_ms = sum((2 if n.startswith("up_") else 1) * ms for n, ms in gemm_ms.items())  # w1 and w3
+    routed_ms = sum(gemm_ms.values())
     shared_ms = f["shared"] / (dense * 1e12) * 1e3
     tflops = lambda flop, ms: flop / (ms * 1e-3) / 1e12  # noqa: E731
     return {"routed_gemms_ms": routed_ms, "routed_gemms_tflops": tflops(f["routed"], routed_ms),
@@ -248,7 +170,7 @@ def bench_shape(name, shape, a, device, dtype, dense) -> dict:
            "rows_per_expert_max": int(counts.max()), "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
            "gemms": {}, "bmm_equal_groups": {}, "operand_layouts": {}}
     autotune, compile_s = {}, 0.0
-    for layer, (K, N) in (("up", (dim, ffn)), ("down", (ffn, dim))):
+    for layer, (K, N) in (("up", (dim, 2 * ffn)), ("down", (ffn, dim))):
         got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
         for key, into in (("gemms", row["gemms"]), ("bmm", row["bmm_equal_groups"]),
                           ("layouts", row["operand_layouts"]), ("autotune", autotune)):
@@ -260,7 +182,6 @@ def bench_shape(name, shape, a, device, dtype, dense) -> dict:
         best = bounds({n: min(v["ms"], autotune[n]["ms"]) for n, v in row["gemms"].items()}, a.tokens, shape, dense)
         row["autotune_best_routed_gemms_tflops"] = best["routed_gemms_tflops"]
         row["autotune_best_gemm_bound_share"] = best["gemm_bound_share"]
-    row["experts_fwd_bwd"] = experts_fwd_bwd(dim, ffn, E, R, counts, device, dtype, gen, a.warmup, a.iters)
     return row
 
 
@@ -269,10 +190,8 @@ def _print_row(row):
         print(f"[grouped_gemm] {row['shape']} ERROR {row['error']}", flush=True)
         return
     tf = " ".join(f"{n} {v['tflops']:.1f}" for n, v in row["gemms"].items())
-    e = row["experts_fwd_bwd"]
     print(f"[grouped_gemm] {row['shape']}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
-          f"(with shared {row.get('gemm_bound_share_with_shared')}); experts separate {e['separate_ms']:.3f} ms, "
-          f"stacked {e['stacked_ms']:.3f} ms", flush=True)
+          f"(with shared {row.get('gemm_bound_share_with_shared')})", flush=True)
 
 
 def parse(argv=None):
@@ -313,7 +232,7 @@ def main(argv=None) -> dict:
     figures = {"dense_bf16_gemm_tflops": dense, "dense_gemm_n": dense_n, "dtype": "bfloat16", "tokens": a.tokens,
                "warmup": a.warmup, "iters": a.iters, "rows": rows}
     for name in a.shapes:
-        # each shape compiles its fused SwiGLU (and autotuned GEMMs) for its own widths
+        # each shape compiles its autotuned GEMMs for its own widths
         torch._dynamo.reset()
         try:
             row = bench_shape(name, SHAPES[name], a, device, dtype, dense)

@@ -30,9 +30,9 @@ from titan_fold.common.fused import fused  # noqa: E402
 from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
 from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
-from titan_fold.moe.experts import _swiglu_prob_forward  # noqa: E402
 from titan_fold.moe.quack import _down_forward, _varlen_m, offsets, quack, quack_problem  # noqa: E402
 from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
+from titan_fold.moe.swiglu import _pairs_prob_forward  # noqa: E402
 from titan_fold.trainer.optimizer import adam_update  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def calls(device: torch.device) -> dict:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
 
     rows, ffn, dim, k, experts, head_dim = 256, 768, 2048, 8, 128, 128
-    a, b, p = randn(rows, ffn), randn(rows, ffn), torch.rand(rows, 1, device=device, generator=gen)
+    ab, p = randn(rows, 2 * ffn), torch.rand(rows, 1, device=device, generator=gen)
     routed, slot = randn(rows * k, dim), torch.randperm(rows * k, device=device, generator=gen)
     q, kk = randn(1, rows, 4, head_dim), randn(1, rows, 1, head_dim)
     cos, sin = randn(rows, head_dim, dtype=torch.float32), randn(rows, head_dim, dtype=torch.float32)
@@ -57,8 +57,8 @@ def calls(device: torch.device) -> dict:
     weight, grad, exp_avg, exp_avg_sq = randn(n), randn(n), randn(n), randn(n).abs()
     coef = torch.tensor([1e-4, 1.0, 1.0, 1.0], device=device)
     found = {
-        "torch.add (one plain op)": lambda: torch.add(a, b),
-        "swiglu x routing weight (fused)": lambda: fused(_swiglu_prob_forward)(a, b, p),
+        "torch.add (one plain op)": lambda: torch.add(ab, ab),
+        "swiglu x routing weight (fused)": lambda: fused(_pairs_prob_forward)(ab, p),
         "sum over k (fused)": lambda: fused(_sum_by_token)(routed, slot, k, False),
         "q / k norms + RoPE (autograd Function, fused)": lambda: apply_rope_qk(q, kk, cos, sin, *norms),
         "router: choice and losses (compiled with backward)": lambda: route(logits, bias, rows, args, 1.0),

@@ -85,9 +85,9 @@ def test_checkpoint_holds_every_state(run_a):
     folder, _ = run_a
     step3 = str(folder / "checkpoint" / "step-3")
     md = read_metadata(step3).state_dict_metadata
-    # experts' Adam moments: one global [E, ffn, dim] tensor, written by the ep shards
-    exp_avg = md["optimizer.state.layers.0.moe.experts.w1.exp_avg"]
-    assert isinstance(exp_avg, TensorStorageMetadata) and list(exp_avg.size) == [8, 32, 64]
+    # experts' Adam moments: one global [E, 2 * ffn, dim] tensor, written by the ep shards
+    exp_avg = md["optimizer.state.layers.0.moe.experts.w13.exp_avg"]
+    assert isinstance(exp_avg, TensorStorageMetadata) and list(exp_avg.size) == [8, 64, 64]
     assert len(exp_avg.chunks) == 2  # one chunk per ep rank
     for key in ("lr_scheduler.last_epoch", "dataloader.consumed_sequences", "train_state.step"):
         assert isinstance(md[key], BytesStorageMetadata), key
@@ -201,6 +201,20 @@ def test_mismatched_checkpoint_fails_clearly(seed_checkpoint):
     other_model = dict(good, **{"layers.9.attention.wq.weight": torch.empty(64, 64)})
     with pytest.raises(CheckpointError, match="missing from the checkpoint.*layers.9.attention.wq.weight"):
         validate_against(seed_checkpoint, other_model)
+
+
+def test_checkpoint_with_gate_and_up_apart_names_the_way_out(tmp_path):
+    """A checkpoint whose routed experts hold w1 and w3 apart (titan_fold before experts.w13):
+    refused before any read, naming the conversion through a Hugging Face folder."""
+    import torch.distributed.checkpoint as dcp
+
+    old = {"layers.0.moe.experts.w1": torch.randn(4, 8, 16), "layers.0.moe.experts.w3": torch.randn(4, 8, 16),
+           "layers.0.moe.experts.w2": torch.randn(4, 16, 8)}
+    dcp.save(old, checkpoint_id=str(tmp_path / "step-1"))
+    want = {"layers.0.moe.experts.w13": torch.empty(4, 16, 16), "layers.0.moe.experts.w2": torch.empty(4, 16, 8)}
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \(1\): layers.0.moe.experts.w13\n"
+                                              r"[\s\S]*experts.w1 / w3[\s\S]*python -m titan_fold.hf export"):
+        validate_against(str(tmp_path / "step-1"), want)
 
 
 def test_truncated_data_file_fails_before_loading(seed_checkpoint, tmp_path):

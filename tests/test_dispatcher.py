@@ -74,15 +74,14 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
 
     # layer gradients in full shapes, summed over the world
     grads = {"router.gate.weight": moe.router.gate.weight.grad.double().cpu()}
-    for name in ("w1", "w2", "w3"):
+    for name in ("w13", "w2"):
         g = torch.zeros_like(full[f"experts.{name}"])
         expert_slice(g, name, ep_mesh, etp_mesh).copy_(local(getattr(moe.experts, name).grad))
         grads[f"experts.{name}"] = g
 
     # reference on the group's whole sequences (n = 1: this rank's tokens)
     Xr = X.flatten(0, 1).clone().requires_grad_()
-    y_ref, kept, _ = reference_moe(Xr, full["router.gate.weight"], full["experts.w1"], full["experts.w2"],
-                                   full["experts.w3"], args)
+    y_ref, kept, _ = reference_moe(Xr, full["router.gate.weight"], full["experts.w13"], full["experts.w2"], args)
     (y_ref * U.flatten(0, 1)).sum().backward()
     ref_grads = {k: full[k].grad / n for k in grads}  # n ranks of the group each ran it
 
@@ -116,7 +115,7 @@ def check_dtensor_init(ep_mesh, etp_mesh, weights_mesh):
     moe.to_empty(device=weights_mesh.device_type)
     torch.manual_seed(3)
     moe.init_weights(0.1)
-    full = {n: getattr(moe.experts, n).full_tensor().cpu() for n in ("w1", "w2", "w3")}
+    full = {n: getattr(moe.experts, n).full_tensor().cpu() for n in ("w13", "w2")}
     ref = MoE(DIM, args)
     torch.manual_seed(3)
     ref.init_weights(0.1)

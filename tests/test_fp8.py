@@ -103,7 +103,7 @@ def test_moe_layer_fp8_close_to_bf16():
     assert 0 < err < 0.1
     for y in ys:
         y.square().sum().backward()
-    for name in ("w1", "w2", "w3"):
+    for name in ("w13", "w2"):
         a, b = (getattr(layer.experts, name).grad for layer in layers)
         assert (b - a).norm() / a.norm() < 0.1
 

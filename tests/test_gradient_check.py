@@ -57,7 +57,7 @@ def test_expected_groups_of_qwen2_at_64():
         "layers.0.attention.wq.weight": dp,
         "layers.0.attention_norm.weight": set(stage),
         "layers.0.moe.router.gate.weight": set(stage),
-        "layers.0.moe.experts.w1": {17, 21, 25, 29},  # edp: stride ep x etp = 4
+        "layers.0.moe.experts.w13": {17, 21, 25, 29},  # edp: stride ep x etp = 4
     }
     for fqn, grad in want.items():
         exp = expected(plan[fqn], layout)
@@ -68,8 +68,8 @@ def test_expected_groups_of_qwen2_at_64():
     assert g.group(17, "attention", wq.norm_dims) == {r + 16 * k for r in stage for k in (-1, 0, 1, 2)}
     norm = expected(plan["layers.0.attention_norm.weight"], layout)
     assert g.group(17, "attention", norm.norm_dims) == {r + 16 * k for r in dp for k in (-1, 0, 1, 2)}
-    w1 = expected(plan["layers.0.moe.experts.w1"], layout)
-    assert w1.norm_dims == ("pp", "edp", "ep")
+    w13 = expected(plan["layers.0.moe.experts.w13"], layout)
+    assert w13.norm_dims == ("pp", "edp", "ep")
 
 
 def test_groups_agree_with_the_layout_tool():
@@ -225,7 +225,7 @@ def _plant_in_expert_fsdp(monkeypatch, plant):
     monkeypatch.setattr(parallelize, "apply_fsdp", planted)
 
 
-EXPERTS = {f"layers.{i}.moe.experts.{w}" for i in (0, 1) for w in ("w1", "w2", "w3")}
+EXPERTS = {f"layers.{i}.moe.experts.{w}" for i in (0, 1) for w in ("w13", "w2")}
 
 
 def test_skipped_reduce_scatter(monkeypatch):
@@ -233,8 +233,8 @@ def test_skipped_reduce_scatter(monkeypatch):
     _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_requires_gradient_sync(False))
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
     assert set(found) == EXPERTS
-    assert "no gradient reached the optimizer" in found["layers.0.moe.experts.w1"]
-    assert "gradient summed over none, the plan says edp" in found["layers.0.moe.experts.w1"]
+    assert "no gradient reached the optimizer" in found["layers.0.moe.experts.w13"]
+    assert "gradient summed over none, the plan says edp" in found["layers.0.moe.experts.w13"]
 
 
 def test_extra_reduction(monkeypatch):
@@ -253,7 +253,7 @@ def test_divided_by_the_wrong_degree(monkeypatch):
     _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_gradient_divide_factor(float(layout.ep)))
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
     assert set(found) == EXPERTS
-    assert found["layers.0.moe.experts.w3"] == ["gradient scaled by 1/4 besides its sum over edp (plan: a plain sum, "
+    assert found["layers.0.moe.experts.w13"] == ["gradient scaled by 1/4 besides its sum over edp (plan: a plain sum, "
                                                 "the loss is already divided by the step's token count)"]
 
 
@@ -266,7 +266,7 @@ def test_reduced_over_tp_where_ep_equals_tp(monkeypatch):
                     "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2",
                     "--training.local_batch_size", "1"))
     assert set(found) == EXPERTS
-    assert found["layers.0.moe.experts.w1"] == ["gradient summed over edp x etp, the plan says edp"]
+    assert found["layers.0.moe.experts.w13"] == ["gradient summed over edp x etp, the plan says edp"]
 
 
 def test_one_parameter_listed_twice_for_the_norm(monkeypatch):
@@ -303,4 +303,4 @@ def test_command_prints_the_table_and_exits_1_on_a_mismatch(tmp_path, monkeypatc
     _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_gradient_divide_factor(float(layout.ep)))
     assert main(args) == 1
     out = capsys.readouterr().out
-    assert "MISMATCH layers.0.moe.experts.w1 on rank 7: gradient scaled by 1/4 besides its sum over edp" in out
+    assert "MISMATCH layers.0.moe.experts.w13 on rank 7: gradient scaled by 1/4 besides its sum over edp" in out

@@ -324,8 +324,8 @@ def test_cli_placements_print_the_plan(capsys):
     argv = ["--world-size", "8", "--tp", "2", "--cp", "2", "--ep", "4", "--etp", "2", "--model", "qwen2_moe/debug"]
     assert layout_cli.main(argv + ["--placements"]) == 0
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
-    # experts: 8 of [32, 64] split 4 ways by expert and 2 ways by width
-    assert lines["layers.0-3.moe.experts.w1"][1:7] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "-", "8x32x64", "2x16x64"]
+    # experts: 8 of [2 x 32, 64] split 4 ways by expert and 2 ways by width
+    assert lines["layers.0-3.moe.experts.w13"][1:7] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "-", "8x64x64", "2x32x64"]
     assert lines["layers.0-3.moe.experts.w2"][5:7] == ["8x64x32", "2x64x16"]
     assert lines["layers.0-3.attention.wo.weight"][1:4] == ["attention", "tp:Shard(1)", "RowwiseParallel"]
     assert lines["layers.0-3.moe.router.gate.weight"][2] == "tp:Replicate"

@@ -212,8 +212,8 @@ def test_quack_only_where_the_row_count_is_fixed():
     assert varying_rows(MoEArgs(), 1, 1) is None and varying_rows(MoEArgs(), 1, 2) is not None
 
 
-def _grouped_product(a, b, c, cu_seqlens_m, cu_seqlens_k, a_idx):
-    """float64 a @ b (+ c) per group: rows of a (a[a_idx] where given) by cu_seqlens_m, b [E, k, n];
+def _grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, a_idx):
+    """float64 a @ b per group: rows of a (a[a_idx] where given) by cu_seqlens_m, b [E, k, n];
     or the contraction by cu_seqlens_k, a [m, R], b [R, n] -> [E, m, n]."""
     a, b = a.double(), b.double()
     if cu_seqlens_k is not None:
@@ -223,25 +223,21 @@ def _grouped_product(a, b, c, cu_seqlens_m, cu_seqlens_k, a_idx):
         rows = a if a_idx is None else a[a_idx.long()]
         bounds = cu_seqlens_m.tolist()
         out = torch.cat([rows[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
-    return out if c is None else out + c.double()
+    return out
 
 
-def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
-    """moe/quack.py's _gemm: the first call of a call signature (dtypes, shapes, strides) goes
-    through QuACK's tuner, later calls of it replay the launch the tuner resolved, whatever their
-    values; a new shape is tuned again; an empty contraction writes zeros and an empty output is
-    left alone, with no launch. A stand-in for QuACK's interface records each call and computes it
-    in float64: each result must equal the grouped product computed apart."""
+def _stand_in_quack(calls):
+    """QuACK's interface as moe/quack.py calls it, each call computed in float64 and recorded in
+    calls: gemm_tuned / _gemm_execute (a plain grouped GEMM, tuned or replayed) and gemm_dgated,
+    whose epilogue, per QuACK's documentation, takes acc = A @ B per group and the preact's (gate,
+    up) pairs and returns pack(dgate, dup) of SwiGLU's backward of acc * scale, the SwiGLU times
+    scale, and the row sum of SwiGLU x acc."""
     from types import SimpleNamespace
 
-    import titan_fold.moe.quack as qm
-
-    monkeypatch.setattr(qm, "_PLANS", {})
-    calls = []
-
     def launch(kind, a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan):
+        assert c is None
         calls.append((kind, plan))
-        out.copy_(_grouped_product(a, b, c, cu_seqlens_m, cu_seqlens_k, A_idx))
+        out.copy_(_grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, A_idx))
 
     def gemm_tuned(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, dynamic_scheduler):
         assert dynamic_scheduler
@@ -255,29 +251,99 @@ def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
         launch("replay", a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, (config, split_k, dynamic_scheduler,
                                                                             dispatch_plan))
 
-    q = SimpleNamespace(gemm_tuned=gemm_tuned, _gemm_execute=gemm_execute, RoundingMode=SimpleNamespace(RN="RN"),
-                        SplitKMode=SimpleNamespace(SERIAL="SERIAL"))
+    def gemm_dgated(a, b, preact, *, activation, colvec_scale, colvec_reduce, cu_seqlens_m, dynamic_scheduler):
+        assert activation == "swiglu" and colvec_reduce and dynamic_scheduler
+        calls.append(("dgated", None))
+        acc = _grouped_product(a, b, cu_seqlens_m, None, None)  # [R, ffn]
+        s = colvec_scale.double()[:, None]
+        gate, up = preact.double()[:, 0::2], preact.double()[:, 1::2]
+        sig = torch.sigmoid(gate)
+        out = gate * sig * up
+        dout = acc * s
+        dgate, dup = dout * up * sig * (1 + gate * (1 - sig)), dout * gate * sig
+        dpre = torch.stack((dgate, dup), -1).flatten(-2)
+        return dpre.to(preact.dtype), (out * s).to(preact.dtype), (out * acc).sum(-1).float()
+
+    return SimpleNamespace(gemm_tuned=gemm_tuned, _gemm_execute=gemm_execute, gemm_dgated=gemm_dgated,
+                           RoundingMode=SimpleNamespace(RN="RN"), SplitKMode=SimpleNamespace(SERIAL="SERIAL"))
+
+
+@pytest.mark.parametrize("prob_before_w2", [True, False])
+@pytest.mark.parametrize("gathered", [True, False])
+def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before_w2):
+    """moe/quack.py's experts (forward, and backward through gemm_dgated and the w13 GEMMs) on a
+    float64 stand-in for QuACK, on the CPU: the output and the gradients of the tokens, the
+    probabilities, w13 and w2 equal float64 autograd of the per-expert loop (moe/experts.py's
+    fallback), rows gathered from the tokens in place or given; one expert gets no row."""
+    import titan_fold.moe.quack as qm
+    from titan_fold.moe.dispatcher import _Dispatch, _sum_rows
+    from titan_fold.moe.experts import _swiglu_loop
+
+    calls = []
+    monkeypatch.setattr(qm, "_PLANS", {})
+    monkeypatch.setattr(qm, "_QUACK", _stand_in_quack(calls))
+    monkeypatch.setattr(qm, "_LOADED", True)
+    torch.manual_seed(0)
+    T, k, E, dim, ffn = 12, 2, 4, 16, 8
+    experts_of = torch.randn(T, E - 1).topk(k, -1).indices.flatten()
+    order = torch.sort(experts_of, stable=True).indices
+    counts = torch.bincount(experts_of, minlength=E)
+    rows, slot = order // k, torch.empty_like(order).scatter_(0, order, torch.arange(T * k))
+    leaves = {n: torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+              for n, shape in (("x", (T, dim)), ("p", (T * k,)), ("w13", (E, 2 * ffn, dim)), ("w2", (E, dim, ffn)))}
+    gy = torch.randn(T * k, dim, dtype=torch.float64)
+
+    def grads(run):
+        for t in leaves.values():
+            t.grad = None
+        y = run(**leaves)
+        y.backward(gy)
+        return [y.detach()] + [leaves[n].grad.clone() for n in ("x", "p", "w13", "w2")]
+
+    want = grads(lambda x, p, w13, w2: _swiglu_loop(_Dispatch.apply(x, rows, slot, k, False), counts, w13, w2,
+                                                     p[order].unsqueeze(-1), prob_before_w2))
+
+    def ours(x, p, w13, w2):
+        offs = qm.offsets(counts)
+        if gathered:
+            return qm.quack_experts(x, offs, w13, w2, p[order], prob_before_w2, qm.Gather(rows, slot, k, _sum_rows))
+        return qm.quack_experts(_Dispatch.apply(x, rows, slot, k, False), offs, w13, w2, p[order], prob_before_w2)
+
+    for got, exp, name in zip(grads(ours), want, ("y", "dx", "dp", "dw13", "dw2")):
+        assert torch.allclose(got.double(), exp, rtol=1e-5, atol=1e-6), name
+    # forward: w13, w2; backward: the gated dgrad, w2's weight gradient, w13's input and weight gradients
+    assert [kind for kind, _ in calls].count("dgated") == 1 and len(calls) == 6
+
+
+def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
+    """moe/quack.py's _gemm: the first call of a call signature (dtypes, shapes, strides) goes
+    through QuACK's tuner, later calls of it replay the launch the tuner resolved, whatever their
+    values; a new shape is tuned again; an empty contraction writes zeros and an empty output is
+    left alone, with no launch. A stand-in for QuACK's interface (_stand_in_quack) records each call
+    and computes it in float64: each result must equal the grouped product computed apart."""
+    import titan_fold.moe.quack as qm
+
+    monkeypatch.setattr(qm, "_PLANS", {})
+    calls = []
+    q = _stand_in_quack(calls)
     torch.manual_seed(0)
     x, w = torch.randn(6, 8), torch.randn(3, 8, 4)
     for counts in ([4, 0, 6], [1, 7, 2]):  # one signature, two routings
         offs = qm.offsets(torch.tensor(counts))
         rows = torch.randint(0, 6, (10,), dtype=torch.int32)
         got = qm._varlen_m(q, x, w, offs, rows)
-        assert torch.allclose(got.double(), _grouped_product(x, w, None, offs, None, rows))
+        assert torch.allclose(got.double(), _grouped_product(x, w, offs, None, rows))
     tuned_plan = calls[0][1]
     assert [kind for kind, _ in calls] == ["tuned", "replay"] and calls[1][1] == tuned_plan
-    grad = torch.randn(10, 4)
-    dw = qm._wgrad(q, grad, torch.randn(10, 8), offs)  # a new signature: tuned
-    acc = torch.randn(10, 4)
-    want = _grouped_product(grad[:, :4], w[:, :4], acc, offs, None, None)
-    qm._gemm(q, grad[:, :4].contiguous(), w[:, :4].contiguous(), acc, acc, cu_seqlens_m=offs)  # += in place
-    assert torch.allclose(acc.double(), want) and dw.shape == (3, 4, 8)
-    assert [kind for kind, _ in calls] == ["tuned", "replay", "tuned", "tuned"]
+    grad, right = torch.randn(10, 4), torch.randn(10, 8)
+    dw = qm._wgrad(q, grad, right, offs)  # a new signature: tuned
+    assert torch.allclose(dw.double(), _grouped_product(grad.mT, right, None, offs, None))
+    assert [kind for kind, _ in calls] == ["tuned", "replay", "tuned"]
     empty_k = torch.full((3, 4, 8), float("nan"))
     qm._gemm(q, torch.randn(4, 0), torch.randn(0, 8), empty_k, cu_seqlens_k=torch.zeros(4, dtype=torch.int32))
-    assert torch.equal(empty_k, torch.zeros(3, 4, 8)) and len(calls) == 4
+    assert torch.equal(empty_k, torch.zeros(3, 4, 8)) and len(calls) == 3
     assert qm._varlen_m(q, x, w, qm.offsets(torch.zeros(3, dtype=torch.int64)), rows[:0]).shape == (0, 4)
-    assert len(calls) == 4
+    assert len(calls) == 3
 
 
 def test_quack_ops_run_directly_in_eager_and_as_ops_when_traced():
@@ -340,7 +406,7 @@ def _experts_case(T, k, E, dim, ffn, prob_before_w2, idle_experts=0, seed=0):
     mod.init_weights(0.02)
     w = {n: p.detach().double().cpu().requires_grad_() for n, p in mod.named_parameters()}
     xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    want = _swiglu_loop(_Dispatch.apply(xr, rows, slot, k, False), counts, w["w1"], w["w2"], w["w3"],
+    want = _swiglu_loop(_Dispatch.apply(xr, rows, slot, k, False), counts, w["w13"], w["w2"],
                         pr[order].unsqueeze(-1), prob_before_w2)
     gy = torch.randn_like(want)
     want.backward(gy)
@@ -374,16 +440,16 @@ def _run_experts(case, grouped_gemm, rows_in, prob_before_w2):
         y = mod(xg[case["rows"]], case["counts"], probs, prob_before_w2)
     y.backward(case["gy"])
     if mod.wgrad is not None:
-        assert all(getattr(mod, n).grad is None for n in ("w1", "w2", "w3")) and len(mod.wgrad) == 3
+        assert all(getattr(mod, n).grad is None for n in ("w13", "w2")) and len(mod.wgrad) == 2
         mod.wgrad.flush()
-    return {"y": y, "dx": xg.grad, "dp": pg.grad, **{f"d{n}": getattr(mod, n).grad for n in ("w1", "w2", "w3")}}
+    return {"y": y, "dx": xg.grad, "dp": pg.grad, **{f"d{n}": getattr(mod, n).grad for n in ("w13", "w2")}}
 
 
 @needs_quack
 @pytest.mark.parametrize("rows_in", ["gathered", "given", "given_split_wgrad"])
 @pytest.mark.parametrize("prob_before_w2", [True, False])
 def test_quack_experts_match_float64(rows_in, prob_before_w2):
-    """Forward and every gradient (tokens, probabilities, w1, w2, w3) of the QuACK experts, with
+    """Forward and every gradient (tokens, probabilities, w13, w2) of the QuACK experts, with
     the gather fused, on given rows, or on given rows with the weight gradients queued apart
     (moe.delay_wgrad_compute) and run after backward, against float64 per-expert GEMMs; two
     experts get no row."""
@@ -392,7 +458,7 @@ def test_quack_experts_match_float64(rows_in, prob_before_w2):
     got = _run_experts(case, "quack", rows_in, prob_before_w2)
     for n in want:
         assert _rel(got[n], want[n]) < 1e-2, n
-    for n in ("dw1", "dw2", "dw3"):
+    for n in ("dw13", "dw2"):
         assert got[n][E - 2:].abs().max() == 0  # experts without rows
 
 
@@ -430,8 +496,8 @@ def test_quack_weight_gradient_writes_zeros_for_experts_without_rows():
 def test_quack_replayed_launch_equals_tuned_launch(monkeypatch):
     """moe/quack.py's _gemm on the GPU: a replayed launch gives the bits of the tuned launch on the
     same inputs, and on another routing of the same shapes the grouped product within bf16's
-    rounding of float64, for the three kinds of call the experts make (varlen-M with gathered rows,
-    varlen-K, varlen-M added in place)."""
+    rounding of float64, for the two kinds of plain call the experts make (varlen-M with gathered
+    rows, varlen-K)."""
     import titan_fold.moe.quack as qm
 
     monkeypatch.setattr(qm, "_PLANS", {})
@@ -441,12 +507,10 @@ def test_quack_replayed_launch_equals_tuned_launch(monkeypatch):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
 
     T, k, E, dim, ffn = 64, 4, 8, 128, 64
-    x, w, dy, acc = randn(T, dim), randn(E, dim, ffn), randn(T * k, ffn), randn(T * k, ffn)
+    x, w, dy = randn(T, dim), randn(E, dim, ffn), randn(T * k, ffn)
     calls = {
-        "varlen-M, gathered rows": lambda offs, rows: (qm._varlen_m(q, x, w, offs, rows), (x, w, None, offs, None, rows)),
-        "varlen-K": lambda offs, rows: (qm._wgrad(q, dy, x[rows.long()], offs), (dy.mT, x[rows.long()], None, None, offs, None)),
-        "varlen-M added in place": lambda offs, rows: (
-            qm._gemm(q, x[rows.long()], w, out := acc.clone(), out, cu_seqlens_m=offs), (x[rows.long()], w, acc, offs, None, None)),
+        "varlen-M, gathered rows": lambda offs, rows: (qm._varlen_m(q, x, w, offs, rows), (x, w, offs, None, rows)),
+        "varlen-K": lambda offs, rows: (qm._wgrad(q, dy, x[rows.long()], offs), (dy.mT, x[rows.long()], None, offs, None)),
     }
     for name, call in calls.items():
         first = None

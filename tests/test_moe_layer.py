@@ -43,11 +43,11 @@ def run_layer(moe, x):
 
 
 def run_reference(moe, x, upstream, args, chunks=1):
-    names = ["router.gate.weight", "experts.w1", "experts.w2", "experts.w3"]
+    names = ["router.gate.weight", "experts.w13", "experts.w2"]
     params = {n: p.detach().double().clone().requires_grad_() for n, p in moe.named_parameters() if n in names}
     xr = x.detach().double().flatten(0, 1).requires_grad_()
     y, kept, chosen = reference_moe(
-        xr, params["router.gate.weight"], params["experts.w1"], params["experts.w2"], params["experts.w3"],
+        xr, params["router.gate.weight"], params["experts.w13"], params["experts.w2"],
         args, bias=moe.router.expert_bias.tolist(), chunks=chunks,
     )
     (y * upstream.double().flatten(0, 1)).sum().backward()
@@ -283,7 +283,7 @@ def test_autocast_bf16_matches_fp32():
     assert y.dtype == torch.bfloat16
     assert (y.float() - ref).norm() / ref.norm() < 2e-2
     y.float().sum().backward()
-    assert moe.experts.w1.grad.dtype == torch.float32 and moe.experts.w1.grad.abs().sum() > 0
+    assert moe.experts.w13.grad.dtype == torch.float32 and moe.experts.w13.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("n,groups", [(0, 3), (1, 1), (40, 7), (300, 129)])
@@ -351,35 +351,46 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [64, 333])
 def test_fused_kernels_match_float64(device, rows):
-    """The fused SwiGLU, times the probability and alone (forward, backward), and the gather-sum over k, as
-    run on this device (one generated kernel each on CUDA, plain ops on the CPU), against
-    float64 autograd of the unfused formula; two row counts share one compile."""
+    """The fused SwiGLU on (gate, up) pairs, times the probability and alone, and on two tensors
+    (forward, backward), and the gather-sum over k, as run on this device (one generated kernel
+    each on CUDA, plain ops on the CPU), against float64 autograd of the unfused formula; two row
+    counts share one compile."""
     from titan_fold.common.fused import fused
     from titan_fold.moe.dispatcher import _sum_by_token
-    from titan_fold.moe.experts import swiglu
+    from titan_fold.moe.swiglu import swiglu, swiglu_pairs
 
     g = torch.Generator().manual_seed(rows)
     a, b, gy = (torch.randn(rows, 96, generator=g, dtype=torch.float64) for _ in range(3))
     p = torch.rand(rows, 1, generator=g, dtype=torch.float64)
-    ref = [t.clone().requires_grad_() for t in (a, b, p)]
-    (torch.nn.functional.silu(ref[0]) * ref[1] * ref[2]).backward(gy)
-    x = [t.to(device, torch.bfloat16).requires_grad_() for t in (a, b)] + [p.float().to(device).requires_grad_()]
-    y = swiglu(*x)
-    y.backward(gy.to(device, torch.bfloat16))
-    want = (torch.nn.functional.silu(a) * b * p)
-    for got, exp in [(y, want)] + [(t.grad, r.grad) for t, r in zip(x, ref)]:
-        err = (got.double().cpu() - exp).norm() / exp.norm()
+
+    def check(got, exp):
+        err = (got.double().cpu().reshape(exp.shape) - exp).norm() / exp.norm()
         assert err < 6e-3, err  # bf16 rounding of the inputs and outputs only
-    # without p, on [b, s, ffn] as the dense FFN and the shared expert call it
+
+    for with_p in (True, False):
+        # the routed experts' form: gate and up alternate along the last dim of one tensor
+        ref = [t.clone().requires_grad_() for t in (a, b, p)]
+        want = torch.nn.functional.silu(ref[0]) * ref[1] * (ref[2] if with_p else 1)
+        want.backward(gy)
+        ab = torch.stack((a, b), -1).flatten(-2).to(device, torch.bfloat16).requires_grad_()
+        pp = p.float().to(device).requires_grad_()
+        y = swiglu_pairs(ab, pp if with_p else None)
+        y.backward(gy.to(device, torch.bfloat16))
+        assert y.shape == (rows, 96) and ab.grad.shape == (rows, 192)
+        check(y, want.detach())
+        check(ab.grad[:, 0::2], ref[0].grad)
+        check(ab.grad[:, 1::2], ref[1].grad)
+        if with_p:
+            check(pp.grad, ref[2].grad)
+    # two tensors, on [b, s, ffn] as the dense FFN and the shared expert call it
     ref = [t.clone().requires_grad_() for t in (a, b)]
     (torch.nn.functional.silu(ref[0]) * ref[1]).backward(gy)
     x = [t.to(device, torch.bfloat16).view(1, rows, 96).requires_grad_() for t in (a, b)]
     y = swiglu(*x)
     y.backward(gy.to(device, torch.bfloat16).view(1, rows, 96))
+    assert y.shape == (1, rows, 96)
     for got, exp in [(y, torch.nn.functional.silu(a) * b)] + [(t.grad, r.grad) for t, r in zip(x, ref)]:
-        assert got.shape == (1, rows, 96)
-        err = (got.double().cpu().view(rows, 96) - exp).norm() / exp.norm()
-        assert err < 6e-3, err
+        check(got, exp)
 
     k, dim = 4, 64
     tokens = rows // k + 1

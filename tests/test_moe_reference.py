@@ -36,12 +36,13 @@ def drop_decisions(chosen, probs, num_experts, cap, policy):
     return kept
 
 
-def expert_ffn(x_t, w1, w2, w3, e, p, prob_before_w2):
-    h = F.silu(w1[e] @ x_t) * (w3[e] @ x_t)
+def expert_ffn(x_t, w13, w2, e, p, prob_before_w2):
+    # w13 [E, 2 * ffn, dim]: rows 2f and 2f + 1 are hidden unit f's gate and up projections
+    h = F.silu(w13[e, 0::2] @ x_t) * (w13[e, 1::2] @ x_t)
     return w2[e] @ (h * p) if prob_before_w2 else (w2[e] @ h) * p
 
 
-def reference_moe(x, gate, w1, w2, w3, args, bias=None, chunks=1, full_tokens=None):
+def reference_moe(x, gate, w13, w2, args, bias=None, chunks=1, full_tokens=None):
     """x [T, dim]; gate [E, dim]; full expert weights. Returns (y [T, dim], kept set, chosen).
 
     chunks: split the tokens into this many equal groups that decide capacity separately
@@ -69,6 +70,6 @@ def reference_moe(x, gate, w1, w2, w3, args, bias=None, chunks=1, full_tokens=No
         y_t = torch.zeros_like(x[t])
         for j, e in enumerate(chosen[t]):
             if (t, j) in kept:
-                y_t = y_t + expert_ffn(x[t], w1, w2, w3, e, probs[t][j], args.prob_before_w2)
+                y_t = y_t + expert_ffn(x[t], w13, w2, e, probs[t][j], args.prob_before_w2)
         rows.append(y_t)
     return torch.stack(rows), kept, chosen

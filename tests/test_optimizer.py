@@ -498,7 +498,7 @@ def test_fsdp2_masters_on_both_meshes_match_one_rank(sharded_runs, seed_checkpoi
     step4 = root / "sharded" / "checkpoint" / "step-4"
     metadata = read_metadata(str(step4)).state_dict_metadata
     # saved by 4 shards each: dense 4 over dp_shard, experts 2 over ep x 2 over edp
-    for name in ("layers.0.attention.wq.weight", "layers.0.moe.experts.w1"):
+    for name in ("layers.0.attention.wq.weight", "layers.0.moe.experts.w13"):
         assert len(metadata[f"optimizer.state.{name}.{MASTER_KEY}"].chunks) == 4, name
 
     assert [m["step"] for m in one] == [m["step"] for m in sharded] == list(range(1, SHARDED_STEPS + 1))

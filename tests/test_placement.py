@@ -48,8 +48,7 @@ DENSE = {
 }
 # suffix -> ((ep placement, etp placement), global shape, model-width dim)
 EXPERTS = {
-    "moe.experts.w1": ((Shard(0), Shard(1)), (8, 32, 64), 2),
-    "moe.experts.w3": ((Shard(0), Shard(1)), (8, 32, 64), 2),
+    "moe.experts.w13": ((Shard(0), Shard(1)), (8, 64, 64), 2),
     "moe.experts.w2": ((Shard(0), Shard(2)), (8, 64, 32), 1),
 }
 
@@ -76,7 +75,7 @@ def test_issue_layouts(name):
     kwargs, tp_dims, dense_fsdp, expert_dims, expert_fsdp = LAYOUTS[name]
     layout = Layout(8, **kwargs)
     plan = placement_plan(QWEN, layout)
-    assert len(plan) == 3 + 4 * 17  # embedding, norm, output + per block 17 (qkv biases, shared expert + gate)
+    assert len(plan) == 3 + 4 * 16  # embedding, norm, output + per block 16 (qkv biases, shared expert + gate)
     for fqn, placed in plan.items():
         if ".moe.experts." in fqn:
             placements, shape, _ = EXPERTS[_suffix(fqn, EXPERTS)]
@@ -104,11 +103,11 @@ def test_issue_layouts(name):
 def test_fsdp_shards_model_width_when_fewer_local_experts_than_edp():
     # 16 ranks, ep 8: one expert per ep rank, edp 2 -> FSDP cannot split dim 0 (size 1)
     plan = placement_plan(QWEN, Layout(16, tp=2, ep=8))
-    assert plan["layers.0.moe.experts.w1"].fsdp_dim == 2  # [E, ffn, dim]: dim
+    assert plan["layers.0.moe.experts.w13"].fsdp_dim == 2  # [E, 2 * ffn, dim]: dim
     assert plan["layers.0.moe.experts.w2"].fsdp_dim == 1  # [E, dim, ffn]: dim
     assert plan["layers.0.moe.experts.w2"].fsdp_mesh == ("edp",)
     # 4 local experts over edp 4: dim 0 again
-    assert placement_plan(QWEN, Layout(8, tp=4, ep=2))["layers.0.moe.experts.w1"].fsdp_dim == 0
+    assert placement_plan(QWEN, Layout(8, tp=4, ep=2))["layers.0.moe.experts.w13"].fsdp_dim == 0
 
 
 def test_real_size_local_shapes():
@@ -126,7 +125,7 @@ def test_format_plan_folds_blocks():
     text = format_plan(placement_plan(QWEN, layout), layout)
     lines = text.splitlines()
     assert lines[0].split() == ["parameter", "mesh", "placements", "tp_style", "shape", "local", "fsdp"]
-    assert len(lines) == 1 + 3 + 17  # one line per distinct parameter, layers 0-3 folded
+    assert len(lines) == 1 + 3 + 16  # one line per distinct parameter, layers 0-3 folded
     wq = next(line for line in lines if line.startswith("layers.0-3.attention.wq.weight"))
     assert wq.split() == [
         "layers.0-3.attention.wq.weight", "attention", "tp:Shard(0)", "ColwiseParallel", "64x64", "32x64",
@@ -230,9 +229,9 @@ def test_the_printed_plan_names_fsdp_strided_shards():
     assert plan["layers.0.attention.wq.weight"].dtensor(layout) == (
         ("dp_shard_cp", "tp"), (_StridedShard(0, split_factor=2), Shard(0)))
     assert plan["layers.0.attention.wo.weight"].dtensor(layout) == (("dp_shard_cp", "tp"), (Shard(0), Shard(1)))
-    assert plan["layers.0.moe.experts.w1"].dtensor(layout) == (("ep", "etp"), (Shard(0), Shard(1)))  # edp 1: no FSDP
+    assert plan["layers.0.moe.experts.w13"].dtensor(layout) == (("ep", "etp"), (Shard(0), Shard(1)))  # edp 1: no FSDP
     wide = Layout(16, tp=2, ep=8)
-    assert placement_plan(QWEN, wide)["layers.0.moe.experts.w1"].dtensor(wide) == (("edp", "ep"), (Shard(2), Shard(0)))
+    assert placement_plan(QWEN, wide)["layers.0.moe.experts.w13"].dtensor(wide) == (("edp", "ep"), (Shard(2), Shard(0)))
 
 
 def test_pipeline_stages_in_the_plan():

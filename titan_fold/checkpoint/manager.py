@@ -413,7 +413,11 @@ def compare_shapes(where: str, saved: dict[str, list[int]], wanted: dict[str, li
     hints = []
     if any(k.endswith(("tok_embeddings.weight", "output.weight", "embed_tokens.weight", "lm_head.weight")) for k in wrong):
         hints.append("the vocabulary size differs")
-    if wrong or missing:
+    if any(k.endswith("moe.experts.w13") and k[: -len("w13")] + "w1" in saved for k in missing):
+        hints.append("it holds the routed experts' gate and up projections apart (experts.w1 / w3), as titan_fold "
+                     "did before experts.w13: convert it with the code that saved it (python -m titan_fold.hf export) "
+                     "and start from that Hugging Face folder")
+    elif wrong or missing:
         hints.append("check --model.name / --model.flavor (and the [moe] shapes) against the run that saved it")
     lines.append("  hint: " + "; ".join(hints))
     raise CheckpointError("\n".join(lines))

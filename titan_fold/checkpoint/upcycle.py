@@ -110,8 +110,8 @@ def upcycle_state_dict(
         copies = moe.num_experts // G
         seg = moe.moe_ffn_dim
         # expert n * G + g = segment g of copy n
-        out[f"{p}moe.experts.w1"] = w1.view(G, seg, -1).repeat(copies, 1, 1).clone()  # [E, seg, dim]
-        out[f"{p}moe.experts.w3"] = w3.view(G, seg, -1).repeat(copies, 1, 1).clone()
+        gate_up = torch.stack([w1.view(G, seg, -1), w3.view(G, seg, -1)], dim=2).flatten(1, 2)  # [G, 2 seg, dim]
+        out[f"{p}moe.experts.w13"] = gate_up.repeat(copies, 1, 1).clone()  # [E, 2 seg, dim], rows alternating
         out[f"{p}moe.experts.w2"] = (w2.view(-1, G, seg).transpose(0, 1) * scale).repeat(copies, 1, 1).clone()  # [E, dim, seg]
         coarse = torch.randn(copies, args.dim) * router_std
         out[f"{p}moe.router.gate.weight"] = coarse.repeat_interleave(G, dim=0).to(w1.dtype)  # [E, dim]

@@ -13,8 +13,9 @@ The HF names are those of the checkpoints on the Hub (and of what transformers 5
     MixtralForCausalLM    model.layers.{i}.block_sparse_moe.gate.weight        [E, dim]
                           model.layers.{i}.block_sparse_moe.experts.{e}.w1/w3  [ffn, dim], w2 [dim, ffn]
 
-while ours stacks them: moe.experts.w1 / w3 [E, ffn, dim], w2 [E, dim, ffn]
-(gate_proj = w1, up_proj = w3, down_proj = w2). Attention (q/k/v/o_proj), norms,
+while ours stacks them: moe.experts.w13 [E, 2 * ffn, dim] with each expert's gate_proj and
+up_proj rows alternating (row 2f gate, row 2f + 1 up: moe/experts.py), w2 [E, dim, ffn]
+(down_proj). Attention (q/k/v/o_proj), norms,
 embeddings and the head map one to one; RoPE is half-split on both sides, so wq / wk need
 no permutation. A tied checkpoint has no lm_head.weight: our output head is the embedding.
 The aux-free `router.expert_bias` has no HF counterpart: export drops it (and refuses
@@ -108,7 +109,8 @@ class MoEStateDictAdapter(StateDictAdapter):
     """Family-specific names of the MoE block come from the subclass."""
 
     moe_prefix: str  # "mlp" or "block_sparse_moe"
-    expert_names: dict[str, str]  # ours (w1, w2, w3) -> HF name of one expert's matrix
+    # one expert's matrices -> their HF names: w1 (gate), w3 (up), the halves of our w13, and w2 (down)
+    expert_names: dict[str, str]
     moe_layer: dict[str, str]  # ours (inside moe.) -> HF (inside moe_prefix.), not routed experts
 
     def __init__(self, model_args: TransformerArgs, hf_assets_path: str | None = None):
@@ -140,13 +142,16 @@ class MoEStateDictAdapter(StateDictAdapter):
         hf = {}
         for key, value in state_dict.items():
             m = _LAYER_KEY.fullmatch(key)
-            if m is not None and m.group(2) in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
+            if m is not None and m.group(2) in ("moe.experts.w13", "moe.experts.w2"):
                 i, name = m.group(1), m.group(2).rsplit(".", 1)[1]
                 if isinstance(value, DTensor):
                     self._expert_layout[key] = (value.device_mesh, value.placements)
                     value = value.full_tensor()  # [E, ...] on every rank
-                for e in range(value.shape[0]):
-                    hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[name]}"] = value[e]
+                # w13's rows alternate gate (w1), up (w3): each half a strided view, made contiguous
+                parts = {"w1": value[:, 0::2], "w3": value[:, 1::2]} if name == "w13" else {"w2": value}
+                for ours, stacked in parts.items():
+                    for e in range(stacked.shape[0]):
+                        hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[ours]}"] = stacked[e].contiguous()
                 continue
             hf_key = self._native_to_hf_key(key)
             if hf_key is not None:
@@ -174,26 +179,36 @@ class MoEStateDictAdapter(StateDictAdapter):
             i, rest = m.groups()
             e = expert_re.fullmatch(rest)
             if e is not None and e.group(2) in inverse_expert:
-                experts.setdefault(f"layers.{i}.moe.experts.{inverse_expert[e.group(2)]}", {})[int(e.group(1))] = value
+                experts.setdefault((i, inverse_expert[e.group(2)]), {})[int(e.group(1))] = value
             elif rest in inverse_layer:
                 native[f"layers.{i}.{inverse_layer[rest]}"] = value
             elif rest.startswith(self.moe_prefix + ".") and rest[len(self.moe_prefix) + 1 :] in inverse_moe:
                 native[f"layers.{i}.moe.{inverse_moe[rest[len(self.moe_prefix) + 1:]]}"] = value
             else:
                 raise HFKeyError(f"unknown Hugging Face key {hf_key!r} (another model family?)")
-        for key, by_expert in experts.items():
-            n = self.model_args.moe.num_experts
+        n = self.model_args.moe.num_experts
+        stacks = {}  # (layer, w1 / w2 / w3) -> [E, ...]
+        for (i, name), by_expert in experts.items():
             if sorted(by_expert) != list(range(n)):
                 raise HFConfigError(
-                    f"{key}: the Hugging Face checkpoint has {len(by_expert)} experts ({sorted(by_expert)}), "
-                    f"the model {n}: check --model.name / --model.flavor"
+                    f"layers.{i}.moe.experts.{name} ({self.expert_names[name]}): the Hugging Face checkpoint has "
+                    f"{len(by_expert)} experts ({sorted(by_expert)}), the model {n}: check --model.name / --model.flavor"
                 )
-            stacked = torch.stack([by_expert[e] for e in range(n)])  # [E, ...]
-            if key in self._expert_layout:
-                mesh, placements = self._expert_layout[key]
-                # every rank holds the whole stack: cut out its own shard, no communication
-                stacked = distribute_tensor(stacked, mesh, placements, src_data_rank=None)
-            native[key] = stacked
+            stacks[i, name] = torch.stack([by_expert[e] for e in range(n)])
+        for i in sorted({i for i, _ in stacks}, key=int):
+            found = {name for j, name in stacks if j == i}
+            if found != {"w1", "w2", "w3"}:
+                missing = [self.expert_names[name] for name in ("w1", "w2", "w3") if name not in found]
+                raise HFConfigError(f"layer {i}: the Hugging Face checkpoint's experts lack {', '.join(missing)}")
+            gate, up = stacks[i, "w1"], stacks[i, "w3"]  # [E, ffn, dim]
+            w13 = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2 * ffn, dim], gate and up rows alternating
+            for name, stacked in (("w13", w13), ("w2", stacks[i, "w2"])):
+                key = f"layers.{i}.moe.experts.{name}"
+                if key in self._expert_layout:
+                    mesh, placements = self._expert_layout[key]
+                    # every rank holds the whole stack: cut out its own shard, no communication
+                    stacked = distribute_tensor(stacked, mesh, placements, src_data_rank=None)
+                native[key] = stacked
         if self.model_args.tie_embeddings and "tok_embeddings.weight" in native:
             native["output.weight"] = native["tok_embeddings.weight"]
         return native

@@ -7,7 +7,7 @@
                                                            attention.wk_rope [rope, dim]
     self_attn.kv_a_layernorm / kv_b_proj / o_proj          attention.kv_a_norm / wkv_b / wo
     mlp.gate.weight, mlp.gate.e_score_correction_bias      moe.router.gate.weight, moe.router.expert_bias
-    mlp.experts.{e}.{gate,up,down}_proj.weight             moe.experts.w1 / w3 / w2 (stacked)
+    mlp.experts.{e}.{gate,up,down}_proj.weight             moe.experts.w13 (gate, up) / w2 (stacked)
     mlp.shared_experts.{gate,up,down}_proj.weight          moe.shared_expert.w1 / w3 / w2
     mlp.{gate,up,down}_proj.weight    (dense layers)       feed_forward.w1 / w3 / w2
 

@@ -394,7 +394,7 @@ class TokenDispatcher(nn.Module):
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
             return plan, x_rows, weight_of_row
         E_loc = E // self.ep
-        # no read of experts.w1 here: under FSDP2 it is still sharded until experts() runs
+        # no read of experts.w13 here: under FSDP2 it is still sharded until experts() runs
         if static:  # every split a fixed block: the counts stay on the device
             sources = self._source_counts(rows_per_expert, E_loc, x_rows.device, N)
             plan.splits, plan.rows_of_source = _Splits(None, None, None), sources.view(self.etp * self.ep, E_loc)

@@ -5,8 +5,9 @@ import torch.nn as nn
 
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.dispatcher import TokenDispatcher
-from titan_fold.moe.experts import GroupedExperts, swiglu
+from titan_fold.moe.experts import GroupedExperts
 from titan_fold.moe.router import AddAuxLoss, Router
+from titan_fold.moe.swiglu import swiglu
 from titan_fold.moe.wgrad import WgradQueue
 
 

@@ -3,33 +3,34 @@
 QuACK (`pip install -e ".[quack]"`, CuTe-DSL kernels) runs grouped GEMMs whose group offsets
 live on the device: varlen-M (`cu_seqlens_m`, one group of rows per expert) for the forward and
 input-gradient products, varlen-K (`cu_seqlens_k`) for the weight gradients, and it gathers the
-rows of its left operand itself (`A_idx`). Per layer:
+rows of its left operand itself (`A_idx`). Per layer, w13 holding each expert's gate and up rows
+alternating (moe/experts.py):
 
-    forward   a = x[rows] @ w1[e].T, b = x[rows] @ w3[e].T   gather fused: no [R, dim] copy of
+    forward   ab = x[rows] @ w13[e].T                        gather fused: no [R, dim] copy of
                                                              the tokens is made or saved
-              h = silu(a) * b * p                            one generated kernel (fused.py)
+              h = silu(gate) * up * p                        one generated kernel (fused.py)
               y = h @ w2[e].T
-    backward  dh = dy @ w2[e]; da, db, dp from (dh, a, b, p)
-              dw2 = dy^T h, dw1 = da^T x[rows], dw3 = db^T x[rows]   varlen-K
-              dx_rows = da @ w1[e] + db @ w3[e]              the second accumulated in place
+    backward  dab, h, dp from (dy @ w2[e], ab, p)            one GEMM, the SwiGLU's backward in
+                                                             its epilogue (QuACK's gemm_dgated)
+              dw2 = dy^T h, dw13 = dab^T x[rows]             varlen-K
+              dx_rows = dab @ w13[e]
               dx = each token's rows summed (the caller's row sum)
 
-The backward copies x[rows] once for the two weight gradients, and the gradient's rows once
-(the caller's combine backward), rather than reading them in place: QuACK gathers rows with
+The gated backward recomputes h from ab, so the forward saves ab and not h, and takes the
+routing weight p as its row scale and p's gradient as its row sum (p applied before w2; with p
+applied after w2 the experts run with p = 1 and the caller scales their output).
+
+The backward copies x[rows] once for the weight gradient, and the gradient's rows once (the
+caller's combine backward), rather than reading them in place: QuACK gathers rows with
 cp.async loads instead of TMA, and at Qwen3-30B-A3B shapes on an H200 each GEMM reading its
 rows in place ran slower than one gather and the plain GEMMs together (down projection: even;
-the two up-projection weight gradients, which must be computed transposed to gather: slower
-by more than the gather).
+the up projection's weight gradient, which must be computed transposed to gather: slower by
+more than the gather).
 
-The SwiGLU stays a separate kernel: QuACK's gated epilogue reads gate and up from one weight
-[E, dim, 2 * ffn] (interleaved columns), and the experts hold w1 and w3 apart (checkpoints, HF
-adapter, etp placements), so fusing it would copy both weights every step: at Qwen3-30B-A3B
-widths and 8192 tokens that copy moves 1.6 GB, more than the up-projection GEMMs read.
-
-Each projection's forward and backward is a custom op: torch.compile sees opaque calls with
-known output shapes, and the weights arrive as plain local tensors (FSDP2 and EP/ETP shards as
-for the torch path). Eager code calls their implementations directly, and each GEMM replays the
-launch QuACK resolved at its signature's first call (_gemm): the fine-grained layer's eager
+Each GEMM's forward and backward is a custom op: torch.compile sees opaque calls with known
+output shapes, and the weights arrive as plain local tensors (FSDP2 and EP/ETP shards as for
+the torch path). Eager code calls their implementations directly, and each plain GEMM replays
+the launch QuACK resolved at its signature's first call (_gemm): the fine-grained layer's eager
 forward is host-bound, and both cut host time per call (bench/launch.py).
 """
 
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+
+from titan_fold.moe.swiglu import swiglu_pairs_forward
 
 CHOICES = ("auto", "torch", "quack")
 
@@ -104,7 +107,7 @@ def _problem(device_index: int | None) -> str | None:
     q = quack()
     if q is None:
         return 'needs quack-kernels (pip install -e ".[quack]")'
-    if not all(hasattr(q, name) for name in ("gemm_tuned", "_gemm_execute", "RoundingMode", "SplitKMode")):
+    if not all(hasattr(q, name) for name in ("gemm_tuned", "_gemm_execute", "gemm_dgated", "RoundingMode", "SplitKMode")):
         return f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): _gemm replays its launches'
     return None
 
@@ -170,37 +173,29 @@ def _op(name: str):
 
 
 @_op("quack_up_forward")
-def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w1: torch.Tensor,
-                w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
-    routed rows); offs [E + 1]; w1, w3 [E, ffn, dim] -> a, b [R, ffn]."""
-    q = quack()
-    return _varlen_m(q, x, w1.mT, offs, rows), _varlen_m(q, x, w3.mT, offs, rows)
+    routed rows); offs [E + 1]; w13 [E, 2 * ffn, dim] -> ab [R, 2 * ffn]."""
+    return _varlen_m(quack(), x, w13.mT, offs, rows)
 
 
 @_up_forward.register_fake
-def _(x, rows, offs, w1, w3):
-    R = x.shape[0] if rows is None else rows.shape[0]
-    return x.new_empty(R, w1.shape[1]), x.new_empty(R, w3.shape[1])
+def _(x, rows, offs, w13):
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], w13.shape[1])
 
 
 @_op("quack_up_backward")
-def _up_backward(da: torch.Tensor, db: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
-                 offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dx_rows [R, dim] (da @ w1[e] + db @ w3[e]), dw1, dw3 [E, ffn, dim]."""
+def _up_backward(dab: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor,
+                 w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> dx_rows [R, dim] (dab @ w13[e]), dw13 [E, 2 * ffn, dim]."""
     q = quack()
-    x_rows = x if rows is None else x[rows]  # [R, dim]: the weight gradients contract over rows
-    dw1 = _wgrad(q, da, x_rows, offs)
-    dw3 = _wgrad(q, db, x_rows, offs)
-    dx_rows = _varlen_m(q, da, w1, offs)
-    _gemm(q, db, w3, dx_rows, dx_rows, cu_seqlens_m=offs)  # += db @ w3[e]
-    return dx_rows, dw1, dw3
+    x_rows = x if rows is None else x[rows]  # [R, dim]: the weight gradient contracts over rows
+    return _varlen_m(q, dab, w13, offs), _wgrad(q, dab, x_rows, offs)
 
 
 @_up_backward.register_fake
-def _(da, db, x, rows, offs, w1, w3):
-    return da.new_empty(da.shape[0], x.shape[1]), torch.empty_like(w1), torch.empty_like(w3)
+def _(dab, x, rows, offs, w13):
+    return dab.new_empty(dab.shape[0], x.shape[1]), torch.empty_like(w13)
 
 
 @_op("quack_down_forward")
@@ -215,16 +210,20 @@ def _(h, offs, w2):
 
 
 @_op("quack_down_backward")
-def _down_backward(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> dh [R, ffn], dw2 [E, dim, ffn]."""
+def _down_backward(dy: torch.Tensor, ab: torch.Tensor, p: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dy [R, dim], ab [R, 2 * ffn], p [R] float32 -> dab [R, 2 * ffn], dw2 [E, dim, ffn], dp [R]:
+    with g = dy @ w2[e] (fp32, in the epilogue) dab = SwiGLU's backward of g * p, h = swiglu(ab) * p
+    (the forward's h, recomputed) and dp = sum(g * swiglu(ab)) over ffn."""
     q = quack()
-    return _varlen_m(q, dy, w2, offs), _wgrad(q, dy, h, offs)
+    dab, h, dp = q.gemm_dgated(dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True,
+                               cu_seqlens_m=offs, **_SCHED)
+    return dab, _wgrad(q, dy, h, offs), dp
 
 
 @_down_backward.register_fake
-def _(dy, h, offs, w2):
-    return h.new_empty(h.shape), torch.empty_like(w2)
+def _(dy, ab, p, offs, w2):
+    return torch.empty_like(ab), torch.empty_like(w2), torch.empty_like(p)
 
 
 def _varlen_m(q, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
@@ -248,57 +247,47 @@ def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> to
 _PLANS: dict[tuple, tuple] = {}
 
 
-def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None, *,
-          cu_seqlens_m: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-          a_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """out = a @ b (+ c) per group: of rows (cu_seqlens_m; a's rows a[a_idx] where given) or of
-    the contraction (cu_seqlens_k). A signature's first call goes through QuACK's tuner (as its
-    gemm / gemm_add_inplace do), later calls replay the launch it resolved: the same kernel."""
+def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_m: torch.Tensor | None = None,
+          cu_seqlens_k: torch.Tensor | None = None, a_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """out = a @ b per group: of rows (cu_seqlens_m; a's rows a[a_idx] where given) or of the
+    contraction (cu_seqlens_k). A signature's first call goes through QuACK's tuner (as its gemm
+    does), later calls replay the launch it resolved: the same kernel."""
     if not out.numel():
         return out
     if not a.numel():  # an empty contraction (QuACK's kernels refuse it): a @ b = 0
-        return out if c is not None else out.zero_()
+        return out.zero_()
     groups = dict(cu_seqlens_m=cu_seqlens_m, cu_seqlens_k=cu_seqlens_k, A_idx=a_idx)
-    key = (a.device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in (a, b, out, c, *groups.values())))
+    key = (a.device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in (a, b, out, *groups.values())))
     plan = _PLANS.get(key)
     if plan is None:
-        _PLANS[key] = q.gemm_tuned(a, b, out, c, **groups, **_SCHED)
+        _PLANS[key] = q.gemm_tuned(a, b, out, None, **groups, **_SCHED)
         return out
     config, split_k, dynamic, dispatch = plan
-    q._gemm_execute(a, b, out, c, **groups, bias=None, alpha=1.0, beta=1.0, batch_idx_permute=None,
+    q._gemm_execute(a, b, out, None, **groups, bias=None, alpha=1.0, beta=1.0, batch_idx_permute=None,
                     add_to_output=False, dynamic_scheduler=dynamic, config=config, rounding_mode=q.RoundingMode.RN,
                     sr_seed=0, concat_layout=None, SFA=None, SFB=None, split_k=split_k,
                     split_k_mode=q.SplitKMode.SERIAL, dispatch_plan=dispatch)
     return out
 
 
-class _Up(torch.autograd.Function):
+class _Experts(torch.autograd.Function):
+    """y = (silu(gate) * up * p) @ w2[e].T per expert's rows, (gate, up) = x[rows] @ w13[e].T."""
+
     @staticmethod
-    def forward(ctx, x, rows, offs, w1, w3, slot, k, row_sum):
-        a, b = _up_forward(x, rows, offs, w1, w3)
-        ctx.save_for_backward(x, rows, offs, w1, w3, slot)
+    def forward(ctx, x, rows, offs, w13, w2, p, slot, k, row_sum):
+        ab = _up_forward(x, rows, offs, w13)  # [R, 2 * ffn]
+        y = _down_forward(swiglu_pairs_forward(ab, p.unsqueeze(-1)), offs, w2)  # [R, dim]
+        ctx.save_for_backward(x, rows, offs, w13, w2, ab, p, slot)
         ctx.k, ctx.row_sum = k, row_sum
-        return a, b
-
-    @staticmethod
-    def backward(ctx, da, db):
-        x, rows, offs, w1, w3, slot = ctx.saved_tensors
-        dx_rows, dw1, dw3 = _up_backward(da.contiguous(), db.contiguous(), x, rows, offs, w1, w3)
-        dx = dx_rows if rows is None else ctx.row_sum(dx_rows, slot, ctx.k)
-        return dx, None, None, dw1, dw3, None, None, None
-
-
-class _Down(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, offs, w2):
-        ctx.save_for_backward(h, offs, w2)
-        return _down_forward(h, offs, w2)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        h, offs, w2 = ctx.saved_tensors
-        dh, dw2 = _down_backward(dy.contiguous(), h, offs, w2)
-        return dh, None, dw2
+        x, rows, offs, w13, w2, ab, p, slot = ctx.saved_tensors
+        dab, dw2, dp = _down_backward(dy.contiguous(), ab, p, offs, w2)
+        dx_rows, dw13 = _up_backward(dab, x, rows, offs, w13)
+        dx = dx_rows if rows is None else ctx.row_sum(dx_rows, slot, ctx.k)
+        return dx, None, None, dw13, dw2, dp, None, None, None
 
 
 @_op("quack_dgrad")
@@ -339,17 +328,17 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
 
 
-def up_projection(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                  gather: "Gather | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """a = x[rows] @ w1[e].T, b = x[rows] @ w3[e].T per expert's rows, [R, ffn] each.
+def quack_experts(x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor,
+                  prob_before_w2: bool, gather: Gather | None = None) -> torch.Tensor:
+    """The routed experts' SwiGLU FFN on QuACK's GEMMs: [R, dim], each row times its routing
+    weight probs [R] (before w2 or after it).
 
     x [T, dim] bf16 with gather (rows of x read in place), or the R routed rows themselves;
-    offs from offsets()."""
-    if gather is None:
-        return _Up.apply(x, None, offs, w1, w3, None, 1, None)
-    return _Up.apply(x, gather.rows.to(torch.int32), offs, w1, w3, gather.slot, gather.k, gather.row_sum)
-
-
-def down_projection(h: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """h [R, ffn] -> h @ w2[e].T per expert's rows, [R, dim]."""
-    return _Down.apply(h, offs, w2)
+    offs from offsets(); w13 [E, 2 * ffn, dim] (gate, up rows alternating), w2 [E, dim, ffn]."""
+    rows, slot, k, row_sum = (None, None, 1, None) if gather is None else (
+        gather.rows.to(torch.int32), gather.slot, gather.k, gather.row_sum)
+    p = probs.float()
+    if prob_before_w2:
+        return _Experts.apply(x, rows, offs, w13, w2, p, slot, k, row_sum)
+    y = _Experts.apply(x, rows, offs, w13, w2, torch.ones_like(p), slot, k, row_sum)
+    return y * p.unsqueeze(-1).to(y.dtype)

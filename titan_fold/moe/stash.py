@@ -62,7 +62,7 @@ class Stash:
             self.needed = torch.zeros_like(self.offset)
         start = self.offset.clamp(max=self.rows)  # beyond stash_rows: overwrite, flagged by `needed`
         positions = itertools.count()
-        # a tensor saved twice (x by the w1 and w3 GEMMs) is stashed once; each is held until the
+        # a tensor saved twice (by two ops of the experts) is stashed once; each is held until the
         # layer ends, so that no other tensor takes its memory address meanwhile
         stashed = {}
 

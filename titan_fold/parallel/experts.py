@@ -60,7 +60,7 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
 def expert_slice(w: torch.Tensor, name: str, ep_mesh: DeviceMesh | None = None,
                  etp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """This rank's slice (a view) of a full stacked expert weight experts.<name>, as the
-    plan places it: w1, w3 [E, ffn, dim] -> [E/ep, ffn/etp, dim]; w2 -> [E/ep, dim, ffn/etp]."""
+    plan places it: w13 [E, 2 * ffn, dim] -> [E/ep, 2 * ffn/etp, dim]; w2 -> [E/ep, dim, ffn/etp]."""
     meshes = {d: m for d, m in (("ep", ep_mesh), ("etp", etp_mesh)) if m is not None}
     for (d, mesh), placement in zip(meshes.items(), expert_placements(name, meshes)):
         if w.shape[placement.dim] % mesh.size():
@@ -76,7 +76,7 @@ def shard_moe(moe: MoE, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh 
     dispatches over ep x etp. weights_mesh: None = plain local tensors; else a mesh whose dims
     are among "ep", "etp" (e.g. the expert mesh["ep", "etp"]): the slices become DTensors
     placed as the plan says, so that FSDP2 and DCP see the global shapes."""
-    for name in ("w1", "w2", "w3"):
+    for name in ("w13", "w2"):
         full = getattr(moe.experts, name)
         part = expert_slice(full.detach(), name, ep_mesh, etp_mesh).clone()
         if weights_mesh is not None:

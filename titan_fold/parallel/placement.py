@@ -32,11 +32,12 @@ Choices, and why:
   tp rank feeds the first four different tokens, so their gradients are partial sums that
   are reduced over tp (`TokenwiseReplicate`, `attention.apply_tp`; `Placed.tp_partial_grad`);
   wo's bias is added after wo's reduction and gets the whole gradient on every tp rank.
-- routed experts [E, ffn, dim] / [E, dim, ffn]: `Shard(0)` (experts) on ep, the ffn dim on etp.
+- routed experts w13 [E, 2 * ffn, dim] (gate and up rows alternating) / w2 [E, dim, ffn]:
+  `Shard(0)` (experts) on ep, the ffn dim on etp (w13's rows: whole (gate, up) pairs).
 - FSDP2: dense parameters over dp_shard x cp (cp ranks hold different tokens of the same
   sequences, so their gradients are summed like data parallel ones), replicated over
-  dp_replicate (HSDP); routed experts over edp, on dim 0, or on the model width `dim` (w1 and
-  w3: dim 2, w2: dim 1) when a rank holds fewer experts than there are edp ranks (E/ep <
+  dp_replicate (HSDP); routed experts over edp, on dim 0, or on the model width `dim` (w13:
+  dim 2, w2: dim 1) when a rank holds fewer experts than there are edp ranks (E/ep <
   edp), so every edp rank holds a real shard. `dim` is split by neither ep nor etp, so FSDP's
   shard is a plain `Shard` there, not one interleaved with etp's. With edp = 1 the experts
   stay out of FSDP (nothing to shard or reduce).
@@ -245,14 +246,13 @@ def tp_partial_grad(style: ParallelStyle | None, placement: Placement | None) ->
 
 # stacked routed experts: (ep placement, etp placement, model-width dim); etp shards the ffn dim
 _EXPERT_RULES = {
-    "w1": (Shard(0), Shard(1), 2),  # [E, ffn, dim]
-    "w3": (Shard(0), Shard(1), 2),  # [E, ffn, dim]
+    "w13": (Shard(0), Shard(1), 2),  # [E, 2 * ffn, dim]
     "w2": (Shard(0), Shard(2), 1),  # [E, dim, ffn]
 }
 
 
 def expert_placements(name: str, dims) -> tuple[Placement, ...]:
-    """Placements of the stacked experts.<name> (w1, w2, w3) on mesh dims among "ep", "etp"."""
+    """Placements of the stacked experts.<name> (w13, w2) on mesh dims among "ep", "etp"."""
     by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[name][:2]))
     return tuple(by_dim[d] for d in dims)
 

@@ -278,7 +278,7 @@ def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = 
       MoE: the router input copy (h), logits (E, fp32), top-k indices (int64); per routed
       row: three int64 indices (the sort by expert, its inverse, the row's token; two more
       for the expert sort of received rows under ep or etp), its input (h), three ffn-wide
-      tensors (w1 out and w3 out, kept by the fused SwiGLU x probability, and w2's input)
+      tensors (w13's gate and up output, kept by the fused SwiGLU x probability, and w2's input)
       and the probability (the combine is a gather: w2's output is not kept);
       shared expert: input (h), three ffn-wide tensors, gate and output (h).
     T tokens per rank at the block boundary (sequence parallel: S / (cp tp)); Ta = S / cp
