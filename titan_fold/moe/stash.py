@@ -3,7 +3,7 @@ saved activations keep only their valid rows, packed into one pool shared by the
 
 With `moe.static_ep_exchange` the experts of every layer get R worst-case rows of which V are
 real: a prefix, the rows being grouped by expert with the padding last. The tensors they save
-for backward (their input rows, the SwiGLU's a and b, w2's input, the routing weights) have R
+for backward (their input rows, the SwiGLU's gate and up pairs, w2's input, the routing weights) have R
 rows each, so a model would hold layers x R rows until backward. Here, while the experts run,
 every saved tensor with R rows is written whole into a pool at a device-side offset, rows
 [offset, offset + R), and after the layer the offset advances by V: the next layer's tensors
