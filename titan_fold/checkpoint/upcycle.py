@@ -52,6 +52,7 @@ import torch
 
 from titan_fold.common.errors import UserError
 from titan_fold.models import Transformer, TransformerArgs
+from titan_fold.moe.experts import stack_gate_up
 
 
 class UpcycleError(UserError, ValueError):
@@ -110,8 +111,8 @@ def upcycle_state_dict(
         copies = moe.num_experts // G
         seg = moe.moe_ffn_dim
         # expert n * G + g = segment g of copy n
-        gate_up = torch.stack([w1.view(G, seg, -1), w3.view(G, seg, -1)], dim=2).flatten(1, 2)  # [G, 2 seg, dim]
-        out[f"{p}moe.experts.w13"] = gate_up.repeat(copies, 1, 1).clone()  # [E, 2 seg, dim], rows alternating
+        gate_up = stack_gate_up(w1.view(G, seg, -1), w3.view(G, seg, -1))  # [G, 2 seg, dim]
+        out[f"{p}moe.experts.w13"] = gate_up.repeat(copies, 1, 1).clone()  # [E, 2 seg, dim]
         out[f"{p}moe.experts.w2"] = (w2.view(-1, G, seg).transpose(0, 1) * scale).repeat(copies, 1, 1).clone()  # [E, dim, seg]
         coarse = torch.randn(copies, args.dim) * router_std
         out[f"{p}moe.router.gate.weight"] = coarse.repeat_interleave(G, dim=0).to(w1.dtype)  # [E, dim]

@@ -68,6 +68,7 @@ from titan_fold.models.hf_config import (
 from titan_fold.models.hf_deepseek import (
     DeepSeekV3Names,
 )
+from titan_fold.moe.experts import split_gate_up, stack_gate_up
 
 
 class HFKeyError(UserError, KeyError):
@@ -147,8 +148,8 @@ class MoEStateDictAdapter(StateDictAdapter):
                 if isinstance(value, DTensor):
                     self._expert_layout[key] = (value.device_mesh, value.placements)
                     value = value.full_tensor()  # [E, ...] on every rank
-                # w13's rows alternate gate (w1), up (w3): each half a strided view, made contiguous
-                parts = {"w1": value[:, 0::2], "w3": value[:, 1::2]} if name == "w13" else {"w2": value}
+                # w13's halves are strided views, made contiguous below
+                parts = dict(zip(("w1", "w3"), split_gate_up(value))) if name == "w13" else {"w2": value}
                 for ours, stacked in parts.items():
                     for e in range(stacked.shape[0]):
                         hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[ours]}"] = stacked[e].contiguous()
@@ -165,7 +166,7 @@ class MoEStateDictAdapter(StateDictAdapter):
         inverse_top = {v: k for k, v in _TOP.items()}
         expert_re = re.compile(rf"{re.escape(self.moe_prefix)}\.experts\.(\d+)\.(.+)")
         native: dict[str, Any] = {}
-        experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked key -> {e: matrix}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1 / w2 / w3) -> {e: matrix}
         for hf_key, value in hf_state_dict.items():
             if hf_key == "lm_head.weight" and self.model_args.tie_embeddings:
                 continue  # some tied checkpoints store the head anyway; transformers ties it too
@@ -200,8 +201,7 @@ class MoEStateDictAdapter(StateDictAdapter):
             if found != {"w1", "w2", "w3"}:
                 missing = [self.expert_names[name] for name in ("w1", "w2", "w3") if name not in found]
                 raise HFConfigError(f"layer {i}: the Hugging Face checkpoint's experts lack {', '.join(missing)}")
-            gate, up = stacks[i, "w1"], stacks[i, "w3"]  # [E, ffn, dim]
-            w13 = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2 * ffn, dim], gate and up rows alternating
+            w13 = stack_gate_up(stacks[i, "w1"], stacks[i, "w3"])  # [E, 2 * ffn, dim]
             for name, stacked in (("w13", w13), ("w2", stacks[i, "w2"])):
                 key = f"layers.{i}.moe.experts.{name}"
                 if key in self._expert_layout:

@@ -101,6 +101,16 @@ class GroupedExperts(nn.Module):
                 nn.init.trunc_normal_(w, mean=0.0, std=init_std)
 
 
+def stack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., ffn, dim] -> w13 [..., 2 * ffn, dim], their rows alternating."""
+    return torch.stack([gate, up], dim=-2).flatten(-3, -2)
+
+
+def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [..., 2 * ffn, dim] -> gate, up [..., ffn, dim] (strided views): stack_gate_up's inverse."""
+    return w13[..., 0::2, :], w13[..., 1::2, :]
+
+
 def _apply(ab, p, y_fn, prob_before_w2):
     """ab = x @ w13.T [R, 2 * ffn] (gate, up pairs); p [R, 1] -> y_fn(h) with h = silu(gate) *
     up, the probability applied before w2 (the router's gradient then needs only ab, saved

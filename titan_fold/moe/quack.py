@@ -108,7 +108,7 @@ def _problem(device_index: int | None) -> str | None:
     if q is None:
         return 'needs quack-kernels (pip install -e ".[quack]")'
     if not all(hasattr(q, name) for name in ("gemm_tuned", "_gemm_execute", "gemm_dgated", "RoundingMode", "SplitKMode")):
-        return f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): _gemm replays its launches'
+        return f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): moe/quack.py replays its launches and calls gemm_dgated'
     return None
 
 
