@@ -406,6 +406,36 @@ def _twice_plus(x, y):
     return 2 * x + y
 
 
+def test_swiglu_pairs_as_words_round_as_the_halves_do():
+    """The routed experts' SwiGLU reads and writes bf16 (gate, up) pairs as one int32 word each;
+    its output and the pairs' gradient equal, bit for bit, the same formula on the pairs' two
+    strided bf16 halves, with and without p, special values included (infinities, NaN, negative
+    zero, subnormals: the words carry their bits unchanged). On the CPU, where both run as
+    written, so that a difference can only be the words'; the generated CUDA kernels are held
+    to float64 by test_fused_kernels_match_float64."""
+    from titan_fold.moe import swiglu as s
+
+    g = torch.Generator().manual_seed(0)
+    ab = (torch.randn(37, 2 * 48, generator=g) * 4).to(torch.bfloat16)
+    ab[0, :6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 1e-40, -1e-40])
+    p = torch.rand(37, 1, generator=g)
+    dy = torch.randn(37, 48, generator=g).to(torch.bfloat16)
+    words = s._as_bits(ab)
+    assert words.dtype == torch.int32 and words.shape == (37, 48)
+
+    def same(got, want):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+                                                       want.view(torch.int16) if want.dtype == torch.bfloat16 else want)
+
+    same(s._pairs_forward(words), s._pairs_forward(ab))
+    same(s._pairs_prob_forward(words, p), s._pairs_prob_forward(ab, p))
+    same(s._from_bits(s._pairs_backward(dy, words)), s._pairs_backward(dy, ab))
+    grad_words, grad_p = s._pairs_prob_backward(dy, words, p)
+    want_ab, want_p = s._pairs_prob_backward(dy, ab, p)
+    same(s._from_bits(grad_words), want_ab)
+    assert torch.equal(grad_p.isnan(), want_p.isnan()) and torch.equal(grad_p.nan_to_num(), want_p.nan_to_num())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused() compiles on CUDA only")
 def test_fused_compiles_once_for_any_row_count():
     """One compile serves every row count, 0 and 1 too (an empty FSDP shard in the master

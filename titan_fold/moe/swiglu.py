@@ -2,7 +2,8 @@
 
 Two layouts: gate and up as two tensors (the dense FFN and the shared expert, whose w1 and w3
 are two Linear layers), or as one tensor of alternating (gate, up) pairs (the routed experts'
-w13 product, moe/experts.py). The routed experts' form also takes the routing weight p.
+w13 product, moe/experts.py). The routed experts' form also takes the routing weight p, and
+reads and writes bf16 pairs as one 32-bit word each.
 """
 
 import torch
@@ -31,12 +32,12 @@ def swiglu_pairs(ab: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tenso
     return out.view(*ab.shape[:-1], ab.shape[-1] // 2)
 
 
-def _swiglu_math(a, b, p, g=None):
+def _swiglu_math(a, b, p, g=None, dtype=None):
     """The forward (g None) or backward (g the gradient of the output) of silu(a) * b (* p),
-    computed in float32 at least (p's dtype when given) and rounded once to a's dtype.
-    Backward returns the gradients of a, b and p (None without p)."""
-    dtype = a.dtype
-    compute = torch.promote_types(dtype, torch.float32) if p is None else p.dtype
+    computed in float32 at least (p's dtype when given) and rounded once to dtype (a's when
+    None). Backward returns the gradients of a, b and p (None without p)."""
+    dtype = a.dtype if dtype is None else dtype
+    compute = torch.promote_types(a.dtype, torch.float32) if p is None else p.dtype
     a, b = a.to(compute), b.to(compute)
     sig = torch.sigmoid(a)
     silu = a * sig
@@ -50,12 +51,29 @@ def _swiglu_math(a, b, p, g=None):
     return cast(grad_a, dtype), cast(gh * silu, dtype), grad_p
 
 
-def _unpack(ab):  # [R, 2 * ffn] -> gate, up [R, ffn] (strided views)
-    return ab[:, 0::2], ab[:, 1::2]
+# bf16 pairs go to the kernels as one int32 each: one aligned 4-byte load or store per pair,
+# where the two halves' strided 2-byte accesses ran the routed experts' SwiGLU at half the
+# speed (docs/benchmarks.md). x86, Arm and CUDA memory is little-endian, so the gate (the even
+# element) is a word's low half; a bf16's bits are the high half of its float32's.
+def _as_bits(ab):  # [R, 2 * ffn] -> what the pair kernels take: [R, ffn] int32 for bf16
+    return ab.contiguous().view(torch.int32) if ab.dtype == torch.bfloat16 else ab
 
 
-def _pack(grad_a, grad_b):  # -> [R, 2 * ffn], pairs alternating as in ab
+def _unpack(ab):  # -> gate, up [R, ffn] and the dtype of the pairs
+    if ab.dtype == torch.int32:
+        return (ab << 16).view(torch.float32), (ab & -65536).view(torch.float32), torch.bfloat16
+    return ab[:, 0::2], ab[:, 1::2], ab.dtype
+
+
+def _pack(grad_a, grad_b, words):  # -> the pairs' gradient, as words where the pairs came so
+    if words:
+        low = grad_a.view(torch.int16).to(torch.int32) & 0xFFFF
+        return low | (grad_b.view(torch.int16).to(torch.int32) << 16)
     return torch.stack((grad_a, grad_b), -1).flatten(-2)
+
+
+def _from_bits(t):  # _pack's result -> [R, 2 * ffn]
+    return t.view(torch.bfloat16) if t.dtype == torch.int32 else t
 
 
 # one function per call pattern: torch.compile keeps its cache per function, so calls with and
@@ -69,24 +87,29 @@ def _swiglu_backward(g, a, b):
 
 
 def _pairs_forward(ab):
-    return _swiglu_math(*_unpack(ab), None)
+    a, b, dtype = _unpack(ab)
+    return _swiglu_math(a, b, None, dtype=dtype)
 
 
 def _pairs_backward(g, ab):
-    return _pack(*_swiglu_math(*_unpack(ab), None, g)[:2])
+    a, b, dtype = _unpack(ab)
+    return _pack(*_swiglu_math(a, b, None, g, dtype)[:2], ab.dtype == torch.int32)
 
 
 def _pairs_prob_forward(ab, p):
-    return _swiglu_math(*_unpack(ab), p)
+    a, b, dtype = _unpack(ab)
+    return _swiglu_math(a, b, p, dtype=dtype)
 
 
 def _pairs_prob_backward(g, ab, p):
-    grad_a, grad_b, grad_p = _swiglu_math(*_unpack(ab), p, g)
-    return _pack(grad_a, grad_b), grad_p
+    a, b, dtype = _unpack(ab)
+    grad_a, grad_b, grad_p = _swiglu_math(a, b, p, g, dtype)
+    return _pack(grad_a, grad_b, ab.dtype == torch.int32), grad_p
 
 
 def swiglu_pairs_forward(ab: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
     """swiglu_pairs without autograd, on rows: ab [R, 2 * ffn], p [R, 1] float32 or None."""
+    ab = _as_bits(ab)
     return fused(_pairs_forward)(ab) if p is None else fused(_pairs_prob_forward)(ab, p)
 
 
@@ -116,6 +139,8 @@ class _SwiGLUPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ab, p = ctx.saved_tensors
+        ab = _as_bits(ab)
         if p is None:
-            return fused(_pairs_backward)(grad.contiguous(), ab), None
-        return fused(_pairs_prob_backward)(grad.contiguous(), ab, p)
+            return _from_bits(fused(_pairs_backward)(grad.contiguous(), ab)), None
+        grad_ab, grad_p = fused(_pairs_prob_backward)(grad.contiguous(), ab, p)
+        return _from_bits(grad_ab), grad_p
