@@ -11,6 +11,7 @@ machine into docs/benchmarks.md's tables.
     python -m bench trainer --base ../before   # and, interleaved, the same steps in a checkout
                                                # of the code before (steps named <step>@base)
     python -m bench trainer --base ../before --base-last   # this code's step first in each pair
+    python -m bench layer --steps layer_coarse --shapes mixtral_8x22b   # a step narrowed (also --cases, --impls)
 
 The trainer suites need torchtitan 0.2.2 and its data packages; on a GPU machine without
 network carry them as wheels (bench/wheels.sh says how).
@@ -155,19 +156,29 @@ def gpu_tag(env: dict) -> str:
     return tag + (f"x{env['device_count']}" if env["device_count"] > 1 else "")
 
 
-def only_cases(args: list[str], cases: list[str] | None) -> list[str] | None:
-    """A step's arguments with its --cases list cut to `cases` (None: all; a step without --cases
-    runs whole); None when none of its cases is asked for."""
-    if cases is None or "--cases" not in args:
-        return args
-    i = args.index("--cases") + 1
-    kept = [c for c in args[i].split(",") if c in cases]
-    return [*args[:i], ",".join(kept), *args[i + 1:]] if kept else None
+# the lists a step's script takes that `python -m bench` can narrow: its flag there -> the script's flag
+LISTS = {"cases": "--cases", "shapes": "--shapes", "impls": "--impl"}
+
+
+def narrowed(args: list[str], wanted: dict[str, list[str] | None] | None) -> list[str] | None:
+    """A step's arguments with each list named in `wanted` (LISTS' keys -> the entries asked for,
+    None: all) cut to those entries, in the step's own order; a step without that list runs
+    whole. None when a list is left empty: the step has nothing asked for."""
+    for key, kept in (wanted or {}).items():
+        flag = LISTS[key]
+        if kept is None or flag not in args:
+            continue
+        i = args.index(flag) + 1
+        entries = [e for e in args[i].split(",") if e in kept]
+        if not entries:
+            return None
+        args = [*args[:i], ",".join(entries), *args[i + 1:]]
+    return args
 
 
 def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None,
-                 cases: list[str] | None = None) -> list[str]:
-    args = only_cases(step.args, cases)
+                 wanted: dict[str, list[str] | None] | None = None) -> list[str]:
+    args = narrowed(step.args, wanted)
     cmd = [sys.executable, os.path.join("bench", f"{step.script}.py"), *args, "--name", name, "--out-dir", out_dir]
     if step.gpus > 1 and step.script in ("moe_layer", "collectives"):  # these are the workers themselves
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(step.gpus),
@@ -195,7 +206,7 @@ def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | No
 
 
 def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str,
-              cases: list[str] | None = None, base_last: bool = False) -> str:
+              wanted: dict[str, list[str] | None] | None = None, base_last: bool = False) -> str:
     suite = SUITES[suite_name]
     env = env_info()
     date = datetime.datetime.now(datetime.timezone.utc)
@@ -207,14 +218,14 @@ def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_di
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for step in suite.steps:
-            if steps and step.name not in steps or only_cases(step.args, cases) is None:
+            if steps and step.name not in steps or narrowed(step.args, wanted) is None:
                 continue
             # interleaved, on the same warm machine: code before first, then this code (base_last: the
             # other way round; processes differ by a percent or two, pairs in both orders tell order from change)
             order = ([("@base", os.path.abspath(base))] if base else []) + [("", ROOT)]
             for tag, root in reversed(order) if base_last else order:
                 ours = os.path.join(tmp, f"{step.ours}{tag}.json") if step.ours else None
-                result = run_step(step, root, tmp, step.name + tag, ours, cases)
+                result = run_step(step, root, tmp, step.name + tag, ours, wanted)
                 record["figures"][step.name + tag] = result.pop("figures")
                 record["steps"][step.name + tag] = result
                 with open(path, "w") as f:  # after every step: a cut-off run keeps what it had
@@ -231,6 +242,10 @@ def main(argv=None):
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--steps", default=None, help="comma list: run only these steps of the suite")
     p.add_argument("--cases", default=None, help="comma list: of the trainer steps' cases, run only these")
+    p.add_argument("--shapes", default=None, help="comma list: of the MoE-layer steps' shapes, run only these "
+                   "(e.g. one coarse shape, whose QuACK tuning alone takes minutes)")
+    p.add_argument("--impls", default=None, help="comma list: of the MoE-layer steps' implementations "
+                   "(titan_fold: torch's grouped GEMMs, titan_fold_quack), run only these")
     p.add_argument("--base", default=None, help="a checkout of the code before: each step runs there first, "
                    "then here (results <step>@base and <step>)")
     p.add_argument("--base-last", action="store_true", help="with --base: each step runs here first, then in "
@@ -239,8 +254,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.base_last and not a.base:
         p.error("--base-last needs --base")
-    path = run_suite(a.suite, a.steps.split(",") if a.steps else None, a.base, a.out_dir,
-                     a.cases.split(",") if a.cases else None, a.base_last)
+    wanted = {key: getattr(a, key).split(",") if getattr(a, key) else None for key in LISTS}
+    path = run_suite(a.suite, a.steps.split(",") if a.steps else None, a.base, a.out_dir, wanted, a.base_last)
     print(f"[bench] wrote {path}", flush=True)
     return path
 

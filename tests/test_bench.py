@@ -421,7 +421,7 @@ def test_report_rerun_beside_the_run_before(tmp_path):
 
 
 def test_suites_listed_and_steps_planned(capsys):
-    from bench.__main__ import SUITES, gpu_tag, main, only_cases, step_command
+    from bench.__main__ import SUITES, gpu_tag, main, narrowed, step_command
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -440,9 +440,17 @@ def test_suites_listed_and_steps_planned(capsys):
     assert vs[-2:] == ["--ours", "/o/q.json"]
     # --cases: a trainer step keeps only the asked cases, in its own order; a step without --cases runs whole
     trainer = SUITES["trainer"].steps[0]
-    cut = step_command(trainer, "/o", "t", cases=["1gpu_bf16params_auxfree_compiled_profile", "1gpu_bf16params_auxfree"])
+    cut = step_command(trainer, "/o", "t", wanted={"cases": ["1gpu_bf16params_auxfree_compiled_profile",
+                                                             "1gpu_bf16params_auxfree"]})
     assert cut[cut.index("--cases") + 1] == "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled_profile"
-    assert only_cases(trainer.args, ["dp2_ep2"]) is None and only_cases(step.args, ["x"]) == step.args
+    assert narrowed(trainer.args, {"cases": ["dp2_ep2"]}) is None
+    assert narrowed(step.args, {"cases": ["x"]}) == step.args
+    # --shapes and --impls narrow the MoE-layer steps (bench/moe_layer.py's --shapes and --impl) alike
+    coarse = next(st for st in SUITES["layer"].steps if st.name == "layer_coarse")
+    cut = narrowed(coarse.args, {"shapes": ["mixtral_8x22b"], "impls": ["titan_fold_quack", "titan_fold"], "cases": None})
+    assert cut[cut.index("--shapes") + 1] == "mixtral_8x22b" and cut[cut.index("--impl") + 1] == "titan_fold,titan_fold_quack"
+    assert len(cut) == len(coarse.args) and narrowed(coarse.args, {"shapes": ["qwen3_30b_a3b"]}) is None
+    assert narrowed(trainer.args, {"shapes": ["mixtral_8x22b"]}) == trainer.args
     for suite in SUITES.values():  # every trainer case parses
         for st in suite.steps:
             if st.script == "train_step":
@@ -459,7 +467,7 @@ def test_suite_interleaves_each_step_with_the_code_before(tmp_path, monkeypatch,
 
     ran = []
 
-    def fake_run_step(step, root, out_dir, name, ours_path, cases):
+    def fake_run_step(step, root, out_dir, name, ours_path, wanted):
         ran.append((name, root, ours_path and os.path.basename(ours_path)))
         return {"command": name, "returncode": 0, "wall_s": 0.0, "figures": {"name": name}}
 
@@ -476,6 +484,26 @@ def test_suite_interleaves_each_step_with_the_code_before(tmp_path, monkeypatch,
     assert record["figures"] == {name: {"name": name} for name, _, _ in pairs}
     with pytest.raises(SystemExit):
         suite.main(["trainer", "--base-last"])
+
+
+def test_suite_narrowed_to_one_shape_runs_only_the_steps_that_hold_it(tmp_path, monkeypatch):
+    """python -m bench layer --shapes mixtral_8x22b --impls titan_fold_quack: the one layer step
+    whose shapes include it runs, with its lists cut to what was asked; the others are skipped."""
+    import bench.__main__ as suite
+
+    ran = []
+
+    def fake_run_step(step, root, out_dir, name, ours_path, wanted):
+        ran.append(suite.step_command(step, out_dir, name, ours_path, wanted))
+        return {"command": name, "returncode": 0, "wall_s": 0.0, "figures": {}}
+
+    monkeypatch.setattr(suite, "run_step", fake_run_step)
+    monkeypatch.setattr(suite, "env_info", lambda: {"device": "NVIDIA H100", "device_count": 1})
+    suite.main(["layer", "--shapes", "mixtral_8x22b", "--impls", "titan_fold_quack", "--out-dir", str(tmp_path)])
+    assert len(ran) == 1
+    cmd = ran[0]
+    assert cmd[cmd.index("--name") + 1] == "layer_coarse"
+    assert cmd[cmd.index("--shapes") + 1] == "mixtral_8x22b" and cmd[cmd.index("--impl") + 1] == "titan_fold_quack"
 
 
 def test_trace_summary(tmp_path):
