@@ -65,7 +65,7 @@ def _unpack(ab):  # -> gate, up [R, ffn] and the dtype of the pairs
     return ab[:, 0::2], ab[:, 1::2], ab.dtype
 
 
-def _pack(grad_a, grad_b, words):  # -> the pairs' gradient, as words where the pairs came so
+def _pack(grad_a, grad_b, words):  # -> the pairs' gradient, as words where the pairs came as words
     if words:
         low = grad_a.view(torch.int16).to(torch.int32) & 0xFFFF
         return low | (grad_b.view(torch.int16).to(torch.int32) << 16)
