@@ -188,9 +188,10 @@ def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = No
     return cmd
 
 
-def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None, cases: list[str] | None) -> dict:
-    """Runs one step in the checkout `root`; -> {command, returncode, figures}."""
-    cmd = step_command(step, out_dir, name, ours_path, cases=cases)
+def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None,
+             wanted: dict[str, list[str] | None] | None) -> dict:
+    """Runs one step in the checkout `root`, its lists narrowed to `wanted`; -> {command, returncode, figures}."""
+    cmd = step_command(step, out_dir, name, ours_path, wanted)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
