@@ -213,8 +213,9 @@ def train_breakdown_table(rec: dict) -> list[str]:
     """Profiled trainer steps (case modifier `profile`): the time some kernel runs (GPU busy), the
     step's wall time without the profiler (the same case without `profile`, in the same run: the
     profiler's own host work slows the traced step), the rest of that step (host gaps) as a share
-    of it, the step before's kernels that ran inside the trace (counted in nothing else), and GPU
-    time by kernel class."""
+    of it, the step before's kernels that ran inside the trace (counted in nothing else), the GPU's
+    idle time between the step's first kernel and its last (waits of 20 us or more, and their
+    count), and GPU time by kernel class."""
     rows = [(name, fig, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("trace_summary")]
     if not rows:
         return []
@@ -222,9 +223,11 @@ def train_breakdown_table(rec: dict) -> list[str]:
                      key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for *_, r in rows))
     # the column only where some summary tells the step before's kernels apart (earlier_step_ms)
     earlier = any("earlier_step_ms" in r["trace_summary"] for *_, r in rows)
+    idle = any("idle" in r["trace_summary"] for *_, r in rows)  # likewise the GPU's idle intervals
     out = ["| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
-           + ("step before's kernels ms | " if earlier else "") + " | ".join(classes) + " |",
-           "|---|---|---:|---:|---:|---:|" + "---:|" * (len(classes) + earlier)]
+           + ("step before's kernels ms | " if earlier else "") + ("GPU idle ms (waits) | " if idle else "")
+           + " | ".join(classes) + " |",
+           "|---|---|---:|---:|---:|---:|" + "---:|" * (len(classes) + earlier + idle)]
     for name, fig, r in rows:
         t = r["trace_summary"]
         busy = t["gpu_busy_ms"]
@@ -233,6 +236,8 @@ def train_breakdown_table(rec: dict) -> list[str]:
         gaps = f"{100 * (plain - busy) / plain:.1f}%" if plain else "n/a"
         out.append(f"| {name} | {r['case']} | {_f(t['step_wall_ms'])} | {_f(plain)} | {_f(busy)} | {gaps} | "
                    + (f"{_f(t.get('earlier_step_ms'), 1)} | " if earlier else "")
+                   + ((f"{_f(t['idle']['idle_ms'], 2)} ({t['idle']['waits']}) | " if "idle" in t else "n/a | ")
+                      if idle else "")
                    + " | ".join(_f(t["kernel_ms_by_class"].get(c), 1) for c in classes) + " |")
     return out
 

@@ -328,6 +328,11 @@ def test_report_tables(tmp_path):
     text = report.report(str(tmp_path))
     assert "| GPU busy ms | host gaps, share of step | step before's kernels ms | optimizer | attention |" in text
     assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 24.0 | 58.0 | 22.5 |" in text
+    profiled["trace_summary"]["idle"] = {"idle_ms": 3.855, "waits": 36, "longest": []}  # and the GPU's waits
+    _suite_file(tmp_path, "trainer", {"foldings": {"rows": [plain, profiled]}}, date="2026-11-25T11:00:00Z")
+    text = report.report(str(tmp_path))
+    assert "| step before's kernels ms | GPU idle ms (waits) | optimizer | attention |" in text
+    assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 24.0 | 3.85 (36) | 58.0 | 22.5 |" in text
     assert "Command: `python -m bench layer`" in text
 
 
@@ -526,8 +531,9 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 710, "dur": 5, "args": {"correlation": 7}},
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 920, "dur": 30,
          "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 755, "dur": 15},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 760, "dur": 5, "args": {"correlation": 8}},
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 960, "dur": 20,
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 975, "dur": 20,
          "args": {"correlation": 8}},
         # queued in the step before (its launch is not in the trace), run inside this one: in no class
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 985, "dur": 15,
@@ -541,8 +547,15 @@ def test_trace_summary(tmp_path):
     assert s["step_wall_ms"] == 1.0
     assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "attention": 0.14, "dense_gemm": 0.1,
                                        "optimizer": 0.08, "elementwise_other": 0.02, "memcpy_memset": 0.01}
-    assert s["gpu_busy_ms"] == pytest.approx(0.76)  # [0, 650] + [800, 850] + [900, 950] + [960, 980]
+    assert s["gpu_busy_ms"] == pytest.approx(0.76)  # [0, 650] + [800, 850] + [900, 910] + [920, 950] + [975, 995]
     assert s["earlier_step_ms"] == pytest.approx(0.015)
+    # idle from the first kernel to the last: 650-800, 850-900, 950-975 (910-920 is a kernel boundary)
+    idle = s["idle"]
+    assert idle["idle_ms"] == pytest.approx(0.225) and idle["waits"] == 3
+    assert [(g["ms"], g["at_ms"]) for g in idle["longest"]] == [(0.15, 0.65), (0.05, 0.85), (0.025, 0.95)]
+    assert idle["longest"][0]["after_kernel"] == "ncclDevKernel_AllGather"
+    assert idle["longest"][0]["before_kernel"] == "void at::native::multi_tensor_apply_kernel<Adam>"
+    assert idle["longest"][2]["launched_in"] == "aten::add_"  # its launch at 760
     assert s["top_kernels_ms"]["triton_poi_fused_lerp_mul_sqrt_0"] == pytest.approx(0.03)
 
 
