@@ -4,7 +4,7 @@ the device's queued work."""
 import pytest
 import torch
 
-from titan_fold.trainer.host_copies import HostCopies
+from titan_fold.trainer.host_copies import HostCopies, to_device
 
 
 def test_values_off_cuda_are_returned_as_they_are():
@@ -31,3 +31,25 @@ def test_copy_queues_behind_the_device_work_and_wait_brings_it():
             assert not copies._event.query()  # the device has not reached the copy: copy() did not wait
         copies.wait()
         assert host.item() == value
+
+
+def test_to_device_of_a_host_tensor_on_the_host_is_the_tensor():
+    t = torch.arange(4)
+    assert to_device(t, torch.device("cpu")) is t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_to_device_queues_behind_the_device_work():
+    """to_device returns while the device is still busy with the work queued before it, and the
+    value arrives as it was at the call (the caller may reuse its tensor at once)."""
+    device = torch.device("cuda")
+    for value in (3, 6):  # the first round loads kernels and allocates the pinned block
+        torch.cuda._sleep(2_000_000_000)  # cycles: about a second at GPU clocks
+        host = torch.full((4,), value)
+        moved = to_device(host, device)
+        reached = torch.cuda.Event()
+        reached.record()
+        if value == 6:
+            assert not reached.query()  # the device has not reached the copy: to_device did not wait
+        host.fill_(-1)
+        assert moved.device.type == "cuda" and moved.tolist() == [value] * 4

@@ -76,7 +76,7 @@ def test_cudagraphs_step_starts_marked(monkeypatch, cudagraphs):
     calls = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("mark"))
     trainer = SimpleNamespace(step=3, guard=SimpleNamespace(step=None), cudagraphs=cudagraphs, phases=None,
-                              _torchtitan=lambda method: lambda data: calls.append(("step", data)))
+                              _train_step=lambda data: calls.append(("step", data)))
     FoldTrainer.train_step(trainer, "batches")
     FoldTrainer.train_step(trainer, "batches")
     step = [("step", "batches")]

@@ -1,20 +1,25 @@
 """FoldTrainer runs torchtitan's Trainer code without changing torchtitan's modules, so two
 trainers built one after the other in one process (as tests and notebooks do) each run as
-if alone: the second reproduces the first's losses and gradient norms step for step."""
+if alone: the second reproduces the first's losses and gradient norms step for step. Its own
+train step logs what torchtitan's does, and on a GPU waits for the device nowhere."""
 
+import contextlib
 import os
 import socket
 
 import pytest
+import torch
 import torch.distributed as dist
 import torchtitan.components.checkpoint as tt_checkpoint
 import torchtitan.components.metrics as tt_metrics
 import torchtitan.distributed.utils as tt_dist_utils
 import torchtitan.tools.utils as tt_utils
 from conftest import read_metrics
+from torchtitan.train import Trainer
 
 from titan_fold.common.config import parse_args
 from titan_fold.trainer.fold_trainer import FoldTrainer
+from titan_fold.trainer.torchtitan_adapter import Names
 
 # the module attributes titan_fold used to assign (torchtitan_adapter.py lists why they matter)
 WATCHED = [(tt_utils, "device_type"), (tt_utils, "device_module"), (tt_dist_utils, "device_type"),
@@ -35,12 +40,17 @@ def one_rank(monkeypatch):
         dist.destroy_process_group()
 
 
-def train(folder) -> list[dict]:
+def train(folder, trainer_class=FoldTrainer, steps: int = 3, each_step=None, args: tuple[str, ...] = ()) -> list[dict]:
+    """`steps` steps of debug_moe.toml (two micro-batches a step) on this process's device;
+    each_step(trainer, step) wraps each step's call where given."""
     config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(folder), "--training.steps",
-                         "3", "--metrics.log_freq", "1", "--debug.seed", "0",
-                         "--training.max_norm", "0.5"])  # clipping bites from the first step
+                         str(steps), "--metrics.log_freq", "1", "--debug.seed", "0",
+                         "--training.max_norm", "0.5", *args])  # clipping bites from the first step
     os.makedirs(folder, exist_ok=True)  # main creates and locks it before building the trainer
-    trainer = FoldTrainer(config)
+    trainer = trainer_class(config)
+    if each_step is not None:
+        step = trainer.train_step
+        trainer.train_step = lambda data_iterator: each_step(trainer, lambda: step(data_iterator))
     try:
         trainer.train()
     finally:
@@ -58,3 +68,44 @@ def test_second_trainer_sees_none_of_the_first(one_rank, tmp_path):
         # clipping applied with the second trainer's own optimizers, on its own parameters
         assert (b["loss"], b["grad_norm"]) == (a["loss"], a["grad_norm"]), a["step"]
     assert [getattr(owner, name) for owner, name in WATCHED] == before
+
+
+class TorchtitanStep(FoldTrainer):
+    """FoldTrainer running torchtitan's own Trainer.train_step (clipping through FoldTrainer's)."""
+
+    def torchtitan_names(self) -> dict:
+        names = super().torchtitan_names()
+        clip = Names(names["dist_utils"], clip_grad_norm_=lambda *args, **kwargs: self.clip_grad_norm(*args, **kwargs))
+        return {**names, "dist_utils": clip}
+
+    def _train_step(self, data_iterator):
+        self._torchtitan(Trainer.train_step)(data_iterator)
+
+
+def test_train_step_logs_what_torchtitans_does(one_rank, tmp_path):
+    """FoldTrainer's step, which waits for the device nowhere, against torchtitan's: the same
+    losses, gradient norms and token counts, step for step, with two micro-batches a step."""
+    ours, theirs = train(tmp_path / "ours"), train(tmp_path / "theirs", TorchtitanStep)
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        keys = ("loss", "max_loss", "grad_norm", "lr", "n_tokens_seen")
+        assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_train_step_waits_for_the_device_nowhere(one_rank, tmp_path):
+    """On a GPU the steps after the first two (kernels loaded, memory cached) run no op that waits
+    for the device (torch's sync debug mode raises at any): the host queues a step while the device
+    still runs the one before. The guard's wait for the step's host copies, an event's, is the one
+    wait of a step (host_copies.py). In bf16, as GPU runs train: fp32 experts take the per-expert
+    loop, which reads the row counts on the host."""
+
+    def checked(trainer, step):
+        mode = "error" if trainer.step > 2 else "default"
+        with contextlib.ExitStack() as stack:
+            torch.cuda.set_sync_debug_mode(mode)
+            stack.callback(torch.cuda.set_sync_debug_mode, "default")
+            step()
+
+    bf16 = ("--training.mixed_precision_param", "bfloat16", "--training.dtype", "bfloat16")
+    assert len(train(tmp_path, steps=4, each_step=checked, args=bf16)) == 4

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
@@ -44,6 +46,7 @@ from titan_fold.parallel.pipeline import (
 )
 from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
+from titan_fold.trainer.host_copies import to_device
 from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.phases import StepPhases
@@ -81,9 +84,9 @@ def fit_warmup(config: JobConfig) -> None:
 
 
 class FoldTrainer(Trainer):
-    """torchtitan's Trainer; its __init__, train_step and train run as torchtitan wrote them,
-    with the names torchtitan_adapter.py lists resolved to titan_fold's (device, mixed
-    precision, clipping, checkpoint manager, timeouts).
+    """torchtitan's Trainer; its __init__ and train run as torchtitan wrote them, with the names
+    torchtitan_adapter.py lists resolved to titan_fold's (device, mixed precision, checkpoint
+    manager, timeouts). Its train_step is torchtitan's without waits for the device (_train_step).
 
     The one builder of a trainer, for real runs and the dry run alike: a dry run's trainer
     (dryrun/record.py) is this class, with its own `torchtitan_names` (no tokenizer, data,
@@ -99,7 +102,7 @@ class FoldTrainer(Trainer):
 
     def torchtitan_names(self) -> dict:
         """The names torchtitan's Trainer code sees in place of its module globals."""
-        return trainer_names(self)
+        return trainer_names()
 
     def _torchtitan(self, method):
         return with_names(method, **self._names).__get__(self)
@@ -267,13 +270,59 @@ class FoldTrainer(Trainer):
             # eager code between compiled blocks) and free graph outputs that backward still needs.
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            self._torchtitan(Trainer.train_step)(data_iterator)
+            self._train_step(data_iterator)
         except SkippedStep as e:
             logger.warning(f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
                            f"{self.guard.skipped} skipped so far)")
             if self.metrics_processor.jsonl:
                 self.metrics_processor.jsonl.write({"step": self.step, "skipped": e.what,
                                                     "skipped_steps": self.guard.skipped})
+
+    def _train_step(self, data_iterator):
+        """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
+        update is queued. torchtitan moves the batches and their token count with blocking copies
+        and sums the count over the batch ranks on the host: each waits for the work queued before
+        it, the step before's optimizer update, and the device then idles while the host queues
+        this step's first kernels. Here the count is summed on the device and every copy is queued
+        behind that work (host_copies.to_device)."""
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        layout = self.parallel_dims
+        # the micro-batches stay on the host until their turn; their tokens are counted there
+        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        local_valid_tokens = to_device(
+            torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device)
+        global_valid_tokens = local_valid_tokens.float()
+        if layout.dp_enabled:
+            global_valid_tokens = funcol.all_reduce(local_valid_tokens, "sum", layout.get_mesh("batch")).float()
+        losses = []
+        for input_dict, labels in microbatches:
+            input_dict = {k: to_device(v, self.device) if isinstance(v, torch.Tensor) else v
+                          for k, v in input_dict.items()}
+            loss = self.forward_backward_step(input_dict=input_dict, labels=to_device(labels, self.device),
+                                              global_valid_tokens=global_valid_tokens)
+            losses.append(loss.detach())
+        grad_norm = self.clip_grad_norm([p for m in self.model_parts for p in m.parameters()],
+                                        self.job_config.training.max_norm, foreach=True,
+                                        pp_mesh=layout.get_optional_mesh("pp"), ep_enabled=layout.ep_enabled)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        if not self.metrics_processor.should_log(self.step):
+            return
+        loss = torch.stack(losses).sum()
+        if layout.dp_cp_enabled:
+            # the mean over every rank's tokens, and the largest of the ranks' own means
+            mesh = layout.get_optional_mesh("loss")
+            avg_loss = dist_utils.dist_sum(loss, mesh)
+            max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, mesh)
+            ntokens_seen = dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device),
+                                               mesh)
+        else:
+            avg_loss = max_loss = loss.item()  # a host copy (forward_backward_step), read after the guard's wait
+            ntokens_seen = self.ntokens_seen
+        self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
+                                   extra_metrics={"n_tokens_seen": ntokens_seen, "lr": lr})
 
     def should_continue_training(self) -> bool:
         """Called before every step; also where a stop request is agreed on by every rank."""

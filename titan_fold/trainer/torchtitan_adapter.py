@@ -11,8 +11,6 @@ call time; torchtitan offers no instance attribute or method to override in thei
                                                                      data parallelism in fp32
     CheckpointManager                 Trainer.__init__               FoldCheckpointManager (checkpoint/manager.py):
                                                                      shapes checked before a load, RNG state
-    dist_utils.clip_grad_norm_        Trainer.train_step             parameters on two meshes; fused optimizers
-                                                                     apply the coefficient (parallel/clip.py)
     dist_utils.set_pg_timeouts        Trainer.train                  its barrier passes a CUDA device id
     build_device_memory_monitor       MetricsProcessor.__init__      a CUDA-only monitor
     time.sleep                        Trainer.train                  its 2 s wait "for other ranks" at the end;
@@ -20,9 +18,8 @@ call time; torchtitan offers no instance attribute or method to override in thei
 
 Nothing is assigned to a torchtitan module: `with_names(function, **names)` is a copy of a
 torchtitan function whose global names see `names` first, and the subclasses call these
-copies where they would call the inherited method. Each trainer makes its own (the clip
-reads that trainer's optimizers): two trainers in one process share nothing, and
-torchtitan's own classes stay as they are.
+copies where they would call the inherited method. Each trainer makes its own: two trainers
+in one process share nothing, and torchtitan's own classes stay as they are.
 """
 
 import contextlib
@@ -80,16 +77,14 @@ def _set_pg_timeouts_gloo(timeout: timedelta, parallel_dims) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def trainer_names(trainer) -> dict:
-    """The names FoldTrainer's copies of Trainer.__init__, train_step and train see."""
+def trainer_names() -> dict:
+    """The names FoldTrainer's copies of Trainer.__init__ and train see."""
     dev = device_type()
     return {
         "utils": Names(tt_utils, device_type=dev, device_module=getattr(torch, dev)),
         "dist_utils": Names(
             dist_utils,
             maybe_enable_amp=maybe_enable_amp,
-            # the optimizers exist once __init__ has built them, before the first step
-            clip_grad_norm_=lambda *args, **kwargs: trainer.clip_grad_norm(*args, **kwargs),
             set_pg_timeouts=dist_utils.set_pg_timeouts if dev == "cuda" else _set_pg_timeouts_gloo,
         ),
         "CheckpointManager": FoldCheckpointManager,
