@@ -6,11 +6,12 @@
 # The GPU image (python 3.12, torch 2.11) lacks the trainer's torchtitan 0.2.2, tyro, torchdata
 # and datasets (and their few missing dependencies) and the optional QuACK kernels
 # (`moe.grouped_gemm = "quack"`). One of QuACK's wheels, nvidia-cutlass-dsl-libs-cu13, is 92 MB,
-# over what one device call carries (64 MiB with the repository): it is unpacked and repacked
-# as .whl_big/cutlass_cu13.tar.xz (61 MiB), carried alone in a first call that only copies it to
-# /tmp, and the rest of .whl/ in the next call (while the machine is still warm):
+# over what one device call carries (64 MiB with the repository): it is unpacked, repacked as an
+# xz archive (61 MiB) and split in two, the first 40 MiB in .whl_big/, carried alone in a first
+# call that only copies it to /tmp, the rest with .whl/ in the next call (while the machine is
+# still warm):
 #
-#   call 1 (carry .whl_big):  cp .whl_big/cutlass_cu13.tar.xz /tmp/
+#   call 1 (carry .whl_big):  cp .whl_big/cutlass_cu13.tar.xz.part1 /tmp/
 #   call 2 (carry .whl):      source bench/wheels.sh --install && <the benchmark>
 #
 # Installed under a directory named site-packages: QuACK fingerprints only its own code for its
@@ -23,7 +24,9 @@ if [ "${1:-}" = --install ]; then
   mkdir -p "$SITE"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
   # after pip: --upgrade replaces whole top-level folders, and nvidia_cutlass_dsl/ is shared
-  if [ -f /tmp/cutlass_cu13.tar.xz ]; then tar xJf /tmp/cutlass_cu13.tar.xz -C "$SITE"; fi
+  if [ -f /tmp/cutlass_cu13.tar.xz.part1 ]; then
+    cat /tmp/cutlass_cu13.tar.xz.part1 .whl/cutlass_cu13.tar.xz.part2 | tar xJf - -C "$SITE"
+  fi
   # the CUTLASS DSL's package dir is added by its .pth file, which --target does not read
   export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD"
   return 0 2>/dev/null || exit 0
@@ -45,6 +48,8 @@ download quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-
 big=$(ls .whl/nvidia_cutlass_dsl_libs_cu13-*.whl)
 tmp=$(mktemp -d)
 python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$big" "$tmp"
-tar cf - -C "$tmp" . | xz -9e -T2 > .whl_big/cutlass_cu13.tar.xz
-rm -rf "$tmp" "$big"
+tar cf - -C "$tmp" . | xz -9e -T2 > "$tmp.tar.xz"
+head -c 40M "$tmp.tar.xz" > .whl_big/cutlass_cu13.tar.xz.part1
+tail -c +$((40 * 1024 * 1024 + 1)) "$tmp.tar.xz" > .whl/cutlass_cu13.tar.xz.part2
+rm -rf "$tmp" "$tmp.tar.xz" "$big"
 du -sh .whl .whl_big
