@@ -493,16 +493,20 @@ def test_suite_interleaves_each_step_with_the_code_before(tmp_path, monkeypatch,
 
 def test_suite_narrowed_to_one_shape_runs_only_the_steps_that_hold_it(tmp_path, monkeypatch):
     """python -m bench layer --shapes mixtral_8x22b --impls titan_fold_quack: the one layer step
-    whose shapes include it runs, with its lists cut to what was asked; the others are skipped."""
+    whose shapes include it runs, with its lists cut to what was asked; the others are skipped.
+    Everything but the step's process runs (run_step included)."""
+    import subprocess
+    from types import SimpleNamespace
+
     import bench.__main__ as suite
 
     ran = []
 
-    def fake_run_step(step, root, out_dir, name, ours_path, wanted):
-        ran.append(suite.step_command(step, out_dir, name, ours_path, wanted))
-        return {"command": name, "returncode": 0, "wall_s": 0.0, "figures": {}}
+    def fake_run(cmd, **kwargs):
+        ran.append(cmd)
+        return SimpleNamespace(returncode=0)
 
-    monkeypatch.setattr(suite, "run_step", fake_run_step)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     monkeypatch.setattr(suite, "env_info", lambda: {"device": "NVIDIA H100", "device_count": 1})
     suite.main(["layer", "--shapes", "mixtral_8x22b", "--impls", "titan_fold_quack", "--out-dir", str(tmp_path)])
     assert len(ran) == 1
