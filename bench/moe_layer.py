@@ -15,12 +15,14 @@ tokens * dim for the shared expert's gate. With ep or etp > 1 every rank holds `
 tokens and, on average over a balanced routing, does the work of that formula, so the
 figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run.
 
-Breakdown (eager, torch.profiler over 2 steps): forward GPU time of each part (router,
-permute = sort/group, count exchange, all-to-all, all-gather-v, grouped GEMM,
-reduce-scatter-v, rest of the dispatcher = row gather + combine, shared expert), and the
-GPU time of the whole step (forward + backward) by kernel class. The kernel sum counts
-NCCL kernels that overlap compute on their own stream, and profiling slows the host, so
-compare shares, not the sum with the untraced step time.
+Breakdown (eager, and the step captured in a CUDA graph; torch.profiler over 2 steps): forward
+GPU time of each part (router, permute = sort/group, count exchange, all-to-all, all-gather-v,
+grouped GEMM, reduce-scatter-v, rest of the dispatcher = row gather + combine, shared expert;
+eager only), the GPU time of the whole step (forward + backward) by kernel class, and the span
+from a step's first kernel to its last with the time no kernel ran inside it (in a graph's
+replay: what the kernels' boundaries cost). The kernel sum counts NCCL kernels that overlap
+compute on their own stream, and profiling slows the host, so compare shares, not the sum with
+the untraced step time.
 
 Load imbalance over EP ranks (`--ep-rank-share`, ep dispatch only): the router's choices
 are remapped so that a set share of all routed assignments lands on EP rank 0's experts
@@ -43,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from bench.trace_summary import union_ms  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs, moe_stats  # noqa: E402
 from titan_fold.parallel.experts import shard_moe  # noqa: E402
 
@@ -243,7 +246,7 @@ def profile_step(step, layer, device, steps: int = 2) -> dict:
     inner = ("grouped_gemm", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "reduce_scatter_v")
     if "dispatcher" in forward:
         forward["dispatcher_rest_gather_combine"] = forward["dispatcher"] - sum(forward.get(k, 0.0) for k in inner)
-    kernels, top, launches = {}, {}, 0
+    kernels, top, launches, spans = {}, {}, 0, []
     for evt in events:
         if evt.device_type == DeviceType.CUDA and not evt.name.startswith("moe::"):
             ms = _dev_time(evt, True) / 1e3 / steps
@@ -251,11 +254,17 @@ def profile_step(step, layer, device, steps: int = 2) -> dict:
             kernels[cls] = kernels.get(cls, 0.0) + ms
             top[evt.name[:160]] = top.get(evt.name[:160], 0.0) + ms
             launches += 1
+            spans.append((evt.time_range.start, evt.time_range.end))
     busy = sum(kernels.values())
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3 / steps if spans else 0.0
     return {
         "forward_ms_by_part": {k: round(v, 3) for k, v in sorted(forward.items())},
         "step_gpu_ms_by_kernel_class": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])},
         "step_gpu_busy_ms": round(busy, 3),
+        # the steps' kernels from the first one's start to the last one's end, and the time in
+        # it when none ran (the gap between the profiled steps included)
+        "step_gpu_span_ms": round(span, 3),
+        "step_gpu_idle_ms": round(span - union_ms(spans) / steps, 3) if spans else 0.0,
         "kernels_per_step": launches / steps,
         "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:24]},
     }
@@ -321,7 +330,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
                 row["ep_rank0_share"] = round(share_router.observed_share(), 4)
             if a.dense_tflops:
                 row["ratio_to_dense_gemm"] = round(tflops / a.dense_tflops, 3)
-            if not compiled and a.profile:
+            if compiled in (False, "graph") and a.profile:
                 row["breakdown"] = profile_step(step, layer, device)
         except Exception as e:  # one failing case must not lose the others
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -373,8 +382,9 @@ def parse(argv=None):
                    "in FP8, moe.expert_fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
                    "one GPU), each timed in this process")
     p.add_argument("--modes", default="dropless,cf1.0")
-    p.add_argument("--compile", default="both", choices=["off", "on", "both", "graph", "all"],
-                   help="eager (off), compiled (on), both, the eager step captured in a CUDA graph (graph), or all three")
+    p.add_argument("--compile", default="both", choices=["off", "on", "both", "graph", "off_graph", "all"],
+                   help="eager (off), compiled (on), both, the eager step captured in a CUDA graph (graph), eager "
+                        "and captured (off_graph), or all three")
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
     p.add_argument("--shared-overlap", default="on", help="comma list of on | off: the shared expert beside the "
                    "all-to-all (MoEArgs.shared_expert_overlap); shapes with a shared expert only for off")
@@ -415,7 +425,7 @@ def main(argv=None) -> dict:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s", flush=True)
     compile_modes = {"off": [False], "on": [True], "both": [False, True], "graph": ["graph"],
-                     "all": [False, True, "graph"]}[a.compile]
+                     "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
     rows = []
     figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
                "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}

@@ -160,11 +160,13 @@ def layer_table(rec: dict) -> list[str]:
 
 
 def layer_breakdown_table(rec: dict) -> list[str]:
-    """GPU time of one eager step by kernel class, and the host gaps: the step's time minus its
-    GPU busy time."""
+    """GPU time of one profiled step (eager, or captured in a CUDA graph) by kernel class, the host
+    gaps (the step's time minus its GPU busy time), and the time no kernel ran between the step's
+    first kernel and its last (where recorded; in a graph's replay, the kernels' boundaries)."""
     classes = ("gemm", "index_scatter_gather", "triton_fused", "add", "mul", "reduce", "elementwise_other", "sort_scan")
-    out = ["| step | shape | moe.grouped_gemm | step ms | GPU busy ms | host gaps, share of step | kernels | "
-           + " | ".join(classes) + " |", "|---|---|---|---:|---:|---:|---:|" + "---:|" * len(classes)]
+    out = ["| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | host gaps, share of step | "
+           "GPU idle between kernels ms | kernels | " + " | ".join(classes) + " |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes)]
     n = 0
     for name, fig in _steps(rec, "layer"):
         for r in fig["rows"]:
@@ -173,8 +175,9 @@ def layer_breakdown_table(rec: dict) -> list[str]:
                 continue
             cls, busy = b["step_gpu_ms_by_kernel_class"], b["step_gpu_busy_ms"]
             gap = max(0.0, r["median_ms"] - busy) / r["median_ms"]
-            out.append(f"| {name} | {r['shape']} | {_gemm_choice(r['impl'])} | {_f(r['median_ms'], 2)} | {_f(busy, 2)} | "
-                       f"{_f(100 * gap)}% | {_f(b.get('kernels_per_step'), 0)} | "
+            out.append(f"| {name} | {r['shape']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} | "
+                       f"{_f(r['median_ms'], 2)} | {_f(busy, 2)} | {_f(100 * gap)}% | {_f(b.get('step_gpu_idle_ms'), 3)} | "
+                       f"{_f(b.get('kernels_per_step'), 0)} | "
                        + " | ".join(_f(cls.get(c), 2) if cls.get(c) else "-" for c in classes) + " |")
             n += 1
     return out if n else []

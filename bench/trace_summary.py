@@ -44,7 +44,8 @@ def kernel_class(name: str) -> str:
     return "elementwise_other"
 
 
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    """The time (us intervals, -> ms) some interval covers: overlaps counted once."""
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
         if e > end:
@@ -149,7 +150,7 @@ def summarize_trace(path: str) -> dict:
     first, last = (min(s for s, _ in spans), max(e for _, e in spans)) if spans else (0.0, 0.0)
     return {
         "step_wall_ms": step_ms,
-        "gpu_busy_ms": round(_union_ms(spans), 3),  # overlapping streams counted once
+        "gpu_busy_ms": round(union_ms(spans), 3),  # overlapping streams counted once
         "idle": _idle(kernels, ops, first, last),
         "kernel_ms_by_class": {k: round(v, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]},

@@ -336,6 +336,23 @@ def test_report_tables(tmp_path):
     assert "Command: `python -m bench layer`" in text
 
 
+def test_layer_breakdown_table_shows_eager_and_captured_steps():
+    """A profiled eager step and a profiled graph replay, each with its mode; the GPU's idle time
+    between kernels where recorded (n/a in records made before it was)."""
+    layer = {"impl": "titan_fold_quack", "shape": "qwen3_30b_a3b", "mode": "dropless", "dispatch": "none",
+             "median_ms": 4.0, "ratio_to_dense_gemm": 0.55}
+    breakdown = {"step_gpu_ms_by_kernel_class": {"gemm": 3.0, "sort_scan": 0.05}, "step_gpu_busy_ms": 3.2,
+                 "kernels_per_step": 83.0}
+    rows = [dict(layer, compiled=False, breakdown=breakdown),
+            dict(layer, compiled="graph", median_ms=3.6, breakdown=dict(breakdown, step_gpu_span_ms=3.5,
+                                                                           step_gpu_idle_ms=0.3))]
+    table = report.layer_breakdown_table({"figures": {"layer_profile": {"rows": rows}}})
+    assert table[0].startswith("| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | host gaps, share "
+                               "of step | GPU idle between kernels ms | kernels | gemm |")
+    assert table[2].startswith("| layer_profile | qwen3_30b_a3b | quack | eager | 4.00 | 3.20 | 20.0% | n/a | 83 | 3.00 |")
+    assert table[3].startswith("| layer_profile | qwen3_30b_a3b | quack | graph | 3.60 | 3.20 | 11.1% | 0.300 | 83 | 3.00 |")
+
+
 def test_report_partial_run_leaves_the_other_cases_shown(tmp_path):
     """A run of some of a step's trainer cases (--cases) is shown above the run holding the other
     cases' latest figures; a run of all of them hides the older one."""
