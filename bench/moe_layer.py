@@ -331,7 +331,11 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
             if a.dense_tflops:
                 row["ratio_to_dense_gemm"] = round(tflops / a.dense_tflops, 3)
             if compiled in (False, "graph") and a.profile:
-                row["breakdown"] = profile_step(step, layer, device)
+                breakdown = profile_step(step, layer, device)
+                if compiled == "graph" and not breakdown["kernels_per_step"]:  # no kernel traced in the replays
+                    row["breakdown_missing"] = "the profiler recorded no kernel of the graph's replays"
+                else:
+                    row["breakdown"] = breakdown
         except Exception as e:  # one failing case must not lose the others
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         rows.append(row)
