@@ -197,7 +197,7 @@ class FoldTrainer(Trainer):
         self.guard.observe_loss(loss)
         if self.phases is not None:
             self.phases.mark("data")  # the next micro-batch to the device
-        # torchtitan's train_step reads the loss with .item() after the optimizer step, except
+        # the step (_train_step) reads the loss with .item() after the optimizer step, except
         # under dp or cp, where it reduces the device value over the ranks first
         return loss if self.parallel_dims.dp_cp_enabled or not self._logs() else self.guard.copies.copy(loss)
 
@@ -231,7 +231,7 @@ class FoldTrainer(Trainer):
         return loss
 
     def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
-        """What torchtitan's train_step calls to clip (torchtitan_adapter): gradients on two
+        """The step's clipping (_train_step, as torchtitan's clip_grad_norm_): gradients on two
         meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
         handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
         takes the first stage's gradient too and is left out of the norm (counted once)."""
