@@ -62,7 +62,17 @@ def assert_same(reference, folded, name):
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
     nproc, args = LAYOUTS[name]
-    assert_same(one_rank_reference, run(tmp_path, nproc, args, seed_checkpoint), name)
+    folded = run(tmp_path, nproc, args, seed_checkpoint)
+    assert_same(one_rank_reference, folded, name)
+    cp = int(args[args.index("--parallelism.context_parallel_degree") + 1])
+    for ref, got in zip(one_rank_reference, folded):
+        # the logged values reduced over the dp x cp ranks as torchtitan reduces them: the tokens
+        # every rank saw (each cp rank counts its whole sequences), the largest rank's mean loss
+        # (under cp torchtitan divides a rank's share of the loss by its whole sequences' tokens)
+        assert got["n_tokens_seen"] == cp * ref["n_tokens_seen"], (name, ref["step"])
+        assert ref["max_loss"] == ref["loss"]
+        if cp == 1:  # one rank's mean: above the mean over all, far below their sum (dp >= 2)
+            assert got["loss"] * (1 - 1e-6) <= got["max_loss"] < 1.5 * got["loss"], (name, ref["step"])
 
 
 @pytest.mark.parametrize("name", sorted(DROP_LAYOUTS))

@@ -19,8 +19,8 @@ from typing import NoReturn
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
@@ -281,10 +281,12 @@ class FoldTrainer(Trainer):
     def _train_step(self, data_iterator):
         """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
         update is queued. torchtitan moves the batches and their token count with blocking copies
-        and sums the count over the batch ranks on the host: each waits for the work queued before
-        it, the step before's optimizer update, and the device then idles while the host queues
-        this step's first kernels. Here the count is summed on the device and every copy is queued
-        behind that work (host_copies.to_device)."""
+        and sums the count over the batch ranks on the host, and under dp or cp reads the logged
+        loss's reductions over the ranks on the host after the update is queued: each waits for
+        the work queued before it (the step before's or this step's update), and the device then
+        idles while the host queues the next kernels. Here the count is summed on the device,
+        every copy to the device is queued behind the work there (host_copies.to_device), and the
+        logged values reach the host by copies queued before the update (_logged_values)."""
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         layout = self.parallel_dims
@@ -305,24 +307,37 @@ class FoldTrainer(Trainer):
         grad_norm = self.clip_grad_norm([p for m in self.model_parts for p in m.parameters()],
                                         self.job_config.training.max_norm, foreach=True,
                                         pp_mesh=layout.get_optional_mesh("pp"), ep_enabled=layout.ep_enabled)
+        logs = self.metrics_processor.should_log(self.step)
+        read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
-        if not self.metrics_processor.should_log(self.step):
-            return
+        if logs:  # the guard's wait, once the update was queued, has brought the values
+            avg_loss, max_loss, ntokens_seen = read()
+            self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
+                                       extra_metrics={"n_tokens_seen": ntokens_seen, "lr": lr})
+
+    def _logged_values(self, losses: list[torch.Tensor], global_valid_tokens: torch.Tensor,
+                       local_valid_tokens: torch.Tensor) -> Callable[[], tuple[float, float, int]]:
+        """A logged step's loss (summed over its micro-batches and every rank's tokens), the largest
+        of the ranks' own mean losses and the tokens seen, as torchtitan logs them: under dp or cp
+        reduced over the ranks on the device and copied to the host here, before the update is
+        queued. Returns their reader, for after the guard's wait."""
+        mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
+        if mesh is None:
+            def read():  # the losses are host copies already (forward_backward_step)
+                loss = torch.stack(losses).sum().item()
+                return loss, loss, self.ntokens_seen
+            return read
         loss = torch.stack(losses).sum()
-        if layout.dp_cp_enabled:
-            # the mean over every rank's tokens, and the largest of the ranks' own means
-            mesh = layout.get_optional_mesh("loss")
-            avg_loss = dist_utils.dist_sum(loss, mesh)
-            max_loss = dist_utils.dist_max(loss * global_valid_tokens / local_valid_tokens, mesh)
-            ntokens_seen = dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device),
-                                               mesh)
-        else:
-            avg_loss = max_loss = loss.item()  # a host copy (forward_backward_step), read after the guard's wait
-            ntokens_seen = self.ntokens_seen
-        self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
-                                   extra_metrics={"n_tokens_seen": ntokens_seen, "lr": lr})
+        if isinstance(loss, DTensor):  # loss parallel under tp
+            loss = loss.full_tensor()
+        seen = to_device(torch.tensor(self.ntokens_seen, dtype=torch.int64), self.device)
+        copies = [self.guard.copies.copy(v) for v in (
+            funcol.all_reduce(loss, "sum", mesh),
+            funcol.all_reduce(loss * global_valid_tokens / local_valid_tokens, "max", mesh),
+            funcol.all_reduce(seen, "sum", mesh))]
+        return lambda: (copies[0].item(), copies[1].item(), int(copies[2].item()))
 
     def should_continue_training(self) -> bool:
         """Called before every step; also where a stop request is agreed on by every rank."""
