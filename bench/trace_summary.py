@@ -75,7 +75,8 @@ def _host_op(ops: list[tuple[float, float, str]], ts: float) -> str:
 def _idle(kernels: list[tuple[float, float, str, float | None]], ops: list[tuple[float, float, str]],
           first: float, last: float) -> dict:
     """The GPU's idle intervals between first and last (us) among kernels (start, end, name, host
-    launch time), the longest with their surroundings."""
+    launch time), the longest with their surroundings: the kernel each wait comes after, the one
+    it comes before, and the host op that launched the latter."""
     gaps, end, before = [], None, ""
     for start, stop, name, launch in sorted(kernels):
         if stop < first or start > last:
