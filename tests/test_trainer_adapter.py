@@ -3,7 +3,6 @@ trainers built one after the other in one process (as tests and notebooks do) ea
 if alone: the second reproduces the first's losses and gradient norms step for step. Its own
 train step logs what torchtitan's does, and on a GPU waits for the device nowhere."""
 
-import contextlib
 import os
 import socket
 
@@ -101,11 +100,11 @@ def test_train_step_waits_for_the_device_nowhere(one_rank, tmp_path):
     loop, which reads the row counts on the host."""
 
     def checked(trainer, step):
-        mode = "error" if trainer.step > 2 else "default"
-        with contextlib.ExitStack() as stack:
-            torch.cuda.set_sync_debug_mode(mode)
-            stack.callback(torch.cuda.set_sync_debug_mode, "default")
+        torch.cuda.set_sync_debug_mode("error" if trainer.step > 2 else "default")
+        try:
             step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
     bf16 = ("--training.mixed_precision_param", "bfloat16", "--training.dtype", "bfloat16")
     assert len(train(tmp_path, steps=4, each_step=checked, args=bf16)) == 4
