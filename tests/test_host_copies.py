@@ -1,10 +1,11 @@
-"""HostCopies (trainer/host_copies.py): a logged step's values reach the host without a wait for
-the device's queued work."""
+"""HostCopies (trainer/host_copies.py) and to_device (common/tensors.py): a logged step's values
+reach the host, and a batch the device, without a wait for the device's queued work."""
 
 import pytest
 import torch
 
-from titan_fold.trainer.host_copies import HostCopies, to_device
+from titan_fold.common.tensors import to_device
+from titan_fold.trainer.host_copies import HostCopies
 
 
 def test_values_off_cuda_are_returned_as_they_are():

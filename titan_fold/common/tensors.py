@@ -14,3 +14,13 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Function's forward: traced by torch.compile in torch 2.11, a no-op .to() there aliases the
     returned tensor and its gradient reaches the wrong output (pytorch/pytorch#180642)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` by a copy queued behind the device's work: a blocking copy (torch's
+    default) waits for everything queued before it. The copy reads pinned memory, which the host
+    may reuse only once the copy has run (torch's pinned-memory cache keeps track); from pageable
+    memory the driver may wait for the device before staging."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_fold.common.tensors import to_device
+
 BLOCK = 2048  # elements per load step (8 warps: one 16-byte load of bf16 a thread)
 CHUNK = 16384  # elements per program
 
@@ -56,8 +58,7 @@ def partials(tensors: list[torch.Tensor]) -> torch.Tensor:
     table = torch.tensor([*((t.data_ptr() - base.data_ptr()) // size for t in tensors), *pad,
                           *(t.numel() for t in tensors), *pad, *firsts, *[1 << 62] * len(pad)],
                          dtype=torch.int64)
-    if base.is_cuda:  # pinned: the copy does not wait for the device
-        table = table.pin_memory().to(base.device, non_blocking=True)
+    table = to_device(table, base.device)
     out = torch.empty(total, dtype=torch.float32, device=base.device)
     _partials_kernel[(total,)](base, table, out, T_PAD=t_pad, LOG2_T=t_pad.bit_length() - 1, BLOCK=BLOCK,
                                CHUNK=CHUNK, num_warps=8)

@@ -29,6 +29,7 @@ from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
+from titan_fold.common.tensors import to_device
 from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.moe.layer import moe_stashes
@@ -46,7 +47,6 @@ from titan_fold.parallel.pipeline import (
 )
 from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
-from titan_fold.trainer.host_copies import to_device
 from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.phases import StepPhases
@@ -285,7 +285,7 @@ class FoldTrainer(Trainer):
         loss's reductions over the ranks on the host after the update is queued: each waits for
         the work queued before it (the step before's or this step's update), and the device then
         idles while the host queues the next kernels. Here the count is summed on the device,
-        every copy to the device is queued behind the work there (host_copies.to_device), and the
+        every copy to the device is queued behind the work there (common/tensors.py: to_device), and the
         logged values reach the host by copies queued before the update (_logged_values)."""
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]

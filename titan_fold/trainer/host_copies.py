@@ -1,4 +1,4 @@
-"""Values moved between host and device without draining the device.
+"""Device values brought to the host without draining the device.
 
 `.item()` waits for everything queued before it; at the end of a step that is the optimizer's
 update, and the device then idles while the host prepares the next step. HostCopies queues a
@@ -33,12 +33,3 @@ class HostCopies:
             self._event.synchronize()
             self._event = None
 
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` by a copy queued behind the device's work: a blocking copy (torch's
-    default) waits for everything queued before it. The copy reads pinned memory, which the host
-    may reuse only once the copy has run (torch's pinned-memory cache keeps track); from pageable
-    memory the driver may wait for the device before staging."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
