@@ -3,6 +3,7 @@ trainers built one after the other in one process (as tests and notebooks do) ea
 if alone: the second reproduces the first's losses and gradient norms step for step. Its own
 train step logs what torchtitan's does, and on a GPU waits for the device nowhere."""
 
+import gc
 import os
 import socket
 
@@ -28,6 +29,7 @@ WATCHED = [(tt_utils, "device_type"), (tt_utils, "device_module"), (tt_dist_util
 
 @pytest.fixture
 def one_rank(monkeypatch):
+    gc_enabled = gc.isenabled()  # torchtitan's trainer turns automatic collection off for its process
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -37,6 +39,8 @@ def one_rank(monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    if gc_enabled:
+        gc.enable()
 
 
 def train(folder, trainer_class=FoldTrainer, steps: int = 3, each_step=None, args: tuple[str, ...] = ()) -> list[dict]:
