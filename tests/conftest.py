@@ -77,18 +77,6 @@ def python_m(module: str, *args: str, env: dict | None = None, timeout: float = 
     return subprocess.CompletedProcess(["python", "-m", module, *args], code, out, err)
 
 
-def forget_earlier_meshes() -> None:
-    """For ranks forked from the test process, which may have parallelized models on a fake
-    process group in earlier tests (test_placement.py): DTensor caches redistribute plans and
-    sharding results by mesh, and a mesh equals an earlier one of the same shape and names
-    though its process groups are gone. Without this a rank can reuse a dead group ("Could
-    not resolve the process group"), depending on which tests ran before in the process."""
-    from torch.distributed.tensor import _redistribute, debug
-
-    debug._clear_sharding_prop_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-
-
 def read_metrics(folder) -> list[dict]:
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -1,5 +1,6 @@
 """Launch `python -m titan_fold.train` on N CPU ranks as torchrun does, importing torch once;
-and any command as `python -m MODULE ARGS` in one process the same way.
+any command as `python -m MODULE ARGS` in one process the same way; and a test's worker
+function on N gloo ranks (fork_ranks).
 
 On 2 cores, every torchrun rank spends ~7 CPU-seconds importing torch, torchtitan (which
 pulls in inductor, datasets, pandas) and titan_fold before it trains: an 8-rank launch
@@ -15,9 +16,18 @@ the CLIs (hf, upcycle, layout, plan, plot) and check their exit code, stdout and
 about 0.1 s instead of the 3-4 s a fresh interpreter spends on imports. What torchrun's
 agent itself does (restarts, rendezvous, signal forwarding) stays tested through real
 torchrun (tests/test_checkpoint.py's fault test, tests/test_reliability.py's runs).
+
+Ranks are never forked from the test process itself: after earlier tests it holds objects
+that need threads a forked child does not have. A trainer's process group left in reference
+cycles, collected in the child, joins its TCPStore's event-loop thread and waits forever;
+a lock held by another thread at the fork stays held. A launch that outlives its timeout
+has each rank's Python stacks written to its stderr (faulthandler, SIGABRT), then is killed.
 """
 
 import atexit
+import faulthandler
+import importlib
+import inspect
 import json
 import os
 import runpy
@@ -55,27 +65,34 @@ def rank_failures(out_dir: str, world: int) -> list[str]:
 
 def start_rank(rank: int, port: int, world: int, backend: str = "gloo") -> None:
     """The start of a forked rank (fork_ranks' workers): the rendezvous address, torch on one
-    thread, no mesh left from an earlier test in this process, then the process group."""
+    thread (the ranks share the cores), then the process group."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-    from conftest import forget_earlier_meshes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    forget_earlier_meshes()
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
 
 
-def fork_ranks(worker, world: int, out_dir, *args, start_method: str = "fork") -> list[str]:
-    """worker(rank, port, out_dir, *args) on `world` ranks -> the failures they wrote with
-    end_rank_checks. Forked on the CPU: the ranks inherit this process's imported torch and
-    titan_fold (fresh interpreters importing them cost more than most checks); CUDA needs spawn."""
-    import torch.multiprocessing as mp
+def run_ranks(worker, world: int, out_dir, *args, timeout: float = 900) -> None:
+    """worker(rank, port, out_dir, *args) on `world` ranks forked from the zygote, the worker
+    imported there from its test module; args travel as JSON (lists stay lists). Raises with
+    the ranks' stderr when one fails or the launch outlives `timeout` seconds."""
+    out_dir = str(out_dir)
+    stdout, stderr = os.path.join(out_dir, "ranks.stdout"), os.path.join(out_dir, "ranks.stderr")
+    call = [inspect.getmodulename(inspect.getfile(worker)), worker.__name__, [out_dir, *args]]
+    codes = ZYGOTE.launch(world, [], stdout, stderr, timeout=timeout, call=call)
+    if any(codes):
+        with open(stderr, errors="replace") as f:
+            raise AssertionError(f"{worker.__name__} on {world} ranks: exit codes {codes} "
+                                 f"(-{int(signal.SIGABRT)}: still running after {timeout} s)\n{f.read()[-12000:]}")
 
-    mp.start_processes(worker, args=(free_port(), str(out_dir), *args), nprocs=world, join=True,
-                       start_method=start_method)
+
+def fork_ranks(worker, world: int, out_dir, *args, timeout: float = 900) -> list[str]:
+    """run_ranks -> the failures the ranks wrote with end_rank_checks."""
+    run_ranks(worker, world, out_dir, *args, timeout=timeout)
     return rank_failures(str(out_dir), world)
 
 
@@ -118,6 +135,7 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
     sys.stdin = open(os.devnull)
+    faulthandler.enable()  # SIGABRT (a launch past its timeout): the Python stacks into stderr
     import torch
 
     # a fresh process's RNG states, not the zygote's (identical in every rank); Python's
@@ -125,11 +143,15 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     torch.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    module = request["module"]
-    sys.modules.pop(module, None)  # `-m` runs the module's code afresh as __main__
-    sys.argv = [module, *request["argv"]]  # run_module sets argv[0] to the file, as `-m` does
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if request["call"]:
+            module, function, args = request["call"]
+            getattr(importlib.import_module(module), function)(rank, port, *args)
+        else:
+            module = request["module"]
+            sys.modules.pop(module, None)  # `-m` runs the module's code afresh as __main__
+            sys.argv = [module, *request["argv"]]  # run_module sets argv[0] to the file, as `-m` does
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -170,7 +192,10 @@ def _launch(request: dict) -> list[int]:
                 _signal([p for p in pids if p not in codes], signal.SIGTERM)
             continue
         now = time.monotonic()
-        if now > deadline or (stop_at is not None and now > stop_at):
+        if now > deadline:  # the stacks first (faulthandler), then the kill
+            _signal([p for p in pids if p not in codes], signal.SIGABRT)
+            deadline, stop_at = float("inf"), min(stop_at or float("inf"), now + GRACE_S)
+        elif stop_at is not None and now > stop_at:
             _signal([p for p in pids if p not in codes], signal.SIGKILL)
             deadline = stop_at = float("inf")
         time.sleep(0.05)
@@ -202,9 +227,10 @@ class Zygote:
         self.proc = None
 
     def launch(self, nproc: int, argv: list[str], stdout: str, stderr: str, env: dict | None = None,
-               timeout: float = 900, module: str = "titan_fold.train") -> list[int]:
+               timeout: float = 900, module: str = "titan_fold.train", call: list | None = None) -> list[int]:
         """`python -m MODULE ARGV` on NPROC ranks with torchrun's environment (0: one plain
-        process), stdout and stderr appended to those files; -> every rank's exit code."""
+        process), stdout and stderr appended to those files; -> every rank's exit code. With
+        `call` [module, function, args], each rank runs function(rank, port, *args) instead."""
         if self.proc is None or self.proc.poll() is not None:
             here = os.path.dirname(os.path.abspath(__file__))
             self.proc = subprocess.Popen(
@@ -212,7 +238,7 @@ class Zygote:
                 text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
             atexit.register(self.close)
         request = dict(nproc=nproc, module=module, argv=list(argv), stdout=stdout, stderr=stderr, env=env or {},
-                       cwd=os.getcwd(), timeout=timeout)
+                       cwd=os.getcwd(), timeout=timeout, call=call)
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()

@@ -18,11 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import forget_earlier_meshes
-
-import titan_fold  # noqa: F401  (imported once in the parent; the forked ranks inherit it)
+from launcher import run_ranks, start_rank
 
 WORLD = 8
 B, S = 2, 32
@@ -197,10 +194,8 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
         report(f"{kind} {name}", _rel(full, ref_grad), RTOL)
 
 
-def _worker(rank: int, store: str, out_dir: str):
-    torch.set_num_threads(1)  # 8 ranks share 2 cores: no intra-op threads spinning against each other
-    forget_earlier_meshes()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _worker(rank: int, port: int, out_dir: str):
+    start_rank(rank, port, WORLD)
     from titan_fold.models import Transformer
 
     results = []
@@ -236,9 +231,7 @@ def _worker(rank: int, store: str, out_dir: str):
 
 def test_attention_parallel_matches_one_rank():
     with tempfile.TemporaryDirectory() as tmp:
-        # fork: the ranks inherit the parent's imports (8 fresh interpreters importing torch on
-        # 2 cores cost more than all the cases)
-        mp.start_processes(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=WORLD, start_method="fork")
+        run_ranks(_worker, WORLD, tmp)
         per_rank = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(WORLD)]
     bad, worst = [], {}
     for r, data in enumerate(per_rank):

@@ -12,7 +12,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from launcher import end_rank_checks, fork_ranks, start_rank
+from launcher import end_rank_checks, fork_ranks, free_port, rank_failures, start_rank
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
 
@@ -193,8 +193,13 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
 
 
 def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
-    return fork_ranks(worker, world, out_dir, world, layouts, device_type,
-                      start_method="fork" if device_type == "cpu" else "spawn")
+    if device_type == "cuda":  # fresh interpreters: a forked child can use CUDA only if no ancestor did
+        import torch.multiprocessing as mp
+
+        mp.start_processes(worker, args=(free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
+                           start_method="spawn")
+        return rank_failures(str(out_dir), world)
+    return fork_ranks(worker, world, out_dir, world, layouts, device_type)
 
 
 def test_dispatcher_matches_reference(tmp_path):

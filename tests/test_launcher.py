@@ -1,9 +1,14 @@
 """tests/launcher.py, which most trainer tests launch through: every rank gets its own RANK,
-a failure reaches the test as torchrun reports it, and a dead rank does not hang the launch."""
+a failure reaches the test as torchrun reports it, a dead rank does not hang the launch, and
+a hung one is killed at the timeout with its stack on record."""
 
+import json
+import os
 import signal
+import time
 
-from launcher import ZYGOTE
+import pytest
+from launcher import ZYGOTE, run_ranks
 
 
 def launch(tmp_path, nproc, *args, env=None):
@@ -25,3 +30,31 @@ def test_killed_rank_ends_the_launch(tmp_path):
                         "--parallelism.expert_parallel_degree", "2",
                         env={"TITAN_FOLD_FAULT_AT_STEP": "1", "TITAN_FOLD_FAULT_RANK": "1"})
     assert codes[1] == -9 and codes[0] != 0, (codes, err[-3000:])
+
+
+def _echo(rank, port, out_dir, items):
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump([rank, port, os.getpid(), items], f)
+
+
+def _hang_on_rank_1(rank, port, out_dir):
+    if rank == 1:
+        time.sleep(600)  # a rank stuck, as in a lock a forked child inherited held
+
+
+def test_worker_runs_in_ranks_apart_from_this_process(tmp_path):
+    run_ranks(_echo, 2, tmp_path, {"ep": [2, 1]})
+    got = [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
+    assert [(r, items) for r, _, _, items in got] == [(0, {"ep": [2, 1]}), (1, {"ep": [2, 1]})]
+    assert got[0][1] == got[1][1]  # one rendezvous port
+    assert os.getpid() not in {pid for _, _, pid, _ in got} and got[0][2] != got[1][2]
+
+
+def test_hung_rank_is_killed_with_its_stack(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(_hang_on_rank_1, 2, tmp_path, timeout=3)
+    assert time.monotonic() - start < 60
+    message = str(failure.value)
+    assert f"exit codes [0, -{int(signal.SIGABRT)}]" in message, message
+    assert "in _hang_on_rank_1" in message, message  # faulthandler's dump of the hung rank

@@ -2,11 +2,9 @@
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import forget_earlier_meshes
+from launcher import run_ranks, start_rank
 from test_layout import reference
 
-import titan_fold  # noqa: F401  (imported once in the parent; forked ranks inherit it)
 from titan_fold.parallel.mesh import Layout
 
 WORLD = 8
@@ -33,10 +31,8 @@ def _check(mesh, expected: list[int], what: str):
         assert out.tolist() == [float(r) for r in expected], (what, rank, out.tolist(), expected)
 
 
-def _worker(rank: int, store_path: str):
-    torch.set_num_threads(1)  # 8 ranks share 2 cores: no intra-op threads spinning against each other
-    forget_earlier_meshes()
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+def _worker(rank: int, port: int, out_dir: str):
+    start_rank(rank, port, WORLD)
     checked = 0
     for cfg in LAYOUTS:
         world, pp, dpr, dps, cp, tp, ep, etp = cfg
@@ -71,5 +67,4 @@ def _worker(rank: int, store_path: str):
 
 
 def test_layout_collectives_on_gloo(tmp_path):
-    # fork: children reuse the parent's imported torch/torchtitan (spawn re-imports them 8 times)
-    mp.start_processes(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True, start_method="fork")
+    run_ranks(_worker, WORLD, tmp_path)

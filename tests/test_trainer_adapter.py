@@ -39,6 +39,9 @@ def one_rank(monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    # the trainer's process group sits in reference cycles: collected now, its store's event-loop
+    # thread is joined in this process, not left to a later collection
+    gc.collect()
     if gc_enabled:
         gc.enable()
 
