@@ -19,11 +19,13 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["docs/layouts.md", "docs/moe.md", "docs/parallelize.md", "docs/planning.md"]
 MARKER = "<!-- gen -->"
+FORK_LOCK = threading.Lock()
 
 
 def blocks(lines: list[str]) -> list[tuple[int, int]]:
@@ -68,12 +70,15 @@ def python_module(command: str) -> tuple[list[str], str] | None:
 
 def fork_module(argv: list[str]) -> tuple[int, str]:
     """`python -m MODULE ARGS` in a child forked from this process, which imported MODULE
-    once (no interpreter start and torch import per command); -> exit code, stdout + stderr."""
+    once (no interpreter start and torch import per command); -> exit code, stdout + stderr.
+    Imports and forks take turns (FORK_LOCK): a child forked while another thread is importing
+    a module would find that module's import lock held by a thread it lacks, and wait forever."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)  # as PYTHONPATH for the commands bash runs
-    importlib.import_module(argv[0])
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        pid = os.fork()
+        with FORK_LOCK:
+            importlib.import_module(argv[0])
+            pid = os.fork()
         if pid == 0:
             code = 1
             try:

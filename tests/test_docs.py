@@ -17,7 +17,7 @@ import gen  # noqa: E402
 def test_quoted_output_is_current(doc):
     # planning.md's 20 planner searches: about a CPU minute, each forked from one import (gen.fork_module)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "gen.py"), "--check", doc],
-                            capture_output=True, text=True, timeout=3600)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{doc} quotes stale output; run `python docs/gen.py`:\n{result.stdout}{result.stderr}"
 
 
