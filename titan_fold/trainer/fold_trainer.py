@@ -285,8 +285,8 @@ class FoldTrainer(Trainer):
         loss's reductions over the ranks on the host after the update is queued: each waits for
         the work queued before it (the step before's or this step's update), and the device then
         idles while the host queues the next kernels. Here the count is summed on the device,
-        every copy to the device is queued behind the work there (common/tensors.py: to_device), and the
-        logged values reach the host by copies queued before the update (_logged_values)."""
+        every copy to the device is queued behind the work there (common/tensors.py: to_device),
+        and the logged values reach the host by copies queued before the update (_logged_values)."""
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         layout = self.parallel_dims

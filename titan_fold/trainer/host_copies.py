@@ -32,4 +32,3 @@ class HostCopies:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-
