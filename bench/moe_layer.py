@@ -19,8 +19,8 @@ Breakdown (eager, and the step captured in a CUDA graph; torch.profiler over 2 s
 GPU time of each part (router, permute = sort/group, count exchange, all-to-all, all-gather-v,
 grouped GEMM, reduce-scatter-v, rest of the dispatcher = row gather + combine, shared expert;
 eager only), the GPU time of the whole step (forward + backward) by kernel class, and the span
-from a step's first kernel to its last with the time no kernel ran inside it (in a graph's
-replay: what the kernels' boundaries cost). The kernel sum counts NCCL kernels that overlap
+from a step's first kernel to its last with the time no kernel ran inside it, that idle time
+summed by the kernel it came before (in a graph's replay: what the kernels' boundaries cost). The kernel sum counts NCCL kernels that overlap
 compute on their own stream, and profiling slows the host, so compare shares, not the sum with
 the untraced step time.
 
@@ -254,8 +254,10 @@ def profile_step(step, layer, device, steps: int = 2) -> dict:
             kernels[cls] = kernels.get(cls, 0.0) + ms
             top[evt.name[:160]] = top.get(evt.name[:160], 0.0) + ms
             launches += 1
-            spans.append((evt.time_range.start, evt.time_range.end))
+            spans.append((evt.time_range.start, evt.time_range.end, evt.name))
     busy = sum(kernels.values())
+    idle_before = idle_before_kernels(spans, steps)
+    spans = [(s, e) for s, e, _ in spans]
     span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3 / steps if spans else 0.0
     return {
         "forward_ms_by_part": {k: round(v, 3) for k, v in sorted(forward.items())},
@@ -266,8 +268,21 @@ def profile_step(step, layer, device, steps: int = 2) -> dict:
         "step_gpu_span_ms": round(span, 3),
         "step_gpu_idle_ms": round(span - union_ms(spans) / steps, 3) if spans else 0.0,
         "kernels_per_step": launches / steps,
+        "idle_ms_before_kernel": idle_before,
         "top_kernels_ms": {k: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:24]},
     }
+
+
+def idle_before_kernels(spans: list[tuple[float, float, str]], steps: int, top: int = 8) -> dict[str, float]:
+    """ms per step the GPU idled right before each kernel (spans: start, end us, name), summed by
+    the kernel's name, the largest first: in a captured step, what each kernel's start costs."""
+    idle, end = {}, None
+    for start, stop, name in sorted(spans):
+        if end is not None and start > end:
+            key = name[:100]
+            idle[key] = idle.get(key, 0.0) + (start - end) / 1e3 / steps
+        end = stop if end is None else max(end, stop)
+    return {k: round(v, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])[:top]}
 
 
 # ---- one configuration ------------------------------------------------------------------------

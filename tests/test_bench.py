@@ -80,6 +80,14 @@ def test_kernel_classes():
     assert moe_layer.kernel_class("void at::native::vectorized_elementwise_kernel<silu>") == "elementwise_other"
 
 
+def test_idle_before_kernels_charges_each_gap_to_the_kernel_after_it():
+    # us: a [0, 10], b [12, 20] (2 idle), c [15, 30] inside b's span (none), a [35, 40] (5), b [41, 50] (1)
+    spans = [(0, 10, "a"), (12, 20, "b"), (15, 30, "c"), (35, 40, "a"), (41, 50, "b")]
+    assert moe_layer.idle_before_kernels(spans, steps=1) == {"a": 0.005, "b": 0.003}
+    # per step, the largest first, at most top
+    assert moe_layer.idle_before_kernels(spans, steps=5, top=1) == {"a": 0.001}
+
+
 def test_moe_layer_smoke(tmp_path):
     fig = moe_layer.main(["--smoke", "--out-dir", str(tmp_path)])
     rows = {r["mode"]: r for r in fig["rows"]}
