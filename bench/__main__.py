@@ -126,9 +126,11 @@ SUITES = {
          for balance, suffix in (("auxfree", ""), ("auxloss", "_auxloss"))]),
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone, the gradient norm, the fp32 master step, row movement, "
+        "the router's top-k and the grouping's sort, "
         "attention per SDPA backend, the host time per call of the eager path's generated kernels",
         [Step("grouped_gemm", "grouped_gemm", [], 330), Step("grad_norm", "grad_norm", [], 90),
          Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60),
+         Step("routing", "routing", [], 120),
          Step("attention", "attention", [], 120), Step("launch", "launch", [], 120)]),
     "2gpu": Suite(
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "

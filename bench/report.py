@@ -445,6 +445,21 @@ def row_movement_table(rec: dict) -> list[str]:
     return out
 
 
+def routing_table(rec: dict) -> list[str]:
+    """bench/routing.py: the router's top-k against a sort's head, the grouping's sort per key width (us)."""
+    fig = rec["figures"].get("routing")
+    if not fig:
+        return []
+    widths = ("int64", "int32", "int16", "uint8")
+    out = ["| shape | experts | mode | topk | sort's head | " + " | ".join(f"sort of {w} keys" for w in widths)
+           + " | group_by |", "|---|---:|---|---:|---:|" + "---:|" * len(widths) + "---:|"]
+    for r in fig["rows"]:
+        sorts = " | ".join(_f(r.get(f"grouping_sort_{w}_us")) if f"grouping_sort_{w}_us" in r else "-" for w in widths)
+        out.append(f"| {r['shape']} | {r['experts']} | {_mode(r['compiled'])} | {_f(r['choice_topk_us'])} | "
+                   f"{_f(r['choice_sort_head_us'])} | {sorts} | {_f(r['group_by_us'])} |")
+    return out
+
+
 def streams_table(rec: dict) -> list[str]:
     """bench/grad_norm.py and bench/master_step.py: ms, TB/s and, for the norm, the host's ms to queue
     one call; the code before's rows (<step>@base) first where the suite ran it."""
@@ -505,6 +520,7 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
+          ("Routing: the router's top-k and the grouping's sort (us)", routing_table),
           ("Gradient norm and the optimizer step", streams_table),
           ("Attention forward + backward per SDPA backend", attention_table),
           ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table))

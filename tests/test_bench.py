@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common, moe_layer, report, row_movement, train_step, vs_torchtitan  # noqa: E402
+from bench import common, moe_layer, report, routing, row_movement, train_step, vs_torchtitan  # noqa: E402
 from titan_fold.models import FLAVORS, Transformer  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs  # noqa: E402
 
@@ -104,6 +104,16 @@ def test_moe_layer_smoke(tmp_path):
         assert parts["dispatcher_rest_gather_combine"] == pytest.approx(parts["dispatcher"] - inner, abs=2e-3)
     with open(tmp_path / "moe_layer.json") as f:
         assert json.load(f)["figures"]["rows"][0]["shape"] == "tiny"
+
+
+def test_routing_smoke(tmp_path):
+    # topk and the sort's head chose alike, and every key width sorted alike (checked inside)
+    (row,) = routing.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
+    assert {"choice_topk_us", "choice_sort_head_us", "grouping_sort_uint8_us", "group_by_us"} <= set(row)
+    assert json.load(open(tmp_path / "routing.json"))["figures"]["rows"][0]["experts"] == 8
+    # the report's table: a header, its rule and the one row, every key width timed
+    lines = report.routing_table({"figures": {"routing": {"rows": [row]}}})
+    assert len(lines) == 3 and lines[2].startswith("| tiny | 8 | eager |") and " - " not in lines[2]
 
 
 def test_row_movement_smoke(tmp_path):

@@ -48,8 +48,7 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     choice = scores + expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
     if args.num_groups > 1:
         choice = limit_to_groups(choice, args.num_groups, args.group_topk)
-    # the k best as the head of a sort: on an H100, compiled at Qwen3-30B-A3B shapes, 36 us to topk's 64
-    experts = choice.sort(dim=-1, descending=True, stable=True).indices[:, :k].contiguous()  # [T, k]
+    experts = choice.topk(k, dim=-1).indices  # [T, k]
     probs = scores.gather(-1, experts)  # [T, k]
     if args.norm_topk_prob:
         probs = probs / probs.sum(dim=-1, keepdim=True)
