@@ -286,10 +286,10 @@ def test_autocast_bf16_matches_fp32():
     assert moe.experts.w13.grad.dtype == torch.float32 and moe.experts.w13.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("n,groups", [(0, 3), (1, 1), (40, 7), (300, 129)])
+@pytest.mark.parametrize("n,groups", [(0, 3), (1, 1), (40, 7), (300, 129), (300, 255), (300, 256), (200, 40000)])
 def test_group_by(n, groups):
     """order: a stable sort by key; counts: bincount (empty groups included); pos: how many
-    earlier items share the key."""
+    earlier items share the key. The keys sort as uint8 up to 255 groups, then int16, then int32."""
     from titan_fold.moe.dispatcher import group_by
 
     key = torch.randint(0, groups, (n,), generator=torch.Generator().manual_seed(n))
