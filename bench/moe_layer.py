@@ -20,9 +20,9 @@ GPU time of each part (router, permute = sort/group, count exchange, all-to-all,
 grouped GEMM, reduce-scatter-v, rest of the dispatcher = row gather + combine, shared expert;
 eager only), the GPU time of the whole step (forward + backward) by kernel class, and the span
 from a step's first kernel to its last with the time no kernel ran inside it, that idle time
-summed by the kernel it came before (in a graph's replay: what the kernels' boundaries cost). The kernel sum counts NCCL kernels that overlap
-compute on their own stream, and profiling slows the host, so compare shares, not the sum with
-the untraced step time.
+summed by the kernel it came before (in a graph's replay: what the kernels' boundaries cost).
+The kernel sum counts NCCL kernels that overlap compute on their own stream, and profiling
+slows the host, so compare shares, not the sum with the untraced step time.
 
 Load imbalance over EP ranks (`--ep-rank-share`, ep dispatch only): the router's choices
 are remapped so that a set share of all routed assignments lands on EP rank 0's experts
