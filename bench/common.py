@@ -128,6 +128,21 @@ def time_ms(fn, warmup: int, iters: int, device: torch.device) -> list[float]:
         return times
 
 
+def graph_of(step, device):
+    """step() captured in a CUDA graph after warm-up on a side stream; returns its replay. What
+    step writes (outputs, gradients) lands in the same buffers each replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def host_us(fn, warmup: int, iters: int, repeats: int, device: torch.device) -> float:
     """Median over repeats of the host's microseconds per call of fn, the device idle at each start."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

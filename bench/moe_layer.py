@@ -44,7 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
-from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from bench.common import dense_gemm_tflops, graph_of, median, moe_layer_flops, time_ms, write_result  # noqa: E402
 from bench.trace_summary import union_ms  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs, moe_stats  # noqa: E402
 from titan_fold.parallel.experts import shard_moe  # noqa: E402
@@ -358,21 +358,6 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def graph_of(step, device):
-    """step() captured in a CUDA graph after warm-up on a side stream; returns its replay. The
-    gradients are written into the same buffers each replay (set to None only while capturing)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def _print_row(row):

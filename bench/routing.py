@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import median, time_ms, write_result  # noqa: E402
+from bench.common import graph_of, median, time_ms, write_result  # noqa: E402
 from titan_fold.moe.dispatcher import group_by  # noqa: E402
 
 SHAPES = {  # tokens per rank, experts, top-k
@@ -46,11 +46,7 @@ def _timed_us(fn, device, warmup, iters) -> float:
     """Median us of fn; on CUDA each call captured once in a CUDA graph and its replays timed, so a
     compiled function's host work (guards) does not hide kernels of tens of microseconds."""
     if device.type == "cuda":
-        fn()  # compiles
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
+        fn = graph_of(fn, device)
     return 1e3 * median(time_ms(fn, warmup, iters, device))
 
 
