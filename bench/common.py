@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import shlex
@@ -171,9 +172,13 @@ def _gc_off():
             gc.enable()
 
 
-def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, iters: int = 10) -> float:
+def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, iters: int = 10,
+                      seconds: float = 0.0) -> float:
     """bf16 n x n x n matrix product rate on random data, rotating over 3 input sets
-    (the ceiling the MoE layer is compared with, measured in the same run)."""
+    (the ceiling the MoE layer is compared with, measured in the same run). seconds > 0: as many
+    timed products as last about that long, the rate the card holds under sustained load (the
+    layer's timed loops run for up to seconds; a burst of a few products may run at clocks the
+    card does not hold)."""
     gen = torch.Generator(device=device).manual_seed(0)
     sets = [(torch.randn(n, n, device=device, dtype=dtype, generator=gen),
              torch.randn(n, n, device=device, dtype=dtype, generator=gen)) for _ in range(3)]
@@ -186,6 +191,8 @@ def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16,
         torch.mm(a, b, out=out)
 
     ms = median(time_ms(mm, warmup, iters, device))
+    if seconds > 0:
+        ms = median(time_ms(mm, 0, max(iters, math.ceil(seconds * 1e3 / ms)), device))
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 

@@ -13,7 +13,9 @@ routed experts (times the kept fraction under token drop), plus 6 * tokens * 3 *
 shared_ffn for the shared expert, 6 * tokens * dim * num_experts for the router and 6 *
 tokens * dim for the shared expert's gate. With ep or etp > 1 every rank holds `tokens`
 tokens and, on average over a balanced routing, does the work of that formula, so the
-figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run.
+figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run: over 13
+products (a burst), and over `--dense-seconds` of them (the rate under sustained load, which a
+layer's timed loop of up to seconds of GEMMs also runs under).
 
 Breakdown (eager, and the step captured in a CUDA graph; torch.profiler over 2 steps): forward
 GPU time of each part (router, permute = sort/group, count exchange, all-to-all, all-gather-v,
@@ -345,6 +347,8 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
                 row["ep_rank0_share"] = round(share_router.observed_share(), 4)
             if a.dense_tflops:
                 row["ratio_to_dense_gemm"] = round(tflops / a.dense_tflops, 3)
+            if a.dense_sustained:
+                row["ratio_to_dense_sustained"] = round(tflops / a.dense_sustained, 3)
             if compiled in (False, "graph") and a.profile:
                 breakdown = profile_step(step, layer, device)
                 if compiled == "graph" and not breakdown["kernels_per_step"]:  # no kernel traced in the replays
@@ -370,7 +374,7 @@ def _print_row(row):
         print(f"{what} ERROR {row['error']}", flush=True)
     else:
         print(f"{what} {row['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  ratio {row.get('ratio_to_dense_gemm')}  "
-              f"kept {row['kept_frac']}", flush=True)
+              f"sustained {row.get('ratio_to_dense_sustained')}  kept {row['kept_frac']}", flush=True)
 
 
 def _mode_name(compiled) -> str:
@@ -396,6 +400,8 @@ def parse(argv=None):
                    "routed assignments remapped so that this share lands on EP rank 0's experts (ep dispatch only)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (seq 4096 x batch 2)")
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--dense-seconds", type=float, default=2.0, help="also time the dense GEMM for this long "
+                   "(the sustained rate and each row's share of it); 0: the burst only")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-profile", dest="profile", action="store_false")
@@ -425,13 +431,17 @@ def main(argv=None) -> dict:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("x",))
     elif device.type == "cuda":
         device = torch.device("cuda", 0)
-    a.dense_tflops = dense_gemm_tflops(device) if device.type == "cuda" else None
+    on_gpu = device.type == "cuda"
+    a.dense_tflops = dense_gemm_tflops(device) if on_gpu else None
+    a.dense_sustained = dense_gemm_tflops(device, seconds=a.dense_seconds) if on_gpu and a.dense_seconds else None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s", flush=True)
+        print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}",
+              flush=True)
     compile_modes = {"off": [False], "on": [True], "both": [False, True], "graph": ["graph"],
                      "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
     rows = []
-    figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
+    figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
+               "dense_seconds": a.dense_seconds, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
                "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}
     for dispatch in a.dispatch.split(","):
         if dispatch != "none" and mesh is None:

@@ -59,8 +59,9 @@ def _row_label(r: dict) -> str | None:
 def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
     """(row, figure) -> (value, steady) of one step of a record: each layer row's share of the dense
     GEMM rate (its result: the time over the dense rate measured in the same run, so that a card's
-    clock state, which moves both, cancels) and GPU busy ms where profiled, each trainer row's
-    tokens/s per GPU and peak memory, the step's dense GEMM rate. A layer row is steady when its
+    clock state, which moves both, cancels; and its share of the sustained rate, where recorded)
+    and GPU busy ms where profiled, each trainer row's tokens/s per GPU and peak memory, the
+    step's dense GEMM rates. A layer row is steady when its
     median time is within STEADY of its fastest repeat: a host-bound step (eager, fine-grained
     shapes) moves with the host's other work, and its median does not reproduce; device-timed
     figures (GPU busy, the GEMM rate) are steady."""
@@ -69,11 +70,15 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
         return out
     if fig.get("dense_bf16_gemm_tflops"):
         out[("-", "dense GEMM TFLOP/s")] = (fig["dense_bf16_gemm_tflops"], True)
+    if fig.get("dense_bf16_gemm_tflops_sustained"):
+        out[("-", "sustained dense GEMM TFLOP/s")] = (fig["dense_bf16_gemm_tflops_sustained"], True)
     for r in fig.get("rows", []):
         if "impl" in r and r.get("ratio_to_dense_gemm"):
             row = _row_label(r)
             steady = not r.get("min_ms") or r["median_ms"] <= STEADY * r["min_ms"]
             out[(row, "share of dense")] = (r["ratio_to_dense_gemm"], steady)
+            if r.get("ratio_to_dense_sustained"):
+                out[(row, "share of sustained dense")] = (r["ratio_to_dense_sustained"], steady)
             if r.get("breakdown"):
                 out[(row, "GPU busy ms")] = (r["breakdown"]["step_gpu_busy_ms"], True)
         elif "case" in r and r.get("tokens_per_sec_per_gpu"):
@@ -134,14 +139,17 @@ def _gemm_choice(impl: str) -> str:
 
 
 def layer_table(rec: dict) -> list[str]:
-    """Each MoE-layer row; where the suite ran the code before too (<step>@base), its time and
-    the ratio before / after beside it."""
+    """Each MoE-layer row; where the record holds the dense rate under sustained load too, that
+    rate and the row's share of it; where the suite ran the code before too (<step>@base), its
+    time and the ratio before / after beside it."""
+    steps = [(name, fig) for name, fig in _steps(rec, "layer") if not name.endswith("@base")]
+    sustained = any(fig.get("dense_bf16_gemm_tflops_sustained") for _, fig in steps)
+    extra = " sustained dense TFLOP/s | share of sustained |" if sustained else ""
     out = ["| step | shape | dispatch | moe.grouped_gemm | mode | ms / step | TFLOP/s | dense GEMM TFLOP/s | "
-           "share of dense | code before: ms | before / after |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           f"share of dense |{extra} code before: ms | before / after |",
+           "|---|---|---|---|---|" + "---:|" * (8 if sustained else 6)]
     n = 0
-    for name, fig in _steps(rec, "layer"):
-        if name.endswith("@base"):
-            continue
+    for name, fig in steps:
         base = rec["figures"].get(name + "@base") or {"rows": []}
         before = {(r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])): r.get("median_ms")
                   for r in base["rows"]}
@@ -149,11 +157,14 @@ def layer_table(rec: dict) -> list[str]:
             shape = r["shape"] + ("" if r["mode"] == "dropless" else f" ({r['mode']})")
             lead = f"| {name} | {shape} | {r['dispatch']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} "
             if "error" in r:
-                out.append(lead + f"| error: {r['error'][:60]} | | | | | |")
+                out.append(lead + f"| error: {r['error'][:60]} |" + " |" * (7 if sustained else 5))
                 continue
             b = before.get((r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])))
-            out.append(lead + f"| {_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {_f(fig['dense_bf16_gemm_tflops'])} | "
-                       f"{_f(r.get('ratio_to_dense_gemm'), 3)} | {_f(b, 2) if b else '-'} | "
+            rates = f"{_f(fig['dense_bf16_gemm_tflops'])} | {_f(r.get('ratio_to_dense_gemm'), 3)} | "
+            if sustained:
+                rates += (f"{_f(fig.get('dense_bf16_gemm_tflops_sustained'))} | "
+                          f"{_f(r.get('ratio_to_dense_sustained'), 3)} | ")
+            out.append(lead + f"| {_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {rates}{_f(b, 2) if b else '-'} | "
                        f"{_f(b / r['median_ms'], 3) if b else '-'} |")
             n += 1
     return out if n else []

@@ -61,6 +61,23 @@ def test_time_ms_counts_calls():
     assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([1.0, 2.0, 3.0, 4.0]) == 2.5
 
 
+def test_dense_rate_sustained_times_products_for_the_seconds_asked(monkeypatch):
+    """seconds > 0: after the burst, as many timed products as fill the seconds asked at the
+    burst's pace, and the rate is theirs (no warm-up: the burst was it)."""
+    calls = []
+
+    def fake_time_ms(fn, warmup, iters, device):
+        calls.append((warmup, iters))
+        return [4.0 if len(calls) == 1 else 5.0] * iters
+
+    monkeypatch.setattr(common, "time_ms", fake_time_ms)
+    n = 32
+    assert common.dense_gemm_tflops(torch.device("cpu"), n=n) == pytest.approx(2 * n**3 / 4e-3 / 1e12)
+    calls.clear()
+    assert common.dense_gemm_tflops(torch.device("cpu"), n=n, seconds=1.5) == pytest.approx(2 * n**3 / 5e-3 / 1e12)
+    assert calls == [(3, 10), (0, 375)]  # 1.5 s at 4 ms a product
+
+
 def test_time_ms_times_without_automatic_gc():
     """The timed calls run with automatic garbage collection off (the warm-up with it on, as
     the caller had it), and the caller's setting comes back."""
@@ -322,14 +339,25 @@ def test_report_tables(tmp_path):
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [row]}}, date="2026-11-24T10:00:00Z")
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [dict(row, mfu_pct=30.0)]}})  # the latest wins
     layer = {"impl": "titan_fold_quack", "shape": "qwen3_30b_a3b", "mode": "dropless", "dispatch": "none",
-             "compiled": "graph", "median_ms": 4.59, "tflops": 407.2, "ratio_to_dense_gemm": 0.509}
+             "compiled": "graph", "median_ms": 4.59, "tflops": 407.2, "ratio_to_dense_gemm": 0.509,
+             "ratio_to_dense_sustained": 0.531}
     base = dict(layer, median_ms=5.242)
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2, "rows": [layer]},
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
+                                                   "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
                                     "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
     text = report.report(str(tmp_path))
     assert "| foldings | dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | 44,141 | 287.8 | 30.0 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text
     assert "29.1" not in text
-    assert "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 5.24 | 1.142 |" in text
+    assert ("| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 766.8 | 0.531 | 5.24 "
+            "| 1.142 |") in text
+    del layer["ratio_to_dense_sustained"]  # a record made without the sustained rate
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2, "rows": [layer]}})
+    text = report.report(str(tmp_path))  # its table as before: no sustained columns
+    assert "| dense GEMM TFLOP/s | share of dense | code before: ms | before / after |" in text
+    assert "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | - | - |" in text
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
+                                                   "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
+                                    "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
     assert text.index("Suite `layer`") < text.index("Suite `trainer`")
     assert "one profiled step" not in text  # no profiled row, no breakdown table
     # the host gaps are measured against the same case's step without the profiler, in the same run
