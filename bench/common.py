@@ -98,6 +98,18 @@ def _jsonable(x):
     return str(x)
 
 
+def sm_clock_mhz(device: torch.device) -> int | None:
+    """The SM clock NVML reports for the device's last sample period (1/6 s to 1 s), in MHz: read
+    right after a timed loop, the clock the loop ended at. None on the CPU or without NVML's
+    Python module (nvidia-ml-py)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.clock_rate(device)
+    except ModuleNotFoundError:
+        return None
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 

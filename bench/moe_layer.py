@@ -15,7 +15,8 @@ tokens * dim for the shared expert's gate. With ep or etp > 1 every rank holds `
 tokens and, on average over a balanced routing, does the work of that formula, so the
 figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run: over 13
 products (a burst), and over `--dense-seconds` of them (the rate under sustained load, which a
-layer's timed loop of up to seconds of GEMMs also runs under).
+layer's timed loop of up to seconds of GEMMs also runs under). Each rate and each row records the
+SM clock NVML reports right after its timed loop (None without nvidia-ml-py).
 
 Breakdown (eager, and the step captured in a CUDA graph; torch.profiler over 2 steps): forward
 GPU time of each part (router, permute = sort/group, count exchange, all-to-all, all-gather-v,
@@ -46,7 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
-from bench.common import dense_gemm_tflops, graph_of, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from bench.common import dense_gemm_tflops, graph_of, median, moe_layer_flops, sm_clock_mhz, time_ms, write_result  # noqa: E402
 from bench.trace_summary import union_ms  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs, moe_stats  # noqa: E402
 from titan_fold.parallel.experts import shard_moe  # noqa: E402
@@ -329,6 +330,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
 
             moe_stats([layer])  # reset
             times = time_ms(step, a.warmup, a.iters, device)
+            clock = sm_clock_mhz(device)
             stats = moe_stats([layer])
             kept = 1.0 - (stats.get("dropped_token_frac") or 0.0)
             gate = shape["gate"] and impl != "torchtitan"
@@ -341,7 +343,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
                 tflops=round(tflops, 3), kept_frac=round(kept, 4),
                 expert_load_imbalance=round(stats.get("expert_load_imbalance") or 0.0, 3),
                 gflop_per_step={k: round(v / 1e9, 4) for k, v in flops.items()},
-                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3),
+                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3), sm_clock_mhz=clock,
             )
             if share_router is not None:
                 row["ep_rank0_share"] = round(share_router.observed_share(), 4)
@@ -433,7 +435,9 @@ def main(argv=None) -> dict:
         device = torch.device("cuda", 0)
     on_gpu = device.type == "cuda"
     a.dense_tflops = dense_gemm_tflops(device) if on_gpu else None
+    clocks = {"burst": sm_clock_mhz(device)}
     a.dense_sustained = dense_gemm_tflops(device, seconds=a.dense_seconds) if on_gpu and a.dense_seconds else None
+    clocks["sustained"] = sm_clock_mhz(device) if a.dense_sustained else None
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}",
               flush=True)
@@ -441,7 +445,7 @@ def main(argv=None) -> dict:
                      "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
     rows = []
     figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
-               "dense_seconds": a.dense_seconds, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
+               "dense_seconds": a.dense_seconds, "dense_sm_clock_mhz": clocks, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
                "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}
     for dispatch in a.dispatch.split(","):
         if dispatch != "none" and mesh is None:

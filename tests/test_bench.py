@@ -76,6 +76,7 @@ def test_dense_rate_sustained_times_products_for_the_seconds_asked(monkeypatch):
     calls.clear()
     assert common.dense_gemm_tflops(torch.device("cpu"), n=n, seconds=1.5) == pytest.approx(2 * n**3 / 5e-3 / 1e12)
     assert calls == [(3, 10), (0, 375)]  # 1.5 s at 4 ms a product
+    assert common.sm_clock_mhz(torch.device("cpu")) is None  # no clock to read: recorded as unknown
 
 
 def test_time_ms_times_without_automatic_gc():
