@@ -100,13 +100,13 @@ def _jsonable(x):
 
 def sm_clock_mhz(device: torch.device) -> int | None:
     """The SM clock NVML reports for the device's last sample period (1/6 s to 1 s), in MHz: read
-    right after a timed loop, the clock the loop ended at. None on the CPU or without NVML's
-    Python module (nvidia-ml-py)."""
+    right after a timed loop, the clock the loop ended at. None on the CPU, without NVML's Python
+    module (nvidia-ml-py) or where NVML cannot be read: the clock only annotates a timing."""
     if device.type != "cuda":
         return None
     try:
         return torch.cuda.clock_rate(device)
-    except ModuleNotFoundError:
+    except Exception:  # pynvml missing (ModuleNotFoundError) or any NVMLError
         return None
 
 

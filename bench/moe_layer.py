@@ -445,8 +445,8 @@ def main(argv=None) -> dict:
                      "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
     rows = []
     figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
-               "dense_seconds": a.dense_seconds, "dense_sm_clock_mhz": clocks, "dtype": "bfloat16", "tokens_per_gpu": a.tokens,
-               "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}
+               "dense_seconds": a.dense_seconds, "dense_sm_clock_mhz": clocks, "dtype": "bfloat16",
+               "tokens_per_gpu": a.tokens, "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}
     for dispatch in a.dispatch.split(","):
         if dispatch != "none" and mesh is None:
             raise SystemExit(f"--dispatch {dispatch} needs torchrun --nproc_per_node 2")

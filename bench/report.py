@@ -61,10 +61,10 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
     GEMM rate (its result: the time over the dense rate measured in the same run, so that a card's
     clock state, which moves both, cancels; and its share of the sustained rate, where recorded)
     and GPU busy ms where profiled, each trainer row's tokens/s per GPU and peak memory, the
-    step's dense GEMM rates. A layer row is steady when its
-    median time is within STEADY of its fastest repeat: a host-bound step (eager, fine-grained
-    shapes) moves with the host's other work, and its median does not reproduce; device-timed
-    figures (GPU busy, the GEMM rate) are steady."""
+    step's dense GEMM rates. A layer row is steady when its median time is within STEADY of its
+    fastest repeat: a host-bound step (eager, fine-grained shapes) moves with the host's other
+    work, and its median does not reproduce; device-timed figures (GPU busy, the GEMM rate) are
+    steady."""
     fig, out = rec["figures"].get(step), {}
     if not fig:
         return out
