@@ -171,11 +171,13 @@ def layer_table(rec: dict) -> list[str]:
 
 
 def layer_breakdown_table(rec: dict) -> list[str]:
-    """GPU time of one profiled step (eager, or captured in a CUDA graph) by kernel class, the host
-    gaps (the step's time minus its GPU busy time), and the time no kernel ran between the step's
-    first kernel and its last (where recorded; in a graph's replay, the kernels' boundaries)."""
+    """GPU time of one profiled step (eager, or captured in a CUDA graph) by kernel class, the
+    step's time beyond its GPU busy time (eager: the host's gaps; a graph's replay has no host
+    work, and there it is what the timed replays take beyond the profiled one's kernels), and the
+    time no kernel ran between the step's first kernel and its last (where recorded; in a
+    graph's replay, the kernels' boundaries)."""
     classes = ("gemm", "index_scatter_gather", "triton_fused", "add", "mul", "reduce", "elementwise_other", "sort_scan")
-    out = ["| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | host gaps, share of step | "
+    out = ["| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | step beyond GPU busy, share of step | "
            "GPU idle between kernels ms | kernels | " + " | ".join(classes) + " |",
            "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes)]
     n = 0

@@ -394,8 +394,8 @@ def test_layer_breakdown_table_shows_eager_and_captured_steps():
             dict(layer, compiled="graph", median_ms=3.6, breakdown=dict(breakdown, step_gpu_span_ms=3.5,
                                                                            step_gpu_idle_ms=0.3))]
     table = report.layer_breakdown_table({"figures": {"layer_profile": {"rows": rows}}})
-    assert table[0].startswith("| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | host gaps, share "
-                               "of step | GPU idle between kernels ms | kernels | gemm |")
+    assert table[0].startswith("| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | step beyond GPU "
+                               "busy, share of step | GPU idle between kernels ms | kernels | gemm |")
     assert table[2].startswith("| layer_profile | qwen3_30b_a3b | quack | eager | 4.00 | 3.20 | 20.0% | n/a | 83 | 3.00 |")
     assert table[3].startswith("| layer_profile | qwen3_30b_a3b | quack | graph | 3.60 | 3.20 | 11.1% | 0.300 | 83 | 3.00 |")
 
