@@ -208,6 +208,17 @@ def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16,
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def copy_tbps(device: torch.device, nbytes: int = 1 << 30, warmup: int = 3, iters: int = 20) -> float:
+    """Device-to-device copy rate of nbytes of random float32 values, bytes read plus bytes written
+    per second (TB/s): the memory ceiling, measured in the same run, that the layer's row movement
+    and elementwise passes are compared with."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    src = torch.randn(nbytes // 4, device=device, generator=gen)
+    dst = torch.empty_like(src)
+    ms = median(time_ms(lambda: dst.copy_(src), warmup, iters, device))
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
+
+
 def moe_layer_flops(tokens: int, dim: int, ffn: int, top_k: int, num_experts: int, shared_ffn: int = 0,
                     shared_gate: bool = False, kept_frac: float = 1.0) -> dict:
     """Forward + backward FLOPs of one MoE layer (SwiGLU experts), by part.

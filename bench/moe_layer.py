@@ -16,7 +16,8 @@ tokens and, on average over a balanced routing, does the work of that formula, s
 figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run: over 13
 products (a burst), and over `--dense-seconds` of them (the rate under sustained load, which a
 layer's timed loop of up to seconds of GEMMs also runs under). Each rate and each row records the
-SM clock NVML reports right after its timed loop (None without nvidia-ml-py).
+SM clock NVML reports right after its timed loop (None without nvidia-ml-py). Beside them, the
+memory ceiling: a 1 GiB device-to-device copy's rate (bytes read plus written).
 
 Breakdown (eager, and the step captured in a CUDA graph; torch.profiler over 2 steps): forward
 GPU time of each part (router, permute = sort/group, count exchange, all-to-all, all-gather-v,
@@ -47,7 +48,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
-from bench.common import dense_gemm_tflops, graph_of, median, moe_layer_flops, sm_clock_mhz, time_ms, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    copy_tbps,
+    dense_gemm_tflops,
+    graph_of,
+    median,
+    moe_layer_flops,
+    sm_clock_mhz,
+    time_ms,
+    write_result,
+)
 from bench.trace_summary import union_ms  # noqa: E402
 from titan_fold.moe import MoE, MoEArgs, moe_stats  # noqa: E402
 from titan_fold.parallel.experts import shard_moe  # noqa: E402
@@ -438,15 +448,17 @@ def main(argv=None) -> dict:
     clocks = {"burst": sm_clock_mhz(device)}
     a.dense_sustained = dense_gemm_tflops(device, seconds=a.dense_seconds) if on_gpu and a.dense_seconds else None
     clocks["sustained"] = sm_clock_mhz(device) if a.dense_sustained else None
+    copy = round(copy_tbps(device), 3) if on_gpu else None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}",
-              flush=True)
+        print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}; "
+              f"copy: {copy} TB/s", flush=True)
     compile_modes = {"off": [False], "on": [True], "both": [False, True], "graph": ["graph"],
                      "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
     rows = []
     figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
-               "dense_seconds": a.dense_seconds, "dense_sm_clock_mhz": clocks, "dtype": "bfloat16",
-               "tokens_per_gpu": a.tokens, "seq_len": a.seq_len, "warmup": a.warmup, "iters": a.iters, "world_size": world, "rows": rows}
+               "dense_seconds": a.dense_seconds, "dense_sm_clock_mhz": clocks, "copy_tbps": copy,
+               "dtype": "bfloat16", "tokens_per_gpu": a.tokens, "seq_len": a.seq_len, "warmup": a.warmup,
+               "iters": a.iters, "world_size": world, "rows": rows}
     for dispatch in a.dispatch.split(","):
         if dispatch != "none" and mesh is None:
             raise SystemExit(f"--dispatch {dispatch} needs torchrun --nproc_per_node 2")

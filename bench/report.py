@@ -61,10 +61,10 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
     GEMM rate (its result: the time over the dense rate measured in the same run, so that a card's
     clock state, which moves both, cancels; and its share of the sustained rate, where recorded)
     and GPU busy ms where profiled, each trainer row's tokens/s per GPU and peak memory, the
-    step's dense GEMM rates. A layer row is steady when its median time is within STEADY of its
-    fastest repeat: a host-bound step (eager, fine-grained shapes) moves with the host's other
-    work, and its median does not reproduce; device-timed figures (GPU busy, the GEMM rate) are
-    steady."""
+    step's dense GEMM rates and copy rate. A layer row is steady when its median time is within
+    STEADY of its fastest repeat: a host-bound step (eager, fine-grained shapes) moves with the
+    host's other work, and its median does not reproduce; device-timed figures (GPU busy, the
+    GEMM and copy rates) are steady."""
     fig, out = rec["figures"].get(step), {}
     if not fig:
         return out
@@ -72,6 +72,8 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
         out[("-", "dense GEMM TFLOP/s")] = (fig["dense_bf16_gemm_tflops"], True)
     if fig.get("dense_bf16_gemm_tflops_sustained"):
         out[("-", "sustained dense GEMM TFLOP/s")] = (fig["dense_bf16_gemm_tflops_sustained"], True)
+    if fig.get("copy_tbps"):
+        out[("-", "copy TB/s")] = (fig["copy_tbps"], True)
     for r in fig.get("rows", []):
         if "impl" in r and r.get("ratio_to_dense_gemm"):
             row = _row_label(r)

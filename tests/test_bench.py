@@ -61,12 +61,14 @@ def test_time_ms_counts_calls():
     assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([1.0, 2.0, 3.0, 4.0]) == 2.5
 
 
-def test_dense_rate_sustained_times_products_for_the_seconds_asked(monkeypatch):
+def test_dense_rate_sustained_and_copy_rate(monkeypatch):
     """seconds > 0: after the burst, as many timed products as fill the seconds asked at the
-    burst's pace, and the rate is theirs (no warm-up: the burst was it)."""
+    burst's pace, and the rate is theirs (no warm-up: the burst was it). The copy rate counts
+    the bytes read and written."""
     calls = []
 
     def fake_time_ms(fn, warmup, iters, device):
+        fn()  # what would be timed runs
         calls.append((warmup, iters))
         return [4.0 if len(calls) == 1 else 5.0] * iters
 
@@ -77,6 +79,9 @@ def test_dense_rate_sustained_times_products_for_the_seconds_asked(monkeypatch):
     assert common.dense_gemm_tflops(torch.device("cpu"), n=n, seconds=1.5) == pytest.approx(2 * n**3 / 5e-3 / 1e12)
     assert calls == [(3, 10), (0, 375)]  # 1.5 s at 4 ms a product
     assert common.sm_clock_mhz(torch.device("cpu")) is None  # no clock to read: recorded as unknown
+    calls.clear()  # the copy rate: bytes read plus bytes written over the median time
+    assert common.copy_tbps(torch.device("cpu"), nbytes=4096) == pytest.approx(2 * 4096 / 4e-3 / 1e12)
+    assert calls == [(3, 20)]
 
 
 def test_time_ms_times_without_automatic_gc():
@@ -448,11 +453,11 @@ def test_report_rerun_beside_the_run_before(tmp_path):
         return {"impl": "titan_fold", "shape": shape, "mode": "dropless", "dispatch": "none", "compiled": "graph",
                 "median_ms": ms, "min_ms": fastest or ms, "tflops": 1.0, "ratio_to_dense_gemm": share}
 
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0,
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0, "copy_tbps": 3.1,
                                                    "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7), row("gone", 1.0, 0.1)]},
                                     "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]}}, date="2026-11-25T08:00:00Z")
     (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0800.json")
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 792.0,
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 792.0, "copy_tbps": 3.0,
                                                    "rows": [row("a", 5.1, 0.51), row("b", 21.0, 0.6, fastest=19.0),
                                                             row("new", 2.0, 0.2)]},
                                     "layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.0, 0.4), breakdown={
@@ -464,9 +469,10 @@ def test_report_rerun_beside_the_run_before(tmp_path):
     assert "| layer_fine | b, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.700 | " \
            "0.600 | 0.857 | no | no |" in text  # 21 ms against a fastest repeat of 19: not steady
     assert "| layer_fine | - | dense GEMM TFLOP/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 800.00 | 792.00 | 0.990 | yes | yes |" in text
+    assert "| layer_fine | - | copy TB/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 3.100 | 3.000 | 0.968 | no | yes |" in text
     reruns = text[text.index("Each step's latest run beside its run before"):]
     assert "gone" not in reruns and "new, none" not in reruns and "0.300" not in reruns
-    assert "2 of 3 figures within 3% of the run before; of the 2 steady ones" in text and "ones (both medians within 5% " \
+    assert "2 of 4 figures within 3% of the run before; of the 3 steady ones" in text and "ones (both medians within 5% " \
            "of their fastest repeat), 2." in text
     # the earlier record holds a row no later one has (shape gone): it stays shown, for that row
     assert text.count("Suite `layer`") == 2 and "| layer_fine | gone | none | torch | graph |" in text
