@@ -268,6 +268,21 @@ def _stand_in_quack(calls):
                            RoundingMode=SimpleNamespace(RN="RN"), SplitKMode=SimpleNamespace(SERIAL="SERIAL"))
 
 
+def _stand_in_up_epilogue(calls):
+    """moe/quack_epilogue.py's GEMM as moe/quack.py calls it, in float64 and recorded in calls:
+    acc = A @ B per group of rows (A's rows A[A_idx] where given), D = acc (its (gate, up) pairs
+    adjacent), postact = silu(gate) * up * p."""
+    def up(a, b, c, *, out, cu_seqlens_m, A_idx, p, dynamic_scheduler):
+        assert c is None and dynamic_scheduler and set(out) == {"D", "postact"}
+        calls.append(("gated", None))
+        acc = _grouped_product(a, b, cu_seqlens_m, None, A_idx)  # [R, 2 * ffn]
+        gate, up = acc[:, 0::2], acc[:, 1::2]
+        out["D"].copy_(acc)
+        out["postact"].copy_(gate * torch.sigmoid(gate) * up * p.double()[:, None])
+
+    return up
+
+
 @pytest.mark.parametrize("prob_before_w2", [True, False])
 @pytest.mark.parametrize("gathered", [True, False])
 def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before_w2):
@@ -282,6 +297,7 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
     calls = []
     monkeypatch.setattr(qm, "_PLANS", {})
     monkeypatch.setattr(qm, "_QUACK", _stand_in_quack(calls))
+    monkeypatch.setattr(qm, "_UP_EPILOGUE", _stand_in_up_epilogue(calls))
     monkeypatch.setattr(qm, "_LOADED", True)
     torch.manual_seed(0)
     T, k, E, dim, ffn = 12, 2, 4, 16, 8
@@ -311,8 +327,10 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
 
     for got, exp, name in zip(grads(ours), want, ("y", "dx", "dp", "dw13", "dw2")):
         assert torch.allclose(got.double(), exp, rtol=1e-5, atol=1e-6), name
-    # forward: w13, w2; backward: the gated dgrad, w2's weight gradient, w13's input and weight gradients
-    assert [kind for kind, _ in calls].count("dgated") == 1 and len(calls) == 6
+    # forward: w13 with the SwiGLU in its epilogue, w2; backward: the gated dgrad, w2's weight
+    # gradient, w13's input and weight gradients
+    kinds = [kind for kind, _ in calls]
+    assert kinds[0] == "gated" and kinds.count("gated") == kinds.count("dgated") == 1 and len(calls) == 6
 
 
 def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):

@@ -6,9 +6,10 @@ input-gradient products, varlen-K (`cu_seqlens_k`) for the weight gradients, and
 rows of its left operand itself (`A_idx`). Per layer, w13 holding each expert's gate and up rows
 alternating (moe/experts.py):
 
-    forward   ab = x[rows] @ w13[e].T                        gather fused: no [R, dim] copy of
-                                                             the tokens is made or saved
-              h = silu(gate) * up * p                        one generated kernel (fused.py)
+    forward   ab = x[rows] @ w13[e].T                        one GEMM: the gather fused (no
+              h = silu(gate) * up * p                        [R, dim] copy of the tokens made or
+                                                             saved), the SwiGLU times p in its
+                                                             epilogue (moe/quack_epilogue.py)
               y = h @ w2[e].T
     backward  dab, h, dp from (dy @ w2[e], ab, p)            one GEMM, the SwiGLU's backward in
                                                              its epilogue (QuACK's gemm_dgated)
@@ -16,9 +17,10 @@ alternating (moe/experts.py):
               dx_rows = dab @ w13[e]
               dx = each token's rows summed (the caller's row sum)
 
-The gated backward recomputes h from ab, so the forward saves ab and not h, and takes the
-routing weight p as its row scale and p's gradient as its row sum (p applied before w2; with p
-applied after w2 the experts run with p = 1 and the caller scales their output).
+The up projection writes both ab and h; the gated backward recomputes h from ab, so the
+forward saves ab and not h, and takes the routing weight p as its row scale and p's gradient as
+its row sum (p applied before w2; with p applied after w2 the experts run with p = 1 and the
+caller scales their output).
 
 The backward copies x[rows] once for the weight gradient, and the gradient's rows once (the
 caller's combine backward), rather than reading them in place: QuACK gathers rows with
@@ -39,8 +41,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
-
-from titan_fold.moe.swiglu import swiglu_pairs_forward
 
 CHOICES = ("auto", "torch", "quack")
 
@@ -69,20 +69,35 @@ def _import_quack():
     try:
         from quack import gemm_interface
     except Exception:  # not installed, or its CUDA libraries do not load here
-        return None
-    return gemm_interface
+        return None, None
+    try:
+        from titan_fold.moe.quack_epilogue import swiglu_times_p
+    except Exception:  # a QuACK without the epilogue frontend
+        return gemm_interface, None
+    return gemm_interface, swiglu_times_p
 
 
-_QUACK = None
+_QUACK = _UP_EPILOGUE = None
 _LOADED = False
+
+
+def _load():
+    global _QUACK, _UP_EPILOGUE, _LOADED
+    if not _LOADED:
+        (_QUACK, _UP_EPILOGUE), _LOADED = _import_quack(), True
 
 
 def quack():
     """QuACK's gemm interface, or None where it is not installed (imported once)."""
-    global _QUACK, _LOADED
-    if not _LOADED:
-        _QUACK, _LOADED = _import_quack(), True
+    _load()
     return _QUACK
+
+
+def up_epilogue():
+    """The up projection's GEMM with the SwiGLU times p in its epilogue (moe/quack_epilogue.py),
+    or None where QuACK is not installed."""
+    _load()
+    return _UP_EPILOGUE
 
 
 # a constant to torch.compile: evaluated when traced, not traced (its device query,
@@ -107,8 +122,10 @@ def _problem(device_index: int | None) -> str | None:
     q = quack()
     if q is None:
         return 'needs quack-kernels (pip install -e ".[quack]")'
-    if not all(hasattr(q, name) for name in ("gemm_tuned", "_gemm_execute", "gemm_dgated", "RoundingMode", "SplitKMode")):
-        return f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): moe/quack.py replays its launches and calls gemm_dgated'
+    names = ("gemm_tuned", "_gemm_execute", "gemm_dgated", "RoundingMode", "SplitKMode")
+    if up_epilogue() is None or not all(hasattr(q, name) for name in names):
+        return (f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): moe/quack.py replays '
+                "its launches, calls gemm_dgated and writes an epilogue on its GEMM frontend")
     return None
 
 
@@ -173,15 +190,28 @@ def _op(name: str):
 
 
 @_op("quack_up_forward")
-def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w13: torch.Tensor,
+                p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
-    routed rows); offs [E + 1]; w13 [E, 2 * ffn, dim] -> ab [R, 2 * ffn]."""
-    return _varlen_m(quack(), x, w13.mT, offs, rows)
+    routed rows); offs [E + 1]; w13 [E, 2 * ffn, dim]; p [R] float32 -> ab [R, 2 * ffn] (each
+    row's (gate, up) pairs) and h = silu(gate) * up * p [R, ffn], from one GEMM."""
+    ab, h = _up_outputs(x, rows, w13)
+    if not h.numel():
+        return ab, h
+    if not x.shape[1]:  # an empty contraction (QuACK's kernels refuse it): ab = 0, so h = 0
+        return ab.zero_(), h.zero_()
+    up_epilogue()(x, w13.mT, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, **_SCHED)
+    return ab, h
+
+
+def _up_outputs(x, rows, w13):
+    R = x.shape[0] if rows is None else rows.shape[0]
+    return x.new_empty(R, w13.shape[1]), x.new_empty(R, w13.shape[1] // 2)
 
 
 @_up_forward.register_fake
-def _(x, rows, offs, w13):
-    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], w13.shape[1])
+def _(x, rows, offs, w13, p):
+    return _up_outputs(x, rows, w13)
 
 
 @_op("quack_up_backward")
@@ -275,8 +305,8 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rows, offs, w13, w2, p, slot, k, row_sum):
-        ab = _up_forward(x, rows, offs, w13)  # [R, 2 * ffn]
-        y = _down_forward(swiglu_pairs_forward(ab, p.unsqueeze(-1)), offs, w2)  # [R, dim]
+        ab, h = _up_forward(x, rows, offs, w13, p)  # [R, 2 * ffn], [R, ffn]
+        y = _down_forward(h, offs, w2)  # [R, dim]
         ctx.save_for_backward(x, rows, offs, w13, w2, ab, p, slot)
         ctx.k, ctx.row_sum = k, row_sum
         return y
