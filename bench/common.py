@@ -98,16 +98,19 @@ def _jsonable(x):
     return str(x)
 
 
-def sm_clock_mhz(device: torch.device) -> int | None:
-    """The SM clock NVML reports for the device's last sample period (1/6 s to 1 s), in MHz: read
-    right after a timed loop, the clock the loop ended at. None on the CPU, without NVML's Python
-    module (nvidia-ml-py) or where NVML cannot be read: the clock only annotates a timing."""
-    if device.type != "cuda":
-        return None
-    try:
-        return torch.cuda.clock_rate(device)
-    except Exception:  # pynvml missing (ModuleNotFoundError) or any NVMLError
-        return None
+def gpu_reading(device: torch.device) -> dict:
+    """The SM clock (MHz) and the board's power draw (W) NVML reports for the device's last sample
+    period (1/6 s to 1 s): read right after a timed loop, the state the loop ended in (a card at
+    its power limit lowers its clock). Each None on the CPU, without NVML's Python module
+    (nvidia-ml-py) or where NVML cannot be read: they only annotate a timing."""
+    reading = {"sm_clock_mhz": None, "power_w": None}
+    if device.type == "cuda":
+        try:
+            reading["sm_clock_mhz"] = torch.cuda.clock_rate(device)
+            reading["power_w"] = round(torch.cuda.power_draw(device) / 1e3, 1)  # NVML reports mW
+        except Exception:  # pynvml missing (ModuleNotFoundError) or any NVMLError
+            pass
+    return reading
 
 
 def median(xs):

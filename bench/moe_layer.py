@@ -16,8 +16,8 @@ tokens and, on average over a balanced routing, does the work of that formula, s
 figures are per GPU. The ratio is to the dense bf16 GEMM rate measured in the same run: over 13
 products (a burst), and over `--dense-seconds` of them (the rate under sustained load, which a
 layer's timed loop of up to seconds of GEMMs also runs under). Each rate and each row records the
-SM clock NVML reports right after its timed loop (None without nvidia-ml-py). Beside them, the
-memory ceiling: a 1 GiB device-to-device copy's rate (bytes read plus written).
+SM clock and board power NVML reports right after its timed loop (None without nvidia-ml-py).
+Beside them, the memory ceiling: a 1 GiB device-to-device copy's rate (bytes read plus written).
 
 Breakdown (eager, and the step captured in a CUDA graph; torch.profiler over 2 steps): forward
 GPU time of each part (router, permute = sort/group, count exchange, all-to-all, all-gather-v,
@@ -51,10 +51,10 @@ import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 from bench.common import (  # noqa: E402
     copy_tbps,
     dense_gemm_tflops,
+    gpu_reading,
     graph_of,
     median,
     moe_layer_flops,
-    sm_clock_mhz,
     time_ms,
     write_result,
 )
@@ -340,7 +340,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
 
             moe_stats([layer])  # reset
             times = time_ms(step, a.warmup, a.iters, device)
-            clock = sm_clock_mhz(device)
+            reading = gpu_reading(device)
             stats = moe_stats([layer])
             kept = 1.0 - (stats.get("dropped_token_frac") or 0.0)
             gate = shape["gate"] and impl != "torchtitan"
@@ -353,7 +353,7 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
                 tflops=round(tflops, 3), kept_frac=round(kept, 4),
                 expert_load_imbalance=round(stats.get("expert_load_imbalance") or 0.0, 3),
                 gflop_per_step={k: round(v / 1e9, 4) for k, v in flops.items()},
-                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3), sm_clock_mhz=clock,
+                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3), **reading,
             )
             if share_router is not None:
                 row["ep_rank0_share"] = round(share_router.observed_share(), 4)
@@ -445,9 +445,9 @@ def main(argv=None) -> dict:
         device = torch.device("cuda", 0)
     on_gpu = device.type == "cuda"
     a.dense_tflops = dense_gemm_tflops(device) if on_gpu else None
-    clocks = {"burst": sm_clock_mhz(device)}
+    readings = {"burst": gpu_reading(device)}
     a.dense_sustained = dense_gemm_tflops(device, seconds=a.dense_seconds) if on_gpu and a.dense_seconds else None
-    clocks["sustained"] = sm_clock_mhz(device) if a.dense_sustained else None
+    readings["sustained"] = gpu_reading(device) if a.dense_sustained else {}
     copy = round(copy_tbps(device), 3) if on_gpu else None
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}; "
@@ -456,7 +456,9 @@ def main(argv=None) -> dict:
                      "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
     rows = []
     figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
-               "dense_seconds": a.dense_seconds, "dense_sm_clock_mhz": clocks, "copy_tbps": copy,
+               "dense_seconds": a.dense_seconds,
+               "dense_sm_clock_mhz": {k: r.get("sm_clock_mhz") for k, r in readings.items()},
+               "dense_power_w": {k: r.get("power_w") for k, r in readings.items()}, "copy_tbps": copy,
                "dtype": "bfloat16", "tokens_per_gpu": a.tokens, "seq_len": a.seq_len, "warmup": a.warmup,
                "iters": a.iters, "world_size": world, "rows": rows}
     for dispatch in a.dispatch.split(","):

@@ -142,14 +142,18 @@ def _gemm_choice(impl: str) -> str:
 
 def layer_table(rec: dict) -> list[str]:
     """Each MoE-layer row; where the record holds the dense rate under sustained load too, that
-    rate and the row's share of it; where the suite ran the code before too (<step>@base), its
-    time and the ratio before / after beside it."""
+    rate and the row's share of it; where it holds NVML's SM clock, the clock after the dense
+    burst, after the sustained rate and after the row's timed loop; where the suite ran the code
+    before too (<step>@base), its time and the ratio before / after beside it."""
     steps = [(name, fig) for name, fig in _steps(rec, "layer") if not name.endswith("@base")]
     sustained = any(fig.get("dense_bf16_gemm_tflops_sustained") for _, fig in steps)
-    extra = " sustained dense TFLOP/s | share of sustained |" if sustained else ""
+    clocked = any(r.get("sm_clock_mhz") for _, fig in steps for r in fig["rows"])
+    extra = (" sustained dense TFLOP/s | share of sustained |" if sustained else "") + \
+        (" SM clock MHz: dense burst, sustained, row |" if clocked else "")
+    columns = 6 + 2 * sustained + clocked
     out = ["| step | shape | dispatch | moe.grouped_gemm | mode | ms / step | TFLOP/s | dense GEMM TFLOP/s | "
            f"share of dense |{extra} code before: ms | before / after |",
-           "|---|---|---|---|---|" + "---:|" * (8 if sustained else 6)]
+           "|---|---|---|---|---|" + "---:|" * columns]
     n = 0
     for name, fig in steps:
         base = rec["figures"].get(name + "@base") or {"rows": []}
@@ -159,13 +163,17 @@ def layer_table(rec: dict) -> list[str]:
             shape = r["shape"] + ("" if r["mode"] == "dropless" else f" ({r['mode']})")
             lead = f"| {name} | {shape} | {r['dispatch']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} "
             if "error" in r:
-                out.append(lead + f"| error: {r['error'][:60]} |" + " |" * (7 if sustained else 5))
+                out.append(lead + f"| error: {r['error'][:60]} |" + " |" * (columns - 1))
                 continue
             b = before.get((r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])))
             rates = f"{_f(fig['dense_bf16_gemm_tflops'])} | {_f(r.get('ratio_to_dense_gemm'), 3)} | "
             if sustained:
                 rates += (f"{_f(fig.get('dense_bf16_gemm_tflops_sustained'))} | "
                           f"{_f(r.get('ratio_to_dense_sustained'), 3)} | ")
+            if clocked:
+                dense = fig.get("dense_sm_clock_mhz") or {}
+                rates += " / ".join(_f(c, 0) for c in (dense.get("burst"), dense.get("sustained"), r.get("sm_clock_mhz")))
+                rates += " | "
             out.append(lead + f"| {_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {rates}{_f(b, 2) if b else '-'} | "
                        f"{_f(b / r['median_ms'], 3) if b else '-'} |")
             n += 1

@@ -78,7 +78,7 @@ def test_dense_rate_sustained_and_copy_rate(monkeypatch):
     calls.clear()
     assert common.dense_gemm_tflops(torch.device("cpu"), n=n, seconds=1.5) == pytest.approx(2 * n**3 / 5e-3 / 1e12)
     assert calls == [(3, 10), (0, 375)]  # 1.5 s at 4 ms a product
-    assert common.sm_clock_mhz(torch.device("cpu")) is None  # no clock to read: recorded as unknown
+    assert common.gpu_reading(torch.device("cpu")) == {"sm_clock_mhz": None, "power_w": None}  # nothing to read
     calls.clear()  # the copy rate: bytes read plus bytes written over the median time
     assert common.copy_tbps(torch.device("cpu"), nbytes=4096) == pytest.approx(2 * 4096 / 4e-3 / 1e12)
     assert calls == [(3, 20)]
@@ -364,6 +364,16 @@ def test_report_tables(tmp_path):
     _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
                                                    "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
                                     "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
+    clocked = dict(layer, sm_clock_mhz=1485, power_w=695.2)  # a record with NVML's readings: the clock column
+    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
+                                                   "dense_sm_clock_mhz": {"burst": 1980, "sustained": 1530},
+                                                   "rows": [clocked, dict(clocked, error="out of memory")]}})
+    text = report.report(str(tmp_path))
+    assert "| share of dense | SM clock MHz: dense burst, sustained, row | code before: ms |" in text
+    assert "| 4.59 | 407.2 | 799.2 | 0.509 | 1,980 / 1,530 / 1,485 | - | - |" in text
+    table = [ln for ln in text.splitlines() if ln.startswith("| layer_fine |") or ln.startswith("| step | shape |")]
+    assert "error: out of memory" in table[-1]
+    assert {ln.count("|") for ln in table} == {13}  # 12 cells in each line: the header's
     assert text.index("Suite `layer`") < text.index("Suite `trainer`")
     assert "one profiled step" not in text  # no profiled row, no breakdown table
     # the host gaps are measured against the same case's step without the profiler, in the same run
