@@ -364,6 +364,25 @@ def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
     assert len(calls) == 3
 
 
+def test_quack_up_projection_without_a_kernel(monkeypatch):
+    """The up projection with its SwiGLU epilogue (moe/quack.py's _up_forward) launches nothing
+    where there is nothing to compute: an empty contraction (dim 0) gives ab = 0 and h = 0 in every
+    routed row, no routed rows give empty outputs."""
+    import titan_fold.moe.quack as qm
+
+    calls = []
+    monkeypatch.setattr(qm, "_UP_EPILOGUE", _stand_in_up_epilogue(calls))
+    monkeypatch.setattr(qm, "_LOADED", True)
+    offs, rows, p = qm.offsets(torch.tensor([2, 0, 3])), torch.tensor([0, 1, 1, 3, 2], dtype=torch.int32), torch.rand(5)
+    ab, h = qm._up_forward(torch.randn(4, 0), rows, offs, torch.randn(3, 8, 0), p)
+    assert torch.equal(ab, torch.zeros(5, 8)) and torch.equal(h, torch.zeros(5, 4))
+    ab, h = qm._up_forward(torch.randn(4, 6), rows[:0], qm.offsets(torch.zeros(3, dtype=torch.int64)),
+                           torch.randn(3, 8, 6), p[:0])
+    assert ab.shape == (0, 8) and h.shape == (0, 4) and not calls
+    ab, h = qm._up_forward(torch.randn(4, 6), rows, offs, torch.randn(3, 8, 6), p)  # one launch: the GEMM's
+    assert len(calls) == 1 and h.shape == (5, 4)
+
+
 def test_quack_ops_run_directly_in_eager_and_as_ops_when_traced():
     """moe/quack.py's _op: eager code on plain tensors runs the implementation without the
     dispatcher (no titan_fold op reaches a dispatch mode); traced with fake tensors the call is

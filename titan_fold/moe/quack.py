@@ -196,11 +196,8 @@ def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, 
     routed rows); offs [E + 1]; w13 [E, 2 * ffn, dim]; p [R] float32 -> ab [R, 2 * ffn] (each
     row's (gate, up) pairs) and h = silu(gate) * up * p [R, ffn], from one GEMM."""
     ab, h = _up_outputs(x, rows, w13)
-    if not h.numel():
-        return ab, h
-    if not x.shape[1]:  # an empty contraction (QuACK's kernels refuse it): ab = 0, so h = 0
-        return ab.zero_(), h.zero_()
-    up_epilogue()(x, w13.mT, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, **_SCHED)
+    if not _no_kernel(x, ab, h):  # else: ab = 0, so h = silu(0) * 0 * p = 0
+        up_epilogue()(x, w13.mT, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, **_SCHED)
     return ab, h
 
 
@@ -277,15 +274,25 @@ def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> to
 _PLANS: dict[tuple, tuple] = {}
 
 
+def _no_kernel(a: torch.Tensor, *outs: torch.Tensor) -> bool:
+    """Whether the product of a with any operand needs no kernel: its outputs are empty, or the
+    contraction is (QuACK's kernels refuse it: a @ b = 0, and the outputs are zeroed)."""
+    if not outs[0].numel():
+        return True
+    if not a.numel():
+        for out in outs:
+            out.zero_()
+        return True
+    return False
+
+
 def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_m: torch.Tensor | None = None,
           cu_seqlens_k: torch.Tensor | None = None, a_idx: torch.Tensor | None = None) -> torch.Tensor:
     """out = a @ b per group: of rows (cu_seqlens_m; a's rows a[a_idx] where given) or of the
     contraction (cu_seqlens_k). A signature's first call goes through QuACK's tuner (as its gemm
     does), later calls replay the launch it resolved: the same kernel."""
-    if not out.numel():
+    if _no_kernel(a, out):
         return out
-    if not a.numel():  # an empty contraction (QuACK's kernels refuse it): a @ b = 0
-        return out.zero_()
     groups = dict(cu_seqlens_m=cu_seqlens_m, cu_seqlens_k=cu_seqlens_k, A_idx=a_idx)
     key = (a.device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in (a, b, out, *groups.values())))
     plan = _PLANS.get(key)
