@@ -107,12 +107,6 @@ def _pairs_prob_backward(g, ab, p):
     return _pack(grad_a, grad_b, ab.dtype == torch.int32), grad_p
 
 
-def swiglu_pairs_forward(ab: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-    """swiglu_pairs without autograd, on rows: ab [R, 2 * ffn], p [R, 1] float32 or None."""
-    ab = _as_bits(ab)
-    return fused(_pairs_forward)(ab) if p is None else fused(_pairs_prob_forward)(ab, p)
-
-
 class _SwiGLU(torch.autograd.Function):
     """swiglu() on rows: a, b [R, ffn]; each way one generated kernel on CUDA."""
 
@@ -134,7 +128,8 @@ class _SwiGLUPairs(torch.autograd.Function):
         if p is not None:
             p = p.to(torch.promote_types(p.dtype, torch.float32))
         ctx.save_for_backward(ab, p)
-        return swiglu_pairs_forward(ab, p)
+        bits = _as_bits(ab)
+        return fused(_pairs_forward)(bits) if p is None else fused(_pairs_prob_forward)(bits, p)
 
     @staticmethod
     def backward(ctx, grad):
