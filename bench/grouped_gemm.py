@@ -2,10 +2,11 @@
 
     python bench/grouped_gemm.py                                  # GPU, bf16, the four shapes, 8192 tokens
     python bench/grouped_gemm.py --autotune qwen3_30b_a3b         # + inductor max-autotune of its six GEMMs
+    python bench/grouped_gemm.py --impl quack --shapes qwen3_30b_a3b   # moe/quack.py's GEMMs (sm90+, QuACK)
     python bench/grouped_gemm.py --smoke                          # CPU, tiny shape (what the tests run)
 
 Per shape (bench/moe_layer.py's SHAPES), R = tokens * top_k rows, each assigned to an
-expert by a seeded uniform draw, grouped by expert (offsets: int32 cumulative counts),
+expert (--counts below), grouped by expert (offsets: int32 cumulative counts),
 as the dispatcher hands them to titan_fold.moe.experts. Every figure is a median of CUDA
 event times after warm-up, beside the dense bf16 8192^3 GEMM rate of the same process.
 
@@ -39,6 +40,19 @@ The bound: titan_fold runs the routed experts as six grouped GEMMs per step, up 
 Each GEMM is timed alone, repeated on the same operands (at the four shapes every operand
 is larger than the GPU's L2 cache), with the kernel PyTorch picks for these layouts.
 
+--impl quack: the same six products as moe.grouped_gemm = "quack" runs them (moe/quack.py, each
+call alone on its own operands): up fwd gathers the tokens' rows itself (x [tokens, dim] and the
+row index) and applies the SwiGLU times the routing weight in its epilogue, down dgrad applies
+the SwiGLU's backward in its epilogue (gemm_dgated), the wgrads are varlen-K. Those two carry
+work torch's path runs as separate passes, so QuACK's bound counts the SwiGLU and torch's does
+not.
+
+--counts: the rows per expert, "drawn" (each of the tokens * top_k assignments drawn uniformly
+over the experts, as a router with balanced scores gives) or "equal" (R / E each, as equal as R
+allows). A grouped GEMM covers each expert's rows with whole tiles of rows: drawn counts leave
+a part-filled tile in most experts, equal ones that are a multiple of the tile none, so the two
+side by side show what the raggedness costs at the shape.
+
 --autotune SHAPES: the six GEMMs of those shapes compiled with torch.compile(mode=
 "max-autotune-no-cudagraphs") (inductor's Triton grouped GEMM templates against the ATen
 kernel): ms, TFLOP/s, seconds spent compiling, and the largest difference from eager.
@@ -59,6 +73,8 @@ from bench.moe_layer import SHAPES  # noqa: E402
 
 GEMM_SHAPES = ("qwen2_57b_a14b", "mixtral_8x22b", "mixtral_8x22b_g8t8", "qwen3_30b_a3b")
 OPS = ("fwd", "dgrad", "wgrad")
+IMPLS = ("torch", "quack")
+COUNTS = ("drawn", "equal")
 
 
 def gemm(a, b, offs):
@@ -111,10 +127,44 @@ def rel_diff(a, b) -> float:
 
 # ---- one shape --------------------------------------------------------------------------------
 
-def routing_counts(tokens, top_k, E, seed=0):
-    """Rows per expert of tokens * top_k assignments drawn uniformly over E experts."""
+def routing(tokens, top_k, E, counts="drawn", seed=0):
+    """tokens * top_k assignments to E experts, drawn uniformly ("drawn") or R / E to each in a
+    random order ("equal") -> (rows [R], the token each routed row reads, grouped by expert;
+    counts [E], rows per expert)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.bincount(torch.randint(0, E, (tokens * top_k,), generator=gen), minlength=E)
+    R = tokens * top_k
+    experts = torch.randint(0, E, (R,), generator=gen) if counts == "drawn" else torch.randperm(R, generator=gen) % E
+    return torch.sort(experts, stable=True).indices // top_k, torch.bincount(experts, minlength=E)
+
+
+def quack_missing(device: torch.device) -> str | None:
+    """Why moe/quack.py's GEMMs cannot run here, or None."""
+    from titan_fold.moe.quack import quack_problem
+
+    return quack_problem(device.index) if device.type == "cuda" else "needs a CUDA GPU"
+
+
+def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> dict:
+    """The six GEMMs of one layer's experts as moe/quack.py calls them, each a function of its
+    own operands (module docstring): {up_fwd, up_dgrad, up_wgrad, down_fwd, down_dgrad, down_wgrad}."""
+    import titan_fold.moe.quack as qm
+
+    q, R = qm.quack(), rows.shape[0]
+    rows, offs = rows.to(device=device, dtype=torch.int32), qm.offsets(per_expert.to(device))
+    x = torch.randn(tokens, dim, device=device, dtype=dtype, generator=gen)
+    w13 = torch.randn(E, 2 * ffn, dim, device=device, dtype=dtype, generator=gen) * dim**-0.5
+    w2 = torch.randn(E, dim, ffn, device=device, dtype=dtype, generator=gen) * ffn**-0.5
+    p = torch.rand(R, device=device, generator=gen)
+    dy = torch.randn(R, dim, device=device, dtype=dtype, generator=gen)
+    ab, h = qm._up_forward(x, rows, offs, w13, p)  # [R, 2 * ffn], [R, ffn]
+    dab = qm._dgated(q, dy, ab, p, offs, w2)[0]  # [R, 2 * ffn]
+    x_rows = x[rows]  # the up wgrad's rows, gathered before it as in the experts' backward
+    return {"up_fwd": lambda: qm._up_forward(x, rows, offs, w13, p),
+            "up_dgrad": lambda: qm._varlen_m(q, dab, w13, offs),
+            "up_wgrad": lambda: qm._wgrad(q, dab, x_rows, offs),
+            "down_fwd": lambda: qm._down_forward(h, offs, w2),
+            "down_dgrad": lambda: qm._dgated(q, dy, ab, p, offs, w2),
+            "down_wgrad": lambda: qm._wgrad(q, dy, h, offs)}
 
 
 def bounds(gemm_ms: dict, tokens: int, shape: dict, dense: float) -> dict:
@@ -159,16 +209,24 @@ def bench_gemms(K, N, R, E, offs, a, autotune, device, dtype, gen) -> dict:
     return out
 
 
-def bench_shape(name, shape, a, device, dtype, dense) -> dict:
+def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torch") -> dict:
     dim, ffn, E, k = shape["dim"], shape["ffn"], shape["experts"], shape["top_k"]
     R = a.tokens * k
-    counts = routing_counts(a.tokens, k, E).to(device)
-    offs = counts.cumsum(0).to(torch.int32)
+    rows, per_expert = routing(a.tokens, k, E, counts)
+    offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)
     gen = torch.Generator(device=device).manual_seed(1)
-    row = {"shape": name, "tokens": a.tokens, "rows": R, "dim": dim, "ffn": ffn, "experts": E, "top_k": k,
-           "shared_ffn": shape["shared_ffn"], "rows_per_expert_min": int(counts.min()),
-           "rows_per_expert_max": int(counts.max()), "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
-           "gemms": {}, "bmm_equal_groups": {}, "operand_layouts": {}}
+    row = {"shape": name, "counts": counts, "impl": impl, "tokens": a.tokens, "rows": R, "dim": dim, "ffn": ffn,
+           "experts": E, "top_k": k, "shared_ffn": shape["shared_ffn"], "rows_per_expert_min": int(per_expert.min()),
+           "rows_per_expert_max": int(per_expert.max()), "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
+           "gemms": {}}
+    if impl == "quack":
+        for n, fn in quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen).items():
+            ms = median(time_ms(fn, a.warmup, a.iters, device))
+            row["gemms"][n] = {"ms": ms, "tflops": (2 if n.startswith("up_") else 1) * gemm_flops(R, dim, ffn)
+                               / (ms * 1e-3) / 1e12}
+        row.update(bounds({n: v["ms"] for n, v in row["gemms"].items()}, a.tokens, shape, dense))
+        return row
+    row.update(bmm_equal_groups={}, operand_layouts={})
     autotune, compile_s = {}, 0.0
     for layer, (K, N) in (("up", (dim, 2 * ffn)), ("down", (ffn, dim))):
         got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
@@ -186,11 +244,12 @@ def bench_shape(name, shape, a, device, dtype, dense) -> dict:
 
 
 def _print_row(row):
+    what = f"[grouped_gemm] {row['shape']} {row['counts']} {row['impl']}"
     if "error" in row:
-        print(f"[grouped_gemm] {row['shape']} ERROR {row['error']}", flush=True)
+        print(f"{what} ERROR {row['error']}", flush=True)
         return
     tf = " ".join(f"{n} {v['tflops']:.1f}" for n, v in row["gemms"].items())
-    print(f"[grouped_gemm] {row['shape']}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
+    print(f"{what}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
           f"(with shared {row.get('gemm_bound_share_with_shared')})", flush=True)
 
 
@@ -198,6 +257,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default=",".join(GEMM_SHAPES), help="comma list of bench/moe_layer.py's SHAPES")
+    p.add_argument("--impl", default=",".join(IMPLS), help="comma list of torch (torch._grouped_mm) | quack "
+                   "(moe/quack.py's calls; left out, with the reason, where QuACK cannot run)")
+    p.add_argument("--counts", default=",".join(COUNTS), help="comma list of drawn | equal: rows per expert")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
     p.add_argument("--autotune", default="", help="comma list of shapes whose six GEMMs are also compiled with "
                    "max-autotune (CUDA only; about 100 s a shape)")
@@ -209,7 +271,10 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.shapes, a.tokens, a.warmup, a.iters = "cpu", "tiny", 64, 1, 2
-    a.shapes = a.shapes.split(",")
+    a.shapes, a.impl, a.counts = a.shapes.split(","), a.impl.split(","), a.counts.split(",")
+    for flag, got, known in (("--impl", a.impl, IMPLS), ("--counts", a.counts, COUNTS)):
+        if set(got) - set(known):
+            p.error(f"{flag}: unknown {sorted(set(got) - set(known))[0]} (one of {', '.join(known)})")
     a.autotune = [s for s in a.autotune.split(",") if s]
     unknown = [s for s in a.shapes + a.autotune if s not in SHAPES]
     if unknown:
@@ -231,18 +296,24 @@ def main(argv=None) -> dict:
     rows = []
     figures = {"dense_bf16_gemm_tflops": dense, "dense_gemm_n": dense_n, "dtype": "bfloat16", "tokens": a.tokens,
                "warmup": a.warmup, "iters": a.iters, "rows": rows}
+    impls = a.impl
+    if "quack" in impls and (missing := quack_missing(device)):
+        figures["quack_left_out"], impls = missing, [i for i in impls if i != "quack"]
+        print(f"[grouped_gemm] quack left out: {missing}", flush=True)
     for name in a.shapes:
-        # each shape compiles its autotuned GEMMs for its own widths
-        torch._dynamo.reset()
-        try:
-            row = bench_shape(name, SHAPES[name], a, device, dtype, dense)
-        except Exception as e:  # one failing shape must not lose the others
-            row = {"shape": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-        rows.append(row)
-        _print_row(row)
-        write_result(a.name, figures, a.out_dir)  # after every shape: a cut-off run keeps what it had
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for counts in a.counts:
+            for impl in impls:
+                # each shape compiles its autotuned GEMMs for its own widths
+                torch._dynamo.reset()
+                try:
+                    row = bench_shape(name, SHAPES[name], a, device, dtype, dense, counts, impl)
+                except Exception as e:  # one failing case must not lose the others
+                    row = {"shape": name, "counts": counts, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                rows.append(row)
+                _print_row(row)
+                write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return figures
 
 

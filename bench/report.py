@@ -49,7 +49,9 @@ STEADY = 1.05  # a timed row whose median lies within this factor of its fastest
 
 def _row_label(r: dict) -> str | None:
     """What a row measured: a layer row's shape, mode, dispatch, GEMM path and compile mode, a
-    trainer row's case."""
+    grouped GEMM row's shape, rows per expert and GEMM path, a trainer row's case."""
+    if "gemms" in r:  # records before --counts and --impl hold torch's GEMMs at drawn counts
+        return f"{r['shape']}, {r.get('counts', 'drawn')}, {r.get('impl', 'torch')}"
     if "impl" in r:
         return (f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, "
                 f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}")
@@ -435,20 +437,22 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
 
 def grouped_gemm_table(rec: dict) -> list[str]:
     """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone and the share of the dense
-    rate the routed GEMMs allow; "stacked w13 / ours" is from records of the experts that held w1
+    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path; "stacked w13 / ours" is from records of the experts that held w1
     and w3 apart (a stacked w13 timed beside them), n/a since the experts hold w13."""
     fig = rec["figures"].get("grouped_gemm")
     if not fig:
         return []
     gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
-    out = ["| shape | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
+    out = ["| shape | rows per expert | moe.grouped_gemm | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
            + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | stacked w13 / ours |",
-           "|---|---:|" + "---:|" * (len(gemms) + 4)]
+           "|---|---|---|---:|" + "---:|" * (len(gemms) + 4)]
     for r in fig["rows"]:
+        # records before --counts and --impl hold torch's GEMMs at drawn counts
+        case = f"| {r['shape']} | {r.get('counts', 'drawn')} | {r.get('impl', 'torch')} |"
         if "error" in r:
-            out.append(f"| {r['shape']} | error: {r['error'][:60]} |" + " |" * (len(gemms) + 4))
+            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 4))
             continue
-        out.append(f"| {r['shape']} | {_f(fig['dense_bf16_gemm_tflops'])} | "
+        out.append(f"{case} {_f(fig['dense_bf16_gemm_tflops'])} | "
                    + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
                    + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
                    f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |")

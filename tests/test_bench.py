@@ -688,7 +688,10 @@ def test_grouped_gemm_smoke(tmp_path):
     with open(tmp_path / "grouped_gemm.json") as f:
         rec = json.load(f)
     assert set(common.SCHEMA_KEYS) <= set(rec) and rec["figures"]["rows"] == json.loads(json.dumps(fig["rows"]))
-    (row,) = rec["figures"]["rows"]
+    assert rec["figures"]["quack_left_out"] == "needs a CUDA GPU"
+    row, equal = rec["figures"]["rows"]
+    assert (row["counts"], row["impl"], equal["counts"], equal["impl"]) == ("drawn", "torch", "equal", "torch")
+    assert equal["rows_per_expert_min"] == equal["rows_per_expert_max"] == 128 // 8
     assert "error" not in row and row["shape"] == "tiny" and row["rows"] == 64 * 2
     shape = moe_layer.SHAPES["tiny"]
     assert row["gemm_gflop_each"] == pytest.approx(2 * 128 * shape["dim"] * shape["ffn"] / 1e9)
@@ -714,6 +717,48 @@ def test_grouped_gemm_smoke(tmp_path):
     assert 0 < row["gemm_bound_share_with_shared"] < row["layer_bound_share"]  # + router and gate FLOPs
     with pytest.raises(SystemExit):  # max-autotune needs CUDA
         grouped_gemm.parse(["--device", "cpu", "--autotune", "tiny"])
+
+
+def test_grouped_gemm_quack_calls(tmp_path, monkeypatch):
+    """bench/grouped_gemm.py --impl quack times moe/quack.py's own calls, here on float64
+    stand-ins for QuACK on the CPU (tests/test_moe_fast_paths.py): up fwd is the gathering GEMM
+    with the SwiGLU epilogue, down dgrad gemm_dgated, the other four plain grouped GEMMs (varlen-K
+    for the wgrads); each figure is its FLOPs over its ms."""
+    from test_moe_fast_paths import _stand_in_quack, _stand_in_up_epilogue
+
+    import titan_fold.moe.quack as qm
+    from bench import grouped_gemm
+
+    calls = []
+    monkeypatch.setattr(qm, "_PLANS", {})
+    monkeypatch.setattr(qm, "_QUACK", _stand_in_quack(calls))
+    monkeypatch.setattr(qm, "_UP_EPILOGUE", _stand_in_up_epilogue(calls))
+    monkeypatch.setattr(qm, "_LOADED", True)
+    monkeypatch.setattr(grouped_gemm, "quack_missing", lambda device: None)
+    fig = grouped_gemm.main(["--smoke", "--impl", "quack", "--counts", "equal", "--out-dir", str(tmp_path)])
+    (row,) = fig["rows"]
+    assert "error" not in row and (row["impl"], row["counts"]) == ("quack", "equal") and "quack_left_out" not in fig
+    assert list(row["gemms"]) == ["up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad"]
+    for name, v in row["gemms"].items():
+        flop = (2 if name.startswith("up_") else 1) * row["gemm_gflop_each"] * 1e9
+        assert v["ms"] > 0 and v["tflops"] == pytest.approx(flop / (v["ms"] * 1e-3) / 1e12)
+    assert row["routed_gemms_ms"] == pytest.approx(sum(v["ms"] for v in row["gemms"].values()))
+    # operands: one up fwd, one gemm_dgated; then per timed call (warm-up 1 + 2 timed) its kind
+    kinds = [kind for kind, _ in calls]
+    assert kinds[:2] == ["gated", "dgated"]
+    assert kinds[2:] == ["gated"] * 3 + ["tuned", "replay", "replay"] * 2 + ["tuned", "replay", "replay"] + \
+        ["dgated"] * 3 + ["tuned", "replay", "replay"]
+    shape = moe_layer.SHAPES["tiny"]
+    E, dim, ffn = shape["experts"], shape["dim"], shape["ffn"]
+    rows, per_expert = grouped_gemm.routing(64, 2, E, "drawn")
+    fns = grouped_gemm.quack_gemms(64, rows, per_expert, dim, ffn, E, torch.device("cpu"), torch.bfloat16,
+                                   torch.Generator().manual_seed(0))
+    shapes = {n: tuple(t.shape for t in fn()) if n in ("up_fwd", "down_dgrad") else fn().shape for n, fn in fns.items()}
+    assert shapes == {"up_fwd": ((128, 2 * ffn), (128, ffn)), "up_dgrad": (128, dim), "up_wgrad": (E, 2 * ffn, dim),
+                      "down_fwd": (128, dim), "down_dgrad": ((128, 2 * ffn), (128, ffn), (128,)),
+                      "down_wgrad": (E, dim, ffn)}
+    with pytest.raises(SystemExit):
+        grouped_gemm.parse(["--impl", "cutlass"])
 
 
 def test_grouped_gemm_bounds_by_hand():
@@ -742,14 +787,18 @@ def test_grouped_gemm_report_table(tmp_path):
         [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")], (447.2, 352.1, 397.6, 440.3, 475.3, 448.3))}
     row = {"shape": "qwen3_30b_a3b", "gemms": gemms, "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549,
            "gemm_bound_share_with_shared": 0.5549, "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912}}
+    quack = {**row, "counts": "equal", "impl": "quack", "gemm_bound_share": 0.7012}
     _suite_file(tmp_path, "kernels", {"grouped_gemm": {"dense_bf16_gemm_tflops": 739.8, "rows": [
-        row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
+        row, quack, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
     text = report.report(str(tmp_path))
     assert "Routed grouped GEMMs alone:" in text
-    assert "| qwen3_30b_a3b | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | 0.555 | 0.912 |" in text
+    # a row without counts and impl (a record from before them) is torch's at drawn counts
+    assert ("| qwen3_30b_a3b | drawn | torch | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | "
+            "0.555 | 0.912 |") in text
+    assert "| qwen3_30b_a3b | equal | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 |" in text
     lines = report.grouped_gemm_table(report.latest(str(tmp_path))[0])
     assert len({line.count("|") for line in lines}) == 1  # the error row has every column
-    assert "| mixtral_8x22b | error: OutOfMemoryError: x |" in text
+    assert "| mixtral_8x22b | drawn | torch | error: OutOfMemoryError: x |" in text
 
 
 def test_grad_norm_smoke(tmp_path):

@@ -243,9 +243,14 @@ def _down_backward(dy: torch.Tensor, ab: torch.Tensor, p: torch.Tensor, offs: to
     with g = dy @ w2[e] (fp32, in the epilogue) dab = SwiGLU's backward of g * p, h = swiglu(ab) * p
     (the forward's h, recomputed) and dp = sum(g * swiglu(ab)) over ffn."""
     q = quack()
-    dab, h, dp = q.gemm_dgated(dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True,
-                               cu_seqlens_m=offs, **_SCHED)
+    dab, h, dp = _dgated(q, dy, ab, p, offs, w2)
     return dab, _wgrad(q, dy, h, offs), dp
+
+
+def _dgated(q, dy, ab, p, offs, w2):
+    # -> dab, h, dp (see _down_backward): one varlen-M GEMM, the SwiGLU's backward in its epilogue
+    return q.gemm_dgated(dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True, cu_seqlens_m=offs,
+                         **_SCHED)
 
 
 @_down_backward.register_fake
