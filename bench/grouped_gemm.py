@@ -37,6 +37,14 @@ The bound: titan_fold runs the routed experts as six grouped GEMMs per step, up 
                                 ratio_to_dense_gemm bench/moe_layer.py could report at this
                                 shape if the router, gate, dispatch, SwiGLU and every other
                                 kernel took no time and the shared expert ran at the dense rate
+  share_of_roofline             the six GEMMs' least time over their time: each GEMM's least
+                                time is its FLOPs at the dense rate or its fewest bytes
+                                (gemm_bytes) at a 1 GiB copy's rate, whichever is longer; per
+                                GEMM gb, bound_ms, bound_by (memory or compute), share_of_bound.
+                                At R / E rows per expert a GEMM does R / E FLOPs per byte of its
+                                weights (512 at Qwen3-30B-A3B shapes, 8192 tokens), within a
+                                few times of the rates' ratio (about 190 FLOPs per byte on an
+                                H200, 265 on an H100): the weights and the rows' bytes count
 Each GEMM is timed alone, repeated on the same operands (at the four shapes every operand
 is larger than the GPU's L2 cache), with the kernel PyTorch picks for these layouts.
 
@@ -68,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from bench.common import copy_tbps, dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
 from bench.moe_layer import SHAPES  # noqa: E402
 
 GEMM_SHAPES = ("qwen2_57b_a14b", "mixtral_8x22b", "mixtral_8x22b_g8t8", "qwen3_30b_a3b")
@@ -209,7 +217,7 @@ def bench_gemms(K, N, R, E, offs, a, autotune, device, dtype, gen) -> dict:
     return out
 
 
-def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torch") -> dict:
+def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torch", copy=None) -> dict:
     dim, ffn, E, k = shape["dim"], shape["ffn"], shape["experts"], shape["top_k"]
     R = a.tokens * k
     rows, per_expert = routing(a.tokens, k, E, counts)
@@ -219,28 +227,58 @@ def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torc
            "experts": E, "top_k": k, "shared_ffn": shape["shared_ffn"], "rows_per_expert_min": int(per_expert.min()),
            "rows_per_expert_max": int(per_expert.max()), "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
            "gemms": {}}
+    autotune, compile_s = {}, 0.0
     if impl == "quack":
         for n, fn in quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen).items():
             ms = median(time_ms(fn, a.warmup, a.iters, device))
             row["gemms"][n] = {"ms": ms, "tflops": (2 if n.startswith("up_") else 1) * gemm_flops(R, dim, ffn)
                                / (ms * 1e-3) / 1e12}
-        row.update(bounds({n: v["ms"] for n, v in row["gemms"].items()}, a.tokens, shape, dense))
-        return row
-    row.update(bmm_equal_groups={}, operand_layouts={})
-    autotune, compile_s = {}, 0.0
-    for layer, (K, N) in (("up", (dim, 2 * ffn)), ("down", (ffn, dim))):
-        got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
-        for key, into in (("gemms", row["gemms"]), ("bmm", row["bmm_equal_groups"]),
-                          ("layouts", row["operand_layouts"]), ("autotune", autotune)):
-            into.update({f"{layer}_{op}": v for op, v in got[key].items()})
-        compile_s += got["compile_s"]
+    else:
+        row.update(bmm_equal_groups={}, operand_layouts={})
+        for layer, (K, N) in (("up", (dim, 2 * ffn)), ("down", (ffn, dim))):
+            got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
+            for key, into in (("gemms", row["gemms"]), ("bmm", row["bmm_equal_groups"]),
+                              ("layouts", row["operand_layouts"]), ("autotune", autotune)):
+                into.update({f"{layer}_{op}": v for op, v in got[key].items()})
+            compile_s += got["compile_s"]
     row.update(bounds({n: v["ms"] for n, v in row["gemms"].items()}, a.tokens, shape, dense))
+    if copy:
+        row.update(roofline(row["gemms"], gemm_bytes(R, E, dim, ffn, impl), R, dim, ffn, dense, copy))
     if autotune:
         row["autotune"], row["autotune_compile_s"] = autotune, compile_s
         best = bounds({n: min(v["ms"], autotune[n]["ms"]) for n, v in row["gemms"].items()}, a.tokens, shape, dense)
         row["autotune_best_routed_gemms_tflops"] = best["routed_gemms_tflops"]
         row["autotune_best_gemm_bound_share"] = best["gemm_bound_share"]
     return row
+
+
+def gemm_bytes(R, E, dim, ffn, impl="torch") -> dict[str, int]:
+    """The fewest bytes each of the six GEMMs moves: every operand read once and every output
+    written once (bf16 rows and weights; the routing weight and its gradient float32). QuACK's
+    epilogues add to two: up fwd also reads p and writes h [R, ffn]; down dgrad also reads the
+    (gate, up) pairs and p, and writes their gradient [R, 2 * ffn], h and dp where torch's writes dh
+    [R, ffn]."""
+    x, ab, h = 2 * R * dim, 4 * R * ffn, 2 * R * ffn  # rows of x (or dy), of (gate, up), of h (or dh)
+    w13, w2 = 4 * E * ffn * dim, 2 * E * dim * ffn
+    out = {"up_fwd": x + w13 + ab, "up_dgrad": ab + w13 + x, "up_wgrad": ab + x + w13,
+           "down_fwd": h + w2 + x, "down_dgrad": x + w2 + h, "down_wgrad": x + h + w2}
+    if impl == "quack":
+        out["up_fwd"] += h + 4 * R
+        out["down_dgrad"] += 2 * ab + 8 * R
+    return out
+
+
+def roofline(gemms: dict, nbytes: dict, R, dim, ffn, dense: float, copy: float) -> dict:
+    """Each GEMM's least time, its FLOPs at the dense rate or its bytes at the copy rate (TB/s),
+    whichever is longer: gemms[name] gains gb, bound_ms and share_of_bound (bound_ms over its ms,
+    "memory" or "compute" in bound_by); -> the six bounds' sum and the share of it the six reach."""
+    for n, g in gemms.items():
+        flop_ms = (2 if n.startswith("up_") else 1) * gemm_flops(R, dim, ffn) / (dense * 1e12) * 1e3
+        byte_ms = nbytes[n] / (copy * 1e12) * 1e3
+        g.update(gb=nbytes[n] / 1e9, bound_ms=max(flop_ms, byte_ms), bound_by="memory" if byte_ms > flop_ms else "compute")
+        g["share_of_bound"] = g["bound_ms"] / g["ms"]
+    bound = sum(g["bound_ms"] for g in gemms.values())
+    return {"copy_tbps": copy, "roofline_ms": bound, "share_of_roofline": bound / sum(g["ms"] for g in gemms.values())}
 
 
 def _print_row(row):
@@ -250,7 +288,8 @@ def _print_row(row):
         return
     tf = " ".join(f"{n} {v['tflops']:.1f}" for n, v in row["gemms"].items())
     print(f"{what}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
-          f"(with shared {row.get('gemm_bound_share_with_shared')})", flush=True)
+          f"(with shared {row.get('gemm_bound_share_with_shared')}); share of roofline {row.get('share_of_roofline')}",
+          flush=True)
 
 
 def parse(argv=None):
@@ -292,10 +331,11 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16
     dense_n = 8192 if device.type == "cuda" else 256  # the CPU's rate only exercises the arithmetic
     dense = dense_gemm_tflops(device, n=dense_n)
-    print(f"[grouped_gemm] dense bf16 GEMM {dense_n}^3: {dense} TFLOP/s", flush=True)
+    copy = copy_tbps(device, nbytes=1 << (30 if device.type == "cuda" else 20))
+    print(f"[grouped_gemm] dense bf16 GEMM {dense_n}^3: {dense} TFLOP/s; copy {copy} TB/s", flush=True)
     rows = []
-    figures = {"dense_bf16_gemm_tflops": dense, "dense_gemm_n": dense_n, "dtype": "bfloat16", "tokens": a.tokens,
-               "warmup": a.warmup, "iters": a.iters, "rows": rows}
+    figures = {"dense_bf16_gemm_tflops": dense, "dense_gemm_n": dense_n, "copy_tbps": copy, "dtype": "bfloat16",
+               "tokens": a.tokens, "warmup": a.warmup, "iters": a.iters, "rows": rows}
     impls = a.impl
     if "quack" in impls and (missing := quack_missing(device)):
         figures["quack_left_out"], impls = missing, [i for i in impls if i != "quack"]
@@ -306,7 +346,7 @@ def main(argv=None) -> dict:
                 # each shape compiles its autotuned GEMMs for its own widths
                 torch._dynamo.reset()
                 try:
-                    row = bench_shape(name, SHAPES[name], a, device, dtype, dense, counts, impl)
+                    row = bench_shape(name, SHAPES[name], a, device, dtype, dense, counts, impl, copy)
                 except Exception as e:  # one failing case must not lose the others
                     row = {"shape": name, "counts": counts, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:400]}"}
                 rows.append(row)

@@ -128,7 +128,8 @@ def _steps(rec: dict, script_rows: str) -> list[tuple[str, dict]]:
         if not fig or "rows" not in fig:
             continue
         rows = fig["rows"]
-        kind = ("layer" if rows and "impl" in rows[0] else "train" if rows and "case" in rows[0] else "other")
+        kind = ("other" if not rows or "gemms" in rows[0] else "layer" if "impl" in rows[0] else "train"
+                if "case" in rows[0] else "other")
         if kind == script_rows:
             out.append((name, fig))
     return out
@@ -437,25 +438,27 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
 
 def grouped_gemm_table(rec: dict) -> list[str]:
     """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone and the share of the dense
-    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path; "stacked w13 / ours" is from records of the experts that held w1
+    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path, the share of
+    their roofline they reach (where recorded); "stacked w13 / ours" is from records of the experts that held w1
     and w3 apart (a stacked w13 timed beside them), n/a since the experts hold w13."""
     fig = rec["figures"].get("grouped_gemm")
     if not fig:
         return []
     gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
     out = ["| shape | rows per expert | moe.grouped_gemm | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
-           + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | stacked w13 / ours |",
-           "|---|---|---|---:|" + "---:|" * (len(gemms) + 4)]
+           + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | stacked w13 / ours |",
+           "|---|---|---|---:|" + "---:|" * (len(gemms) + 5)]
     for r in fig["rows"]:
         # records before --counts and --impl hold torch's GEMMs at drawn counts
         case = f"| {r['shape']} | {r.get('counts', 'drawn')} | {r.get('impl', 'torch')} |"
         if "error" in r:
-            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 4))
+            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 5))
             continue
         out.append(f"{case} {_f(fig['dense_bf16_gemm_tflops'])} | "
                    + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
                    + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
-                   f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |")
+                   f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('share_of_roofline'), 3)} | "
+                   f"{_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |")
     return out
 
 

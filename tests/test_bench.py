@@ -536,6 +536,10 @@ def test_suites_listed_and_steps_planned(capsys):
     assert cut[cut.index("--shapes") + 1] == "mixtral_8x22b" and cut[cut.index("--impl") + 1] == "titan_fold,titan_fold_quack"
     assert len(cut) == len(coarse.args) and narrowed(coarse.args, {"shapes": ["qwen3_30b_a3b"]}) is None
     assert narrowed(trainer.args, {"shapes": ["mixtral_8x22b"]}) == trainer.args
+    # and the grouped GEMMs of the kernels suite, whose coarse shapes QuACK takes minutes to tune
+    gemms = next(st for st in SUITES["kernels"].steps if st.name == "grouped_gemm")
+    assert narrowed(gemms.args, {"shapes": ["mixtral_8x22b_g8t8", "qwen3_30b_a3b"]}) == [
+        "--shapes", "qwen3_30b_a3b,mixtral_8x22b_g8t8"]
     for suite in SUITES.values():  # every trainer case parses
         for st in suite.steps:
             if st.script == "train_step":
@@ -708,6 +712,8 @@ def test_grouped_gemm_smoke(tmp_path):
         assert row["operand_layouts"][f"{m}_wgrad"] == [[[N, R], [1, N]], [[R, K], [K, 1]]]
     assert row["rows_per_expert_min"] <= 128 // 8 <= row["rows_per_expert_max"]
     assert row["routed_gemms_ms"] == pytest.approx(sum(v["ms"] for v in row["gemms"].values()))
+    assert row["copy_tbps"] == rec["figures"]["copy_tbps"] > 0 and 0 < row["share_of_roofline"]
+    assert row["roofline_ms"] == pytest.approx(sum(v["bound_ms"] for v in row["gemms"].values()))
     dense = rec["figures"]["dense_bf16_gemm_tflops"]
     assert row["gemm_bound_share"] == pytest.approx(row["routed_gemms_tflops"] / dense)
     shared = 6 * 64 * 3 * shape["dim"] * shape["shared_ffn"]
@@ -761,6 +767,35 @@ def test_grouped_gemm_quack_calls(tmp_path, monkeypatch):
         grouped_gemm.parse(["--impl", "cutlass"])
 
 
+def test_grouped_gemm_roofline_by_hand():
+    """Qwen3-30B-A3B at 8192 tokens (R = 65536 rows, 128 experts of 768, dim 2048): each GEMM's
+    fewest bytes counted by hand, QuACK's epilogue operands added to up fwd and down dgrad; on a
+    card of 800 TFLOP/s and 3 TB/s the down dgrad is bound by its bytes, the up fwd by its FLOPs."""
+    from bench import grouped_gemm
+
+    R, E, dim, ffn = 65536, 128, 2048, 768
+    x, ab, h = R * dim * 2, R * 2 * ffn * 2, R * ffn * 2  # bf16 rows: 268 MB, 201 MB, 101 MB
+    w13, w2 = E * 2 * ffn * dim * 2, E * dim * ffn * 2  # 805 MB, 403 MB
+    torch_bytes = grouped_gemm.gemm_bytes(R, E, dim, ffn)
+    assert torch_bytes == {"up_fwd": x + w13 + ab, "up_dgrad": ab + w13 + x, "up_wgrad": ab + x + w13,
+                           "down_fwd": h + w2 + x, "down_dgrad": x + w2 + h, "down_wgrad": x + h + w2}
+    quack_bytes = grouped_gemm.gemm_bytes(R, E, dim, ffn, "quack")
+    assert quack_bytes["up_fwd"] == x + w13 + ab + h + 4 * R  # + h written, p read
+    assert quack_bytes["down_dgrad"] == x + w2 + ab + ab + h + 8 * R  # (gate, up) read, dab and h written, p, dp
+    assert {n: b for n, b in quack_bytes.items() if n not in ("up_fwd", "down_dgrad")} == {
+        n: b for n, b in torch_bytes.items() if n not in ("up_fwd", "down_dgrad")}
+    gemms = {n: {"ms": 0.5} for n in torch_bytes}
+    got = grouped_gemm.roofline(gemms, quack_bytes, R, dim, ffn, 800.0, 3.0)
+    up_flop_ms = 2 * 2 * R * dim * ffn / 800e12 * 1e3  # 0.515 ms
+    dgrad_byte_ms = quack_bytes["down_dgrad"] / 3e12 * 1e3  # 1.17 GB: 0.392 ms
+    assert gemms["up_fwd"]["bound_by"] == "compute" and gemms["up_fwd"]["bound_ms"] == pytest.approx(up_flop_ms)
+    assert gemms["down_dgrad"]["bound_by"] == "memory" and gemms["down_dgrad"]["bound_ms"] == pytest.approx(dgrad_byte_ms)
+    assert gemms["down_dgrad"]["share_of_bound"] == pytest.approx(dgrad_byte_ms / 0.5)
+    assert gemms["down_dgrad"]["gb"] == pytest.approx(quack_bytes["down_dgrad"] / 1e9)
+    assert got["roofline_ms"] == pytest.approx(sum(g["bound_ms"] for g in gemms.values()))
+    assert got["share_of_roofline"] == pytest.approx(got["roofline_ms"] / 3.0) and got["copy_tbps"] == 3.0
+
+
 def test_grouped_gemm_bounds_by_hand():
     """Qwen2-57B-A14B at 8192 tokens, the GEMMs 1 to 6 ms, dense 500 TFLOP/s: the routed experts
     run w13 (up, 2 * 2 * 65536 * 3584 * 2560 FLOPs) and w2 (down, half that), each fwd, dgrad, wgrad."""
@@ -787,15 +822,16 @@ def test_grouped_gemm_report_table(tmp_path):
         [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")], (447.2, 352.1, 397.6, 440.3, 475.3, 448.3))}
     row = {"shape": "qwen3_30b_a3b", "gemms": gemms, "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549,
            "gemm_bound_share_with_shared": 0.5549, "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912}}
-    quack = {**row, "counts": "equal", "impl": "quack", "gemm_bound_share": 0.7012}
+    quack = {**row, "counts": "equal", "impl": "quack", "gemm_bound_share": 0.7012, "share_of_roofline": 0.8123}
     _suite_file(tmp_path, "kernels", {"grouped_gemm": {"dense_bf16_gemm_tflops": 739.8, "rows": [
-        row, quack, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
+        quack, row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
     text = report.report(str(tmp_path))
     assert "Routed grouped GEMMs alone:" in text
     # a row without counts and impl (a record from before them) is torch's at drawn counts
     assert ("| qwen3_30b_a3b | drawn | torch | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | "
-            "0.555 | 0.912 |") in text
-    assert "| qwen3_30b_a3b | equal | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 |" in text
+            "0.555 | n/a | 0.912 |") in text
+    assert ("| qwen3_30b_a3b | equal | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
+            "0.555 | 0.812 |") in text
     lines = report.grouped_gemm_table(report.latest(str(tmp_path))[0])
     assert len({line.count("|") for line in lines}) == 1  # the error row has every column
     assert "| mixtral_8x22b | drawn | torch | error: OutOfMemoryError: x |" in text
