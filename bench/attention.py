@@ -14,7 +14,6 @@ forward, models/args.py). Each output and gradient is checked against the same c
 backend at float32 (max error over the reference's largest value), so a fast wrong kernel shows.
 """
 
-import argparse
 import contextlib
 import os
 import sys
@@ -25,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import median, time_ms, write_result  # noqa: E402
+from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
 from bench.train_step import register_proxy  # noqa: E402
 
 PROXIES = (("qwen3_moe", "30B-A3B-L12", 2), ("qwen3_moe", "57B-A14B-L2", 2), ("deepseek_v3", "16B-L4", 2))
@@ -46,14 +45,8 @@ def attention_shape(family: str, proxy: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "attention", 3, 20, "CPU, the debug flavors in float32 (for tests)")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU, the debug flavors in float32 (for tests)")
-    p.add_argument("--name", default="attention")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     proxies, dtype = PROXIES, torch.bfloat16
     if a.smoke:

@@ -15,7 +15,6 @@ Bandwidth "out" = bytes this rank sends to other ranks / time (a 2-rank all-to-a
 half its buffer away; an all-gather sends its whole input to each other rank).
 """
 
-import argparse
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch.distributed._functional_collectives as funcol
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
-from bench.common import median, time_ms, write_result  # noqa: E402
+from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
 
 # rows of a rank's send buffer (tokens 8192 x top_k) and the hidden size, per benchmark shape
 PAYLOADS = {
@@ -80,13 +79,8 @@ def bench_payload(name, rows, dim, mesh, device, a) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "collectives", 5, 20, "gloo on the CPU, small payloads (for tests)", device=False)
     p.add_argument("--payloads", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,sweep_8MiB,sweep_64MiB,sweep_256MiB")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--name", default="collectives")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not a.smoke
     if a.smoke:

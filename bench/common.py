@@ -6,6 +6,7 @@ date, and every figure it measured. Timings follow bench practice on a GPU: warm
 first, CUDA events around each repeat, the median reported.
 """
 
+import argparse
 import contextlib
 import datetime
 import gc
@@ -60,6 +61,23 @@ def command_line(argv: list[str] | None = None) -> str:
     cmd = " ".join(shlex.quote(a) for a in argv)
     prefix = launcher + " " if launcher else ("python " if argv and argv[0].endswith(".py") else "")
     return prefix + cmd
+
+
+def script_parser(doc: str, name: str, warmup: int, iters: int, smoke: str, device: bool = True
+                  ) -> argparse.ArgumentParser:
+    """The command line every benchmark script shares, its docstring as --help: --device (where
+    the script takes one; CUDA where there is one), --warmup and --iters (timing), --smoke (what
+    the tests run: `smoke` says what it shrinks to), --name and --out-dir (write_result's). Each
+    script adds its own flags."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if device:
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--smoke", action="store_true", help=smoke)
+    p.add_argument("--name", default=name)
+    p.add_argument("--out-dir", default=None)
+    return p
 
 
 def write_result(name: str, figures: dict, out_dir: str | None = None, command: str | None = None,

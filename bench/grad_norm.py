@@ -17,7 +17,6 @@ bandwidth (the gradients' bytes over the time) and the host's time to queue one 
 (median wall time of calls made without waiting for the device).
 """
 
-import argparse
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import host_us, median, time_ms, write_result  # noqa: E402
+from bench.common import host_us, median, script_parser, time_ms, write_result  # noqa: E402
 from bench.train_step import register_proxy  # noqa: E402
 from titan_fold.parallel.clip import total_norm  # noqa: E402
 
@@ -41,15 +40,9 @@ def parameter_shapes(family: str, proxy: str) -> list[torch.Size]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "grad_norm", 3, 10, "CPU, the debug model (for tests)")
     p.add_argument("--family", default="qwen3_moe")
     p.add_argument("--proxy", default="30B-A3B-L12")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--smoke", action="store_true", help="CPU, the debug model (for tests)")
-    p.add_argument("--name", default="grad_norm")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.proxy, a.warmup, a.iters = "cpu", "debug-L2", 1, 2

@@ -66,7 +66,6 @@ side by side show what the raggedness costs at the shape.
 kernel): ms, TFLOP/s, seconds spent compiling, and the largest difference from eager.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -76,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import copy_tbps, dense_gemm_tflops, median, moe_layer_flops, time_ms, write_result  # noqa: E402
+from bench.common import copy_tbps, dense_gemm_tflops, median, moe_layer_flops, script_parser, time_ms, write_result  # noqa: E402
 from bench.moe_layer import SHAPES  # noqa: E402
 
 GEMM_SHAPES = ("qwen2_57b_a14b", "mixtral_8x22b", "mixtral_8x22b_g8t8", "qwen3_30b_a3b")
@@ -293,8 +292,7 @@ def _print_row(row):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = script_parser(__doc__, "grouped_gemm", 5, 20, "CPU, tiny shape, 64 tokens (for tests)")
     p.add_argument("--shapes", default=",".join(GEMM_SHAPES), help="comma list of bench/moe_layer.py's SHAPES")
     p.add_argument("--impl", default=",".join(IMPLS), help="comma list of torch (torch._grouped_mm) | quack "
                    "(moe/quack.py's calls; left out, with the reason, where QuACK cannot run)")
@@ -302,11 +300,6 @@ def parse(argv=None):
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
     p.add_argument("--autotune", default="", help="comma list of shapes whose six GEMMs are also compiled with "
                    "max-autotune (CUDA only; about 100 s a shape)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 64 tokens (for tests)")
-    p.add_argument("--name", default="grouped_gemm")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.shapes, a.tokens, a.warmup, a.iters = "cpu", "tiny", 64, 1, 2

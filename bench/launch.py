@@ -17,7 +17,6 @@ moe/quack.py's replay of the launch QuACK resolved, and the down projection's op
 dispatcher against the direct call eager code makes.
 """
 
-import argparse
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import host_us, write_result  # noqa: E402
+from bench.common import host_us, script_parser, write_result  # noqa: E402
 from titan_fold.common.fused import fused  # noqa: E402
 from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
@@ -79,14 +78,8 @@ def calls(device: torch.device) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--iters", type=int, default=200)
+    p = script_parser(__doc__, "launch", 30, 200, "CPU, few calls (for tests)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--smoke", action="store_true", help="CPU, few calls (for tests)")
-    p.add_argument("--name", default="launch")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.warmup, a.iters, a.repeats = "cpu", 1, 2, 1

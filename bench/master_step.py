@@ -18,7 +18,6 @@ default), timed with CUDA events, beside two streaming kernels on 2^30 float32 e
 reach on this GPU.
 """
 
-import argparse
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import median, time_ms, write_result  # noqa: E402
+from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
 from bench.grad_norm import parameter_shapes  # noqa: E402
 from titan_fold.trainer.optimizer import adam_coefficients, adam_update  # noqa: E402
 
@@ -35,16 +34,10 @@ BF16_BYTES_PER_PARAMETER = 2 * 7  # read weight, g, m, v; write weight, m, v
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "master_step", 2, 5, "CPU, the debug model (for tests)")
     p.add_argument("--family", default="qwen2_moe")
     p.add_argument("--proxy", default="57B-A14B-L2")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
     p.add_argument("--stream-elements", type=int, default=1 << 30)
-    p.add_argument("--smoke", action="store_true", help="CPU, the debug model (for tests)")
-    p.add_argument("--name", default="master_step")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.proxy, a.warmup, a.iters, a.stream_elements = "cpu", "debug-L2", 1, 2, 1 << 16

@@ -36,7 +36,6 @@ step time against the share 0.5 row is the time a step loses to that imbalance. 
 keeps the router's own choices and only records the share they give.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -55,6 +54,7 @@ from bench.common import (  # noqa: E402
     graph_of,
     median,
     moe_layer_flops,
+    script_parser,
     time_ms,
     write_result,
 )
@@ -394,8 +394,7 @@ def _mode_name(compiled) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = script_parser(__doc__, "moe_layer", 3, 10, "tiny shapes on the CPU, eager (for tests)")
     p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,qwen3_30b_a3b")
     p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold (moe.grouped_gemm = torch) | "
                    "titan_fold_quack (moe.grouped_gemm = quack) | titan_fold_fp8 (routed experts "
@@ -414,12 +413,7 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--dense-seconds", type=float, default=2.0, help="also time the dense GEMM for this long "
                    "(the sustained rate and each row's share of it); 0: the burst only")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-profile", dest="profile", action="store_false")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager (for tests)")
-    p.add_argument("--name", default="moe_layer")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.shapes, a.tokens, a.seq_len, a.warmup, a.iters = "cpu", "tiny", 256, 128, 1, 2

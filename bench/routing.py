@@ -14,7 +14,6 @@ graph and its replays timed side by side with CUDA events (median after warm-up)
              same order is checked), and group_by itself
 """
 
-import argparse
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import graph_of, median, time_ms, write_result  # noqa: E402
+from bench.common import graph_of, median, script_parser, time_ms, write_result  # noqa: E402
 from titan_fold.moe.dispatcher import group_by  # noqa: E402
 
 SHAPES = {  # tokens per rank, experts, top-k
@@ -81,13 +80,8 @@ def bench_shape(name, device, compiled: bool, warmup, iters) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, "routing", 10, 100, "CPU, tiny shape, eager only", device=False)
     p.add_argument("--shapes", default="qwen2_57b_a14b,qwen3_30b_a3b,deepseek_v3")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, eager only")
-    p.add_argument("--name", default="routing")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         device, shapes, modes = torch.device("cpu"), ["tiny"], [False]

@@ -17,7 +17,6 @@ side with CUDA events (median after warm-up):
 Outputs and input gradients are checked against indexing.
 """
 
-import argparse
 import contextlib
 import os
 import sys
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
-from bench.common import median, time_ms, write_result  # noqa: E402
+from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
 from titan_fold.moe.dispatcher import _Combine, _Dispatch, _inverse, group_by  # noqa: E402
 
 SHAPES = {  # tokens per rank, hidden, top-k, experts
@@ -107,13 +106,8 @@ def bench_shape(name, device, dtype, warmup, iters) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, "row_movement", 5, 20, "CPU, tiny shape, float32", device=False)
     p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, float32")
-    p.add_argument("--name", default="row_movement")
-    p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
     if a.smoke:
         device, dtype, shapes = torch.device("cpu"), torch.float32, ["tiny"]
