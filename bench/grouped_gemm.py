@@ -44,7 +44,7 @@ The bound: titan_fold runs the routed experts as six grouped GEMMs per step, up 
                                 At R / E rows per expert a GEMM does R / E FLOPs per byte of its
                                 weights (512 at Qwen3-30B-A3B shapes, 8192 tokens), within a
                                 few times of the rates' ratio (about 190 FLOPs per byte on an
-                                H200, 265 on an H100): the weights and the rows' bytes count
+                                H200, 265 on an H100): there the bytes weigh beside the FLOPs
 Each GEMM is timed alone, repeated on the same operands (at the four shapes every operand
 is larger than the GPU's L2 cache), with the kernel PyTorch picks for these layouts.
 

@@ -47,12 +47,19 @@ def latest(results: str) -> list[dict]:
 STEADY = 1.05  # a timed row whose median lies within this factor of its fastest repeat
 
 
+def _row_kind(r: dict) -> str:
+    """Which script wrote a row: "gemms" (bench/grouped_gemm.py), "layer" (bench/moe_layer.py),
+    "train" (a trainer case), "other"."""
+    return "gemms" if "gemms" in r else "layer" if "impl" in r else "train" if "case" in r else "other"
+
+
 def _row_label(r: dict) -> str | None:
     """What a row measured: a layer row's shape, mode, dispatch, GEMM path and compile mode, a
     grouped GEMM row's shape, rows per expert and GEMM path, a trainer row's case."""
-    if "gemms" in r:  # records before --counts and --impl hold torch's GEMMs at drawn counts
+    kind = _row_kind(r)
+    if kind == "gemms":  # records before --counts and --impl hold torch's GEMMs at drawn counts
         return f"{r['shape']}, {r.get('counts', 'drawn')}, {r.get('impl', 'torch')}"
-    if "impl" in r:
+    if kind == "layer":
         return (f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, "
                 f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}")
     return r.get("case")
@@ -77,7 +84,7 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
     if fig.get("copy_tbps"):
         out[("-", "copy TB/s")] = (fig["copy_tbps"], True)
     for r in fig.get("rows", []):
-        if "impl" in r and r.get("ratio_to_dense_gemm"):
+        if _row_kind(r) == "layer" and r.get("ratio_to_dense_gemm"):
             row = _row_label(r)
             steady = not r.get("min_ms") or r["median_ms"] <= STEADY * r["min_ms"]
             out[(row, "share of dense")] = (r["ratio_to_dense_gemm"], steady)
@@ -128,9 +135,7 @@ def _steps(rec: dict, script_rows: str) -> list[tuple[str, dict]]:
         if not fig or "rows" not in fig:
             continue
         rows = fig["rows"]
-        kind = ("other" if not rows or "gemms" in rows[0] else "layer" if "impl" in rows[0] else "train"
-                if "case" in rows[0] else "other")
-        if kind == script_rows:
+        if rows and _row_kind(rows[0]) == script_rows:
             out.append((name, fig))
     return out
 
@@ -438,9 +443,10 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
 
 def grouped_gemm_table(rec: dict) -> list[str]:
     """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone and the share of the dense
-    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path, the share of
-    their roofline they reach (where recorded); "stacked w13 / ours" is from records of the experts that held w1
-    and w3 apart (a stacked w13 timed beside them), n/a since the experts hold w13."""
+    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path, and the share
+    of their roofline they reach (where recorded); "stacked w13 / ours" is from records of the
+    experts that held w1 and w3 apart (a stacked w13 timed beside them), n/a since the experts
+    hold w13."""
     fig = rec["figures"].get("grouped_gemm")
     if not fig:
         return []
