@@ -113,6 +113,11 @@ def gemm_flops(R, K, N):
     return 2 * R * K * N
 
 
+def expert_gemm_flops(name: str, R, dim, ffn):
+    """FLOPs of one of the six GEMMs by name: the up ones (w13, width 2 * ffn) twice the down ones."""
+    return (2 if name.startswith("up_") else 1) * gemm_flops(R, dim, ffn)
+
+
 class _GroupedMMCalls(TorchDispatchMode):
     """Keeps (a, b, output) of every _grouped_mm call, detached (same storage and strides)."""
 
@@ -216,11 +221,10 @@ def bench_gemms(K, N, R, E, offs, a, autotune, device, dtype, gen) -> dict:
     return out
 
 
-def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torch", copy=None) -> dict:
+def bench_shape(name, shape, a, device, dtype, dense, copy, counts="drawn", impl="torch") -> dict:
     dim, ffn, E, k = shape["dim"], shape["ffn"], shape["experts"], shape["top_k"]
     R = a.tokens * k
     rows, per_expert = routing(a.tokens, k, E, counts)
-    offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)
     gen = torch.Generator(device=device).manual_seed(1)
     row = {"shape": name, "counts": counts, "impl": impl, "tokens": a.tokens, "rows": R, "dim": dim, "ffn": ffn,
            "experts": E, "top_k": k, "shared_ffn": shape["shared_ffn"], "rows_per_expert_min": int(per_expert.min()),
@@ -230,9 +234,9 @@ def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torc
     if impl == "quack":
         for n, fn in quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen).items():
             ms = median(time_ms(fn, a.warmup, a.iters, device))
-            row["gemms"][n] = {"ms": ms, "tflops": (2 if n.startswith("up_") else 1) * gemm_flops(R, dim, ffn)
-                               / (ms * 1e-3) / 1e12}
+            row["gemms"][n] = {"ms": ms, "tflops": expert_gemm_flops(n, R, dim, ffn) / (ms * 1e-3) / 1e12}
     else:
+        offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)  # torch._grouped_mm's: each group's end
         row.update(bmm_equal_groups={}, operand_layouts={})
         for layer, (K, N) in (("up", (dim, 2 * ffn)), ("down", (ffn, dim))):
             got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
@@ -241,8 +245,7 @@ def bench_shape(name, shape, a, device, dtype, dense, counts="drawn", impl="torc
                 into.update({f"{layer}_{op}": v for op, v in got[key].items()})
             compile_s += got["compile_s"]
     row.update(bounds({n: v["ms"] for n, v in row["gemms"].items()}, a.tokens, shape, dense))
-    if copy:
-        row.update(roofline(row["gemms"], gemm_bytes(R, E, dim, ffn, impl), R, dim, ffn, dense, copy))
+    row.update(roofline(row["gemms"], gemm_bytes(R, E, dim, ffn, impl), R, dim, ffn, dense, copy))
     if autotune:
         row["autotune"], row["autotune_compile_s"] = autotune, compile_s
         best = bounds({n: min(v["ms"], autotune[n]["ms"]) for n, v in row["gemms"].items()}, a.tokens, shape, dense)
@@ -272,7 +275,7 @@ def roofline(gemms: dict, nbytes: dict, R, dim, ffn, dense: float, copy: float) 
     whichever is longer: gemms[name] gains gb, bound_ms and share_of_bound (bound_ms over its ms,
     "memory" or "compute" in bound_by); -> the six bounds' sum and the share of it the six reach."""
     for n, g in gemms.items():
-        flop_ms = (2 if n.startswith("up_") else 1) * gemm_flops(R, dim, ffn) / (dense * 1e12) * 1e3
+        flop_ms = expert_gemm_flops(n, R, dim, ffn) / (dense * 1e12) * 1e3
         byte_ms = nbytes[n] / (copy * 1e12) * 1e3
         g.update(gb=nbytes[n] / 1e9, bound_ms=max(flop_ms, byte_ms), bound_by="memory" if byte_ms > flop_ms else "compute")
         g["share_of_bound"] = g["bound_ms"] / g["ms"]
@@ -339,7 +342,7 @@ def main(argv=None) -> dict:
                 # each shape compiles its autotuned GEMMs for its own widths
                 torch._dynamo.reset()
                 try:
-                    row = bench_shape(name, SHAPES[name], a, device, dtype, dense, counts, impl, copy)
+                    row = bench_shape(name, SHAPES[name], a, device, dtype, dense, copy, counts, impl)
                 except Exception as e:  # one failing case must not lose the others
                     row = {"shape": name, "counts": counts, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:400]}"}
                 rows.append(row)

@@ -53,12 +53,18 @@ def _row_kind(r: dict) -> str:
     return "gemms" if "gemms" in r else "layer" if "impl" in r else "train" if "case" in r else "other"
 
 
+def _gemm_case(r: dict) -> tuple[str, str, str]:
+    """A grouped GEMM row's shape, rows per expert and GEMM path (records before --counts and
+    --impl hold torch's GEMMs at drawn counts)."""
+    return r["shape"], r.get("counts", "drawn"), r.get("impl", "torch")
+
+
 def _row_label(r: dict) -> str | None:
     """What a row measured: a layer row's shape, mode, dispatch, GEMM path and compile mode, a
     grouped GEMM row's shape, rows per expert and GEMM path, a trainer row's case."""
     kind = _row_kind(r)
-    if kind == "gemms":  # records before --counts and --impl hold torch's GEMMs at drawn counts
-        return f"{r['shape']}, {r.get('counts', 'drawn')}, {r.get('impl', 'torch')}"
+    if kind == "gemms":
+        return ", ".join(_gemm_case(r))
     if kind == "layer":
         return (f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, "
                 f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}")
@@ -92,7 +98,7 @@ def _figures(rec: dict, step: str) -> dict[tuple[str, str], tuple[float, bool]]:
                 out[(row, "share of sustained dense")] = (r["ratio_to_dense_sustained"], steady)
             if r.get("breakdown"):
                 out[(row, "GPU busy ms")] = (r["breakdown"]["step_gpu_busy_ms"], True)
-        elif "case" in r and r.get("tokens_per_sec_per_gpu"):
+        elif _row_kind(r) == "train" and r.get("tokens_per_sec_per_gpu"):
             out[(r["case"], "tokens/s per GPU")] = (r["tokens_per_sec_per_gpu"], True)
             if r.get("peak_memory_gib"):
                 out[(r["case"], "peak memory GiB")] = (r["peak_memory_gib"], True)
@@ -455,8 +461,7 @@ def grouped_gemm_table(rec: dict) -> list[str]:
            + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | stacked w13 / ours |",
            "|---|---|---|---:|" + "---:|" * (len(gemms) + 5)]
     for r in fig["rows"]:
-        # records before --counts and --impl hold torch's GEMMs at drawn counts
-        case = f"| {r['shape']} | {r.get('counts', 'drawn')} | {r.get('impl', 'torch')} |"
+        case = "| " + " | ".join(_gemm_case(r)) + " |"
         if "error" in r:
             out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 5))
             continue
