@@ -158,7 +158,8 @@ def quack_missing(device: torch.device) -> str | None:
 
 def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> dict:
     """The six GEMMs of one layer's experts as moe/quack.py calls them, each a function of its
-    own operands (module docstring): {up_fwd, up_dgrad, up_wgrad, down_fwd, down_dgrad, down_wgrad}."""
+    own operands (module docstring): {up_fwd, up_dgrad, up_wgrad, down_fwd, down_dgrad, down_wgrad},
+    and up_fwd_quack_tuning: the up projection with the config QuACK's frontend tunes for it."""
     import titan_fold.moe.quack as qm
 
     q, R = qm.quack(), rows.shape[0]
@@ -171,7 +172,9 @@ def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> di
     ab, h = qm._up_forward(x, rows, offs, w13, p)  # [R, 2 * ffn], [R, ffn]
     dab = qm._dgated(q, dy, ab, p, offs, w2)[0]  # [R, 2 * ffn]
     x_rows = x[rows]  # the up wgrad's rows, gathered before it as in the experts' backward
+    ab_q, h_q = torch.empty_like(ab), torch.empty_like(h)
     return {"up_fwd": lambda: qm._up_forward(x, rows, offs, w13, p),
+            "up_fwd_quack_tuning": lambda: qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p),
             "up_dgrad": lambda: qm._varlen_m(q, dab, w13, offs),
             "up_wgrad": lambda: qm._wgrad(q, dab, x_rows, offs),
             "down_fwd": lambda: qm._down_forward(h, offs, w2),
@@ -232,9 +235,13 @@ def bench_shape(name, shape, a, device, dtype, dense, copy, counts="drawn", impl
            "gemms": {}}
     autotune, compile_s = {}, 0.0
     if impl == "quack":
-        for n, fn in quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen).items():
+        gemms = quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen)
+        quack_tuning = gemms.pop("up_fwd_quack_tuning")
+        for n, fn in gemms.items():
             ms = median(time_ms(fn, a.warmup, a.iters, device))
             row["gemms"][n] = {"ms": ms, "tflops": expert_gemm_flops(n, R, dim, ffn) / (ms * 1e-3) / 1e12}
+        row["up_fwd_tunings"] = up_fwd_tunings({"titan_fold": gemms["up_fwd"], "quack": quack_tuning}, a, device,
+                                               expert_gemm_flops("up_fwd", R, dim, ffn))
     else:
         offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)  # torch._grouped_mm's: each group's end
         row.update(bmm_equal_groups={}, operand_layouts={})
@@ -252,6 +259,19 @@ def bench_shape(name, shape, a, device, dtype, dense, copy, counts="drawn", impl
         row["autotune_best_routed_gemms_tflops"] = best["routed_gemms_tflops"]
         row["autotune_best_gemm_bound_share"] = best["gemm_bound_share"]
     return row
+
+
+def up_fwd_tunings(fns: dict, a, device, flops: float, rounds: int = 3) -> dict:
+    """The gathered up projection with moe/quack.py's config (tuned over QuACK's space and its
+    configs with a 1x1 cluster, on sm90) and with the config QuACK's frontend tunes, timed in
+    turn (rounds x each): {tuning: {ms, tflops}, "quack_over_titan_fold": time ratio}."""
+    ms = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ms[name].append(median(time_ms(fn, a.warmup, a.iters, device)))
+    out = {name: {"ms": median(v), "tflops": flops / (median(v) * 1e-3) / 1e12} for name, v in ms.items()}
+    out["quack_over_titan_fold"] = out["quack"]["ms"] / out["titan_fold"]["ms"]
+    return out
 
 
 def gemm_bytes(R, E, dim, ffn, impl="torch") -> dict[str, int]:

@@ -449,26 +449,29 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
 
 def grouped_gemm_table(rec: dict) -> list[str]:
     """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone and the share of the dense
-    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path, and the share
-    of their roofline they reach (where recorded); "stacked w13 / ours" is from records of the
-    experts that held w1 and w3 apart (a stacked w13 timed beside them), n/a since the experts
-    hold w13."""
+    rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path; where recorded,
+    the share of their roofline they reach and the gathered up projection's time with the config
+    QuACK's frontend tunes over its time with moe/quack.py's; "stacked w13 / ours" is from records
+    of the experts that held w1 and w3 apart (a stacked w13 timed beside them), n/a since the
+    experts hold w13."""
     fig = rec["figures"].get("grouped_gemm")
     if not fig:
         return []
     gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
     out = ["| shape | rows per expert | moe.grouped_gemm | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
-           + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | stacked w13 / ours |",
-           "|---|---|---|---:|" + "---:|" * (len(gemms) + 5)]
+           + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | up fwd, QuACK's tuning "
+           "/ ours | stacked w13 / ours |",
+           "|---|---|---|---:|" + "---:|" * (len(gemms) + 6)]
     for r in fig["rows"]:
         case = "| " + " | ".join(_gemm_case(r)) + " |"
         if "error" in r:
-            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 5))
+            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 6))
             continue
         out.append(f"{case} {_f(fig['dense_bf16_gemm_tflops'])} | "
                    + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
                    + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
                    f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('share_of_roofline'), 3)} | "
+                   f"{_f(r.get('up_fwd_tunings', {}).get('quack_over_titan_fold'), 3)} | "
                    f"{_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |")
     return out
 

@@ -271,10 +271,10 @@ def _stand_in_quack(calls):
 def _stand_in_up_epilogue(calls):
     """moe/quack_epilogue.py's GEMM as moe/quack.py calls it, in float64 and recorded in calls:
     acc = A @ B per group of rows (A's rows A[A_idx] where given), D = acc (its (gate, up) pairs
-    adjacent), postact = silu(gate) * up * p."""
-    def up(a, b, c, *, out, cu_seqlens_m, A_idx, p, dynamic_scheduler):
+    adjacent), postact = silu(gate) * up * p; the config pinned, if any, recorded beside the call."""
+    def up(a, b, c, *, out, cu_seqlens_m, A_idx, p, config, dynamic_scheduler):
         assert c is None and dynamic_scheduler and set(out) == {"D", "postact"}
-        calls.append(("gated", None))
+        calls.append(("gated", config))
         acc = _grouped_product(a, b, cu_seqlens_m, None, A_idx)  # [R, 2 * ffn]
         gate, up = acc[:, 0::2], acc[:, 1::2]
         out["D"].copy_(acc)
@@ -331,6 +331,7 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
     # gradient, w13's input and weight gradients
     kinds = [kind for kind, _ in calls]
     assert kinds[0] == "gated" and kinds.count("gated") == kinds.count("dgated") == 1 and len(calls) == 6
+    assert calls[0][1] is None  # off sm90 GPUs QuACK's frontend tunes the up projection (moe/quack.py's _up_config)
 
 
 def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
@@ -560,6 +561,41 @@ def test_quack_replayed_launch_equals_tuned_launch(monkeypatch):
             assert _rel(got, _grouped_product(*operands)) < 1e-2, name
             first = first or len(qm._PLANS)
         assert len(qm._PLANS) == first, name  # the second routing replayed the first's launch
+
+
+@needs_quack
+def test_quack_gathered_up_projection_tuned_with_single_cta_clusters(monkeypatch):
+    """moe/quack.py's _up_config on sm90: with few rows an expert (here 128) the gathered up
+    projection is tuned once per call signature over QuACK's sm90 configs that gather (clusters
+    along M only) and their 1x1-cluster twins; its ab and h are the bits QuACK's own tuning gives,
+    and within bf16's rounding of the float64 grouped product. With 1024 rows an expert, or off
+    sm90, QuACK's frontend tunes (no config)."""
+    import titan_fold.moe.quack as qm
+
+    monkeypatch.setattr(qm, "_UP_CONFIGS", {})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, k, E, dim, ffn = 256, 4, 8, 256, 128
+    x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(E, 2 * ffn, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * dim**-0.5
+    rows = torch.randint(0, T, (T * k,), device="cuda", dtype=torch.int32, generator=gen)
+    offs = qm.offsets(torch.tensor([100, 0, 300, 7, 129, 200, 64, 224], device="cuda"))
+    p = torch.rand(T * k, device="cuda", generator=gen)
+    ab, h = qm._up_forward(x, rows, offs, w13, p)
+    config = qm._up_config(x, w13.mT, ab, h, offs, rows, p)
+    one_expert = qm.offsets(torch.tensor([T * k], device="cuda"))  # 1024 rows an expert
+    assert qm._up_config(x, w13[:1].mT, ab, h, one_expert, rows, p) is None
+    if torch.cuda.get_device_capability()[0] != 9:
+        assert config is None
+        return
+    space = [c.kwargs["config"] for c in qm._up_tuner().configs]
+    assert config in space and len(qm._UP_CONFIGS) == 2 and all(c.cluster_n == 1 for c in space)
+    assert {replace(c, cluster_m=1) for c in space} <= set(space) and any(c.cluster_m == 2 for c in space)
+    ab_q, h_q = torch.empty_like(ab), torch.empty_like(h)
+    qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p)  # QuACK's frontend tunes its own config
+    assert torch.equal(ab, ab_q) and torch.equal(h, h_q)
+    assert _rel(ab, _grouped_product(x, w13.mT, offs, None, rows)) < 1e-2
+    gate, up = ab.float()[:, 0::2], ab.float()[:, 1::2]
+    assert _rel(h, torch.nn.functional.silu(gate) * up * p[:, None]) < 1e-2
 
 
 def _qwen3_like(grouped_gemm):

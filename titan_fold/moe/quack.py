@@ -36,8 +36,9 @@ the launch QuACK resolved at its signature's first call (_gemm): the fine-graine
 forward is host-bound, and both cut host time per call (bench/launch.py).
 """
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -197,8 +198,50 @@ def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, 
     row's (gate, up) pairs) and h = silu(gate) * up * p [R, ffn], from one GEMM."""
     ab, h = _up_outputs(x, rows, w13)
     if not _no_kernel(x, ab, h):  # else: ab = 0, so h = silu(0) * 0 * p = 0
-        up_epilogue()(x, w13.mT, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, **_SCHED)
+        _up_launch(x, w13.mT, ab, h, offs, rows, p, _up_config(x, w13.mT, ab, h, offs, rows, p))
     return ab, h
+
+
+def _up_launch(x, w13t, ab, h, offs, rows, p, config=None):
+    # config None: QuACK's frontend tunes over its own space at a signature's first call
+    up_epilogue()(x, w13t, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, config=config,
+                  **_SCHED)
+
+
+# The gathered up projection's config on sm90 per call signature (None: QuACK's frontend tunes).
+# QuACK's sm90 space clusters two CTAs along M or along N. A gathered left operand rules out
+# clusters along N, and two CTAs along M cover each expert's rows in blocks of two tiles, whose
+# empty rows average half a block an expert (up to 2 * tile_m - 1). Where the experts average
+# fewer rows than 4 such blocks of 128-row tiles, those are more than an eighth of the rows, and
+# the GEMM is tuned over the same space plus each config with a 1x1 cluster. Measured in the
+# layer on an H200 (docs/benchmarks.md): 512 rows an expert (Qwen3-30B-A3B) ran faster with a 1x1
+# cluster, 1024 (Mixtral-8x22B G8T8) slower, the B tiles no longer shared by two CTAs.
+_SPARSE_ROWS_PER_EXPERT = 4 * 2 * 128
+_UP_CONFIGS: dict[tuple, object] = {}
+
+
+def _up_config(x, w13t, ab, h, offs, rows, p):
+    if rows is None or not x.is_cuda:
+        return None
+    key = (x.device, *((t.dtype, t.shape, t.stride()) for t in (x, w13t, rows, offs)))
+    if key not in _UP_CONFIGS:
+        sparse = rows.shape[0] < _SPARSE_ROWS_PER_EXPERT * (offs.shape[0] - 1)
+        tuner = _up_tuner() if sparse and torch.cuda.get_device_capability(x.device)[0] == 9 else None
+        if tuner is not None:
+            tuner(x, w13t, ab, h, offs, rows, p)  # tunes (once per signature), then launches the best
+        _UP_CONFIGS[key] = None if tuner is None else tuner.best_config.kwargs["config"]
+    return _UP_CONFIGS[key]
+
+
+@functools.cache
+def _up_tuner():
+    from quack.autotuner import AutotuneConfig, Autotuner
+    from quack.gemm_config import config_supports, get_all_configs
+
+    space = [c for c in get_all_configs(epilogue="gated")
+             if c.device_capacity == 9 and config_supports(c, gather_A=True, varlen_m=True)]
+    space = list(dict.fromkeys(space + [replace(c, cluster_m=1) for c in space]))
+    return Autotuner(_up_launch, key=[], configs=[AutotuneConfig(config=c) for c in space], cache_results=True)
 
 
 def _up_outputs(x, rows, w13):
