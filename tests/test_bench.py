@@ -538,8 +538,8 @@ def test_suites_listed_and_steps_planned(capsys):
     assert narrowed(trainer.args, {"shapes": ["mixtral_8x22b"]}) == trainer.args
     # and the grouped GEMMs of the kernels suite, whose coarse shapes QuACK takes minutes to tune
     gemms = next(st for st in SUITES["kernels"].steps if st.name == "grouped_gemm")
-    assert narrowed(gemms.args, {"shapes": ["mixtral_8x22b_g8t8", "qwen3_30b_a3b"]}) == [
-        "--shapes", "qwen3_30b_a3b,mixtral_8x22b_g8t8"]
+    assert narrowed(gemms.args, {"shapes": ["mixtral_8x22b_g8t8", "qwen3_30b_a3b"], "impls": ["quack"]}) == [
+        "--shapes", "qwen3_30b_a3b,mixtral_8x22b_g8t8", "--impl", "quack"]
     for suite in SUITES.values():  # every trainer case parses
         for st in suite.steps:
             if st.script == "train_step":
