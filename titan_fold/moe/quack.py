@@ -223,7 +223,7 @@ _UP_CONFIGS: dict[tuple, object] = {}
 def _up_config(x, w13t, ab, h, offs, rows, p):
     if rows is None or not x.is_cuda:
         return None
-    key = (x.device, *((t.dtype, t.shape, t.stride()) for t in (x, w13t, rows, offs)))
+    key = _signature(x, w13t, rows, offs)
     if key not in _UP_CONFIGS:
         sparse = rows.shape[0] < _SPARSE_ROWS_PER_EXPERT * (offs.shape[0] - 1)
         tuner = _up_tuner() if sparse and torch.cuda.get_device_capability(x.device)[0] == 9 else None
@@ -324,6 +324,12 @@ def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> to
 _PLANS: dict[tuple, tuple] = {}
 
 
+def _signature(*operands: torch.Tensor | None) -> tuple:
+    """The key of a launch chosen once per call signature: the first operand's device, then each
+    operand's dtype, shape and strides (None where an operand is absent)."""
+    return (operands[0].device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in operands))
+
+
 def _no_kernel(a: torch.Tensor, *outs: torch.Tensor) -> bool:
     """Whether the product of a with any operand needs no kernel: its outputs are empty, or the
     contraction is (QuACK's kernels refuse it: a @ b = 0, and the outputs are zeroed)."""
@@ -344,7 +350,7 @@ def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_
     if _no_kernel(a, out):
         return out
     groups = dict(cu_seqlens_m=cu_seqlens_m, cu_seqlens_k=cu_seqlens_k, A_idx=a_idx)
-    key = (a.device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in (a, b, out, *groups.values())))
+    key = _signature(a, b, out, *groups.values())
     plan = _PLANS.get(key)
     if plan is None:
         _PLANS[key] = q.gemm_tuned(a, b, out, None, **groups, **_SCHED)
