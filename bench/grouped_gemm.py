@@ -156,10 +156,11 @@ def quack_missing(device: torch.device) -> str | None:
     return quack_problem(device.index) if device.type == "cuda" else "needs a CUDA GPU"
 
 
-def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> dict:
+def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> tuple[dict, dict]:
     """The six GEMMs of one layer's experts as moe/quack.py calls them, each a function of its
-    own operands (module docstring): {up_fwd, up_dgrad, up_wgrad, down_fwd, down_dgrad, down_wgrad},
-    and up_fwd_quack_tuning: the up projection with the config QuACK's frontend tunes for it."""
+    own operands (module docstring): {up_fwd, up_dgrad, up_wgrad, down_fwd, down_dgrad, down_wgrad};
+    and the four varlen-M ones (up_fwd, up_dgrad, down_fwd, down_dgrad) with the config QuACK's
+    frontends tune for them (moe/quack.py tunes them itself where the experts' rows are sparse)."""
     import titan_fold.moe.quack as qm
 
     q, R = qm.quack(), rows.shape[0]
@@ -172,14 +173,19 @@ def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> di
     ab, h = qm._up_forward(x, rows, offs, w13, p)  # [R, 2 * ffn], [R, ffn]
     dab = qm._dgated(q, dy, ab, p, offs, w2)[0]  # [R, 2 * ffn]
     x_rows = x[rows]  # the up wgrad's rows, gathered before it as in the experts' backward
-    ab_q, h_q = torch.empty_like(ab), torch.empty_like(h)
-    return {"up_fwd": lambda: qm._up_forward(x, rows, offs, w13, p),
-            "up_fwd_quack_tuning": lambda: qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p),
-            "up_dgrad": lambda: qm._varlen_m(q, dab, w13, offs),
-            "up_wgrad": lambda: qm._wgrad(q, dab, x_rows, offs),
-            "down_fwd": lambda: qm._down_forward(h, offs, w2),
-            "down_dgrad": lambda: qm._dgated(q, dy, ab, p, offs, w2),
-            "down_wgrad": lambda: qm._wgrad(q, dy, h, offs)}
+    ab_q, h_q, dx_q, y_q = torch.empty_like(ab), torch.empty_like(h), torch.empty_like(dy), torch.empty_like(dy)
+    plain = lambda a, b, out: q.gemm_tuned(a, b, out, None, cu_seqlens_m=offs, dynamic_scheduler=True)  # noqa: E731
+    gemms = {"up_fwd": lambda: qm._up_forward(x, rows, offs, w13, p),
+             "up_dgrad": lambda: qm._varlen_m(q, dab, w13, offs),
+             "up_wgrad": lambda: qm._wgrad(q, dab, x_rows, offs),
+             "down_fwd": lambda: qm._down_forward(h, offs, w2),
+             "down_dgrad": lambda: qm._dgated(q, dy, ab, p, offs, w2),
+             "down_wgrad": lambda: qm._wgrad(q, dy, h, offs)}
+    quack_tuned = {"up_fwd": lambda: qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p),
+                   "up_dgrad": lambda: plain(dab, w13, dx_q),
+                   "down_fwd": lambda: plain(h, w2.mT, y_q),
+                   "down_dgrad": lambda: qm._dgated_launch(dy, w2, ab, p, offs)}
+    return gemms, quack_tuned
 
 
 def bounds(gemm_ms: dict, tokens: int, shape: dict, dense: float) -> dict:
@@ -235,13 +241,12 @@ def bench_shape(name, shape, a, device, dtype, dense, copy, counts="drawn", impl
            "gemms": {}}
     autotune, compile_s = {}, 0.0
     if impl == "quack":
-        gemms = quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen)
-        quack_tuning = gemms.pop("up_fwd_quack_tuning")
+        gemms, quack_tuned = quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen)
         for n, fn in gemms.items():
             ms = median(time_ms(fn, a.warmup, a.iters, device))
             row["gemms"][n] = {"ms": ms, "tflops": expert_gemm_flops(n, R, dim, ffn) / (ms * 1e-3) / 1e12}
-        row["up_fwd_tunings"] = up_fwd_tunings({"titan_fold": gemms["up_fwd"], "quack": quack_tuning}, a, device,
-                                               expert_gemm_flops("up_fwd", R, dim, ffn))
+        row["tunings"] = tunings({n: {"titan_fold": gemms[n], "quack": fn} for n, fn in quack_tuned.items()}, a,
+                                 device, {n: expert_gemm_flops(n, R, dim, ffn) for n in quack_tuned})
     else:
         offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)  # torch._grouped_mm's: each group's end
         row.update(bmm_equal_groups={}, operand_layouts={})
@@ -261,16 +266,22 @@ def bench_shape(name, shape, a, device, dtype, dense, copy, counts="drawn", impl
     return row
 
 
-def up_fwd_tunings(fns: dict, a, device, flops: float, rounds: int = 3) -> dict:
-    """The gathered up projection with moe/quack.py's config (tuned over QuACK's space and its
-    configs with a 1x1 cluster, on sm90) and with the config QuACK's frontend tunes, timed in
-    turn (rounds x each): {tuning: {ms, tflops}, "quack_over_titan_fold": time ratio}."""
-    ms = {name: [] for name in fns}
+def tunings(fns: dict, a, device, flops: dict, rounds: int = 3) -> dict:
+    """Each varlen-M GEMM {name: {"titan_fold": fn, "quack": fn}} with moe/quack.py's config and
+    with the config QuACK's frontend tunes, timed in turn (rounds x each GEMM and tuning):
+    {name: {tuning: {ms, tflops}, "quack_over_titan_fold": time ratio}, "varlen_m": the same ratio
+    of their summed times}."""
+    ms = {(g, t): [] for g, pair in fns.items() for t in pair}
     for _ in range(rounds):
-        for name, fn in fns.items():
-            ms[name].append(median(time_ms(fn, a.warmup, a.iters, device)))
-    out = {name: {"ms": median(v), "tflops": flops / (median(v) * 1e-3) / 1e12} for name, v in ms.items()}
-    out["quack_over_titan_fold"] = out["quack"]["ms"] / out["titan_fold"]["ms"]
+        for g, t in ms:
+            ms[g, t].append(median(time_ms(fns[g][t], a.warmup, a.iters, device)))
+    out = {g: {t: {"ms": median(ms[g, t]), "tflops": flops[g] / (median(ms[g, t]) * 1e-3) / 1e12} for t in pair}
+           for g, pair in fns.items()}
+    for g in fns:
+        out[g]["quack_over_titan_fold"] = out[g]["quack"]["ms"] / out[g]["titan_fold"]["ms"]
+    total = {t: sum(out[g][t]["ms"] for g in fns) for t in ("titan_fold", "quack")}
+    out["varlen_m"] = {**{f"{t}_ms": v for t, v in total.items()},
+                       "quack_over_titan_fold": total["quack"] / total["titan_fold"]}
     return out
 
 

@@ -450,8 +450,10 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
 def grouped_gemm_table(rec: dict) -> list[str]:
     """bench/grouped_gemm.py: each routed grouped GEMM's TFLOP/s alone and the share of the dense
     rate the routed GEMMs allow, per rows per expert (drawn, equal) and GEMM path; where recorded,
-    the share of their roofline they reach and the gathered up projection's time with the config
-    QuACK's frontend tunes over its time with moe/quack.py's; "stacked w13 / ours" is from records
+    the share of their roofline they reach, and the times of QuACK's path with the configs QuACK's
+    frontends tune over its times with moe/quack.py's: the gathered up projection's, and the four
+    varlen-M GEMMs' summed (records before that sum timed the up projection's alone); "stacked w13 /
+    ours" is from records
     of the experts that held w1 and w3 apart (a stacked w13 timed beside them), n/a since the
     experts hold w13."""
     fig = rec["figures"].get("grouped_gemm")
@@ -460,18 +462,21 @@ def grouped_gemm_table(rec: dict) -> list[str]:
     gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
     out = ["| shape | rows per expert | moe.grouped_gemm | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
            + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | up fwd, QuACK's tuning "
-           "/ ours | stacked w13 / ours |",
-           "|---|---|---|---:|" + "---:|" * (len(gemms) + 6)]
+           "/ ours | varlen-M GEMMs, QuACK's tuning / ours | stacked w13 / ours |",
+           "|---|---|---|---:|" + "---:|" * (len(gemms) + 7)]
     for r in fig["rows"]:
         case = "| " + " | ".join(_gemm_case(r)) + " |"
         if "error" in r:
-            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 6))
+            out.append(f"{case} error: {r['error'][:60]} |" + " |" * (len(gemms) + 7))
             continue
+        tuned = r.get("tunings", {})
+        up_tuned = tuned.get("up_fwd", r.get("up_fwd_tunings", {}))
         out.append(f"{case} {_f(fig['dense_bf16_gemm_tflops'])} | "
                    + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
                    + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
                    f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('share_of_roofline'), 3)} | "
-                   f"{_f(r.get('up_fwd_tunings', {}).get('quack_over_titan_fold'), 3)} | "
+                   f"{_f(up_tuned.get('quack_over_titan_fold'), 3)} | "
+                   f"{_f(tuned.get('varlen_m', {}).get('quack_over_titan_fold'), 3)} | "
                    f"{_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |")
     return out
 

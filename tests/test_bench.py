@@ -752,23 +752,35 @@ def test_grouped_gemm_quack_calls(tmp_path, monkeypatch):
     # operands: one up fwd, one gemm_dgated; then per timed call (warm-up 1 + 2 timed) its kind
     kinds = [kind for kind, _ in calls]
     assert kinds[:2] == ["gated", "dgated"]
-    assert kinds[2:] == ["gated"] * 3 + ["tuned", "replay", "replay"] * 2 + ["tuned", "replay", "replay"] + \
-        ["dgated"] * 3 + ["tuned", "replay", "replay"] + ["gated"] * 3 * 2 * 3
-    # the up projection again, with moe/quack.py's config and with QuACK's tuning, in turn: 3 rounds
-    tunings = row["up_fwd_tunings"]
-    assert tunings["quack_over_titan_fold"] == pytest.approx(tunings["quack"]["ms"] / tunings["titan_fold"]["ms"])
-    assert tunings["quack"]["tflops"] == pytest.approx(row["gemm_gflop_each"] * 2e9 / (tunings["quack"]["ms"] * 1e-3)
-                                                       / 1e12)
+    plain = ["tuned", "pinned", "replay", "replay"]  # a signature's first call: tuned, then its config pinned
+    timed = ["gated"] * 3 + plain * 3 + ["dgated"] * 3 + plain
+    # then each of the four varlen-M GEMMs with our launch and with QuACK's tuned one (a plain GEMM through
+    # gemm_tuned at every call), 3 rounds
+    rounds = (["gated"] * 6 + ["replay"] * 3 + ["tuned"] * 3 + ["replay"] * 3 + ["tuned"] * 3 + ["dgated"] * 6) * 3
+    assert kinds[2:] == timed + rounds
+    # the four varlen-M GEMMs again, with moe/quack.py's configs and with QuACK's tuning, in turn: 3 rounds
+    tunings = row["tunings"]
+    assert list(tunings) == ["up_fwd", "up_dgrad", "down_fwd", "down_dgrad", "varlen_m"]
+    for name in ("up_fwd", "up_dgrad", "down_fwd", "down_dgrad"):
+        t = tunings[name]
+        assert t["quack_over_titan_fold"] == pytest.approx(t["quack"]["ms"] / t["titan_fold"]["ms"])
+        flop = (2 if name.startswith("up_") else 1) * row["gemm_gflop_each"] * 1e9
+        assert t["quack"]["tflops"] == pytest.approx(flop / (t["quack"]["ms"] * 1e-3) / 1e12)
+    total = {w: sum(tunings[n][w]["ms"] for n in ("up_fwd", "up_dgrad", "down_fwd", "down_dgrad"))
+             for w in ("titan_fold", "quack")}
+    assert tunings["varlen_m"]["quack_over_titan_fold"] == pytest.approx(total["quack"] / total["titan_fold"])
     shape = moe_layer.SHAPES["tiny"]
     E, dim, ffn = shape["experts"], shape["dim"], shape["ffn"]
     rows, per_expert = grouped_gemm.routing(64, 2, E, "drawn")
-    fns = grouped_gemm.quack_gemms(64, rows, per_expert, dim, ffn, E, torch.device("cpu"), torch.bfloat16,
-                                   torch.Generator().manual_seed(0))
-    assert fns.pop("up_fwd_quack_tuning")() is None  # writes its own ab and h
+    fns, quack_tuned = grouped_gemm.quack_gemms(64, rows, per_expert, dim, ffn, E, torch.device("cpu"),
+                                                torch.bfloat16, torch.Generator().manual_seed(0))
     shapes = {n: tuple(t.shape for t in fn()) if n in ("up_fwd", "down_dgrad") else fn().shape for n, fn in fns.items()}
     assert shapes == {"up_fwd": ((128, 2 * ffn), (128, ffn)), "up_dgrad": (128, dim), "up_wgrad": (E, 2 * ffn, dim),
                       "down_fwd": (128, dim), "down_dgrad": ((128, 2 * ffn), (128, ffn), (128,)),
                       "down_wgrad": (E, dim, ffn)}
+    assert quack_tuned["up_fwd"]() is None  # writes its own ab and h
+    assert [tuple(t.shape) for t in quack_tuned["down_dgrad"]()] == [(128, 2 * ffn), (128, ffn), (128,)]
+    assert quack_tuned["up_dgrad"]()[0] is not None and quack_tuned["down_fwd"]()[0] is not None  # QuACK's plans
     with pytest.raises(SystemExit):
         grouped_gemm.parse(["--impl", "cutlass"])
 
@@ -829,16 +841,21 @@ def test_grouped_gemm_report_table(tmp_path):
     row = {"shape": "qwen3_30b_a3b", "gemms": gemms, "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549,
            "gemm_bound_share_with_shared": 0.5549, "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912}}
     quack = {**row, "counts": "equal", "impl": "quack", "gemm_bound_share": 0.7012, "share_of_roofline": 0.8123,
-             "up_fwd_tunings": {"quack_over_titan_fold": 1.1834}}
+             "tunings": {"up_fwd": {"quack_over_titan_fold": 1.1834}, "varlen_m": {"quack_over_titan_fold": 1.0412}}}
+    before = {**quack, "counts": "drawn", "tunings": None, "up_fwd_tunings": {"quack_over_titan_fold": 1.0921}}
+    del before["tunings"]
     _suite_file(tmp_path, "kernels", {"grouped_gemm": {"dense_bf16_gemm_tflops": 739.8, "rows": [
-        quack, row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
+        quack, before, row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
     text = report.report(str(tmp_path))
     assert "Routed grouped GEMMs alone:" in text
     # a row without counts and impl (a record from before them) is torch's at drawn counts
     assert ("| qwen3_30b_a3b | drawn | torch | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | "
-            "0.555 | n/a | n/a | 0.912 |") in text
+            "0.555 | n/a | n/a | n/a | 0.912 |") in text
     assert ("| qwen3_30b_a3b | equal | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
-            "0.555 | 0.812 | 1.183 |") in text
+            "0.555 | 0.812 | 1.183 | 1.041 |") in text
+    # a record from before the four varlen-M GEMMs were timed both ways: the up projection's alone
+    assert ("| qwen3_30b_a3b | drawn | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
+            "0.555 | 0.812 | 1.092 | n/a |") in text
     lines = report.grouped_gemm_table(report.latest(str(tmp_path))[0])
     assert len({line.count("|") for line in lines}) == 1  # the error row has every column
     assert "| mixtral_8x22b | drawn | torch | error: OutOfMemoryError: x |" in text

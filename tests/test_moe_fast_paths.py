@@ -228,7 +228,9 @@ def _grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, a_idx):
 
 def _stand_in_quack(calls):
     """QuACK's interface as moe/quack.py calls it, each call computed in float64 and recorded in
-    calls: gemm_tuned / _gemm_execute (a plain grouped GEMM, tuned or replayed) and gemm_dgated,
+    calls: gemm_tuned / gemm_tuned.fn / _gemm_execute (a plain grouped GEMM: tuned, its config pinned,
+    or replayed) and gemm_dgated (its
+    config pinned, if any, recorded beside the call),
     whose epilogue, per QuACK's documentation, takes acc = A @ B per group and the preact's (gate,
     up) pairs and returns pack(dgate, dup) of SwiGLU's backward of acc * scale, the SwiGLU times
     scale, and the row sum of SwiGLU x acc."""
@@ -239,11 +241,18 @@ def _stand_in_quack(calls):
         calls.append((kind, plan))
         out.copy_(_grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, A_idx))
 
-    def gemm_tuned(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, dynamic_scheduler):
-        assert dynamic_scheduler
-        plan = (f"config {len(calls)}", 1, True, object())
-        launch("tuned", a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan)
-        return plan
+    class GemmTuned:  # QuACK's autotuned gemm: its config chosen at a signature's first call
+        best_config = SimpleNamespace(kwargs={"config": "its pick"})  # no sweep here: no configs_timings
+
+        def __call__(self, a, b, out, c, **kw):
+            return self.fn(a, b, out, c, config=None, kind="tuned", **kw)
+
+        @staticmethod
+        def fn(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k=None, A_idx=None, dynamic_scheduler, config, kind="pinned"):
+            assert dynamic_scheduler and (config is None) == (kind == "tuned")
+            plan = (config or f"config {len(calls)}", 1, True, object())
+            launch(kind, a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan)
+            return plan
 
     def gemm_execute(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, config, split_k, dynamic_scheduler,
                      dispatch_plan, **fixed):
@@ -251,9 +260,9 @@ def _stand_in_quack(calls):
         launch("replay", a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, (config, split_k, dynamic_scheduler,
                                                                             dispatch_plan))
 
-    def gemm_dgated(a, b, preact, *, activation, colvec_scale, colvec_reduce, cu_seqlens_m, dynamic_scheduler):
+    def gemm_dgated(a, b, preact, *, activation, colvec_scale, colvec_reduce, cu_seqlens_m, config, dynamic_scheduler):
         assert activation == "swiglu" and colvec_reduce and dynamic_scheduler
-        calls.append(("dgated", None))
+        calls.append(("dgated", config))
         acc = _grouped_product(a, b, cu_seqlens_m, None, None)  # [R, ffn]
         s = colvec_scale.double()[:, None]
         gate, up = preact.double()[:, 0::2], preact.double()[:, 1::2]
@@ -264,7 +273,7 @@ def _stand_in_quack(calls):
         dpre = torch.stack((dgate, dup), -1).flatten(-2)
         return dpre.to(preact.dtype), (out * s).to(preact.dtype), (out * acc).sum(-1).float()
 
-    return SimpleNamespace(gemm_tuned=gemm_tuned, _gemm_execute=gemm_execute, gemm_dgated=gemm_dgated,
+    return SimpleNamespace(gemm_tuned=GemmTuned(), _gemm_execute=gemm_execute, gemm_dgated=gemm_dgated,
                            RoundingMode=SimpleNamespace(RN="RN"), SplitKMode=SimpleNamespace(SERIAL="SERIAL"))
 
 
@@ -330,14 +339,18 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
     # forward: w13 with the SwiGLU in its epilogue, w2; backward: the gated dgrad, w2's weight
     # gradient, w13's input and weight gradients
     kinds = [kind for kind, _ in calls]
-    assert kinds[0] == "gated" and kinds.count("gated") == kinds.count("dgated") == 1 and len(calls) == 6
-    assert calls[0][1] is None  # off sm90 GPUs QuACK's frontend tunes the up projection (moe/quack.py's _up_config)
+    assert kinds[0] == "gated" and kinds.count("gated") == kinds.count("dgated") == 1
+    # each plain GEMM's first call: tuned, then its config pinned
+    assert kinds.count("tuned") == kinds.count("pinned") == 4 and len(calls) == 10
+    # off sm90 GPUs QuACK's frontends tune the epilogue GEMMs (moe/quack.py's _tuned)
+    assert all(config is None for kind, config in calls if kind in ("gated", "dgated"))
 
 
 def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
     """moe/quack.py's _gemm: the first call of a call signature (dtypes, shapes, strides) goes
-    through QuACK's tuner, later calls of it replay the launch the tuner resolved, whatever their
-    values; a new shape is tuned again; an empty contraction writes zeros and an empty output is
+    through QuACK's tuner and then launches the config chosen (here the tuner's pick: its stand-in
+    times no configs), later calls of it replay that launch, whatever their values; a new shape is
+    tuned again; an empty contraction writes zeros and an empty output is
     left alone, with no launch. A stand-in for QuACK's interface (_stand_in_quack) records each call
     and computes it in float64: each result must equal the grouped product computed apart."""
     import titan_fold.moe.quack as qm
@@ -352,17 +365,48 @@ def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
         rows = torch.randint(0, 6, (10,), dtype=torch.int32)
         got = qm._varlen_m(q, x, w, offs, rows)
         assert torch.allclose(got.double(), _grouped_product(x, w, offs, None, rows))
-    tuned_plan = calls[0][1]
-    assert [kind for kind, _ in calls] == ["tuned", "replay"] and calls[1][1] == tuned_plan
+    pinned_plan = calls[1][1]
+    assert [kind for kind, _ in calls] == ["tuned", "pinned", "replay"] and calls[2][1] == pinned_plan
+    assert pinned_plan[0] == "its pick"
     grad, right = torch.randn(10, 4), torch.randn(10, 8)
     dw = qm._wgrad(q, grad, right, offs)  # a new signature: tuned
     assert torch.allclose(dw.double(), _grouped_product(grad.mT, right, None, offs, None))
-    assert [kind for kind, _ in calls] == ["tuned", "replay", "tuned"]
+    assert [kind for kind, _ in calls] == ["tuned", "pinned", "replay", "tuned", "pinned"]
     empty_k = torch.full((3, 4, 8), float("nan"))
     qm._gemm(q, torch.randn(4, 0), torch.randn(0, 8), empty_k, cu_seqlens_k=torch.zeros(4, dtype=torch.int32))
-    assert torch.equal(empty_k, torch.zeros(3, 4, 8)) and len(calls) == 3
+    assert torch.equal(empty_k, torch.zeros(3, 4, 8)) and len(calls) == 5
     assert qm._varlen_m(q, x, w, qm.offsets(torch.zeros(3, dtype=torch.int64)), rows[:0]).shape == (0, 4)
-    assert len(calls) == 3
+    assert len(calls) == 5
+
+
+def test_quack_config_chosen_from_the_sweeps_fastest_timed_in_turn(monkeypatch):
+    """moe/quack.py's _choose: after the tuner's sweep, its _TOP fastest configs are timed again in
+    _ROUNDS rounds, each timing every one in turn, and the least median wins: here the sweep ranked
+    "a" first, the configs' own times rank "b" first, and the clock slows by 5% a timing, which the
+    rounds spread over all four alike; the fifth ("e", faster still but last but one in the sweep) is
+    not timed. A tuner that swept nothing now (a signature it had) gives its own pick, unretimed."""
+    import titan_fold.moe.quack as qm
+
+    class Config:
+        def __init__(self, name):
+            self.kwargs = {"config": name}
+
+    own = {"a": 1.00, "b": 0.90, "c": 0.95, "d": 1.10, "e": 0.80, "f": 1.50}
+    sweep = {"a": 0.70, "b": 0.75, "c": 0.80, "d": 0.85, "e": 0.90, "f": 0.95}
+
+    class Tuner:
+        def __call__(self, *args, **kwargs):
+            assert args == ("operand",) and kwargs == {"k": 1}
+            self.configs_timings = {Config(n): [t, t, t] for n, t in reversed(sweep.items())}
+            self.best_config = Config("a")
+
+    timed = []
+    monkeypatch.setattr(qm, "_time_ms", lambda fn: (fn(), own[timed[-1]] * (1 + 0.05 * len(timed)))[1])
+    tuner = Tuner()
+    assert qm._choose(tuner, timed.append, ("operand",), {"k": 1}) == "b"
+    assert timed == ["a", "b", "c", "d"] * qm._ROUNDS
+    tuner.__class__.__call__ = lambda self, *args, **kwargs: None  # the signature seen: no sweep
+    assert qm._choose(tuner, timed.append, ("operand",), {"k": 1}) == "a" and len(timed) == 4 * qm._ROUNDS
 
 
 def test_quack_up_projection_without_a_kernel(monkeypatch):
@@ -564,38 +608,58 @@ def test_quack_replayed_launch_equals_tuned_launch(monkeypatch):
 
 
 @needs_quack
-def test_quack_gathered_up_projection_tuned_with_single_cta_clusters(monkeypatch):
-    """moe/quack.py's _up_config on sm90: with few rows an expert (here 128) the gathered up
-    projection is tuned once per call signature over QuACK's sm90 configs that gather (clusters
-    along M only) and their 1x1-cluster twins; its ab and h are the bits QuACK's own tuning gives,
-    and within bf16's rounding of the float64 grouped product. With 1024 rows an expert, or off
-    sm90, QuACK's frontend tunes (no config)."""
+def test_quack_configs_chosen_once_per_signature_from_the_sweep(monkeypatch):
+    """moe/quack.py on a GPU: the gathered up projection, the gated input gradient and a plain
+    varlen-M GEMM each get their config once per call signature, one of the _TOP fastest of their
+    tuner's sweep (QuACK's, over its configs for the GEMM; for the gathered up projection on sm90
+    with each config's 1x1-cluster twin as well); each gives the bits QuACK's own tuning gives (the
+    gated GEMM's row sum dp within float32 rounding: its tiles along N sum in another order) and is
+    within bf16's rounding of the float64 product."""
     import titan_fold.moe.quack as qm
 
-    monkeypatch.setattr(qm, "_UP_CONFIGS", {})
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    for cache in ("_CONFIGS", "_PLANS"):
+        monkeypatch.setattr(qm, cache, {})
+    q, gen = qm.quack(), torch.Generator(device="cuda").manual_seed(0)
     T, k, E, dim, ffn = 256, 4, 8, 256, 128
-    x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w13 = torch.randn(E, 2 * ffn, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * dim**-0.5
+    randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    x, w13, w2, dy = randn(T, dim), randn(E, 2 * ffn, dim) * dim**-0.5, randn(E, dim, ffn) * ffn**-0.5, randn(T * k, dim)
     rows = torch.randint(0, T, (T * k,), device="cuda", dtype=torch.int32, generator=gen)
     offs = qm.offsets(torch.tensor([100, 0, 300, 7, 129, 200, 64, 224], device="cuda"))
     p = torch.rand(T * k, device="cuda", generator=gen)
+    cap = torch.cuda.get_device_capability()[0]
+
+    def top(tuner):
+        ranked = sorted(tuner.configs_timings.items(), key=lambda item: item[1][0])
+        return [c.kwargs["config"] for c, _ in ranked[:qm._TOP]]
+
     ab, h = qm._up_forward(x, rows, offs, w13, p)
-    config = qm._up_config(x, w13.mT, ab, h, offs, rows, p)
-    one_expert = qm.offsets(torch.tensor([T * k], device="cuda"))  # 1024 rows an expert
-    assert qm._up_config(x, w13[:1].mT, ab, h, one_expert, rows, p) is None
-    if torch.cuda.get_device_capability()[0] != 9:
-        assert config is None
-        return
-    space = [c.kwargs["config"] for c in qm._up_tuner().configs]
-    assert config in space and len(qm._UP_CONFIGS) == 2 and all(c.cluster_n == 1 for c in space)
-    assert {replace(c, cluster_m=1) for c in space} <= set(space) and any(c.cluster_m == 2 for c in space)
+    up_tuner = qm._tuner(qm._up_launch, "gated", True, cap)
+    up_top = top(up_tuner)
+    dab, h2, dp = qm._dgated(q, dy, ab, p, offs, w2)
+    dgated_top = top(qm._tuner(qm._dgated_launch, "gated", False, cap))
+    out = qm._varlen_m(q, dab, w13, offs)
+    plain_top = top(q.gemm_tuned)
+    chosen = lambda launch, *args: qm._CONFIGS[(launch, *qm._signature(*args))]  # noqa: E731
+    assert chosen(qm._up_launch, x, w13.mT, ab, h, offs, rows, p) in up_top
+    assert chosen(qm._dgated_launch, dy, w2, ab, p, offs) in dgated_top
+    assert qm._PLANS[qm._signature(dab, w13, out, offs, None, None)][0] in plain_top
+    space = [c.kwargs["config"] for c in up_tuner.configs]
+    assert all(c.cluster_n == 1 for c in space)
+    assert cap != 9 or {replace(c, cluster_m=1) for c in space} <= set(space)
+    again = qm._up_forward(x, rows, offs, w13, p)  # the signature's config, no new sweep
+    assert len(qm._CONFIGS) == 2 and all(torch.equal(a, b) for a, b in zip(again, (ab, h)))
     ab_q, h_q = torch.empty_like(ab), torch.empty_like(h)
-    qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p)  # QuACK's frontend tunes its own config
-    assert torch.equal(ab, ab_q) and torch.equal(h, h_q)
+    qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p)  # QuACK's frontends tune their own configs
+    dab_q, h2_q, dp_q = qm._dgated_launch(dy, w2, ab, p, offs)
+    out_q = torch.empty_like(out)
+    q.gemm_tuned(dab, w13, out_q, None, cu_seqlens_m=offs, dynamic_scheduler=True)
+    for got, want in ((ab, ab_q), (h, h_q), (dab, dab_q), (h2, h2_q), (out, out_q)):
+        assert torch.equal(got, want)
+    assert torch.allclose(dp, dp_q, rtol=1e-5, atol=1e-5)
     assert _rel(ab, _grouped_product(x, w13.mT, offs, None, rows)) < 1e-2
     gate, up = ab.float()[:, 0::2], ab.float()[:, 1::2]
     assert _rel(h, torch.nn.functional.silu(gate) * up * p[:, None]) < 1e-2
+    assert _rel(out, _grouped_product(dab, w13, offs, None, None)) < 1e-2
 
 
 def _qwen3_like(grouped_gemm):

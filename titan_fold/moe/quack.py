@@ -32,8 +32,9 @@ more than the gather).
 Each GEMM's forward and backward is a custom op: torch.compile sees opaque calls with known
 output shapes, and the weights arrive as plain local tensors (FSDP2 and EP/ETP shards as for
 the torch path). Eager code calls their implementations directly, and each plain GEMM replays
-the launch QuACK resolved at its signature's first call (_gemm): the fine-grained layer's eager
-forward is host-bound, and both cut host time per call (bench/launch.py).
+the launch QuACK resolved for the config chosen at its signature's first call (_gemm, _choose):
+the fine-grained layer's eager forward is host-bound, and both cut host time per call
+(bench/launch.py).
 """
 
 import functools
@@ -198,7 +199,7 @@ def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, 
     row's (gate, up) pairs) and h = silu(gate) * up * p [R, ffn], from one GEMM."""
     ab, h = _up_outputs(x, rows, w13)
     if not _no_kernel(x, ab, h):  # else: ab = 0, so h = silu(0) * 0 * p = 0
-        _up_launch(x, w13.mT, ab, h, offs, rows, p, _up_config(x, w13.mT, ab, h, offs, rows, p))
+        _tuned(_up_launch, "gated", (x, w13.mT, ab, h, offs, rows, p), rows)
     return ab, h
 
 
@@ -208,42 +209,84 @@ def _up_launch(x, w13t, ab, h, offs, rows, p, config=None):
                   **_SCHED)
 
 
-# The gathered up projection's config on sm90 per call signature (None: QuACK's frontend tunes).
-# QuACK's sm90 space clusters two CTAs along M or along N. A gathered left operand rules out
-# clusters along N, and two CTAs along M cover each expert's rows in blocks of two tiles, whose
-# empty rows average half a block an expert (up to 2 * tile_m - 1). Where the experts average
-# fewer rows than 4 such blocks of 128-row tiles, those are more than an eighth of the rows, and
-# the GEMM is tuned over the same space plus each config with a 1x1 cluster. Measured in the
-# layer on an H200 (docs/benchmarks.md): 512 rows an expert (Qwen3-30B-A3B) ran faster with a 1x1
-# cluster, 1024 (Mixtral-8x22B G8T8) slower, the B tiles no longer shared by two CTAs.
-_SPARSE_ROWS_PER_EXPERT = 4 * 2 * 128
-_UP_CONFIGS: dict[tuple, object] = {}
+# Each GEMM's config is chosen once per call signature. QuACK's autotuner times each config of its
+# space once, one after the other, on a card whose clock falls as it nears its power limit during
+# the sweep, so configs within a few percent of each other swap ranks from one sweep to the next (on
+# an H200 at Qwen3-30B-A3B shapes the gathered up projection's fastest config, timed in turn, ranked
+# fourth in its sweep: docs/benchmarks.md). Its _TOP fastest configs are timed again on the call's
+# own operands, in _ROUNDS rounds that each time every one in turn, and the least median is kept.
+_TOP, _ROUNDS = 4, 3
+_CONFIGS: dict[tuple, object] = {}
 
 
-def _up_config(x, w13t, ab, h, offs, rows, p):
-    if rows is None or not x.is_cuda:
-        return None
-    key = _signature(x, w13t, rows, offs)
-    if key not in _UP_CONFIGS:
-        sparse = rows.shape[0] < _SPARSE_ROWS_PER_EXPERT * (offs.shape[0] - 1)
-        tuner = _up_tuner() if sparse and torch.cuda.get_device_capability(x.device)[0] == 9 else None
-        if tuner is not None:
-            tuner(x, w13t, ab, h, offs, rows, p)  # tunes (once per signature), then launches the best
-        _UP_CONFIGS[key] = None if tuner is None else tuner.best_config.kwargs["config"]
-    return _UP_CONFIGS[key]
+def _tuned(launch, epilogue: str, args: tuple, rows: torch.Tensor | None):
+    """launch(*args, config=...) of a varlen-M GEMM with an epilogue (rows: its gathered rows, or
+    None), its config chosen at the signature's first call (_choose, over QuACK's configs for it)."""
+    key = (launch, *_signature(*args))
+    if key not in _CONFIGS:
+        device = args[0].device
+        tuner = _tuner(launch, epilogue, rows is not None, torch.cuda.get_device_capability(device)[0]) \
+            if device.type == "cuda" else None
+        _CONFIGS[key] = None if tuner is None else _choose(tuner, lambda c: launch(*args, config=c), args)
+    return launch(*args, config=_CONFIGS[key])
+
+
+def _choose(tuner, run: Callable, args: tuple, kwargs: dict | None = None):
+    """The config run(config) takes least time with: tuner (QuACK's autotuner over run's configs)
+    sweeps its space on these operands (or reads QuACK's disk cache of an earlier sweep), then its
+    _TOP fastest are timed again in turn (_fastest). Where the tuner had this signature already
+    (no sweep now), its pick."""
+    timings = getattr(tuner, "configs_timings", None)
+    tuner(*args, **(kwargs or {}))
+    if getattr(tuner, "configs_timings", None) is timings:
+        return tuner.best_config.kwargs["config"]
+    ranked = sorted(tuner.configs_timings.items(), key=lambda item: item[1][0])[:_TOP]
+    return _fastest([c.kwargs["config"] for c, _ in ranked], run, _time_ms)
+
+
+def _fastest(candidates: list, run: Callable, time_ms: Callable) -> object:
+    """The candidate c whose run(c) has the least median time_ms over _ROUNDS rounds, each round
+    timing every candidate in turn (a clock that drifts over the rounds moves them alike)."""
+    times = [[] for _ in candidates]
+    for _ in range(_ROUNDS):
+        for c, t in zip(candidates, times):
+            t.append(time_ms(lambda c=c: run(c)))
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    return candidates[medians.index(min(medians))]
+
+
+def _time_ms(fn: Callable, warmup: int = 2, iters: int = 10) -> float:
+    """Mean ms of fn's GPU work over iters calls after warmup calls (events on the current stream)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 @functools.cache
-def _up_tuner():
+def _tuner(launch, epilogue: str, gather_A: bool, cap: int):
+    """QuACK's autotuner of launch, a varlen-M GEMM with QuACK's `epilogue` configs, over its
+    configs for GPUs of compute capability major `cap`. On sm90 a gathered left operand adds each
+    config's 1x1-cluster twin: gathering rules out clusters along N and QuACK's sm90 space has no
+    1x1 cluster, so all its configs cover each expert's rows in blocks of two tiles along M, half a
+    block empty an expert on average (at 512 rows an expert, Qwen3-30B-A3B, a twin ran faster on an
+    H200; at 1024, G8T8, the clusters). None for a QuACK without that interface (its frontend tunes)."""
     try:
         from quack.autotuner import AutotuneConfig, Autotuner
         from quack.gemm_config import config_supports, get_all_configs
-    except ImportError:  # a QuACK without them: its frontend tunes
+    except ImportError:
         return None
-    space = [c for c in get_all_configs(epilogue="gated")
-             if c.device_capacity == 9 and config_supports(c, gather_A=True, varlen_m=True)]
-    space = list(dict.fromkeys(space + [replace(c, cluster_m=1) for c in space]))
-    return Autotuner(_up_launch, key=[], configs=[AutotuneConfig(config=c) for c in space], cache_results=True)
+    space = [c for c in get_all_configs(epilogue=epilogue) if c.device_capacity == cap and c.split_k == 1
+             and not c.use_tma_gather and config_supports(c, gather_A=gather_A, varlen_m=True)]
+    if gather_A and cap == 9:
+        space += [replace(c, cluster_m=1) for c in space]
+    configs = [AutotuneConfig(config=c) for c in dict.fromkeys(space)]
+    return Autotuner(launch, key=[], configs=configs, cache_results=True)
 
 
 def _up_outputs(x, rows, w13):
@@ -294,8 +337,12 @@ def _down_backward(dy: torch.Tensor, ab: torch.Tensor, p: torch.Tensor, offs: to
 
 def _dgated(q, dy, ab, p, offs, w2):
     # -> dab, h, dp (see _down_backward): one varlen-M GEMM, the SwiGLU's backward in its epilogue
-    return q.gemm_dgated(dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True, cu_seqlens_m=offs,
-                         **_SCHED)
+    return _tuned(_dgated_launch, "gated", (dy, w2, ab, p, offs), None)
+
+
+def _dgated_launch(dy, w2, ab, p, offs, config=None):
+    return quack().gemm_dgated(dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True,
+                               cu_seqlens_m=offs, config=config, **_SCHED)
 
 
 @_down_backward.register_fake
@@ -318,7 +365,7 @@ def _wgrad(q, left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor) -> to
     return _gemm(q, left.mT, right, out, cu_seqlens_k=offs)
 
 
-# QuACK's resolved launch of each call signature: (autotuned config, split-K, scheduler, its
+# QuACK's resolved launch of each call signature: (chosen config, split-K, scheduler, its
 # dispatch plan). QuACK's eager gemm replays plain calls so, but takes its general path for every
 # varlen or gathered call (all of ours), at about three times a replay's host time (bench/launch.py).
 _PLANS: dict[tuple, tuple] = {}
@@ -345,15 +392,17 @@ def _no_kernel(a: torch.Tensor, *outs: torch.Tensor) -> bool:
 def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_m: torch.Tensor | None = None,
           cu_seqlens_k: torch.Tensor | None = None, a_idx: torch.Tensor | None = None) -> torch.Tensor:
     """out = a @ b per group: of rows (cu_seqlens_m; a's rows a[a_idx] where given) or of the
-    contraction (cu_seqlens_k). A signature's first call goes through QuACK's tuner (as its gemm
-    does), later calls replay the launch it resolved: the same kernel."""
+    contraction (cu_seqlens_k). A signature's first call chooses its config (_choose, with QuACK's
+    tuner of its gemm) and launches it; later calls replay that launch: the same kernel."""
     if _no_kernel(a, out):
         return out
     groups = dict(cu_seqlens_m=cu_seqlens_m, cu_seqlens_k=cu_seqlens_k, A_idx=a_idx)
     key = _signature(a, b, out, *groups.values())
     plan = _PLANS.get(key)
     if plan is None:
-        _PLANS[key] = q.gemm_tuned(a, b, out, None, **groups, **_SCHED)
+        run = functools.partial(q.gemm_tuned.fn, a, b, out, None, **groups, **_SCHED)
+        _PLANS[key] = run(config=_choose(q.gemm_tuned, lambda c: run(config=c), (a, b, out, None),
+                                         {**groups, **_SCHED}))
         return out
     config, split_k, dynamic, dispatch = plan
     q._gemm_execute(a, b, out, None, **groups, bias=None, alpha=1.0, beta=1.0, batch_idx_permute=None,
