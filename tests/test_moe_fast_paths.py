@@ -228,9 +228,8 @@ def _grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, a_idx):
 
 def _stand_in_quack(calls):
     """QuACK's interface as moe/quack.py calls it, each call computed in float64 and recorded in
-    calls: gemm_tuned / gemm_tuned.fn / _gemm_execute (a plain grouped GEMM: tuned, its config pinned,
-    or replayed) and gemm_dgated (its
-    config pinned, if any, recorded beside the call),
+    calls: gemm_tuned / gemm_tuned.fn / _gemm_execute (a plain grouped GEMM: tuned, its config
+    pinned, or replayed) and gemm_dgated (its config pinned, if any, recorded beside the call),
     whose epilogue, per QuACK's documentation, takes acc = A @ B per group and the preact's (gate,
     up) pairs and returns pack(dgate, dup) of SwiGLU's backward of acc * scale, the SwiGLU times
     scale, and the row sum of SwiGLU x acc."""
@@ -350,9 +349,9 @@ def test_quack_launch_tuned_once_per_signature_then_replayed(monkeypatch):
     """moe/quack.py's _gemm: the first call of a call signature (dtypes, shapes, strides) goes
     through QuACK's tuner and then launches the config chosen (here the tuner's pick: its stand-in
     times no configs), later calls of it replay that launch, whatever their values; a new shape is
-    tuned again; an empty contraction writes zeros and an empty output is
-    left alone, with no launch. A stand-in for QuACK's interface (_stand_in_quack) records each call
-    and computes it in float64: each result must equal the grouped product computed apart."""
+    tuned again; an empty contraction writes zeros and an empty output is left alone, with no launch.
+    A stand-in for QuACK's interface (_stand_in_quack) records each call and computes it in
+    float64: each result must equal the grouped product computed apart."""
     import titan_fold.moe.quack as qm
 
     monkeypatch.setattr(qm, "_PLANS", {})
