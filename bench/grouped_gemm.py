@@ -160,7 +160,7 @@ def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> tu
     """The six GEMMs of one layer's experts as moe/quack.py calls them, each a function of its
     own operands (module docstring): {up_fwd, up_dgrad, up_wgrad, down_fwd, down_dgrad, down_wgrad};
     and the four varlen-M ones (up_fwd, up_dgrad, down_fwd, down_dgrad) with the config QuACK's
-    frontends tune for them (moe/quack.py tunes them itself where the experts' rows are sparse)."""
+    frontends tune for them (moe/quack.py re-times its sweep's fastest: _choose)."""
     import titan_fold.moe.quack as qm
 
     q, R = qm.quack(), rows.shape[0]

@@ -453,9 +453,8 @@ def grouped_gemm_table(rec: dict) -> list[str]:
     the share of their roofline they reach, and the times of QuACK's path with the configs QuACK's
     frontends tune over its times with moe/quack.py's: the gathered up projection's, and the four
     varlen-M GEMMs' summed (records before that sum timed the up projection's alone); "stacked w13 /
-    ours" is from records
-    of the experts that held w1 and w3 apart (a stacked w13 timed beside them), n/a since the
-    experts hold w13."""
+    ours" is from records of the experts that held w1 and w3 apart (a stacked w13 timed beside
+    them), n/a since the experts hold w13."""
     fig = rec["figures"].get("grouped_gemm")
     if not fig:
         return []

@@ -393,19 +393,25 @@ def test_quack_config_chosen_from_the_sweeps_fastest_timed_in_turn(monkeypatch):
     own = {"a": 1.00, "b": 0.90, "c": 0.95, "d": 1.10, "e": 0.80, "f": 1.50}
     sweep = {"a": 0.70, "b": 0.75, "c": 0.80, "d": 0.85, "e": 0.90, "f": 0.95}
 
-    class Tuner:
+    timed = []
+
+    class Tuner:  # QuACK's autotuner: fn is the launch it tunes
         def __call__(self, *args, **kwargs):
             assert args == ("operand",) and kwargs == {"k": 1}
             self.configs_timings = {Config(n): [t, t, t] for n, t in reversed(sweep.items())}
             self.best_config = Config("a")
 
-    timed = []
+        @staticmethod
+        def fn(*args, config, **kwargs):
+            assert args == ("operand",) and kwargs == {"k": 1}
+            timed.append(config)
+
     monkeypatch.setattr(qm, "_time_ms", lambda fn: (fn(), own[timed[-1]] * (1 + 0.05 * len(timed)))[1])
     tuner = Tuner()
-    assert qm._choose(tuner, timed.append, ("operand",), {"k": 1}) == "b"
+    assert qm._choose(tuner, ("operand",), {"k": 1}) == "b"
     assert timed == ["a", "b", "c", "d"] * qm._ROUNDS
     tuner.__class__.__call__ = lambda self, *args, **kwargs: None  # the signature seen: no sweep
-    assert qm._choose(tuner, timed.append, ("operand",), {"k": 1}) == "a" and len(timed) == 4 * qm._ROUNDS
+    assert qm._choose(tuner, ("operand",), {"k": 1}) == "a" and len(timed) == 4 * qm._ROUNDS
 
 
 def test_quack_up_projection_without_a_kernel(monkeypatch):

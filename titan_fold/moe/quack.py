@@ -227,21 +227,22 @@ def _tuned(launch, epilogue: str, args: tuple, rows: torch.Tensor | None):
         device = args[0].device
         tuner = _tuner(launch, epilogue, rows is not None, torch.cuda.get_device_capability(device)[0]) \
             if device.type == "cuda" else None
-        _CONFIGS[key] = None if tuner is None else _choose(tuner, lambda c: launch(*args, config=c), args)
+        _CONFIGS[key] = None if tuner is None else _choose(tuner, args)
     return launch(*args, config=_CONFIGS[key])
 
 
-def _choose(tuner, run: Callable, args: tuple, kwargs: dict | None = None):
-    """The config run(config) takes least time with: tuner (QuACK's autotuner over run's configs)
-    sweeps its space on these operands (or reads QuACK's disk cache of an earlier sweep), then its
-    _TOP fastest are timed again in turn (_fastest). Where the tuner had this signature already
-    (no sweep now), its pick."""
+def _choose(tuner, args: tuple, kwargs: dict | None = None):
+    """The config tuner.fn(*args, **kwargs, config=...) takes least time with: tuner (QuACK's
+    autotuner of that launch) sweeps its space on these operands (or reads QuACK's disk cache of
+    an earlier sweep), then its _TOP fastest are timed again in turn (_fastest). Where the tuner
+    had this signature already (no sweep now), its pick."""
+    kwargs = kwargs or {}
     timings = getattr(tuner, "configs_timings", None)
-    tuner(*args, **(kwargs or {}))
+    tuner(*args, **kwargs)
     if getattr(tuner, "configs_timings", None) is timings:
         return tuner.best_config.kwargs["config"]
     ranked = sorted(tuner.configs_timings.items(), key=lambda item: item[1][0])[:_TOP]
-    return _fastest([c.kwargs["config"] for c, _ in ranked], run, _time_ms)
+    return _fastest([c.kwargs["config"] for c, _ in ranked], lambda c: tuner.fn(*args, **kwargs, config=c), _time_ms)
 
 
 def _fastest(candidates: list, run: Callable, time_ms: Callable) -> object:
@@ -400,9 +401,8 @@ def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_
     key = _signature(a, b, out, *groups.values())
     plan = _PLANS.get(key)
     if plan is None:
-        run = functools.partial(q.gemm_tuned.fn, a, b, out, None, **groups, **_SCHED)
-        _PLANS[key] = run(config=_choose(q.gemm_tuned, lambda c: run(config=c), (a, b, out, None),
-                                         {**groups, **_SCHED}))
+        args, kwargs = (a, b, out, None), {**groups, **_SCHED}
+        _PLANS[key] = q.gemm_tuned.fn(*args, **kwargs, config=_choose(q.gemm_tuned, args, kwargs))
         return out
     config, split_k, dynamic, dispatch = plan
     q._gemm_execute(a, b, out, None, **groups, bias=None, alpha=1.0, beta=1.0, batch_idx_permute=None,
