@@ -126,12 +126,13 @@ SUITES = {
          for balance, suffix in (("auxfree", ""), ("auxloss", "_auxloss"))]),
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone (torch's and QuACK's, rows per expert drawn and equal), the gradient norm, the fp32 master step, row movement, "
-        "the router's top-k and the grouping's sort, "
+        "the router's choice of k (aten's topk, a sort's head, argmax passes) and the grouping's sort, "
         "attention per SDPA backend, the host time per call of the eager path's generated kernels",
         # QuACK compiles and tunes its kernels for every width: the coarse shapes' take minutes on a fresh machine
         [Step("grouped_gemm", "grouped_gemm", ["--shapes", f"{FINE},{COARSE}", "--impl", "torch,quack"], 900), Step("grad_norm", "grad_norm", [], 90),
          Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60),
-         Step("routing", "routing", [], 120),
+         # three shapes, each eager, compiled and with the token count dynamic: about 30 compilations
+         Step("routing", "routing", [], 360),
          Step("attention", "attention", [], 120), Step("launch", "launch", [], 120)]),
     "2gpu": Suite(
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "

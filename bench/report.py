@@ -494,17 +494,20 @@ def row_movement_table(rec: dict) -> list[str]:
 
 
 def routing_table(rec: dict) -> list[str]:
-    """bench/routing.py: the router's top-k against a sort's head, the grouping's sort per key width (us)."""
+    """bench/routing.py: the router's choice of k (aten's topk, a sort's head, k argmax passes), the
+    grouping's sort per key width (us)."""
     fig = rec["figures"].get("routing")
     if not fig:
         return []
     widths = ("int64", "int32", "int16", "uint8")
-    out = ["| shape | experts | mode | topk | sort's head | " + " | ".join(f"sort of {w} keys" for w in widths)
-           + " | group_by |", "|---|---:|---|---:|---:|" + "---:|" * len(widths) + "---:|"]
+    keys = ["choice_topk_us", "choice_sort_head_us", "choice_argmax_us",
+            *(f"grouping_sort_{w}_us" for w in widths), "group_by_us"]
+    out = ["| shape | experts | mode | topk | sort's head | k argmax passes | "
+           + " | ".join(f"sort of {w} keys" for w in widths) + " | group_by |",
+           "|---|---:|---|" + "---:|" * len(keys)]
     for r in fig["rows"]:
-        sorts = " | ".join(_f(r.get(f"grouping_sort_{w}_us")) if f"grouping_sort_{w}_us" in r else "-" for w in widths)
-        out.append(f"| {r['shape']} | {r['experts']} | {_mode(r['compiled'])} | {_f(r['choice_topk_us'])} | "
-                   f"{_f(r['choice_sort_head_us'])} | {sorts} | {_f(r['group_by_us'])} |")
+        cells = " | ".join(_f(r[key]) if key in r else "-" for key in keys)
+        out.append(f"| {r['shape']} | {r['experts']} | {_mode(r['compiled'])} | {cells} |")
     return out
 
 
@@ -568,7 +571,7 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
           ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
                                                                row_movement_table),
-          ("Routing: the router's top-k and the grouping's sort (us)", routing_table),
+          ("Routing: the router's choice of k and the grouping's sort (us)", routing_table),
           ("Gradient norm and the optimizer step", streams_table),
           ("Attention forward + backward per SDPA backend", attention_table),
           ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table))

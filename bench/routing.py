@@ -3,12 +3,13 @@
     python bench/routing.py                      # GPU, the benchmark shapes
     python bench/routing.py --smoke              # CPU, tiny shape, eager only
 
-Per shape (tokens per rank, experts, top-k), eager and compiled, each call captured in a CUDA
-graph and its replays timed side by side with CUDA events (median after warm-up):
-  choice     the k best experts of each token's scores [T, E] float32: topk (what moe/router.py's
-             route runs) against the head of a stable descending sort; the same scores chosen are
-             checked. Compiled with static widths the sort's head is a generated kernel; route
-             compiles with dynamic widths (any number of tokens), where it is aten's sort
+Per shape (tokens per rank, experts, top-k), eager, compiled with static widths and compiled with
+the token count dynamic (how moe/router.py compiles route in eager mode: any number of tokens, the
+expert count static), each call captured in a CUDA graph and its replays timed side by side with
+CUDA events (median after warm-up):
+  choice     the k best experts of each token's scores [T, E] float32: aten's topk, the head of a
+             stable descending sort, and k argmax passes each masking its pick (route's
+             top_k_indices); the same columns chosen are checked
   grouping   the T * k assignments' expert ids sorted stably (dispatcher.group_by's sort) as
              int64, int32, int16 and uint8 keys (a radix sort takes a pass per key byte; the
              same order is checked), and group_by itself
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import graph_of, median, script_parser, time_ms, write_result  # noqa: E402
 from titan_fold.moe.dispatcher import group_by  # noqa: E402
+from titan_fold.moe.router import top_k_indices  # noqa: E402
 
 SHAPES = {  # tokens per rank, experts, top-k
     "qwen2_57b_a14b": (8192, 64, 8),
@@ -41,6 +43,10 @@ def _sort_head(scores, k):
     return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
 
 
+CHOICES = {"topk": _topk, "sort_head": _sort_head, "argmax": top_k_indices}
+MODES = (False, True, "dynamic tokens")  # eager, compiled with static widths, the token count dynamic
+
+
 def _timed_us(fn, device, warmup, iters) -> float:
     """Median us of fn; on CUDA each call captured once in a CUDA graph and its replays timed, so a
     compiled function's host work (guards) does not hide kernels of tens of microseconds."""
@@ -49,21 +55,25 @@ def _timed_us(fn, device, warmup, iters) -> float:
     return 1e3 * median(time_ms(fn, warmup, iters, device))
 
 
-def bench_shape(name, device, compiled: bool, warmup, iters) -> dict:
+def bench_shape(name, device, compiled, warmup, iters) -> dict:
     T, E, k = SHAPES[name]
     gen = torch.Generator(device=device).manual_seed(0)
-    scores = torch.rand(T, E, device=device, generator=gen)
+    # each row a permutation of E distinct scores in [0, 1): one right choice of k
+    scores = torch.rand(T, E, device=device, generator=gen).argsort(dim=-1).float() / E
     row = {"shape": name, "tokens": T, "experts": E, "top_k": k, "compiled": compiled}
     # each shape compiles for its own widths, as a trainer (one model) does: kept from an earlier
-    # shape the functions would be recompiled with dynamic widths (a generated sort needs static ones)
+    # shape the functions would be recompiled with dynamic widths
     torch._dynamo.reset()
+    if compiled == "dynamic tokens":
+        torch._dynamo.maybe_mark_dynamic(scores, 0)
     wrap = torch.compile if compiled else (lambda fn: fn)
-    topk, sort_head = wrap(_topk), wrap(_sort_head)
-    # the same k scores in the same order (which of two tied experts is taken may differ)
-    chosen = [scores.gather(-1, fn(scores, k)) for fn in (topk, sort_head)]
-    assert torch.equal(*chosen), "topk and the sort's head chose differently"
-    row["choice_topk_us"] = _timed_us(lambda: topk(scores, k), device, warmup, iters)
-    row["choice_sort_head_us"] = _timed_us(lambda: sort_head(scores, k), device, warmup, iters)
+    want = _topk(scores, k)
+    for choice, fn in CHOICES.items():
+        fn = wrap(fn)
+        assert torch.equal(fn(scores, k), want), f"{choice} chose other experts than topk"
+        row[f"choice_{choice}_us"] = _timed_us(lambda fn=fn: fn(scores, k), device, warmup, iters)
+    if compiled == "dynamic tokens":  # the grouping is compiled with the layer, static widths
+        return row
     key = _sort_head(scores, k).flatten()  # [T * k] expert ids
     order = torch.sort(key, stable=True).indices
     for dtype in KEYS:
@@ -87,7 +97,7 @@ def main(argv=None) -> dict:
         device, shapes, modes = torch.device("cpu"), ["tiny"], [False]
         a.warmup, a.iters = 1, 2
     else:
-        device, shapes, modes = torch.device("cuda"), a.shapes.split(","), [False, True]
+        device, shapes, modes = torch.device("cuda"), a.shapes.split(","), MODES
     rows = []
     for name in shapes:
         for compiled in modes:

@@ -130,9 +130,10 @@ def test_moe_layer_smoke(tmp_path):
 
 
 def test_routing_smoke(tmp_path):
-    # topk and the sort's head chose alike, and every key width sorted alike (checked inside)
+    # topk, the sort's head and the argmax passes chose alike, and every key width sorted alike (checked inside)
     (row,) = routing.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
-    assert {"choice_topk_us", "choice_sort_head_us", "grouping_sort_uint8_us", "group_by_us"} <= set(row)
+    assert {"choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouping_sort_uint8_us",
+            "group_by_us"} <= set(row)
     assert json.load(open(tmp_path / "routing.json"))["figures"]["rows"][0]["experts"] == 8
     # the report's table: a header, its rule and the one row, every key width timed
     lines = report.routing_table({"figures": {"routing": {"rows": [row]}}})

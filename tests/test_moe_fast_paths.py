@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from titan_fold.moe import MoE, MoEArgs
 from titan_fold.moe.quack import quack_problem, use_quack
-from titan_fold.moe.router import Router, route, route_whole
+from titan_fold.moe.router import Router, route, route_whole, top_k_indices
 
 GPU_QUACK = quack_problem() is None
 
@@ -79,6 +79,25 @@ def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, n
     grad = torch.autograd.grad((got.probs * upstream).sum() + got.loss, router.gate.weight)[0]
     grad_ref = torch.autograd.grad((want[0] * upstream).sum() + want[2], router.gate.weight)[0]
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_top_k_indices_is_topk_the_lower_column_first_among_equals(compiled):
+    """route's k argmax passes, eager and compiled as on a GPU (the token count dynamic): each row's
+    k largest, largest first, as a stable descending sort's head, so among equal scores the lower
+    column first; aten's topk where a row's scores are distinct; rows with -inf (the experts
+    outside a token's groups) still get k finite ones."""
+    torch.manual_seed(0)
+    fn = torch.compile(top_k_indices) if compiled else top_k_indices
+    distinct = torch.rand(300, 64).argsort(-1).float()  # each row a permutation of 0..63
+    tied = torch.randint(0, 6, (300, 64)).float()
+    grouped = distinct.masked_fill(distinct < 40, float("-inf"))  # 24 finite a row
+    for scores in (distinct, tied, grouped):
+        torch._dynamo.maybe_mark_dynamic(scores, 0)
+        want = scores.sort(dim=-1, descending=True, stable=True).indices[:, :8]
+        assert torch.equal(fn(scores, 8), want)
+        assert torch.equal(fn(scores[:77], 8), want[:77])  # another token count, no recompile needed
+    assert torch.equal(fn(distinct, 8), distinct.topk(8, -1).indices)
 
 
 def test_route_is_one_graph():

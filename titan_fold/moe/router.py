@@ -48,7 +48,7 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     choice = scores + expert_bias.to(scores.dtype) if args.load_balance == "aux_free" else scores
     if args.num_groups > 1:
         choice = limit_to_groups(choice, args.num_groups, args.group_topk)
-    experts = choice.topk(k, dim=-1).indices  # [T, k]
+    experts = top_k_indices(choice, k)  # [T, k]
     probs = scores.gather(-1, experts)  # [T, k]
     if args.norm_topk_prob:
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -62,6 +62,21 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     counts = counts.scatter_add(1, per_seq, torch.ones_like(per_seq, dtype=scores.dtype))  # [b, E]
     z = torch.logsumexp(logits, dim=-1).square().sum() if args.z_loss_coeff > 0 else None
     return probs, experts, score_sums, counts, z
+
+
+def top_k_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
+    """choice [T, E] -> [T, k] int64: the columns of each row's k largest entries, largest first,
+    the lower column first among equal ones. k argmax passes, each masking its pick: where the
+    expert width is static, torch.compile generates them as one kernel that holds each row in
+    registers, where aten's topk runs a radix select per row and then sorts the k it kept
+    (bench/routing.py)."""
+    columns = torch.arange(choice.shape[-1], device=choice.device)
+    picks = []
+    for _ in range(k):
+        pick = choice.argmax(dim=-1, keepdim=True)  # [T, 1]
+        picks.append(pick)
+        choice = choice.masked_fill(columns == pick, float("-inf"))
+    return torch.cat(picks, dim=-1)
 
 
 def losses(score_sums: torch.Tensor, counts: torch.Tensor, z: torch.Tensor | None, seq_len: int, args: MoEArgs,
@@ -100,13 +115,21 @@ _COMPILED = {}
 
 def _compiled_on(device: torch.device, fn):
     """fn (route or route_whole) itself on the CPU and inside an enclosing torch.compile; compiled
-    once on CUDA (differentiable: the aux losses' gradient reaches the scores), any number of
-    tokens. In eager mode one compiled call costs the host less than the dozens of small ops it
-    replaces, which the layer's launches wait on."""
+    once on CUDA (differentiable: the aux losses' gradient reaches the scores) for any number of
+    tokens and the model's expert count: only the logits' token dimension is dynamic, so the
+    per-token reductions over the experts (softmax, the top-k's argmax passes) are generated for
+    their static width. In eager mode one compiled call costs the host less than the dozens of
+    small ops it replaces, which the layer's launches wait on."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        compiled = torch.compile(fn)
+
+        def call(logits, *args):
+            torch._dynamo.maybe_mark_dynamic(logits, 0)
+            return compiled(logits, *args)
+
+        _COMPILED[fn] = call
     return _COMPILED[fn]
 
 
