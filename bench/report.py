@@ -1,7 +1,8 @@
 """docs/benchmarks.md's tables from the suite results: `python -m bench.report`.
 
 Reads bench/results/<suite>_<gpu>_<date>[_<HHMM>].json (written by `python -m bench SUITE`) and
-prints, per suite and machine, the tables of each file holding the latest figures of some step,
+prints the fine-grained MoE goals (GOALS) with the latest and the best recorded figure of each on
+each GPU, then, per suite and machine, the tables of each file holding the latest figures of some step,
 and where the suite ran twice there, the latest run's figures beside the run before's (each within
 3% or not); after the loss-curve suite's records, every recorded run of each of its steps pooled
 over records and machines. `--write` puts them into docs/benchmarks.md between its two REPORT markers.
@@ -565,6 +566,84 @@ def collectives_table(rec: dict) -> list[str]:
     return out
 
 
+def _proxy_mfu(case: str):
+    """The Qwen3-30B-A3B proxy's MFU % in case, from a trainer or vs-torchtitan record."""
+    def value(rec):
+        fig = rec["figures"].get("qwen3_30b_a3b_l12") or {}
+        return next((r["mfu_pct"] for r in fig.get("rows", []) if r.get("case") == case and r.get("mfu_pct")), None)
+    return value
+
+
+def _over_torchtitan(case: str):
+    """titan_fold's tokens/s over torchtitan 0.2.2's on the Qwen3-30B-A3B proxy in case, one record."""
+    def value(rec):
+        fig = rec["figures"].get("torchtitan_qwen3_30b_a3b_l12") or {}
+        return next((r["ratio_titan_fold_over_torchtitan"] for r in fig.get("rows", [])
+                     if r.get("case") == case and r.get("ratio_titan_fold_over_torchtitan")), None)
+    return value
+
+
+def _layer_rows(rec: dict, shape: str) -> list[dict]:
+    # one GPU's dropless layer rows at shape, the code before's (<step>@base) left out
+    return [r for name, fig in _steps(rec, "layer") if not name.endswith("@base") for r in fig["rows"]
+            if r["shape"] == shape and r["mode"] == "dropless" and r["dispatch"] == "none" and "median_ms" in r]
+
+
+def _layer_share(shape: str):
+    """The MoE layer's best share of the dense GEMM burst at shape with QuACK's GEMMs, over the
+    modes (eager, compiled, captured) of one record."""
+    def value(rec):
+        return max((r["ratio_to_dense_gemm"] for r in _layer_rows(rec, shape)
+                    if r["impl"] == "titan_fold_quack" and r.get("ratio_to_dense_gemm")), default=None)
+    return value
+
+
+def _quack_not_slower(shape: str):
+    """The layer's time with torch's grouped GEMMs over its time with QuACK's at shape, the least
+    over the modes of one record both ran in (the same step)."""
+    def value(rec):
+        times = {(r["impl"], str(r["compiled"])): r["median_ms"] for r in _layer_rows(rec, shape)}
+        return min((times[("titan_fold", mode)] / ms for (impl, mode), ms in times.items()
+                    if impl == "titan_fold_quack" and ("titan_fold", mode) in times), default=None)
+    return value
+
+
+# What the fine-grained MoE work aims for on one H100 and one H200: (goal, suites whose records
+# hold its figure, the figure of a record or None, the least value that meets it)
+PROXY_CASES = (("eager", "1gpu_bf16params_auxfree", 30), ("compiled", "1gpu_bf16params_auxfree_compiled", 35))
+GOALS = (
+    *((f"Qwen3-30B-A3B proxy, {mode}: MFU %", ("trainer", "vs-torchtitan"), _proxy_mfu(case), least)
+      for mode, case, least in PROXY_CASES),
+    *((f"Qwen3-30B-A3B proxy, {mode}: tokens/s over torchtitan 0.2.2's", ("vs-torchtitan",), _over_torchtitan(case),
+       1.6) for mode, case, _ in PROXY_CASES),
+    *((f"MoE layer at {name} shapes, QuACK's GEMMs, best mode: share of dense", ("layer",), _layer_share(shape), least)
+      for name, shape, least in (("Qwen3-30B-A3B", "qwen3_30b_a3b", 0.60), ("G8T8", "mixtral_8x22b_g8t8", 0.75))),
+    *((f"MoE layer at {name} shapes: time with torch's GEMMs over QuACK's", ("layer",), _quack_not_slower(shape), 0.99)
+      for name, shape in (("Qwen2-57B-A14B", "qwen2_57b_a14b"), ("Mixtral-8x22B", "mixtral_8x22b"))),
+)
+
+
+def goals_table(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Each goal on each kind of one-GPU machine: its figure in the latest record holding it and
+    the best recorded (either may come from older code: the record's date says which run), and
+    whether each meets the goal."""
+    out = ["| goal | at least | GPU | latest | run | met | best | run | met |", "|---|---:|---|---:|---|---|---:|---|---|"]
+    for goal, suites, value, least in GOALS:
+        devices = sorted({device for (suite, device, count) in groups if suite in suites and count == 1})
+        for device in devices:
+            found = sorted(((rec["date_utc"], v) for (suite, d, count), recs in groups.items()
+                            if suite in suites and d == device and count == 1
+                            for rec in recs if (v := value(rec)) is not None), reverse=True)
+            if not found:
+                continue
+            (latest_at, latest), (best_at, best) = found[0], max(found, key=lambda item: item[1])
+            digits = 1 if least >= 10 else 3
+            out.append(f"| {goal} | {_f(least, digits)} | {device} | {_f(latest, digits)} | {latest_at[:16]} | "
+                       f"{'yes' if latest >= least else 'no'} | {_f(best, digits)} | {best_at[:16]} | "
+                       f"{'yes' if best >= least else 'no'} |")
+    return out if len(out) > 2 else []
+
+
 TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
           ("Trainer", train_table), ("Trainer, one profiled step: GPU time by kernel class (ms)", train_breakdown_table),
           ("Trainer step phases, medians per step (metrics.step_phases)", train_phases_table),
@@ -580,6 +659,9 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
 def report(results: str = RESULTS) -> str:
     text = []
     groups = records(results)
+    goals = goals_table(groups)
+    if goals:
+        text += ["### Fine-grained MoE goals: the latest and the best recorded figure on each GPU", ""] + goals + [""]
     loss_curves = [key for key in groups if key[0] == "loss-curve"]
     for key, recs in groups.items():
         for rec in _shown(recs):

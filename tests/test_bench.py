@@ -399,6 +399,51 @@ def test_report_tables(tmp_path):
     assert "Command: `python -m bench layer`" in text
 
 
+def test_report_goals_latest_and_best_per_gpu(tmp_path):
+    """Each goal's figure on each kind of one-GPU machine: the latest record's and the best recorded,
+    each against the goal; the code before (<step>@base) and rows of other shapes, GEMM paths or
+    machines left out."""
+    def train(case, mfu):
+        return {"case": case, "mfu_pct": mfu}
+
+    eager, compiled = "1gpu_bf16params_auxfree", "1gpu_bf16params_auxfree_compiled"
+    _suite_file(tmp_path, "trainer", {"qwen3_30b_a3b_l12": {"rows": [train(eager, 31.0), train(compiled, 36.1)]},
+                                      "qwen3_30b_a3b_l12@base": {"rows": [train(compiled, 40.0)]}},
+                date="2026-11-24T10:00:00Z")
+    theirs = [dict(train(eager, 22.0), ratio_titan_fold_over_torchtitan=1.84),
+              dict(train(compiled, 24.0), ratio_titan_fold_over_torchtitan=1.5)]
+    _suite_file(tmp_path, "vs-torchtitan", {"qwen3_30b_a3b_l12": {"rows": [train(eager, 33.3), train(compiled, 34.4)]},
+                                            "torchtitan_qwen3_30b_a3b_l12": {"titan_fold_proxy": "30B-A3B-L12",
+                                                                             "rows": theirs}},
+                date="2026-11-25T10:00:00Z")
+
+    def layer(impl, shape, mode, ms, share):
+        return {"impl": impl, "shape": shape, "mode": "dropless", "dispatch": "none", "compiled": mode,
+                "median_ms": ms, "ratio_to_dense_gemm": share}
+
+    rows = [layer("titan_fold_quack", "qwen3_30b_a3b", False, 4.6, 0.52),
+            layer("titan_fold_quack", "qwen3_30b_a3b", "graph", 4.1, 0.58),
+            layer("titan_fold", "qwen3_30b_a3b", "graph", 4.7, 0.61),  # torch's GEMMs: not the goal's
+            layer("titan_fold_quack", "qwen2_57b_a14b", False, 9.9, 0.8), layer("titan_fold", "qwen2_57b_a14b", False, 10.0, 0.79),
+            layer("titan_fold_quack", "qwen2_57b_a14b", True, 10.2, 0.78), layer("titan_fold", "qwen2_57b_a14b", True, 10.0, 0.79)]
+    _suite_file(tmp_path, "layer", {"layer_fine": {"rows": rows},
+                                    "layer_fine@base": {"rows": [layer("titan_fold_quack", "qwen3_30b_a3b", "graph", 3.0, 0.7)]}},
+                device="NVIDIA H200")
+    lines = report.goals_table(report.records(str(tmp_path)))
+    assert lines[0] == "| goal | at least | GPU | latest | run | met | best | run | met |"
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert f"| Qwen3-30B-A3B proxy, eager: MFU % | 30.0 | {h100} | 33.3 | 2026-11-25T10:00 | yes | 33.3 | 2026-11-25T10:00 | yes |" in lines
+    assert f"| Qwen3-30B-A3B proxy, compiled: MFU % | 35.0 | {h100} | 34.4 | 2026-11-25T10:00 | no | 36.1 | 2026-11-24T10:00 | yes |" in lines
+    assert (f"| Qwen3-30B-A3B proxy, compiled: tokens/s over torchtitan 0.2.2's | 1.600 | {h100} | 1.500 | 2026-11-25T10:00 | "
+            "no | 1.500 | 2026-11-25T10:00 | no |") in lines
+    assert ("| MoE layer at Qwen3-30B-A3B shapes, QuACK's GEMMs, best mode: share of dense | 0.600 | NVIDIA H200 | 0.580 | "
+            "2026-11-25T10:00 | no | 0.580 | 2026-11-25T10:00 | no |") in lines
+    # eager 10.0 / 9.9 ms, compiled 10.0 / 10.2: the slower mode's ratio
+    assert ("| MoE layer at Qwen2-57B-A14B shapes: time with torch's GEMMs over QuACK's | 0.990 | NVIDIA H200 | 0.980 | "
+            "2026-11-25T10:00 | no |") in "\n".join(lines)
+    assert len(lines) == 2 + 6  # two MFU goals and two torchtitan ones on the H100, two layer goals on the H200
+
+
 def test_layer_breakdown_table_shows_eager_and_captured_steps():
     """A profiled eager step and a profiled graph replay, each with its mode; the GPU's idle time
     between kernels where recorded (n/a in records made before it was)."""
