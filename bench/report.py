@@ -629,14 +629,12 @@ def goals_table(groups: dict[tuple, list[dict]]) -> list[str]:
     whether each meets the goal."""
     out = ["| goal | at least | GPU | latest | run | met | best | run | met |", "|---|---:|---|---:|---|---|---:|---|---|"]
     for goal, suites, value, least in GOALS:
-        devices = sorted({device for (suite, device, count) in groups if suite in suites and count == 1})
-        for device in devices:
-            found = sorted(((rec["date_utc"], v) for (suite, d, count), recs in groups.items()
-                            if suite in suites and d == device and count == 1
-                            for rec in recs if (v := value(rec)) is not None), reverse=True)
-            if not found:
-                continue
-            (latest_at, latest), (best_at, best) = found[0], max(found, key=lambda item: item[1])
+        found = {}  # device -> (date, figure) of each record holding the goal's figure
+        for (suite, device, count), recs in groups.items():
+            if suite in suites and count == 1:
+                found.setdefault(device, []).extend((rec["date_utc"], v) for rec in recs if (v := value(rec)) is not None)
+        for device, runs in sorted((d, runs) for d, runs in found.items() if runs):
+            (latest_at, latest), (best_at, best) = max(runs), max(runs, key=lambda run: run[1])
             digits = 1 if least >= 10 else 3
             out.append(f"| {goal} | {_f(least, digits)} | {device} | {_f(latest, digits)} | {latest_at[:16]} | "
                        f"{'yes' if latest >= least else 'no'} | {_f(best, digits)} | {best_at[:16]} | "
