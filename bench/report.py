@@ -495,20 +495,30 @@ def row_movement_table(rec: dict) -> list[str]:
 
 
 def routing_table(rec: dict) -> list[str]:
-    """bench/routing.py: the router's choice of k (aten's topk, a sort's head, k argmax passes), the
-    grouping's sort per key width (us)."""
+    """bench/routing.py: the router's choice of k (aten's topk, a sort's head, k argmax passes; where
+    the shape's model limits the choice to groups, that choice with topk and with argmax passes),
+    the grouping's sort per key width (us); then route_whole as the router runs it: the kernels of
+    its forward and of its backward, and a forward + backward's us."""
     fig = rec["figures"].get("routing")
     if not fig:
         return []
     widths = ("int64", "int32", "int16", "uint8")
-    keys = ["choice_topk_us", "choice_sort_head_us", "choice_argmax_us",
-            *(f"grouping_sort_{w}_us" for w in widths), "group_by_us"]
-    out = ["| shape | experts | mode | topk | sort's head | k argmax passes | "
-           + " | ".join(f"sort of {w} keys" for w in widths) + " | group_by |",
+    keys = ["choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouped_choice_topk_us",
+            "grouped_choice_argmax_us", *(f"grouping_sort_{w}_us" for w in widths), "group_by_us"]
+    out = ["| shape | experts | mode | topk | sort's head | k argmax passes | group-limited, topk | "
+           "group-limited, argmax passes | " + " | ".join(f"sort of {w} keys" for w in widths) + " | group_by |",
            "|---|---:|---|" + "---:|" * len(keys)]
     for r in fig["rows"]:
         cells = " | ".join(_f(r[key]) if key in r else "-" for key in keys)
         out.append(f"| {r['shape']} | {r['experts']} | {_mode(r['compiled'])} | {cells} |")
+    if fig.get("routes"):
+        out += ["", "| shape | route's settings | forward kernels | backward kernels | forward + backward us |",
+                "|---|---|---:|---:|---:|"]
+        for r in fig["routes"]:
+            settings = ", ".join(f"{k} {v}" for k, v in r["route"].items()) or "softmax"
+            counts = " | ".join(str(len(r[f"route_{way}_kernels"])) if f"route_{way}_kernels" in r else "-"
+                                for way in ("forward", "backward"))
+            out.append(f"| {r['shape']} | {settings} | {counts} | {_f(r['route_us'])} |")
     return out
 
 

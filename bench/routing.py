@@ -9,10 +9,16 @@ expert count static), each call captured in a CUDA graph and its replays timed s
 CUDA events (median after warm-up):
   choice     the k best experts of each token's scores [T, E] float32: aten's topk, the head of a
              stable descending sort, and k argmax passes each masking its pick (route's
-             top_k_indices); the same columns chosen are checked
+             top_k_indices); the same columns chosen are checked. At DeepSeek-V3's shape also
+             the group-limited choice (its 8 groups, the best 4 kept: limit_to_groups, then the k
+             best) with aten's topk and with the argmax passes making all three choices
   grouping   the T * k assignments' expert ids sorted stably (dispatcher.group_by's sort) as
              int64, int32, int16 and uint8 keys (a radix sort takes a pass per key byte; the
              same order is checked), and group_by itself
+And once per shape, route_whole as Router.forward runs it (on CUDA compiled with the token count
+dynamic, moe/router.py's _compiled_on) with the shape's model's routing (ROUTERS, aux-free
+balancing): the kernels its forward and its backward launch, and a forward + backward's time
+(uncaptured, as eager mode runs it).
 """
 
 import os
@@ -23,8 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import graph_of, median, script_parser, time_ms, write_result  # noqa: E402
+from titan_fold.moe.args import MoEArgs  # noqa: E402
 from titan_fold.moe.dispatcher import group_by  # noqa: E402
-from titan_fold.moe.router import top_k_indices  # noqa: E402
+from titan_fold.moe.router import _compiled_on, limit_to_groups, route_whole, top_k_indices  # noqa: E402
 
 SHAPES = {  # tokens per rank, experts, top-k
     "qwen2_57b_a14b": (8192, 64, 8),
@@ -33,6 +40,14 @@ SHAPES = {  # tokens per rank, experts, top-k
     "tiny": (256, 8, 2),
 }
 KEYS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+GROUPS = {"deepseek_v3": (8, 4), "tiny": (4, 2)}  # groups, groups kept
+ROUTERS = {  # route's settings of each shape's model, beside MoEArgs' defaults (softmax scores)
+    "qwen2_57b_a14b": {},
+    "qwen3_30b_a3b": {"norm_topk_prob": True},
+    "deepseek_v3": {"score_func": "sigmoid", "norm_topk_prob": True, "num_groups": 8, "group_topk": 4,
+                    "routed_scaling_factor": 2.5},
+    "tiny": {"score_func": "sigmoid", "num_groups": 4, "group_topk": 2},
+}
 
 
 def _topk(scores, k):
@@ -44,6 +59,7 @@ def _sort_head(scores, k):
 
 
 CHOICES = {"topk": _topk, "sort_head": _sort_head, "argmax": top_k_indices}
+GROUPED_CHOICES = ("topk", "argmax")
 MODES = (False, True, "dynamic tokens")  # eager, compiled with static widths, the token count dynamic
 
 
@@ -72,6 +88,20 @@ def bench_shape(name, device, compiled, warmup, iters) -> dict:
         fn = wrap(fn)
         assert torch.equal(fn(scores, k), want), f"{choice} chose other experts than topk"
         row[f"choice_{choice}_us"] = _timed_us(lambda fn=fn: fn(scores, k), device, warmup, iters)
+    if name in GROUPS:
+        groups, kept = GROUPS[name]
+        # sums of two scores can tie where the scores are multiples of 1 / E: drawn in [0, 1) instead
+        drawn = torch.rand(T, E, device=device, generator=gen)
+        if compiled == "dynamic tokens":
+            torch._dynamo.maybe_mark_dynamic(drawn, 0)
+        want = None
+        for choice in GROUPED_CHOICES:
+            pick = CHOICES[choice]
+            fn = wrap(lambda s, pick=pick: pick(limit_to_groups(s, groups, kept, pick), k))
+            got = fn(drawn)
+            want = got if want is None else want
+            assert torch.equal(got, want), f"the group-limited {choice} chose other experts than topk"
+            row[f"grouped_choice_{choice}_us"] = _timed_us(lambda fn=fn: fn(drawn), device, warmup, iters)
     if compiled == "dynamic tokens":  # the grouping is compiled with the layer, static widths
         return row
     key = _sort_head(scores, k).flatten()  # [T * k] expert ids
@@ -89,6 +119,41 @@ def bench_shape(name, device, compiled, warmup, iters) -> dict:
     return row
 
 
+def bench_route(name, device, warmup, iters) -> dict:
+    T, E, k = SHAPES[name]
+    args = MoEArgs(num_experts=E, top_k=k, load_balance="aux_free", **ROUTERS[name])
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(T, E, device=device, generator=gen, requires_grad=True)
+    bias, upstream = torch.zeros(E, device=device), torch.randn(T, k, device=device, generator=gen)
+    torch._dynamo.reset()
+    fn = _compiled_on(device, route_whole)
+
+    def forward():
+        return fn(logits, bias, T // 2, args, 1.0)[0]  # probs [T, k]: two sequences
+
+    for _ in range(3):  # compiled and warm
+        forward().backward(upstream)
+    row = {"shape": name, "tokens": T, "experts": E, "top_k": k, "route": ROUTERS[name]}
+    if device.type == "cuda":
+        probs, row["route_forward_kernels"] = _kernels(forward, device)
+        _, row["route_backward_kernels"] = _kernels(lambda: probs.backward(upstream), device)
+    # not captured: in eager mode the router runs so, its guards' host time included
+    row["route_us"] = 1e3 * median(time_ms(lambda: forward().backward(upstream), warmup, iters, device))
+    return row
+
+
+def _kernels(fn, device) -> tuple:
+    """(fn(), the names of the CUDA kernels it launched, in order)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize(device)
+    return out, [evt.name[:120] for evt in prof.events() if evt.device_type == DeviceType.CUDA]
+
+
 def main(argv=None) -> dict:
     p = script_parser(__doc__, "routing", 10, 100, "CPU, tiny shape, eager only", device=False)
     p.add_argument("--shapes", default="qwen2_57b_a14b,qwen3_30b_a3b,deepseek_v3")
@@ -98,13 +163,15 @@ def main(argv=None) -> dict:
         a.warmup, a.iters = 1, 2
     else:
         device, shapes, modes = torch.device("cuda"), a.shapes.split(","), MODES
-    rows = []
+    rows, routes = [], []
     for name in shapes:
         for compiled in modes:
             rows.append(bench_shape(name, device, compiled, a.warmup, a.iters))
             print("[routing]", rows[-1], flush=True)
-    print("wrote", write_result(a.name, {"rows": rows}, out_dir=a.out_dir))
-    return {"rows": rows}
+        routes.append(bench_route(name, device, a.warmup, a.iters))
+        print("[routing]", routes[-1], flush=True)
+    print("wrote", write_result(a.name, {"rows": rows, "routes": routes}, out_dir=a.out_dir))
+    return {"rows": rows, "routes": routes}
 
 
 if __name__ == "__main__":

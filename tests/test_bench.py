@@ -131,13 +131,18 @@ def test_moe_layer_smoke(tmp_path):
 
 def test_routing_smoke(tmp_path):
     # topk, the sort's head and the argmax passes chose alike, and every key width sorted alike (checked inside)
-    (row,) = routing.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
-    assert {"choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouping_sort_uint8_us",
-            "group_by_us"} <= set(row)
+    # (the group-limited ways too: the tiny shape has groups), and route_whole ran forward and backward
+    figures = routing.main(["--smoke", "--out-dir", str(tmp_path)])
+    (row,), (route,) = figures["rows"], figures["routes"]
+    assert {"choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouped_choice_topk_us",
+            "grouped_choice_argmax_us", "grouping_sort_uint8_us", "group_by_us"} <= set(row)
+    assert route["route_us"] > 0 and route["route"]["num_groups"] == 4
     assert json.load(open(tmp_path / "routing.json"))["figures"]["rows"][0]["experts"] == 8
-    # the report's table: a header, its rule and the one row, every key width timed
-    lines = report.routing_table({"figures": {"routing": {"rows": [row]}}})
-    assert len(lines) == 3 and lines[2].startswith("| tiny | 8 | eager |") and " - " not in lines[2]
+    # the report's tables: a header, its rule and the one row, every key width timed; then the route
+    # (no kernels counted on the CPU)
+    lines = report.routing_table({"figures": {"routing": figures}})
+    assert len(lines) == 7 and lines[2].startswith("| tiny | 8 | eager |") and " - " not in lines[2]
+    assert lines[6].startswith("| tiny | score_func sigmoid, num_groups 4, group_topk 2 | - | - |")
 
 
 def test_row_movement_smoke(tmp_path):

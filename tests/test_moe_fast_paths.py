@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from titan_fold.moe import MoE, MoEArgs
 from titan_fold.moe.quack import quack_problem, use_quack
-from titan_fold.moe.router import Router, route, route_whole, top_k_indices
+from titan_fold.moe.router import Router, limit_to_groups, route, route_whole, top_k_indices
 
 GPU_QUACK = quack_problem() is None
 
@@ -98,6 +98,24 @@ def test_top_k_indices_is_topk_the_lower_column_first_among_equals(compiled):
         assert torch.equal(fn(scores, 8), want)
         assert torch.equal(fn(scores[:77], 8), want[:77])  # another token count, no recompile needed
     assert torch.equal(fn(distinct, 8), distinct.topk(8, -1).indices)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_limit_to_groups_keeps_the_best_groups_the_lower_first_among_equals(compiled):
+    """limit_to_groups, eager and compiled as on a GPU (the token count dynamic): each token keeps
+    the experts of the group_topk groups whose two best scores sum highest, the lower group first
+    among equal sums, and -inf elsewhere, as a per-token loop over sorted lists written out here,
+    on distinct scores and on scores with many ties."""
+    torch.manual_seed(0)
+    fn = torch.compile(limit_to_groups) if compiled else limit_to_groups
+    G, n, kept = 8, 4, 3  # groups, experts a group, groups kept
+    for scores in (torch.randn(120, G * n, dtype=torch.float64), torch.randint(0, 4, (120, G * n)).double()):
+        torch._dynamo.maybe_mark_dynamic(scores, 0)
+        got = fn(scores, G, kept)
+        for t, row in enumerate(scores.tolist()):
+            sums = [sum(sorted(row[g * n:(g + 1) * n])[-2:]) for g in range(G)]
+            best = sorted(range(G), key=lambda g: -sums[g])[:kept]
+            assert got[t].tolist() == [v if e // n in best else float("-inf") for e, v in enumerate(row)]
 
 
 def test_route_is_one_graph():

@@ -33,9 +33,11 @@ def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
 
 
 def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: MoEArgs):
-    """The router's per-token work as one function (on a GPU one or two generated kernels each
-    way): logits [T, E] (float32 or wider) -> (probs [T, k], experts [T, k], score_sums [b, E],
-    counts [b, E], z [] or None), b = num_seqs sequences of T / b tokens each.
+    """The router's per-token work as one function (compiled on a GPU, the scores and the choice
+    one generated kernel, three with groups; the statistics' reductions over sequences and
+    experts several small ones: bench/routing.py counts them): logits [T, E] (float32 or wider)
+    -> (probs [T, k], experts [T, k], score_sums [b, E], counts [b, E], z [] or None), b =
+    num_seqs sequences of T / b tokens each.
 
     scores: softmax or sigmoid; the choice adds the aux-free bias (never the combine weights)
     and, with args.num_groups > 1, keeps the experts of the args.group_topk best groups only;
@@ -65,7 +67,7 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
 
 
 def top_k_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
-    """choice [T, E] -> [T, k] int64: the columns of each row's k largest entries, largest first,
+    """choice [..., E] -> [..., k] int64: the columns of each row's k largest entries, largest first,
     the lower column first among equal ones. k argmax passes, each masking its pick: where the
     expert width is static, torch.compile generates them as one kernel that holds each row in
     registers, where aten's topk runs a radix select per row and then sorts the k it kept
@@ -73,7 +75,7 @@ def top_k_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
     columns = torch.arange(choice.shape[-1], device=choice.device)
     picks = []
     for _ in range(k):
-        pick = choice.argmax(dim=-1, keepdim=True)  # [T, 1]
+        pick = choice.argmax(dim=-1, keepdim=True)  # [..., 1]
         picks.append(pick)
         choice = choice.masked_fill(columns == pick, float("-inf"))
     return torch.cat(picks, dim=-1)
@@ -153,17 +155,22 @@ def balance_terms(score_sums: torch.Tensor, counts: torch.Tensor, T: int, k: int
     return term, loss
 
 
-def limit_to_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+def limit_to_groups(choice: torch.Tensor, num_groups: int, group_topk: int, pick=top_k_indices) -> torch.Tensor:
     """choice [T, E] with every expert outside the token's group_topk best groups set to -inf.
 
     The experts form num_groups groups of consecutive ids; a group's score is the sum of its
-    two highest choice scores (its best expert alone with one expert per group).
+    two highest choice scores (its best expert alone with one expert per group). pick(scores
+    [..., n], k) -> [..., k] columns makes both choices: by default top_k_indices' argmax passes
+    (among groups of equal score the lower id kept first), which torch.compile generates with
+    the scores and the final choice as a few kernels where aten's topk runs radix selects and
+    sorts (bench/routing.py times both).
     """
     T, E = choice.shape
     grouped = choice.view(T, num_groups, E // num_groups)  # [T, G, E/G]
-    group_scores = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)  # [T, G]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool)
-    keep.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    best = pick(grouped, min(2, E // num_groups))  # [T, G, 1 or 2]
+    group_scores = grouped.gather(-1, best).sum(-1)  # [T, G]
+    kept = pick(group_scores, group_topk)  # [T, group_topk]
+    keep = (torch.arange(num_groups, device=choice.device) == kept[..., None]).any(-2)  # [T, G]
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
 
 
