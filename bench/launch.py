@@ -10,7 +10,8 @@ the host launches the next and the loop measures the host alone: microseconds pe
 --iters calls after --warmup, the median of --repeats such loops. The calls are those an eager
 step makes per layer or per parameter: the SwiGLU times the routing weight and the sum over k
 (common/fused.py's fused()), the q / k norms with RoPE, the router's choice with its losses and
-statistics (moe/router.py's route_whole, compiled with its backward) and one parameter's Adam
+statistics (moe/router.py's route_whole compiled with its backward, and on a GPU its Triton
+kernels, moe/router_triton.py) and one parameter's Adam
 step (trainer/optimizer.py). Where QuACK runs (moe.grouped_gemm = "quack"), also one routed
 varlen-M GEMM: torch._grouped_mm, QuACK's gemm (its general path: it replays only plain calls),
 moe/quack.py's replay of the launch QuACK resolved, and the down projection's op through the
@@ -31,6 +32,8 @@ from titan_fold.moe.args import MoEArgs  # noqa: E402
 from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
 from titan_fold.moe.quack import _down_forward, _varlen_m, offsets, quack, quack_problem  # noqa: E402
 from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
+from titan_fold.moe.router_triton import fused_route_whole  # noqa: E402
+from titan_fold.moe.router_triton import supported as fused_supported  # noqa: E402
 from titan_fold.moe.swiglu import _pairs_prob_forward  # noqa: E402
 from titan_fold.trainer.optimizer import adam_update  # noqa: E402
 
@@ -64,6 +67,8 @@ def calls(device: torch.device) -> dict:
         "Adam step of one parameter (fused)": lambda: adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef,
                                                                   0.9, 0.95, 1e-8, 0.0, True),
     }
+    if fused_supported(logits, rows):
+        found["router: choice and losses (Triton kernels)"] = lambda: fused_route_whole(logits, bias, rows, args, 1.0)
     if device.type == "cuda" and quack_problem(device.index) is None:
         h, w2 = randn(rows * k, ffn), randn(experts, dim, ffn)  # rows * k routed rows, 16 per expert
         offs, gi = offsets(torch.full((experts,), rows * k // experts, device=device)), quack()

@@ -497,8 +497,8 @@ def row_movement_table(rec: dict) -> list[str]:
 def routing_table(rec: dict) -> list[str]:
     """bench/routing.py: the router's choice of k (aten's topk, a sort's head, k argmax passes; where
     the shape's model limits the choice to groups, that choice with topk and with argmax passes),
-    the grouping's sort per key width (us); then route_whole as the router runs it: the kernels of
-    its forward and of its backward, and a forward + backward's us."""
+    the grouping's sort per key width (us); then the router's whole per-token work compiled and as
+    Triton kernels: the kernels of its forward and of its backward, and a forward + backward's us."""
     fig = rec["figures"].get("routing")
     if not fig:
         return []
@@ -512,14 +512,23 @@ def routing_table(rec: dict) -> list[str]:
         cells = " | ".join(_f(r[key]) if key in r else "-" for key in keys)
         out.append(f"| {r['shape']} | {r['experts']} | {_mode(r['compiled'])} | {cells} |")
     if fig.get("routes"):
-        out += ["", "| shape | route's settings | forward kernels | backward kernels | forward + backward us |",
-                "|---|---|---:|---:|---:|"]
+        ways = ("compiled", "triton")
+        out += ["", "| shape | route's settings | " + " | ".join(
+                    f"{way}: forward kernels | {way}: backward kernels | {way}: forward + backward us" for way in ways)
+                + " |", "|---|---|" + "---:|" * 3 * len(ways)]
         for r in fig["routes"]:
             settings = ", ".join(f"{k} {v}" for k, v in r["route"].items()) or "softmax"
-            counts = " | ".join(str(len(r[f"route_{way}_kernels"])) if f"route_{way}_kernels" in r else "-"
-                                for way in ("forward", "backward"))
-            out.append(f"| {r['shape']} | {settings} | {counts} | {_f(r['route_us'])} |")
+            cells = []
+            for way in ways:
+                kernels = [_route_figure(r, way, f"{d}_kernels") for d in ("forward", "backward")]
+                cells += ["-" if k is None else str(len(k)) for k in kernels] + [_f(_route_figure(r, way, "us"))]
+            out.append(f"| {r['shape']} | {settings} | " + " | ".join(cells) + " |")
     return out
+
+
+def _route_figure(row: dict, way: str, figure: str):
+    # records before the Triton way named the compiled way's figures route_<figure>
+    return row.get(f"route_{way}_{figure}", row.get(f"route_{figure}") if way == "compiled" else None)
 
 
 def streams_table(rec: dict) -> list[str]:

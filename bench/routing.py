@@ -15,10 +15,12 @@ CUDA events (median after warm-up):
   grouping   the T * k assignments' expert ids sorted stably (dispatcher.group_by's sort) as
              int64, int32, int16 and uint8 keys (a radix sort takes a pass per key byte; the
              same order is checked), and group_by itself
-And once per shape, route_whole as Router.forward runs it (on CUDA compiled with the token count
-dynamic, moe/router.py's _compiled_on) with the shape's model's routing (ROUTERS, aux-free
-balancing): the kernels its forward and its backward launch, and a forward + backward's time
-(uncaptured, as eager mode runs it).
+And once per shape, the router's whole per-token work with the shape's model's routing (ROUTERS,
+aux-free balancing) both ways eager mode runs it: route_whole compiled (on CUDA with the token
+count dynamic, moe/router.py's _compiled_on; on the CPU as written) and, on CUDA, its Triton
+kernels (moe/router_triton.py): the kernels each way's forward and backward launch, a forward +
+backward's time (uncaptured, as eager mode runs it, its host time included); the same experts
+chosen is checked.
 """
 
 import os
@@ -32,6 +34,8 @@ from bench.common import graph_of, median, script_parser, time_ms, write_result 
 from titan_fold.moe.args import MoEArgs  # noqa: E402
 from titan_fold.moe.dispatcher import group_by  # noqa: E402
 from titan_fold.moe.router import _compiled_on, limit_to_groups, route_whole, top_k_indices  # noqa: E402
+from titan_fold.moe.router_triton import fused_route_whole  # noqa: E402
+from titan_fold.moe.router_triton import supported as fused_supported  # noqa: E402
 
 SHAPES = {  # tokens per rank, experts, top-k
     "qwen2_57b_a14b": (8192, 64, 8),
@@ -125,20 +129,25 @@ def bench_route(name, device, warmup, iters) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(T, E, device=device, generator=gen, requires_grad=True)
     bias, upstream = torch.zeros(E, device=device), torch.randn(T, k, device=device, generator=gen)
-    torch._dynamo.reset()
-    fn = _compiled_on(device, route_whole)
+    ways = {"compiled": _compiled_on(device, route_whole)}
+    if fused_supported(logits, T // 2):
+        ways["triton"] = fused_route_whole
+    row, chosen = {"shape": name, "tokens": T, "experts": E, "top_k": k, "route": ROUTERS[name]}, {}
+    for way, fn in ways.items():
+        torch._dynamo.reset()
 
-    def forward():
-        return fn(logits, bias, T // 2, args, 1.0)[0]  # probs [T, k]: two sequences
+        def forward(fn=fn):
+            return fn(logits, bias, T // 2, args, 1.0)[:2]  # probs [T, k], experts: two sequences
 
-    for _ in range(3):  # compiled and warm
-        forward().backward(upstream)
-    row = {"shape": name, "tokens": T, "experts": E, "top_k": k, "route": ROUTERS[name]}
-    if device.type == "cuda":
-        probs, row["route_forward_kernels"] = _kernels(forward, device)
-        _, row["route_backward_kernels"] = _kernels(lambda: probs.backward(upstream), device)
-    # not captured: in eager mode the router runs so, its guards' host time included
-    row["route_us"] = 1e3 * median(time_ms(lambda: forward().backward(upstream), warmup, iters, device))
+        for _ in range(3):  # compiled and warm
+            forward()[0].backward(upstream)
+        chosen[way] = forward()[1]
+        if device.type == "cuda":
+            (probs, _), row[f"route_{way}_forward_kernels"] = _kernels(forward, device)
+            _, row[f"route_{way}_backward_kernels"] = _kernels(lambda: probs.backward(upstream), device)
+        # not captured: in eager mode the router runs so, its host time included
+        row[f"route_{way}_us"] = 1e3 * median(time_ms(lambda: forward()[0].backward(upstream), warmup, iters, device))
+    assert all(torch.equal(c, chosen["compiled"]) for c in chosen.values()), "the router's ways chose other experts"
     return row
 
 

@@ -136,10 +136,10 @@ def test_routing_smoke(tmp_path):
     (row,), (route,) = figures["rows"], figures["routes"]
     assert {"choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouped_choice_topk_us",
             "grouped_choice_argmax_us", "grouping_sort_uint8_us", "group_by_us"} <= set(row)
-    assert route["route_us"] > 0 and route["route"]["num_groups"] == 4
+    assert route["route_compiled_us"] > 0 and route["route"]["num_groups"] == 4 and "route_triton_us" not in route
     assert json.load(open(tmp_path / "routing.json"))["figures"]["rows"][0]["experts"] == 8
     # the report's tables: a header, its rule and the one row, every key width timed; then the route
-    # (no kernels counted on the CPU)
+    # (no kernels counted and no Triton way on the CPU)
     lines = report.routing_table({"figures": {"routing": figures}})
     assert len(lines) == 7 and lines[2].startswith("| tiny | 8 | eager |") and " - " not in lines[2]
     assert lines[6].startswith("| tiny | score_func sigmoid, num_groups 4, group_topk 2 | - | - |")

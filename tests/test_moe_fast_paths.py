@@ -3,6 +3,9 @@ the dropless layer on one EP rank, the grouped-GEMM choice, and on an sm90 GPU w
 QuACK experts against float64 and a CUDA-graph-captured layer against the uncaptured one."""
 
 import itertools
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -51,7 +54,7 @@ ROUTERS = list(itertools.product(["softmax", "sigmoid"], ["aux_loss", "seq_aux_l
                                  [False, True], [0.0, 1e-3]))
 
 
-# on a GPU the router runs compiled (route_whole): a few of the settings there
+# on a GPU the router runs its Triton kernels (moe/router_triton.py): a few of the settings there
 GPU_ROUTERS = [("softmax", "aux_loss", True, 1e-3), ("sigmoid", "aux_free", True, 0.0), ("softmax", "seq_aux_loss", False, 0.0)]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -79,6 +82,72 @@ def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, n
     grad = torch.autograd.grad((got.probs * upstream).sum() + got.loss, router.gate.weight)[0]
     grad_ref = torch.autograd.grad((want[0] * upstream).sum() + want[2], router.gate.weight)[0]
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+
+
+# MoEArgs fields beside num_experts = 12 or 16 and top_k = 3: each score function, balancing, the
+# groups (three or four experts each), z loss, normalization and scaling, one choice
+FUSED_ROUTES = [
+    dict(score_func="softmax", load_balance="aux_loss", norm_topk_prob=True, z_loss_coeff=1e-2),
+    dict(score_func="sigmoid", load_balance="aux_free", norm_topk_prob=True, num_groups=4, group_topk=2,
+         routed_scaling_factor=2.5),
+    dict(score_func="softmax", load_balance="seq_aux_loss"),
+    dict(score_func="sigmoid", load_balance="seq_aux_loss", z_loss_coeff=1e-2, num_groups=2, group_topk=1),
+    dict(score_func="sigmoid", load_balance="aux_loss", norm_topk_prob=True),
+    dict(score_func="softmax", load_balance="none", z_loss_coeff=1e-1, top_k=1),
+]
+
+
+def fused_route_against_route_whole(device: str):
+    """moe/router_triton.py's kernels against route_whole run op by op, float32, three sequences of
+    20 tokens: the same experts, on drawn logits and on logits with many ties (the lower expert
+    and group first); the combine weights, losses and statistics, and the logits' gradient from
+    the weights and from the losses (weighted up so their part shows), within float32 rounding."""
+    from titan_fold.moe.router_triton import fused_route_whole
+
+    for E, fields, tied in itertools.product((12, 16), FUSED_ROUTES, (False, True)):
+        args = MoEArgs(**{"num_experts": E, "top_k": 3, "aux_loss_coeff": 0.1, **fields})
+        gen = torch.Generator(device=device).manual_seed(E)
+        drawn = torch.randn(60, E, device=device, generator=gen) * 2
+        base = torch.randint(0, 3, (60, E), device=device, generator=gen).float() if tied else drawn
+        bias = torch.zeros(E, device=device) if tied else torch.randn(E, device=device, generator=gen) * 0.1
+        upstream = torch.randn(60, args.top_k, device=device, generator=gen)
+        # the loss scale a tensor (MoE.aux_loss_scale) or a number; the losses' gradient none where
+        # they have none (aux-free balancing without z loss)
+        scale = torch.tensor(0.5, device=device) if tied else 0.5
+        with_loss = args.load_balance in ("aux_loss", "seq_aux_loss") or args.z_loss_coeff > 0
+        outs, grads = [], []
+        for fn in (fused_route_whole, route_whole):
+            logits = base.clone().requires_grad_()
+            out = fn(logits, bias, 20, args, scale)
+            total = (out[0] * upstream).sum() + (10 * out[2] if with_loss else 0)
+            grads.append(torch.autograd.grad(total, logits)[0])
+            outs.append(out)
+        (got, want), case = outs, (E, fields, tied)
+        assert torch.equal(got[1], want[1]), case
+        for a, b in zip((got[0], *got[2:], grads[0]), (want[0], *want[2:], grads[1])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
+
+
+def test_fused_route_equals_route_whole_in_the_triton_interpreter():
+    """The Triton kernels' logic on the CPU: Triton's interpreter runs them (TRITON_INTERPRET=1, set
+    before Triton is imported: a process of its own)."""
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); " \
+           "import test_moe_fast_paths as t; t.fused_route_against_route_whole('cpu')"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+@needs_cuda
+def test_fused_route_equals_route_whole_on_the_gpu(monkeypatch):
+    """The Triton kernels compiled for the GPU, and the router taking them in eager mode."""
+    import titan_fold.moe.router as router_module
+
+    fused_route_against_route_whole("cuda")
+    calls, fused = [], router_module.fused_route_whole
+    monkeypatch.setattr(router_module, "fused_route_whole", lambda *a: calls.append(1) or fused(*a))
+    Router(32, MoEArgs(num_experts=16, top_k=4)).cuda()(torch.randn(40, 32, device="cuda"), 20)
+    assert calls
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -13,6 +13,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.moe.args import MoEArgs
+from titan_fold.moe.router_triton import fused_route_whole
+from titan_fold.moe.router_triton import supported as fused_supported
 
 
 @dataclass
@@ -34,7 +36,7 @@ def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
 
 def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: MoEArgs):
     """The router's per-token work as one function (compiled on a GPU, the scores and the choice
-    one generated kernel, three with groups; the statistics' reductions over sequences and
+    one generated kernel, with groups a few; the statistics' reductions over sequences and
     experts several small ones: bench/routing.py counts them): logits [T, E] (float32 or wider)
     -> (probs [T, k], experts [T, k], score_sums [b, E], counts [b, E], z [] or None), b =
     num_seqs sequences of T / b tokens each.
@@ -121,7 +123,8 @@ def _compiled_on(device: torch.device, fn):
     tokens and the model's expert count: only the logits' token dimension is dynamic, so the
     per-token reductions over the experts (softmax, the top-k's argmax passes) are generated for
     their static width. In eager mode one compiled call costs the host less than the dozens of
-    small ops it replaces, which the layer's launches wait on."""
+    small ops it replaces, which the layer's launches wait on (where Triton runs, route_whole's
+    own kernels cost it less still: moe/router_triton.py)."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
@@ -160,15 +163,19 @@ def limit_to_groups(choice: torch.Tensor, num_groups: int, group_topk: int, pick
 
     The experts form num_groups groups of consecutive ids; a group's score is the sum of its
     two highest choice scores (its best expert alone with one expert per group). pick(scores
-    [..., n], k) -> [..., k] columns makes both choices: by default top_k_indices' argmax passes
-    (among groups of equal score the lower id kept first), which torch.compile generates with
-    the scores and the final choice as a few kernels where aten's topk runs radix selects and
-    sorts (bench/routing.py times both).
+    [T, G], k) -> [T, k] columns chooses the groups: by default top_k_indices' argmax passes
+    (among groups of equal score the lower id kept first); bench/routing.py passes aten's topk too.
     """
     T, E = choice.shape
     grouped = choice.view(T, num_groups, E // num_groups)  # [T, G, E/G]
-    best = pick(grouped, min(2, E // num_groups))  # [T, G, 1 or 2]
-    group_scores = grouped.gather(-1, best).sum(-1)  # [T, G]
+    best = min(2, E // num_groups)
+    if choice.is_cuda or not torch.compiler.is_compiling():
+        # each group's best two by argmax passes: compiled on a GPU, generated with the scores
+        group_scores = grouped.gather(-1, top_k_indices(grouped, best)).sum(-1)  # [T, G]
+    else:
+        # by aten's topk, the same sums: torch 2.11's CPU code generation, fusing those argmax
+        # passes with the ones over the groups below, kept the wrong groups
+        group_scores = grouped.topk(best, dim=-1).values.sum(-1)
     kept = pick(group_scores, group_topk)  # [T, group_topk]
     keep = (torch.arange(num_groups, device=choice.device) == kept[..., None]).any(-2)  # [T, G]
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
@@ -191,7 +198,10 @@ class Router(nn.Module):
         logits = self.gate(x)  # [T, E]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if seq_mesh is None:
-            return Routing(*_compiled_on(x.device, route_whole)(logits, self.expert_bias, seq_len, args, loss_scale))
+            # on a GPU in eager mode two Triton kernels forward, one backward; else route_whole,
+            # compiled on a GPU
+            whole = fused_route_whole if fused_supported(logits, seq_len) else _compiled_on(x.device, route_whole)
+            return Routing(*whole(logits, self.expert_bias, seq_len, args, loss_scale))
         # the statistics' all-reduce over seq_mesh runs between the choice and the losses
         probs, experts, score_sums, counts, z = _compiled_on(x.device, route)(logits, self.expert_bias,
                                                                               x.shape[0] // seq_len, args)
