@@ -11,7 +11,8 @@ CUDA events (median after warm-up):
              stable descending sort, and k argmax passes each masking its pick (route's
              top_k_indices); the same columns chosen are checked. At DeepSeek-V3's shape also
              the group-limited choice (its 8 groups, the best 4 kept: limit_to_groups, then the k
-             best) with aten's topk and with the argmax passes making all three choices
+             best) with aten's topk and with the argmax passes choosing the groups kept and the k
+             (each group's best two as limit_to_groups chooses them)
   grouping   the T * k assignments' expert ids sorted stably (dispatcher.group_by's sort) as
              int64, int32, int16 and uint8 keys (a radix sort takes a pass per key byte; the
              same order is checked), and group_by itself
