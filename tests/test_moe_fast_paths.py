@@ -169,18 +169,21 @@ def test_top_k_indices_is_topk_the_lower_column_first_among_equals(compiled):
     assert torch.equal(fn(distinct, 8), distinct.topk(8, -1).indices)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_limit_to_groups_keeps_the_best_groups_the_lower_first_among_equals(compiled):
-    """limit_to_groups, eager and compiled as on a GPU (the token count dynamic): each token keeps
-    the experts of the group_topk groups whose two best scores sum highest, the lower group first
+def test_limit_to_groups_keeps_the_best_groups_the_lower_first_among_equals(device, compiled):
+    """limit_to_groups, eager and compiled (the token count dynamic; compiled on the CPU each
+    group's best two come from aten's topk, elsewhere from argmax passes): each token keeps the
+    experts of the group_topk groups whose two best scores sum highest, the lower group first
     among equal sums, and -inf elsewhere, as a per-token loop over sorted lists written out here,
     on distinct scores and on scores with many ties."""
     torch.manual_seed(0)
     fn = torch.compile(limit_to_groups) if compiled else limit_to_groups
     G, n, kept = 8, 4, 3  # groups, experts a group, groups kept
     for scores in (torch.randn(120, G * n, dtype=torch.float64), torch.randint(0, 4, (120, G * n)).double()):
-        torch._dynamo.maybe_mark_dynamic(scores, 0)
-        got = fn(scores, G, kept)
+        x = scores.to(device)
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        got = fn(x, G, kept).cpu()
         for t, row in enumerate(scores.tolist()):
             sums = [sum(sorted(row[g * n:(g + 1) * n])[-2:]) for g in range(G)]
             best = sorted(range(G), key=lambda g: -sums[g])[:kept]
