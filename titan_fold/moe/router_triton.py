@@ -120,18 +120,19 @@ if triton is not None:
 
     @triton.jit
     def _scores(logits_ptr, rows, cols, E: tl.constexpr, SOFTMAX: tl.constexpr):
-        """A block's logits [BLOCK_T, E_P2] (-inf past E) -> (scores, the rows' max and sum of
-        exp(logit - max): their logsumexp)."""
+        """A block's logits [BLOCK_T, E_P2] (-inf past E) -> (scores, softmax, the rows' max and sum
+        of exp(logit - max): their logsumexp)."""
         col_ok = cols < E
         logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=col_ok[None, :], other=float("-inf"))
         top = tl.max(logits, axis=1)
         ex = tl.exp(logits - top[:, None])
         total = tl.sum(ex, axis=1)
+        softmax = ex / total[:, None]
         if SOFTMAX:
-            scores = ex / total[:, None]
+            scores = softmax
         else:
             scores = tl.where(col_ok[None, :], tl.sigmoid(logits), 0.0)
-        return scores, top, total
+        return scores, softmax, top, total
 
     @triton.jit
     def _route_forward(logits_ptr, bias_ptr, probs_ptr, experts_ptr, score_part_ptr, count_part_ptr, z_part_ptr,
@@ -143,7 +144,7 @@ if triton is not None:
         rows = block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
         cols = tl.arange(0, E_P2)  # [E_P2] experts
         col_ok = cols < E
-        scores, top, total = _scores(logits_ptr, rows, cols, E, SOFTMAX)
+        scores, _, top, total = _scores(logits_ptr, rows, cols, E, SOFTMAX)
         choice = scores
         if BIAS:
             choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -253,16 +254,18 @@ if triton is not None:
         col_ok = cols < E
         kcols = tl.arange(0, K_P2)
         k_ok = kcols[None, :] < K
-        scores, top, total = _scores(logits_ptr, rows, cols, E, SOFTMAX)
+        scores, softmax, top, total = _scores(logits_ptr, rows, cols, E, SOFTMAX)
         at = rows[:, None] * K + kcols[None, :]
         picks = tl.load(experts_ptr + at, mask=k_ok, other=-1).to(tl.int32)  # [BLOCK_T, K_P2]
         g = tl.load(g_probs_ptr + at, mask=k_ok, other=0.0)
-        # probs = routed_scale * raw / sum(raw) (NORM) or routed_scale * raw, raw_j = scores[pick_j]
+        # probs = routed_scale * raw / sum(raw) (NORM) or routed_scale * raw, raw_j = scores[pick_j];
+        # slot [BLOCK_T, E_P2]: the choice j that picked each expert (-1: none)
         raw = tl.zeros([BLOCK_T, K_P2], tl.float32)
+        slot = tl.full([BLOCK_T, E_P2], -1, tl.int32)
         for j in tl.static_range(K):
-            pick = tl.sum(tl.where(kcols[None, :] == j, picks, 0), axis=1)
-            raw = tl.where(kcols[None, :] == j, tl.sum(tl.where(cols[None, :] == pick[:, None], scores, 0.0),
-                                                        axis=1)[:, None], raw)
+            hit = cols[None, :] == tl.sum(tl.where(kcols[None, :] == j, picks, 0), axis=1)[:, None]
+            slot = tl.where(hit, j, slot)
+            raw = tl.where(kcols[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], raw)
         if NORM:
             norm = tl.sum(raw, axis=1)
             d_raw = routed_scale * (g / norm[:, None] - (tl.sum(g * raw, axis=1) / (norm * norm))[:, None])
@@ -270,9 +273,8 @@ if triton is not None:
             d_raw = routed_scale * g
         d_scores = tl.zeros([BLOCK_T, E_P2], tl.float32)
         for j in tl.static_range(K):
-            pick = tl.sum(tl.where(kcols[None, :] == j, picks, 0), axis=1)
             d_j = tl.sum(tl.where(kcols[None, :] == j, d_raw, 0.0), axis=1)
-            d_scores += tl.where(cols[None, :] == pick[:, None], d_j[:, None], 0.0)
+            d_scores += tl.where(slot == j, d_j[:, None], 0.0)
         # the losses' part: their gradient (none where backward got none) times the loss scale
         g_loss = 0.0
         if LOSS_GRAD:
@@ -299,7 +301,5 @@ if triton is not None:
             d_logits = d_scores * scores * (1.0 - scores)
         if LOSS_GRAD and Z:  # z = sum_t logsumexp_t^2 / T: 2 * logsumexp * softmax
             lse = top + tl.log(total)
-            softmax = tl.exp(tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=col_ok[None, :],
-                                     other=float("-inf")) - top[:, None]) / total[:, None]
             d_logits += (z_coeff * g_loss * 2.0 / (num_seqs * seq_len)) * lse[:, None] * softmax
         tl.store(d_logits_ptr + rows[:, None] * E + cols[None, :], d_logits, mask=col_ok[None, :])
