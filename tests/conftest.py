@@ -9,7 +9,13 @@ import sys
 import tempfile
 
 import pytest
-from launcher import ZYGOTE
+
+# one thread per pytest-xdist worker (and per process a test starts): the two workers share two
+# cores, and torch's default of a thread per core has each worker's idle threads spin against the
+# other's busy ones; two dry runs side by side took 244 s each that way, 31 s on one thread each
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from launcher import ZYGOTE  # noqa: E402
 
 # what the suite needs beyond pytest: the install README gives (pip install -e ".[test]")
 NEEDED = ("torch", "torchtitan", "titan_fold", "transformers")
