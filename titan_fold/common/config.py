@@ -112,6 +112,11 @@ class Metrics(TitanMetrics):
     """Host and GPU milliseconds per phase of every logged step (data, forward, backward, clip,
     optimizer, rest) in metrics.jsonl and the step line, from the host's clock and CUDA events
     (no profiler, no added sync): which phases are host-bound (trainer/phases.py)."""
+    group_grad_norms: bool = False
+    """Each parameter group's gradient norm (before clipping) and the norm of its update (the
+    weights after the optimizer step less those before) in metrics.jsonl at every logged step:
+    embedding, attention, norms, router, routed_experts, shared_experts, dense_ffn, head, mtp
+    (models/groups.py). Costs a copy of the weights and a wait for the device at a logged step."""
 
 
 @dataclass

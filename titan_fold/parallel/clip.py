@@ -15,7 +15,7 @@ grad_scale = norm / max_norm (at least 1) clips inside the optimizer step, at no
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -118,3 +118,31 @@ def full_norm(norm: DTensor, norm_type: float) -> torch.Tensor:
 
 def divides_by_grad_scale(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in opt.param_groups)
+
+
+
+@torch.no_grad()
+def group_norms(tensors: Iterable[tuple[str, torch.Tensor]], groups: tuple[str, ...],
+                group_of: Callable[[str], str], device: torch.device,
+                pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """The squared 2-norm of each group's tensors (gradients, updates) over every mesh they live
+    on, summed over pp as clip_grad_norm_ sums the total, and how many tensors each group has:
+    [2, groups]. `group_of(name)` names a tensor's group. The one all-reduce over pp takes every
+    group, so each stage issues the same collective whatever groups it holds."""
+    by_group: dict[str, dict[object, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    for name, t in tensors:
+        by_group[group_of(name)][t.device_mesh if isinstance(t, DTensor) else None].append(t)
+    squares = torch.zeros(2, len(groups), device=device)  # [squared norm / tensor count, groups]
+    for i, group in enumerate(groups):
+        for ts in by_group.get(group, {}).values():  # one norm per mesh, as clip_grad_norm_
+            squares[0, i] += total_norm(ts, 2.0).to(device) ** 2
+            squares[1, i] += len(ts)
+    if pp_mesh is not None:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return squares
+
+
+def group_norm_values(squares: torch.Tensor, groups: tuple[str, ...]) -> dict[str, float]:
+    """{group: 2-norm} of group_norms' result (on the host), for the groups that have tensors."""
+    norms, counts = squares.double().tolist()
+    return {g: n**0.5 for g, n, c in zip(groups, norms, counts, strict=True) if c > 0}

@@ -30,12 +30,13 @@ from titan_fold.common.config import ConfigError, JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.common.tensors import to_device
+from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers, update_expert_bias
 from titan_fold.moe.layer import moe_stashes
 from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
-from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
+from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, group_norm_values, group_norms
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
 from titan_fold.parallel.parallelize import cuda_graphs, mark_static_buffers, release_cuda_graphs
@@ -150,6 +151,8 @@ class FoldTrainer(Trainer):
             self.optimizers.register_step_post_hook(
                 lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
             )
+        # metrics.group_grad_norms: a logged step's norms per parameter group (_group_norms)
+        self.group_grad_norms = None
         # metrics.step_phases: host and GPU time per phase of each logged step (phases.py)
         self.phases = StepPhases(self.device) if job_config.metrics.step_phases else None
         if self.phases is not None:
@@ -243,6 +246,9 @@ class FoldTrainer(Trainer):
             copies = embedding_copies(self.model_parts)
         skip = {id(p) for p in copies}
         parameters = [p for p in parameters if id(p) not in skip]
+        if self.job_config.metrics.group_grad_norms and self._logs():  # before the clip scales them
+            self.group_grad_norms = self.guard.copies.copy(self._group_norms(
+                (name, p.grad) for name, p in self._named_parameters(skip) if p.grad is not None))
         norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
         if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
             torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
@@ -310,12 +316,36 @@ class FoldTrainer(Trainer):
         logs = self.metrics_processor.should_log(self.step)
         read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
         self.checkpointer.maybe_wait_for_staging()
+        before = self._weights() if logs and self.group_grad_norms is not None else None
         self.optimizers.step()
         self.lr_schedulers.step()
         if logs:  # the guard's wait, once the update was queued, has brought the values
             avg_loss, max_loss, ntokens_seen = read()
-            self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
-                                       extra_metrics={"n_tokens_seen": ntokens_seen, "lr": lr})
+            extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
+            if before is not None:
+                extra.update(self._group_norm_metrics(before))
+            self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
+
+    def _named_parameters(self, skip: set[int] = frozenset()) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters by name, less those in `skip` (ids: the embedding copy of MTP
+        under pp, counted on the first stage)."""
+        return [(name, p) for part in self.model_parts for name, p in part.named_parameters() if id(p) not in skip]
+
+    def _group_norms(self, tensors) -> torch.Tensor:
+        return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
+
+    def _weights(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+        """Each parameter with a copy of its weights, before the optimizer step."""
+        skip = {id(p) for p in embedding_copies(self.model_parts)} if self.parallel_dims.pp > 1 else set()
+        return [(name, p, p.detach().clone()) for name, p in self._named_parameters(skip)]
+
+    def _group_norm_metrics(self, before) -> dict[str, dict[str, float]]:
+        """metrics.group_grad_norms: each group's gradient norm (before clipping) and the norm of
+        its update (the weights after the optimizer step less those before)."""
+        updates = self._group_norms((name, p.detach() - weights) for name, p, weights in before)
+        grads, self.group_grad_norms = self.group_grad_norms, None
+        return {"group_grad_norms": group_norm_values(grads, GROUPS),
+                "group_update_norms": group_norm_values(updates.cpu(), GROUPS)}
 
     def _logged_values(self, losses: list[torch.Tensor], global_valid_tokens: torch.Tensor,
                        local_valid_tokens: torch.Tensor) -> Callable[[], tuple[float, float, int]]:

@@ -161,8 +161,11 @@ class FoldMetricsProcessor(MetricsProcessor):
             **({"phases": phases} if phases else {}),
             **extra,
         }
-        # TensorBoard and W&B take numbers only (mfu and the MoE statistics can be null)
-        self.logger.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}, step)
+        # TensorBoard and W&B take numbers only (mfu and the MoE statistics can be null); a dict of
+        # them (group_grad_norms) as one number per key
+        flat = {f"{k}/{name}" if isinstance(v, dict) else k: value for k, v in record.items()
+                for name, value in (v.items() if isinstance(v, dict) else [(k, v)])}
+        self.logger.log({k: v for k, v in flat.items() if k != "step" and isinstance(v, (int, float))}, step)
         if self.jsonl:
             self.jsonl.write(record)
         self._last_logged_step = step
