@@ -88,12 +88,36 @@ def read_metrics(folder) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args: str) -> list[dict]:
-    """Train `steps` steps from the seed checkpoint, logging every step; -> the metrics."""
+def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args: str,
+                    config: str = "debug_moe.toml") -> list[dict]:
+    """Train `steps` steps from the seed checkpoint, logging every step with each parameter
+    group's norms; -> the metrics."""
     torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
              seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(steps),
-             "--metrics.log_freq", "1", *args)
+             "--metrics.log_freq", "1", "--metrics.group_grad_norms", *args, config=config)
     return read_metrics(folder)
+
+
+# a folding changes where each parameter group's work runs: each group is compared on its own,
+# relative to its own norm (the routed experts' is about 1e-3 of the total in the debug model)
+GROUP_METRICS = ("group_grad_norms", "group_update_norms")
+
+
+def assert_matches_one_rank(reference: list[dict], got: list[dict], name: str,
+                            keys: tuple[str, ...] = ("loss", "grad_norm", "moe_aux_loss"),
+                            rel: float = 1e-4, abs: float = 1e-7) -> None:
+    """Every step of `got` as the one-rank `reference`: the logged `keys`, and the gradient norm
+    and update norm of every parameter group (train_from_seed logs them)."""
+    assert len(got) == len(reference) > 0, name
+    for ref, run in zip(reference, got, strict=True):
+        for key in keys:
+            assert run[key] == pytest.approx(ref[key], rel=rel, abs=abs), (name, key, ref["step"])
+        # the groups part the parameters: their squares add up to the total
+        assert sum(v**2 for v in run["group_grad_norms"].values()) == pytest.approx(run["grad_norm"] ** 2, rel=1e-4)
+        for metric in GROUP_METRICS:
+            assert set(run[metric]) == set(ref[metric]), (name, metric, ref["step"])
+            for group, value in ref[metric].items():
+                assert run[metric][group] == pytest.approx(value, rel=rel), (name, metric, group, ref["step"])
 
 
 @pytest.fixture(scope="session")

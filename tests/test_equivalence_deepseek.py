@@ -5,13 +5,14 @@ shared expert, and a Multi-Token Prediction layer, all at once; under pp the MTP
 the last stage with a copy of the embedding kept equal to the first stage's.
 
 As tests/test_equivalence.py: one seed checkpoint, the same global batch of 8 sequences in
-micro-batches of one, fp32, dropless; loss, gradient norm and aux loss within 1e-4. mtp_loss is
+micro-batches of one, fp32, dropless; loss, gradient norm, aux loss and each parameter group's
+gradient and update norms within 1e-4. mtp_loss is
 a mean of per-rank means; under cp its ranks hold unequal numbers of valid targets (the last
 position of a sequence has none), so there it agrees to 1e-2 only.
 """
 
 import pytest
-from conftest import read_metrics, torchrun
+from conftest import assert_matches_one_rank, torchrun, train_from_seed
 from test_equivalence import BATCH, STEPS, degrees
 
 CONFIG = "debug_deepseek_v3.toml"
@@ -32,10 +33,7 @@ LAYOUTS = {
 
 
 def run(folder, nproc, seed_checkpoint, *args) -> list[dict]:
-    torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
-             seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(STEPS), "--metrics.log_freq",
-             "1", *BATCH, *MTP, *args, config=CONFIG)
-    return read_metrics(folder)
+    return train_from_seed(folder, nproc, seed_checkpoint, STEPS, *BATCH, *MTP, *args, config=CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +53,9 @@ def reference(tmp_path_factory, seed) -> list[dict]:
 def test_deepseek_layout_matches_one_rank(name, reference, tmp_path, seed):
     nproc, args = LAYOUTS[name]
     folded = run(tmp_path, nproc, seed, *args)
-    assert len(folded) == len(reference) == STEPS
+    assert len(folded) == STEPS
     assert reference[0]["mtp_loss"] > 1.0
+    assert {"mtp", "dense_ffn", "routed_experts"} <= set(reference[0]["group_grad_norms"])
+    assert_matches_one_rank(reference, folded, name)
     for ref, got in zip(reference, folded):
-        for key in ("loss", "grad_norm", "moe_aux_loss"):
-            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (name, key, ref["step"])
         assert got["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-2 if "cp" in name else 1e-4), (name, ref["step"])

@@ -375,3 +375,25 @@ def test_dense_layers_and_attention_options():
         base = built(x)
         built.layers["0"].attention.q_norm.weight.mul_(3.0)
         assert (built(x) - base).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", sorted(FLAVORS))
+def test_every_parameter_has_its_group(family):
+    """models/groups.py puts every parameter of every family (with MTP, dense first layers and
+    shared experts where the family has them) in the group its module computes."""
+    from titan_fold.models.groups import parameter_group
+
+    args = dataclasses.replace(FLAVORS[family]["debug"], mtp_layers=1)
+    with torch.device("meta"):
+        model = Transformer(args)
+    groups = {name: parameter_group(name) for name, _ in model.named_parameters()}
+    assert groups["tok_embeddings.weight"] == "embedding" and groups["output.weight"] == "head"
+    assert groups["norm.weight"] == groups["layers.0.attention_norm.weight"] == "norms"
+    for name, group in groups.items():
+        expected = ("mtp" if name.startswith("mtp.") else "embedding" if name.startswith("tok_embeddings.")
+                    else "head" if name.startswith("output.") else "norms" if "norm" in name.rsplit(".", 2)[-2]
+                    else "router" if ".router." in name else "routed_experts" if ".moe.experts." in name
+                    else "shared_experts" if ".shared_expert" in name else "dense_ffn" if ".feed_forward." in name
+                    else "attention" if ".attention." in name else None)
+        assert group == expected, (name, group)
+    assert {"attention", "router", "routed_experts", "mtp"} <= set(groups.values())

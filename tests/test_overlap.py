@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import train_from_seed
+from conftest import assert_matches_one_rank, train_from_seed
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 
 WORLD = 4
@@ -327,10 +327,8 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
     nproc, args = TRAINER_RUNS[name]
     got = train_from_seed(tmp_path, nproc, seed_checkpoint, 5, "--training.local_batch_size", "1",
                           "--training.global_batch_size", "8", *args)  # a later --training.local_batch_size wins
-    assert len(got) == len(one_rank_reference) == 5
-    for ref, run in zip(one_rank_reference, got):
-        for key in ("loss", "grad_norm", "moe_aux_loss"):
-            assert run[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (name, key, ref["step"])
+    assert len(got) == 5
+    assert_matches_one_rank(one_rank_reference, got, name)
 
 
 @pytest.mark.parametrize("args, match", [
