@@ -1,0 +1,133 @@
+"""Planted bugs that the tests must catch: `python -m tests.mutations [NAME ...]`.
+
+Each mutation replaces one piece of text (found exactly once) in a copy of the repository and
+runs the tests named for it there, with the copy first on the import path; the mutation is
+caught when every one of those tests fails (reported FAILED, not a collection error). The
+unmutated suite passes the same tests, so each catch is the bug's doing. The list
+and what each mutation tests are in docs/running.md (`python -m tests.mutations --list`);
+tests/test_mutations.py runs the ones marked `fast` in the CPU suite.
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# what a copy leaves out: history, environments, outputs and caches
+IGNORED = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str  # the bug, in a phrase
+    path: str  # the file it is planted in, from the repository's root
+    old: str  # text found exactly once in that file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail
+    fast: bool = False  # run by the CPU suite (tests/test_mutations.py)
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "expert_grad_halved", "every routed expert's gradient halved (the expert FSDP units' divide factor)",
+        "titan_fold/parallel/parallelize.py",
+        "        unit.set_gradient_divide_factor(1.0)\n",
+        "        unit.set_gradient_divide_factor(2.0 if unit in [m.experts for m in moe_layers(model)] else 1.0)\n",
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp4_ep2_edp2]",
+         "tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]")),
+    Mutation(
+        "expert_norm_not_reduced", "the expert mesh's all-reduce of the gradient norm skipped (clip.full_norm)",
+        "titan_fold/parallel/clip.py",
+        "    dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)\n",
+        "",
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp8_ep4_etp2]",)),
+)
+
+
+def mutate(mutation: Mutation, root: Path) -> None:
+    """Plant `mutation` in the copy of the repository at `root`."""
+    path = root / mutation.path
+    text = path.read_text()
+    found = text.count(mutation.old)
+    if found != 1:
+        raise ValueError(f"mutation {mutation.name}: its text occurs {found} times in {mutation.path}, not once")
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutation: Mutation
+    failed: list[str]  # the named tests that failed
+    seconds: float
+    output: str  # pytest's
+
+    @property
+    def caught(self) -> bool:
+        return sorted(self.failed) == sorted(self.mutation.tests)
+
+
+def run(mutation: Mutation, workers: int = 0) -> Outcome:
+    """Plant `mutation` in a fresh copy of the repository and run its tests there."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutation_{mutation.name}_") as tmp:
+        root = Path(tmp, "repo")
+        shutil.copytree(ROOT, root, ignore=IGNORED)
+        mutate(mutation, root)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        # -rf: a line "FAILED <node id> - <message>" per failed test
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-n", str(workers),
+                            *mutation.tests], cwd=root, env=env, capture_output=True, text=True)
+    output = r.stdout + r.stderr
+    failed = [line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")]
+    return Outcome(mutation, [t for t in mutation.tests if t in failed], time.perf_counter() - start, output)
+
+
+def table() -> str:
+    """The list as a Markdown table (docs/running.md)."""
+    rows = ["| mutation | planted bug | where | caught by |", "|---|---|---|---|"]
+    for m in MUTATIONS:
+        tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
+        rows.append(f"| `{m.name}`{' (CI)' if m.fast else ''} | {m.what} | `{m.path}` | {tests} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the list as a Markdown table")
+    parser.add_argument("--fast", action="store_true", help="only those the CPU suite runs")
+    parser.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers per mutation")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
+    args = parser.parse_args(argv)
+    if args.list:
+        print(table())
+        return 0
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"no mutation {', '.join(unknown)}; one of {', '.join(known)}")
+    chosen = [known[n] for n in args.names] or [m for m in MUTATIONS if m.fast or not args.fast]
+    missed = []
+    for m in chosen:
+        outcome = run(m, args.workers)
+        print(f"{'caught' if outcome.caught else 'MISSED'}  {m.name}  ({outcome.seconds:.0f} s)", flush=True)
+        if args.verbose:
+            print(outcome.output, flush=True)
+        if not outcome.caught:
+            missed.append(m.name)
+            for test in m.tests:
+                if test not in outcome.failed:
+                    print(f"  did not fail: {test}", flush=True)
+    print(f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught" + (f"; missed: {', '.join(missed)}" if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
