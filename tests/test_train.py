@@ -9,7 +9,7 @@ and gradient norms, not just run.
 import re
 
 import pytest
-from conftest import train_from_seed
+from conftest import assert_matches_one_rank, train_from_seed
 
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.parallel.mesh import LayoutError
@@ -86,9 +86,7 @@ def test_loss_falls(runs):
 
 def test_two_ranks_match_one_rank(runs):
     one, two = runs
-    for a, b in zip(one[:5], two[:5]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a["step"], a["grad_norm"], b["grad_norm"])
+    assert_matches_one_rank(one[:5], two[:5], "dp2", keys=("loss", "grad_norm"), abs=0)
 
 
 @pytest.mark.parametrize(

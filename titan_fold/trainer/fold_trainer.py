@@ -39,7 +39,7 @@ from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, group_norm_values, group_norms
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
-from titan_fold.parallel.parallelize import cuda_graphs, mark_static_buffers, release_cuda_graphs
+from titan_fold.parallel.parallelize import _plan_fqn, cuda_graphs, mark_static_buffers, release_cuda_graphs
 from titan_fold.parallel.pipeline import (
     check_pipeline,
     embedding_copies,
@@ -327,9 +327,11 @@ class FoldTrainer(Trainer):
             self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
 
     def _named_parameters(self, skip: set[int] = frozenset()) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters by name, less those in `skip` (ids: the embedding copy of MTP
-        under pp, counted on the first stage)."""
-        return [(name, p) for part in self.model_parts for name, p in part.named_parameters() if id(p) not in skip]
+        """This rank's parameters by their names in the model (without the wrappers of compile and
+        activation checkpointing), less those in `skip` (ids: the embedding copy of MTP under pp,
+        counted on the first stage)."""
+        return [(_plan_fqn(name), p) for part in self.model_parts for name, p in part.named_parameters()
+                if id(p) not in skip]
 
     def _group_norms(self, tensors) -> torch.Tensor:
         return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
