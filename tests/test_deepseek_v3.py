@@ -10,22 +10,21 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+import transformers
 from conftest import python_m
 from host_sync import no_host_sync
+from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from titan_fold.checkpoint.manager import read_hf_folder  # noqa: E402
-from titan_fold.hf import main  # noqa: E402
-from titan_fold.models import FLAVORS, Transformer  # noqa: E402
-from titan_fold.models.deepseek_v3 import count_parameters  # noqa: E402
-from titan_fold.models.hf_adapter import ADAPTERS, args_from_hf_config, hf_config  # noqa: E402
-from titan_fold.models.hf_deepseek import dequantize_fp8, quantize_fp8  # noqa: E402
-from titan_fold.models.mtp import IGNORE_INDEX, future_tokens  # noqa: E402
-from titan_fold.moe import MoEArgs, Router  # noqa: E402
+from titan_fold.checkpoint.manager import read_hf_folder
+from titan_fold.hf import main
+from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.deepseek_v3 import count_parameters
+from titan_fold.models.hf_adapter import ADAPTERS, args_from_hf_config, hf_config
+from titan_fold.models.hf_deepseek import dequantize_fp8, quantize_fp8
+from titan_fold.models.mtp import IGNORE_INDEX, future_tokens
+from titan_fold.moe import MoEArgs, Router
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}

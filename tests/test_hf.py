@@ -9,16 +9,15 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+import transformers
 from conftest import python_m
+from safetensors.torch import load_file
 
-transformers = pytest.importorskip("transformers")
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from titan_fold.checkpoint.hf import main  # noqa: E402
-from titan_fold.checkpoint.manager import CheckpointError, read_hf_folder  # noqa: E402
-from titan_fold.models import FLAVORS, Transformer  # noqa: E402
-from titan_fold.models.hf_adapter import ADAPTERS, HFConfigError, HFKeyError, args_from_hf_config, hf_config  # noqa: E402
+from titan_fold.checkpoint.hf import main
+from titan_fold.checkpoint.manager import CheckpointError, read_hf_folder
+from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.hf_adapter import ADAPTERS, HFConfigError, HFKeyError, args_from_hf_config, hf_config
 
 HF_CLASSES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),

@@ -284,7 +284,6 @@ def test_table_and_png(fake_world, tmp_path):
     assert "crossing 0/8 " in lines["att.tp"] and "crossing 8/8 " in lines["exp.edp"]
     rank9 = next(ln.split() for ln in text.splitlines() if ln.split()[:2] == ["9", "1"])
     assert rank9[2:] == ["9", "1*", "5", "4", "1*", "1*", "1", "9", "1"]
-    pytest.importorskip("matplotlib")
     out = tmp_path / "l.png"
     layout_cli.png(rep, str(out), gpus_per_node=8)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -125,10 +125,10 @@ def test_default_router_is_not_degenerate(tmp_path):
 def test_hf_dense_folder_to_moe(tmp_path):
     """A transformers Mistral built from a config and saved with save_pretrained (the documented
     way to make a small dense checkpoint) upcycles into a Mixtral of the same sizes: same logits."""
-    transformers = pytest.importorskip("transformers")
     import json
 
     import torch.distributed.checkpoint as dcp
+    import transformers
 
     from titan_fold.models.hf_adapter import args_from_hf_config
 
