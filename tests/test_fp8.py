@@ -119,9 +119,10 @@ def test_fp8_rules():
                     "float32"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
-def test_trainer_refuses_fp8_without_gpu():
+def test_trainer_refuses_fp8_without_gpu(monkeypatch):
     from titan_fold.trainer.preflight import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine checks the CPU's refusal too
 
     config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.expert_fp8",
                          "--training.mixed_precision_param", "bfloat16"])
