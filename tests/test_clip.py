@@ -116,7 +116,7 @@ def test_sum_squares_kernel_in_the_triton_interpreter():
     assert "programs 14" in done.stdout  # ceil(numel / CHUNK) each: 5 + 3 + 1 + 3 + 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton sum of squares runs on CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the Triton sum of squares runs on CUDA")
 def test_total_norm_of_large_cuda_gradients_equals_float64():
     """bf16 and float32 gradients above the kernel's size (sum_squares.py, one launch per dtype)
     beside small ones (vector_norm): the norm against float64, the same bits in a second call,

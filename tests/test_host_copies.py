@@ -15,7 +15,7 @@ def test_values_off_cuda_are_returned_as_they_are():
     copies.wait()  # nothing queued: returns
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_copy_queues_behind_the_device_work_and_wait_brings_it():
     """copy() returns while the device is still busy with the work queued before it (a kernel
     that spins for about a second), and wait() returns the value that work computed. The first
@@ -39,7 +39,7 @@ def test_to_device_of_a_host_tensor_on_the_host_is_the_tensor():
     assert to_device(t, torch.device("cpu")) is t
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_to_device_queues_behind_the_device_work():
     """to_device returns while the device is still busy with the work queued before it, and the
     value arrives as it was at the call (the caller may reuse its tensor at once)."""

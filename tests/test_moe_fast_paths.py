@@ -578,7 +578,7 @@ def test_quack_ops_run_directly_in_eager_and_as_ops_when_traced():
 
 # ---- GPU (sm90+, quack-kernels installed) ------------------------------------------------------
 
-needs_quack = pytest.mark.skipif(not GPU_QUACK, reason=f"QuACK experts: {quack_problem()}")
+needs_quack = pytest.mark.skipif(not GPU_QUACK, reason=f"needs QuACK: {quack_problem()}")
 
 
 def _rel(got, want):

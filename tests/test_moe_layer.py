@@ -436,7 +436,7 @@ def test_swiglu_pairs_as_words_round_as_the_halves_do():
     assert torch.equal(grad_p.isnan(), want_p.isnan()) and torch.equal(grad_p.nan_to_num(), want_p.nan_to_num())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fused() compiles on CUDA only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: fused() compiles on CUDA only")
 def test_fused_compiles_once_for_any_row_count():
     """One compile serves every row count, 0 and 1 too (an empty FSDP shard in the master
     step, a rank that receives one row): torch.compile would specialize those into a second

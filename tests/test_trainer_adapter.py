@@ -98,7 +98,7 @@ def test_train_step_logs_what_torchtitans_does(one_rank, tmp_path):
         assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_train_step_waits_for_the_device_nowhere(one_rank, tmp_path):
     """On a GPU the steps after the first two (kernels loaded, memory cached) run no op that waits
     for the device (torch's sync debug mode raises at any): the host queues a step while the device
