@@ -86,6 +86,16 @@ def test_relative_links_resolve(doc):
     assert not broken, f"{doc}: " + "; ".join(broken)
 
 
+@pytest.mark.parametrize("doc", _markdown_files())
+def test_quoted_bench_records_exist(doc):
+    """A bench record a page names (bench/results/NAME.json) is there: records are replaced by
+    newer runs, and a page quoting a deleted one quotes figures nobody can check."""
+    with open(os.path.join(ROOT, doc)) as f:
+        named = set(re.findall(r"bench/results/[\w.@-]+\.json", f.read()))
+    missing = sorted(path for path in named if not os.path.exists(os.path.join(ROOT, path)))
+    assert not missing, f"{doc} names records that do not exist: {', '.join(missing)}"
+
+
 def test_anchors_follow_github():
     assert _anchors("# Quick start (CPU, no GPU)\n```\n# not a heading\n```\n## `[moe]`\n## metrics.jsonl\n## A\n## A") == {
         "quick-start-cpu-no-gpu", "moe", "metricsjsonl", "a", "a-1"}
