@@ -97,10 +97,24 @@ FUSED_ROUTES = [
 ]
 
 
+def assert_ties_decide(logits: torch.Tensor, args: MoEArgs, experts: torch.Tensor, case):
+    """The tied logits [T, E] (no bias) decide the choice by the tie rule: route_whole on the experts
+    mirrored (id e as E-1-e, group g as G-1-g), i.e. with the higher id first among equals, chooses
+    other experts, and with groups keeps other groups."""
+    E = args.num_experts
+    mirrored = E - 1 - route_whole(logits.flip(-1), torch.zeros(E, device=logits.device), 20, args, 0.5)[1]
+    assert not torch.equal(mirrored, experts), case
+    if args.num_groups > 1:
+        scores = logits.softmax(-1) if args.score_func == "softmax" else logits.sigmoid()
+        kept = limit_to_groups(scores, args.num_groups, args.group_topk).isfinite()
+        kept_mirrored = limit_to_groups(scores.flip(-1), args.num_groups, args.group_topk).isfinite().flip(-1)
+        assert not torch.equal(kept, kept_mirrored), case
+
+
 def fused_route_against_route_whole(device: str):
     """moe/router_triton.py's kernels against route_whole run op by op, float32, three sequences of
     20 tokens: the same experts, on drawn logits and on logits with many ties (the lower expert
-    and group first); the combine weights, losses and statistics, and the logits' gradient from
+    and group first; assert_ties_decide shows the ties decide the choice); the combine weights, losses and statistics, and the logits' gradient from
     the weights and from the losses (weighted up so their part shows), within float32 rounding."""
     from titan_fold.moe.router_triton import fused_route_whole
 
@@ -124,6 +138,8 @@ def fused_route_against_route_whole(device: str):
             outs.append(out)
         (got, want), case = outs, (E, fields, tied)
         assert torch.equal(got[1], want[1]), case
+        if tied:
+            assert_ties_decide(base, args, want[1], case)
         for a, b in zip((got[0], *got[2:], grads[0]), (want[0], *want[2:], grads[1])):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
 

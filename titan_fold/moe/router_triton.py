@@ -135,6 +135,14 @@ if triton is not None:
         return scores, softmax, top, total
 
     @triton.jit
+    def _first_max(x, cols):
+        """x [BLOCK_T, N], cols [N] its columns -> [BLOCK_T] int32: the column of each row's largest
+        entry, the lowest among equal ones (top_k_indices' rule). Decided here, not by tl.argmax's
+        tie_break_left, which Triton's interpreter ignores: so its run on the CPU checks the rule."""
+        top = tl.max(x, axis=1)
+        return tl.min(tl.where(x == top[:, None], cols[None, :], x.shape[1]), axis=1)
+
+    @triton.jit
     def _route_forward(logits_ptr, bias_ptr, probs_ptr, experts_ptr, score_part_ptr, count_part_ptr, z_part_ptr,
                        routed_scale, E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
                        SOFTMAX: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -157,13 +165,13 @@ if triton is not None:
             for g in tl.static_range(GROUPS):
                 in_group = tl.where((group == g)[None, :], choice, float("-inf"))
                 best = tl.max(in_group, axis=1)
-                if GROUP_SIZE > 1:  # plus the second best
-                    first = tl.argmax(in_group, axis=1, tie_break_left=True)
+                if GROUP_SIZE > 1:  # plus the second best (of equal best ones, either: the same sum)
+                    first = _first_max(in_group, cols)
                     best = best + tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), in_group), axis=1)
                 group_score = tl.where(gcols[None, :] == g, best[:, None], group_score)
             keep = nothing
             for _ in tl.static_range(GROUP_TOPK):
-                kept = tl.argmax(group_score, axis=1, tie_break_left=True)
+                kept = _first_max(group_score, gcols)
                 group_score = tl.where(gcols[None, :] == kept[:, None], float("-inf"), group_score)
                 keep = keep | (group[None, :] == kept[:, None])
             choice = tl.where(keep, choice, float("-inf"))
@@ -172,7 +180,7 @@ if triton is not None:
         probs = tl.zeros([BLOCK_T, K_P2], tl.float32)
         picks = tl.zeros([BLOCK_T, K_P2], tl.int32)
         for j in tl.static_range(K):
-            pick = tl.argmax(choice, axis=1, tie_break_left=True)  # [BLOCK_T]
+            pick = _first_max(choice, cols)  # [BLOCK_T]
             hit = cols[None, :] == pick[:, None]
             chosen = chosen | hit
             choice = tl.where(hit, float("-inf"), choice)
