@@ -229,9 +229,20 @@ def _attention(row: dict) -> str:
     return f"dp{row['nproc']} FSDP" if row["nproc"] > 1 else "single"
 
 
+def expert_path(row: dict) -> str:
+    """The kernels a trainer row's routed experts ran (bench/train_step.py's counters): each path
+    counted, by eager calls and by graphs compiled; "unknown" where none was counted (a record
+    from before the counters, or counters that missed the path), never zeros."""
+    calls, compiled = row.get("expert_path_calls") or {}, row.get("expert_path_compiled") or {}
+    parts = [f"{path} {n}" for path, n in calls.items() if n] + \
+        [f"{path} {n} graph{'s' if n > 1 else ''}" for path, n in compiled.items() if n]
+    return ", ".join(parts) or "unknown"
+
+
 def train_table(rec: dict) -> list[str]:
-    out = ["| step | case | GPUs | attention | experts (ep, etp, edp) | tokens/s per GPU | TFLOP/s per GPU | MFU % | "
-           "peak memory GiB | step s | loss first -> last |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    out = ["| step | case | GPUs | attention | experts (ep, etp, edp) | expert path: calls, graphs compiled | "
+           "tokens/s per GPU | TFLOP/s per GPU | MFU % | peak memory GiB | step s | loss first -> last |",
+           "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
     n = 0
     for name, fig in _steps(rec, "train"):
         if "titan_fold_proxy" in fig:
@@ -243,7 +254,7 @@ def train_table(rec: dict) -> list[str]:
             experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
             status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
             out.append(f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | {experts} | "
-                       f"{_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | {_f(r['mfu_pct'])} | "
+                       f"{expert_path(r)} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | {_f(r['mfu_pct'])} | "
                        f"{_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
                        f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
             n += 1

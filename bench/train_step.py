@@ -25,8 +25,9 @@ Settings: seq 4096, local batch 2, bf16 compute with fp32 master weights
 (training.mixed_precision_param = bfloat16: FSDP2's mixed precision on 2 GPUs, torchtitan's
 AMP autocast on 1 GPU), no activation checkpointing, AdamW.
 
-The worker also counts which expert kernel path ran (grouped GEMM or the per-expert
-loop fallback), because the loop is several times slower.
+The worker also counts which kernels the routed experts ran (GroupedExperts.path: QuACK's
+grouped GEMMs, torch's, FP8, padded batched GEMMs, or the per-expert loop, several times
+slower): the row's expert_path_calls (eager calls) and expert_path_compiled (graphs compiled).
 """
 
 import argparse
@@ -287,8 +288,11 @@ def run_case(case: str, a) -> dict:
     path_file = os.path.join(dump, "expert_path.json")
     if os.path.exists(path_file):
         with open(path_file) as f:
-            row["expert_path_calls"] = json.load(f)
+            paths = json.load(f)
+        row["expert_path_calls"], row["expert_path_compiled"] = paths["calls"], paths["compiled"]
     row.update(log_flags(log_path))
+    if any((row.get(key) or {}).get("loop") for key in ("expert_path_calls", "expert_path_compiled")):
+        print(f"[train_step] {case}: the routed experts ran the per-expert loop, the slow fallback", flush=True)
     return finish_row("train_step", row, log_path)
 
 
@@ -317,34 +321,54 @@ def worker(argv: list[str], family: str, proxy: str) -> None:
     writes every thread's Python stack to the log (where a case that outlived its time hung)."""
     import faulthandler
 
-    import torch
-
-    import titan_fold.moe.experts as experts_mod
     from titan_fold.train import main as train_main
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     register_proxy(family, proxy)
-    calls = {"grouped_mm": 0, "loop": 0, "padded": 0}
-
-    def counted(fn, key):
-        def inner(*args, **kwargs):
-            if not torch.compiler.is_compiling():
-                calls[key] += 1
-            return fn(*args, **kwargs)
-        return inner
-
-    experts_mod._swiglu_grouped = counted(experts_mod._swiglu_grouped, "grouped_mm")
-    experts_mod._swiglu_loop = counted(experts_mod._swiglu_loop, "loop")
-    experts_mod._swiglu_padded = counted(experts_mod._swiglu_padded, "padded")
-    try:
-        code = train_main(argv)  # an exit code (an error, NaN stop, signal) is not an exception
-    finally:
-        if int(os.environ.get("RANK", "0")) == 0:
-            dump = argv[argv.index("--job.dump_folder") + 1]
-            with open(os.path.join(dump, "expert_path.json"), "w") as f:
-                json.dump(calls, f)
+    with counting_expert_paths() as paths:
+        try:
+            code = train_main(argv)  # an exit code (an error, NaN stop, signal) is not an exception
+        finally:
+            if int(os.environ.get("RANK", "0")) == 0:
+                dump = argv[argv.index("--job.dump_folder") + 1]
+                with open(os.path.join(dump, "expert_path.json"), "w") as f:
+                    json.dump(paths, f)
     if code:
         sys.exit(code)
+
+
+@contextlib.contextmanager
+def counting_expert_paths():
+    """-> {"calls": {path: n}, "compiled": {path: n}}, filled while inside: the answers of
+    GroupedExperts.path (moe/experts.py), the kernels each experts call runs: per call where it
+    runs eagerly, and per graph it is compiled into under torch.compile (whose graphs run no
+    Python: the count happens when traced, a constant to the compiler, neither traced nor
+    guarded)."""
+    import torch
+
+    from titan_fold.moe.experts import GroupedExperts
+
+    counts = {"calls": {}, "compiled": {}}
+
+    @torch.compiler.assume_constant_result
+    def compiled(path: str) -> bool:
+        counts["compiled"][path] = counts["compiled"].get(path, 0) + 1
+        return True
+
+    def counted(self, *args):
+        path = choose(self, *args)
+        if torch.compiler.is_compiling():
+            compiled(path)
+        else:
+            counts["calls"][path] = counts["calls"].get(path, 0) + 1
+        return path
+
+    choose = GroupedExperts.path
+    GroupedExperts.path = counted
+    try:
+        yield counts
+    finally:
+        GroupedExperts.path = choose
 
 
 def parse(argv=None):

@@ -164,20 +164,56 @@ def test_log_flags(tmp_path):
     assert train_step.log_flags(str(log)) == {"dtype_mismatch_warnings": 0, "recompiles": 0}
 
 
-def test_train_step_rebuild_reads_what_a_cut_run_left(tmp_path):
+def test_train_step_rebuild_reads_what_a_cut_run_left(tmp_path, capsys):
     """--rebuild: no training, the rows from the metrics and logs a cut-off run left (return code 'cut')."""
     case = "dp2_ep2_compiled"
     (tmp_path / case).mkdir()
     recs = [{"step": s, "loss": 10.0 - s, "tokens_per_sec": 100.0 * s, "max_memory_gib": 5.0} for s in range(1, 9)]
     (tmp_path / case / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (tmp_path / f"{case}.log").write_text("[0/1] [__recompiles] Recompiling function forward in x.py:1\n")
+    # what the worker's counters wrote: the loop compiled into a graph
+    (tmp_path / case / "expert_path.json").write_text(json.dumps({"calls": {}, "compiled": {"loop": 1}}))
     out = tmp_path / "out"
     figures = train_step.main(["--cases", case, "--steps", "8", "--work-dir", str(tmp_path), "--rebuild",
                                "--name", "cut", "--out-dir", str(out)])
     (row,) = figures["rows"]
     assert row["returncode"] == "cut" and row["steps_logged"] == 8 and row["steps_measured"] == 3
     assert row["tokens_per_sec_per_gpu"] == 700.0 and row["recompiles"] == 1 and "log_tail" in row
+    assert row["expert_path_calls"] == {} and row["expert_path_compiled"] == {"loop": 1}
+    assert "ran the per-expert loop" in capsys.readouterr().out
     assert json.load(open(out / "cut.json"))["figures"]["rows"][0]["case"] == case
+
+
+def test_expert_path_counters_count_the_path_that_ran():
+    """bench/train_step.py's counters on a real MoE layer, forward and backward on the CPU: float32
+    rows take torch's grouped GEMM, float64 rows the per-expert loop, each counted per call; compiled
+    (bf16 rows, torch's grouped GEMM) the path is counted once per graph, not per call; the
+    counters come off afterwards. The report names each path counted, and marks a row that counted
+    none (records from before the counters, all zeros) unknown."""
+    from titan_fold.moe.experts import GroupedExperts
+
+    choose = GroupedExperts.path
+    torch.manual_seed(0)
+    for dtype, want in ((torch.float32, "torch"), (torch.float64, "loop")):
+        layer = MoE(32, MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=16)).to(dtype)
+        layer.init_weights(0.1)
+        with train_step.counting_expert_paths() as paths:
+            for _ in range(2):
+                layer(torch.randn(2, 8, 32, dtype=dtype)).square().sum().backward()
+        assert paths == {"calls": {want: 2}, "compiled": {}}, dtype
+    layer = MoE(32, MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=16)).to(torch.bfloat16)
+    layer.init_weights(0.1)
+    compiled = torch.compile(layer, backend="aot_eager")
+    with train_step.counting_expert_paths() as paths:
+        for _ in range(3):
+            compiled(torch.randn(2, 8, 32, dtype=torch.bfloat16)).float().square().sum().backward()
+    assert paths == {"calls": {}, "compiled": {"torch": 1}}
+    assert GroupedExperts.path is choose
+    assert report.expert_path({"expert_path_calls": {"torch": 180, "loop": 0}, "expert_path_compiled": {}}) == "torch 180"
+    assert report.expert_path({"expert_path_calls": {}, "expert_path_compiled": {"quack": 2, "loop": 1}}) == \
+        "quack 2 graphs, loop 1 graph"
+    assert report.expert_path({"expert_path_calls": {"grouped_mm": 0, "loop": 0, "padded": 0}}) == "unknown"
+    assert report.expert_path({"case": "1gpu"}) == "unknown"
 
 
 def test_train_step_summary_and_plans():
@@ -358,7 +394,7 @@ def test_report_tables(tmp_path):
                                                    "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
                                     "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
     text = report.report(str(tmp_path))
-    assert "| foldings | dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | 44,141 | 287.8 | 30.0 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text
+    assert "| foldings | dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | unknown | 44,141 | 287.8 | 30.0 | 59.0 | 0.186 | 10.90 -> 2.60 |" in text
     assert "29.1" not in text
     assert ("| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 766.8 | 0.531 | 5.24 "
             "| 1.142 |") in text

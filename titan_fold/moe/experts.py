@@ -11,6 +11,8 @@ elementwise over ffn, so each etp rank computes a partial w2 product that the
 dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 """
 
+from typing import Literal
+
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
@@ -22,6 +24,8 @@ from titan_fold.moe.fp8 import fp8_grouped_linear
 from titan_fold.moe.quack import Gather, offsets, quack_experts, use_quack
 from titan_fold.moe.swiglu import swiglu_pairs
 from titan_fold.moe.wgrad import flush_at_input, split_grouped_linear
+
+ExpertPath = Literal["split_wgrad", "fp8", "padded", "quack", "torch", "loop"]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -73,20 +77,36 @@ class GroupedExperts(nn.Module):
         x = x.to(dtype)
         w13, w2 = (local(w).to(dtype) for w in (self.w13, self.w2))
         p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
-        if self.wgrad is not None:
+        path = self.path(x, counts, gather, w2.shape[2])
+        if path == "split_wgrad":
             return _swiglu_split_wgrad(self, x, counts, w13, w2, p, prob_before_w2)
-        if self.fp8:
+        if path == "fp8":
             if isinstance(counts, int):
                 counts = torch.full((w13.shape[0],), counts, device=x.device)
             return _swiglu_grouped(x, counts, w13, w2, p, prob_before_w2, fp8_grouped_linear)
-        if isinstance(counts, int):
+        if path == "padded":
             y = _swiglu_padded(x.view(w13.shape[0], counts, -1), w13, w2, p.view(w13.shape[0], counts, 1), prob_before_w2)
             return y.flatten(0, 1)
-        if gather is not None or use_quack(self.grouped_gemm, x, w2.shape[2]):
+        if path == "quack":
             return quack_experts(x, offsets(counts), w13, w2, probs, prob_before_w2, gather)
-        if _grouped_mm_ok(x, w2.shape[2]):
+        if path == "torch":
             return _swiglu_grouped(x, counts, w13, w2, p, prob_before_w2)
         return _swiglu_loop(x, counts, w13, w2, p, prob_before_w2)
+
+    def path(self, x: torch.Tensor, counts: torch.Tensor | int, gather: Gather | None, ffn: int) -> ExpertPath:
+        """Which kernels forward() runs rows x (in the experts' dtype; ffn: this rank's expert width)
+        through: the weight gradients apart (split_wgrad), FP8 grouped GEMMs, batched GEMMs over
+        equal groups (padded: counts an int), QuACK's grouped GEMMs, torch's, or one GEMM chain per
+        expert (loop, the slow fallback). bench/train_step.py counts the answers."""
+        if self.wgrad is not None:
+            return "split_wgrad"
+        if self.fp8:
+            return "fp8"
+        if isinstance(counts, int):
+            return "padded"
+        if gather is not None or use_quack(self.grouped_gemm, x, ffn):
+            return "quack"
+        return "torch" if _grouped_mm_ok(x, ffn) else "loop"
 
     @torch.no_grad()
     def init_weights(self, init_std: float):
