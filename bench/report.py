@@ -9,6 +9,7 @@ over records and machines. `--write` puts them into docs/benchmarks.md between i
 """
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -229,6 +230,58 @@ def _attention(row: dict) -> str:
     return f"dp{row['nproc']} FSDP" if row["nproc"] > 1 else "single"
 
 
+@functools.cache
+def flop_counts(family: str, proxy: str, seq_len: int) -> tuple[int, int]:
+    """FLOPs per token of a proxy at seq_len in both counts: titan_fold's (the trainer's MFU,
+    TransformerArgs.get_nparams_and_flops: attention causal, over the mean of the q.k and v head
+    widths) and torchtitan 0.2.2's (its trainer's MFU, its model args' get_nparams_and_flops for
+    the model bench/vs_torchtitan.py builds at the proxy's widths: attention non-causal, over q.k
+    plus v). Built on the meta device; the flavors registered for it are taken off again."""
+    from bench import vs_torchtitan
+    from titan_fold.models import FLAVORS
+
+    flavors = dict(FLAVORS[family])
+    try:
+        return (vs_torchtitan.our_flops_per_token(family, proxy, seq_len),
+                vs_torchtitan.torchtitan_flops_per_token(family, proxy, seq_len))
+    finally:
+        FLAVORS[family].clear()
+        FLAVORS[family].update(flavors)
+
+
+def _proxy(fig: dict) -> tuple[str, str, int] | None:
+    """(family, proxy flavor, seq_len) of a trainer or vs-torchtitan step's figures, None where not recorded."""
+    proxy = fig.get("titan_fold_proxy") or fig.get("proxy_flavor")
+    return (fig["family"], proxy, fig["seq_len"]) if proxy and fig.get("family") and fig.get("seq_len") else None
+
+
+def _torchtitan_over_ours(fig: dict) -> float | None:
+    """torchtitan's FLOP count over titan_fold's for the proxy of a step's figures (None: unknown)."""
+    key = _proxy(fig)
+    if key is None:
+        return None
+    ours, theirs = flop_counts(*key)
+    return theirs / ours
+
+
+def _times(x, factor):
+    return None if x is None or factor is None else x * factor
+
+
+def flop_count_table(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Each proxy of the trainer and vs-torchtitan records: its FLOPs per token in titan_fold's
+    count and in torchtitan's, and how much higher torchtitan's is (its MFU by as much)."""
+    proxies = sorted({key for recs in groups.values() for rec in recs for fig in rec["figures"].values()
+                      if isinstance(fig, dict) and "rows" in fig and (key := _proxy(fig))})
+    out = ["| family | proxy | seq_len | titan_fold's count: GFLOP per token | torchtitan's count: GFLOP per token | "
+           "torchtitan's over titan_fold's |", "|---|---|---:|---:|---:|---:|"]
+    for family, proxy, seq_len in proxies:
+        ours, theirs = flop_counts(family, proxy, seq_len)
+        out.append(f"| {family} | {proxy} | {seq_len} | {_f(ours / 1e9, 3)} | {_f(theirs / 1e9, 3)} | "
+                   f"{100 * (theirs / ours - 1):+.1f}% |")
+    return out if proxies else []
+
+
 def expert_path(row: dict) -> str:
     """The kernels a trainer row's routed experts ran (bench/train_step.py's counters): each path
     counted, by eager calls and by graphs compiled; "unknown" where none was counted (a record
@@ -241,12 +294,13 @@ def expert_path(row: dict) -> str:
 
 def train_table(rec: dict) -> list[str]:
     out = ["| step | case | GPUs | attention | experts (ep, etp, edp) | expert path: calls, graphs compiled | "
-           "tokens/s per GPU | TFLOP/s per GPU | MFU % | peak memory GiB | step s | loss first -> last |",
-           "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+           "tokens/s per GPU | TFLOP/s per GPU | MFU %, titan_fold's count | MFU %, torchtitan's count | "
+           "peak memory GiB | step s | loss first -> last |", "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     n = 0
     for name, fig in _steps(rec, "train"):
         if "titan_fold_proxy" in fig:
             continue  # torchtitan's rows (bench/vs_torchtitan.py): vs_table
+        theirs = _torchtitan_over_ours(fig)
         for r in fig["rows"]:
             if "tokens_per_sec_per_gpu" not in r:
                 continue
@@ -254,7 +308,8 @@ def train_table(rec: dict) -> list[str]:
             experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
             status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
             out.append(f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | {experts} | "
-                       f"{expert_path(r)} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | {_f(r['mfu_pct'])} | "
+                       f"{expert_path(r)} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
+                       f"{_f(r['mfu_pct'])} | {_f(_times(r['mfu_pct'], theirs))} | "
                        f"{_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
                        f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
             n += 1
@@ -313,16 +368,23 @@ def train_phases_table(rec: dict) -> list[str]:
 
 
 def vs_table(rec: dict) -> list[str]:
-    out = ["| step | case | torchtitan tokens/s | torchtitan MFU % | titan_fold tokens/s | titan_fold MFU % | "
-           "titan_fold / torchtitan |", "|---|---|---:|---:|---:|---:|---:|"]
+    """torchtitan's rows beside titan_fold's, each trainer's MFU in both counts (flop_counts): the
+    one it logged, and the other's from it (the same tokens/s and peak, the count's ratio)."""
+    out = ["| step | case | torchtitan tokens/s | titan_fold tokens/s | titan_fold / torchtitan | torchtitan MFU %, "
+           "torchtitan's count | torchtitan MFU %, titan_fold's count | titan_fold MFU %, titan_fold's count | "
+           "titan_fold MFU %, torchtitan's count |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     n = 0
     for name, fig in _steps(rec, "train"):
         if "titan_fold_proxy" not in fig:
             continue
+        theirs = _torchtitan_over_ours(fig)
         for r in fig["rows"]:  # titan_fold's figures n/a where its step left none
-            out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['mfu_pct'])} | "
-                       f"{_f(r.get('titan_fold_tokens_per_sec'), 0)} | {_f(r.get('titan_fold_mfu_pct'))} | "
-                       f"{_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} |")
+            ours_mfu = r.get("titan_fold_mfu_pct")
+            out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | "
+                       f"{_f(r.get('titan_fold_tokens_per_sec'), 0)} | {_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} | "
+                       f"{_f(r['mfu_pct'])} | {_f(_times(r['mfu_pct'], theirs and 1 / theirs))} | "
+                       f"{_f(ours_mfu)} | {_f(_times(ours_mfu, theirs))} |")
             n += 1
     return out if n else []
 
@@ -642,7 +704,7 @@ def _quack_not_slower(shape: str):
 # hold its figure, the figure of a record or None, the least value that meets it)
 PROXY_CASES = (("eager", "1gpu_bf16params_auxfree", 30), ("compiled", "1gpu_bf16params_auxfree_compiled", 35))
 GOALS = (
-    *((f"Qwen3-30B-A3B proxy, {mode}: MFU %", ("trainer", "vs-torchtitan"), _proxy_mfu(case), least)
+    *((f"Qwen3-30B-A3B proxy, {mode}: MFU % (titan_fold's count)", ("trainer", "vs-torchtitan"), _proxy_mfu(case), least)
       for mode, case, least in PROXY_CASES),
     *((f"Qwen3-30B-A3B proxy, {mode}: tokens/s over torchtitan 0.2.2's", ("vs-torchtitan",), _over_torchtitan(case),
        1.6) for mode, case, _ in PROXY_CASES),
@@ -690,6 +752,9 @@ def report(results: str = RESULTS) -> str:
     goals = goals_table(groups)
     if goals:
         text += ["### Fine-grained MoE goals: the latest and the best recorded figure on each GPU", ""] + goals + [""]
+    counts = flop_count_table(groups)
+    if counts:
+        text += ["### MFU: titan_fold's FLOP count and torchtitan 0.2.2's, per proxy", ""] + counts + [""]
     loss_curves = [key for key in groups if key[0] == "loss-curve"]
     for key, recs in groups.items():
         for rec in _shown(recs):

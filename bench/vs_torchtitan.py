@@ -26,9 +26,10 @@ token stream), plugged into torchtitan's TrainSpec. Settings as bench/train_step
 4096, local batch 2, bf16 AMP with fp32 weights on one GPU, no activation checkpointing,
 AdamW, log every step, medians after warm-up.
 
-MFU is given twice: torchtitan's own count, and titan_fold's formula (6 * N_active +
-6 * n_layers * n_heads * head_dim * seq) for the titan_fold proxy, so both trainers are
-measured against one FLOP count per token. The ratio is titan_fold / torchtitan tokens/s,
+MFU is given twice: torchtitan's own count (torchtitan_flops_per_token: attention non-causal),
+and titan_fold's formula (6 * N_active + 6 * n_layers * n_heads * head_dim * seq: causal) for
+the titan_fold proxy, so both trainers are measured against one FLOP count per token
+(bench/report.py shows both counts for both trainers). The ratio is titan_fold / torchtitan tokens/s,
 read from `--ours` (a bench/train_step.py result of the same machine call).
 """
 
@@ -162,6 +163,24 @@ def our_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
     args = dataclasses.replace(FLAVORS[family][proxy], max_seq_len=seq_len)
     with torch.device("meta"):
         model = Transformer(args)
+    return args.get_nparams_and_flops(model, seq_len)[1]
+
+
+def torchtitan_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
+    """torchtitan 0.2.2's FLOP count per token (its model args' get_nparams_and_flops, what its
+    trainer's MFU divides by) for the model this script builds at the proxy's widths, on the
+    meta device."""
+    import torch
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+    from torchtitan.models.qwen3 import Qwen3Model
+
+    if family == "deepseek_v3":
+        args, build = deepseek_v3_args(proxy, seq_len), DeepSeekV3Model
+        args.moe_impl = "standard"  # what its update_from_config sets in the trainer
+    else:
+        args, build = qwen3_args(family, proxy, seq_len), Qwen3Model
+    with torch.device("meta"):
+        model = build(args)
     return args.get_nparams_and_flops(model, seq_len)[1]
 
 
