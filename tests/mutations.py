@@ -3,13 +3,19 @@
 Each mutation replaces one piece of text (found exactly once) in a copy of the repository and
 runs the tests named for it there, with the copy first on the import path; the mutation is
 caught when every one of those tests fails (reported FAILED, not a collection error). The
-unmutated suite passes the same tests, so each catch is the bug's doing. The list
-and what each mutation tests are in docs/running.md (`python -m tests.mutations --list`);
-tests/test_mutations.py runs the ones marked `fast` in the CPU suite.
+unmutated suite passes the same tests, so each catch is the bug's doing.
+
+`--record` writes the outcome of the run to tests/data/mutation_results.json with each
+mutation's fingerprint; `--list` prints the list with those outcomes (docs/running.md quotes
+it). tests/test_mutations.py checks that the record covers the list as it is, every
+mutation caught, and runs the ones marked `fast` again in the CPU suite.
 """
 
 import argparse
 import dataclasses
+import datetime
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RECORD = ROOT / "tests" / "data" / "mutation_results.json"
 # what a copy leaves out: history, environments, outputs and caches
 IGNORED = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
 
@@ -33,6 +40,10 @@ class Mutation:
     tests: tuple[str, ...]  # pytest node ids that must fail
     fast: bool = False  # run by the CPU suite (tests/test_mutations.py)
 
+    def fingerprint(self) -> str:
+        """Changes with anything that defines the mutation (a record of another one is stale)."""
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -40,14 +51,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "titan_fold/parallel/parallelize.py",
         "        unit.set_gradient_divide_factor(1.0)\n",
         "        unit.set_gradient_divide_factor(2.0 if unit in [m.experts for m in moe_layers(model)] else 1.0)\n",
-        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp4_ep2_edp2]",
-         "tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]")),
+        # every layout with experts sharded over edp > 1 (FSDP units of their own)
+        tuple(f"tests/test_equivalence.py::test_layout_matches_one_rank[{layout}]" for layout in (
+            "dp4_ep2_edp2", "c_cp4_dp2_ep2_etp2_edp2", "e_hsdp2x2_tp2_ep2_etp2_edp2", "f_tp4_dp2_ep2_edp4"))),
     Mutation(
         "expert_norm_not_reduced", "the expert mesh's all-reduce of the gradient norm skipped (clip.full_norm)",
         "titan_fold/parallel/clip.py",
         "    dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)\n",
         "",
-        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp8_ep4_etp2]",)),
+        # every layout with a mesh whose gradients are partial over two dims or more (not dp2 x ep2)
+        (*(f"tests/test_equivalence.py::test_layout_matches_one_rank[{layout}]" for layout in (
+            "dp4_ep2_edp2", "dp8_ep4_etp2", "a_tp2_cp2_dp2_ep4_etp2", "b_tp2_dp4_ep8_moe_recompute",
+            "c_cp4_dp2_ep2_etp2_edp2", "e_hsdp2x2_tp2_ep2_etp2_edp2", "f_tp4_dp2_ep2_edp4")),
+         "tests/test_equivalence.py::test_full_sequence_dropping_matches_one_rank[cp2_tp2_dp2_ep4_etp2_drop]")),
 )
 
 
@@ -89,34 +105,60 @@ def run(mutation: Mutation, workers: int = 0) -> Outcome:
     return Outcome(mutation, [t for t in mutation.tests if t in failed], time.perf_counter() - start, output)
 
 
-def table() -> str:
-    """The list as a Markdown table (docs/running.md)."""
-    rows = ["| mutation | planted bug | where | caught by |", "|---|---|---|---|"]
+def write_record(outcomes: list[Outcome], command: list[str]) -> None:
+    import torch
+
+    record = {"command": " ".join(["python -m tests.mutations", *command]),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "torch": torch.__version__, "python": sys.version.split()[0],
+              "mutations": {o.mutation.name: {"fingerprint": o.mutation.fingerprint(), "caught": o.caught,
+                                              "failed": o.failed, "seconds": round(o.seconds, 1)} for o in outcomes}}
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def read_record() -> dict:
+    return json.loads(RECORD.read_text())
+
+
+def listing() -> str:
+    """Each mutation, what it plants where, the tests that must catch it and the recorded outcome."""
+    record = read_record()
+    lines = [f"{len(MUTATIONS)} mutations ({sum(m.fast for m in MUTATIONS)} also run by the CPU suite: CI); "
+             f"outcomes as recorded by `{record['command']}` ({record['date']}, torch {record['torch']})"]
     for m in MUTATIONS:
-        tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
-        rows.append(f"| `{m.name}`{' (CI)' if m.fast else ''} | {m.what} | `{m.path}` | {tests} |")
-    return "\n".join(rows)
+        seen = record["mutations"].get(m.name)
+        if seen is None or seen["fingerprint"] != m.fingerprint():
+            outcome = "not recorded since it last changed"
+        else:
+            outcome = f"caught ({seen['seconds']:.0f} s)" if seen["caught"] else "MISSED"
+        lines += ["", f"{m.name}{'  [CI]' if m.fast else ''}: {m.what}",
+                  f"  in {m.path}; {outcome}; must fail:", *(f"    {t}" for t in m.tests)]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
-    parser.add_argument("--list", action="store_true", help="print the list as a Markdown table")
+    parser.add_argument("--list", action="store_true", help="print the list with the recorded outcomes")
+    parser.add_argument("--record", action="store_true", help=f"write the outcomes to {RECORD.relative_to(ROOT)}")
     parser.add_argument("--fast", action="store_true", help="only those the CPU suite runs")
     parser.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers per mutation")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
     args = parser.parse_args(argv)
     if args.list:
-        print(table())
+        print(listing())
         return 0
+    if args.record and (args.names or args.fast):
+        parser.error("--record: the record is of the whole list; run it without names or --fast")
     known = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"no mutation {', '.join(unknown)}; one of {', '.join(known)}")
     chosen = [known[n] for n in args.names] or [m for m in MUTATIONS if m.fast or not args.fast]
-    missed = []
+    missed, outcomes = [], []
     for m in chosen:
         outcome = run(m, args.workers)
+        outcomes.append(outcome)
         print(f"{'caught' if outcome.caught else 'MISSED'}  {m.name}  ({outcome.seconds:.0f} s)", flush=True)
         if args.verbose:
             print(outcome.output, flush=True)
@@ -126,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 if test not in outcome.failed:
                     print(f"  did not fail: {test}", flush=True)
     print(f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught" + (f"; missed: {', '.join(missed)}" if missed else ""))
+    if args.record:
+        write_record(outcomes, argv if argv is not None else sys.argv[1:])
     return 1 if missed else 0
 
 
