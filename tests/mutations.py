@@ -64,6 +64,76 @@ MUTATIONS: tuple[Mutation, ...] = (
             "dp4_ep2_edp2", "dp8_ep4_etp2", "a_tp2_cp2_dp2_ep4_etp2", "b_tp2_dp4_ep8_moe_recompute",
             "c_cp4_dp2_ep2_etp2_edp2", "e_hsdp2x2_tp2_ep2_etp2_edp2", "f_tp4_dp2_ep2_edp4")),
          "tests/test_equivalence.py::test_full_sequence_dropping_matches_one_rank[cp2_tp2_dp2_ep4_etp2_drop]")),
+    Mutation(
+        "cp_chunk_order_wrong", "cp's gathered K/V chunks put in rank order, not the load-balanced mirror order",
+        "titan_fold/parallel/attention.py",
+        "        order = [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]\n",
+        "        order = [2 * g if g < cp else 2 * (g - cp) + 1 for g in range(2 * cp)]\n",
+        ("tests/test_attention_parallel.py::test_attention_parallel_matches_one_rank",)),
+    Mutation(
+        "group_offsets_off_by_one", "each expert's row offsets searched after its rows: counts and starts off by one expert",
+        "titan_fold/moe/dispatcher.py",
+        "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow))  # [G + 1]\n",
+        "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow), right=True)\n",
+        ("tests/test_moe_layer.py::test_group_by[40-7]",
+         "tests/test_moe_layer.py::test_layer_matches_reference[2-8-None-probs-0.0-True-dtype0]"),
+        fast=True),
+    Mutation(
+        "token_drop_keeps_lowest", "token drop by probs keeps the lowest routing weights, not the highest",
+        "titan_fold/moe/dispatcher.py",
+        "        prio = torch.sort(probs.flatten(), descending=True, stable=True).indices\n",
+        "        prio = torch.sort(probs.flatten(), descending=False, stable=True).indices\n",
+        ("tests/test_moe_layer.py::test_layer_matches_reference[2-8-1.0-probs-0.0-True-dtype0]",)),
+    Mutation(
+        "mtp_target_offset", "the MTP layer's targets one token too far ahead (future_tokens)",
+        "titan_fold/models/mtp.py",
+        "        pad = torch.full_like(labels[:, :j], IGNORE_INDEX)\n        columns.append(torch.cat([labels[:, j:], pad], dim=1))\n",
+        "        pad = torch.full_like(labels[:, :j + 1], IGNORE_INDEX)\n        columns.append(torch.cat([labels[:, j + 1:], pad], dim=1))\n",
+        ("tests/test_deepseek_v3.py::test_mtp_loss_against_a_written_out_computation",)),
+    Mutation(
+        "fp8_scale_transposed", "the FP8 input gradient's weight quantized per output row, scaled per input column",
+        "titan_fold/moe/fp8.py",
+        "        wt_q, wt_s = quantize(w.transpose(1, 2))  # per (expert, input column), amax over the output rows\n",
+        "        wt_q, wt_s = quantize(w)[0].transpose(1, 2), quantize(w.transpose(1, 2))[1]\n",
+        ("tests/test_fp8.py::test_grouped_linear_and_grads_against_float64[cpu]",),
+        fast=True),
+    Mutation(
+        "wgrad_flushed_twice", "the delayed weight-gradient queue not emptied by flush: a later flush adds it again",
+        "titan_fold/moe/wgrad.py",
+        "        pending, self.pending = self.pending, []\n",
+        "        pending = self.pending\n",
+        ("tests/test_wgrad.py::test_delayed_wgrad_matches",)),
+    Mutation(
+        "static_exchange_reads_padding", "the static exchange counts each block's padding rows as its last expert's",
+        "titan_fold/moe/dispatcher.py",
+        "            expert_of_row = torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding\n",
+        "            expert_of_row = torch.searchsorted(ends, within, right=True).clamp(max=E_loc - 1).flatten()\n",
+        ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",)),
+    Mutation(
+        "aux_free_bias_sign_flipped", "the aux-free bias update's sign flipped: overloaded experts made more attractive",
+        "titan_fold/moe/layer.py",
+        "torch.sign(load.mean() - load)",
+        "torch.sign(load - load.mean())",
+        ("tests/test_moe_layer.py::test_aux_free_bias",)),
+    Mutation(
+        "yarn_floor_ceil_swapped", "YaRN's ramp bounds rounded inward (ceil low, floor high), not outward",
+        "titan_fold/models/mla.py",
+        "        low, high = math.floor(low), math.ceil(high)\n",
+        "        low, high = math.ceil(low), math.floor(high)\n",
+        ("tests/test_deepseek_v3.py::test_import_parity_and_exact_export[q_lora_yarn_groups]",),
+        fast=True),
+    Mutation(
+        "mla_mscale_not_squared", "MLA's softmax scale times YaRN's mscale once, not squared",
+        "titan_fold/models/deepseek_v3.py",
+        "            scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim) ** 2\n",
+        "            scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim)\n",
+        ("tests/test_deepseek_v3.py::test_import_parity_and_exact_export[yarn_mscale_half_split_tied]",)),
+    Mutation(
+        "etp_reduce_scatter_mean", "the dispatcher's reduce-scatter over etp averages the partial w2 products",
+        "titan_fold/moe/dispatcher.py",
+        "    return parts.view(n, mine, *y.shape[1:]).sum(0, dtype=y.dtype)\n",
+        "    return parts.view(n, mine, *y.shape[1:]).mean(0, dtype=y.dtype)\n",
+        ("tests/test_dispatcher.py::test_dispatcher_matches_reference",)),
 )
 
 
