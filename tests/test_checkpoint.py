@@ -81,6 +81,27 @@ def close(got: dict, ref: dict, steps, rel=1e-5):
         assert got[s] == pytest.approx(ref[s], rel=rel), (s, got[s], ref[s])
 
 
+def router_biases(checkpoint) -> dict[str, torch.Tensor]:
+    """The aux-free router biases a step folder holds, by key."""
+    import torch.distributed.checkpoint as dcp
+
+    md = read_metadata(str(checkpoint)).state_dict_metadata
+    state = {k: torch.zeros(list(m.size)) for k, m in md.items() if k.endswith("router.expert_bias")}
+    assert state, "no router bias in the checkpoint"
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    return state
+
+
+def same_biases(resumed, ref) -> None:
+    """The resumed run's biases at the last step equal the uninterrupted one-rank run's: each
+    update is a sign step from the expert loads, so a lost or stale bias stays visible where
+    the losses move by less than their tolerance."""
+    got, want = (router_biases(f / "checkpoint" / f"step-{STEPS}") for f in (resumed, ref))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), (k, got[k], want[k])
+
+
 def test_checkpoint_holds_every_state(run_a):
     folder, _ = run_a
     step3 = str(folder / "checkpoint" / "step-3")
@@ -114,6 +135,7 @@ def test_layouts_agree_uninterrupted(run_a, run_one):
 def test_resume_two_ranks_ep2_on_one_rank(run_a, run_one, tmp_path):
     got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 1)
     close(got, run_one[1], (4, 5, 6))
+    same_biases(tmp_path, run_one[0])
 
 
 def test_resume_two_ranks_ep2_on_pipeline_pp2_edp2(run_a, run_one, tmp_path):
@@ -121,18 +143,21 @@ def test_resume_two_ranks_ep2_on_pipeline_pp2_edp2(run_a, run_one, tmp_path):
     got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 4, "--parallelism.pipeline_parallel_degree", "2",
                  "--training.local_batch_size", "4")
     close(got, run_one[1], (4, 5, 6))
+    same_biases(tmp_path, run_one[0])
 
 
 def test_resume_one_rank_on_four_ranks_tp2_ep2_etp2(run_one, tmp_path):
     got = resume(tmp_path, run_one[0] / "checkpoint" / "step-3", 4, *EP2,
                  "--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2")
     close(got, run_one[1], (4, 5, 6))
+    same_biases(tmp_path, run_one[0])
 
 
 def test_resume_two_ranks_dp2_ep2_on_cp2_etp2(run_a, run_one, tmp_path):
     got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 2,
                  "--parallelism.context_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
     close(got, run_one[1], (4, 5, 6))
+    same_biases(tmp_path, run_one[0])
 
 
 def test_killed_rank_restarts_from_last_complete_checkpoint(run_a, seed_checkpoint, tmp_path):
