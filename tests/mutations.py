@@ -65,6 +65,25 @@ MUTATIONS: tuple[Mutation, ...] = (
             "c_cp4_dp2_ep2_etp2_edp2", "e_hsdp2x2_tp2_ep2_etp2_edp2", "f_tp4_dp2_ep2_edp4")),
          "tests/test_equivalence.py::test_full_sequence_dropping_matches_one_rank[cp2_tp2_dp2_ep4_etp2_drop]")),
     Mutation(
+        "router_grad_tp_sum_dropped", "the router gate's gradient not summed over tp (its token rows taken as replicated)",
+        "titan_fold/parallel/placement.py",
+        "        return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)\n",
+        "        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)\n",
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]",)),
+    Mutation(
+        "router_stats_over_cp_only", "the router's aux-loss statistics summed over cp only, not cp x tp",
+        "titan_fold/parallel/experts.py",
+        '        seq_mesh=layout.get_optional_mesh("cp_tp"),\n',
+        '        seq_mesh=layout.get_optional_mesh("cp"),\n',
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[a_tp2_cp2_dp2_ep4_etp2]",
+         "tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]")),
+    Mutation(
+        "edp_reduce_scatter_skipped", "routed experts left out of FSDP over edp: their gradients never reduced over edp",
+        "titan_fold/parallel/placement.py",
+        '                fsdp_mesh=("edp",) if layout.edp > 1 else (),\n',
+        "                fsdp_mesh=(),\n",
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp4_ep2_edp2]",)),
+    Mutation(
         "cp_chunk_order_wrong", "cp's gathered K/V chunks put in rank order, not the load-balanced mirror order",
         "titan_fold/parallel/attention.py",
         "        order = [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]\n",
@@ -84,6 +103,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        prio = torch.sort(probs.flatten(), descending=True, stable=True).indices\n",
         "        prio = torch.sort(probs.flatten(), descending=False, stable=True).indices\n",
         ("tests/test_moe_layer.py::test_layer_matches_reference[2-8-1.0-probs-0.0-True-dtype0]",)),
+    Mutation(
+        "expert_bias_not_checkpointed", "the aux-free router bias left out of the state dict: a resume restarts it at zero",
+        "titan_fold/moe/router.py",
+        '        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)\n',
+        '        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)\n',
+        ("tests/test_checkpoint.py::test_checkpoint_holds_every_state",
+         "tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank")),
     Mutation(
         "mtp_target_offset", "the MTP layer's targets one token too far ahead (future_tokens)",
         "titan_fold/models/mtp.py",
@@ -115,6 +141,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch.sign(load.mean() - load)",
         "torch.sign(load - load.mean())",
         ("tests/test_moe_layer.py::test_aux_free_bias",)),
+    Mutation(
+        "aux_free_load_over_dp_only", "the aux-free expert load summed over dp only, not every rank of the stage (cp, tp)",
+        "titan_fold/trainer/fold_trainer.py",
+        '            stage_mesh = self.parallel_dims.get_optional_mesh("stage")\n',
+        '            stage_mesh = self.parallel_dims.get_optional_mesh("batch")\n',
+        ("tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[tp2]",)),
+    Mutation(
+        "mtp_embedding_grad_not_synced", "under pp the MTP layers' embedding copy keeps its own gradient (no sum with stage 0's)",
+        "titan_fold/parallel/pipeline.py",
+        "        grad.add_(buf)\n",
+        "",
+        ("tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[pp2]",)),
     Mutation(
         "yarn_floor_ceil_swapped", "YaRN's ramp bounds rounded inward (ceil low, floor high), not outward",
         "titan_fold/models/mla.py",
