@@ -90,6 +90,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        order = [2 * g if g < cp else 2 * (g - cp) + 1 for g in range(2 * cp)]\n",
         ("tests/test_attention_parallel.py::test_attention_parallel_matches_one_rank",)),
     Mutation(
+        "router_ties_to_higher_expert", "the Triton router's argmax passes take the higher expert or group among equals",
+        "titan_fold/moe/router_triton.py",
+        "tl.min(tl.where(x == top[:, None], cols[None, :], x.shape[1]), axis=1)",
+        "tl.max(tl.where(x == top[:, None], cols[None, :], -1), axis=1)",
+        ("tests/test_moe_fast_paths.py::test_fused_route_equals_route_whole_in_the_triton_interpreter",), fast=True),
+    Mutation(
+        "router_group_ties_to_higher", "the Triton router keeps the higher group among groups of equal scores",
+        "titan_fold/moe/router_triton.py",
+        "kept = _first_max(group_score, gcols)",
+        "kept = tl.max(tl.where(group_score == tl.max(group_score, axis=1)[:, None], gcols[None, :], -1), axis=1)",
+        ("tests/test_moe_fast_paths.py::test_fused_route_equals_route_whole_in_the_triton_interpreter",)),
+    Mutation(
         "group_offsets_off_by_one", "each expert's row offsets searched after its rows: counts and starts off by one expert",
         "titan_fold/moe/dispatcher.py",
         "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow))  # [G + 1]\n",
