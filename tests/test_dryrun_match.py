@@ -4,7 +4,6 @@ pair of ranks matched. A file of its own: the 64- and 128-rank worlds are the su
 checks, and pytest-xdist (`--dist loadfile`) runs them beside the rest."""
 
 import pytest
-import torch
 import torch.distributed as dist
 from test_dryrun import WORLD, config
 
@@ -13,10 +12,6 @@ from titan_fold import dryrun
 # one step of one rank costs about 0.3-0.6 CPU s (DTensor's sharding decisions shared by the
 # ranks, weights initialized on the local shards: dryrun.SharedShardingDecisions, _init_weights):
 # qwen2.toml (64 ranks) and both Mixtral configs (128) together about 125 CPU s
-# torch 2.13 cannot run op-level selective AC under a pipeline schedule with experts sharded
-# over edp (parallelize.op_sac_problem: qwen2.toml and the Mixtral configs); the dry run then
-# records the step with full AC (dryrun.step_config) and a real run refuses it in preflight
-SAC_UNDER_PP_FAILS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 @pytest.fixture(autouse=True)
@@ -34,12 +29,9 @@ def test_packaged_config_collectives_match(name):
     issue the same sequence, every pipeline send meets its recv, and every parameter's
     gradient is reduced as the placement plan says (dryrun/gradients.py)."""
     c = config(name)
-    layout, args, _ = dryrun.check_config(c, WORLD[name])
-    matched, problem = dryrun.step_config(c, layout)
-    assert (problem is not None) == (SAC_UNDER_PP_FAILS and name in ("qwen2.toml", "mixtral_8x22b.toml",
-                                                                     "mixtral_8x22b_g8t8.toml"))
-    gradients = dryrun.gradient_check(matched, WORLD[name], args)
-    per_group = dryrun.record_collectives(matched, WORLD[name], args, watch=gradients.watch)
+    _, args, _ = dryrun.check_config(c, WORLD[name])
+    gradients = dryrun.gradient_check(c, WORLD[name], args)
+    per_group = dryrun.record_collectives(c, WORLD[name], args, watch=gradients.watch)
     assert dryrun.first_divergence(per_group) is None
     # the same step: every parameter's reductions and norm share on every rank as the plan says
     report = gradients.report()
@@ -52,10 +44,9 @@ def test_packaged_config_collectives_match(name):
     assert sum(desc == dryrun.P2P for desc, _ in per_group) == (WORLD[name] if pp > 2 else WORLD[name] // 2) * (pp > 1)
 
 
-@pytest.mark.xfail(SAC_UNDER_PP_FAILS, raises=dryrun.StepFailed, strict=True,
-                   reason="torch 2.13: op-level selective AC under a pipeline schedule (see SAC_UNDER_PP_FAILS)")
 def test_selective_ac_under_pipeline_schedule():
-    """qwen2.toml as shipped: rank 0's training step (pp 4, Interleaved1F1B, op-level selective AC)."""
+    """qwen2.toml as shipped: rank 0's training step (pp 4, Interleaved1F1B, op-level selective AC
+    with the experts' FSDP unit over edp 4 inside the recompute)."""
     c = config("qwen2.toml")
     _, args, _ = dryrun.check_config(c, 64)
     assert dryrun.first_divergence(dryrun.record_collectives(c, 64, args, ranks=[0])) is None
@@ -76,25 +67,3 @@ def test_shared_sharding_decisions_change_nothing():
             alone.setdefault(key, {}).update(by_rank)
     assert together == alone
     assert any(desc == dryrun.P2P for desc, _ in together) and len(together) > 8
-
-
-def test_real_run_refuses_what_this_torch_cannot_run():
-    """A real run's preflight: op-level selective AC under PP with the experts sharded over edp
-    is one line on torch >= 2.13 (the dry run records that step with full AC instead), and is
-    accepted on torch 2.11; its neighbours are accepted on both."""
-    from titan_fold.common.config import ConfigError
-    from titan_fold.trainer.preflight import preflight
-
-    args = ["--parallelism.pipeline_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
-            "--activation_checkpoint.selective_ac_option", "op", "--training.local_batch_size", "2"]
-    if SAC_UNDER_PP_FAILS:
-        with pytest.raises(ConfigError, match=r"^activation_checkpoint.selective_ac_option = 'op' with "
-                           r"parallelism.pipeline_parallel_degree = 2 and experts sharded over edp = 2 .*: use "
-                           r"--activation_checkpoint.selective_ac_option 2 or --activation_checkpoint.mode full$"):
-            preflight(config("debug_moe.toml", *args), 4)
-    else:
-        preflight(config("debug_moe.toml", *args), 4)
-    # option 2 (every other block whole), full AC, and edp 1 (the experts outside FSDP)
-    for other in (["--activation_checkpoint.selective_ac_option", "2"], ["--activation_checkpoint.mode", "full"],
-                  ["--parallelism.expert_parallel_degree", "2"]):
-        preflight(config("debug_moe.toml", *args, *other), 4)

@@ -27,9 +27,8 @@ def no_process_group():
 
 def run(name, world, *overrides, ranks=(0,)):
     c = config(name, *overrides)
-    layout, args, _ = dryrun.check_config(c, world)
-    step, _ = dryrun.step_config(c, layout)
-    rep = check_gradients(step, world, args, ranks=list(ranks))["gradients"]
+    _, args, _ = dryrun.check_config(c, world)
+    rep = check_gradients(c, world, args, ranks=list(ranks))["gradients"]
     print("\n".join(format_gradients(rep)))
     return rep
 

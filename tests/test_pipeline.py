@@ -154,6 +154,10 @@ LAYOUTS = {
     # attention pp2 dp1, experts pp2 ep1: 2 grad-accumulation steps of 4 pipeline micro-batches
     # with full activation checkpointing: backward recomputes the MoE layers
     "pp2_1F1B_ac": (2, ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"), "1F1B"),
+    # attention pp2 dp2, experts pp2 edp2 with op-level selective AC: the experts' FSDP unit runs
+    # inside the recompute (parallelize.keep_profiler_ranges_out_of_sac); the reference has no AC
+    "pp2_edp2_1F1B_op_sac": (4, ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                                 "--activation_checkpoint.selective_ac_option", "op"), "1F1B"),
     "pp2_GPipe": (2, ("--training.local_batch_size", "4"), "GPipe"),
     # the parallelize issue's layout (d): attention pp2 tp2 dp2, experts pp2 ep4 etp1 (tp folded into ep)
     "d_pp2_tp2_dp2_ep4_1F1B": (8, ("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",

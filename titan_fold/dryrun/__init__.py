@@ -33,10 +33,9 @@ from titan_fold.dryrun.report import (
            excerpt_block,
            format_report,
            main,
-           step_config,
 )
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
 
 __all__ = ["P2P", "SharedShardingDecisions", "StepFailed", "build_rank", "check_config", "check_gradients", "doc_excerpt", "dry_run",
            "excerpt_block", "first_divergence", "format_report", "gradient_check", "init_fake_world", "main", "record_collectives",
-           "shrunk_config", "simulate_rank", "step_config"]
+           "shrunk_config", "simulate_rank"]

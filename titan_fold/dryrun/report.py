@@ -1,6 +1,5 @@
 """The whole dry run of a job config: checks, measured ranks, recorded collectives, the table, the JSON and the excerpt docs/dryrun.md quotes."""
 
-import copy
 import dataclasses
 import json
 import logging
@@ -19,7 +18,6 @@ from titan_fold.dryrun.measure import compare, cost_model_estimate, simulate_ran
 from titan_fold.dryrun.record import StepFailed, record_collectives, shrunk_config
 from titan_fold.dryrun.world import positions
 from titan_fold.parallel.mesh import Layout
-from titan_fold.parallel.parallelize import op_sac_problem
 from titan_fold.planning.accounting import GIB
 from titan_fold.trainer.preflight import check_layout, model_args_from_config, preflight
 
@@ -37,19 +35,6 @@ def check_config(job_config, world_size: int) -> tuple[Layout, object, list[str]
     _, model_args = model_args_from_config(job_config)
     model_args.update_from_config(job_config)
     return layout, model_args, warnings
-
-
-def step_config(job_config, layout: Layout) -> tuple[object, str | None]:
-    """The config whose training step the collective check records, and why it is not the
-    job's own: op-level selective AC that this torch cannot run at this layout (a real run
-    refuses it in preflight) is replaced by full AC, which issues the forward's collectives
-    again in backward."""
-    problem = op_sac_problem(job_config, layout)
-    if problem is None:
-        return job_config, None
-    config = copy.deepcopy(job_config)
-    config.activation_checkpoint.mode = "full"
-    return config, problem
 
 
 def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collectives: bool = True) -> dict:
@@ -82,9 +67,6 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
     check = gradient_check(job_config, world_size, model_args) if job_config.comm.check_gradients else None
     if collectives or check is not None:
         t1 = time.process_time()
-        step, problem = step_config(job_config, layout)
-        if problem:
-            warnings.append(f"{problem}; the collective step below runs with activation_checkpoint.mode = 'full'")
         # without the collective check, the gradient check's step runs on one rank per position
         step_ranks = None if collectives else positions(layout)
         where = f"on all {world_size} ranks" if collectives else (
@@ -95,7 +77,7 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
                     + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 and collectives else ""),
             "matched": collectives, "step_failed": None, "first_divergence": None}
         try:
-            per_group = record_collectives(step, world_size, model_args, ranks=step_ranks,
+            per_group = record_collectives(job_config, world_size, model_args, ranks=step_ranks,
                                            watch=check.watch if check is not None else None)
         except StepFailed as e:
             col["step_failed"] = e.report

@@ -7,13 +7,15 @@ before `to_empty` and `init_weights`). Under pipelining, `parallel/pipeline.py` 
 model into stages and calls this function on each stage model.
 """
 
+import contextlib
 import gc
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
@@ -37,6 +39,8 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
         apply_ac(model, ac, model_compile_enabled=compile_model, base_folder=job_config.job.dump_folder)
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            keep_profiler_ranges_out_of_sac(model)
     if ac.moe_layer_recompute:
         apply_moe_recompute(model)
     if compile_model:
@@ -83,23 +87,56 @@ def fsdp_compute_dtype(training) -> torch.dtype | None:
     return TORCH_DTYPE_MAP[training.mixed_precision_param] if torch.cuda.is_available() else None
 
 
-def op_sac_problem(job_config, layout: Layout) -> str | None:
-    """Why op-level selective AC cannot run this layout on this torch, or None.
+class _ProfilerRangesBeneath(TorchDispatchMode):
+    """Runs torch.profiler's range ops (the `profiler` namespace: they take a name and return
+    a handle, no tensor) beneath every dispatch mode, so the selective-checkpoint modes it is
+    entered inside neither store nor look them up; every other op goes to them unchanged."""
 
-    torch 2.13's selective checkpointing requires the recompute to issue exactly the ops of
-    the forward. Under a pipeline schedule the experts' own FSDP unit (edp > 1), nested in the
-    checkpointed block, opens a profiler range (FSDP::root_pre_forward) in the recompute only:
-    the first backward fails (docs/planning.md has the 4-rank command). torch 2.11 checks only
-    the ops it saved and runs it."""
-    ac = job_config.activation_checkpoint
-    if not (ac.mode == "selective" and ac.selective_ac_option == "op" and layout.pp > 1 and layout.edp > 1):
-        return None
-    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
-        return None
-    return (f"activation_checkpoint.selective_ac_option = 'op' with parallelism.pipeline_parallel_degree = {layout.pp} "
-            f"and experts sharded over edp = {layout.edp} fails in the first backward on torch {torch.__version__} "
-            "(FSDP opens a profiler range in the recompute only; torch 2.11 runs it): use "
-            "--activation_checkpoint.selective_ac_option 2 or --activation_checkpoint.mode full")
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "profiler":
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _with_profiler_ranges_beneath(context):
+    with context, _ProfilerRangesBeneath():
+        yield
+
+
+def _profiler_ranges_beneath(context_fn):
+    """op-level SAC's pair of contexts (forward, recompute), each with profiler ranges kept out."""
+
+    def contexts():
+        forward, recompute = context_fn()
+        if torch.compiler.is_compiling():  # dynamo traces torch's own modes only
+            return forward, recompute
+        return _with_profiler_ranges_beneath(forward), _with_profiler_ranges_beneath(recompute)
+
+    return contexts
+
+
+def keep_profiler_ranges_out_of_sac(model: nn.Module) -> None:
+    """Op-level selective AC (torchtitan's apply_ac) as it is, but blind to profiler ranges.
+
+    torch >= 2.13's selective checkpointing requires the recompute to issue exactly the ops of
+    the forward, profiler ranges included. The experts' own FSDP unit (edp > 1), nested in the
+    checkpointed block, finds no forward root in progress when the recompute runs it, becomes
+    one and opens a profiler range (FSDP::root_pre_forward) that the forward did not: the first
+    backward fails (docs/planning.md has the 4-rank command). A range computes nothing, so the
+    check is kept for every other op; torch 2.11 checks only the ops it saved."""
+    for layer_id, block in model.layers.named_children():
+        if not isinstance(block, CheckpointWrapper):
+            continue
+        kwargs = dict(block.checkpoint_fn.keywords)
+        kwargs.pop("use_reentrant")  # checkpoint_wrapper sets it (NO_REENTRANT)
+        kwargs["context_fn"] = _profiler_ranges_beneath(kwargs["context_fn"])
+        model.layers.register_module(layer_id, checkpoint_wrapper(block._checkpoint_wrapped_module, **kwargs))
 
 
 def apply_moe_recompute(model: nn.Module) -> None:

@@ -17,7 +17,6 @@ from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.moe.quack import quack_problem, varying_rows
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.overlap import overlap_problem
-from titan_fold.parallel.parallelize import op_sac_problem
 from titan_fold.parallel.pipeline import check_pipeline
 from titan_fold.trainer.train_spec import register_train_specs
 
@@ -77,9 +76,6 @@ def preflight(config: JobConfig, world_size: int) -> Layout:
         raise ConfigError(f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
                           "layer and step, and QuACK tunes its kernels for each new count; set "
                           "moe.grouped_gemm = 'torch' (or 'auto', which picks it here)")
-    # a dry run reports it and records the step with full AC instead (dryrun.step_config)
-    if config.comm.mode != "fake_backend" and (problem := op_sac_problem(config, layout)):
-        raise ConfigError(problem)
     check_initial_hf_load(config, model_args)
     check_dataset(config)
     ckpt = config.checkpoint
