@@ -5,7 +5,8 @@
 torchtitan's `--comm.mode fake_backend` (a fake process group of NGPU ranks in one process)
 runs this instead of training. For the simulated rank (`--comm.dry_run_rank R`, default 0;
 -1: the first and the last rank of every pipeline stage) it
-- checks the config as a real run does (titan_fold.trainer.preflight.check_layout);
+- runs every check a real run makes before its first step (titan_fold.trainer.preflight.CHECKS),
+  failing as the real run fails (one line, exit 2);
 - builds both meshes on the fake process group and reads off the rank's coordinates;
 - builds the model on the meta device and applies the trainer's own pipeline split and
   parallelize (TP/SP, CP, EP x ETP, FSDP2 on both meshes): local shapes, no storage;

@@ -19,19 +19,15 @@ from titan_fold.dryrun.record import StepFailed, record_collectives, shrunk_conf
 from titan_fold.dryrun.world import positions
 from titan_fold.parallel.mesh import Layout
 from titan_fold.planning.accounting import GIB
-from titan_fold.trainer.preflight import check_layout, model_args_from_config, preflight
+from titan_fold.trainer.preflight import model_args_from_config, preflight
 
 
 def check_config(job_config, world_size: int) -> tuple[Layout, object, list[str]]:
-    """The checks of a real run's preflight; a tokenizer folder missing on this machine is
-    a warning (it lives on the cluster), every other failure is the real run's error."""
+    """Every check of a real run's preflight (preflight.CHECKS), failing as the real run fails;
+    a tokenizer folder missing on this machine is a warning (it lives on the cluster)."""
 
-    warnings = []
-    try:
-        layout = preflight(job_config, world_size)
-    except FileNotFoundError as e:
-        layout = check_layout(job_config, world_size)
-        warnings.append(f"not checked here: {e}")
+    warnings: list[str] = []
+    layout = preflight(job_config, world_size, missing_tokenizer=warnings)
     _, model_args = model_args_from_config(job_config)
     model_args.update_from_config(job_config)
     return layout, model_args, warnings

@@ -26,7 +26,7 @@ from torchtitan.train import Trainer
 
 from titan_fold.checkpoint.manager import FoldCheckpointManager, maybe_fault
 from titan_fold.checkpoint.settings import run_settings
-from titan_fold.common.config import ConfigError, JobConfig, parse_args
+from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.common.tensors import to_device
@@ -439,11 +439,7 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         trainer = FoldTrainer(config, stop_signals)
         if torch.distributed.get_rank() == 0:
             logger.info(trainer.banner())
-        if config.checkpoint.create_seed_checkpoint:
-            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-                raise ConfigError("checkpoint.create_seed_checkpoint: run it on a single rank (it must not be sharded)")
-            if not config.checkpoint.enable:
-                raise ConfigError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+        if config.checkpoint.create_seed_checkpoint:  # preflight checked the rank count and checkpoint.enable
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:

@@ -1,5 +1,6 @@
 """Everything a run checks before any process group, file or model exists: degrees, model, batch, paths."""
 
+import dataclasses
 import os
 import re
 
@@ -49,43 +50,104 @@ def model_args_from_config(config: JobConfig):
     return spec, model_args
 
 
-def preflight(config: JobConfig, world_size: int) -> Layout:
-    """Reject bad input before any process group, file or model exists."""
-    layout = check_layout(config, world_size)
-    spec, model_args = model_args_from_config(config)
-    tr = config.training
+@dataclasses.dataclass
+class Checked:
+    """What the checks have found so far: each check reads the config and the earlier findings."""
+
+    config: JobConfig
+    world_size: int
+    layout: Layout | None = None
+    spec: object = None
+    model_args: object = None
+    tokenizer: object = None  # None: not built (a dry run on a machine without the folder)
+
+
+def _check_layout(c: Checked) -> None:
+    c.layout = check_layout(c.config, c.world_size)
+    c.spec, c.model_args = model_args_from_config(c.config)
+
+
+def _check_batch(c: Checked) -> None:
+    tr, dp = c.config.training, c.layout.dp
     if tr.global_batch_size == 0 or tr.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size = {tr.global_batch_size}: must be >= 1, or -1 for local x dp")
-    if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * layout.dp):
+    if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * dp):
         raise ConfigError(
             f"training.global_batch_size = {tr.global_batch_size} must be a multiple of training.local_batch_size "
-            f"x dp degree = {tr.local_batch_size} x {layout.dp}"
+            f"x dp degree = {tr.local_batch_size} x {dp}"
         )
-    tokenizer = spec.build_tokenizer_fn(config)
-    if tokenizer.get_vocab_size() > model_args.vocab_size:
+
+
+def _check_tokenizer(c: Checked) -> None:
+    c.tokenizer = c.spec.build_tokenizer_fn(c.config)
+    if c.tokenizer.get_vocab_size() > c.model_args.vocab_size:
         raise ConfigError(
-            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model {config.model.name} "
-            f"{config.model.flavor} has vocab_size {model_args.vocab_size}"
+            f"the tokenizer has {c.tokenizer.get_vocab_size()} tokens but model {c.config.model.name} "
+            f"{c.config.model.flavor} has vocab_size {c.model_args.vocab_size}"
         )
-    if model_args.moe.expert_fp8:
-        check_expert_fp8(config, model_args, layout)
+
+
+def _check_experts(c: Checked) -> None:
+    config, moe = c.config, c.model_args.moe
+    if moe.expert_fp8:
+        check_expert_fp8(config, c.model_args, c.layout)
     # a dry run plans for the real GPUs, where QuACK may be installed
     if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
         raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")
-    if model_args.moe.grouped_gemm == "quack" and (varying := varying_rows(model_args.moe, layout.ep, layout.etp)):
+    if moe.grouped_gemm == "quack" and (varying := varying_rows(moe, c.layout.ep, c.layout.etp)):
         raise ConfigError(f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
                           "layer and step, and QuACK tunes its kernels for each new count; set "
                           "moe.grouped_gemm = 'torch' (or 'auto', which picks it here)")
-    check_initial_hf_load(config, model_args)
+
+
+def _check_paths(c: Checked) -> None:
+    config = c.config
+    check_initial_hf_load(config, c.model_args)
     check_dataset(config)
     ckpt = config.checkpoint
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
+    if ckpt.create_seed_checkpoint:
+        if c.world_size != 1:
+            raise ConfigError("checkpoint.create_seed_checkpoint: run it on a single rank (it must not be sharded)")
+        if not ckpt.enable:
+            raise ConfigError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+
+
+def _check_resume(c: Checked) -> None:
     # the checkpoint a resume loads was saved with these settings (checkpoint/manager.py)
-    for line in check_resume(config, run_settings(config, tokenizer, layout.dp)):
+    if c.tokenizer is None:
+        return
+    for line in check_resume(c.config, run_settings(c.config, c.tokenizer, c.layout.dp)):
         if is_first_rank():
             logger.warning(line)
-    return layout
+
+
+# every check a run makes before any process group, file or model exists, in order; a real
+# run (fold_trainer.main) and a dry run (dryrun.check_config) both run all of them
+CHECKS = (
+    ("layout", _check_layout),
+    ("batch", _check_batch),
+    ("tokenizer", _check_tokenizer),
+    ("experts", _check_experts),
+    ("paths", _check_paths),
+    ("resume", _check_resume),
+)
+
+
+def preflight(config: JobConfig, world_size: int, missing_tokenizer: list[str] | None = None) -> Layout:
+    """Reject bad input before any process group, file or model exists (CHECKS, in order).
+    missing_tokenizer (a dry run's: the folder lives on the cluster) collects a missing
+    tokenizer folder as a line instead of raising, and the checks go on without it."""
+    checked = Checked(config, world_size)
+    for name, check in CHECKS:
+        try:
+            check(checked)
+        except FileNotFoundError as e:
+            if name != "tokenizer" or missing_tokenizer is None:
+                raise
+            missing_tokenizer.append(f"not checked here: {e}")
+    return checked.layout
 
 
 def check_expert_fp8(config: JobConfig, model_args, layout: Layout) -> None:
