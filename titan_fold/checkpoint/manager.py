@@ -24,13 +24,16 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
 - the RNG state (torch's CPU generator, and CUDA's when present) in the checkpoint;
 - the run's settings (`settings`, written as SETTINGS_FILE into each step-N), which a resume
   is compared with (settings.py); one log line per save;
-- a fault-injection hook for tests, read in one place: TITAN_FOLD_FAULT_AT_STEP=k (and
-  TITAN_FOLD_FAULT_RANK, default 0) kills that rank with SIGKILL in the middle of step k
-  (after forward / backward, before the optimizer step) in the first torchrun attempt only
-  (TORCHELASTIC_RESTART_COUNT == 0), so `torchrun --max-restarts 1` resumes
-  (`maybe_fault`, called by FoldTrainer.forward_backward_step).
+- a fault-injection hook for tests, read in one place (`fault`): TITAN_FOLD_FAULT_AT_STEP=k
+  (and TITAN_FOLD_FAULT_RANK, default 0) injects TITAN_FOLD_FAULT_KIND into that rank at step
+  k in the first torchrun attempt only (TORCHELASTIC_RESTART_COUNT == 0). "kill" (the
+  default) kills the rank with SIGKILL in the middle of step k (after forward / backward,
+  before the optimizer step), so `torchrun --max-restarts 1` resumes (`maybe_fault`, called
+  by FoldTrainer.forward_backward_step). "enospc", "permission" and "vanished" fail the
+  save of step k inside DCP's writes of that rank (`SaveFault`).
 """
 
+import errno
 import io
 import json
 import os
@@ -474,20 +477,45 @@ SETTINGS_FILE = "titan_fold_settings.json"  # FoldCheckpointManager.settings, in
 
 # ---------------------------------------------------------------- faults (tests)
 
-FAULT_STEP_ENV, FAULT_RANK_ENV = "TITAN_FOLD_FAULT_AT_STEP", "TITAN_FOLD_FAULT_RANK"
+FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_KIND_ENV = "TITAN_FOLD_FAULT_AT_STEP", "TITAN_FOLD_FAULT_RANK", "TITAN_FOLD_FAULT_KIND"
+
+
+def fault(step: int) -> str | None:
+    """The fault this rank is to suffer at `step` (the env vars above), or None."""
+    at = os.environ.get(FAULT_STEP_ENV)
+    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    if int(os.environ.get("RANK", "0")) != int(os.environ.get(FAULT_RANK_ENV, "0")):
+        return None
+    return os.environ.get(FAULT_KIND_ENV, "kill")
 
 
 def maybe_fault(step: int) -> None:
     """Kill this process (SIGKILL: no cleanup, no flush) when the fault env vars say so."""
-    at = os.environ.get(FAULT_STEP_ENV)
-    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == int(os.environ.get(FAULT_RANK_ENV, "0")):
+    if fault(step) == "kill":
+        rank = int(os.environ.get("RANK", "0"))
         # said first: torchrun may report a peer's failure (its collective with this rank broke)
         # as the first one, so its own log does not always show this kill
         print(f"fault injection: SIGKILL to rank {rank} in step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SaveFault:
+    """A value saved beside the states that fails the save while this rank writes its file:
+    DCP pickles non-tensor values with the file open. "enospc" and "permission" raise what a
+    full disk or a folder without write permission raise there (a test cannot fill the disk,
+    and root writes anywhere); "vanished" removes the step folder, and DCP's next write there
+    fails by itself."""
+
+    def __init__(self, kind: str, folder: str):
+        self.kind, self.folder = kind, folder
+
+    def __reduce__(self):
+        if self.kind == "vanished":
+            shutil.rmtree(self.folder)
+            return (int, (0,))
+        code = {"enospc": errno.ENOSPC, "permission": errno.EACCES}[self.kind]
+        raise OSError(code, os.strerror(code), os.path.join(self.folder, "__fault"))
 
 
 # ---------------------------------------------------------------- the trainer's manager
@@ -530,6 +558,9 @@ class FoldCheckpointManager(CheckpointManager):
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         if not to_hf:
             self._save_settings(checkpoint_id)
+            kind = fault(int(os.path.basename(checkpoint_id).removeprefix("step-")))
+            if kind not in (None, "kill"):  # tests: this rank's write fails (SaveFault)
+                state_dict = {**state_dict, "save_fault": SaveFault(kind, checkpoint_id)}
             return super().dcp_save(state_dict, checkpoint_id=checkpoint_id, async_mode=async_mode,
                                     enable_garbage_collection=enable_garbage_collection)
         # the same writer as `python -m titan_fold.hf export`: config.json, safetensors, index
