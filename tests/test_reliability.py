@@ -472,3 +472,28 @@ def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
     monkeypatch.setattr(plan, "MIN_GPUS_BUDGET_S", 60.0)
     code, _ = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=2"], capsys)
     assert code == 0
+
+
+@pytest.mark.parametrize("fault, rank, cause", [
+    ("enospc", 1, "No space left on device"),
+    ("permission", 0, "Permission denied"),
+    ("vanished", 1, "the folder does not exist (any more)"),
+])
+def test_a_failed_save_is_one_line_exit_2_on_every_rank(tmp_path, fault, rank, cause):
+    """The save of step 4 fails on one rank, inside DCP's writes (checkpoint/manager.py's fault
+    injection: the disk full, no permission, or the step folder removed while it is written):
+    every rank exits 2, one line names the folder, the cause and the last complete checkpoint,
+    which is left whole."""
+    folder = tmp_path / "run"
+    env = {"TITAN_FOLD_FAULT_KIND": fault, "TITAN_FOLD_FAULT_AT_STEP": "4", "TITAN_FOLD_FAULT_RANK": str(rank)}
+    codes, out, err = forked(2, "titan_fold.train", *trainer_args(
+        folder, "--training.global_batch_size", "2", "--training.steps", "5", "--checkpoint.enable",
+        "--checkpoint.interval", "2"), env=env)
+    assert codes == [2, 2], (codes, err[-6000:])
+    lines = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    checkpoints = folder / "checkpoint"
+    assert lines == [f"error: cannot save {checkpoints / 'step-4'}: {cause}; last complete checkpoint step-2 in "
+                     f"{checkpoints}"], err[-6000:]
+    assert steps_saved(folder) == [2]
+    weights = read_model_tensors(str(checkpoints / "step-2"))
+    assert weights and all(torch.isfinite(t).all() for t in weights.values())

@@ -24,6 +24,7 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
 - the RNG state (torch's CPU generator, and CUDA's when present) in the checkpoint;
 - the run's settings (`settings`, written as SETTINGS_FILE into each step-N), which a resume
   is compared with (settings.py); one log line per save;
+- a save that fails for want of storage fails on every rank alike (`failing_save`, `agree`);
 - a fault-injection hook for tests, read in one place (`fault`): TITAN_FOLD_FAULT_AT_STEP=k
   (and TITAN_FOLD_FAULT_RANK, default 0) injects TITAN_FOLD_FAULT_KIND into that rank at step
   k in the first torchrun attempt only (TORCHELASTIC_RESTART_COUNT == 0). "kill" (the
@@ -33,6 +34,7 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
   save of step k inside DCP's writes of that rank (`SaveFault`).
 """
 
+import contextlib
 import errno
 import io
 import json
@@ -42,9 +44,11 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -52,6 +56,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from titan_fold.common.errors import UserError
+from titan_fold.trainer.storage import StorageError, folder_problem
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -331,10 +336,14 @@ def save_hf_folder(hf_state_dict: dict[str, torch.Tensor], folder: str, config: 
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
     tmp = folder.rstrip("/") + ".tmp"
+    failed: OSError | None = None  # a failed write stops the writing, not this rank's part in the gathers
     if write:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
+        try:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        except OSError as e:
+            failed = e
     try:
         for name, keys in zip(names, shards):
             tensors = {}
@@ -342,8 +351,13 @@ def save_hf_folder(hf_state_dict: dict[str, torch.Tensor], folder: str, config: 
                 t = hf_state_dict[k]
                 t = t.full_tensor() if isinstance(t, DTensor) else t
                 tensors[k] = t.detach().to("cpu").contiguous()
-            if write:
-                save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+            if write and failed is None:
+                try:
+                    save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+                except OSError as e:
+                    failed = e
+        if failed is not None:
+            raise failed
         if write:
             dtype = _dtype_name(hf_state_dict.values())
             with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -518,6 +532,60 @@ class SaveFault:
         raise OSError(code, os.strerror(code), os.path.join(self.folder, "__fault"))
 
 
+# ---------------------------------------------------------------- failed saves
+
+
+class SaveError(StorageError):
+    """A checkpoint could not be written (full disk, permissions, a folder gone); raised on every rank."""
+
+
+def agree(write: Callable[[], None]) -> None:
+    """Run `write` on this rank; if it fails on any rank, raise the first rank's OSError on all
+    (a collective: every rank calls it)."""
+    failed = None
+    try:
+        write()
+    except OSError as e:
+        failed = e
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        if failed is not None:
+            raise failed
+        return
+    failures: list[OSError | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(failures, failed)
+    first = next((e for e in failures if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError behind `error`: itself, its cause or context, or a failed rank's (DCP's
+    CheckpointException carries every failed rank's exception)."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error
+        if isinstance(error, CheckpointException):
+            return next((found for _, (e, _) in sorted(error.failures.items()) if (found := _os_error(e))), None)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextlib.contextmanager
+def failing_save(checkpoint_id: str):
+    """A save into `checkpoint_id` that fails for want of storage raises SaveError naming the
+    folder and the cause; any other failure keeps its traceback."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        if isinstance(e, UserError):
+            raise
+        found = _os_error(e)
+        cause = folder_problem(checkpoint_id) or (found.strerror or str(found) if found is not None else None)
+        if cause is None:
+            raise
+        raise SaveError(f"cannot save {checkpoint_id}: {cause}") from None
+
+
 # ---------------------------------------------------------------- the trainer's manager
 
 
@@ -547,17 +615,21 @@ class FoldCheckpointManager(CheckpointManager):
         return path
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
-        """torchtitan's save; one line per save in place of its four."""
+        """torchtitan's save; one line per save in place of its four. A save that fails for want
+        of storage fails on every rank with SaveError."""
         if not self._should_save(curr_step, last_step):
             return super().save(curr_step, last_step)
         begin = time.monotonic()
-        super().save(curr_step, last_step)
+        with failing_save(self._create_checkpoint_id(curr_step)):
+            super().save(curr_step, last_step)
         self.last_saved = (curr_step, last_step)
         logger.info(f"checkpoint {self.describe_save(curr_step, last_step)} saved in {time.monotonic() - begin:.2f} s")
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        # DCP's own steps agree on a failure of any rank; the writes before and around them
+        # are agreed on here, so that no rank waits in a collective its peers left
         if not to_hf:
-            self._save_settings(checkpoint_id)
+            agree(lambda: self._save_settings(checkpoint_id))
             kind = fault(int(os.path.basename(checkpoint_id).removeprefix("step-")))
             if kind not in (None, "kill"):  # tests: this rank's write fails (SaveFault)
                 state_dict = {**state_dict, "save_fault": SaveFault(kind, checkpoint_id)}
@@ -565,10 +637,8 @@ class FoldCheckpointManager(CheckpointManager):
                                     enable_garbage_collection=enable_garbage_collection)
         # the same writer as `python -m titan_fold.hf export`: config.json, safetensors, index
         adapter = self.sd_adapter
-        save_model_as_hf(state_dict, checkpoint_id, adapter.family, adapter.model_args,
-                         write=not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        agree(lambda: save_model_as_hf(state_dict, checkpoint_id, adapter.family, adapter.model_args,
+                                       write=not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0))
         return None
 
     def save_now(self, step: int) -> None:
@@ -577,8 +647,9 @@ class FoldCheckpointManager(CheckpointManager):
         which may be model-only (checkpoint.last_save_model_only): these are the calls its save
         makes for an interval step, after any asynchronous save still running."""
         self.wait_for_async_save()
-        self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
-                      async_mode=AsyncMode.DISABLED)
+        with failing_save(self._create_checkpoint_id(step)):
+            self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
+                          async_mode=AsyncMode.DISABLED)
 
     def wait_for_async_save(self) -> None:
         """Returns when the asynchronous save in flight, if any, has finished (it runs collectives

@@ -24,7 +24,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint.manager import FoldCheckpointManager, maybe_fault
+from titan_fold.checkpoint.manager import FoldCheckpointManager, SaveError, maybe_fault
 from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
@@ -446,6 +446,9 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
             trainer.train()
         clean = True
         return 0
+    except SaveError as e:  # raised on every rank (checkpoint/manager.py)
+        report(StorageError(f"{e}; {last_checkpoint_text(config)}"))
+        return e.exit_code
     except UserError as e:
         report(e)  # one line, also in torchrun's error file in place of the traceback
         return e.exit_code

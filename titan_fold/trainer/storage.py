@@ -17,14 +17,20 @@ def storage_error(path: str, e: OSError) -> StorageError:
     return StorageError(f"cannot write {path}: {e.strerror or e}")
 
 
-def storage_problem(folder: str) -> str | None:
-    """Why `folder` cannot take writes now, or None if it looks fine (called after a failure
+def folder_problem(folder: str) -> str | None:
+    """Why `folder` cannot take writes now, or None if it looks fine (asked after a failure
     whose own message does not say, e.g. DCP's `unexpected pos 704 vs 598` on a full disk)."""
     if not os.path.isdir(folder):
-        return f"cannot write {folder}: the folder does not exist (any more)"
+        return "the folder does not exist (any more)"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot write {folder}: read-only or no write permission"
+        return "read-only or no write permission"
     st = os.statvfs(folder)
     if st.f_bavail * st.f_frsize < LOW_SPACE:
-        return f"cannot write {folder}: no space left on the device ({st.f_bavail * st.f_frsize} bytes free)"
+        return f"no space left on the device ({st.f_bavail * st.f_frsize} bytes free)"
     return None
+
+
+def storage_problem(folder: str) -> str | None:
+    """folder_problem as the one line of an error: `cannot write FOLDER: CAUSE`."""
+    cause = folder_problem(folder)
+    return f"cannot write {folder}: {cause}" if cause else None
