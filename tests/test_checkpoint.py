@@ -335,3 +335,50 @@ def test_resume_names_what_changes_and_keeps_layout_changes_silent(run_a, tmp_pa
         check("--model.flavor", "57B-A14B")
     os.remove(tmp_path / "checkpoint" / "step-3" / SETTINGS_FILE)  # saved before settings were recorded
     assert check("--training.seq_len", "256") == []
+
+
+# ---------------------------------------------------------------- extending a finished run
+
+# the lr schedule of `--training.steps 4` with one warm-up step: 1, 1, 2/3, 1/3 of the lr; of
+# `--training.steps 2`: 1, 1, then 0 (decayed to zero at its end)
+EXTEND = ("--training.local_batch_size", "1", "--training.global_batch_size", "2", "--training.seq_len", "32",
+          "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1")
+
+
+def records(folder) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(folder)}
+
+
+def train(folder, *args) -> tuple[list[int], str]:
+    """One rank; -> exit codes and stdout + stderr."""
+    codes, out, err = forked(1, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
+                             str(folder), *EXTEND, *args)
+    return codes, out + err
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """The reference: 4 steps in one run."""
+    folder = tmp_path_factory.mktemp("four")
+    codes, log = train(folder, "--training.steps", "4")
+    assert codes == [0], log[-4000:]
+    return records(folder)
+
+
+def test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step(four_steps, tmp_path):
+    """Full checkpoints: 2 steps extended to 4 are the 4-step run bit for bit (the first run's
+    schedule would give step 3 an lr of 0); resumed with another optimizer.lr, step 3 runs
+    with the new lr on the 4-step schedule."""
+    full = ("--checkpoint.enable", "--checkpoint.no-last_save_model_only")
+    codes, log = train(tmp_path / "a", *full, "--training.steps", "2")
+    assert codes == [0], log[-4000:]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    codes, log = train(tmp_path / "a", *full, "--training.steps", "4")
+    assert codes == [0], log[-4000:]
+    got = records(tmp_path / "a")
+    for step in (3, 4):
+        assert (got[step]["lr"], got[step]["loss"]) == (four_steps[step]["lr"], four_steps[step]["loss"]), step
+    codes, log = train(tmp_path / "b", *full, "--training.steps", "4", "--optimizer.lr", "1e-3")
+    assert codes == [0], log[-4000:]
+    got = records(tmp_path / "b")
+    assert got[3]["lr"] == pytest.approx(four_steps[3]["lr"] / 3, rel=1e-12)  # 3e-3 -> 1e-3

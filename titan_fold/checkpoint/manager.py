@@ -24,6 +24,8 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
 - the RNG state (torch's CPU generator, and CUDA's when present) in the checkpoint;
 - the run's settings (`settings`, written as SETTINGS_FILE into each step-N), which a resume
   is compared with (settings.py); one log line per save;
+- a resume runs with its own lr schedule (optimizer.lr, lr_scheduler.*, training.steps) from
+  its first step (`apply_lr_schedule`), not with the saved run's for one step;
 - a save that fails for want of storage fails on every rank alike (`failing_save`, `agree`);
 - a fault-injection hook for tests, read in one place (`fault`): TITAN_FOLD_FAULT_AT_STEP=k
   (and TITAN_FOLD_FAULT_RANK, default 0) injects TITAN_FOLD_FAULT_KIND into that rank at step
@@ -52,7 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from titan_fold.common.errors import UserError
@@ -599,6 +601,8 @@ class FoldCheckpointManager(CheckpointManager):
         super().__init__(*args, **kwargs)
         if self.enable:
             self.states["rng"] = RNGState()
+        # this run's lr per param group, before a load puts the saved run's in their place
+        self.base_lrs = [list(s.base_lrs) for s in self.states[LR_SCHEDULER].schedulers]
         self.settings: dict[str, Any] | None = None  # settings.run_settings(), saved in each step-N
         self.last_saved: tuple[int, bool] | None = None  # (step, last_step) of this run's latest save
 
@@ -664,7 +668,20 @@ class FoldCheckpointManager(CheckpointManager):
         with open(os.path.join(checkpoint_id, SETTINGS_FILE), "w") as f:
             json.dump(self.settings, f, indent=1)
 
+    def apply_lr_schedule(self) -> None:
+        """This run's lr schedule (optimizer.lr, lr_scheduler.*, training.steps) at the loaded
+        step, in the optimizers from the first step on: a load puts the saved run's base lr
+        into the schedulers and the lr its schedule gave for the next step into the optimizers.
+        The same computation as LambdaLR's step: with unchanged settings, the saved values."""
+        for scheduler, base_lrs in zip(self.states[LR_SCHEDULER].schedulers, self.base_lrs, strict=True):
+            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+            for group, base, lr in zip(scheduler.optimizer.param_groups, base_lrs, lrs, strict=True):
+                group["initial_lr"], group["lr"] = base, lr
+            scheduler.base_lrs, scheduler._last_lr = list(base_lrs), lrs
+
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         hf = self.sd_adapter.to_hf(dict(state_dict)) if from_hf else None
         validate_against(checkpoint_id, state_dict, hf)
         super().dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+        if LR_SCHEDULER in state_dict:
+            self.apply_lr_schedule()
