@@ -356,6 +356,10 @@ def train(folder, *args) -> tuple[list[int], str]:
     return codes, out + err
 
 
+def folder_bytes(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
 @pytest.fixture(scope="module")
 def four_steps(tmp_path_factory):
     """The reference: 4 steps in one run."""
@@ -363,6 +367,28 @@ def four_steps(tmp_path_factory):
     codes, log = train(folder, "--training.steps", "4")
     assert codes == [0], log[-4000:]
     return records(folder)
+
+
+def test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint(four_steps, tmp_path):
+    """`--checkpoint.enable --training.steps 2`, then the same with 4: the last save of the first
+    run holds the weights only (checkpoint.last_save_model_only, the default). The second run
+    loads them, says so in one line, and goes on at step 3 with the data where the first run
+    stopped, the lr of the 4-step schedule and a fresh optimizer state: its first loss is the
+    4-step run's (same weights, same batch), its first lr too; step-2 is left as it was."""
+    codes, log = train(tmp_path, "--checkpoint.enable", "--training.steps", "2")
+    assert codes == [0], log[-4000:]
+    step2 = tmp_path / "checkpoint" / "step-2"
+    saved = folder_bytes(step2)
+    codes, log = train(tmp_path, "--checkpoint.enable", "--training.steps", "4")
+    assert codes == [0], log[-4000:]
+    said = [line for line in log.splitlines() if "weights only" in line and "resum" in line]
+    assert len(said) == 1 and str(step2) in said[0] and "optimizer" in said[0], log[-4000:]
+    got = records(tmp_path)
+    assert sorted(got) == [1, 2, 3, 4]
+    for key in ("loss", "lr", "n_tokens_seen"):
+        assert got[3][key] == four_steps[3][key], (key, got[3][key], four_steps[3][key])
+    assert folder_bytes(step2) == saved  # nothing saved is lost or overwritten
+    assert complete(str(tmp_path / "checkpoint" / "step-4"))
 
 
 def test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step(four_steps, tmp_path):

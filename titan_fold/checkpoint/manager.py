@@ -26,6 +26,9 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
   is compared with (settings.py); one log line per save;
 - a resume runs with its own lr schedule (optimizer.lr, lr_scheduler.*, training.steps) from
   its first step (`apply_lr_schedule`), not with the saved run's for one step;
+- a resume from a step-N that holds the weights only (the last save, by default) goes on
+  from step N with the data position its save recorded and a fresh optimizer state
+  (`load_weights_only`), where torchtitan's load would fail;
 - a save that fails for want of storage fails on every rank alike (`failing_save`, `agree`);
 - a fault-injection hook for tests, read in one place (`fault`): TITAN_FOLD_FAULT_AT_STEP=k
   (and TITAN_FOLD_FAULT_RANK, default 0) injects TITAN_FOLD_FAULT_KIND into that rank at step
@@ -54,7 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, CheckpointManager
+from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, TRAIN_STATE, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from titan_fold.common.errors import UserError
@@ -489,6 +492,32 @@ class RNGState(Stateful):
 
 
 SETTINGS_FILE = "titan_fold_settings.json"  # FoldCheckpointManager.settings, in every step-N (settings.py)
+POSITION = "position"  # SETTINGS_FILE's record of the step, tokens seen and data position
+
+
+def weights_only(folder: str) -> bool:
+    """A complete checkpoint without the train state: a save of the model only (DCP or HF)."""
+    if os.path.isfile(os.path.join(folder, ".metadata")):
+        return "train_state.step" not in read_metadata(folder).state_dict_metadata
+    return complete(folder)
+
+
+def saved_position(folder: str, step: int) -> dict[str, int]:
+    """The position SETTINGS_FILE recorded at the save of `folder`; for a checkpoint saved
+    before it did, `step` global batches of its settings (exact unless the batch changed)."""
+    path = os.path.join(folder, SETTINGS_FILE)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if POSITION in saved:
+            return {k: int(v) for k, v in saved[POSITION].items()}
+        sequences = step * int(saved["training.global_batch_size"])
+        return {"train_state.step": step, "train_state.ntokens_seen": sequences * int(saved["training.seq_len"]),
+                "dataloader.consumed_sequences": sequences}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{folder} holds the weights only and no readable record of its data position ({path}: {e}); start "
+            f"another job.dump_folder from its weights with --checkpoint.initial_load_path {folder}") from None
 
 
 # ---------------------------------------------------------------- faults (tests)
@@ -665,8 +694,46 @@ class FoldCheckpointManager(CheckpointManager):
         if self.settings is None or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
             return
         os.makedirs(checkpoint_id, exist_ok=True)
+        train_state = self.states[TRAIN_STATE].state_dict()
+        # the position, also for a save of the weights only (load_weights_only)
+        position = {"train_state.step": train_state["step"], "train_state.ntokens_seen": train_state["ntokens_seen"],
+                    "dataloader.consumed_sequences": self.states[DATALOADER].state_dict()["consumed_sequences"]}
         with open(os.path.join(checkpoint_id, SETTINGS_FILE), "w") as f:
-            json.dump(self.settings, f, indent=1)
+            json.dump({**self.settings, POSITION: position}, f, indent=1)
+
+    def load(self, step: int = -1) -> bool:
+        """torchtitan's load; a step-N (N > 0) of the run's own folder that holds the weights
+        only (checkpoint.last_save_model_only, the default for the last step) goes on from
+        step N with a fresh optimizer state (load_weights_only) where torchtitan's would fail."""
+        if self.enable and os.path.isdir(self.folder):
+            found = self._find_load_step() if step == -1 else step
+            checkpoint_id = self._create_checkpoint_id(found)
+            if found > 0 and weights_only(checkpoint_id):
+                self.load_weights_only(found, checkpoint_id)
+                return True
+        return super().load(step)
+
+    def load_weights_only(self, step: int, checkpoint_id: str) -> None:
+        """The weights of `checkpoint_id`; the step, tokens seen and data position its save
+        recorded (SETTINGS_FILE); the lr schedule at that step; the optimizer's moments zero."""
+        position = saved_position(checkpoint_id, step)
+        logger.info(f"Loading the checkpoint from {checkpoint_id}.")
+        hf = not os.path.isfile(os.path.join(checkpoint_id, ".metadata"))
+        self.dcp_load(self._states_to_load(model_only=True), checkpoint_id=checkpoint_id, from_hf=hf,
+                      from_quantized=False)
+        self.states[TRAIN_STATE].load_state_dict(
+            {"step": step, "ntokens_seen": position["train_state.ntokens_seen"]})
+        dataloader = self.states[DATALOADER]
+        dataloader.load_state_dict(
+            {**dataloader.state_dict(), "consumed_sequences": position["dataloader.consumed_sequences"]})
+        for scheduler in self.states[LR_SCHEDULER].schedulers:
+            scheduler.last_epoch = step
+        self.apply_lr_schedule()
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            logger.warning(
+                f"resuming {checkpoint_id}, which holds the weights only (checkpoint.last_save_model_only): training "
+                f"goes on from step {step + 1} with the data from sequence {position['dataloader.consumed_sequences']} "
+                f"and the lr schedule at step {step}, the optimizer state starting afresh")
 
     def apply_lr_schedule(self) -> None:
         """This run's lr schedule (optimizer.lr, lr_scheduler.*, training.steps) at the loaded
