@@ -39,7 +39,9 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if ac.mode != "none":
         apply_ac(model, ac, model_compile_enabled=compile_model, base_folder=job_config.job.dump_folder)
-        if ac.mode == "selective" and ac.selective_ac_option == "op":
+        if ac.mode == "selective" and ac.selective_ac_option == "op" and layout.pp > 1 and layout.edp > 1:
+            # only where the experts' FSDP unit can become a root in the recompute: elsewhere the
+            # extra dispatch mode would cost every eager op a Python call for nothing
             keep_profiler_ranges_out_of_sac(model)
     if ac.moe_layer_recompute:
         apply_moe_recompute(model)
