@@ -46,8 +46,8 @@ NOT_RUN = [
     (r"^python (bench/|-m bench (?!--help))", "GPU benchmark runs"),
     (r"^python -m bench\.report --write", "rewrites docs/benchmarks.md (tests/test_bench.py checks that it holds the report)"),
     (r"outputs/(qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))/", "needs the GPU run above"),
-    (r"pipeline_parallel_degree 2 .*selective_ac_option op", "shown failing on torch 2.13 on purpose: the trainer "
-     "refuses it with one line (tests/test_dryrun_match.py)"),
+    (r"pipeline_parallel_degree 2 .*selective_ac_option op", "this layout trains in tests/test_pipeline.py "
+     "(pp2_edp2_1F1B_op_sac, against the one-rank run)"),
     (r"/models/|\$[A-Za-z_]|\.\.\.|\[--|\b(N|FILE\.toml|FLAVOR|HOST|HF_FOLDER|HF_OUT|DCP_FOLDER|DENSE|DENSE_DCP)\b",
      "a placeholder to fill in"),
 ]
