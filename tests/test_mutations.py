@@ -5,7 +5,6 @@ mutation that no test notices as missed."""
 import dataclasses
 
 import pytest
-
 from mutations import MUTATIONS, ROOT, Mutation, mutate, read_record, run
 
 
