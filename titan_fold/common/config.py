@@ -384,39 +384,114 @@ def _check_cli(args: list[str], cls: type) -> None:
             _check_value(name, hint, _parse_cli_value(name, hint, v))
 
 
+class Range(typing.NamedTuple):
+    """A numeric key's valid values: `rule` is what the error line and docs/configuration.md say,
+    `ok` the test. An unset (None) optional key is not checked."""
+
+    key: str
+    rule: str
+    ok: typing.Callable[[float], bool]
+
+
+def _at_least(low: float) -> typing.Callable[[float], bool]:
+    return lambda v: v >= low
+
+
+def _unit(v: float) -> bool:
+    return 0 <= v <= 1
+
+
+def _derived_or_positive(v: int) -> bool:
+    return v == -1 or v >= 1
+
+
+# every numeric key titan_fold or torchtitan reads, with its range (debug.seed: any integer);
+# tests/test_config.py checks that the list is complete and that docs/configuration.md lists it
+RANGES = (
+    Range("optimizer.lr", ">= 0", _at_least(0)),
+    Range("optimizer.beta1", "in [0, 1)", lambda v: 0 <= v < 1),
+    Range("optimizer.beta2", "in [0, 1)", lambda v: 0 <= v < 1),
+    Range("optimizer.eps", ">= 0", _at_least(0)),
+    Range("optimizer.weight_decay", ">= 0", _at_least(0)),
+    Range("lr_scheduler.warmup_steps", ">= 0", _at_least(0)),
+    Range("lr_scheduler.total_steps", ">= 1 (unset: training.steps)", _at_least(1)),
+    Range("lr_scheduler.decay_ratio", "in [0, 1] (unset: decay after the warmup)", _unit),
+    Range("lr_scheduler.min_lr_factor", "in [0, 1]", _unit),
+    Range("training.local_batch_size", ">= 1", _at_least(1)),
+    Range("training.global_batch_size", ">= 1, or -1 for local x dp", _derived_or_positive),
+    Range("training.seq_len", ">= 1", _at_least(1)),
+    Range("training.steps", ">= 0", _at_least(0)),
+    Range("training.max_norm", "> 0 (inf: no clipping)", lambda v: v > 0),
+    Range("training.gc_freq", ">= 1", _at_least(1)),
+    Range("training.dataloader.num_workers", ">= 0", _at_least(0)),
+    Range("training.dataloader.prefetch_factor", ">= 1", _at_least(1)),
+    Range("model.max_seq_len", ">= 0 (0: the flavor's context length)", _at_least(0)),
+    *(Range(f"parallelism.{key}", ">= 1", _at_least(1)) for key in (
+        "tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
+        "data_parallel_replicate_degree", "expert_parallel_degree", "expert_tensor_parallel_degree")),
+    *(Range(f"parallelism.{key}", ">= 1, or -1 to derive it", _derived_or_positive) for key in (
+        "data_parallel_shard_degree", "expert_data_parallel_degree")),
+    Range("parallelism.pipeline_parallel_first_stage_less_layers", ">= 0", _at_least(0)),
+    Range("parallelism.pipeline_parallel_last_stage_less_layers", ">= 0", _at_least(0)),
+    Range("parallelism.pipeline_parallel_layers_per_stage", ">= 1", _at_least(1)),
+    Range("parallelism.pipeline_parallel_microbatch_size", ">= 1", _at_least(1)),
+    Range("checkpoint.interval", ">= 1", _at_least(1)),
+    Range("checkpoint.keep_latest_k", "0 (keep all) or >= 2 (one may be in the middle of its save)",
+          lambda v: v == 0 or v >= 2),
+    Range("checkpoint.load_step", ">= 0, or -1 for the latest", lambda v: v >= -1),
+    Range("activation_checkpoint.memory_budget", "in [0, 1]", _unit),
+    Range("metrics.log_freq", ">= 1", _at_least(1)),
+    Range("profiling.profile_freq", ">= 1", _at_least(1)),
+    Range("profiling.profiler_active", ">= 1", _at_least(1)),
+    Range("profiling.profiler_warmup", ">= 0", _at_least(0)),
+    Range("comm.init_timeout_seconds", ">= 1", _at_least(1)),
+    Range("comm.train_timeout_seconds", ">= 1", _at_least(1)),
+    Range("comm.trace_buf_size", ">= 0", _at_least(0)),
+    Range("comm.dry_run_rank", ">= 0, or -1 for every position", lambda v: v >= -1),
+    Range("fault_tolerance.process_group_timeout_ms", ">= 1", _at_least(1)),
+    Range("fault_tolerance.replica_id", ">= 0", _at_least(0)),
+    Range("fault_tolerance.group_size", ">= 0", _at_least(0)),
+    Range("fault_tolerance.min_replica_size", ">= 1", _at_least(1)),
+    Range("validation.local_batch_size", ">= 1", _at_least(1)),
+    Range("validation.seq_len", ">= 1", _at_least(1)),
+    Range("validation.freq", ">= 1", _at_least(1)),
+    Range("validation.steps", ">= 1, or -1 for the whole set", _derived_or_positive),
+    Range("validation.dataloader.num_workers", ">= 0", _at_least(0)),
+    Range("validation.dataloader.prefetch_factor", ">= 1", _at_least(1)),
+    Range("moe.capacity_factor", "> 0 (unset it for dropless)", lambda v: v > 0),
+    Range("moe.top_k", ">= 1", _at_least(1)),
+    Range("moe.num_groups", ">= 1", _at_least(1)),
+    Range("moe.group_topk", ">= 1", _at_least(1)),
+    Range("moe.routed_scaling_factor", "> 0", lambda v: v > 0),
+    Range("moe.aux_loss_coeff", ">= 0", _at_least(0)),
+    Range("moe.z_loss_coeff", ">= 0", _at_least(0)),
+    Range("moe.stash_rows", ">= 0", _at_least(0)),
+    Range("mtp.num_layers", ">= 0", _at_least(0)),
+    Range("mtp.loss_scaling_factor", ">= 0", _at_least(0)),
+)
+
+
+def check_ranges(config: JobConfig) -> None:
+    """Every numeric key against its range (RANGES)."""
+    for key, rule, ok in RANGES:
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{key} = {value!r}: must be {rule}")
+
+
 def validate(config: JobConfig) -> None:
     """Rules that hold for any model and world size; degrees against the world come later."""
+    check_ranges(config)
     moe, par, tr = config.moe, config.parallelism, config.training
-    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-        raise ConfigError(f"moe.capacity_factor = {moe.capacity_factor}: must be > 0 (unset it for dropless)")
     if moe.capacity_factor is None:
         for key in ("pad_to_capacity", "drop_policy", "drop_scope"):
             value = getattr(moe, key)
             if value not in (None, False):
                 raise ConfigError(f"moe.{key} = {value!r} needs moe.capacity_factor (dropless mode drops nothing)")
-    if moe.top_k is not None and moe.top_k < 1:
-        raise ConfigError(f"moe.top_k = {moe.top_k}: must be >= 1")
-    if config.mtp.num_layers < 0 or config.mtp.loss_scaling_factor < 0:
-        raise ConfigError(f"mtp.num_layers = {config.mtp.num_layers}, mtp.loss_scaling_factor = "
-                          f"{config.mtp.loss_scaling_factor}: both must be >= 0")
-    for key in ("routed_scaling_factor",):
-        value = getattr(moe, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"moe.{key} = {value}: must be > 0")
-    for key in ("aux_loss_coeff", "z_loss_coeff"):
-        value = getattr(moe, key)
-        if value is not None and value < 0:
-            raise ConfigError(f"moe.{key} = {value}: must be >= 0")
     if moe.load_balance in ("none", "aux_free") and moe.aux_loss_coeff:
         raise ConfigError(f"moe.aux_loss_coeff = {moe.aux_loss_coeff} has no effect with moe.load_balance = '{moe.load_balance}'")
-    for key in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
-                "data_parallel_replicate_degree", "expert_parallel_degree", "expert_tensor_parallel_degree"):
-        if getattr(par, key) < 1:
-            raise ConfigError(f"parallelism.{key} = {getattr(par, key)}: must be >= 1")
-    for key in ("data_parallel_shard_degree", "expert_data_parallel_degree"):
-        value = getattr(par, key)
-        if value != -1 and value < 1:
-            raise ConfigError(f"parallelism.{key} = {value}: must be >= 1, or -1 to derive it")
     if config.model.hf_config and config.model.flavor != "hf":
         raise ConfigError(f"model.hf_config is read only with model.flavor = 'hf' (flavor is {config.model.flavor!r})")
     ac = config.activation_checkpoint
@@ -435,7 +510,7 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"moe.static_ep_exchange = true with moe.capacity_factor = {moe.capacity_factor}: it is for "
                           "dropless routing; token drop has moe.pad_to_capacity for static shapes")
     if moe.stash_rows:
-        if moe.stash_rows < 0 or not moe.static_ep_exchange:
+        if not moe.static_ep_exchange:
             raise ConfigError(f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
                               "moe.static_ep_exchange = true (it stashes that exchange's real rows)")
         if ac.mode != "none" or ac.moe_layer_recompute:
@@ -456,13 +531,6 @@ def validate(config: JobConfig) -> None:
                           f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'")
     if opt.master_weights and opt.early_step_in_backward:
         raise ConfigError("optimizer.master_weights = true with optimizer.early_step_in_backward: choose one")
-    if tr.seq_len < 1 or tr.local_batch_size < 1 or tr.steps < 0:
-        raise ConfigError("training.seq_len and training.local_batch_size must be >= 1, training.steps >= 0")
-    for key, value in (("metrics.log_freq", config.metrics.log_freq), ("checkpoint.interval", config.checkpoint.interval)):
-        if value < 1:
-            raise ConfigError(f"{key} = {value}: must be >= 1")
-    if tr.max_norm <= 0:
-        raise ConfigError(f"training.max_norm = {tr.max_norm}: must be > 0 (inf: no clipping)")
     if config.checkpoint.initial_load_path and not config.checkpoint.enable:
         raise ConfigError(
             f"checkpoint.initial_load_path = {config.checkpoint.initial_load_path!r} needs checkpoint.enable "

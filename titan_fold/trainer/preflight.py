@@ -69,8 +69,6 @@ def _check_layout(c: Checked) -> None:
 
 def _check_batch(c: Checked) -> None:
     tr, dp = c.config.training, c.layout.dp
-    if tr.global_batch_size == 0 or tr.global_batch_size < -1:
-        raise ConfigError(f"training.global_batch_size = {tr.global_batch_size}: must be >= 1, or -1 for local x dp")
     if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * dp):
         raise ConfigError(
             f"training.global_batch_size = {tr.global_batch_size} must be a multiple of training.local_batch_size "

@@ -1,0 +1,97 @@
+"""Input that used to escape the checks is one line `error: ...` and exit code 2, in a real run
+and in a dry run alike: a numeric key out of its range (config.RANGES), a config.json field of
+the wrong type or range (hf_config.HF_FIELDS), a config path that is a folder, and, in a real
+run, a missing tokenizer folder (a dry run warns: the folder may be on the cluster only)."""
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import pytest
+from conftest import forked
+
+from titan_fold.common.config import RANGES, JobConfig, parse_args
+
+ROOT = Path(__file__).parent.parent
+RULES = {r.key: r.rule for r in RANGES}
+# numeric keys whose every value is valid
+UNBOUNDED = {"debug.seed"}
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def both_runs(tmp_path, *args: str) -> list[tuple[int, str]]:
+    """(exit code, stderr) of a real run on one rank and of a dry run at 2 ranks."""
+    args = ("--training.steps", "1", *args)
+    (real,), _, real_err = forked(1, "titan_fold.train", "--job.dump_folder", str(tmp_path / "real"), *args)
+    (dry,), _, dry_err = forked(0, "titan_fold.train", "--job.dump_folder", str(tmp_path / "dry"), *args,
+                                "--comm.mode", "fake_backend", "--comm.no-dry_run_collectives", env={"NGPU": "2"})
+    return [(real, real_err), (dry, dry_err)]
+
+
+def assert_one_line(runs: list[tuple[int, str]], pattern: str) -> None:
+    for code, err in runs:
+        lines = error_lines(err)
+        assert code == 2 and len(lines) == 1, (code, err[-3000:])
+        assert re.fullmatch(pattern, lines[0]), (lines[0], pattern)
+
+
+def numeric_keys(cls=JobConfig, prefix="") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += numeric_keys(hint, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is not typing.Literal and {int, float} & {hint, *typing.get_args(hint)}:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def test_every_numeric_key_has_a_range():
+    assert sorted(set(numeric_keys()) - UNBOUNDED) == sorted(RULES)
+
+
+def test_configuration_doc_lists_every_range():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [f"| `{key}` | {rule} |" for key, rule in RULES.items() if f"| `{key}` | {rule} |" not in doc]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "titan_fold" / "train_configs").glob("*.toml")))
+def test_packaged_configs_are_in_range(name):
+    parse_args(["--job.config_file", name])
+
+
+@pytest.mark.parametrize("key, value", [
+    pytest.param("optimizer.lr", "-0.001", id="negative-lr"),
+    pytest.param("optimizer.beta1", "1.0", id="beta1-one"),
+    pytest.param("optimizer.beta2", "-0.5", id="beta2-negative"),
+    pytest.param("optimizer.eps", "-1e-8", id="negative-eps"),
+    pytest.param("optimizer.weight_decay", "-0.1", id="negative-decay"),
+    pytest.param("lr_scheduler.warmup_steps", "-3", id="negative-warmup"),
+    pytest.param("lr_scheduler.total_steps", "0", id="zero-total-steps"),
+    pytest.param("lr_scheduler.decay_ratio", "1.5", id="decay-ratio-above-one"),
+    pytest.param("lr_scheduler.min_lr_factor", "-0.1", id="negative-min-lr"),
+    pytest.param("training.steps", "-1", id="negative-steps"),
+    pytest.param("training.max_norm", "-1.0", id="negative-max-norm"),
+    pytest.param("training.global_batch_size", "-2", id="global-batch-minus-two"),
+    pytest.param("training.gc_freq", "0", id="zero-gc-freq"),
+    pytest.param("checkpoint.interval", "0", id="zero-interval"),
+    pytest.param("checkpoint.keep_latest_k", "1", id="keep-one"),
+    pytest.param("metrics.log_freq", "-5", id="negative-log-freq"),
+    pytest.param("parallelism.pipeline_parallel_microbatch_size", "0", id="zero-microbatch"),
+    pytest.param("parallelism.expert_data_parallel_degree", "-2", id="edp-minus-two"),
+    pytest.param("parallelism.tensor_parallel_degree", "0", id="zero-tp"),
+    pytest.param("activation_checkpoint.memory_budget", "2.0", id="memory-budget-above-one"),
+    pytest.param("comm.train_timeout_seconds", "0", id="zero-timeout"),
+    pytest.param("moe.capacity_factor", "-1.25", id="negative-capacity"),
+    pytest.param("moe.z_loss_coeff", "-0.001", id="negative-z-loss"),
+    pytest.param("moe.num_groups", "0", id="zero-groups"),
+    pytest.param("mtp.loss_scaling_factor", "-0.1", id="negative-mtp-scale"),
+])
+def test_out_of_range_key_is_one_line_in_both_runs(tmp_path, key, value):
+    runs = both_runs(tmp_path, "--job.config_file", "debug_moe.toml", f"--{key}", value)
+    assert_one_line(runs, rf"error: {re.escape(key)} = [-\d.e]+: must be {re.escape(RULES[key])}")
