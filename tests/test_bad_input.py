@@ -4,6 +4,7 @@ the wrong type or range (hf_config.HF_FIELDS), a config path that is a folder, a
 run, a missing tokenizer folder (a dry run warns: the folder may be on the cluster only)."""
 
 import dataclasses
+import json
 import re
 import typing
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 from conftest import forked
 
 from titan_fold.common.config import RANGES, JobConfig, parse_args
+from titan_fold.models.hf_config import HF_FIELDS, hf_config
+from titan_fold.trainer.preflight import model_args_from_config
 
 ROOT = Path(__file__).parent.parent
 RULES = {r.key: r.rule for r in RANGES}
@@ -95,3 +98,36 @@ def test_packaged_configs_are_in_range(name):
 def test_out_of_range_key_is_one_line_in_both_runs(tmp_path, key, value):
     runs = both_runs(tmp_path, "--job.config_file", "debug_moe.toml", f"--{key}", value)
     assert_one_line(runs, rf"error: {re.escape(key)} = [-\d.e]+: must be {re.escape(RULES[key])}")
+
+
+@pytest.fixture(scope="module")
+def debug_hf_config() -> dict:
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--model.name", "qwen3_moe"])
+    return hf_config("qwen3_moe", model_args_from_config(config)[1])
+
+
+HF_RULES = {key: rule for key, rule, _ in HF_FIELDS}
+
+
+@pytest.mark.parametrize("field, value", [
+    pytest.param("hidden_size", "2048", id="hidden-size-string"),
+    pytest.param("hidden_size", 64.0, id="hidden-size-float"),
+    pytest.param("num_experts", -8, id="negative-experts"),
+    pytest.param("num_experts_per_tok", True, id="top-k-bool"),
+    pytest.param("num_hidden_layers", 0, id="zero-layers"),
+    pytest.param("vocab_size", [512], id="vocab-list"),
+    pytest.param("moe_intermediate_size", -64, id="negative-expert-width"),
+    pytest.param("rms_norm_eps", "1e-6", id="eps-string"),
+    pytest.param("rms_norm_eps", -1e-6, id="negative-eps"),
+    pytest.param("rope_theta", 0, id="zero-theta"),
+    pytest.param("norm_topk_prob", "yes", id="bool-string"),
+    pytest.param("router_aux_loss_coef", -0.01, id="negative-aux-coef"),
+])
+def test_bad_hf_config_field_is_one_line(tmp_path, debug_hf_config, field, value):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(debug_hf_config | {field: value}))
+    runs = both_runs(tmp_path, "--job.config_file", "debug_moe.toml", "--model.name", "qwen3_moe",
+                     "--model.flavor", "hf", "--model.hf_config", str(folder))
+    where = re.escape(str(folder / "config.json"))
+    assert_one_line(runs, rf"error: {where}: {field} = {re.escape(repr(value))}: must be {re.escape(HF_RULES[field])}")

@@ -5,6 +5,7 @@ activation, ...); `config_mismatches` lists the fields where a config and a mode
 `hf_config` writes the config.json of a model."""
 
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -134,6 +135,42 @@ def _family_of(config: dict, name: str | None, where: str) -> str:
     return model_type
 
 
+def _integer(low: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _number(ok):
+    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+# the type and range of every config.json field titan_fold reads (an absent or null field is
+# not checked here: the family's reader knows its default)
+HF_FIELDS = (
+    *((key, "an integer >= 1", _integer(1)) for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "max_position_embeddings", "decoder_sparse_step", "kv_lora_rank",
+        "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "sliding_window")),
+    *((key, "an integer >= 0", _integer(0)) for key in (
+        "intermediate_size", "n_shared_experts", "first_k_dense_replace", "qk_nope_head_dim")),
+    *((key, "a number > 0", _number(lambda v: v > 0)) for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor")),
+    ("router_aux_loss_coef", "a number >= 0", _number(lambda v: v >= 0)),
+    *((key, "true or false", _is_bool) for key in (
+        "norm_topk_prob", "tie_word_embeddings", "qkv_bias", "attention_bias", "use_sliding_window", "rope_interleave")),
+)
+
+
+def check_hf_fields(config: dict) -> None:
+    """Each field of HF_FIELDS that config.json sets has its type and range."""
+    for key, rule, ok in HF_FIELDS:
+        if config.get(key) is not None and not ok(config[key]):
+            raise HFConfigError(f"{key} = {config[key]!r}: must be {rule}")
+
+
 def args_from_hf_config(config: dict | str, name: str | None = None) -> tuple[str, TransformerArgs]:
     """(family, TransformerArgs) of an HF config (a dict, a config.json, or the folder holding it).
 
@@ -143,10 +180,11 @@ def args_from_hf_config(config: dict | str, name: str | None = None) -> tuple[st
     """
     where = "config.json"
     if isinstance(config, str):
-        where = config
+        where = os.path.join(config, "config.json") if os.path.isdir(config) else config
         config = read_hf_config(config)
     family = _family_of(config, name, where)
     try:
+        check_hf_fields(config)
         return family, _args_from_hf_config(family, config)
     except HFConfigError as e:
         raise HFConfigError(f"{where}: {e}") from None
