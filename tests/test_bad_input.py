@@ -131,3 +131,8 @@ def test_bad_hf_config_field_is_one_line(tmp_path, debug_hf_config, field, value
                      "--model.flavor", "hf", "--model.hf_config", str(folder))
     where = re.escape(str(folder / "config.json"))
     assert_one_line(runs, rf"error: {where}: {field} = {re.escape(repr(value))}: must be {re.escape(HF_RULES[field])}")
+
+
+def test_config_file_that_is_a_folder_is_one_line(tmp_path):
+    assert_one_line(both_runs(tmp_path, "--job.config_file", str(tmp_path)),
+                    rf"error: job.config_file: '{re.escape(str(tmp_path))}' is a folder, not a TOML file")

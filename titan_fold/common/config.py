@@ -221,6 +221,8 @@ class JobConfig(TitanJobConfig):
 
 def resolve_config_file(path: str) -> str:
     """A name not found from the working directory is looked up in the packaged configs."""
+    if os.path.isdir(path):
+        raise ConfigError(f"job.config_file: '{path}' is a folder, not a TOML file")
     if os.path.exists(path):
         return path
     packaged = PACKAGED_CONFIGS / path
@@ -542,11 +544,14 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
     """TOML + CLI overrides through torchtitan's ConfigManager, then titan_fold's rules."""
     args, path = _resolve_config_arg(sys.argv[1:] if args is None else args)
     if path is not None:
-        with open(path, "rb") as f:
-            try:
-                _check_toml(tomllib.load(f), JobConfig)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"job.config_file: {path} cannot be read ({e.strerror})") from None
+        _check_toml(table, JobConfig)
     _check_cli(args, JobConfig)
     config = ConfigManager(JobConfig).parse_args(args)
     validate(config)
