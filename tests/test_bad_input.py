@@ -136,3 +136,23 @@ def test_bad_hf_config_field_is_one_line(tmp_path, debug_hf_config, field, value
 def test_config_file_that_is_a_folder_is_one_line(tmp_path):
     assert_one_line(both_runs(tmp_path, "--job.config_file", str(tmp_path)),
                     rf"error: job.config_file: '{re.escape(str(tmp_path))}' is a folder, not a TOML file")
+
+
+def test_missing_tokenizer_folder_fails_a_real_run_in_one_line(tmp_path):
+    # qwen3_30b_a3b.toml's hf_assets_path as shipped: the folder is on the cluster
+    args = ("--job.config_file", "debug_moe.toml", "--model.hf_assets_path", "./assets/qwen3-30b-a3b",
+            "--training.steps", "1", "--job.dump_folder", str(tmp_path / "real"))
+    codes, _, err = forked(2, "titan_fold.train", *args)
+    lines = error_lines(err)
+    assert codes == [2, 2] and lines == [
+        "error: model.hf_assets_path = './assets/qwen3-30b-a3b': no such folder (unset it for the byte-level "
+        "tokenizer)"], (codes, err[-3000:])
+    assert "Traceback" not in err
+
+
+def test_missing_tokenizer_folder_is_a_warning_in_a_dry_run(tmp_path):
+    (code,), out, err = forked(0, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--model.hf_assets_path",
+                               "./assets/qwen3-30b-a3b", "--job.dump_folder", str(tmp_path), "--comm.mode",
+                               "fake_backend", "--comm.no-dry_run_collectives", env={"NGPU": "2"})
+    assert code == 0 and not error_lines(err), (code, err[-3000:])
+    assert "not checked here: model.hf_assets_path = './assets/qwen3-30b-a3b': no such folder" in out + err

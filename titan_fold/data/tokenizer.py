@@ -6,9 +6,16 @@ import numpy as np
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config.job_config import Model as TitanModel
 
+from titan_fold.common.errors import UserError
+
 # torchtitan's default hf_assets_path; a missing folder at this value means "not configured"
 _TITAN_DEFAULT_ASSETS = TitanModel.hf_assets_path
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+
+
+class TokenizerNotFound(UserError, FileNotFoundError):
+    """model.hf_assets_path holds no tokenizer: one line in a real run; a dry run, whose
+    folder may exist only on the cluster, warns instead (a FileNotFoundError to preflight)."""
 
 
 class ByteTokenizer(BaseTokenizer):
@@ -67,9 +74,9 @@ def build_tokenizer(job_config) -> BaseTokenizer:
     if not path or (path == _TITAN_DEFAULT_ASSETS and not os.path.exists(path)):
         return ByteTokenizer()
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model.hf_assets_path = '{path}': no such folder (unset it for the byte-level tokenizer)")
+        raise TokenizerNotFound(f"model.hf_assets_path = '{path}': no such folder (unset it for the byte-level tokenizer)")
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        raise FileNotFoundError(
+        raise TokenizerNotFound(
             f"model.hf_assets_path = '{path}' holds none of {list(_TOKENIZER_FILES)} "
             f"(found {sorted(os.listdir(path))}); unset it for the byte-level tokenizer"
         )
