@@ -442,6 +442,9 @@ RANGES = (
           lambda v: v == 0 or v >= 2),
     Range("checkpoint.load_step", ">= 0, or -1 for the latest", lambda v: v >= -1),
     Range("activation_checkpoint.memory_budget", "in [0, 1]", _unit),
+    # torchtitan's: a number in a string (every n-th layer), or "op"
+    Range("activation_checkpoint.selective_ac_option", "'op' or an integer >= 1 (every n-th layer)",
+          lambda v: v == "op" or (v.isdigit() and int(v) >= 1)),
     Range("metrics.log_freq", ">= 1", _at_least(1)),
     Range("profiling.profile_freq", ">= 1", _at_least(1)),
     Range("profiling.profiler_active", ">= 1", _at_least(1)),
