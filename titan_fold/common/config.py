@@ -558,4 +558,7 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
     _check_cli(args, JobConfig)
     config = ConfigManager(JobConfig).parse_args(args)
     validate(config)
+    if config.comm.check_gradients and config.comm.mode != "fake_backend":
+        raise ConfigError(f"comm.check_gradients = true: only with comm.mode = \"fake_backend\" (the dry run); "
+                          f"comm.mode is {config.comm.mode!r}, where nothing would check the gradients")
     return config
