@@ -8,6 +8,7 @@ every value against its rule, before any process starts.
 """
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -283,11 +284,34 @@ def _fits(hint, value, name: str) -> bool:
     return True  # a type no TOML value maps to; torchtitan checks it
 
 
+def _did_you_mean(word, choices, spell=str) -> str:
+    """'; did you mean X?' for the choice closest to a mistyped word, or nothing."""
+    if not isinstance(word, str):
+        return ""
+    match = difflib.get_close_matches(word, [c for c in choices if isinstance(c, str)], n=1)
+    return f"; did you mean {spell(match[0])}?" if match else ""
+
+
+def _choices(hint) -> list:
+    """The values a Literal field (or one that may be unset) takes."""
+    if typing.get_origin(hint) is Literal:
+        return list(typing.get_args(hint))
+    return [c for a in typing.get_args(hint) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """Every `section.key` of a config class, nested sections included."""
+    hints = typing.get_type_hints(cls)
+    return [key for f in dataclasses.fields(cls)
+            for key in (_keys(hints[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(hints[f.name])
+                        else [f"{prefix}{f.name}"])]
+
+
 def _check_value(name: str, hint, value) -> None:
     if value is None and type(None) in typing.get_args(hint):
         return
     if not _fits(hint, value, name):
-        raise ConfigError(f"{name} = {value!r}: must be {_type_name(hint)}")
+        raise ConfigError(f"{name} = {value!r}: must be {_type_name(hint)}{_did_you_mean(value, _choices(hint), repr)}")
 
 
 def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
@@ -297,7 +321,8 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
         name = f"{prefix}{key}"
         if key not in hints:
             known = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
-            raise ConfigError(f"unknown key '{name}' in the config file (valid here: {known})")
+            raise ConfigError(f"unknown key '{name}' in the config file (valid here: {known})"
+                              + _did_you_mean(key, [f.name for f in dataclasses.fields(cls)], lambda k: prefix + k))
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{name}' must be a [{name}] table")
@@ -348,7 +373,7 @@ def _parse_cli_value(name: str, hint, text: str):
             return text
     if bool in candidates:
         raise ConfigError(f"--{name} {text}: must be True, False or None")
-    raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}")
+    raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}{_did_you_mean(text, _choices(hint), repr)}")
 
 
 def _check_cli(args: list[str], cls: type) -> None:
@@ -371,7 +396,8 @@ def _check_cli(args: list[str], cls: type) -> None:
         if hint is None and last.startswith("no_") and _field(cls, f"{section}.{last[3:]}") is bool:
             hint, name = bool, f"{section}.{last[3:]}"
         if hint is None:
-            raise ConfigError(f"--{key}: unknown option (the keys are the config file's, e.g. --training.steps 10)")
+            guess = _did_you_mean(name, _keys(cls), lambda k: f"--{k}")
+            raise ConfigError(f"--{key}: unknown option" + (guess or " (the keys are the config file's, e.g. --training.steps 10)"))
         if hint is bool:
             if values:
                 raise ConfigError(f"--{key} {' '.join(values)}: {name} is a flag, "
