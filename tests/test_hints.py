@@ -1,5 +1,5 @@
-"""Hints: a mistyped key or value, a dry-run-only key on a real run, each one line with exit
-code 2."""
+"""Hints: a mistyped key or value, a forgotten config file, a dry-run-only key on a real run,
+each one line with exit code 2."""
 
 import pytest
 from conftest import python_m
@@ -38,3 +38,9 @@ def test_did_you_mean_in_the_config_file(tmp_path, text, hint):
     path.write_text(text)
     line = one_error(python_m("titan_fold.train", "--job.config_file", str(path)))
     assert line.endswith(hint), line
+
+
+def test_missing_config_file_is_named():
+    line = one_error(python_m("titan_fold.train", "--training.steps", "10"))
+    assert line.startswith("error: no --job.config_file: "), line
+    assert "debug_moe.toml" in line and "qwen2.toml" in line, line

@@ -220,6 +220,10 @@ class JobConfig(TitanJobConfig):
     mtp: MTP = field(default_factory=MTP)
 
 
+def packaged_configs() -> str:
+    return ", ".join(sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))
+
+
 def resolve_config_file(path: str) -> str:
     """A name not found from the working directory is looked up in the packaged configs."""
     if os.path.isdir(path):
@@ -229,8 +233,7 @@ def resolve_config_file(path: str) -> str:
     packaged = PACKAGED_CONFIGS / path
     if os.sep not in path and packaged.exists():
         return str(packaged)
-    available = ", ".join(sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))
-    raise ConfigError(f"job.config_file: '{path}' does not exist (packaged configs: {available})")
+    raise ConfigError(f"job.config_file: '{path}' does not exist (packaged configs: {packaged_configs()})")
 
 
 def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
