@@ -1,8 +1,14 @@
-"""Hints: a mistyped key or value, a forgotten config file, a dry-run-only key on a real run,
-each one line with exit code 2."""
+"""Hints: a mistyped key or value, a forgotten config file, a Hub folder unlike the flavor, a
+dry-run-only key on a real run, each one line with exit code 2."""
+
+import copy
+import json
 
 import pytest
 from conftest import python_m
+
+from titan_fold.models import FLAVORS
+from titan_fold.models.hf_adapter import hf_config
 
 
 def one_error(result) -> str:
@@ -44,3 +50,34 @@ def test_missing_config_file_is_named():
     line = one_error(python_m("titan_fold.train", "--training.steps", "10"))
     assert line.startswith("error: no --job.config_file: "), line
     assert "debug_moe.toml" in line and "qwen2.toml" in line, line
+
+
+def hub_folder_unlike_debug(folder):
+    """An HF folder of qwen2_moe with one layer more than the debug flavor, and a tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    args = copy.deepcopy(FLAVORS["qwen2_moe"]["debug"])
+    args.n_layers += 1
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config("qwen2_moe", args)))
+    Tokenizer(WordLevel({f"t{i}": i for i in range(100)}, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("module, args", [
+    pytest.param("titan_fold.train", ["--checkpoint.initial_load_path", "HUB"], id="initial_load_path"),
+    pytest.param("titan_fold.train", ["--model.hf_assets_path", "HUB"], id="hf_assets_path"),
+    pytest.param("titan_fold.hf", ["import", "HUB", "OUT", "--model.name", "qwen2_moe", "--model.flavor", "debug"],
+                 id="hf_import"),
+])
+def test_hub_folder_unlike_the_flavor_suggests_flavor_hf(tmp_path, module, args):
+    hub = hub_folder_unlike_debug(tmp_path / "hub")
+    args = [{"HUB": hub, "OUT": str(tmp_path / "out")}.get(a, a) for a in args]
+    if module == "titan_fold.train":
+        args = ["--job.config_file", "debug_moe.toml", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                "--job.dump_folder", str(tmp_path / "run"), *args]
+    line = one_error(python_m(module, *args))
+    assert "config.json does not match the model" in line and "num_hidden_layers: config.json 5, model 4" in line, line
+    assert line.endswith("; --model.flavor hf takes the model's sizes from this config.json"), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()

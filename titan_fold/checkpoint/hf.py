@@ -74,11 +74,11 @@ def check_out_folder(out: str) -> None:
         raise CheckpointError(f"{out}: exists and is not empty; choose a new folder (nothing was written)")
 
 
-def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs) -> None:
+def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs, flavor: str = "hf") -> None:
     import torch.distributed.checkpoint as dcp
 
     check_out_folder(out)
-    check_hf_checkpoint(hf_folder, family, args)
+    check_hf_checkpoint(hf_folder, family, args, flavor)
     wanted = model_shapes(args)
     sd = ADAPTERS[family](args).from_hf(read_hf_folder(hf_folder))
     # HF has no aux-free router biases: they start at zero, as in a fresh model
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             a.flavor, a.hf_config = "hf", a.hf_config or a.src
         family, args = resolve_model(a.name, a.flavor, a.hf_config)
         args.mtp_layers = a.mtp_layers
-        import_hf(a.src, a.dst, family, args)
+        import_hf(a.src, a.dst, family, args, a.flavor)
     else:
         if a.flavor is None:
             raise ConfigError("export needs --model.name and --model.flavor (or --model.flavor hf --model.hf_config PATH)")

@@ -261,14 +261,14 @@ def read_hf_folder(folder: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def check_hf_checkpoint(folder: str, family: str, model_args) -> None:
+def check_hf_checkpoint(folder: str, family: str, model_args, flavor: str = "hf") -> None:
     """An HF folder against a model, before anything is read into it: its config.json field by
     field (models/hf_adapter.check_hf_config), every safetensors file whole, and the tensor
     shapes against the model's (built on the meta device)."""
     from titan_fold.models import Transformer
     from titan_fold.models.hf_adapter import ADAPTERS, check_hf_config
 
-    check_hf_config(folder, family, model_args)
+    check_hf_config(folder, family, model_args, flavor)
     adapter = ADAPTERS[family](model_args)
     saved = adapter.hf_shapes_for_model({k: shape for k, (shape, _) in hf_shapes(folder).items()})
     with torch.device("meta"):
@@ -287,7 +287,7 @@ def check_initial_hf_load(config, model_args) -> None:
     if os.path.isdir(os.path.join(config.job.dump_folder, ckpt.folder)):
         return
     folder = ckpt.initial_load_path or config.model.hf_assets_path
-    check_hf_checkpoint(folder, config.model.name, model_args)
+    check_hf_checkpoint(folder, config.model.name, model_args, config.model.flavor)
 
 
 def save_model_as_hf(state_dict: dict[str, Any], folder: str, family: str, model_args, write: bool = True,

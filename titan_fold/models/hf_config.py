@@ -315,8 +315,9 @@ def config_mismatches(config: dict, family: str, args: TransformerArgs) -> list[
             if want.get(k) != have.get(k)]
 
 
-def check_hf_config(path: str, family: str, args: TransformerArgs) -> None:
-    """Raise HFConfigError listing each field where `path`'s config.json and the model differ."""
+def check_hf_config(path: str, family: str, args: TransformerArgs, flavor: str = "hf") -> None:
+    """Raise HFConfigError listing each field where `path`'s config.json and the model differ;
+    for a packaged `flavor`, the line also points to the `hf` flavor, which fits any such folder."""
     config = read_hf_config(path)
     _family_of(config, family, path)
     try:
@@ -327,6 +328,7 @@ def check_hf_config(path: str, family: str, args: TransformerArgs) -> None:
         raise HFConfigError(
             f"{path}: config.json does not match the model ({len(mismatches)} fields); nothing was written: "
             + "; ".join(mismatches)
+            + ("" if flavor == "hf" else "; --model.flavor hf takes the model's sizes from this config.json")
         )
 
 
