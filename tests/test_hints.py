@@ -1,5 +1,5 @@
 """Hints: a mistyped key or value, a forgotten config file, a Hub folder unlike the flavor, a
-dry-run-only key on a real run, each one line with exit code 2."""
+dry-run-only key on a real run, each one line with exit code 2; `--help` names the command."""
 
 import copy
 import json
@@ -81,3 +81,12 @@ def test_hub_folder_unlike_the_flavor_suggests_flavor_hf(tmp_path, module, args)
     assert "config.json does not match the model" in line and "num_hidden_layers: config.json 5, model 4" in line, line
     assert line.endswith("; --model.flavor hf takes the model's sizes from this config.json"), line
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module", [
+    pytest.param(f"titan_fold.{m}", id=m) for m in ("train", "hf", "upcycle", "layout", "plan", "plot")
+])
+def test_help_names_the_command(module):
+    result = python_m(module, "--help")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"usage: python -m {module} " in result.stdout, result.stdout[:500]

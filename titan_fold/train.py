@@ -3,6 +3,8 @@
     torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]
 """
 
+import sys
+
 from titan_fold import dryrun
 from titan_fold.common.errors import run_command
 from titan_fold.trainer import fold_trainer
@@ -13,4 +15,5 @@ def main(args: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.argv[0] = "python -m titan_fold.train"  # tyro's usage line; torchtitan's ConfigManager passes no prog
     run_command(main, end=fold_trainer.end_process)

@@ -116,7 +116,7 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m titan_fold.hf", description=__doc__.split("\n\n")[0])
     parser.add_argument("direction", choices=["import", "export"])
     parser.add_argument("src")
     parser.add_argument("dst")

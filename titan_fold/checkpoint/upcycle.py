@@ -166,7 +166,7 @@ def read_dense(path: str, hf: bool, family: str, args: TransformerArgs, granular
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m titan_fold.upcycle", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dense", required=True, help="dense DCP checkpoint folder (or HF folder with --hf)")
     parser.add_argument("--hf", action="store_true", help="--dense is a Hugging Face safetensors folder")
     parser.add_argument("--out", required=True, help="output DCP folder (model only)")
