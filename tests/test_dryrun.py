@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import python_m
 
 from titan_fold import dryrun
 from titan_fold.common.config import PACKAGED_CONFIGS, parse_args
@@ -128,6 +129,20 @@ def test_fake_backend_command(tmp_path, monkeypatch, capsys):
     assert report["ranks"][0]["coordinates"]["attention"]["dp_shard"] == 5
     text = capsys.readouterr().out
     assert "every member of every group issues the same sequence" in text
+
+
+def test_progress_per_phase_on_stderr(tmp_path):
+    """A line per phase on stderr (the collective phase's with the ranks recorded so far); the
+    report alone on stdout."""
+    r = python_m("titan_fold.train", "--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend",
+                 "--comm.dry_run_json", str(tmp_path / "dry.json"), env={"NGPU": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    progress = [line for line in r.stderr.splitlines() if line.startswith("dry run: ")]
+    assert progress == ["dry run: checks done", "dry run: rank 0: model built on the meta device",
+                        "dry run: memory measured on 1 rank", "dry run: recording one step's collectives on 2 ranks",
+                        "dry run: collectives recorded on 2 of 2 ranks"], r.stderr[-3000:]
+    assert r.stdout.startswith("dry run: qwen2_moe/debug on 2 ranks (debug_moe.toml)\n"), r.stdout[:300]
+    assert not set(progress) & set(r.stdout.splitlines())
 
 
 def test_fake_backend_needs_ngpu(monkeypatch, capsys):

@@ -20,7 +20,7 @@ pipeline schedule) while every collective is recorded per process group and ever
 send/recv per pair of ranks; all members of a group must issue the same sequence and every
 send must meet its recv, else the first divergence is reported (the mismatch that hangs a
 real job); a step that raises on a rank is reported with its cause.
-Output: a table on stdout and `<job.dump_folder>/dry_run.json`.
+Output: a table on stdout and `<job.dump_folder>/dry_run.json`; a progress line per phase on stderr.
 """
 
 from titan_fold.dryrun.gradients import check_gradients, gradient_check

@@ -143,7 +143,7 @@ def _dry_config(job_config):
     return config
 
 
-def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: bool = True) -> dict:
+def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: bool = True, progress=None) -> dict:
 
     t0 = time.process_time()
     init_fake_world(world_size, rank)
@@ -153,6 +153,8 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
     # built once, in the compute dtype the fake step needs: the counts do not depend on it
     compute = getattr(torch, job_config.training.mixed_precision_param)
     parts, stages, all_fqns, _ = build_rank(config, layout, model_args, compute if measure else torch.float32)
+    if progress is not None:
+        progress(f"rank {rank}: model built on the meta device")
     report = {
         "rank": rank,
         "coordinates": coordinates(layout),

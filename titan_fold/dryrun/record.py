@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import math
 import os
+import time
 import traceback
 from collections import defaultdict
 
@@ -184,18 +185,27 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     return config, args
 
 
-def record_collectives(job_config, world_size: int, model_args, ranks=None, watch=None) -> dict:
+# seconds between two progress lines of the collective phase (minutes at hundreds of ranks)
+PROGRESS_EVERY = 10.0
+
+
+def record_collectives(job_config, world_size: int, model_args, ranks=None, watch=None, progress=None) -> dict:
     """One training step of the shrunk model on every rank (or `ranks`) of a fake world;
-    watch(trainer, layout, rank): a context each rank's step runs in (the gradient check).
+    watch(trainer, layout, rank): a context each rank's step runs in (the gradient check);
+    progress(line): the ranks recorded so far, every PROGRESS_EVERY seconds and at the end.
 
     -> {(group desc, group ranks): {rank: [call, ...]}}"""
     config, args = shrunk_config(job_config, model_args, world_size)
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     ranks = list(ranks if ranks is not None else range(world_size))
+    last = time.monotonic()
     with SharedShardingDecisions.installed():
-        for rank in ranks:
+        for done, rank in enumerate(ranks, 1):
             for key, calls in step_collectives(config, args, world_size, rank, watch).items():
                 per_group[key][rank] = calls
+            if progress is not None and (done == len(ranks) or time.monotonic() - last >= PROGRESS_EVERY):
+                progress(f"collectives recorded on {done} of {len(ranks)} ranks")
+                last = time.monotonic()
     for (desc, pair), by_rank in per_group.items():
         if desc == P2P:  # a simulated rank that sent or received nothing to its peer
             for r in set(pair) & set(ranks):

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from collections import defaultdict
 
@@ -33,10 +34,21 @@ def check_config(job_config, world_size: int) -> tuple[Layout, object, list[str]
     return layout, model_args, warnings
 
 
-def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collectives: bool = True) -> dict:
-    """The report of a dry run (see the module docstring); ranks None = comm.dry_run_rank."""
+def _quiet(line: str) -> None:
+    pass
+
+
+def _progress(line: str) -> None:
+    print(f"dry run: {line}", file=sys.stderr, flush=True)
+
+
+def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collectives: bool = True,
+            progress=_quiet) -> dict:
+    """The report of a dry run (see the module docstring); ranks None = comm.dry_run_rank;
+    progress(line): called as each phase ends."""
     t0 = time.process_time()
     layout, model_args, warnings = check_config(job_config, world_size)
+    progress("checks done")
     if ranks is None:
         choice = job_config.comm.dry_run_rank
         if not -1 <= choice < world_size:
@@ -57,9 +69,10 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
     if job_config.compile.enable:
         warnings.append("compile.enable: the dry run builds and measures the eager model")
     for r in ranks:
-        rep = simulate_rank(job_config, world_size, r, model_args)
+        rep = simulate_rank(job_config, world_size, r, model_args, progress=progress)
         rep["compare"] = compare(rep, est, info, layout)
         report["ranks"].append(rep)
+    progress(f"memory measured on {len(ranks)} rank{'s' if len(ranks) > 1 else ''}")
     check = gradient_check(job_config, world_size, model_args) if job_config.comm.check_gradients else None
     if collectives or check is not None:
         t1 = time.process_time()
@@ -72,9 +85,10 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
                     f"{shrunk_config(job_config, model_args)[1].n_layers} layers) {where}"
                     + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 and collectives else ""),
             "matched": collectives, "step_failed": None, "first_divergence": None}
+        progress(f"recording one step's collectives on {len(step_ranks or range(world_size))} ranks")
         try:
             per_group = record_collectives(job_config, world_size, model_args, ranks=step_ranks,
-                                           watch=check.watch if check is not None else None)
+                                           watch=check.watch if check is not None else None, progress=progress)
         except StepFailed as e:
             col["step_failed"] = e.report
         else:
@@ -170,7 +184,7 @@ def main(job_config) -> int:
         # the simulated ranks' set-up lines, NGPU times over; the report says what matters
         logger.setLevel(logging.ERROR)
     try:
-        report = dry_run(job_config, int(ngpu), collectives=job_config.comm.dry_run_collectives)
+        report = dry_run(job_config, int(ngpu), collectives=job_config.comm.dry_run_collectives, progress=_progress)
     finally:
         logger.setLevel(level)
     print(format_report(report), flush=True)
