@@ -154,9 +154,10 @@ HF_FIELDS = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
         "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
         "shared_expert_intermediate_size", "max_position_embeddings", "decoder_sparse_step", "kv_lora_rank",
-        "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "sliding_window")),
+        "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")),
+    # sliding_window: Qwen2's configs write 0 beside use_sliding_window = false
     *((key, "an integer >= 0", _integer(0)) for key in (
-        "intermediate_size", "n_shared_experts", "first_k_dense_replace", "qk_nope_head_dim")),
+        "intermediate_size", "n_shared_experts", "first_k_dense_replace", "qk_nope_head_dim", "sliding_window")),
     *((key, "a number > 0", _number(lambda v: v > 0)) for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor")),
     ("router_aux_loss_coef", "a number >= 0", _number(lambda v: v >= 0)),
     *((key, "true or false", _is_bool) for key in (
