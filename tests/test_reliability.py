@@ -22,11 +22,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 from titan_fold.checkpoint.manager import complete, read_model_tensors
 from titan_fold.common.config import ConfigError, parse_args
+from titan_fold.common.storage import StorageError, storage_problem
 from titan_fold.trainer.fold_trainer import lock_dump_folder
 from titan_fold.trainer.lock import DumpFolderLock, LockedError
 from titan_fold.trainer.metrics_file import MetricsFile, read_records
 from titan_fold.trainer.preflight import preflight
-from titan_fold.trainer.storage import StorageError, storage_problem
 
 SMALL = ("--training.local_batch_size", "1", "--training.seq_len", "32", "--metrics.log_freq", "1")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")

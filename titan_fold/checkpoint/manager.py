@@ -29,43 +29,25 @@ What this module adds (`FoldCheckpointManager`, the trainer's checkpoint manager
 - a resume from a step-N that holds the weights only (the last save, by default) goes on
   from step N with the data position its save recorded and a fresh optimizer state
   (`load_weights_only`), where torchtitan's load would fail;
-- a save that fails for want of storage fails on every rank alike (`failing_save`, `agree`);
-- a fault-injection hook for tests, read in one place (`fault`): TITAN_FOLD_FAULT_AT_STEP=k
-  (and TITAN_FOLD_FAULT_RANK, default 0) injects TITAN_FOLD_FAULT_KIND into that rank at step
-  k in the first torchrun attempt only (TORCHELASTIC_RESTART_COUNT == 0). "kill" (the
-  default) kills the rank with SIGKILL in the middle of step k (after forward / backward,
-  before the optimizer step), so `torchrun --max-restarts 1` resumes (`maybe_fault`, called
-  by FoldTrainer.forward_backward_step). "enospc", "permission" and "vanished" fail the
-  save of step k inside DCP's writes of that rank (`SaveFault`).
+- a save that fails for want of storage fails on every rank alike, and faults injected by the
+  tests (saves.py).
 """
 
-import contextlib
-import errno
-import io
 import json
 import os
-import pickle
 import shutil
-import signal
-import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, TRAIN_STATE, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from titan_fold.common.errors import UserError
-from titan_fold.trainer.storage import StorageError, folder_problem
-
-
-class CheckpointError(UserError, RuntimeError):
-    pass
+from titan_fold.checkpoint.saves import SaveFault, agree, failing_save, fault
+from titan_fold.checkpoint.trusted import CheckpointError, check_bytes_entries, check_storage_files, read_metadata
 
 
 def complete(folder: str) -> bool:
@@ -73,82 +55,6 @@ def complete(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, ".metadata")) or os.path.isfile(
         os.path.join(folder, "model.safetensors.index.json")
     )
-
-
-# ---------------------------------------------------------------- trusted reading
-
-_ALLOWED_GLOBALS = {
-    # what torch 2.13's DCP pickles into .metadata, nothing callable beyond constructors
-    "torch.distributed.checkpoint.metadata": None,  # the classes defined in DCP's metadata module
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-              "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2"},
-    "torch.serialization": {"_get_layout"},  # a lookup of torch.strided & co by name
-    "collections": {"OrderedDict"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
-}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        allowed = _ALLOWED_GLOBALS.get(module, ())
-        if allowed is not None and name in allowed:
-            return super().find_class(module, name)
-        if allowed is None:  # a module's own classes only, not what it imports
-            found = super().find_class(module, name)
-            if isinstance(found, type) and found.__module__ == module:
-                return found
-        raise CheckpointError(f"refusing to unpickle {module}.{name}: not part of DCP's metadata")
-
-
-def read_metadata(folder: str) -> Metadata:
-    """DCP `.metadata` of `folder`, unpickled with an allow-list; errors name the folder."""
-    path = os.path.join(folder, ".metadata")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{folder}: no .metadata, not a complete DCP checkpoint")
-    try:
-        with open(path, "rb") as f:
-            metadata = _RestrictedUnpickler(f).load()
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    except Exception as e:  # truncated or garbage file
-        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-def check_storage_files(folder: str, metadata: Metadata) -> None:
-    """Every data file the metadata points into exists and is long enough (a truncated or
-    missing .distcp is caught here, before DCP has copied any tensor into the model)."""
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{folder}: data file {name} is missing")
-        if os.path.getsize(path) < end:
-            raise CheckpointError(f"{folder}: data file {name} is truncated ({os.path.getsize(path)} < {end} bytes)")
-
-
-def check_bytes_entries(folder: str, metadata: Metadata) -> None:
-    """Every non-tensor value must load with weights_only=True (DCP itself uses weights_only=False)."""
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, BytesStorageMetadata):
-            continue
-        info = metadata.storage_data.get(MetadataIndex(fqn))
-        if info is None:
-            raise CheckpointError(f"{folder}: no storage for {fqn!r}")
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{folder}: {fqn!r} is stored with transforms {info.transform_descriptors}")
-        with open(os.path.join(folder, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            blob = f.read(info.length)
-        try:
-            torch.load(io.BytesIO(blob), weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{folder}: entry {fqn!r} is not plain data ({type(e).__name__}); refusing to load") from None
 
 
 # ---------------------------------------------------------------- Hugging Face folders
@@ -518,103 +424,6 @@ def saved_position(folder: str, step: int) -> dict[str, int]:
         raise CheckpointError(
             f"{folder} holds the weights only and no readable record of its data position ({path}: {e}); start "
             f"another job.dump_folder from its weights with --checkpoint.initial_load_path {folder}") from None
-
-
-# ---------------------------------------------------------------- faults (tests)
-
-FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_KIND_ENV = "TITAN_FOLD_FAULT_AT_STEP", "TITAN_FOLD_FAULT_RANK", "TITAN_FOLD_FAULT_KIND"
-
-
-def fault(step: int) -> str | None:
-    """The fault this rank is to suffer at `step` (the env vars above), or None."""
-    at = os.environ.get(FAULT_STEP_ENV)
-    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    if int(os.environ.get("RANK", "0")) != int(os.environ.get(FAULT_RANK_ENV, "0")):
-        return None
-    return os.environ.get(FAULT_KIND_ENV, "kill")
-
-
-def maybe_fault(step: int) -> None:
-    """Kill this process (SIGKILL: no cleanup, no flush) when the fault env vars say so."""
-    if fault(step) == "kill":
-        rank = int(os.environ.get("RANK", "0"))
-        # said first: torchrun may report a peer's failure (its collective with this rank broke)
-        # as the first one, so its own log does not always show this kill
-        print(f"fault injection: SIGKILL to rank {rank} in step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class SaveFault:
-    """A value saved beside the states that fails the save while this rank writes its file:
-    DCP pickles non-tensor values with the file open. "enospc" and "permission" raise what a
-    full disk or a folder without write permission raise there (a test cannot fill the disk,
-    and root writes anywhere); "vanished" removes the step folder, and DCP's next write there
-    fails by itself."""
-
-    def __init__(self, kind: str, folder: str):
-        self.kind, self.folder = kind, folder
-
-    def __reduce__(self):
-        if self.kind == "vanished":
-            shutil.rmtree(self.folder)
-            return (int, (0,))
-        code = {"enospc": errno.ENOSPC, "permission": errno.EACCES}[self.kind]
-        raise OSError(code, os.strerror(code), os.path.join(self.folder, "__fault"))
-
-
-# ---------------------------------------------------------------- failed saves
-
-
-class SaveError(StorageError):
-    """A checkpoint could not be written (full disk, permissions, a folder gone); raised on every rank."""
-
-
-def agree(write: Callable[[], None]) -> None:
-    """Run `write` on this rank; if it fails on any rank, raise the first rank's OSError on all
-    (a collective: every rank calls it)."""
-    failed = None
-    try:
-        write()
-    except OSError as e:
-        failed = e
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        if failed is not None:
-            raise failed
-        return
-    failures: list[OSError | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(failures, failed)
-    first = next((e for e in failures if e is not None), None)
-    if first is not None:
-        raise first
-
-
-def _os_error(error: BaseException | None) -> OSError | None:
-    """The OSError behind `error`: itself, its cause or context, or a failed rank's (DCP's
-    CheckpointException carries every failed rank's exception)."""
-    while error is not None:
-        if isinstance(error, OSError):
-            return error
-        if isinstance(error, CheckpointException):
-            return next((found for _, (e, _) in sorted(error.failures.items()) if (found := _os_error(e))), None)
-        error = error.__cause__ or error.__context__
-    return None
-
-
-@contextlib.contextmanager
-def failing_save(checkpoint_id: str):
-    """A save into `checkpoint_id` that fails for want of storage raises SaveError naming the
-    folder and the cause; any other failure keeps its traceback."""
-    try:
-        yield
-    except (Exception, CheckpointException) as e:
-        if isinstance(e, UserError):
-            raise
-        found = _os_error(e)
-        cause = folder_problem(checkpoint_id) or (found.strerror or str(found) if found is not None else None)
-        if cause is None:
-            raise
-        raise SaveError(f"cannot save {checkpoint_id}: {cause}") from None
 
 
 # ---------------------------------------------------------------- the trainer's manager

@@ -24,11 +24,13 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_fold.checkpoint.manager import FoldCheckpointManager, SaveError, maybe_fault
+from titan_fold.checkpoint.manager import FoldCheckpointManager
+from titan_fold.checkpoint.saves import SaveError, maybe_fault
 from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
+from titan_fold.common.storage import StorageError, storage_problem
 from titan_fold.common.tensors import to_device
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
@@ -53,7 +55,6 @@ from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.preflight import layout_from_config, preflight
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
-from titan_fold.trainer.storage import StorageError, storage_problem
 from titan_fold.trainer.torchtitan_adapter import init_distributed, trainer_names, with_names
 from titan_fold.trainer.train_spec import register_train_specs
 

@@ -15,7 +15,7 @@ import socket
 import time
 
 from titan_fold.common.errors import UserError
-from titan_fold.trainer.storage import storage_error
+from titan_fold.common.storage import storage_error
 
 LOCK_FILE = "trainer.lock"
 

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 
-from titan_fold.trainer.storage import StorageError, storage_error
+from titan_fold.common.storage import StorageError, storage_error
 
 METRICS_FILE = "metrics.jsonl"
 
