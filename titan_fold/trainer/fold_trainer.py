@@ -249,7 +249,7 @@ class FoldTrainer(Trainer):
         parameters = [p for p in parameters if id(p) not in skip]
         if self.job_config.metrics.group_grad_norms and self._logs():  # before the clip scales them
             self.group_grad_norms = self.guard.copies.copy(self._group_norms(
-                (name, p.grad) for name, p in self._named_parameters(skip) if p.grad is not None))
+                (name, p.grad) for name, p in self._named_parameters() if p.grad is not None))
         norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
         if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
             torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
@@ -327,10 +327,11 @@ class FoldTrainer(Trainer):
                 extra.update(self._group_norm_metrics(before))
             self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
 
-    def _named_parameters(self, skip: set[int] = frozenset()) -> list[tuple[str, torch.nn.Parameter]]:
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters by their names in the model (without the wrappers of compile and
-        activation checkpointing), less those in `skip` (ids: the embedding copy of MTP under pp,
-        counted on the first stage)."""
+        activation checkpointing), less the MTP layers' embedding copy under pp (counted on the
+        first stage, as in the gradient norm)."""
+        skip = {id(p) for p in embedding_copies(self.model_parts)}
         return [(_plan_fqn(name), p) for part in self.model_parts for name, p in part.named_parameters()
                 if id(p) not in skip]
 
@@ -339,8 +340,7 @@ class FoldTrainer(Trainer):
 
     def _weights(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """Each parameter with a copy of its weights, before the optimizer step."""
-        skip = {id(p) for p in embedding_copies(self.model_parts)} if self.parallel_dims.pp > 1 else set()
-        return [(name, p, p.detach().clone()) for name, p in self._named_parameters(skip)]
+        return [(name, p, p.detach().clone()) for name, p in self._named_parameters()]
 
     def _group_norm_metrics(self, before) -> dict[str, dict[str, float]]:
         """metrics.group_grad_norms: each group's gradient norm (before clipping) and the norm of
