@@ -333,6 +333,10 @@ def test_resume_names_what_changes_and_keeps_layout_changes_silent(run_a, tmp_pa
         f"with the new value"]
     with pytest.raises(CheckpointError, match=r"^model.flavor = '57B-A14B', but .* was saved with model.flavor = 'debug'"):
         check("--model.flavor", "57B-A14B")
+    assert check("--optimizer.name", "Adam") == []  # Adam's states are AdamW's
+    with pytest.raises(CheckpointError, match=r"^optimizer.name = 'Muon', but .* was saved with optimizer.name = "
+                                              r"'AdamW': their states differ [^\n]*$"):
+        check("--optimizer.name", "Muon")
     os.remove(tmp_path / "checkpoint" / "step-3" / SETTINGS_FILE)  # saved before settings were recorded
     assert check("--training.seq_len", "256") == []
 

@@ -4,7 +4,7 @@ Every `step-N` the trainer saves holds SETTINGS_FILE (written before DCP's files
 `.metadata` completes the checkpoint). A resume of that checkpoint continues the saved run:
 the same tokens (sequence length, tokenizer) in the same model (FIXED); a difference there
 is a CheckpointError naming the key and the checkpoint's value, raised before any process
-group. Settings a resume may change, though the run then differs from the saved one
+group. So is a switch between Adam / AdamW and Muon (optimizer.name), whose states differ. Settings a resume may change, though the run then differs from the saved one
 (MENTIONED: global batch, step count, lr schedule), give one warning line each. Layouts are
 not compared: DCP reshards between them.
 """
@@ -48,6 +48,7 @@ def run_settings(config, tokenizer, dp: int) -> dict[str, Any]:
         "training.global_batch_size": tr.global_batch_size if tr.global_batch_size > 0 else tr.local_batch_size * dp,
         "training.steps": tr.steps,
         "optimizer.lr": config.optimizer.lr,
+        "optimizer.name": config.optimizer.name,
         "lr_scheduler.warmup_steps": lr.warmup_steps,
         "lr_scheduler.decay_ratio": lr.decay_ratio,
         "lr_scheduler.decay_type": lr.decay_type,
@@ -91,5 +92,11 @@ def check_resume(config, settings: dict[str, Any]) -> list[str]:
                 f"{key} = {settings[key]!r}, but {folder} was saved with {key} = {saved[key]!r}: a resume keeps "
                 f"it (to start from these weights with new settings: another job.dump_folder and "
                 f"--checkpoint.initial_load_path {folder})")
+    old, new = saved.get("optimizer.name"), settings["optimizer.name"]
+    if old is not None and (old == "Muon") != (new == "Muon"):
+        raise CheckpointError(
+            f"optimizer.name = {new!r}, but {folder} was saved with optimizer.name = {old!r}: their states differ "
+            f"(Muon keeps one momentum per matrix, Adam two moments), so a resume keeps it (to start from these "
+            f"weights with a fresh optimizer: another job.dump_folder and --checkpoint.initial_load_path {folder})")
     return [f"resuming {folder} with {key} = {settings[key]!r} (saved with {saved[key]!r}): the run continues "
             f"with the new value" for key in MENTIONED if key in saved and saved[key] != settings[key]]

@@ -78,6 +78,22 @@ class Optimizer(TitanOptimizer):
     """Keep fp32 master weights and fp32 optimizer states in the optimizer while the model's
     parameters are bf16 (training.dtype = "bfloat16"): bf16 compute without autocast, the
     fp32 recipe's update (titan_fold/trainer/optimizer.py)."""
+    muon_momentum: float = 0.95
+    """With name = "Muon": the momentum of the matrices' updates (titan_fold/trainer/muon.py)."""
+    muon_nesterov: bool = True
+    """With name = "Muon": orthogonalize the gradient plus momentum times the buffer's step (Nesterov)
+    rather than the buffer."""
+    muon_ns_steps: int = 5
+    """With name = "Muon": Newton-Schulz iterations per orthogonalization."""
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    """With name = "Muon": the coefficients (a, b, c) of the quintic Newton-Schulz iteration
+    X <- a X + (b A + c A^2) X, A = X X^T."""
+    muon_lr_adjust: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """With name = "Muon": the factor of lr on a matrix [A, B]'s orthogonalized update:
+    0.2 sqrt(max(A, B)) (Moonlight's: the update's RMS that of AdamW, so AdamW's lr and weight decay
+    carry over), or sqrt(max(1, A / B)) (Keller Jordan's original)."""
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """With name = "Muon": the dtype Newton-Schulz computes in (torch.optim.Muon's: bfloat16)."""
 
 
 @dataclass
@@ -248,6 +264,8 @@ def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
                 path = args[i + 1] = resolve_config_file(args[i + 1])
     return args, path
 
+
+OPTIMIZERS = ("Adam", "AdamW", "Muon")
 
 # floats where inf means something (no clipping); nan is meaningless everywhere
 _INF_ALLOWED = {"training.max_norm"}
@@ -444,6 +462,9 @@ RANGES = (
     Range("optimizer.beta2", "in [0, 1)", lambda v: 0 <= v < 1),
     Range("optimizer.eps", ">= 0", _at_least(0)),
     Range("optimizer.weight_decay", ">= 0", _at_least(0)),
+    Range("optimizer.muon_momentum", "in [0, 1)", lambda v: 0 <= v < 1),
+    Range("optimizer.muon_ns_steps", "in [1, 99]", lambda v: 1 <= v <= 99),
+    Range("optimizer.muon_ns_coefficients", "three numbers (a, b, c)", lambda v: len(v) == 3),
     Range("lr_scheduler.warmup_steps", ">= 0", _at_least(0)),
     Range("lr_scheduler.total_steps", ">= 1 (unset: training.steps)", _at_least(1)),
     Range("lr_scheduler.decay_ratio", "in [0, 1] (unset: decay after the warmup)", _unit),
@@ -535,6 +556,13 @@ def validate(config: JobConfig) -> None:
             "choose one; moe_layer_recompute needs mode = 'none'"
         )
     opt = config.optimizer
+    if opt.name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name = {opt.name!r}: must be one of {list(OPTIMIZERS)}"
+                          + _did_you_mean(opt.name, OPTIMIZERS, repr))
+    if opt.name == "Muon" and (opt.master_weights or opt.early_step_in_backward):
+        key = "master_weights" if opt.master_weights else "early_step_in_backward"
+        raise ConfigError(f"optimizer.name = 'Muon' with optimizer.{key} = true: Muon steps whole matrices after "
+                          "backward, in the parameters' dtype; choose one")
     if opt.master_weights and tr.dtype != "bfloat16":
         raise ConfigError(f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
                           "are for bf16 model parameters; set training.dtype = 'bfloat16'")

@@ -16,9 +16,11 @@ def memory_line(model_parts: list[nn.Module], job_config) -> str:
             f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})")
 
 
-def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config, num_stages: int = 1) -> str:
+def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config, num_stages: int = 1,
+           optimizer_split: str | None = None) -> str:
     """What a real run prints once at start (rank 0): both meshes, experts per rank,
-    pipeline stages and this rank's parameter/gradient/optimizer memory, as the dry run counts it."""
+    pipeline stages and this rank's parameter/gradient/optimizer memory, as the dry run counts it;
+    with Muon, which parameters take which update (MuonOptimizersContainer.split)."""
     att = " x ".join(f"{k} {v}" for k, v in layout.degrees("attention").items())
     exp = " x ".join(f"{k} {v}" for k, v in layout.degrees("expert").items())
     return "\n".join([
@@ -29,4 +31,5 @@ def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config,
          f"{model_args.moe.num_experts} experts per rank"),
         f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
         f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
+        *([f"  optimizer updates (rank 0): {optimizer_split}"] if optimizer_split else []),
     ])

@@ -52,6 +52,7 @@ from titan_fold.trainer.banner import banner as format_banner
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
 from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
+from titan_fold.trainer.muon import MuonOptimizersContainer
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.preflight import layout_from_config, preflight
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
@@ -176,7 +177,8 @@ class FoldTrainer(Trainer):
         """What a real run prints once at start (banner.py)."""
         pp = self.parallel_dims.pp
         stages = len(check_pipeline(self.job_config, self.model_args, pp)[1]) if pp > 1 else 1
-        return format_banner(self.parallel_dims, self.model_args, self.model_parts, self.job_config, stages)
+        split = self.optimizers.split() if isinstance(self.optimizers, MuonOptimizersContainer) else None
+        return format_banner(self.parallel_dims, self.model_args, self.model_parts, self.job_config, stages, split)
 
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch

@@ -1,0 +1,220 @@
+"""Muon for the hidden matrices, AdamW for the rest (`optimizer.name = "Muon"`), as Moonlight
+trains them.
+
+Muon's update of a matrix W [A, B] with gradient G: the momentum M = mu M + (1 - mu) G (torch's
+lerp form), the update U = G + mu (M - G) with Nesterov, else M; U orthogonalized
+by Newton-Schulz iterations (`newton_schulz`), then W = W (1 - lr wd) - lr s O, with s =
+0.2 sqrt(max(A, B)) ("match_rms_adamw": the update's RMS that of AdamW's, so lr and weight decay
+tuned for AdamW carry over) or sqrt(max(1, A / B)) ("original"). torch.optim.Muon computes the
+same for one matrix.
+
+Which parameters are matrices (`MUON_RULES`): the attention projections (MLA's too), the dense
+FFN, the shared expert and the routed experts, each expert's matrices on their own (w13 [E,
+2 * ffn, dim] is a stack of E experts, each of a gate and an up matrix [ffn, dim] whose rows
+alternate; w2 [E, dim, ffn] of E matrices), and MTP's projection. AdamW keeps the embedding,
+the head, the norms, the router, the shared expert's gate and every bias.
+
+Newton-Schulz needs a whole matrix, where the folding leaves each rank a shard:
+parallel/orthogonalize.py gathers every matrix on one owner rank, orthogonalizes it there and
+sends the shards back.
+"""
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer
+
+from titan_fold.common.tensors import local
+from titan_fold.models.groups import parameter_group
+from titan_fold.trainer.optimizer import _fqn, _placed_like, _state, adam_coefficients, adam_update
+
+# a parameter whose name matches one of these (and that has the dims given) takes Muon's update
+MUON_RULES: tuple[tuple[str, int], ...] = (
+    (r"\.attention\.\w+\.weight$", 2),  # wq wk wv wo; MLA's wq_a wq_b wkv_a wkv_b wk_rope
+    (r"\.feed_forward\.w[123]\.weight$", 2),
+    (r"\.moe\.shared_expert\.w[123]\.weight$", 2),
+    (r"\.moe\.experts\.w(13|2)$", 3),  # a stack of experts
+    (r"^mtp\.layers\.\d+\.eh_proj\.weight$", 2),
+)
+
+
+def uses_muon(fqn: str, p: torch.Tensor) -> bool:
+    """Whether the parameter named `fqn` takes Muon's update (else AdamW's)."""
+    return any(re.search(pattern, fqn) and p.ndim == ndim for pattern, ndim in MUON_RULES)
+
+
+def matrices(fqn: str, unit: torch.Tensor) -> torch.Tensor:
+    """One unit of a Muon parameter (a 2-D weight, or one expert's slice of a stack) -> the
+    matrices Muon orthogonalizes, [k, A, B]: w13's gate and up rows apart, else the unit."""
+    if fqn.endswith(".experts.w13"):
+        return torch.stack([unit[0::2], unit[1::2]])
+    return unit.unsqueeze(0)
+
+
+def from_matrices(fqn: str, stack: torch.Tensor) -> torch.Tensor:
+    """`matrices`' inverse: [k, A, B] -> the unit."""
+    if fqn.endswith(".experts.w13"):
+        return torch.stack([stack[0], stack[1]], dim=1).flatten(0, 1)  # gate, up rows alternating
+    return stack[0]
+
+
+def unit_shape(fqn: str, shape: torch.Size) -> tuple[int, ...]:
+    """The shape of one unit of a Muon parameter of global `shape`: an expert's matrix, or the weight."""
+    return tuple(shape[1:]) if shape and len(shape) == 3 else tuple(shape)
+
+
+def matrix_shape(fqn: str, shape: torch.Size) -> tuple[int, int]:
+    """The [A, B] of the matrices Muon orthogonalizes in a parameter of global `shape`."""
+    a, b = unit_shape(fqn, shape)
+    return (a // 2, b) if fqn.endswith(".experts.w13") else (a, b)
+
+
+def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """x [..., A, B] -> its Newton-Schulz orthogonalization, each matrix on its own, computed in
+    `dtype` and returned in it (torch.optim.Muon's iteration; on [A, B] its very ops)."""
+    a, b, c = coefficients
+    y = x.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        y = y.mT
+    if y.ndim == 2:
+        y = y / y.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = y @ y.T
+            y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    else:
+        y = y.flatten(0, -3)
+        y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = y @ y.mT
+            y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+        y = y.view(*x.shape[:-2], *y.shape[-2:])
+    return y.mT if tall else y
+
+
+def ns_flops(shape: tuple[int, int], steps: int) -> int:
+    """Newton-Schulz's multiply-add FLOPs on one matrix [A, B] (m = min, n = max): per step the
+    Gram matrix (2 m^2 n), its square (2 m^3) and the product with the matrix (2 m^2 n)."""
+    m, n = min(shape), max(shape)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def update_scale(shape: tuple[int, int], lr_adjust: str) -> float:
+    """The factor of lr on an orthogonalized update of a matrix [A, B]."""
+    a, b = shape
+    return 0.2 * math.sqrt(max(a, b)) if lr_adjust == "match_rms_adamw" else math.sqrt(max(1.0, a / b))
+
+
+# torch.optim.Muon's: the smallest norm Newton-Schulz divides by
+NS_EPS = 1e-7
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon's update for the matrices (param group 0, "muon": True) and AdamW's for the other
+    parameters (group 1); both groups take the scheduler's lr and the decay. State: a
+    "momentum_buffer" per matrix, "step", "exp_avg", "exp_avg_sq" per other parameter."""
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], lr: float, betas: tuple[float, float],
+                 eps: float, weight_decay: float, momentum: float, nesterov: bool,
+                 ns_coefficients: tuple[float, float, float], ns_steps: int, lr_adjust: str, ns_dtype: str):
+        self.names = {id(p): name for name, p in named_params}
+        muon = [p for name, p in named_params if uses_muon(name, p)]
+        adam = [p for name, p in named_params if not uses_muon(name, p)]
+        groups = [{"params": muon, "muon": True}, {"params": adam, "muon": False}]
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, lr_adjust=lr_adjust,
+                        ns_dtype=ns_dtype)
+        super().__init__(groups, defaults)
+        self._orthogonalizer = None
+
+    def split(self) -> dict[str, list[str]]:
+        """{"muon": names, "adamw": names} of the parameters each update takes."""
+        return {("muon" if group["muon"] else "adamw"): [self.names[id(p)] for p in group["params"]]
+                for group in self.param_groups}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            (self._muon_step if group["muon"] else self._adamw_step)(group)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        live = [p for p in group["params"] if p.grad is not None]
+        if not live:
+            return
+        beta1, beta2 = group["betas"]
+        states = [_state(self, p) for p in live]
+        scalars = torch.tensor([group["lr"], 1.0], dtype=torch.float32, device=local(live[0]).device)
+        coefs = adam_coefficients([s["step"] for s in states], scalars, beta1, beta2, group["weight_decay"])
+        for p, state, coef in zip(live, states, coefs):
+            adam_update(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), None,
+                        local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1), coef, beta1, beta2,
+                        group["eps"], group["weight_decay"], True, None)
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        from titan_fold.parallel.orthogonalize import Orthogonalizer
+
+        live = [p for p in group["params"] if p.grad is not None]
+        if not live:
+            return
+        momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
+        updates = []
+        for p in live:
+            grad = local(_placed_like(p.grad, p))
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = local(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        if self._orthogonalizer is None or self._orthogonalizer.params != live:
+            self._orthogonalizer = Orthogonalizer([(self.names[id(p)], p) for p in live], group["ns_steps"])
+
+        def orthogonalize(stack: torch.Tensor) -> torch.Tensor:  # [n, A, B] -> the same, orthogonalized
+            return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], NS_EPS, DTYPES[group["ns_dtype"]])
+
+        for p, out in zip(live, self._orthogonalizer(updates, orthogonalize)):
+            scale = update_scale(matrix_shape(self.names[id(p)], p.shape), group["lr_adjust"])
+            w = local(p)
+            w.mul_(1 - lr * decay)
+            w.add_(out.to(w.dtype), alpha=-lr * scale)
+
+
+class MuonOptimizersContainer(OptimizersContainer):
+    """torchtitan's container of one optimizer per model part, each a `Muon` over the part's
+    named parameters; torchtitan's state_dict (flattened, by parameter name) and hooks."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_kwargs: dict[str, Any]):
+        self.model_parts = model_parts
+        self.optimizers, all_params = [], []
+        for model in model_parts:
+            named = [(_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
+            self.optimizers.append(Muon(named, **optimizer_kwargs))
+            all_params += [p for _, p in named]
+        self._validate_length(len(model_parts))
+        self._post_init(all_params, optimizer_kwargs)
+
+    def split(self) -> str:
+        """One line: how many parameters (and elements) each update takes, by parameter group."""
+        counts: dict[str, dict[str, int]] = {"muon": {}, "adamw": {}}
+        sizes = {"muon": 0, "adamw": 0}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                kind = "muon" if group["muon"] else "adamw"
+                for p in group["params"]:
+                    name = parameter_group(opt.names[id(p)])
+                    counts[kind][name] = counts[kind].get(name, 0) + 1
+                    sizes[kind] += p.numel()
+        return "; ".join(f"{kind} {sizes[kind] / 1e6:.2f}M params: " + ", ".join(
+            f"{group} {n}" for group, n in sorted(counts[kind].items())) for kind in ("muon", "adamw"))
+
+
+def muon_kwargs(optimizer_config) -> dict[str, Any]:
+    c = optimizer_config
+    return dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay, momentum=c.muon_momentum,
+                nesterov=c.muon_nesterov, ns_coefficients=tuple(c.muon_ns_coefficients), ns_steps=c.muon_ns_steps,
+                lr_adjust=c.muon_lr_adjust, ns_dtype=c.muon_ns_dtype)
