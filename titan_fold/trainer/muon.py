@@ -158,12 +158,18 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict[str, Any]) -> None:
         from titan_fold.parallel.orthogonalize import Orthogonalizer
 
-        live = [p for p in group["params"] if p.grad is not None]
-        if not live:
+        params = group["params"]
+        if not any(p.grad is not None for p in params):
             return
         momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
+        dtype = DTYPES[group["ns_dtype"]]
         updates = []
-        for p in live:
+        for p in params:
+            # a parameter without a gradient is skipped, as torch skips it, but its (zero) update
+            # still takes part in the exchanges: every rank of a mesh runs the same ones
+            if p.grad is None:
+                updates.append(torch.zeros_like(local(p)))
+                continue
             grad = local(_placed_like(p.grad, p))
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -171,13 +177,15 @@ class Muon(torch.optim.Optimizer):
             buf = local(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        if self._orthogonalizer is None or self._orthogonalizer.params != live:
-            self._orthogonalizer = Orthogonalizer([(self.names[id(p)], p) for p in live], group["ns_steps"])
+        if self._orthogonalizer is None:
+            self._orthogonalizer = Orthogonalizer([(self.names[id(p)], p) for p in params], group["ns_steps"])
 
         def orthogonalize(stack: torch.Tensor) -> torch.Tensor:  # [n, A, B] -> the same, orthogonalized
-            return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], NS_EPS, DTYPES[group["ns_dtype"]])
+            return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], NS_EPS, dtype)
 
-        for p, out in zip(live, self._orthogonalizer(updates, orthogonalize)):
+        for p, out in zip(params, self._orthogonalizer(updates, orthogonalize, dtype)):
+            if p.grad is None:
+                continue
             scale = update_scale(matrix_shape(self.names[id(p)], p.shape), group["lr_adjust"])
             w = local(p)
             w.mul_(1 - lr * decay)
