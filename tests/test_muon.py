@@ -6,9 +6,13 @@ import re
 import pytest
 import torch
 
+from titan_fold.common.config import parse_args
 from titan_fold.models.flavors import FLAVORS
 from titan_fold.models.transformer import Transformer
+from titan_fold.parallel.orthogonalize import assign_owners, entries_of
+from titan_fold.parallel.pipeline import stage_fqns
 from titan_fold.trainer.muon import Muon, MuonOptimizersContainer, uses_muon
+from titan_fold.trainer.preflight import check_layout, model_args_from_config
 
 SETTINGS = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, momentum=0.95,
                 ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5)
@@ -127,3 +131,29 @@ def test_banner_line_counts_each_update():
     assert line == (f"muon {matrices / 1e6:.2f}M params: attention {4 * n}, routed_experts {2 * n}, shared_experts "
                     f"{3 * n}; adamw {rest / 1e6:.2f}M params: attention {3 * n}, embedding 1, head 1, norms "
                     f"{2 * n + 1}, router {n}, shared_experts {n}")
+
+
+# the real-size configs at the world sizes they are written for
+PACKAGED = [("deepseek_v3_16b.toml", 8), ("deepseek_v3_671b.toml", 1024), ("qwen3_30b_a3b.toml", 8),
+            ("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)]
+
+
+@pytest.mark.parametrize("name, world", PACKAGED)
+def test_owners_spread_newton_schulz_on_packaged_configs(name, world):
+    """No rank of a pipeline stage owns more than 1.5x the mean Newton-Schulz FLOPs of the stage's
+    Muon parameters (attention's and the experts' meshes both span the stage's ranks)."""
+    config = parse_args(["--job.config_file", name])
+    layout = check_layout(config, world)
+    args = model_args_from_config(config)[1]
+    with torch.device("meta"):
+        model = Transformer(args)
+    named = [(n, p) for n, p in model.named_parameters() if uses_muon(n, p)]
+    stages = stage_fqns(config.parallelism, args.n_layers, layout.pp) if layout.pp > 1 else [[""]]
+    ranks = list(range(world // layout.pp))
+    held = 0
+    for stage in stages:
+        part = [(n, p) for n, p in named if any(n.startswith(f"{m}.") or not m for m in stage)]
+        held += len(part)
+        loads = assign_owners(entries_of(part, config.optimizer.muon_ns_steps), lambda e: ranks)
+        assert len(loads) == len(ranks) and max(loads.values()) <= 1.5 * sum(loads.values()) / len(ranks), stage
+    assert held == len(named)  # every stage counted

@@ -27,6 +27,7 @@ FSDP / TP shards' bytes, plus the copies on Replicate dims). A plain tensor (one
 parameter no mesh splits) is orthogonalized where it is, batched the same way.
 """
 
+import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,26 +99,37 @@ class Entry:
         return len(rows) * len(cols)
 
 
+def entries_of(named: list[tuple[str, torch.Tensor]], ns_steps: int) -> list[Entry]:
+    """An Entry per Muon parameter of `named`, with its units and their Newton-Schulz FLOPs."""
+    return [Entry(name, p, p.shape[0] if p.ndim == 3 else 1,
+                  (2 if name.endswith(".experts.w13") else 1) * ns_flops(matrix_shape(name, p.shape), ns_steps))
+            for name, p in named]
+
+
 def assign_owners(entries: list[Entry], ranks: Callable[[Entry], list[int]]) -> dict[int, int]:
     """Each unit of each entry to a position of its mesh (Entry.owners), largest Newton-Schulz
-    FLOPs first, each to the rank with the fewest so far; ranks(entry): its mesh's global ranks
-    by position. Entries whose meshes span the same ranks share one count. -> FLOPs per global rank."""
+    FLOPs first, each to the rank with the fewest so far (the lowest rank of those tied);
+    ranks(entry): its mesh's global ranks by position. Entries whose meshes span the same ranks
+    share one count. -> FLOPs per global rank."""
     units = sorted(((e.cost, i, u) for i, e in enumerate(entries) for u in range(e.units)),
                    key=lambda t: (-t[0], t[1], t[2]))
     for e in entries:
         e.owners = [0] * e.units
-    # one count per set of ranks: every rank of a set sees the same entries on it, so all agree
-    loads: dict[tuple[int, ...], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    # one count per set of ranks, a heap of (FLOPs, rank): every rank of a set sees the same
+    # entries on it, so all of them agree on the owners
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    positions: dict[tuple[int, ...], dict[int, int]] = {}
     for cost, i, u in units:
-        members = ranks(entries[i])
-        table = loads[tuple(sorted(members))]
-        pos = min(range(len(members)), key=lambda k: (table[members[k]], members[k]))
-        entries[i].owners[u] = pos
-        table[members[pos]] += cost
+        members = tuple(ranks(entries[i]))
+        key = tuple(sorted(members))
+        heap = heaps.setdefault(key, [(0, r) for r in key])
+        load, rank = heapq.heappop(heap)
+        entries[i].owners[u] = positions.setdefault(members, {r: k for k, r in enumerate(members)})[rank]
+        heapq.heappush(heap, (load + cost, rank))
     total: dict[int, int] = defaultdict(int)
-    for table in loads.values():
-        for rank, flops in table.items():
-            total[rank] += flops
+    for heap in heaps.values():
+        for load, rank in heap:
+            total[rank] += load
     return dict(total)
 
 
@@ -131,11 +143,7 @@ class Orthogonalizer:
     rank's shard indices (one object all-gather per mesh)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], ns_steps: int):
-        self.entries = []
-        for name, p in named:
-            k = 2 if name.endswith(".experts.w13") else 1
-            self.entries.append(Entry(name, p, p.shape[0] if p.ndim == 3 else 1,
-                                      k * ns_flops(matrix_shape(name, p.shape), ns_steps)))
+        self.entries = entries_of(named, ns_steps)
         self.meshes: dict[tuple, list[Entry]] = defaultdict(list)  # by mesh (its ranks and shape)
         self.mesh_of: dict[tuple, DeviceMesh] = {}
         self.groups: dict[tuple, object] = {}
