@@ -80,6 +80,7 @@ def test_packaged_configs_are_in_range(name):
     pytest.param("optimizer.beta2", "-0.5", id="beta2-negative"),
     pytest.param("optimizer.eps", "-1e-8", id="negative-eps"),
     pytest.param("optimizer.weight_decay", "-0.1", id="negative-decay"),
+    pytest.param("optimizer.muon_ns_steps", "0", id="no-newton-schulz-steps"),
     pytest.param("lr_scheduler.warmup_steps", "-3", id="negative-warmup"),
     pytest.param("lr_scheduler.total_steps", "0", id="zero-total-steps"),
     pytest.param("lr_scheduler.decay_ratio", "1.5", id="decay-ratio-above-one"),

@@ -8,10 +8,11 @@ import torch
 
 from titan_fold.common.config import parse_args
 from titan_fold.models.flavors import FLAVORS
+from titan_fold.models.groups import uses_muon
 from titan_fold.models.transformer import Transformer
 from titan_fold.parallel.orthogonalize import assign_owners, entries_of
 from titan_fold.parallel.pipeline import stage_fqns
-from titan_fold.trainer.muon import Muon, MuonOptimizersContainer, uses_muon
+from titan_fold.trainer.muon import Muon, MuonOptimizersContainer
 from titan_fold.trainer.preflight import check_layout, model_args_from_config
 
 SETTINGS = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, momentum=0.95,

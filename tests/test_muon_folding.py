@@ -23,8 +23,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_fold.checkpoint.manager import read_model_tensors
+from titan_fold.models.groups import uses_muon
 from titan_fold.parallel.orthogonalize import Orthogonalizer
-from titan_fold.trainer.muon import Muon, uses_muon
+from titan_fold.trainer.muon import Muon
 
 WORLD = 4
 SHAPES = {

@@ -32,11 +32,11 @@ from torchtitan.config.job_config import Debug as TitanDebug
 from torchtitan.config.job_config import JobConfig as TitanJobConfig
 from torchtitan.config.job_config import Metrics as TitanMetrics
 from torchtitan.config.job_config import Model as TitanModel
-from torchtitan.config.job_config import Optimizer as TitanOptimizer
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
 from titan_fold.common.errors import UserError
+from titan_fold.common.optimizer_config import Optimizer
 
 PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
 
@@ -70,30 +70,6 @@ class Training(TitanTraining):
     nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: "stop" the run at that step (exit 3, nothing
     saved from it), or "skip" the step (no optimizer step, counted in metrics.jsonl)."""
-
-
-@dataclass
-class Optimizer(TitanOptimizer):
-    master_weights: bool = False
-    """Keep fp32 master weights and fp32 optimizer states in the optimizer while the model's
-    parameters are bf16 (training.dtype = "bfloat16"): bf16 compute without autocast, the
-    fp32 recipe's update (titan_fold/trainer/optimizer.py)."""
-    muon_momentum: float = 0.95
-    """With name = "Muon": the momentum of the matrices' updates (titan_fold/trainer/muon.py)."""
-    muon_nesterov: bool = True
-    """With name = "Muon": orthogonalize the gradient plus momentum times the buffer's step (Nesterov)
-    rather than the buffer."""
-    muon_ns_steps: int = 5
-    """With name = "Muon": Newton-Schulz iterations per orthogonalization."""
-    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
-    """With name = "Muon": the coefficients (a, b, c) of the quintic Newton-Schulz iteration
-    X <- a X + (b A + c A^2) X, A = X X^T."""
-    muon_lr_adjust: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-    """With name = "Muon": the factor of lr on a matrix [A, B]'s orthogonalized update:
-    0.2 sqrt(max(A, B)) (Moonlight's: the update's RMS that of AdamW, so AdamW's lr and weight decay
-    carry over), or sqrt(max(1, A / B)) (Keller Jordan's original)."""
-    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """With name = "Muon": the dtype Newton-Schulz computes in (torch.optim.Muon's: bfloat16)."""
 
 
 @dataclass
@@ -264,8 +240,6 @@ def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
                 path = args[i + 1] = resolve_config_file(args[i + 1])
     return args, path
 
-
-OPTIMIZERS = ("Adam", "AdamW", "Muon")
 
 # floats where inf means something (no clipping); nan is meaningless everywhere
 _INF_ALLOWED = {"training.max_norm"}
@@ -556,9 +530,6 @@ def validate(config: JobConfig) -> None:
             "choose one; moe_layer_recompute needs mode = 'none'"
         )
     opt = config.optimizer
-    if opt.name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer.name = {opt.name!r}: must be one of {list(OPTIMIZERS)}"
-                          + _did_you_mean(opt.name, OPTIMIZERS, repr))
     if opt.name == "Muon" and (opt.master_weights or opt.early_step_in_backward):
         key = "master_weights" if opt.master_weights else "early_step_in_backward"
         raise ConfigError(f"optimizer.name = 'Muon' with optimizer.{key} = true: Muon steps whole matrices after "

@@ -37,7 +37,38 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from titan_fold.trainer.muon import from_matrices, matrices, matrix_shape, ns_flops
+from titan_fold.models.groups import from_matrices, matrices, matrix_shape
+
+
+def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """x [..., A, B] -> its Newton-Schulz orthogonalization, each matrix on its own, computed in
+    `dtype` and returned in it (torch.optim.Muon's iteration; on [A, B] its very ops)."""
+    a, b, c = coefficients
+    y = x.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        y = y.mT
+    if y.ndim == 2:
+        y = y / y.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = y @ y.T
+            y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    else:
+        y = y.flatten(0, -3)
+        y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = y @ y.mT
+            y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+        y = y.view(*x.shape[:-2], *y.shape[-2:])
+    return y.mT if tall else y
+
+
+def ns_flops(shape: tuple[int, int], steps: int) -> int:
+    """Newton-Schulz's multiply-add FLOPs on one matrix [A, B] (m = min, n = max): per step the
+    Gram matrix (2 m^2 n), its square (2 m^3) and the product with the matrix (2 m^2 n)."""
+    m, n = min(shape), max(shape)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def _shards(placement) -> int | None:

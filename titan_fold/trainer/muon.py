@@ -3,15 +3,15 @@ trains them.
 
 Muon's update of a matrix W [A, B] with gradient G: the momentum M = mu M + (1 - mu) G (torch's
 lerp form), the update U = G + mu (M - G) with Nesterov, else M; U orthogonalized
-by Newton-Schulz iterations (`newton_schulz`), then W = W (1 - lr wd) - lr s O, with s =
+by Newton-Schulz iterations (`newton_schulz`, parallel/orthogonalize.py), then W = W (1 - lr wd) - lr s O, with s =
 0.2 sqrt(max(A, B)) ("match_rms_adamw": the update's RMS that of AdamW's, so lr and weight decay
 tuned for AdamW carry over) or sqrt(max(1, A / B)) ("original"). torch.optim.Muon computes the
 same for one matrix.
 
-Which parameters are matrices (`MUON_RULES`): the attention projections (MLA's too), the dense
-FFN, the shared expert and the routed experts, each expert's matrices on their own (w13 [E,
-2 * ffn, dim] is a stack of E experts, each of a gate and an up matrix [ffn, dim] whose rows
-alternate; w2 [E, dim, ffn] of E matrices), and MTP's projection. AdamW keeps the embedding,
+Which parameters are matrices (models/groups.py, `MUON_RULES`): the attention projections (MLA's
+too), the dense FFN, the shared expert and the routed experts, each expert's matrices on their own
+(w13 [E, 2 * ffn, dim] is a stack of E experts, each of a gate and an up matrix [ffn, dim] whose
+rows alternate; w2 [E, dim, ffn] of E matrices), and MTP's projection. AdamW keeps the embedding,
 the head, the norms, the router, the shared expert's gate and every bias.
 
 Newton-Schulz needs a whole matrix, where the folding leaves each rank a shard:
@@ -20,87 +20,18 @@ sends the shards back.
 """
 
 import math
-import re
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 
+from titan_fold.common.config import ConfigError
 from titan_fold.common.tensors import local
-from titan_fold.models.groups import parameter_group
+from titan_fold.models.groups import matrix_shape, parameter_group, uses_muon
+from titan_fold.parallel.orthogonalize import Orthogonalizer, newton_schulz
 from titan_fold.trainer.optimizer import _fqn, _placed_like, _state, adam_coefficients, adam_update
-
-# a parameter whose name matches one of these (and that has the dims given) takes Muon's update
-MUON_RULES: tuple[tuple[str, int], ...] = (
-    (r"\.attention\.\w+\.weight$", 2),  # wq wk wv wo; MLA's wq_a wq_b wkv_a wkv_b wk_rope
-    (r"\.feed_forward\.w[123]\.weight$", 2),
-    (r"\.moe\.shared_expert\.w[123]\.weight$", 2),
-    (r"\.moe\.experts\.w(13|2)$", 3),  # a stack of experts
-    (r"^mtp\.layers\.\d+\.eh_proj\.weight$", 2),
-)
-
-
-def uses_muon(fqn: str, p: torch.Tensor) -> bool:
-    """Whether the parameter named `fqn` takes Muon's update (else AdamW's)."""
-    return any(re.search(pattern, fqn) and p.ndim == ndim for pattern, ndim in MUON_RULES)
-
-
-def matrices(fqn: str, unit: torch.Tensor) -> torch.Tensor:
-    """One unit of a Muon parameter (a 2-D weight, or one expert's slice of a stack) -> the
-    matrices Muon orthogonalizes, [k, A, B]: w13's gate and up rows apart, else the unit."""
-    if fqn.endswith(".experts.w13"):
-        return torch.stack([unit[0::2], unit[1::2]])
-    return unit.unsqueeze(0)
-
-
-def from_matrices(fqn: str, stack: torch.Tensor) -> torch.Tensor:
-    """`matrices`' inverse: [k, A, B] -> the unit."""
-    if fqn.endswith(".experts.w13"):
-        return torch.stack([stack[0], stack[1]], dim=1).flatten(0, 1)  # gate, up rows alternating
-    return stack[0]
-
-
-def unit_shape(fqn: str, shape: torch.Size) -> tuple[int, ...]:
-    """The shape of one unit of a Muon parameter of global `shape`: an expert's matrix, or the weight."""
-    return tuple(shape[1:]) if shape and len(shape) == 3 else tuple(shape)
-
-
-def matrix_shape(fqn: str, shape: torch.Size) -> tuple[int, int]:
-    """The [A, B] of the matrices Muon orthogonalizes in a parameter of global `shape`."""
-    a, b = unit_shape(fqn, shape)
-    return (a // 2, b) if fqn.endswith(".experts.w13") else (a, b)
-
-
-def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """x [..., A, B] -> its Newton-Schulz orthogonalization, each matrix on its own, computed in
-    `dtype` and returned in it (torch.optim.Muon's iteration; on [A, B] its very ops)."""
-    a, b, c = coefficients
-    y = x.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        y = y.mT
-    if y.ndim == 2:
-        y = y / y.norm().clamp(min=eps)
-        for _ in range(steps):
-            gram = y @ y.T
-            y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
-    else:
-        y = y.flatten(0, -3)
-        y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=eps)
-        for _ in range(steps):
-            gram = y @ y.mT
-            y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
-        y = y.view(*x.shape[:-2], *y.shape[-2:])
-    return y.mT if tall else y
-
-
-def ns_flops(shape: tuple[int, int], steps: int) -> int:
-    """Newton-Schulz's multiply-add FLOPs on one matrix [A, B] (m = min, n = max): per step the
-    Gram matrix (2 m^2 n), its square (2 m^3) and the product with the matrix (2 m^2 n)."""
-    m, n = min(shape), max(shape)
-    return steps * (4 * m * m * n + 2 * m**3)
+from titan_fold.trainer.optimizer import build_optimizers as build_adam_optimizers
 
 
 def update_scale(shape: tuple[int, int], lr_adjust: str) -> float:
@@ -156,8 +87,6 @@ class Muon(torch.optim.Optimizer):
                         group["eps"], group["weight_decay"], True, None)
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        from titan_fold.parallel.orthogonalize import Orthogonalizer
-
         params = group["params"]
         if not any(p.grad is not None for p in params):
             return
@@ -226,3 +155,13 @@ def muon_kwargs(optimizer_config) -> dict[str, Any]:
     return dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay, momentum=c.muon_momentum,
                 nesterov=c.muon_nesterov, ns_coefficients=tuple(c.muon_ns_coefficients), ns_steps=c.muon_ns_steps,
                 lr_adjust=c.muon_lr_adjust, ns_dtype=c.muon_ns_dtype)
+
+
+def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
+    """TrainSpec.build_optimizers_fn: with `optimizer.name = "Muon"` a MuonOptimizersContainer,
+    else trainer/optimizer.py's Adam / AdamW."""
+    if optimizer_config.name != "Muon":
+        return build_adam_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    if ft_manager is not None and ft_manager.enabled:
+        raise ConfigError("optimizer.name = 'Muon' works with the plain optimizer step, not with fault tolerance")
+    return MuonOptimizersContainer(model_parts, muon_kwargs(optimizer_config))

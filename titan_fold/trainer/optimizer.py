@@ -313,14 +313,7 @@ def _state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tenso
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
     """torchtitan's optimizers, stepped by `_adam_step` where torchtitan builds the plain
     container of fused Adam / AdamW; with `optimizer.master_weights` the same optimizer class
-    and settings over fp32 masters; with `optimizer.name = "Muon"`, Muon for the matrices and
-    AdamW for the rest (trainer/muon.py) (TrainSpec.build_optimizers_fn)."""
-    if optimizer_config.name == "Muon":
-        from titan_fold.trainer.muon import MuonOptimizersContainer, muon_kwargs  # muon.py imports this module
-
-        if ft_manager is not None and ft_manager.enabled:
-            raise ConfigError("optimizer.name = 'Muon' works with the plain optimizer step, not with fault tolerance")
-        return MuonOptimizersContainer(model_parts, muon_kwargs(optimizer_config))
+    and settings over fp32 masters (trainer/muon.py's build_optimizers, for TrainSpec)."""
     optimizers = build_titan_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     master_weights = getattr(optimizer_config, "master_weights", False)
     if type(optimizers) is not OptimizersContainer:  # early_step_in_backward, fault tolerance: torchtitan's step

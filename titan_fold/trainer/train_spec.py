@@ -18,7 +18,7 @@ from titan_fold.models.hf_flavor import DeepSeekV3HFConfigArgs, HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 from titan_fold.trainer.metrics import build_metrics_processor
-from titan_fold.trainer.optimizer import build_optimizers
+from titan_fold.trainer.muon import build_optimizers
 
 
 class FlavorCopies(Mapping):
