@@ -2,7 +2,9 @@
 
 The trainer: two Muon steps from the seed checkpoint under dp2 x ep2, tp2 x dp2 (FSDP over TP)
 x ep2 x etp2, cp2, dp4 x ep2 x edp2 and pp2 x tp2 give the one-rank run's weights, every
-parameter (from the last checkpoint), and its loss and per-group gradient and update norms.
+parameter (from the last checkpoint), and its loss and per-group gradient and update norms. A
+one-rank run resumed under tp2 x ep2 x etp2 (the momenta resharded by DCP) takes its next step
+as the run that goes on.
 
 The placements one by one: on 4 gloo ranks in fp32, Muon parameters (attention-like matrices, a stack of experts) are
 DTensors placed as the foldings place them: FSDP over dp, FSDP over TP (torch's strided shard),
@@ -12,10 +14,13 @@ Two Muon steps on the same global gradients must give the one-process Muon's wei
 2-D matrices must also step as torch.optim.Muon. The owners spread the Newton-Schulz work.
 """
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_matches_one_rank, train_from_seed
+from conftest import assert_matches_one_rank, torchrun, train_from_seed
 from launcher import end_rank_checks, fork_ranks, run_checks, start_rank
 from test_equivalence import BATCH, degrees
 from torch.distributed.device_mesh import init_device_mesh
@@ -180,3 +185,19 @@ def test_trainer_muon_steps_match_one_rank(name, muon_reference, tmp_path, seed_
         # fp32 sums in another order; AdamW's first steps divide by sqrt(v) and magnify them
         rel = 1e-4 if uses_muon(n, want[n]) else 3e-4
         assert (change - want_change).norm() <= rel * want_change.norm(), (name, n)
+
+
+def test_resume_under_another_folding_continues_the_run(tmp_path, seed_checkpoint):
+    full = (*BATCH, *MUON, "--checkpoint.enable", "--checkpoint.initial_load_path", seed_checkpoint,
+            "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only", "--training.steps", "2")
+    torchrun(1, "--job.dump_folder", str(tmp_path / "on"), *full)
+    os.makedirs(tmp_path / "resumed" / "checkpoint")
+    shutil.copytree(tmp_path / "on" / "checkpoint" / "step-1", tmp_path / "resumed" / "checkpoint" / "step-1")
+    torchrun(4, "--job.dump_folder", str(tmp_path / "resumed"), *full, *degrees(tp=2, ep=2, etp=2))
+    start = read_model_tensors(str(tmp_path / "on" / "checkpoint" / "step-1"))
+    want = read_model_tensors(str(tmp_path / "on" / "checkpoint" / "step-2"))
+    got = read_model_tensors(str(tmp_path / "resumed" / "checkpoint" / "step-2"))
+    for n in want:
+        change, want_change = got[n] - start[n], want[n] - start[n]
+        rel = 1e-4 if uses_muon(n, want[n]) else 3e-4
+        assert (change - want_change).norm() <= rel * want_change.norm(), n
