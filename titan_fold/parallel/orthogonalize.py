@@ -108,7 +108,8 @@ class Entry:
     owners: list[int] = field(default_factory=list)  # per unit: the owner's position in the mesh
     slice_key: list[tuple] = field(default_factory=list)  # per mesh position: its coordinates on Replicate dims
     held: list[dict[int, int]] = field(default_factory=list)  # per mesh position: {unit: its index in the local tensor}
-    pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per position: its rows, columns
+    pieces: list[tuple] = field(default_factory=list)  # per mesh position: the index of its piece in a unit
+    piece_shapes: list[tuple[int, int]] = field(default_factory=list)  # per mesh position: its piece's shape
 
     @property
     def stacked(self) -> bool:
@@ -117,17 +118,18 @@ class Entry:
     def set_indices(self, indices: list[list[torch.Tensor]], device) -> None:
         """Each mesh position's local_indices -> which units it holds pieces of, and the rows and
         columns of its piece of a unit (on `device`)."""
-        self.held, self.pieces = [], []
+        self.held, self.pieces, self.piece_shapes = [], [], []
         for idx in indices:
             rows, cols = idx[-2:]
             whole = len(rows) > 0 and len(cols) > 0
             units = [(int(u), k) for k, u in enumerate(idx[0])] if self.stacked else [(0, 0)]
             self.held.append(dict(units) if whole else {})
-            self.pieces.append((rows.to(device), cols.to(device)))
+            self.pieces.append(_piece_index(rows, cols, device))
+            self.piece_shapes.append((len(rows), len(cols)))
 
     def piece_numel(self, pos: int) -> int:
-        rows, cols = self.pieces[pos]
-        return len(rows) * len(cols)
+        rows, cols = self.piece_shapes[pos]
+        return rows * cols
 
 
 def entries_of(named: list[tuple[str, torch.Tensor]], ns_steps: int) -> list[Entry]:
@@ -135,6 +137,16 @@ def entries_of(named: list[tuple[str, torch.Tensor]], ns_steps: int) -> list[Ent
     return [Entry(name, p, p.shape[0] if p.ndim == 3 else 1,
                   (2 if name.endswith(".experts.w13") else 1) * ns_flops(matrix_shape(name, p.shape), ns_steps))
             for name, p in named]
+
+
+def _piece_index(rows: torch.Tensor, cols: torch.Tensor, device) -> tuple:
+    """The index of the piece [rows, cols] of a matrix: a slice for a run of consecutive indices
+    (a plain Shard's, a view), else index tensors on `device` (a strided shard's)."""
+    runs = [slice(int(i[0]), int(i[-1]) + 1) if len(i) and torch.equal(i, torch.arange(int(i[0]), int(i[0]) + len(i)))
+            else None for i in (rows, cols)]
+    if None not in runs:
+        return tuple(runs)
+    return rows.to(device)[:, None], cols.to(device)[None, :]
 
 
 def assign_owners(entries: list[Entry], ranks: Callable[[Entry], list[int]]) -> dict[int, int]:
@@ -254,9 +266,8 @@ class Orthogonalizer:
             at = 0
             for e, u in owned[me]:
                 if e.slice_key[s] == e.slice_key[me] and u in e.held[s]:
-                    rows, cols = e.pieces[s]
-                    n = len(rows) * len(cols)
-                    full[(id(e), u)][rows[:, None], cols[None, :]] = chunk[at:at + n].view(len(rows), len(cols))
+                    n = e.piece_numel(s)
+                    full[(id(e), u)][e.pieces[s]] = chunk[at:at + n].view(e.piece_shapes[s])
                     at += n
         done = _orthogonalize_units(owned[me], full, orthogonalize)
         # scatter: each rank's piece of every unit I own
@@ -265,8 +276,7 @@ class Orthogonalizer:
             n = 0
             for e, u in owned[me]:
                 if u in e.held[r]:
-                    rows, cols = e.pieces[r]
-                    send.append(done[(id(e), u)][rows[:, None], cols[None, :]].reshape(-1))
+                    send.append(done[(id(e), u)][e.pieces[r]].reshape(-1))
                     n += send[-1].numel()
             send_sizes.append(n)
         recv_sizes = [sum(e.piece_numel(me) for e, u in owned[o] if u in e.held[me]) for o in range(size)]

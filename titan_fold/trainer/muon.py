@@ -63,11 +63,6 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._orthogonalizer = None
 
-    def split(self) -> dict[str, list[str]]:
-        """{"muon": names, "adamw": names} of the parameters each update takes."""
-        return {("muon" if group["muon"] else "adamw"): [self.names[id(p)] for p in group["params"]]
-                for group in self.param_groups}
-
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
