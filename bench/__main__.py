@@ -53,6 +53,9 @@ DP2_EP2 = "dp2_ep2_bf16params_auxfree"
 STASH = "_stash1048576"
 STATIC_CASES = ",".join(DP2_EP2 + m for m in ("", "_static", "_static" + STASH, "_compiled", "_compiled_static",
                                                "_compiled_static" + STASH, "_compiled_static_cudagraphs"))
+EXCHANGE_CASES = ",".join(["1gpu_bf16params_auxfree_compiled"] + [
+    DP2_EP2 + m for m in ("_compiled", "_compiled_device", "_compiled_rerun", "_compiled_device_rerun",
+                          "_compiled_device_profile")])
 # dp2 x ep2 compiled with torch's grouped GEMMs (exact and static exchange) beside QuACK's (installed:
 # bench/wheels.sh), which need the static exchange's fixed row count, also captured in CUDA graphs
 QUACK_CASES = ",".join(DP2_EP2 + m for m in ("_compiled_torchgemm", "_compiled_static_torchgemm",
@@ -149,6 +152,9 @@ SUITES = {
               ours="qwen3_30b_a3b_l12_dp2_ep2"),
          Step("qwen3_30b_a3b_l12_dp2_ep2_static", "train_step", [*QWEN3, "--cases", STATIC_CASES, "--steps", "15",
                                                                  "--case-timeout", "200"], 1200),
+         # the exchanges side by side, each twice (the spread), beside one GPU: moe.exchange (docs/moe.md)
+         Step("qwen3_30b_a3b_l12_dp2_ep2_exchange", "train_step",
+              [*QWEN3, "--cases", EXCHANGE_CASES, "--steps", "12", "--warmup-steps", "4", "--case-timeout", "150"], 900),
          Step("qwen3_30b_a3b_l12_dp2_ep2_quack", "train_step", [*QWEN3, "--cases", QUACK_CASES, "--steps", "15",
                                                                 "--case-timeout", "300"], 900)]),
 }

@@ -247,7 +247,7 @@ def test_train_step_summary_and_plans():
     with pytest.raises(ValueError, match="must start with"):
         train_step.case_plan("dp4_ep2", A)
     _, args = train_step.case_plan("dp2_ep2_compiled_static_stash4096", A)
-    assert "--moe.static_ep_exchange" in args and get("--moe.stash_rows") == "4096"
+    assert get("--moe.exchange") == "static" and get("--moe.stash_rows") == "4096"
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
@@ -264,7 +264,7 @@ def test_train_step_summary_and_plans():
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
         # the static exchange is what lets CUDA graphs run over ep2: without it the trainer refuses
-        with pytest.raises(ConfigError, match="moe.static_ep_exchange"):
+        with pytest.raises(ConfigError, match="moe.exchange = 'static'"):
             preflight(parse_args(train_step.case_plan("dp2_ep2_compiled_cudagraphs", A)[1]), 2)
     finally:
         FLAVORS[A.family].pop(A.proxy, None)

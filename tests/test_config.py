@@ -59,11 +59,21 @@ def test_missing_file_names_it():
         ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
         ('[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n', "choose one"),
         ("[moe\n", "not valid TOML"),
-        ("[moe]\ncapacity_factor = 1.0\nstatic_ep_exchange = true\n",
-         "moe.static_ep_exchange = true with moe.capacity_factor = 1.0: it is for dropless routing"),
+        ("[moe]\ncapacity_factor = 1.0\nexchange = \"static\"\n",
+         "moe.exchange = 'static' with moe.capacity_factor = 1.0: it is for dropless routing"),
+        ("[moe]\ncapacity_factor = 1.0\nstatic_ep_exchange = true\n",  # the moved key, read as exchange = "static"
+         "moe.exchange = 'static' with moe.capacity_factor = 1.0: it is for dropless routing"),
+        ("[moe]\nexchange = \"exact\"\nstatic_ep_exchange = true\n", "moe.static_ep_exchange = true with moe.exchange = 'exact'"),
+        ("[moe]\nexchange = \"device\"\ncapacity_factor = 1.0\n", "moe.exchange = 'device' with moe.capacity_factor = 1.0"),
+        ("[moe]\nexchange = \"device\"\n[parallelism]\nexpert_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
+         "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = 2: the device exchange covers ep only"),
+        ("[moe]\nexchange = \"device\"\noverlap_ep_comm = true\n", "moe.overlap_ep_comm = true with moe.exchange = 'device'"),
+        ("[moe]\nexchange = \"device\"\n[compile]\nenable = true\ncudagraphs = true\n",
+         "compile.cudagraphs = true with moe.exchange = 'device'"),
+        ("[moe]\nexchange = \"fast\"\n", "moe.exchange"),
         ("[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
-         "compile.cudagraphs = true with dropless routing .*; set moe.static_ep_exchange = true"),
-        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.static_ep_exchange"),
+         "compile.cudagraphs = true with dropless routing .*; set moe.exchange = 'static'"),
+        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.exchange = 'static'"),
         ("[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
          "moe.stash_rows = 100 with activation checkpointing"),
         ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
@@ -79,7 +89,8 @@ def test_bad_config_names_key_and_rule(tmp_path, text, message):
 
 @pytest.mark.parametrize("args", [
     [],  # one EP rank: the dropless layer has no host sync
-    ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],
+    ["--parallelism.expert_parallel_degree", "2", "--moe.exchange", "static"],
+    ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],  # the moved key
     ["--parallelism.expert_parallel_degree", "2", "--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"],
 ])
 def test_cudagraphs_with_static_shapes_accepted(args):
@@ -87,9 +98,23 @@ def test_cudagraphs_with_static_shapes_accepted(args):
     assert config.compile.cudagraphs
 
 
+def test_moved_static_key_reads_as_exchange(capsys):
+    """The old `moe.static_ep_exchange = true` still works, as `moe.exchange = "static"`, with a
+    one-line notice; the model's MoEArgs get the new key."""
+    from titan_fold.trainer.preflight import model_args_from_config
+
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.static_ep_exchange",
+                         "--parallelism.expert_parallel_degree", "2"])
+    assert config.moe.exchange == "static" and not config.moe.static_ep_exchange
+    notice = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert notice == ['notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = "static"'], notice
+    _, args = model_args_from_config(config)
+    assert args.moe.exchange == "static"
+
+
 @pytest.mark.parametrize("args", [[], ["--compile.enable"]])
 def test_stash_accepted_without_recompute(args):
-    config = parse_args(["--moe.static_ep_exchange", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none",
+    config = parse_args(["--moe.exchange", "static", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none",
                          "--parallelism.expert_parallel_degree", "2", *args])
     assert config.moe.stash_rows == 4096
 

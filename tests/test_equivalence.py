@@ -20,8 +20,8 @@ def degrees(tp=1, cp=1, dp_replicate=1, ep=1, etp=1) -> tuple[str, ...]:
 
 
 LAYOUTS = {
-    # attention dp 4; experts ep 2 x etp 1 x edp 2
-    "dp4_ep2_edp2": (4, degrees(ep=2)),
+    # attention dp 4; experts ep 2 x etp 1 x edp 2, exchanged with the sizes on the device
+    "dp4_ep2_edp2": (4, (*degrees(ep=2), "--moe.exchange", "device")),
     # attention dp 8; experts ep 4 x etp 2 x edp 1: EP and ETP fold over data-parallel ranks
     "dp8_ep4_etp2": (8, degrees(ep=4, etp=2)),
     # the parallelize issue's layouts (a), (b), (c), (e), (f)

@@ -106,5 +106,5 @@ def test_cudagraphs_freed_before_the_process_group(monkeypatch):
     monkeypatch.setattr(dist, "destroy_process_group", lambda: order.append("destroy"))
     # a run that stops before training (experts over 2 ranks in a world of 1): the same order
     main(["--job.config_file", "debug_moe.toml", "--compile.enable", "--compile.cudagraphs",
-          "--moe.static_ep_exchange", "--parallelism.expert_parallel_degree", "2"])
+          "--moe.exchange", "static", "--parallelism.expert_parallel_degree", "2"])
     assert order == ["reset", "destroy"]

@@ -246,7 +246,7 @@ def test_dropless_layer_has_no_host_sync(load_balance, tensors):
     on real ones under the host-sync check: any .item(), .tolist(), bool() of a tensor or
     data-dependent shape inside the layer (router, dispatch, experts, combine, aux-loss
     bookkeeping) raises. Such a layer can be captured in a CUDA graph. (Over ep > 1 with
-    moe.static_ep_exchange: tests/test_static_exchange.py.)"""
+    moe.exchange = "static" or "device": tests/test_static_exchange.py.)"""
     _layer_step(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32, load_balance=load_balance,
                         z_loss_coeff=1e-3, aux_loss_coeff=1e-2 if load_balance != "aux_free" else 0.0), tensors)
 
@@ -319,7 +319,7 @@ def test_quack_only_where_the_row_count_is_fixed():
     with pytest.raises(ConfigError, match=r"^moe.grouped_gemm = 'quack' with moe.capacity_factor = 1.0 without "
                                           r"moe.pad_to_capacity"):
         preflight(parse_args(base + ["--moe.capacity_factor", "1.0"]), 1)
-    fixed = [(ep2 + ["--moe.static_ep_exchange"], 2),
+    fixed = [(ep2 + ["--moe.exchange", "static"], 2), (ep2 + ["--moe.exchange", "device"], 2),
              (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"], 1),
              ([], 1)]
     for extra, world in fixed:
@@ -331,11 +331,11 @@ def test_quack_only_where_the_row_count_is_fixed():
         def get_optional_mesh(self, name):
             return None
 
-    for static, want in ((False, "torch"), (True, "auto")):
-        layer = MoE(64, MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, static_ep_exchange=static))
+    for exchange, want in (("auto", "torch"), ("exact", "torch"), ("static", "auto"), ("device", "auto")):
+        layer = MoE(64, MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, exchange=exchange))
         # every weight left where it is (no model-parallel dims): only the dispatchers and the GEMM choice change
         apply_moe(layer, _Layout(), {n: Placed(EXPERT, (), (), tuple(p.shape)) for n, p in layer.named_parameters()})
-        assert layer.experts.grouped_gemm == want, (static, layer.experts.grouped_gemm)
+        assert layer.experts.grouped_gemm == want, (exchange, layer.experts.grouped_gemm)
     assert varying_rows(MoEArgs(), 1, 1) is None and varying_rows(MoEArgs(), 1, 2) is not None
 
 

@@ -1,16 +1,20 @@
-"""moe.static_ep_exchange: the dropless exchange over ep x etp with worst-case blocks and counts on
-the device.
+"""moe.exchange = "static" and "device": the dropless exchanges over ep x etp with the counts on
+the device. The static one sends each peer a worst-case block; the device one moves the real
+rows into a worst-case receive buffer (moe/exchange.py; here its stand-in, the op's contract
+over gloo, which is also sync-free).
 
-On 4 gloo ranks in fp32 (one case float64: the per-expert loop): the static exchange gives the
-exact dispatcher's output, input gradient and every parameter gradient (router gate, expert
-weights), and the one-rank layer's, over ep 2 (edp 2), ep 4 and ep 2 x etp 2; with every token
-routed to the first ep rank's experts (each rank's block for that peer full: the worst case),
-with the routing weight after w2, with the weight gradients split off (delay_wgrad_compute); the
-experts' outputs and input gradients on the padding rows NaN, as undefined as they may be.
-Forward and backward of the static layer make no host sync (tests/host_sync.py); the same
-check raises on the exact exchange. The static layer compiles to one graph each way with
-static sizes. Paged stashing (moe.stash_rows): the same numbers, the real rows only, every
-dtype given back bit for bit, and the trainer's stop when the pool is too small.
+On 4 gloo ranks in fp32 (one case float64: the per-expert loop): each gives the exact
+dispatcher's output, input gradient and every parameter gradient (router gate, expert
+weights), and the one-rank layer's, over ep 2 (edp 2), ep 4 and (static only) ep 2 x etp 2;
+with every token routed to the first ep rank's experts (each rank's block for that peer full:
+the worst case), with the routing weight after w2, with the weight gradients split off
+(delay_wgrad_compute, static only); the experts' outputs and input gradients on the padding rows
+NaN, as undefined as they may be. Forward and backward of the static and device layers make no
+host sync (tests/host_sync.py; it sees the layer's code, not inside the device exchange's op);
+the same check raises on the exact exchange. Both compile to one
+graph each way with static sizes. Paged stashing (moe.stash_rows): the same numbers, the real
+rows only, every dtype given back bit for bit, and the trainer's stop when the pool is too small.
+The device exchange's NVSHMEM op itself: tests/gpu_device_exchange.py on 2 GPUs.
 """
 
 import copy
@@ -89,7 +93,7 @@ def step(moe, x, upstream):
     return y.detach(), x.grad, {n: p.grad for n, p in moe.named_parameters()}
 
 
-def check_case(case, ep_mesh, etp_mesh):
+def check_case(case, ep_mesh, etp_mesh, mode="static"):
     from titan_fold.moe import MoEArgs
     from titan_fold.parallel.experts import expert_slice, shard_moe
 
@@ -101,17 +105,20 @@ def check_case(case, ep_mesh, etp_mesh):
     x = (x.abs() + 0.5 if skew else x).to(dtype)
     upstream = torch.randn(B_LOC, S_LOC, DIM, generator=g, dtype=torch.float64).to(dtype)
     runs = {}
-    for mode in ("exact", "static"):
+    exchanged = None
+    for run in ("exact", mode):
         moe = copy.deepcopy(one_rank)
-        moe.args.static_ep_exchange = mode == "static"
+        moe.args.exchange = run
         shard_moe(moe, ep_mesh, etp_mesh)
-        if mode == "static":
+        if run == mode:
             poison_padding(moe.experts)
-            exchanged = watch_exchange(moe.dispatcher)
-        runs[mode] = step(moe, x, upstream)
+            if mode == "static":
+                exchanged = watch_exchange(moe.dispatcher)
+        runs[run] = step(moe, x, upstream)
     ref = step(one_rank, x, upstream)
 
-    (y, xg, grads), (y_ex, xg_ex, grads_ex) = runs["static"], runs["exact"]
+    (y, xg, grads), (y_ex, xg_ex, grads_ex) = runs[mode], runs["exact"]
+    name = f"{mode} {name}"
     # parameter gradients in full shapes, summed over the world: every token's contribution
     full = {}
     for key, grad in grads.items():
@@ -136,8 +143,9 @@ def check_case(case, ep_mesh, etp_mesh):
     if skew:  # every assignment goes to the first ep rank's experts: its block from each rank is full
         experts_idx = one_rank.router(x.flatten(0, 1), S_LOC).experts
         assert (experts_idx < args.num_experts // ep).all(), "the skewed case does not reach the worst case"
-    assert len(exchanged) == 3 and all(t.isfinite().all() for t in exchanged), \
-        f"{name}: the experts' NaN padding rows reached the exchange"
+    if exchanged is not None:
+        assert len(exchanged) == 3 and all(t.isfinite().all() for t in exchanged), \
+            f"{name}: the experts' NaN padding rows reached the exchange"
     close(y, y_ex, "output, static vs exact")
     close(xg, xg_ex, "input grad, static vs exact")
     for key in grads:
@@ -147,24 +155,25 @@ def check_case(case, ep_mesh, etp_mesh):
     close(both[:half], both[half:], "parameter grads, static vs one rank", True)
 
 
-def check_no_host_sync(ep_mesh, etp_mesh):
-    """Forward and backward of the whole static layer (shared expert, aux loss, the stash) read
-    nothing on the host; the exact exchange does (its split sizes)."""
+def check_no_host_sync(ep_mesh, etp_mesh, mode="static"):
+    """Forward and backward of the whole static or device layer (shared expert, aux loss, the
+    stash with static) read nothing on the host; the exact exchange does (its split sizes)."""
     from titan_fold.moe import MoEArgs
     from titan_fold.moe.stash import Stash
     from titan_fold.parallel.experts import shard_moe
 
     args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, shared_ffn_dim=FFN, load_balance="aux_loss",
-                   z_loss_coeff=1e-3, static_ep_exchange=True)
+                   z_loss_coeff=1e-3, exchange=mode)
     moe = make_layer(args, torch.float32)
     shard_moe(moe, ep_mesh, etp_mesh)
-    moe.dispatcher.stash = Stash(rows=10_000)
+    if mode == "static":
+        moe.dispatcher.stash = Stash(rows=10_000)
     x = torch.randn(B_LOC, S_LOC, DIM, requires_grad=True)
     with no_host_sync():
         moe(x).square().sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in moe.parameters())
-    assert moe.dispatcher.stash.pools, "nothing was stashed"
-    moe.args.static_ep_exchange = False
+    assert mode != "static" or moe.dispatcher.stash.pools, "nothing was stashed"
+    moe.args.exchange = "exact"
     try:
         with no_host_sync():
             moe(x)
@@ -174,8 +183,8 @@ def check_no_host_sync(ep_mesh, etp_mesh):
         raise AssertionError("the exact exchange passed the host-sync check")
 
 
-def check_compiles_static(ep_mesh, etp_mesh):
-    """torch.compile(fullgraph=True) traces the static layer, bf16, forward and backward, as one
+def check_compiles_static(ep_mesh, etp_mesh, mode="static"):
+    """torch.compile(fullgraph=True) traces the static (or device) layer, bf16, forward and backward, as one
     graph each way with no size read from the device (no unbacked symbol), and new data
     compiles nothing new: what compile.cudagraphs records once and replays."""
     from torch._dynamo.backends.common import aot_autograd
@@ -194,7 +203,7 @@ def check_compiles_static(ep_mesh, etp_mesh):
         graphs.append(gm)
         return gm
 
-    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, shared_ffn_dim=FFN, static_ep_exchange=True)
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, shared_ffn_dim=FFN, exchange=mode)
     moe = make_layer(args, torch.bfloat16)
     shard_moe(moe, ep_mesh, etp_mesh)
     torch._dynamo.reset()
@@ -219,7 +228,7 @@ def check_stash(ep_mesh):
     from titan_fold.parallel.experts import shard_moe
     from titan_fold.trainer.guard import NonFiniteGuard, StashOverflow
 
-    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, load_balance="none", static_ep_exchange=True)
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, load_balance="none", exchange="static")
     layer = make_layer(args, torch.float32, skew=3.0)
     g = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(B_LOC, S_LOC, DIM, generator=g).abs() + 0.5 for _ in range(2)]
@@ -288,9 +297,15 @@ def worker(rank, port, out_dir):
     failures = []
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [(c[0], lambda c=c: check_case(c, ep_mesh, etp_mesh)) for c in CASES]
+        if etp == 1:  # the device exchange covers ep only
+            checks += [(f"device {c[0]}", lambda c=c: check_case(c, ep_mesh, etp_mesh, "device"))
+                       for c in CASES if "delay_wgrad_compute" not in c[1]]
         checks.append(("no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh)))
+        if etp == 1:
+            checks.append(("device: no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh, "device")))
         if (ep, etp) == (2, 1):
             checks.append(("compiles static", lambda: check_compiles_static(ep_mesh, etp_mesh)))
+            checks.append(("compiles device", lambda: check_compiles_static(ep_mesh, etp_mesh, "device")))
             checks.append(("stash", lambda: check_stash(ep_mesh)))
         failures += run_checks(checks, f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
@@ -350,7 +365,7 @@ def test_trainer_stops_when_the_stash_overflows(tmp_path):
     codes, _, stderr = forked(2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
                               str(folder), "--training.local_batch_size", "1", "--training.seq_len", "32",
                               "--training.steps", "2", "--parallelism.expert_parallel_degree", "2",
-                              "--moe.static_ep_exchange", "--moe.stash_rows", "8")
+                              "--moe.exchange", "static", "--moe.stash_rows", "8")
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert codes == [2, 2] and len(lines) == 1, stderr[-4000:]
     assert lines[0].startswith("error: moe.stash_rows = 8: the MoE layers in flight at step 1 needed "), lines[0]

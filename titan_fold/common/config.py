@@ -36,6 +36,7 @@ from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
 from titan_fold.common.errors import UserError
+from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 
 PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
@@ -117,7 +118,7 @@ class Compile(TitanCompile):
     cudagraphs: bool = False
     """Each compiled block's forward and backward replayed as CUDA graphs (torch.compile
     mode="reduce-overhead"): no host launch work per kernel. Needs compile.enable; the layer must
-    have no host sync (dropless on one EP rank or with moe.static_ep_exchange, or token drop with
+    have no host sync (dropless on one EP rank or with moe.exchange = "static" or "device", or token drop with
     pad_to_capacity)."""
 
 
@@ -126,65 +127,6 @@ class Debug(TitanDebug):
     seed: int | None = 0
     """Base RNG seed (weights, data-independent randomness). A fixed default, so the same command
     gives the same losses; pass another value to vary the run."""
-
-
-@dataclass
-class MoE:
-    """Router and capacity settings. Unset (None) keeps the model flavor's value."""
-
-    capacity_factor: float | None = None
-    """Token-drop capacity factor; unset = dropless. capacity = ceil(tokens * top_k * cf / E)."""
-    pad_to_capacity: bool | None = None
-    """Pad every expert to its capacity (static shapes; needs capacity_factor)."""
-    drop_policy: Literal["probs", "position"] | None = None
-    """Which tokens an over-full expert keeps: highest probability, or first in order."""
-    drop_scope: Literal["sub_sequence", "full_sequence"] | None = None
-    """Decide drops on this rank's tokens, or on the whole sequences (gathered over cp x tp)."""
-    score_func: Literal["softmax", "sigmoid"] | None = None
-    top_k: int | None = None
-    norm_topk_prob: bool | None = None
-    """Renormalize the top-k probabilities to sum to one."""
-    num_groups: int | None = None
-    """Group-limited routing: the experts form num_groups groups of consecutive ids (num_groups
-    = nodes of the EP group: node-limited routing, docs/moe.md); 1 = off."""
-    group_topk: int | None = None
-    """With num_groups > 1: the groups a token may route to (by the sum of each group's two best scores)."""
-    routed_scaling_factor: float | None = None
-    """Multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)."""
-    load_balance: Literal["aux_loss", "seq_aux_loss", "aux_free", "none"] | None = None
-    shared_expert_overlap: bool | None = None
-    """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""
-    aux_loss_coeff: float | None = None
-    z_loss_coeff: float | None = None
-    expert_fp8: bool = False
-    """The routed experts' forward and input-gradient grouped GEMMs in FP8 (float8_e4m3fn, one
-    fp32 scale per row; weight gradient in bf16): sm90+ GPUs, bf16 compute (docs/benchmarks.md
-    says at which shapes it pays)."""
-    grouped_gemm: Literal["auto", "torch", "quack"] | None = None
-    """The routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (QuACK's kernels on
-    sm90+ GPUs, the rows' gather fused: `pip install -e ".[quack]"`), or "auto" (default: QuACK where
-    it is installed and the GPU and dtype suit it, else torch)."""
-    delay_wgrad_compute: bool = False
-    """Compute the routed experts' weight gradients apart from their input gradients: in backward
-    while the dispatch all-to-all's gradients travel (Megatron-Core's --delay-wgrad-compute);
-    needs expert_parallel_degree > 1."""
-    overlap_ep_comm: bool = False
-    """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
-    that the expert all-to-alls of each run under the other's compute (Megatron-Core's
-    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches; under
-    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state."""
-    static_ep_exchange: bool = False
-    """Dropless only: the exchange over ep x etp with static shapes and no host sync (what
-    compile.cudagraphs needs with ep or etp > 1): every rank sends each ep peer a block of the
-    most rows it could get, T * min(top_k, experts per ep rank), padding after its real rows; the
-    all-to-alls move up to ep x the bytes of the exact exchange. No effect with ep = etp = 1."""
-    stash_rows: int = 0
-    """With static_ep_exchange: the tensors the routed experts save for backward keep only their
-    real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers
-    (paged stashing, docs/moe.md): at least the real rows an ep rank's experts get in all the
-    layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
-    Not with activation checkpointing nor compile.cudagraphs; under torch.compile the experts run in
-    eager mode between the layer's graphs (the stash hooks autograd's saved tensors)."""
 
 
 @dataclass
@@ -539,13 +481,33 @@ def validate(config: JobConfig) -> None:
                           "are for bf16 model parameters; set training.dtype = 'bfloat16'")
     if config.compile.cudagraphs and not config.compile.enable:
         raise ConfigError("compile.cudagraphs = true needs compile.enable (the graphs are torch.compile's)")
-    if moe.static_ep_exchange and moe.capacity_factor is not None:
-        raise ConfigError(f"moe.static_ep_exchange = true with moe.capacity_factor = {moe.capacity_factor}: it is for "
+    if moe.static_ep_exchange:
+        if moe.exchange not in ("auto", "static"):
+            raise ConfigError(f"moe.static_ep_exchange = true with moe.exchange = {moe.exchange!r}: the old key "
+                              "moved to moe.exchange; set only moe.exchange")
+        print("notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = \"static\"", file=sys.stderr)
+        moe.exchange, moe.static_ep_exchange = "static", False
+    if moe.exchange == "static" and moe.capacity_factor is not None:
+        raise ConfigError(f"moe.exchange = 'static' with moe.capacity_factor = {moe.capacity_factor}: it is for "
                           "dropless routing; token drop has moe.pad_to_capacity for static shapes")
+    if moe.exchange == "device" and par.expert_tensor_parallel_degree > 1:
+        raise ConfigError(f"moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
+                          f"{par.expert_tensor_parallel_degree}: the device exchange covers ep only; use moe.exchange "
+                          "= 'exact' or 'static' with etp > 1")
+    if moe.exchange == "device" and moe.capacity_factor is not None:
+        raise ConfigError(f"moe.exchange = 'device' with moe.capacity_factor = {moe.capacity_factor}: it is for "
+                          "dropless routing; token drop has moe.pad_to_capacity for static shapes")
+    if moe.exchange == "device" and config.compile.cudagraphs:
+        raise ConfigError("compile.cudagraphs = true with moe.exchange = 'device': CUDA graph trees refuse the "
+                          "device exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs")
+    if moe.exchange == "device" and (moe.overlap_ep_comm or moe.delay_wgrad_compute):
+        key = "overlap_ep_comm" if moe.overlap_ep_comm else "delay_wgrad_compute"
+        raise ConfigError(f"moe.{key} = true with moe.exchange = 'device': not built for the device exchange; "
+                          "choose one")
     if moe.stash_rows:
-        if not moe.static_ep_exchange:
+        if moe.exchange != "static":
             raise ConfigError(f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
-                              "moe.static_ep_exchange = true (it stashes that exchange's real rows)")
+                              "moe.exchange = 'static' (it stashes that exchange's real rows)")
         if ac.mode != "none" or ac.moe_layer_recompute:
             raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' "
                               "saved tensors are recomputed, not stashed; choose one")
@@ -555,10 +517,10 @@ def validate(config: JobConfig) -> None:
                               "graphs again in most steps (the parameters FSDP2 gathers move with the eager experts' "
                               "allocations), slower than compile.enable alone; choose one")
     exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
-    if config.compile.cudagraphs and exchange and moe.capacity_factor is None and not moe.static_ep_exchange:
+    if config.compile.cudagraphs and exchange and moe.capacity_factor is None and moe.exchange in ("auto", "exact"):
         raise ConfigError("compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "
                           "expert_tensor_parallel_degree > 1: the exchange sizes reach the host in every layer "
-                          "(a graph per shape); set moe.static_ep_exchange = true")
+                          "(a graph per shape); set moe.exchange = 'static'")
     if config.moe.expert_fp8 and "bfloat16" not in (tr.dtype, tr.mixed_precision_param):
         raise ConfigError(f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
                           f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'")

@@ -14,6 +14,9 @@ from torchtitan.protocols.model import BaseModelArgs
 from titan_fold.models.layers import rope_cos_sin
 from titan_fold.moe import MoEArgs
 
+# `[moe]` keys that moved to another key (the config reads them into it, with a notice)
+MOVED_MOE_KEYS = ("static_ep_exchange",)
+
 
 @dataclass
 class TransformerArgs(BaseModelArgs):
@@ -99,7 +102,7 @@ class TransformerArgs(BaseModelArgs):
             overrides = {
                 f.name: getattr(moe_config, f.name)
                 for f in dataclasses.fields(moe_config)
-                if getattr(moe_config, f.name) is not None
+                if getattr(moe_config, f.name) is not None and f.name not in MOVED_MOE_KEYS
             }
             self.moe = dataclasses.replace(self.moe, **overrides)
 

@@ -54,10 +54,11 @@ class MoEArgs:
     # two micro-batches' forward and backward interleaved layer by layer, so that each one's
     # expert all-to-alls run beside the other's compute (parallel/overlap.py)
     overlap_ep_comm: bool = False
-    # dropless exchange over ep x etp with static shapes: every peer gets a worst-case block of
-    # rows, the counts stay on the device (no host sync: CUDA graphs); ep x the bytes sent
-    static_ep_exchange: bool = False
-    # with static_ep_exchange: the experts' saved activations keep only their real rows, in one
+    # the exchange over ep x etp (moe/exchange.py): "exact" (split sizes read on the host),
+    # "static" (dropless: every peer gets a worst-case block of rows, no host sync; ep x the
+    # bytes sent), "device" (dropless over ep: the real rows, split sizes on the device), "auto"
+    exchange: Literal["auto", "exact", "static", "device"] = "auto"
+    # with exchange = "static": the experts' saved activations keep only their real rows, in one
     # pool of this many rows shared by the layers (moe/stash.py); 0 = off
     stash_rows: int = 0
 

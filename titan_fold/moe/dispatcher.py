@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_fold.common.fused import fused
 from titan_fold.common.tensors import cast
 from titan_fold.moe.args import MoEArgs
+from titan_fold.moe.exchange import Route, exchange, resolve
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
 from titan_fold.moe.stash import Stash
@@ -275,6 +276,8 @@ class TokenDispatcher(nn.Module):
         super().__init__()
         self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
+        # the device exchange's ops name their process group
+        self.ep_group_name = ep_mesh.get_group().group_name if ep_mesh is not None else ""
         # a dry run's fake process group (comm.mode = "fake_backend") issues the collectives but
         # returns garbage: counts and routing are then taken as if every rank routed like this one
         self.fake = dist.is_initialized() and dist.get_backend() == "fake"
@@ -326,6 +329,9 @@ class TokenDispatcher(nn.Module):
         # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
         # half the bytes, and the gradient's sum over k sees the dtype the combine sees
         x = x.to(compute_dtype(x))
+        if resolve(args.exchange, self.ep, self.etp) == "device":
+            y, overlapped = self._device_forward(x, probs, experts_idx, experts, args, overlap)
+            return y, None, overlapped
         # one rank, dropless: experts that can read each row from x in place get x itself
         fused_gather = self.ep * self.etp == 1 and args.capacity_factor is None and experts.fuses_gather(x)
         plan, x_rows, w_rows = self.permute(x, probs, experts_idx, args, num_seqs, gather_rows=not fused_gather)
@@ -357,7 +363,7 @@ class TokenDispatcher(nn.Module):
         key = experts_idx.flatten()  # [N] destination expert of each assignment
         if keep is not None:
             key = torch.where(keep.flatten(), key, E)  # dropped -> an extra last group
-        static = keep is None and args.static_ep_exchange and self.ep * self.etp > 1
+        static = keep is None and resolve(args.exchange, self.ep, self.etp) == "static"
         padded = keep is not None and args.pad_to_capacity
         order, counts, pos = group_by(key, E + 1, positions=static or padded)
         counts = counts[:E]  # [E] kept rows per expert
@@ -407,6 +413,39 @@ class TokenDispatcher(nn.Module):
             n = _rows(sum(plan.splits.send), x_rows.shape[0])
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
         return plan, x_rows, weight_of_row
+
+    def _device_forward(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor,
+                        experts: GroupedExperts, args: MoEArgs, overlap=None):
+        """Dropless over ep with the split sizes on the device (moe.exchange = "device",
+        moe/exchange.py): rows arrive already grouped by local expert, in a buffer of the most
+        rows this rank can receive, real rows first; no host sync. -> (y [T, dim], overlap())."""
+        T, k = experts_idx.shape
+        E, N, ep = args.num_experts, T * k, self.ep
+        E_loc = E // ep
+        order, counts, _ = group_by(experts_idx.flatten(), E, positions=False)  # counts [E]
+        token_of_row = order // k  # [N] rows by destination expert, so by ep rank
+        slot = _inverse(order)  # [N] row of each assignment
+        send = counts.view(ep, E_loc).sum(1)  # [ep] rows to each ep rank
+        sources = self._source_counts(counts, E_loc, x.device, N).view(ep, E_loc)  # rows from each source
+        recv = sources.sum(1)  # [ep]
+        R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
+        cap = max(R, N)
+        # arrival rows: source after source, by expert within a source; rows past the V real ones pad
+        ends = sources.flatten().cumsum(0)  # [ep * E_loc]
+        chunk = torch.searchsorted(ends, torch.arange(R, device=x.device), right=True)  # [R]
+        expert_of_row = torch.where(chunk < ep * E_loc, chunk % E_loc, E_loc)  # E_loc = padding
+        perm = torch.sort(expert_of_row, stable=True).indices  # [R] sorted position -> arrival row
+        inv = _inverse(perm)  # [R] arrival row -> sorted position
+        perm = torch.where(perm < ends[-1], perm, cap)  # padding reads the exchange's zero row
+        g = self.ep_group_name
+        x_sorted = exchange(x, Route(token_of_row, send, perm), Route(inv, recv, slot.view(T, k)), cap, g)  # [R, dim]
+        w_sorted = exchange(probs.flatten(), Route(order, send, perm), Route(inv, recv, slot.view(N, 1)), cap, g)
+        overlapped = overlap() if overlap is not None else None
+        # no masks: the padding rows came in as zeros, their outputs are never sent, and their
+        # gradients come back as zeros (the zero row)
+        y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
+        y = exchange(y_sorted, Route(inv, recv, slot.view(T, k)), Route(token_of_row, send, perm), cap, g)  # [T, dim]
+        return y, overlapped
 
     def compute(self, x_in: torch.Tensor, w_in: torch.Tensor, plan: "Plan", experts: GroupedExperts,
                 args: MoEArgs) -> torch.Tensor:

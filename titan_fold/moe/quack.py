@@ -44,6 +44,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from titan_fold.moe.exchange import resolve
+
 CHOICES = ("auto", "torch", "quack")
 
 
@@ -145,9 +147,9 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
     layer and step, so "auto" takes torch's GEMMs and "quack" is refused."""
     if args.capacity_factor is not None:
         return None if args.pad_to_capacity else f"moe.capacity_factor = {args.capacity_factor} without moe.pad_to_capacity"
-    if ep * etp > 1 and not args.static_ep_exchange:
+    if ep * etp > 1 and resolve(args.exchange, ep, etp) == "exact":
         return (f"the exact exchange over parallelism.expert_parallel_degree x expert_tensor_parallel_degree = "
-                f"{ep} x {etp} (moe.static_ep_exchange = false)")
+                f"{ep} x {etp} (moe.exchange = {args.exchange!r})")
     return None
 
 

@@ -1,7 +1,7 @@
 """Paged stashing (`moe.stash_rows`; seeds/003, section 5): under the static exchange the experts'
 saved activations keep only their valid rows, packed into one pool shared by the MoE layers.
 
-With `moe.static_ep_exchange` the experts of every layer get R worst-case rows of which V are
+With `moe.exchange = "static"` the experts of every layer get R worst-case rows of which V are
 real: a prefix, the rows being grouped by expert with the padding last. The tensors they save
 for backward (their input rows, the SwiGLU's gate and up pairs, w2's input, the routing weights) have R
 rows each, so a model would hold layers x R rows until backward. Here, while the experts run,

@@ -1,0 +1,68 @@
+"""titan_fold's [moe] section: the router, token drop, the experts' kernels and the exchange."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class MoE:
+    """Router and capacity settings. Unset (None) keeps the model flavor's value."""
+
+    capacity_factor: float | None = None
+    """Token-drop capacity factor; unset = dropless. capacity = ceil(tokens * top_k * cf / E)."""
+    pad_to_capacity: bool | None = None
+    """Pad every expert to its capacity (static shapes; needs capacity_factor)."""
+    drop_policy: Literal["probs", "position"] | None = None
+    """Which tokens an over-full expert keeps: highest probability, or first in order."""
+    drop_scope: Literal["sub_sequence", "full_sequence"] | None = None
+    """Decide drops on this rank's tokens, or on the whole sequences (gathered over cp x tp)."""
+    score_func: Literal["softmax", "sigmoid"] | None = None
+    top_k: int | None = None
+    norm_topk_prob: bool | None = None
+    """Renormalize the top-k probabilities to sum to one."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts form num_groups groups of consecutive ids (num_groups
+    = nodes of the EP group: node-limited routing, docs/moe.md); 1 = off."""
+    group_topk: int | None = None
+    """With num_groups > 1: the groups a token may route to (by the sum of each group's two best scores)."""
+    routed_scaling_factor: float | None = None
+    """Multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)."""
+    load_balance: Literal["aux_loss", "seq_aux_loss", "aux_free", "none"] | None = None
+    shared_expert_overlap: bool | None = None
+    """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""
+    aux_loss_coeff: float | None = None
+    z_loss_coeff: float | None = None
+    expert_fp8: bool = False
+    """The routed experts' forward and input-gradient grouped GEMMs in FP8 (float8_e4m3fn, one
+    fp32 scale per row; weight gradient in bf16): sm90+ GPUs, bf16 compute (docs/benchmarks.md
+    says at which shapes it pays)."""
+    grouped_gemm: Literal["auto", "torch", "quack"] | None = None
+    """The routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (QuACK's kernels on
+    sm90+ GPUs, the rows' gather fused: `pip install -e ".[quack]"`), or "auto" (default: QuACK where
+    it is installed and the GPU and dtype suit it, else torch)."""
+    delay_wgrad_compute: bool = False
+    """Compute the routed experts' weight gradients apart from their input gradients: in backward
+    while the dispatch all-to-all's gradients travel (Megatron-Core's --delay-wgrad-compute);
+    needs expert_parallel_degree > 1."""
+    overlap_ep_comm: bool = False
+    """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
+    that the expert all-to-alls of each run under the other's compute (Megatron-Core's
+    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches; under
+    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state."""
+    exchange: Literal["auto", "exact", "static", "device"] = "auto"
+    """The routed tokens' exchange over expert_parallel_degree x expert_tensor_parallel_degree
+    (docs/moe.md, "Exchanges"): "exact" moves the real rows and reads the split sizes on the host
+    before each all-to-all; "static" (dropless only) sends each ep peer a block of the most rows it
+    could get, T * min(top_k, experts per ep rank), with the sizes on the device (ep x the bytes;
+    what compile.cudagraphs needs with ep or etp > 1); "device" (dropless, ep only) moves the real
+    rows with the sizes on the device (NVSHMEM all-to-all on GPUs; a host stand-in elsewhere), into
+    buffers of the most rows a rank can get; "auto" picks "exact". No effect with ep = etp = 1."""
+    static_ep_exchange: bool = False
+    """Moved: `static_ep_exchange = true` is `exchange = "static"` (accepted with a notice)."""
+    stash_rows: int = 0
+    """With static_ep_exchange: the tensors the routed experts save for backward keep only their
+    real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers
+    (paged stashing, docs/moe.md): at least the real rows an ep rank's experts get in all the
+    layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
+    Not with activation checkpointing nor compile.cudagraphs; under torch.compile the experts run in
+    eager mode between the layer's graphs (the stash hooks autograd's saved tensors)."""
