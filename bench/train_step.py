@@ -10,7 +10,7 @@
     python bench/train_step.py --cases 1gpu_bf16params_auxfree --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0
     (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
     batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
-    by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static / _device moe.exchange,
+    by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static / _device moe.exchange, _muon optimizer.name = "Muon",
     _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs, _phases metrics.step_phases)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
@@ -90,7 +90,7 @@ def parse_case(case: str) -> tuple[str, dict]:
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
-    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), stash<N>
+    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), stash<N>
     (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
     same configuration once more, under a name of its own: the run-to-run spread in one call)."""
     base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
@@ -98,10 +98,10 @@ def parse_case(case: str) -> tuple[str, dict]:
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
     mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
-            "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False, "exchange": None,
+            "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False, "exchange": None, "muon": False,
             "stash": 0, "phases": False, "rerun": False}
     for mod in filter(None, case[len(base):].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "phases", "rerun"):
+        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "phases", "rerun", "muon"):
             mods[mod] = True
         elif mod in ("static", "device"):
             mods["exchange"] = mod
@@ -160,6 +160,8 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--compile.cudagraphs"]
     if mods["exchange"]:
         args += ["--moe.exchange", mods["exchange"]]
+    if mods["muon"]:
+        args += ["--optimizer.name", "Muon"]
     if mods["stash"]:
         args += ["--moe.stash_rows", str(mods["stash"])]
     if mods["load_balance"]:
