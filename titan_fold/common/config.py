@@ -452,9 +452,23 @@ def check_ranges(config: JobConfig) -> None:
             raise ConfigError(f"{key} = {value!r}: must be {rule}")
 
 
+# torchtitan keys whose components titan_fold replaces: (key, the only value that holds, what does the job)
+REPLACED_TORCHTITAN_KEYS = (
+    ("parallelism.expert_parallel_comm_backend", "standard",
+     "titan_fold's dispatcher exchanges the tokens (moe.exchange chooses how)"),
+    ("parallelism.enable_async_tensor_parallel", False, "titan_fold's tensor parallelism has no async variant"),
+    ("parallelism.context_parallel_rotate_method", "allgather",
+     "titan_fold's context parallelism all-gathers K and V (docs/parallelize.md)"),
+)
+
+
 def validate(config: JobConfig) -> None:
     """Rules that hold for any model and world size; degrees against the world come later."""
     check_ranges(config)
+    for key, holds, instead in REPLACED_TORCHTITAN_KEYS:
+        section, name = key.split(".")
+        if (value := getattr(getattr(config, section), name)) != holds:
+            raise ConfigError(f"{key} = {value!r}: not used by titan_fold ({instead}); leave it at {holds!r}")
     moe, par, tr = config.moe, config.parallelism, config.training
     if moe.capacity_factor is None:
         for key in ("pad_to_capacity", "drop_policy", "drop_scope"):
