@@ -1,5 +1,5 @@
 """Input that used to escape the checks is one line `error: ...` and exit code 2, in a real run
-and in a dry run alike: a numeric key out of its range (config.RANGES), a config.json field of
+and in a dry run alike: a numeric key out of its range (ranges.RANGES), a config.json field of
 the wrong type or range (hf_config.HF_FIELDS), a config path that is a folder, and, in a real
 run, a missing tokenizer folder (a dry run warns: the folder may be on the cluster only)."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import forked
 
-from titan_fold.common.config import RANGES, JobConfig, parse_args
+from titan_fold.common.config import JobConfig, parse_args
+from titan_fold.common.ranges import RANGES
 from titan_fold.models.hf_config import HF_FIELDS, hf_config
 from titan_fold.trainer.preflight import model_args_from_config
 
