@@ -64,7 +64,7 @@ def test_packaged_config_dry_runs(name):
     collectives of all its ranks: tests/test_dryrun_match.py)."""
     # deepseek_v3_671b.toml: its first rank only (each rank's fake step of a 170B stage takes ~1 CPU min)
     every = WORLD[name] <= 128
-    c = config(name, "--comm.dry_run_rank", "-1" if every else "0")
+    c = config(name, "--comm.mode", "fake_backend", "--comm.dry_run_rank", "-1" if every else "0")
     start = time.process_time()
     report = dryrun.dry_run(c, WORLD[name], collectives=False)
     memory_s = sum(r["cpu_seconds"] for r in report["ranks"])

@@ -2,11 +2,15 @@
 dry-run-only key on a real run, each one line with exit code 2; `--help` names the command."""
 
 import copy
+import dataclasses
 import json
+import re
 
 import pytest
 from conftest import python_m
+from torchtitan.config.job_config import Comm as TitanComm
 
+from titan_fold.common.config import DRY_RUN_ONLY, PACKAGED_CONFIGS, Comm, ConfigError, parse_args
 from titan_fold.models import FLAVORS
 from titan_fold.models.hf_adapter import hf_config
 
@@ -17,11 +21,48 @@ def one_error(result) -> str:
     return lines[0]
 
 
-def test_check_gradients_refused_on_a_real_run(tmp_path):
-    line = one_error(python_m("titan_fold.train", "--job.config_file", "debug_moe.toml", "--comm.check_gradients",
+# per dry-run-only key, a command-line use of it and the value the error line shows
+DRY_RUN_USES = {
+    "comm.check_gradients": (["--comm.check_gradients"], "true"),
+    "comm.dry_run_rank": (["--comm.dry_run_rank", "0"], "0"),
+    "comm.dry_run_collectives": (["--comm.no-dry_run_collectives"], "false"),
+    "comm.dry_run_json": (["--comm.dry_run_json", "dry.json"], "'dry.json'"),
+    "comm.dry_run_verbose": (["--comm.dry_run_verbose"], "true"),
+}
+
+
+def test_every_dry_run_key_is_listed():
+    """The keys titan_fold adds to torchtitan's [comm] are the dry run's: all in DRY_RUN_ONLY."""
+    added = {f.name for f in dataclasses.fields(Comm)} - {f.name for f in dataclasses.fields(TitanComm)}
+    assert sorted(DRY_RUN_ONLY) == sorted(f"comm.{name}" for name in added) == sorted(DRY_RUN_USES)
+
+
+@pytest.mark.parametrize("key", sorted(DRY_RUN_USES))
+def test_dry_run_key_refused_on_a_real_run(tmp_path, key):
+    args, shown = DRY_RUN_USES[key]
+    line = one_error(python_m("titan_fold.train", "--job.config_file", "debug_moe.toml", *args,
                               "--job.dump_folder", str(tmp_path / "run")))
-    assert line.startswith("error: comm.check_gradients = true: only with comm.mode = \"fake_backend\" (the dry run)"), line
+    assert line == (f"error: {key} = {shown}: only with comm.mode = \"fake_backend\" (the dry run); "
+                    f"comm.mode is 'default', where {DRY_RUN_ONLY[key]}"), line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text, refused", [
+    pytest.param("[comm]\ncheck_gradients = true\n", "comm.check_gradients = true", id="check_gradients"),
+    pytest.param("[comm]\ndry_run_rank = -1\n", "comm.dry_run_rank = -1", id="dry_run_rank"),
+    # turns a part of the config's dry run off (deepseek_v3_671b.toml's): nothing a real run misses
+    pytest.param("[comm]\ndry_run_collectives = false\n", None, id="no_collectives"),
+])
+def test_dry_run_key_in_the_config_file(tmp_path, text, refused):
+    path = tmp_path / "job.toml"
+    path.write_text((PACKAGED_CONFIGS / "debug_moe.toml").read_text() + "\n" + text)
+    if refused is None:
+        assert parse_args(["--job.config_file", str(path)]).comm.mode == "default"
+        assert parse_args(["--job.config_file", "deepseek_v3_671b.toml"]).comm.dry_run_collectives is False
+    else:
+        with pytest.raises(ConfigError, match=f"^{re.escape(refused)}: only with comm.mode"):
+            parse_args(["--job.config_file", str(path)])
+    assert parse_args(["--job.config_file", str(path), "--comm.mode", "fake_backend"]).comm.mode == "fake_backend"
 
 
 @pytest.mark.parametrize("args, hint", [

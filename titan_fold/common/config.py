@@ -314,10 +314,10 @@ def _parse_cli_value(name: str, hint, text: str):
     raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}{_did_you_mean(text, _choices(hint), repr)}")
 
 
-def _check_cli(args: list[str], cls: type) -> None:
+def _check_cli(args: list[str], cls: type) -> set[str]:
     """Every `--section.key [value]` names a field and its value has the field's type, so a
-    bad override is one line here instead of tyro's box (or a coercion)."""
-    i = 0
+    bad override is one line here instead of tyro's box (or a coercion); -> the keys named."""
+    named, i = set(), 0
     while i < len(args):
         arg = args[i]
         i += 1
@@ -336,6 +336,7 @@ def _check_cli(args: list[str], cls: type) -> None:
         if hint is None:
             guess = _did_you_mean(name, _keys(cls), lambda k: f"--{k}")
             raise ConfigError(f"--{key}: unknown option" + (guess or " (the keys are the config file's, e.g. --training.steps 10)"))
+        named.add(name)
         if hint is bool:
             if values:
                 raise ConfigError(f"--{key} {' '.join(values)}: {name} is a flag, "
@@ -348,6 +349,7 @@ def _check_cli(args: list[str], cls: type) -> None:
             hint = element if not _takes_list(element) else str
         for v in values:
             _check_value(name, hint, _parse_cli_value(name, hint, v))
+    return named
 
 
 def check_ranges(config: JobConfig) -> None:
@@ -455,6 +457,31 @@ def validate(config: JobConfig) -> None:
         )
 
 
+# the keys only a dry run reads, and what a real run given one would not do
+DRY_RUN_ONLY = {
+    "comm.check_gradients": "nothing would check the gradients",
+    "comm.dry_run_rank": "no rank is simulated",
+    "comm.dry_run_collectives": "no step's collectives are recorded",
+    "comm.dry_run_json": "no report is written",
+    "comm.dry_run_verbose": "no simulated rank logs",
+}
+
+
+def check_dry_run_keys(config: JobConfig, named: set[str]) -> None:
+    """Outside a dry run, a dry-run key named on the command line, or set in the config file to
+    turn something on, is refused (a file's `false` only turns a part of its dry run off, as
+    deepseek_v3_671b.toml does with the collectives of its 1024 ranks)."""
+    if config.comm.mode == "fake_backend":
+        return
+    for key, lost in DRY_RUN_ONLY.items():
+        name = key.partition(".")[2]
+        value = getattr(config.comm, name)
+        if key in named or (value != getattr(Comm(), name) and value is not False):
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(f"{key} = {shown}: only with comm.mode = \"fake_backend\" (the dry run); "
+                              f"comm.mode is {config.comm.mode!r}, where {lost}")
+
+
 def parse_args(args: list[str] | None = None) -> JobConfig:
     """TOML + CLI overrides through torchtitan's ConfigManager, then titan_fold's rules."""
     args, path = _resolve_config_arg(sys.argv[1:] if args is None else args)
@@ -467,10 +494,8 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
         except OSError as e:
             raise ConfigError(f"job.config_file: {path} cannot be read ({e.strerror})") from None
         _check_toml(table, JobConfig)
-    _check_cli(args, JobConfig)
+    named = _check_cli(args, JobConfig)
     config = ConfigManager(JobConfig).parse_args(args)
     validate(config)
-    if config.comm.check_gradients and config.comm.mode != "fake_backend":
-        raise ConfigError(f"comm.check_gradients = true: only with comm.mode = \"fake_backend\" (the dry run); "
-                          f"comm.mode is {config.comm.mode!r}, where nothing would check the gradients")
+    check_dry_run_keys(config, named)
     return config
