@@ -1,7 +1,8 @@
 """Input that used to escape the checks is one line `error: ...` and exit code 2, in a real run
 and in a dry run alike: a numeric key out of its range (ranges.RANGES), a config.json field of
-the wrong type or range (hf_config.HF_FIELDS), a config path that is a folder, and, in a real
-run, a missing tokenizer folder (a dry run warns: the folder may be on the cluster only)."""
+the wrong type or range (hf_config.HF_FIELDS), a config path that is a folder, a local dataset
+that cannot give text, and, in a real run, a missing tokenizer folder (a dry run warns: the
+folder may be on the cluster only) and a Hub dataset that cannot be read."""
 
 import dataclasses
 import json
@@ -166,3 +167,60 @@ def test_missing_tokenizer_folder_is_a_warning_in_a_dry_run(tmp_path):
                                "fake_backend", "--comm.no-dry_run_collectives", env={"NGPU": "2"})
     assert code == 0 and not error_lines(err), (code, err[-3000:])
     assert "not checked here: model.hf_assets_path = './assets/qwen3-30b-a3b': no such folder" in out + err
+
+
+def bad_dataset(folder, name: str) -> str:
+    """A local training.dataset_path that cannot give text: the path."""
+    folder.mkdir()
+    files = {
+        "malformed_record": ("bad.jsonl", '{"text": "one"}\n{"text": "two"\n'),
+        "number_record": ("mixed.jsonl", '{"text": "one"}\n{"text": 5}\n'),
+        "no_text_column": ("table.csv", "a,b\n1,2\n"),
+        "no_data_files": ("README", "not data\n"),
+    }
+    file, text = files[name]
+    (folder / file).write_text(text)
+    return str(folder if name == "no_data_files" else folder / file)
+
+
+@pytest.mark.parametrize("name, pattern", [
+    pytest.param("missing", "'PATH' does not exist", id="missing"),
+    pytest.param("unset", None, id="unset"),
+    pytest.param("malformed_record", r"'PATH': cannot be read \(ArrowInvalid: JSON parse error: .* in row 1\)",
+                 id="malformed-record"),
+    pytest.param("number_record", r"'PATH': record 1 has a 'text' of type int \('5'\), not a string",
+                 id="number-record"),
+    pytest.param("no_text_column", r"'PATH' has no 'text' column \(columns: \['a', 'b'\]\)", id="no-text-column"),
+    pytest.param("no_data_files", r"'PATH': cannot be read \(DataFilesNotFoundError: No \(supported\) data files "
+                 r"found in PATH\)", id="no-data-files"),
+])
+def test_bad_dataset_is_one_line_in_both_runs(tmp_path, name, pattern):
+    if name == "unset":
+        args, pattern = (), re.escape("error: training.dataset = 'hf' needs training.dataset_path (a local file, "
+                                      "folder or HF hub name)")
+    else:
+        path = str(tmp_path / "data" / "corpus.jsonl") if name == "missing" else bad_dataset(tmp_path / "data", name)
+        args, pattern = ("--training.dataset_path", path), "error: training.dataset_path = " + pattern.replace(
+            "PATH", re.escape(path))
+    assert_one_line(both_runs(tmp_path, "--job.config_file", "debug_moe.toml", "--training.dataset", "hf", *args),
+                    pattern)
+    assert not (tmp_path / "real").exists()  # refused before the dump folder
+
+
+@pytest.mark.parametrize("name", ["hub", "no_tokens"])
+def test_dataset_found_bad_by_a_real_run_is_one_line(tmp_path, name):
+    """A Hub name is read as the data loader is built; a text file of empty lines found empty
+    at the first step (lengths are found lazily)."""
+    if name == "hub":
+        path, line = "no-owner/no-such-dataset", ("error: training.dataset_path = 'no-owner/no-such-dataset': no such "
+                                                  "local file or folder, nor a readable Hub dataset (")
+    else:
+        path = tmp_path / "empty.txt"
+        path.write_text("\n\n")
+        path, line = str(path), f"error: training.dataset_path: hf:{path} holds no tokens"
+    codes, _, err = forked(2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--training.dataset", "hf",
+                           "--training.dataset_path", path, "--training.steps", "1",
+                           "--job.dump_folder", str(tmp_path / "real"), env={"HF_HUB_OFFLINE": "1"})
+    lines = error_lines(err)
+    assert codes == [2, 2] and len(lines) == 1 and lines[0].startswith(line), (codes, err[-3000:])
+    assert "Traceback" not in err

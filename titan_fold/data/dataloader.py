@@ -15,8 +15,7 @@ from torch.utils.data import Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from titan_fold.common.errors import UserError
-from titan_fold.data.dataset import HFTextCorpus, StdlibCorpus, TokenWindows
+from titan_fold.data.dataset import DataError, HFTextCorpus, StdlibCorpus, TokenWindows
 
 DATASETS = ("stdlib", "hf")
 # local file suffix -> datasets' builder
@@ -87,7 +86,8 @@ class FoldDataLoader(ParallelAwareDataloader):
 
 
 def load_hf_dataset(path: str):
-    """A map-style `datasets.Dataset` (split "train") from a local file, folder or hub name.
+    """A map-style `datasets.Dataset` (split "train") from a local file, folder or hub name
+    that check_dataset has passed.
 
     Local files by suffix (.txt: one document per line; .json/.jsonl/.parquet/.csv: a "text"
     column); a folder written by save_to_disk or holding data files; else a hub name,
@@ -97,29 +97,49 @@ def load_hf_dataset(path: str):
     import datasets
 
     if os.path.isfile(path):
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in _FILE_BUILDERS:
-            raise ValueError(f"training.dataset_path = '{path}': unsupported file type '{suffix}' (supported: {sorted(_FILE_BUILDERS)})")
-        return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=path, split="train")
+        return datasets.load_dataset(_FILE_BUILDERS[os.path.splitext(path)[1].lower()], data_files=path, split="train")
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "dataset_dict.json")):
             ds = datasets.load_from_disk(path)
             return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
         return datasets.load_dataset(path, split="train")
-    if path.startswith(("/", ".", "~")) or os.path.splitext(path)[1].lower() in _FILE_BUILDERS:
-        raise FileNotFoundError(f"training.dataset_path = '{path}' does not exist")
     name, _, config = path.partition(":")
     return datasets.load_dataset(name, config or None, split="train")
 
 
-class DataError(UserError, ValueError):
-    """training.dataset / dataset_path cannot give data; the message names the key and the path."""
+# a text column's feature dtypes: strings, or bytes (decoded as UTF-8)
+_TEXT_DTYPES = ("string", "large_string", "binary", "large_binary")
 
 
-def check_dataset(job_config) -> None:
-    """Everything about the dataset that can be known without reading it: the name, the
-    path's use, and a local path that exists, is readable and is not empty."""
-    tr = job_config.training
+def open_text_dataset(path: str, column: str = "text"):
+    """load_hf_dataset, and its `column` holding a string (or nothing) in every record; a
+    dataset that cannot give text is one DataError line naming the path and the cause."""
+    import datasets
+
+    try:
+        ds = load_hf_dataset(path)
+    except (datasets.exceptions.DatasetsError, OSError, ValueError) as e:
+        # datasets wraps a parse error of the file's builder in DatasetGenerationError
+        cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ else e
+        where = "cannot be read" if os.path.exists(path) else "no such local file or folder, nor a readable Hub dataset"
+        detail = " ".join(f"{type(cause).__name__}: {cause}".split())
+        raise DataError(f"training.dataset_path = '{path}': {where} ({detail})") from None
+    if column not in ds.column_names:
+        raise DataError(f"training.dataset_path = '{path}' has no '{column}' column (columns: {ds.column_names})")
+    feature = ds.features[column]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in _TEXT_DTYPES):
+        batch = 1024
+        for b, rows in enumerate(ds.select_columns([column]).iter(batch_size=batch)):
+            for i, value in enumerate(rows[column]):
+                if not isinstance(value, (str, bytes, type(None))):
+                    raise DataError(f"training.dataset_path = '{path}': record {b * batch + i} has a '{column}' of "
+                                    f"type {type(value).__name__} ({str(value)[:40]!r}), not a string")
+    return ds
+
+
+def _check_dataset_settings(tr) -> bool:
+    """What can be known without reading the dataset: the name, the path's use, and a local
+    path that exists, is readable and is not empty; -> whether the path is local."""
     if tr.dataset not in DATASETS:
         raise DataError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
     if tr.dataset == "stdlib":
@@ -128,7 +148,7 @@ def check_dataset(job_config) -> None:
                 f"training.dataset_path = '{tr.dataset_path}' is set but training.dataset = 'stdlib' reads "
                 "the Python standard library; use training.dataset = 'hf' to read the path"
             )
-        return
+        return False
     path = tr.dataset_path
     if not path:
         raise DataError("training.dataset = 'hf' needs training.dataset_path (a local file, folder or HF hub name)")
@@ -140,22 +160,32 @@ def check_dataset(job_config) -> None:
             raise DataError(f"training.dataset_path = '{path}': not readable (permission denied)")
         if os.path.getsize(path) == 0:
             raise DataError(f"training.dataset_path = '{path}': the file is empty")
-    elif os.path.isdir(path):
+        return True
+    if os.path.isdir(path):
         if not os.access(path, os.R_OK | os.X_OK):
             raise DataError(f"training.dataset_path = '{path}': the folder is not readable (permission denied)")
         if not any(os.scandir(path)):
             raise DataError(f"training.dataset_path = '{path}': the folder is empty")
-    elif path.startswith(("/", ".", "~")) or os.path.splitext(path)[1].lower() in _FILE_BUILDERS:
+        return True
+    if path.startswith(("/", ".", "~")) or os.path.splitext(path)[1].lower() in _FILE_BUILDERS:
         raise DataError(f"training.dataset_path = '{path}' does not exist")
+    return False
+
+
+def check_dataset(job_config) -> None:
+    """The dataset settings, and a local dataset opened with text in every record; a Hub name
+    is read by build_dataset only (a dry run's machine may not reach the Hub)."""
+    if _check_dataset_settings(job_config.training):
+        open_text_dataset(job_config.training.dataset_path)
 
 
 def build_dataset(tokenizer, job_config) -> TokenWindows:
-    check_dataset(job_config)
     tr = job_config.training
+    _check_dataset_settings(tr)
     if tr.dataset == "stdlib":
         corpus = StdlibCorpus(tokenizer)
     else:
-        corpus = HFTextCorpus(load_hf_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
+        corpus = HFTextCorpus(open_text_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
     windows = TokenWindows(corpus, tr.seq_len)
     epoch = f"{windows.total_tokens:,} tokens per epoch" if windows.total_tokens else "epoch length found while reading"
     name = "stdlib (the Python standard library's sources)" if tr.dataset == "stdlib" else tr.dataset_path

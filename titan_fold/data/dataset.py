@@ -20,7 +20,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from titan_fold.common.errors import UserError
 from titan_fold.data.tokenizer import ByteTokenizer
+
+
+class DataError(UserError, ValueError):
+    """training.dataset / dataset_path cannot give data; the message names the key and the path."""
+
 
 # directory names left out of the stdlib corpus: other packages, test suites, caches
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -103,8 +109,6 @@ class HFTextCorpus(Corpus):
     """Rows of a map-style HF `datasets.Dataset`, one document per row of `column`."""
 
     def __init__(self, ds, tokenizer, fingerprint: str, column: str = "text"):
-        if column not in ds.column_names:
-            raise ValueError(f"training.dataset_path: {fingerprint} has no '{column}' column (columns: {ds.column_names})")
         self.ds = ds.select_columns([column])
         self.column = column
         self.tokenizer = tokenizer
@@ -138,7 +142,7 @@ class TokenWindows(Dataset):
         if len(self._ends) == len(self.corpus):
             self._total = self._ends[-1] if self._ends else 0
             if self._total == 0:
-                raise ValueError(f"dataset {self.corpus.fingerprint} holds no tokens")
+                raise DataError(f"training.dataset_path: {self.corpus.fingerprint} holds no tokens")
 
     def _doc(self, i: int) -> np.ndarray:
         if i in self._cache:
