@@ -1,4 +1,5 @@
-"""Regenerate the command output quoted in docs/*.md: `python docs/gen.py [FILE.md ...]`.
+"""Regenerate the command output quoted in docs/*.md, and titan_fold/train_help.txt:
+`python docs/gen.py [FILE ...]`.
 
 A quoted run is a fenced code block right after a `<!-- gen -->` line. Its `$ ` lines (a
 trailing backslash continues one onto the next line) are run with bash from the repository
@@ -68,13 +69,17 @@ def python_module(command: str) -> tuple[list[str], str] | None:
     return head[2:], command.split("|", 1)[1] if ops else ""
 
 
+def import_from_root() -> None:
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)  # as PYTHONPATH for the commands bash runs
+
+
 def fork_module(argv: list[str]) -> tuple[int, str]:
     """`python -m MODULE ARGS` in a child forked from this process, which imported MODULE
     once (no interpreter start and torch import per command); -> exit code, stdout + stderr.
     Imports and forks take turns (FORK_LOCK): a child forked while another thread is importing
     a module would find that module's import lock held by a thread it lacks, and wait forever."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)  # as PYTHONPATH for the commands bash runs
+    import_from_root()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         with FORK_LOCK:
             importlib.import_module(argv[0])
@@ -126,6 +131,18 @@ def run(command: str) -> str:
     return command + ("\n" + output if output else "")
 
 
+def train_help() -> str:
+    """`python -m titan_fold.train --help`'s text, which the command prints without importing torch."""
+    import_from_root()
+    from titan_fold.train import job_config_help
+
+    return job_config_help()
+
+
+# files written whole by a function, relative to the repository root
+WHOLE = {"titan_fold/train_help.txt": train_help}
+
+
 def generate(text: str, workers: int) -> str:
     lines = text.split("\n")
     spans = blocks(lines)
@@ -140,7 +157,8 @@ def generate(text: str, workers: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("files", nargs="*", default=DOCS, help="markdown files, relative to the repository root")
+    p.add_argument("files", nargs="*", default=DOCS + list(WHOLE),
+                   help="markdown files (or the files of WHOLE), relative to the repository root")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 and show the files that differ")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
@@ -148,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.files:
         path = os.path.join(ROOT, name)
         old = open(path).read()
-        new = generate(old, args.workers)
+        new = WHOLE[name]() if name in WHOLE else generate(old, args.workers)
         if new != old:
             stale.append(name)
             if args.check:

@@ -14,8 +14,8 @@ import transformers
 from conftest import python_m
 from safetensors.torch import load_file
 
-from titan_fold.checkpoint.hf import main
 from titan_fold.checkpoint.manager import CheckpointError, read_hf_folder
+from titan_fold.hf import main
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS, HFConfigError, HFKeyError, args_from_hf_config, hf_config
 

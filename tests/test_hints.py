@@ -4,7 +4,11 @@ dry-run-only key on a real run, each one line with exit code 2; `--help` names t
 import copy
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import python_m
@@ -13,6 +17,9 @@ from torchtitan.config.job_config import Comm as TitanComm
 from titan_fold.common.config import DRY_RUN_ONLY, PACKAGED_CONFIGS, Comm, ConfigError, parse_args
 from titan_fold.models import FLAVORS
 from titan_fold.models.hf_adapter import hf_config
+from titan_fold.train import HELP_FILE, job_config_help
+
+ROOT = Path(__file__).parent.parent
 
 
 def one_error(result) -> str:
@@ -124,10 +131,35 @@ def test_hub_folder_unlike_the_flavor_suggests_flavor_hf(tmp_path, module, args)
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(f"titan_fold.{m}", id=m) for m in ("train", "hf", "upcycle", "layout", "plan", "plot")
-])
+COMMANDS = ("train", "hf", "upcycle", "layout", "plan", "plot")
+# per argparse command, a usage error (train's options are the job config's: its classes need torchtitan)
+USAGE_ERRORS = {"hf": ["import"], "upcycle": ["--dense", "dense"], "layout": ["--pp", "2"], "plan": ["--gpus", "8"],
+                "plot": []}
+
+
+@pytest.mark.parametrize("module", [pytest.param(f"titan_fold.{m}", id=m) for m in COMMANDS])
 def test_help_names_the_command(module):
     result = python_m(module, "--help")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"usage: python -m {module} " in result.stdout, result.stdout[:500]
+
+
+@pytest.mark.parametrize("module, args", [
+    *(pytest.param(f"titan_fold.{m}", ["--help"], id=f"{m}-help") for m in COMMANDS),
+    *(pytest.param(f"titan_fold.{m}", args, id=f"{m}-usage-error") for m, args in USAGE_ERRORS.items()),
+])
+def test_help_and_usage_errors_import_neither_torch_nor_torchtitan(module, args):
+    """A fresh interpreter, as the user runs it: what it imports, from -X importtime."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *args], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == (0 if args == ["--help"] else 2), r.stderr[-3000:]
+    assert f"usage: python -m {module} " in r.stdout + r.stderr
+    packages = {line.rpartition("|")[2].strip().partition(".")[0] for line in r.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "argparse" in packages or module == "titan_fold.train"  # the import times were read
+    assert not packages & {"torch", "torchtitan"}, sorted(packages & {"torch", "torchtitan"})
+
+
+def test_stored_train_help_is_current():
+    assert HELP_FILE.read_text(encoding="utf-8") == job_config_help(), (
+        "run python docs/gen.py titan_fold/train_help.txt")

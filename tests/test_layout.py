@@ -8,8 +8,10 @@ import torch.distributed as dist
 from conftest import python_m
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titan_fold import layout as layout_command
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.planning import layout as layout_cli
+from titan_fold.planning.options import layout_parser
 
 # ---- independent reference: Megatron-Core's RankGenerator from its definition ----
 # A rank's coordinates come from its index with the first name of the order fastest
@@ -259,7 +261,7 @@ FIGURE_2 = {
 def test_json_report_shape(cfg, fake_world):
     world, pp, dpr, dps, cp, tp, ep, etp = cfg
     fake_world(world)
-    args = layout_cli.make_parser().parse_args(
+    args = layout_parser().parse_args(
         f"--world-size {world} --pp {pp} --dp-replicate {dpr} --cp {cp} --tp {tp} --ep {ep} --etp {etp}".split()
     )
     rep = json.loads(json.dumps(layout_cli.report(layout_cli.build_layout(args))))
@@ -275,7 +277,7 @@ def test_json_report_shape(cfg, fake_world):
 
 def test_table_and_png(fake_world, tmp_path):
     fake_world(16)
-    args = layout_cli.make_parser().parse_args("--world-size 16 --tp 2 --cp 2 --ep 8".split())
+    args = layout_parser().parse_args("--world-size 16 --tp 2 --cp 2 --ep 8".split())
     rep = layout_cli.report(layout_cli.build_layout(args))
     text = layout_cli.table(rep, gpus_per_node=8)
     assert "world_size 16, 8 GPUs per node, 2 node(s)" in text
@@ -292,7 +294,7 @@ def test_table_and_png(fake_world, tmp_path):
 def test_world_4096_is_fast(fake_world):
     fake_world(4096)
     t = time.perf_counter()
-    args = layout_cli.make_parser().parse_args("--world-size 4096 --pp 4 --tp 4 --cp 2 --ep 16 --etp 2".split())
+    args = layout_parser().parse_args("--world-size 4096 --pp 4 --tp 4 --cp 2 --ep 16 --etp 2".split())
     rep = layout_cli.report(layout_cli.build_layout(args))
     layout_cli.table(rep, gpus_per_node=8)
     assert time.perf_counter() - t < 5.0
@@ -303,7 +305,7 @@ def test_cli_subprocess_json_and_error(capsys):
     out = python_m("titan_fold.layout", "--world-size", "4", "--tp", "2", "--ep", "2", "--etp", "2", "--format", "json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == FIGURE_2
-    assert layout_cli.main(["--world-size", "4", "--ep", "3"]) == 2
+    assert layout_command.main(["--world-size", "4", "--ep", "3"]) == 2
     assert "LayoutError: expert mesh: ep(3) * etp(1) = 3 must divide" in capsys.readouterr().err
     assert not dist.is_initialized()
 
@@ -321,7 +323,7 @@ def test_torchtitan_set_determinism_takes_a_layout(fake_world):
 
 def test_cli_placements_print_the_plan(capsys):
     argv = ["--world-size", "8", "--tp", "2", "--cp", "2", "--ep", "4", "--etp", "2", "--model", "qwen2_moe/debug"]
-    assert layout_cli.main(argv + ["--placements"]) == 0
+    assert layout_command.main(argv + ["--placements"]) == 0
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     # experts: 8 of [2 x 32, 64] split 4 ways by expert and 2 ways by width
     assert lines["layers.0-3.moe.experts.w13"][1:7] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "-", "8x64x64", "2x32x64"]
@@ -329,19 +331,19 @@ def test_cli_placements_print_the_plan(capsys):
     assert lines["layers.0-3.attention.wo.weight"][1:4] == ["attention", "tp:Shard(1)", "RowwiseParallel"]
     assert lines["layers.0-3.moe.router.gate.weight"][2] == "tp:Replicate"
     # the model's sizes are checked too: 8 experts do not split 16 ways
-    assert layout_cli.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"]) == 2
+    assert layout_command.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"]) == 2
     assert "num_experts" in capsys.readouterr().err
-    assert layout_cli.main(["--world-size", "8", "--placements"]) == 2
+    assert layout_command.main(["--world-size", "8", "--placements"]) == 2
     # under pp the stages follow the plan: the debug model's 4 blocks, embedding and head
     # counted as one block each
     pp = ["--world-size", "4", "--pp", "2", "--ep", "2", "--model", "qwen2_moe/debug", "--placements"]
-    assert layout_cli.main(pp) == 0
+    assert layout_command.main(pp) == 0
     assert capsys.readouterr().out.endswith(
         "pipeline stages (1F1B):\n"
         "stage 0 on pp rank 0: tok_embeddings, layers.0-1\n"
         "stage 1 on pp rank 1: layers.2-3, norm, output\n"
     )
-    assert layout_cli.main(pp + ["--pp-schedule", "ZBVZeroBubble"]) == 2
+    assert layout_command.main(pp + ["--pp-schedule", "ZBVZeroBubble"]) == 2
     assert "supported are" in capsys.readouterr().err
     if dist.is_initialized():
         dist.destroy_process_group()

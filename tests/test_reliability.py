@@ -268,14 +268,14 @@ def run_cli(module, args, capsys):
     ],
 )
 def test_plan_rejects_impossible_inputs(capsys, args, message):
-    from titan_fold.planning import plan
+    from titan_fold import plan
 
     code, err = run_cli(plan, ["--model", "qwen2_moe/debug", *args], capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
 
 
 def test_layout_out_into_missing_folder(capsys, tmp_path):
-    from titan_fold.planning import layout
+    from titan_fold import layout
 
     code, err = run_cli(layout, ["--world-size", "2", "--out", str(tmp_path / "no" / "x.json"), "--format", "json"], capsys)
     assert code == 2 and len(err) == 1 and "no/x.json" in err[0] and "does not exist" in err[0], err
@@ -464,12 +464,13 @@ def test_a_rank_that_returned_keeps_its_exit_code_through_torchruns_sigterm(tmp_
 
 
 def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
-    from titan_fold.planning import plan
+    from titan_fold import plan
+    from titan_fold.planning import plan as planning
 
-    monkeypatch.setattr(plan, "MIN_GPUS_BUDGET_S", 0.0)  # ep=3 never divides the debug model's 8 experts
+    monkeypatch.setattr(planning, "MIN_GPUS_BUDGET_S", 0.0)  # ep=3 never divides the debug model's 8 experts
     code, err = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=3"], capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --min-gpus ep=3: no mapping found up to 3 GPUs"), err
-    monkeypatch.setattr(plan, "MIN_GPUS_BUDGET_S", 60.0)
+    monkeypatch.setattr(planning, "MIN_GPUS_BUDGET_S", 60.0)
     code, _ = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=2"], capsys)
     assert code == 0
 

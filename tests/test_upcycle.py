@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from titan_fold.checkpoint.upcycle import main, upcycle_state_dict
+from titan_fold.checkpoint.upcycle import upcycle_state_dict
 from titan_fold.models import FLAVORS, Transformer
+from titan_fold.upcycle import main
 
 
 def moe_args(family: str, **moe_changes):

@@ -3,17 +3,53 @@
     torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]
 """
 
+import contextlib
+import io
+import os
 import sys
+from pathlib import Path
 
-from titan_fold import dryrun
-from titan_fold.common.errors import run_command
-from titan_fold.trainer import fold_trainer
+PROG = "python -m titan_fold.train"
+# job_config_help's text, written by docs/gen.py: `--help` alone prints it without importing
+# torch or torchtitan
+HELP_FILE = Path(__file__).with_name("train_help.txt")
+
+
+def job_config_help() -> str:
+    """What tyro prints for `python -m titan_fold.train --help` on an 80-column terminal."""
+    from torchtitan.config import ConfigManager
+
+    from titan_fold.common.config import JobConfig
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # tyro draws its boxes for a UTF-8 stream
+    argv0, columns = sys.argv[0], os.environ.get("COLUMNS")
+    sys.argv[0], os.environ["COLUMNS"] = PROG, "80"  # tyro's prog and width
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            ConfigManager(JobConfig).parse_args(["--help"])
+    finally:
+        sys.argv[0] = argv0
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    out.flush()
+    return out.buffer.getvalue().decode()
 
 
 def main(args: list[str] | None = None) -> int:
+    from titan_fold import dryrun
+    from titan_fold.trainer import fold_trainer
+
     return fold_trainer.main(args, dry_run=dryrun.main)
 
 
 if __name__ == "__main__":
-    sys.argv[0] = "python -m titan_fold.train"  # tyro's usage line; torchtitan's ConfigManager passes no prog
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        sys.stdout.write(HELP_FILE.read_text(encoding="utf-8"))
+        sys.exit(0)
+    sys.argv[0] = PROG  # tyro's usage line; torchtitan's ConfigManager passes no prog
+    from titan_fold.common.errors import run_command
+    from titan_fold.trainer import fold_trainer
+
     run_command(main, end=fold_trainer.end_process)

@@ -38,11 +38,12 @@ from titan_fold.checkpoint.manager import (
     read_model_tensors,
     save_model_as_hf,
 )
+from titan_fold.checkpoint.options import DTYPE_NAMES
 from titan_fold.common.config import ConfigError
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
 from titan_fold.models.hf_adapter import ADAPTERS, args_from_hf_config
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_model(name: str | None, flavor: str | None, hf_config: str | None) -> tuple[str, TransformerArgs]:
@@ -115,19 +116,8 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m titan_fold.hf", description=__doc__.split("\n\n")[0])
-    parser.add_argument("direction", choices=["import", "export"])
-    parser.add_argument("src")
-    parser.add_argument("dst")
-    parser.add_argument("--model.name", dest="name", help="qwen2_moe, qwen3_moe, mixtral or deepseek_v3")
-    parser.add_argument("--model.flavor", dest="flavor", help="a packaged flavor, or hf (needs --model.hf_config)")
-    parser.add_argument("--model.hf_config", dest="hf_config", help="config.json or HF folder (with --model.flavor hf)")
-    parser.add_argument("--mtp.num_layers", dest="mtp_layers", type=int, default=0,
-                        help="deepseek_v3: Multi-Token Prediction layers to import / export (default 0: skipped)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="export: cast the tensors (default: as saved)")
-    parser.add_argument("--max_shard_size", default="5GB", help="export: largest safetensors file (default 5GB)")
-    a = parser.parse_args(argv)
+def run(a: argparse.Namespace) -> None:
+    """`python -m titan_fold.hf`'s conversion, its options parsed (options.hf_parser)."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
     if a.direction == "import":
         if a.flavor is None:  # the folder's own config.json

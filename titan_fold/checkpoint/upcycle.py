@@ -165,20 +165,8 @@ def read_dense(path: str, hf: bool, family: str, args: TransformerArgs, granular
     return adapter.from_hf(read_hf_folder(path))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m titan_fold.upcycle", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dense", required=True, help="dense DCP checkpoint folder (or HF folder with --hf)")
-    parser.add_argument("--hf", action="store_true", help="--dense is a Hugging Face safetensors folder")
-    parser.add_argument("--out", required=True, help="output DCP folder (model only)")
-    parser.add_argument("--model.name", dest="name", required=True, help="qwen2_moe, qwen3_moe or mixtral")
-    parser.add_argument("--model.flavor", dest="flavor", required=True, help="a packaged flavor, or hf")
-    parser.add_argument("--model.hf_config", dest="hf_config", help="with --model.flavor hf: the MoE model's config.json")
-    parser.add_argument("--granularity", type=int, default=1)
-    parser.add_argument("--router_std", type=float, default=None,
-                        help="std of the router rows; default 0.02 for routers that renormalize the top-k "
-                             "(exact), 0.01 / sqrt(dim) otherwise (about 1%% off the dense model)")
-    parser.add_argument("--seed", type=int, default=0)
-    a = parser.parse_args(argv)
+def run(a: argparse.Namespace) -> None:
+    """`python -m titan_fold.upcycle`'s work, its options parsed (options.upcycle_parser)."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
     import torch.distributed.checkpoint as dcp
 

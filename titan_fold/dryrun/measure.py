@@ -18,6 +18,7 @@ from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, format_stages, pipeline
 from titan_fold.planning import cost_model
 from titan_fold.planning.accounting import GIB, bytes_of, parameter_report
+from titan_fold.planning.options import RECOMPUTE
 from titan_fold.trainer.preflight import layout_from_config
 from titan_fold.trainer.train_spec import register_train_specs
 
@@ -182,7 +183,7 @@ def cost_model_estimate(job_config, layout: Layout, model_args) -> tuple[cost_mo
     tr, par = job_config.training, job_config.parallelism
     ac = job_config.activation_checkpoint
     mapping = cost_model.Mapping(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep,
-                                 layout.etp, layout.edp, recompute=ac.mode if ac.mode in cost_model.RECOMPUTE else "none")
+                                 layout.etp, layout.edp, recompute=ac.mode if ac.mode in RECOMPUTE else "none")
     micro = par.pipeline_parallel_microbatch_size if layout.pp > 1 else tr.local_batch_size
     work = cost_model.Workload(tr.seq_len, tr.global_batch_size if tr.global_batch_size > 0 else tr.local_batch_size * layout.dp,
                                job_config.moe.capacity_factor, compute_bytes=bytes_of(tr.mixed_precision_param),

@@ -42,7 +42,6 @@ GIB = 1024**3
 BF16, FP32 = 2, 4
 # per sharded parameter: fp32 master weight + fp32 gradient + two fp32 AdamW moments
 STATE_BYTES = FP32 + FP32 + 2 * FP32
-RECOMPUTE = ("none", "selective", "full")
 
 
 # ---------------------------------------------------------------- inputs

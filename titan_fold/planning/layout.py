@@ -25,30 +25,6 @@ ATTENTION_GROUPS = ("pp", "dp", "cp", "tp", "dp_cp")
 EXPERT_GROUPS = ("pp", "edp", "ep", "etp", "ep_etp")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    # kept separate so later options (--model FLAVOR, --placements) add to the same parser
-    p = argparse.ArgumentParser(prog="python -m titan_fold.layout", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp-replicate", type=int, default=1)
-    p.add_argument("--dp-shard", type=int, default=-1, help="-1 (default): what the other degrees leave")
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, default=1)
-    p.add_argument("--edp", type=int, default=-1, help="-1 (default): derived")
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--format", choices=("table", "json", "png"), default="table")
-    p.add_argument("--out", default=None, help="file to write (png needs it; default layout.png)")
-    p.add_argument("--model", default=None,
-                   help="family/flavor (or a unique flavor), e.g. qwen2_moe/57B-A14B: check the degrees against its sizes")
-    p.add_argument("--seq-len", type=int, default=None, help="with --model: check the sequence-length divisibilities")
-    p.add_argument("--placements", action="store_true", help="print where each parameter of --model lives")
-    p.add_argument("--pp-schedule", default="1F1B",
-                   help="with --placements and --pp > 1: the schedule whose default stage split is printed")
-    return p
-
-
 def _model_args(spec: str):
     from titan_fold.models import FLAVORS
     from titan_fold.planning.cost_model import resolve_flavor
@@ -180,8 +156,8 @@ def png(rep: dict, out: str, gpus_per_node: int | None = None) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`python -m titan_fold.layout`'s work, its options parsed (options.layout_parser)."""
     if args.placements and args.model is None:
         print("--placements needs --model", file=sys.stderr)
         return 2

@@ -21,7 +21,6 @@ from titan_fold.common.errors import UserError
 from titan_fold.models import FLAVORS
 from titan_fold.planning.cost_model import (
     GIB,
-    RECOMPUTE,
     Cluster,
     Estimate,
     Workload,
@@ -91,40 +90,6 @@ class _Progress:
             self.last = now
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m titan_fold.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help='"family/flavor" or a unique flavor name, e.g. 57B-A14B')
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes")
-    p.add_argument("--tflops", type=float, default=989.0, help="peak bf16 TFLOP/s per GPU")
-    p.add_argument("--compute-efficiency", type=float, default=0.6)
-    p.add_argument("--gemm-half-rows", type=float, default=128.0,
-                   help="GEMM rows at which efficiency halves (small expert GEMMs, short CP chunks)")
-    p.add_argument("--comm-efficiency", type=float, default=0.7)
-    p.add_argument("--reserve-gib", type=float, default=4.0, help="memory kept for CUDA/NCCL/fragmentation")
-    p.add_argument("--capacity-factor", type=float, default=None, help="token drop; unset = dropless")
-    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
-    p.add_argument("--top", type=int, default=5)
-    p.add_argument("--placements", action="store_true",
-                   help="also print where each parameter lives under the best mapping (tp / ep / etp, FSDP)")
-    p.add_argument("--write-config", default=None, metavar="FILE.toml", help="job config of the best mapping")
-    p.add_argument("--format", choices=("table", "json"), default="table")
-    p.add_argument("--fix", nargs="+", default=[], metavar="DIM=N",
-                   help="search only mappings with these degrees, e.g. pp=1 or tp=2")
-    p.add_argument("--mapping", action="append", default=[], metavar="DIM=N,...",
-                   help="also estimate this mapping (e.g. pp=4,tp=2,ep=4,etp=1; unset dims: dp_replicate 1, "
-                        "others derived or 1), with the best recompute choice; unfolded ones also with the "
-                        "legacy group order; repeatable")
-    p.add_argument("--min-gpus", nargs="+", default=None, metavar="DIM=N",
-                   help="fewest GPUs with these degrees (e.g. cp=8 ep=8), folded vs legacy")
-    return p
-
-
 def _row(rank: int | str, e: Estimate) -> str:
     m = e.mapping
     return (f"{rank:>4}  {m.pp:>2} {m.dp_replicate:>3}x{m.dp_shard:<3} {m.cp:>2} {m.tp:>2} | {m.ep:>3} {m.etp:>3} {m.edp:>3}"
@@ -168,8 +133,8 @@ def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, re
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`python -m titan_fold.plan`'s work, its options parsed (options.plan_parser)."""
     check_args(args)
     fixed = parse_degrees("--fix", args.fix)
     try:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 from titan_fold.parallel.mesh import Layout, LayoutError, divisors
 from titan_fold.planning.cost_model import (
     GIB,
-    RECOMPUTE,
     Cluster,
     Estimate,
     Mapping,
@@ -16,6 +15,7 @@ from titan_fold.planning.cost_model import (
     estimate,
     memory,
 )
+from titan_fold.planning.options import RECOMPUTE
 
 
 def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict | None = None) -> list[Mapping]:
