@@ -46,9 +46,10 @@ def pytest_configure(config):
 # longest launches go first, so that the two workers finish together rather than one
 # waiting out the other's last long file.
 LONGEST_FIRST = ["test_dryrun.py", "test_overlap.py", "test_readme_commands.py", "test_equivalence.py",
-                 "test_checkpoint.py", "test_optimizer.py", "test_muon_folding.py", "test_reliability.py", "test_docs.py", "test_hf.py",
-                 "test_first_hour.py", "test_pipeline.py", "test_gradient_check.py", "test_attention_parallel.py",
-                 "test_both_runs_check.py", "test_mutations.py"]
+                 "test_checkpoint.py", "test_optimizer.py", "test_muon_folding.py", "test_reliability.py", "test_docs.py",
+                 "test_hf.py", "test_first_hour.py", "test_packaged_configs_train.py", "test_pipeline.py",
+                 "test_gradient_check.py", "test_attention_parallel.py", "test_both_runs_check.py",
+                 "test_mutations.py"]
 
 
 # the reasons a test may skip for: this machine lacks the hardware or the kernel library the test
