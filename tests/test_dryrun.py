@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import python_m
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_fold import dryrun
 from titan_fold.common.config import PACKAGED_CONFIGS, parse_args
 from titan_fold.common.tensors import local
-from titan_fold.dryrun.measure import _dry_config
+from titan_fold.dryrun.measure import LiveBytes, _dry_config
 from titan_fold.models import FLAVORS, Transformer
+from titan_fold.moe.experts import GroupedExperts
 from titan_fold.trainer.banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,11 +78,33 @@ def test_packaged_config_dry_runs(name):
         # the pp coordinate of each rank is its block of world / pp consecutive ranks
         assert rep["coordinates"]["attention"]["pp"] == rep["rank"] // per_stage
         assert rep["coordinates"]["expert"]["pp"] == rep["rank"] // per_stage
-        if c.training.mixed_precision_param == "bfloat16":  # fake grouped GEMMs take bf16 only
-            assert rep["activations"]["source"] == "fake-tensor step"
-            assert rep["activations"]["per_microbatch"] > 0
+        assert rep["activations"]["source"] == "fake-tensor step", rep["activations"]
+        assert rep["activations"]["per_microbatch"] > 0
     assert memory_s / len(report["ranks"]) < 60
     print(f"{name}: {time.process_time() - start:.1f} CPU s")
+
+
+def test_fake_float32_experts_keep_what_real_ones_keep():
+    """float32 experts under fake tensors (the debug configs' dry run) run one GEMM chain over
+    every row, as fake grouped GEMMs take bf16 only and the per-expert chains need the row
+    counts on the host: they keep for backward the bytes the real grouped GEMMs keep, less
+    those GEMMs' [E] int32 group offsets."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=32, ffn_dim=16, num_experts=4)
+    experts.init_weights(0.02)
+    counts = [5, 0, 9, 2]
+
+    def kept() -> int:
+        x, probs = torch.randn(16, 32, requires_grad=True), torch.rand(16)  # [R, dim], [R]
+        with LiveBytes() as live:
+            y = experts(x, torch.tensor(counts), probs, prob_before_w2=False)
+        assert y.shape == x.shape
+        return live.live
+
+    real = kept()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = kept()
+    assert fake == real - 4 * len(counts)
 
 
 @pytest.mark.parametrize("label", sorted(PAPER_1024))
