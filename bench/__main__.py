@@ -137,6 +137,10 @@ SUITES = {
          # three shapes, each eager, compiled and with the token count dynamic: about 30 compilations
          Step("routing", "routing", [], 360),
          Step("attention", "attention", [], 120), Step("launch", "launch", [], 120)]),
+    "dry-run": Suite(
+        "CPU: the dry run of qwen2.toml at 64 ranks as README shows it, without and with the collective check "
+        "(the dry run's own CPU seconds, the process's with its imports, wall seconds)",
+        [Step("dry_run", "dry_run", ["--configs", "qwen2.toml:64"], 1200)]),
     "2gpu": Suite(
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "
         "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs) "

@@ -645,6 +645,19 @@ def launch_table(rec: dict) -> list[str]:
     return out
 
 
+def dry_run_table(rec: dict) -> list[str]:
+    """bench/dry_run.py: the CPU seconds of `--comm.mode fake_backend` as README shows it."""
+    fig = rec["figures"].get("dry_run")
+    if not fig:
+        return []
+    out = ["| config | ranks | collective check | dry run's CPU s | process CPU s (with imports) | wall s |",
+           "|---|---:|---|---:|---:|---:|"]
+    for r in fig["rows"]:
+        out.append(f"| {r['config']} | {r['ranks']} | {'yes' if r['collectives'] else 'no'} | {_f(r['dry_run_cpu_s'])} "
+                   f"| {_f(r['process_cpu_s'])} | {_f(r['wall_s'])} |")
+    return out
+
+
 def collectives_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("collectives")
     if not fig:
@@ -743,7 +756,8 @@ TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time 
           ("Routing: the router's choice of k and the grouping's sort (us)", routing_table),
           ("Gradient norm and the optimizer step", streams_table),
           ("Attention forward + backward per SDPA backend", attention_table),
-          ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table))
+          ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table),
+          ("The dry run's CPU time", dry_run_table))
 
 
 def report(results: str = RESULTS) -> str:

@@ -1038,6 +1038,21 @@ def test_launch_smoke(tmp_path):
     assert len(lines) == 2 + len(figures["rows"]) and all(line.endswith("| 2.00 |") for line in lines[2:])
 
 
+def test_dry_run_smoke(tmp_path):
+    """bench/dry_run.py on debug_moe.toml at 2 ranks: the dry run without and with the collective
+    check, each in a fresh process whose CPU time holds the dry run's own; a table row each."""
+    from bench import dry_run, report
+
+    figures = dry_run.main(["--smoke", "--out-dir", str(tmp_path)])
+    rows = figures["rows"]
+    assert [(r["config"], r["ranks"], r["collectives"]) for r in rows] == [
+        ("debug_moe.toml", 2, False), ("debug_moe.toml", 2, True)]
+    assert [r["matched"] for r in rows] == [False, True]  # the collectives recorded and matched in the second only
+    assert all(0 < r["dry_run_cpu_s"] <= r["process_cpu_s"] for r in rows), rows
+    lines = report.dry_run_table({"figures": {"dry_run": figures}})
+    assert len(lines) == 4 and lines[3].startswith("| debug_moe.toml | 2 | yes | "), lines
+
+
 def test_master_step_smoke(tmp_path):
     """bench/master_step.py on the CPU: the one-pass steps move the weights as Adam / AdamW
     would (checked in tests/test_optimizer.py); here the script's record: bytes and bandwidth
