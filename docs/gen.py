@@ -24,7 +24,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["docs/layouts.md", "docs/moe.md", "docs/parallelize.md", "docs/planning.md", "docs/running.md"]
+DOCS = ["docs/dryrun.md", "docs/layouts.md", "docs/moe.md", "docs/parallelize.md", "docs/planning.md",
+        "docs/running.md"]
 MARKER = "<!-- gen -->"
 FORK_LOCK = threading.Lock()
 
