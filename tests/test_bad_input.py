@@ -224,3 +224,13 @@ def test_dataset_found_bad_by_a_real_run_is_one_line(tmp_path, name):
     lines = error_lines(err)
     assert codes == [2, 2] and len(lines) == 1 and lines[0].startswith(line), (codes, err[-3000:])
     assert "Traceback" not in err
+
+
+def test_hub_dataset_is_a_warning_in_a_dry_run(tmp_path):
+    (code,), out, err = forked(0, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--training.dataset",
+                               "hf", "--training.dataset_path", "no-owner/no-such-dataset", "--job.dump_folder",
+                               str(tmp_path), "--comm.mode", "fake_backend", "--comm.no-dry_run_collectives",
+                               env={"NGPU": "2", "HF_HUB_OFFLINE": "1"})
+    assert code == 0 and not error_lines(err), (code, err[-3000:])
+    assert ("not checked here: training.dataset_path = 'no-owner/no-such-dataset': a Hub dataset, read by a real run "
+            "as it builds its data loader") in out + err

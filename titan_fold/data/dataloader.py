@@ -172,11 +172,14 @@ def _check_dataset_settings(tr) -> bool:
     return False
 
 
-def check_dataset(job_config) -> None:
-    """The dataset settings, and a local dataset opened with text in every record; a Hub name
-    is read by build_dataset only (a dry run's machine may not reach the Hub)."""
-    if _check_dataset_settings(job_config.training):
-        open_text_dataset(job_config.training.dataset_path)
+def check_dataset(job_config) -> str | None:
+    """The dataset settings, and a local dataset opened with text in every record; -> a Hub
+    name, which build_dataset alone reads (a dry run's machine may not reach the Hub)."""
+    tr = job_config.training
+    if _check_dataset_settings(tr):
+        open_text_dataset(tr.dataset_path)
+        return None
+    return tr.dataset_path if tr.dataset == "hf" else None
 
 
 def build_dataset(tokenizer, job_config) -> TokenWindows:

@@ -25,10 +25,10 @@ from titan_fold.trainer.preflight import model_args_from_config, preflight
 
 def check_config(job_config, world_size: int) -> tuple[Layout, object, list[str]]:
     """Every check of a real run's preflight (preflight.CHECKS), failing as the real run fails;
-    a tokenizer folder missing on this machine is a warning (it lives on the cluster)."""
+    a tokenizer folder missing on this machine and a Hub dataset are warnings (the cluster has them)."""
 
     warnings: list[str] = []
-    layout = preflight(job_config, world_size, missing_tokenizer=warnings)
+    layout = preflight(job_config, world_size, not_checked=warnings)
     _, model_args = model_args_from_config(job_config)
     model_args.update_from_config(job_config)
     return layout, model_args, warnings

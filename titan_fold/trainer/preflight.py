@@ -62,6 +62,7 @@ class Checked:
     spec: object = None
     model_args: object = None
     tokenizer: object = None  # None: not built (a dry run on a machine without the folder)
+    not_checked: list[str] | None = None  # a dry run's lines on what only the cluster can check (preflight)
 
 
 def _check_layout(c: Checked) -> None:
@@ -103,7 +104,10 @@ def _check_experts(c: Checked) -> None:
 def _check_paths(c: Checked) -> None:
     config = c.config
     check_initial_hf_load(config, c.model_args)
-    check_dataset(config)
+    hub = check_dataset(config)
+    if hub and c.not_checked is not None:
+        c.not_checked.append(f"not checked here: training.dataset_path = '{hub}': a Hub dataset, read by a real "
+                             "run as it builds its data loader")
     ckpt = config.checkpoint
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
@@ -135,18 +139,19 @@ CHECKS = (
 )
 
 
-def preflight(config: JobConfig, world_size: int, missing_tokenizer: list[str] | None = None) -> Layout:
+def preflight(config: JobConfig, world_size: int, not_checked: list[str] | None = None) -> Layout:
     """Reject bad input before any process group, file or model exists (CHECKS, in order).
-    missing_tokenizer (a dry run's: the folder lives on the cluster) collects a missing
-    tokenizer folder as a line instead of raising, and the checks go on without it."""
-    checked = Checked(config, world_size)
+    not_checked (a dry run's: what lives on the cluster) collects, as lines, a missing
+    tokenizer folder instead of raising, and the checks go on without it, and a Hub dataset,
+    which a real run reads as it builds its data loader."""
+    checked = Checked(config, world_size, not_checked=not_checked)
     for name, check in CHECKS:
         try:
             check(checked)
         except FileNotFoundError as e:
-            if name != "tokenizer" or missing_tokenizer is None:
+            if name != "tokenizer" or not_checked is None:
                 raise
-            missing_tokenizer.append(f"not checked here: {e}")
+            not_checked.append(f"not checked here: {e}")
     return checked.layout
 
 
