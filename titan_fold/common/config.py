@@ -107,6 +107,11 @@ class Metrics(TitanMetrics):
     """Host and GPU milliseconds per phase of every logged step (data, forward, backward, clip,
     optimizer, rest) in metrics.jsonl and the step line, from the host's clock and CUDA events
     (no profiler, no added sync): which phases are host-bound (trainer/phases.py)."""
+    expert_load: bool = False
+    """Each MoE layer's routed tokens per expert over the logged interval, summed over all ranks: a
+    summary per layer in metrics.jsonl (busiest expert and busiest ep rank over the mean, the
+    hottest experts), the full counts in expert_load.jsonl, histograms in TensorBoard
+    (trainer/expert_load.py). Costs an all-reduce of [MoE layers, experts] at a logged step."""
     group_grad_norms: bool = False
     """Each parameter group's gradient norm (before clipping) and the norm of its update (the
     weights after the optimizer step less those before) in metrics.jsonl at every logged step:

@@ -51,6 +51,8 @@ class MoE(nn.Module):
         self.register_buffer("stats", torch.zeros(4), persistent=False)
         # aux_free: routed assignments per expert since the last update_expert_bias()
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # routed assignments per expert since the trainer last read them (metrics.expert_load)
+        self.register_buffer("load", torch.zeros(args.num_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
@@ -83,6 +85,7 @@ class MoE(nn.Module):
     def _record(self, routing, keep):
         # device-side accumulation: no host sync inside forward
         self.stats.add_(routing.record)
+        self.load.add_(routing.tokens_per_expert)
         if keep is not None:
             self.stats[1].add_(1.0 - keep.float().mean())
         if self.args.load_balance == "aux_free":
@@ -100,6 +103,7 @@ class MoE(nn.Module):
         self.aux_loss_scale.fill_(1.0)
         self.stats.zero_()
         self.tokens_per_expert.zero_()
+        self.load.zero_()
 
 
 def moe_layers(model_parts) -> list[MoE]:

@@ -29,6 +29,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.models.mtp import mtp_stats_from, mtp_stats_values
 from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
+from titan_fold.trainer.expert_load import ExpertLoad
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.phases import phases_text
 from titan_fold.trainer.torchtitan_adapter import with_names
@@ -93,6 +94,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.history: list[dict[str, Any]] = []  # per logged step, for summary()
         self.phases = None  # metrics.step_phases: the trainer's StepPhases (phases.py)
         self._staged = None  # a logged step's MoE and MTP statistics on their way to the host (stage)
+        self._expert_load: ExpertLoad | None = None  # metrics.expert_load, made at the first logged step
         self._last_logged_step: int | None = None
         self._first_step = 0  # the step this run started after (0, or the resumed checkpoint's)
         self.time_start = time.perf_counter()
@@ -146,6 +148,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         mfu = 100 * flops / self.gpu_peak_flops
         memory = self.device_memory_monitor.get_peak_stats()
         extra = dict(extra_metrics or {})
+        load = self._load(step)
         record = {
             "step": step,
             "loss": global_avg_loss,
@@ -159,6 +162,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             **self._moe_stats(),
             "time_per_step_s": time_delta / steps,
             **({"phases": phases} if phases else {}),
+            **({"expert_load": load} if load is not None else {}),
             **extra,
         }
         # TensorBoard and W&B take numbers only (mfu and the MoE statistics can be null); a dict of
@@ -175,6 +179,17 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+    def _load(self, step: int) -> dict | None:
+        """metrics.expert_load's summary (rank 0; every rank takes part in the sum)."""
+        metrics = self.job_config.metrics
+        if not metrics.expert_load:
+            return None
+        if self._expert_load is None:
+            folder = self.job_config.job.dump_folder
+            tensorboard = os.path.join(folder, metrics.save_tb_folder) if metrics.enable_tensorboard else None
+            self._expert_load = ExpertLoad(self.model_parts or [], folder, self.parallel_dims.ep, tensorboard)
+        return self._expert_load.collect(step)
 
     def _step_line(self, r: dict[str, Any], now: float) -> str:
         c, step, total = self.color, r["step"], self.job_config.training.steps

@@ -2,7 +2,9 @@
 
 One PNG of a run, or several overlaid: loss, gradient norm, tokens/s per device and expert
 load imbalance over the steps, read from each folder's `metrics.jsonl` (a path to a .jsonl
-file works too). Needs matplotlib (`pip install -e ".[plot]"`).
+file works too). With --expert-load, one run's per-expert load (metrics.expert_load): a layer x
+expert heat map, each expert's tokens over the layer's mean, at up to four logged steps spread
+over the run. Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
 import argparse
@@ -53,7 +55,7 @@ def run_label(path: str, paths: list[str]) -> str:
     return path
 
 
-def plot(paths: list[str], out: str) -> str:
+def _pyplot():
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -61,6 +63,11 @@ def plot(paths: list[str], out: str) -> str:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(paths: list[str], out: str) -> str:
+    plt = _pyplot()
     runs = {run_label(p, paths): read_run(p) for p in paths}
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
     for ax, (key, title, log_scale) in zip(axes.flat, PANELS):
@@ -83,12 +90,60 @@ def plot(paths: list[str], out: str) -> str:
     return out
 
 
+def read_load(path: str) -> list[dict]:
+    """expert_load.jsonl's records of one run, one per step (the last wins), in step order."""
+    from titan_fold.trainer.expert_load import EXPERT_LOAD_FILE
+
+    file = os.path.join(path, EXPERT_LOAD_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise PlotError(f"{path}: no {EXPERT_LOAD_FILE} (run with --metrics.expert_load)")
+    by_step = {}
+    with open(file) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+            by_step[record["step"]] = record
+    if not by_step:
+        raise PlotError(f"{file}: no records yet")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_load(path: str, out: str, panels: int = 4) -> str:
+    plt = _pyplot()
+    records = read_load(path)
+    picked = [records[round(i * (len(records) - 1) / max(1, panels - 1))] for i in range(min(panels, len(records)))]
+    picked = list({r["step"]: r for r in picked}.values())
+    fig, axes = plt.subplots(1, len(picked), figsize=(4.5 * len(picked), 3.5), squeeze=False)
+    for ax, record in zip(axes[0], picked, strict=True):
+        rows = [[c / (sum(row) / len(row)) if sum(row) else 0.0 for c in row] for row in record["counts"]]
+        image = ax.imshow(rows, aspect="auto", cmap="magma", interpolation="nearest")
+        ax.set_title(f"step {record['step']}")
+        ax.set_xlabel("expert")
+        ax.set_yticks(range(len(record["layers"])), record["layers"], fontsize="small")
+        fig.colorbar(image, ax=ax, label="tokens / layer mean")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m titan_fold.plot", description=__doc__.split("\n\n")[1])
     p.add_argument("runs", nargs="+", metavar="DUMP_FOLDER", help="a run's job.dump_folder (or its metrics.jsonl)")
     p.add_argument("--out", default=None,
                    help="PNG to write (default: DUMP_FOLDER/metrics.png for one run, runs.png for several)")
+    p.add_argument("--expert-load", action="store_true",
+                   help="one run's per-expert load heat maps (default --out: DUMP_FOLDER/expert_load.png)")
     args = p.parse_args(argv)
+    if args.expert_load:
+        if len(args.runs) != 1:
+            raise PlotError(f"--expert-load draws one run; {len(args.runs)} given")
+        folder = args.runs[0] if os.path.isdir(args.runs[0]) else os.path.dirname(args.runs[0])
+        print(plot_load(args.runs[0], args.out or os.path.join(folder, "expert_load.png")))
+        return
     out = args.out or (os.path.join(args.runs[0], "metrics.png") if len(args.runs) == 1 and os.path.isdir(args.runs[0])
                        else "runs.png")
     print(plot(args.runs, out))
