@@ -140,8 +140,16 @@ def train_help() -> str:
     return job_config_help()
 
 
+def train_keys() -> str:
+    """The keys `python -m titan_fold.train` takes, which it checks without importing torch."""
+    import_from_root()
+    from titan_fold.train import job_config_keys
+
+    return job_config_keys()
+
+
 # files written whole by a function, relative to the repository root
-WHOLE = {"titan_fold/train_help.txt": train_help}
+WHOLE = {"titan_fold/train_help.txt": train_help, "titan_fold/train_keys.txt": train_keys}
 
 
 def generate(text: str, workers: int) -> str:

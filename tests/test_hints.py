@@ -17,7 +17,7 @@ from torchtitan.config.job_config import Comm as TitanComm
 from titan_fold.common.config import DRY_RUN_ONLY, PACKAGED_CONFIGS, Comm, ConfigError, parse_args
 from titan_fold.models import FLAVORS
 from titan_fold.models.hf_adapter import hf_config
-from titan_fold.train import HELP_FILE, job_config_help
+from titan_fold.train import HELP_FILE, KEYS_FILE, job_config_help, job_config_keys, unknown_option
 
 ROOT = Path(__file__).parent.parent
 
@@ -158,6 +158,26 @@ def test_help_and_usage_errors_import_neither_torch_nor_torchtitan(module, args)
                 if line.startswith("import time:")}
     assert "argparse" in packages or module == "titan_fold.train"  # the import times were read
     assert not packages & {"torch", "torchtitan"}, sorted(packages & {"torch", "torchtitan"})
+
+
+def test_stored_train_keys_are_current():
+    assert KEYS_FILE.read_text(encoding="utf-8") == job_config_keys(), "run python docs/gen.py titan_fold/train_keys.txt"
+
+
+def test_unknown_train_option_is_one_line_without_torch():
+    """A mistyped key: the line parse_args gives, from the stored keys, in a fresh interpreter that
+    imports neither torch nor torchtitan; a flag's no- form and a known key pass the fast check."""
+    args = ["--job.config_file", "debug_moe.toml", "--trainig.steps", "3"]
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "titan_fold.train", *args], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    lines = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    with pytest.raises(ConfigError) as slow:
+        parse_args(args)
+    assert r.returncode == 2 and lines == [f"error: {slow.value}"], r.stderr[-3000:]
+    packages = {line.rpartition("|")[2].strip().partition(".")[0] for line in r.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert packages and not packages & {"torch", "torchtitan"}, sorted(packages & {"torch", "torchtitan"})
+    assert unknown_option(["--compile.no-enable", "--training.steps=3", "--moe.exchange", "device"]) is None
 
 
 def test_stored_train_help_is_current():

@@ -13,6 +13,9 @@ PROG = "python -m titan_fold.train"
 # job_config_help's text, written by docs/gen.py: `--help` alone prints it without importing
 # torch or torchtitan
 HELP_FILE = Path(__file__).with_name("train_help.txt")
+# job_config_keys' lines, written by docs/gen.py: an unknown `--section.key` is refused from it
+# without importing torch or torchtitan
+KEYS_FILE = Path(__file__).with_name("train_keys.txt")
 
 
 def job_config_help() -> str:
@@ -37,6 +40,27 @@ def job_config_help() -> str:
     return out.buffer.getvalue().decode()
 
 
+def job_config_keys() -> str:
+    """Every `section.key` the command takes, one per line, and `section.no_key` for each flag."""
+    from titan_fold.common.config import JobConfig, _field, _keys
+
+    keys = _keys(JobConfig)
+    flags = [f"{k.rpartition('.')[0]}.no_{k.rpartition('.')[2]}" for k in keys if _field(JobConfig, k) is bool]
+    return "\n".join(keys + flags) + "\n"
+
+
+def unknown_option(args: list[str]) -> str | None:
+    """The line for the first `--section.key` in args that names no key (from KEYS_FILE), or None."""
+    from titan_fold.common.hints import option_names, unknown_option
+
+    keys = KEYS_FILE.read_text(encoding="utf-8").split()
+    known = set(keys)
+    for key, name, _ in option_names(args):
+        if name not in known:
+            return unknown_option(key, name, [k for k in keys if ".no_" not in k])
+    return None
+
+
 def main(args: list[str] | None = None) -> int:
     from titan_fold import dryrun
     from titan_fold.trainer import fold_trainer
@@ -49,7 +73,11 @@ if __name__ == "__main__":
         sys.stdout.write(HELP_FILE.read_text(encoding="utf-8"))
         sys.exit(0)
     sys.argv[0] = PROG  # tyro's usage line; torchtitan's ConfigManager passes no prog
-    from titan_fold.common.errors import run_command
+    from titan_fold.common.errors import UserError, report, run_command
+
+    if (problem := unknown_option(sys.argv[1:])) is not None:  # before the seconds of torch's import
+        report(UserError(problem))
+        sys.exit(2)
     from titan_fold.trainer import fold_trainer
 
     run_command(main, end=fold_trainer.end_process)

@@ -8,7 +8,6 @@ every value against its rule, before any process starts.
 """
 
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -36,6 +35,7 @@ from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
 from titan_fold.common.errors import UserError
+from titan_fold.common.hints import did_you_mean, option_names, unknown_option
 from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 from titan_fold.common.ranges import RANGES
@@ -227,14 +227,6 @@ def _fits(hint, value, name: str) -> bool:
     return True  # a type no TOML value maps to; torchtitan checks it
 
 
-def _did_you_mean(word, choices, spell=str) -> str:
-    """'; did you mean X?' for the choice closest to a mistyped word, or nothing."""
-    if not isinstance(word, str):
-        return ""
-    match = difflib.get_close_matches(word, [c for c in choices if isinstance(c, str)], n=1)
-    return f"; did you mean {spell(match[0])}?" if match else ""
-
-
 def _choices(hint) -> list:
     """The values a Literal field (or one that may be unset) takes."""
     if typing.get_origin(hint) is Literal:
@@ -254,7 +246,7 @@ def _check_value(name: str, hint, value) -> None:
     if value is None and type(None) in typing.get_args(hint):
         return
     if not _fits(hint, value, name):
-        raise ConfigError(f"{name} = {value!r}: must be {_type_name(hint)}{_did_you_mean(value, _choices(hint), repr)}")
+        raise ConfigError(f"{name} = {value!r}: must be {_type_name(hint)}{did_you_mean(value, _choices(hint), repr)}")
 
 
 def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
@@ -265,7 +257,7 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
         if key not in hints:
             known = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
             raise ConfigError(f"unknown key '{name}' in the config file (valid here: {known})"
-                              + _did_you_mean(key, [f.name for f in dataclasses.fields(cls)], lambda k: prefix + k))
+                              + did_you_mean(key, [f.name for f in dataclasses.fields(cls)], lambda k: prefix + k))
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{name}' must be a [{name}] table")
@@ -316,31 +308,20 @@ def _parse_cli_value(name: str, hint, text: str):
             return text
     if bool in candidates:
         raise ConfigError(f"--{name} {text}: must be True, False or None")
-    raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}{_did_you_mean(text, _choices(hint), repr)}")
+    raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}{did_you_mean(text, _choices(hint), repr)}")
 
 
 def _check_cli(args: list[str], cls: type) -> set[str]:
     """Every `--section.key [value]` names a field and its value has the field's type, so a
     bad override is one line here instead of tyro's box (or a coercion); -> the keys named."""
-    named, i = set(), 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if not arg.startswith("--") or arg == "--help":
-            continue
-        key, eq, value = arg[2:].partition("=")
-        values = [value] if eq else []
-        while not eq and i < len(args) and not args[i].startswith("--"):
-            values.append(args[i])
-            i += 1
-        name = key.replace("-", "_")
+    named = set()
+    for key, name, values in option_names(args):
         section, _, last = name.rpartition(".")
         hint = _field(cls, name)
         if hint is None and last.startswith("no_") and _field(cls, f"{section}.{last[3:]}") is bool:
             hint, name = bool, f"{section}.{last[3:]}"
         if hint is None:
-            guess = _did_you_mean(name, _keys(cls), lambda k: f"--{k}")
-            raise ConfigError(f"--{key}: unknown option" + (guess or " (the keys are the config file's, e.g. --training.steps 10)"))
+            raise ConfigError(unknown_option(key, name, _keys(cls)))
         named.add(name)
         if hint is bool:
             if values:
