@@ -14,10 +14,20 @@ import pytest
 from conftest import python_m
 from torchtitan.config.job_config import Comm as TitanComm
 
-from titan_fold.common.config import DRY_RUN_ONLY, PACKAGED_CONFIGS, Comm, ConfigError, parse_args
+from titan_fold.common.config import (
+    DRY_RUN_ONLY,
+    PACKAGED_CONFIGS,
+    Comm,
+    ConfigError,
+    JobConfig,
+    _field,
+    _keys,
+    parse_args,
+)
+from titan_fold.common.values import hint_text, parse_hint
 from titan_fold.models import FLAVORS
 from titan_fold.models.hf_adapter import hf_config
-from titan_fold.train import HELP_FILE, KEYS_FILE, job_config_help, job_config_keys, unknown_option
+from titan_fold.train import HELP_FILE, KEYS_FILE, job_config_help, job_config_keys, usage_problem
 
 ROOT = Path(__file__).parent.parent
 
@@ -164,10 +174,13 @@ def test_stored_train_keys_are_current():
     assert KEYS_FILE.read_text(encoding="utf-8") == job_config_keys(), "run python docs/gen.py titan_fold/train_keys.txt"
 
 
-def test_unknown_train_option_is_one_line_without_torch():
-    """A mistyped key: the line parse_args gives, from the stored keys, in a fresh interpreter that
-    imports neither torch nor torchtitan; a flag's no- form and a known key pass the fast check."""
-    args = ["--job.config_file", "debug_moe.toml", "--trainig.steps", "3"]
+@pytest.mark.parametrize("bad", [["--trainig.steps", "3"], ["--training.steps", "abc"], ["--moe.exchange", "devic"],
+                                 ["--compile.enable", "False"], ["--optimizer.muon_ns_coefficients", "1", "x"]],
+                         ids=["unknown-key", "bad-int", "bad-choice", "flag-with-value", "bad-list-element"])
+def test_train_usage_error_is_one_line_without_torch(bad):
+    """A mistyped key or value: the line parse_args gives, from the stored keys and types, in a
+    fresh interpreter that imports neither torch nor torchtitan."""
+    args = ["--job.config_file", "debug_moe.toml", "--training.seq_len", "64", *bad]
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "titan_fold.train", *args], capture_output=True,
                        text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     lines = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
@@ -177,7 +190,14 @@ def test_unknown_train_option_is_one_line_without_torch():
     packages = {line.rpartition("|")[2].strip().partition(".")[0] for line in r.stderr.splitlines()
                 if line.startswith("import time:")}
     assert packages and not packages & {"torch", "torchtitan"}, sorted(packages & {"torch", "torchtitan"})
-    assert unknown_option(["--compile.no-enable", "--training.steps=3", "--moe.exchange", "device"]) is None
+
+
+def test_stored_types_read_back_and_good_options_pass():
+    for key in _keys(JobConfig):
+        hint = _field(JobConfig, key)
+        assert parse_hint(hint_text(hint)) == hint, key
+    assert usage_problem(["--compile.no-enable", "--training.steps=3", "--moe.exchange", "device",
+                          "--optimizer.muon_ns_coefficients", "1", "2", "3", "--training.max_norm", "inf"]) is None
 
 
 def test_stored_train_help_is_current():

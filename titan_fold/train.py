@@ -41,23 +41,23 @@ def job_config_help() -> str:
 
 
 def job_config_keys() -> str:
-    """Every `section.key` the command takes, one per line, and `section.no_key` for each flag."""
+    """Every `section.key` the command takes and its type, one per line: "key<TAB>type"."""
     from titan_fold.common.config import JobConfig, _field, _keys
+    from titan_fold.common.values import hint_text
 
-    keys = _keys(JobConfig)
-    flags = [f"{k.rpartition('.')[0]}.no_{k.rpartition('.')[2]}" for k in keys if _field(JobConfig, k) is bool]
-    return "\n".join(keys + flags) + "\n"
+    return "".join(f"{key}\t{hint_text(_field(JobConfig, key))}\n" for key in _keys(JobConfig))
 
 
-def unknown_option(args: list[str]) -> str | None:
-    """The line for the first `--section.key` in args that names no key (from KEYS_FILE), or None."""
-    from titan_fold.common.hints import option_names, unknown_option
+def usage_problem(args: list[str]) -> str | None:
+    """parse_args' line for the first `--section.key value` in args that names no key or whose value
+    does not have the key's type (read from KEYS_FILE), or None."""
+    from titan_fold.common.values import ConfigError, check_cli, parse_hint
 
-    keys = KEYS_FILE.read_text(encoding="utf-8").split()
-    known = set(keys)
-    for key, name, _ in option_names(args):
-        if name not in known:
-            return unknown_option(key, name, [k for k in keys if ".no_" not in k])
+    hints = dict(line.split("\t") for line in KEYS_FILE.read_text(encoding="utf-8").splitlines())
+    try:
+        check_cli(args, lambda key: parse_hint(hints[key]) if key in hints else None, lambda: list(hints))
+    except ConfigError as e:
+        return str(e)
     return None
 
 
@@ -75,7 +75,7 @@ if __name__ == "__main__":
     sys.argv[0] = PROG  # tyro's usage line; torchtitan's ConfigManager passes no prog
     from titan_fold.common.errors import UserError, report, run_command
 
-    if (problem := unknown_option(sys.argv[1:])) is not None:  # before the seconds of torch's import
+    if (problem := usage_problem(sys.argv[1:])) is not None:  # before the seconds of torch's import
         report(UserError(problem))
         sys.exit(2)
     from titan_fold.trainer import fold_trainer

@@ -8,11 +8,8 @@ every value against its rule, before any process starts.
 """
 
 import dataclasses
-import math
 import os
-import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +31,13 @@ from torchtitan.config.job_config import Model as TitanModel
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
-from titan_fold.common.errors import UserError
-from titan_fold.common.hints import did_you_mean, option_names, unknown_option
+from titan_fold.common.hints import did_you_mean
 from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 from titan_fold.common.ranges import RANGES
+from titan_fold.common.values import ConfigError, check_cli, check_value
 
 PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
-
-
-class ConfigError(UserError, ValueError):
-    """A job config value breaks a rule; the message names the key and the rule."""
 
 
 @dataclass
@@ -190,63 +183,12 @@ def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
 
 
 # floats where inf means something (no clipping); nan is meaningless everywhere
-_INF_ALLOWED = {"training.max_norm"}
-
-
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "one of " + str(list(typing.get_args(hint)))
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if {int, float} <= set(typing.get_args(hint)):
-            return _type_name(float)
-        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
-    if typing.get_origin(hint) is list:
-        return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    return {bool: "a bool (true/false)", int: "an integer", float: "a finite number", str: "a string"}.get(hint, str(hint))
-
-
-def _fits(hint, value, name: str) -> bool:
-    """Does a TOML value have the field's type? No coercion: "false" is not a bool, 4.7 not an int."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(a, value, name) for a in typing.get_args(hint) if a is not type(None))
-    if origin is list:
-        return isinstance(value, list) and all(_fits(typing.get_args(hint)[0], v, name) for v in value)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False
-        return math.isfinite(value) or (name in _INF_ALLOWED and not math.isnan(value))
-    if hint is str:
-        return isinstance(value, str)
-    return True  # a type no TOML value maps to; torchtitan checks it
-
-
-def _choices(hint) -> list:
-    """The values a Literal field (or one that may be unset) takes."""
-    if typing.get_origin(hint) is Literal:
-        return list(typing.get_args(hint))
-    return [c for a in typing.get_args(hint) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
-
-
 def _keys(cls: type, prefix: str = "") -> list[str]:
     """Every `section.key` of a config class, nested sections included."""
     hints = typing.get_type_hints(cls)
     return [key for f in dataclasses.fields(cls)
             for key in (_keys(hints[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(hints[f.name])
                         else [f"{prefix}{f.name}"])]
-
-
-def _check_value(name: str, hint, value) -> None:
-    if value is None and type(None) in typing.get_args(hint):
-        return
-    if not _fits(hint, value, name):
-        raise ConfigError(f"{name} = {value!r}: must be {_type_name(hint)}{did_you_mean(value, _choices(hint), repr)}")
 
 
 def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
@@ -263,7 +205,7 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
                 raise ConfigError(f"'{name}' must be a [{name}] table")
             _check_toml(value, hints[key], f"{name}.")
         else:
-            _check_value(name, hints[key], value)
+            check_value(name, hints[key], value)
 
 
 def _field(cls: type, dotted: str):
@@ -274,68 +216,6 @@ def _field(cls: type, dotted: str):
             return None
         hint = typing.get_type_hints(hint).get(part)
     return None if dataclasses.is_dataclass(hint) else hint
-
-
-def _takes_list(hint) -> bool:
-    return any(typing.get_origin(a) is list for a in (hint, *typing.get_args(hint)))
-
-
-_INT = re.compile(r"[+-]?\d+")
-
-
-def _parse_cli_value(name: str, hint, text: str):
-    """A CLI string as the value of the field's type, by the same rules as TOML values."""
-    candidates = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    if typing.get_origin(hint) is Literal:
-        candidates = [hint]
-    if text == "None" and type(None) in typing.get_args(hint):
-        return None
-    for a in candidates:
-        if typing.get_origin(a) is Literal:
-            if text in typing.get_args(a):
-                return text
-        elif a is int and _INT.fullmatch(text):
-            return int(text)
-        elif a is float:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        elif a is bool and text in ("True", "False"):
-            # a key that may be unset takes a value, spelled as tyro parses it
-            return text == "True"
-        elif a is str or typing.get_origin(a) is list:
-            return text
-    if bool in candidates:
-        raise ConfigError(f"--{name} {text}: must be True, False or None")
-    raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}{did_you_mean(text, _choices(hint), repr)}")
-
-
-def _check_cli(args: list[str], cls: type) -> set[str]:
-    """Every `--section.key [value]` names a field and its value has the field's type, so a
-    bad override is one line here instead of tyro's box (or a coercion); -> the keys named."""
-    named = set()
-    for key, name, values in option_names(args):
-        section, _, last = name.rpartition(".")
-        hint = _field(cls, name)
-        if hint is None and last.startswith("no_") and _field(cls, f"{section}.{last[3:]}") is bool:
-            hint, name = bool, f"{section}.{last[3:]}"
-        if hint is None:
-            raise ConfigError(unknown_option(key, name, _keys(cls)))
-        named.add(name)
-        if hint is bool:
-            if values:
-                raise ConfigError(f"--{key} {' '.join(values)}: {name} is a flag, "
-                                  f"write --{section}.{last} or --{section}.no-{last}")
-            continue
-        if len(values) != 1 and not _takes_list(hint):
-            raise ConfigError(f"--{key}: needs one value ({_type_name(hint)}), got {len(values)}")
-        if _takes_list(hint):
-            element = next(typing.get_args(a)[0] for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is list)
-            hint = element if not _takes_list(element) else str
-        for v in values:
-            _check_value(name, hint, _parse_cli_value(name, hint, v))
-    return named
 
 
 def check_ranges(config: JobConfig) -> None:
@@ -480,7 +360,7 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
         except OSError as e:
             raise ConfigError(f"job.config_file: {path} cannot be read ({e.strerror})") from None
         _check_toml(table, JobConfig)
-    named = _check_cli(args, JobConfig)
+    named = check_cli(args, lambda key: _field(JobConfig, key), lambda: _keys(JobConfig))
     config = ConfigManager(JobConfig).parse_args(args)
     validate(config)
     check_dry_run_keys(config, named)
