@@ -13,8 +13,9 @@ from conftest import python_m
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_fold import dryrun
-from titan_fold.common.config import PACKAGED_CONFIGS, parse_args
+from titan_fold.common.config import parse_args
 from titan_fold.common.tensors import local
+from titan_fold.common.values import PACKAGED_CONFIGS
 from titan_fold.dryrun.measure import LiveBytes, _dry_config
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.moe.experts import GroupedExperts

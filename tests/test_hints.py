@@ -16,7 +16,6 @@ from torchtitan.config.job_config import Comm as TitanComm
 
 from titan_fold.common.config import (
     DRY_RUN_ONLY,
-    PACKAGED_CONFIGS,
     Comm,
     ConfigError,
     JobConfig,
@@ -24,7 +23,7 @@ from titan_fold.common.config import (
     _keys,
     parse_args,
 )
-from titan_fold.common.values import hint_text, parse_hint
+from titan_fold.common.values import PACKAGED_CONFIGS, hint_text, parse_hint
 from titan_fold.models import FLAVORS
 from titan_fold.models.hf_adapter import hf_config
 from titan_fold.train import HELP_FILE, KEYS_FILE, job_config_help, job_config_keys, usage_problem
@@ -174,18 +173,25 @@ def test_stored_train_keys_are_current():
     assert KEYS_FILE.read_text(encoding="utf-8") == job_config_keys(), "run python docs/gen.py titan_fold/train_keys.txt"
 
 
-@pytest.mark.parametrize("bad", [["--trainig.steps", "3"], ["--training.steps", "abc"], ["--moe.exchange", "devic"],
-                                 ["--compile.enable", "False"], ["--optimizer.muon_ns_coefficients", "1", "x"]],
-                         ids=["unknown-key", "bad-int", "bad-choice", "flag-with-value", "bad-list-element"])
-def test_train_usage_error_is_one_line_without_torch(bad):
-    """A mistyped key or value: the line parse_args gives, from the stored keys and types, in a
-    fresh interpreter that imports neither torch nor torchtitan."""
-    args = ["--job.config_file", "debug_moe.toml", "--training.seq_len", "64", *bad]
+CONFIG = ["--job.config_file", "debug_moe.toml", "--training.seq_len", "64"]
+
+
+@pytest.mark.parametrize("args", [
+    CONFIG + ["--trainig.steps", "3"], CONFIG + ["--training.steps", "abc"], CONFIG + ["--moe.exchange", "devic"],
+    CONFIG + ["--compile.enable", "False"], CONFIG + ["--optimizer.muon_ns_coefficients", "1", "x"],
+    ["--training.steps", "3"], ["--job.config_file", "nope.toml"]],
+    ids=["unknown-key", "bad-int", "bad-choice", "flag-with-value", "bad-list-element", "no-config-file",
+         "config-file-not-there"])
+def test_train_usage_error_is_one_line_without_torch(args):
+    """A mistyped key or value, or a config file missing: the line the full checks give (parse_args,
+    then the model's), in a fresh interpreter that imports neither torch nor torchtitan."""
+    from titan_fold.trainer.preflight import model_args_from_config
+
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "titan_fold.train", *args], capture_output=True,
                        text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     lines = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
     with pytest.raises(ConfigError) as slow:
-        parse_args(args)
+        model_args_from_config(parse_args(args))
     assert r.returncode == 2 and lines == [f"error: {slow.value}"], r.stderr[-3000:]
     packages = {line.rpartition("|")[2].strip().partition(".")[0] for line in r.stderr.splitlines()
                 if line.startswith("import time:")}
@@ -196,7 +202,7 @@ def test_stored_types_read_back_and_good_options_pass():
     for key in _keys(JobConfig):
         hint = _field(JobConfig, key)
         assert parse_hint(hint_text(hint)) == hint, key
-    assert usage_problem(["--compile.no-enable", "--training.steps=3", "--moe.exchange", "device",
+    assert usage_problem(["--job.config_file=debug_moe.toml", "--compile.no-enable", "--training.steps=3", "--moe.exchange", "device",
                           "--optimizer.muon_ns_coefficients", "1", "2", "3", "--training.max_norm", "inf"]) is None
 
 

@@ -12,7 +12,8 @@ import math
 import pytest
 from conftest import forked, read_metrics
 
-from titan_fold.common.config import PACKAGED_CONFIGS, parse_args
+from titan_fold.common.config import parse_args
+from titan_fold.common.values import PACKAGED_CONFIGS
 from titan_fold.dryrun import shrunk_config
 from titan_fold.models.hf_config import hf_config
 from titan_fold.trainer.preflight import model_args_from_config

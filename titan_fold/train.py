@@ -49,16 +49,18 @@ def job_config_keys() -> str:
 
 
 def usage_problem(args: list[str]) -> str | None:
-    """parse_args' line for the first `--section.key value` in args that names no key or whose value
-    does not have the key's type (read from KEYS_FILE), or None."""
-    from titan_fold.common.values import ConfigError, check_cli, parse_hint
+    """The line the full checks give for a config file that is not there, the first `--section.key
+    value` that names no key or whose value does not have the key's type (read from KEYS_FILE),
+    or no config file at all; None if none of these."""
+    from titan_fold.common.values import ConfigError, _resolve_config_arg, check_cli, no_config_file, parse_hint
 
     hints = dict(line.split("\t") for line in KEYS_FILE.read_text(encoding="utf-8").splitlines())
     try:
-        check_cli(args, lambda key: parse_hint(hints[key]) if key in hints else None, lambda: list(hints))
+        args, path = _resolve_config_arg(args)  # a config file that is not there
+        named = check_cli(args, lambda key: parse_hint(hints[key]) if key in hints else None, lambda: list(hints))
     except ConfigError as e:
         return str(e)
-    return None
+    return no_config_file() if path is None and "model.name" not in named else None
 
 
 def main(args: list[str] | None = None) -> int:

@@ -8,11 +8,9 @@ every value against its rule, before any process starts.
 """
 
 import dataclasses
-import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 try:
@@ -35,9 +33,12 @@ from titan_fold.common.hints import did_you_mean
 from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 from titan_fold.common.ranges import RANGES
-from titan_fold.common.values import ConfigError, check_cli, check_value
-
-PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
+from titan_fold.common.values import (
+    ConfigError,
+    _resolve_config_arg,
+    check_cli,
+    check_value,
+)
 
 
 @dataclass
@@ -151,35 +152,6 @@ class JobConfig(TitanJobConfig):
     debug: Debug = field(default_factory=Debug)
     moe: MoE = field(default_factory=MoE)
     mtp: MTP = field(default_factory=MTP)
-
-
-def packaged_configs() -> str:
-    return ", ".join(sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))
-
-
-def resolve_config_file(path: str) -> str:
-    """A name not found from the working directory is looked up in the packaged configs."""
-    if os.path.isdir(path):
-        raise ConfigError(f"job.config_file: '{path}' is a folder, not a TOML file")
-    if os.path.exists(path):
-        return path
-    packaged = PACKAGED_CONFIGS / path
-    if os.sep not in path and packaged.exists():
-        return str(packaged)
-    raise ConfigError(f"job.config_file: '{path}' does not exist (packaged configs: {packaged_configs()})")
-
-
-def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
-    args, path = list(args), None
-    for i, arg in enumerate(args):
-        key, eq, value = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            if eq:
-                path = resolve_config_file(value)
-                args[i] = f"{key}={path}"
-            elif i + 1 < len(args):
-                path = args[i + 1] = resolve_config_file(args[i + 1])
-    return args, path
 
 
 # floats where inf means something (no clipping); nan is meaningless everywhere

@@ -3,10 +3,12 @@ checks of TOML values and `--section.key value` overrides (common/config.py), al
 keys and types stored in titan_fold/train_keys.txt before the training command's heavy imports."""
 
 import math
+import os
 import re
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from titan_fold.common.errors import UserError
@@ -15,6 +17,43 @@ from titan_fold.common.hints import did_you_mean, option_names, unknown_option
 
 class ConfigError(UserError, ValueError):
     """A job config value breaks a rule; the message names the key and the rule."""
+
+
+PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
+
+
+def packaged_configs() -> str:
+    return ", ".join(sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))
+
+
+def resolve_config_file(path: str) -> str:
+    """A name not found from the working directory is looked up in the packaged configs."""
+    if os.path.isdir(path):
+        raise ConfigError(f"job.config_file: '{path}' is a folder, not a TOML file")
+    if os.path.exists(path):
+        return path
+    packaged = PACKAGED_CONFIGS / path
+    if os.sep not in path and packaged.exists():
+        return str(packaged)
+    raise ConfigError(f"job.config_file: '{path}' does not exist (packaged configs: {packaged_configs()})")
+
+
+def _resolve_config_arg(args: list[str]) -> tuple[list[str], str | None]:
+    args, path = list(args), None
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if eq:
+                path = resolve_config_file(value)
+                args[i] = f"{key}={path}"
+            elif i + 1 < len(args):
+                path = args[i + 1] = resolve_config_file(args[i + 1])
+    return args, path
+
+
+def no_config_file() -> str:
+    """The line for a command that names no config file (nor a titan_fold model family)."""
+    return f"no --job.config_file: name the job's config file (packaged: {packaged_configs()})"
 
 
 _INF_ALLOWED = {"training.max_norm"}

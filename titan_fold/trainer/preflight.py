@@ -10,8 +10,9 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.manager import check_initial_hf_load
 from titan_fold.checkpoint.settings import check_resume, run_settings
-from titan_fold.common.config import ConfigError, JobConfig, packaged_configs
+from titan_fold.common.config import ConfigError, JobConfig
 from titan_fold.common.errors import is_first_rank
+from titan_fold.common.values import no_config_file
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
@@ -41,7 +42,7 @@ def model_args_from_config(config: JobConfig):
     register_train_specs()
     name, flavor = config.model.name, config.model.flavor
     if name not in FLAVORS and not config.job.config_file:  # torchtitan's default model.name
-        raise ConfigError(f"no --job.config_file: name the job's config file (packaged: {packaged_configs()})")
+        raise ConfigError(no_config_file())
     if name not in FLAVORS:  # torchtitan's own families (llama3, ...) are registered too
         raise ConfigError(f"model.name = {name!r}: not a titan_fold model family (families: {sorted(FLAVORS)})")
     spec = get_train_spec(name)
