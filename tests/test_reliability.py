@@ -428,7 +428,7 @@ def test_finished_two_rank_runs_exit_0(tmp_path):
 # seconds to free, as the interpreter's final collection of a model does (torchtitan turns
 # automatic collection off)
 _RETURNED_RANK = """
-import gc, runpy, signal, time
+import gc, runpy, signal, sys, time
 from titan_fold.trainer import fold_trainer
 
 class Part:
@@ -444,6 +444,7 @@ def main(args=None, dry_run=None):
     return 3
 
 fold_trainer.main = main
+sys.argv[1:] = ["--job.config_file", "debug_moe.toml"]  # the command's own checks pass; main ignores them
 runpy.run_module("titan_fold.train", run_name="__main__", alter_sys=True)
 """
 
