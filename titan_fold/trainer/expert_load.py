@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from titan_fold.moe.layer import MoE
+from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE
 
-EXPERT_LOAD_FILE = "expert_load.jsonl"
 HOTTEST = 3
 
 

@@ -20,6 +20,8 @@ import time
 from titan_fold.common.storage import StorageError, storage_error
 
 METRICS_FILE = "metrics.jsonl"
+# metrics.expert_load's counts beside it (trainer/expert_load.py)
+EXPERT_LOAD_FILE = "expert_load.jsonl"
 
 
 def new_run_id() -> str:

@@ -12,7 +12,7 @@ import json
 import os
 
 from titan_fold.common.errors import UserError
-from titan_fold.trainer.metrics_file import METRICS_FILE
+from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE, METRICS_FILE
 
 PANELS = [
     ("loss", "loss", False),
@@ -26,12 +26,13 @@ class PlotError(UserError):
     pass
 
 
-def read_run(path: str) -> list[dict]:
-    """The records of one run, one per step (a step logged again after a resume: the last
-    record wins), in step order. A torn last line (a run killed while writing) is skipped."""
-    file = os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
+def _by_step(path: str, name: str, missing: str) -> list[dict]:
+    """The records of one run's `name` file (a folder holding it, or the file), one per step (a
+    step logged again after a resume: the last record wins), in step order. A torn last line
+    (a run killed while writing) is skipped. missing: what the error says to do without it."""
+    file = os.path.join(path, name) if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise PlotError(f"{path}: no {METRICS_FILE} (give a run's job.dump_folder or a .jsonl file)")
+        raise PlotError(f"{path}: no {name} ({missing})")
     by_step = {}
     with open(file) as f:
         for line in f:
@@ -43,6 +44,11 @@ def read_run(path: str) -> list[dict]:
     if not by_step:
         raise PlotError(f"{file}: no records yet")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_run(path: str) -> list[dict]:
+    """metrics.jsonl's records of one run, one per step, in step order."""
+    return _by_step(path, METRICS_FILE, "give a run's job.dump_folder or a .jsonl file")
 
 
 def run_label(path: str, paths: list[str]) -> str:
@@ -91,23 +97,8 @@ def plot(paths: list[str], out: str) -> str:
 
 
 def read_load(path: str) -> list[dict]:
-    """expert_load.jsonl's records of one run, one per step (the last wins), in step order."""
-    from titan_fold.trainer.expert_load import EXPERT_LOAD_FILE
-
-    file = os.path.join(path, EXPERT_LOAD_FILE) if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise PlotError(f"{path}: no {EXPERT_LOAD_FILE} (run with --metrics.expert_load)")
-    by_step = {}
-    with open(file) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line
-            by_step[record["step"]] = record
-    if not by_step:
-        raise PlotError(f"{file}: no records yet")
-    return [by_step[s] for s in sorted(by_step)]
+    """expert_load.jsonl's records of one run, one per step, in step order."""
+    return _by_step(path, EXPERT_LOAD_FILE, "run with --metrics.expert_load")
 
 
 def plot_load(path: str, out: str, panels: int = 4) -> str:
