@@ -41,9 +41,11 @@ FINE, COARSE = "qwen3_30b_a3b,mixtral_8x22b_g8t8", "qwen2_57b_a14b,mixtral_8x22b
 TRAIN_CASES = "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled"
 # the Qwen3-30B-A3B proxy also with compile.cudagraphs, one eager and one compiled step profiled, and
 # both with metrics.step_phases (host and GPU time of each phase of every step, no profiler)
-TRAIN_EXTRA = ("1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_profile,"
-               "1gpu_bf16params_auxfree_compiled_profile,1gpu_bf16params_auxfree_phases,"
-               "1gpu_bf16params_auxfree_compiled_phases")
+TRAIN_EXTRA = (
+    "1gpu_bf16params_auxfree_compiled_cudagraphs,1gpu_bf16params_auxfree_profile,"
+    "1gpu_bf16params_auxfree_compiled_profile,1gpu_bf16params_auxfree_phases,"
+    "1gpu_bf16params_auxfree_compiled_phases"
+)
 # the coarse proxy compiled with torch's grouped GEMMs too: QuACK (what "auto" picks there) must not be slower
 COARSE_TORCH_GEMM = "1gpu_bf16params_auxfree_compiled_torchgemm"
 # dp2 x ep2: the exact exchange (split sizes to the host in every layer) beside the static one (worst-case
@@ -51,15 +53,42 @@ COARSE_TORCH_GEMM = "1gpu_bf16params_auxfree_compiled_torchgemm"
 # to spare for imbalance), compiled (also with the stash) and captured in CUDA graphs
 DP2_EP2 = "dp2_ep2_bf16params_auxfree"
 STASH = "_stash1048576"
-STATIC_CASES = ",".join(DP2_EP2 + m for m in ("", "_static", "_static" + STASH, "_compiled", "_compiled_static",
-                                               "_compiled_static" + STASH, "_compiled_static_cudagraphs"))
-EXCHANGE_CASES = ",".join(["1gpu_bf16params_auxfree_compiled"] + [
-    DP2_EP2 + m for m in ("_compiled", "_compiled_device", "_compiled_rerun", "_compiled_device_rerun",
-                          "_compiled_device_profile")])
+STATIC_CASES = ",".join(
+    DP2_EP2 + m
+    for m in (
+        "",
+        "_static",
+        "_static" + STASH,
+        "_compiled",
+        "_compiled_static",
+        "_compiled_static" + STASH,
+        "_compiled_static_cudagraphs",
+    )
+)
+EXCHANGE_CASES = ",".join(
+    ["1gpu_bf16params_auxfree_compiled"]
+    + [
+        DP2_EP2 + m
+        for m in (
+            "_compiled",
+            "_compiled_device",
+            "_compiled_rerun",
+            "_compiled_device_rerun",
+            "_compiled_device_profile",
+        )
+    ]
+)
 # dp2 x ep2 compiled with torch's grouped GEMMs (exact and static exchange) beside QuACK's (installed:
 # bench/wheels.sh), which need the static exchange's fixed row count, also captured in CUDA graphs
-QUACK_CASES = ",".join(DP2_EP2 + m for m in ("_compiled_torchgemm", "_compiled_static_torchgemm",
-                                              "_compiled_static_quack", "_compiled_static_cudagraphs_quack"))
+QUACK_CASES = ",".join(
+    DP2_EP2 + m
+    for m in (
+        "_compiled_torchgemm",
+        "_compiled_static_torchgemm",
+        "_compiled_static_quack",
+        "_compiled_static_cudagraphs_quack",
+    )
+)
 # seconds for a titan_fold trainer step of eager and compiled cases where QuACK is installed: on a fresh machine
 # its kernels compile in the first case, which takes the Qwen3-30B-A3B proxy's step past 200 s on an H100
 QUACK_COLD = 420
@@ -89,78 +118,207 @@ SUITES = {
         "and quack, each beside the dense GEMM rate: the fine-grained shapes eager, compiled and captured in a CUDA "
         "graph, the coarse ones eager; profiled eager and captured steps at Qwen3-30B-A3B shapes (kernel classes, "
         "the GPU's idle time)",
-        [Step("layer_fine", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                          "--shapes", FINE, "--compile", "all", "--no-profile", *TIMING], 400),
-         Step("layer_coarse", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                            "--shapes", COARSE, "--compile", "off", "--no-profile", *TIMING], 900),
-         Step("layer_profile", "moe_layer", ["--impl", "titan_fold,titan_fold_quack", "--modes", "dropless",
-                                             "--shapes", "qwen3_30b_a3b", "--compile", "off_graph", *TIMING], 240)]),
+        [
+            Step(
+                "layer_fine",
+                "moe_layer",
+                [
+                    "--impl",
+                    "titan_fold,titan_fold_quack",
+                    "--modes",
+                    "dropless",
+                    "--shapes",
+                    FINE,
+                    "--compile",
+                    "all",
+                    "--no-profile",
+                    *TIMING,
+                ],
+                400,
+            ),
+            Step(
+                "layer_coarse",
+                "moe_layer",
+                [
+                    "--impl",
+                    "titan_fold,titan_fold_quack",
+                    "--modes",
+                    "dropless",
+                    "--shapes",
+                    COARSE,
+                    "--compile",
+                    "off",
+                    "--no-profile",
+                    *TIMING,
+                ],
+                900,
+            ),
+            Step(
+                "layer_profile",
+                "moe_layer",
+                [
+                    "--impl",
+                    "titan_fold,titan_fold_quack",
+                    "--modes",
+                    "dropless",
+                    "--shapes",
+                    "qwen3_30b_a3b",
+                    "--compile",
+                    "off_graph",
+                    *TIMING,
+                ],
+                240,
+            ),
+        ],
+    ),
     "trainer": Suite(
         "1 GPU: the trainer on the Qwen3-MoE proxies (Qwen3-30B-A3B widths, 12 layers; Qwen2-57B-A14B widths, "
         "2 layers), bf16 weights, aux-free balancing, eager and compiled; the first also compiled with CUDA graphs "
         "and one profiled eager and compiled step each (GPU time by kernel class), eager and compiled with each step's "
         "phases timed, the second also compiled with torch's grouped GEMMs",
-        [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES + "," + TRAIN_EXTRA, "--steps", "15"],
-              600),
-         Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES + "," + COARSE_TORCH_GEMM, "--steps",
-                                                  "15"], 300)]),
+        [
+            Step(
+                "qwen3_30b_a3b_l12",
+                "train_step",
+                [*QWEN3, "--cases", TRAIN_CASES + "," + TRAIN_EXTRA, "--steps", "15"],
+                600,
+            ),
+            Step(
+                "qwen2_57b_a14b_l2",
+                "train_step",
+                [*QWEN2, "--cases", TRAIN_CASES + "," + COARSE_TORCH_GEMM, "--steps", "15"],
+                300,
+            ),
+        ],
+    ),
     "vs-torchtitan": Suite(
         "1 GPU: the trainer suite's Qwen3-MoE proxies in titan_fold and in torchtitan 0.2.2, side by side",
-        [Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"], QUACK_COLD),
-         Step("torchtitan_qwen3_30b_a3b_l12", "vs_torchtitan", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"],
-              200, ours="qwen3_30b_a3b_l12"),
-         Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], QUACK_COLD),
-         Step("torchtitan_qwen2_57b_a14b_l2", "vs_torchtitan", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"],
-              200, ours="qwen2_57b_a14b_l2")]),
+        [
+            Step("qwen3_30b_a3b_l12", "train_step", [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"], QUACK_COLD),
+            Step(
+                "torchtitan_qwen3_30b_a3b_l12",
+                "vs_torchtitan",
+                [*QWEN3, "--cases", TRAIN_CASES, "--steps", "15"],
+                200,
+                ours="qwen3_30b_a3b_l12",
+            ),
+            Step("qwen2_57b_a14b_l2", "train_step", [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"], QUACK_COLD),
+            Step(
+                "torchtitan_qwen2_57b_a14b_l2",
+                "vs_torchtitan",
+                [*QWEN2, "--cases", TRAIN_CASES, "--steps", "15"],
+                200,
+                ours="qwen2_57b_a14b_l2",
+            ),
+        ],
+    ),
     "deepseek-v3": Suite(
         "1 GPU: the DeepSeek-V3 16B proxy (its widths, 4 layers) in titan_fold and in torchtitan 0.2.2's "
         "deepseek_v3, side by side, eager and compiled",
-        [Step("deepseek_v3_16b_l4", "train_step", [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"], QUACK_COLD),
-         Step("torchtitan_deepseek_v3_16b_l4", "vs_torchtitan", [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"],
-              240, ours="deepseek_v3_16b_l4")]),
+        [
+            Step("deepseek_v3_16b_l4", "train_step", [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"], QUACK_COLD),
+            Step(
+                "torchtitan_deepseek_v3_16b_l4",
+                "vs_torchtitan",
+                [*DSV3, "--cases", TRAIN_CASES, "--steps", "15"],
+                240,
+                ours="deepseek_v3_16b_l4",
+            ),
+        ],
+    ),
     "loss-curve": Suite(
         "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack, then each again "
         "(compiled): the two paths' difference beside each path's run-to-run spread; with the aux-free bias "
         "(the trainer suite's balancing) and with the aux loss",
-        [Step(f"qwen3_30b_a3b_l12_200{suffix}", "train_step",
-              [*QWEN3, "--cases", ",".join(f"1gpu_bf16params_{balance}_compiled_{path}"
-                                           for path in ("torchgemm", "quack", "torchgemm_rerun", "quack_rerun")),
-               "--steps", "200", "--warmup-steps", "10"], 560)
-         for balance, suffix in (("auxfree", ""), ("auxloss", "_auxloss"))]),
+        [
+            Step(
+                f"qwen3_30b_a3b_l12_200{suffix}",
+                "train_step",
+                [
+                    *QWEN3,
+                    "--cases",
+                    ",".join(
+                        f"1gpu_bf16params_{balance}_compiled_{path}"
+                        for path in ("torchgemm", "quack", "torchgemm_rerun", "quack_rerun")
+                    ),
+                    "--steps",
+                    "200",
+                    "--warmup-steps",
+                    "10",
+                ],
+                560,
+            )
+            for balance, suffix in (("auxfree", ""), ("auxloss", "_auxloss"))
+        ],
+    ),
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone (torch's and QuACK's, rows per expert drawn and equal), the gradient norm, the fp32 master step, row movement, "
         "the router's choice of k (aten's topk, a sort's head, argmax passes) and the grouping's sort, "
         "attention per SDPA backend, the host time per call of the eager path's generated kernels",
         # QuACK compiles and tunes its kernels for every width: the coarse shapes' take minutes on a fresh machine
-        [Step("grouped_gemm", "grouped_gemm", ["--shapes", f"{FINE},{COARSE}", "--impl", "torch,quack"], 900), Step("grad_norm", "grad_norm", [], 90),
-         Step("master_step", "master_step", [], 120), Step("row_movement", "row_movement", [], 60),
-         # three shapes, each eager, compiled and with the token count dynamic: about 30 compilations
-         Step("routing", "routing", [], 360),
-         Step("attention", "attention", [], 120), Step("launch", "launch", [], 120)]),
+        [
+            Step("grouped_gemm", "grouped_gemm", ["--shapes", f"{FINE},{COARSE}", "--impl", "torch,quack"], 900),
+            Step("grad_norm", "grad_norm", [], 90),
+            Step("master_step", "master_step", [], 120),
+            Step("row_movement", "row_movement", [], 60),
+            # three shapes, each eager, compiled and with the token count dynamic: about 30 compilations
+            Step("routing", "routing", [], 360),
+            Step("attention", "attention", [], 120),
+            Step("launch", "launch", [], 120),
+        ],
+    ),
     "dry-run": Suite(
         "CPU: the dry run of qwen2.toml at 64 ranks as README shows it, without and with the collective check "
         "(the dry run's own CPU seconds, the process's with its imports, wall seconds)",
-        [Step("dry_run", "dry_run", ["--configs", "qwen2.toml:64"], 1200)]),
+        [Step("dry_run", "dry_run", ["--configs", "qwen2.toml:64"], 1200)],
+    ),
     "2gpu": Suite(
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "
         "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs) "
         "and with QuACK's grouped GEMMs",
-        [Step("collectives", "collectives", [], 60, gpus=2),
-         Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
-         Step("foldings", "train_step", ["--cases", "dp2_ep2,dp2_etp2,dp2_edp2,tp2_ep2,tp2_etp2,pp2", "--steps", "15"],
-              480),
-         Step("qwen3_30b_a3b_l12_dp2_ep2", "train_step", [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree",
-                                                          "--steps", "15"], 200),
-         Step("torchtitan_qwen3_30b_a3b_l12_dp2_ep2", "vs_torchtitan",
-              [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"], 200,
-              ours="qwen3_30b_a3b_l12_dp2_ep2"),
-         Step("qwen3_30b_a3b_l12_dp2_ep2_static", "train_step", [*QWEN3, "--cases", STATIC_CASES, "--steps", "15",
-                                                                 "--case-timeout", "200"], 1200),
-         # the exchanges side by side, each twice (the spread), beside one GPU: moe.exchange (docs/moe.md)
-         Step("qwen3_30b_a3b_l12_dp2_ep2_exchange", "train_step",
-              [*QWEN3, "--cases", EXCHANGE_CASES, "--steps", "12", "--warmup-steps", "4", "--case-timeout", "150"], 900),
-         Step("qwen3_30b_a3b_l12_dp2_ep2_quack", "train_step", [*QWEN3, "--cases", QUACK_CASES, "--steps", "15",
-                                                                "--case-timeout", "300"], 900)]),
+        [
+            Step("collectives", "collectives", [], 60, gpus=2),
+            Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
+            Step(
+                "foldings",
+                "train_step",
+                ["--cases", "dp2_ep2,dp2_etp2,dp2_edp2,tp2_ep2,tp2_etp2,pp2", "--steps", "15"],
+                480,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2",
+                "train_step",
+                [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"],
+                200,
+            ),
+            Step(
+                "torchtitan_qwen3_30b_a3b_l12_dp2_ep2",
+                "vs_torchtitan",
+                [*QWEN3, "--cases", "dp2_ep2_bf16params_auxfree", "--steps", "15"],
+                200,
+                ours="qwen3_30b_a3b_l12_dp2_ep2",
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_static",
+                "train_step",
+                [*QWEN3, "--cases", STATIC_CASES, "--steps", "15", "--case-timeout", "200"],
+                1200,
+            ),
+            # the exchanges side by side, each twice (the spread), beside one GPU: moe.exchange (docs/moe.md)
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_exchange",
+                "train_step",
+                [*QWEN3, "--cases", EXCHANGE_CASES, "--steps", "12", "--warmup-steps", "4", "--case-timeout", "150"],
+                900,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_quack",
+                "train_step",
+                [*QWEN3, "--cases", QUACK_CASES, "--steps", "15", "--case-timeout", "300"],
+                900,
+            ),
+        ],
+    ),
 }
 
 
@@ -187,28 +345,41 @@ def narrowed(args: list[str], wanted: dict[str, list[str] | None] | None) -> lis
         entries = [e for e in args[i].split(",") if e in kept]
         if not entries:
             return None
-        args = [*args[:i], ",".join(entries), *args[i + 1:]]
+        args = [*args[:i], ",".join(entries), *args[i + 1 :]]
     return args
 
 
-def step_command(step: Step, out_dir: str, name: str, ours_path: str | None = None,
-                 wanted: dict[str, list[str] | None] | None = None) -> list[str]:
+def step_command(
+    step: Step, out_dir: str, name: str, ours_path: str | None = None, wanted: dict[str, list[str] | None] | None = None
+) -> list[str]:
     args = narrowed(step.args, wanted)
     cmd = [sys.executable, os.path.join("bench", f"{step.script}.py"), *args, "--name", name, "--out-dir", out_dir]
     if step.gpus > 1 and step.script in ("moe_layer", "collectives"):  # these are the workers themselves
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(step.gpus),
-               "--master_port", "29541", *cmd[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(step.gpus),
+            "--master_port",
+            "29541",
+            *cmd[1:],
+        ]
     if ours_path:
         cmd += ["--ours", ours_path]
     return cmd
 
 
-def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | None,
-             wanted: dict[str, list[str] | None] | None) -> dict:
+def run_step(
+    step: Step, root: str, out_dir: str, name: str, ours_path: str | None, wanted: dict[str, list[str] | None] | None
+) -> dict:
     """Runs one step in the checkout `root`, its lists narrowed to `wanted`; -> {command, returncode, figures}."""
     cmd = step_command(step, out_dir, name, ours_path, wanted)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
     shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
     print(f"[bench] {name}: {shown}", flush=True)
     start = time.monotonic()
@@ -221,16 +392,28 @@ def run_step(step: Step, root: str, out_dir: str, name: str, ours_path: str | No
     return {"command": shown, "returncode": rc, "wall_s": round(time.monotonic() - start, 1), "figures": figures}
 
 
-def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_dir: str,
-              wanted: dict[str, list[str] | None] | None = None, base_last: bool = False) -> str:
+def run_suite(
+    suite_name: str,
+    steps: list[str] | None,
+    base: str | None,
+    out_dir: str,
+    wanted: dict[str, list[str] | None] | None = None,
+    base_last: bool = False,
+) -> str:
     suite = SUITES[suite_name]
     env = env_info()
     date = datetime.datetime.now(datetime.timezone.utc)
-    record = {"suite": suite_name, "command": "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-              "date_utc": date.strftime("%Y-%m-%dT%H:%M:%SZ"), "env": env, "figures": {}, "steps": {}}
+    record = {
+        "suite": suite_name,
+        "command": "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "date_utc": date.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "env": env,
+        "figures": {},
+        "steps": {},
+    }
     path = os.path.join(out_dir, f"{suite_name}_{gpu_tag(env)}_{date.strftime('%Y-%m-%d')}.json")
     if os.path.exists(path):  # an earlier run of the day stays: this one's name gets the time
-        path = path[:-len(".json")] + date.strftime("_%H%M") + ".json"
+        path = path[: -len(".json")] + date.strftime("_%H%M") + ".json"
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for step in suite.steps:
@@ -251,21 +434,35 @@ def run_suite(suite_name: str, steps: list[str] | None, base: str | None, out_di
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench", description="Run one benchmark suite; write "
-                                "bench/results/<suite>_<gpu>_<date>.json.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="suites:\n" + "\n".join(f"  {n:14s}{s.help}" for n, s in SUITES.items()))
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run one benchmark suite; write bench/results/<suite>_<gpu>_<date>.json.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="suites:\n" + "\n".join(f"  {n:14s}{s.help}" for n, s in SUITES.items()),
+    )
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--steps", default=None, help="comma list: run only these steps of the suite")
     p.add_argument("--cases", default=None, help="comma list: of the trainer steps' cases, run only these")
-    p.add_argument("--shapes", default=None, help="comma list: of the MoE-layer steps' shapes, run only these "
-                   "(e.g. one coarse shape, whose QuACK tuning alone takes minutes)")
-    p.add_argument("--impls", default=None, help="comma list: of the MoE-layer steps' implementations "
-                   "(titan_fold: torch's grouped GEMMs, titan_fold_quack), run only these")
-    p.add_argument("--base", default=None, help="a checkout of the code before: each step runs there first, "
-                   "then here (results <step>@base and <step>)")
-    p.add_argument("--base-last", action="store_true", help="with --base: each step runs here first, then in "
-                   "the code before")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="comma list: of the MoE-layer steps' shapes, run only these "
+        "(e.g. one coarse shape, whose QuACK tuning alone takes minutes)",
+    )
+    p.add_argument(
+        "--impls",
+        default=None,
+        help="comma list: of the MoE-layer steps' implementations "
+        "(titan_fold: torch's grouped GEMMs, titan_fold_quack), run only these",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        help="a checkout of the code before: each step runs there first, then here (results <step>@base and <step>)",
+    )
+    p.add_argument(
+        "--base-last", action="store_true", help="with --base: each step runs here first, then in the code before"
+    )
     p.add_argument("--out-dir", default=RESULTS_DIR)
     a = p.parse_args(argv)
     if a.base_last and not a.base:

@@ -29,8 +29,11 @@ from bench.train_step import register_proxy  # noqa: E402
 
 PROXIES = (("qwen3_moe", "30B-A3B-L12", 2), ("qwen3_moe", "57B-A14B-L2", 2), ("deepseek_v3", "16B-L4", 2))
 SMOKE = (("qwen3_moe", "debug-L2", 2), ("deepseek_v3", "debug-L2", 2))
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
 
 
 def attention_shape(family: str, proxy: str) -> dict:
@@ -39,9 +42,13 @@ def attention_shape(family: str, proxy: str) -> dict:
     register_proxy(family, proxy)
     args = FLAVORS[family][proxy]
     mla = hasattr(args, "v_head_dim")  # MLA: every head has its own key and value
-    return {"heads": args.n_heads, "kv_heads": args.n_heads if mla else args.n_kv_heads,
-            "qk_dim": args.head_dim, "v_dim": args.v_head_dim if mla else args.head_dim,
-            "flops_dim": args.attention_flops_dim()}
+    return {
+        "heads": args.n_heads,
+        "kv_heads": args.n_heads if mla else args.n_kv_heads,
+        "qk_dim": args.head_dim,
+        "v_dim": args.v_head_dim if mla else args.head_dim,
+        "flops_dim": args.attention_flops_dim(),
+    }
 
 
 def main(argv=None) -> dict:
@@ -57,8 +64,10 @@ def main(argv=None) -> dict:
         shape = attention_shape(family, proxy)
         h, hk, dqk, dv, s = shape["heads"], shape["kv_heads"], shape["qk_dim"], shape["v_dim"], a.seq_len
         gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v, grad = (torch.randn(batch, s, n, d, device=device, dtype=dtype, generator=gen).transpose(1, 2)
-                         for n, d in ((h, dqk), (hk, dqk), (hk, dv), (h, dv)))
+        q, k, v, grad = (
+            torch.randn(batch, s, n, d, device=device, dtype=dtype, generator=gen).transpose(1, 2)
+            for n, d in ((h, dqk), (hk, dqk), (hk, dv), (h, dv))
+        )
         gqa = h != hk
 
         def call(backends):
@@ -83,13 +92,17 @@ def main(argv=None) -> dict:
                 rows.append({**row, "error": str(e).splitlines()[0][:120]})
                 print(f"[attention] {family} {proxy} {way}: {rows[-1]['error']}", flush=True)
                 continue
-            row["max_rel_err_vs_fp32_math"] = max(float((g.float() - r).abs().max() / r.abs().max())
-                                                  for g, r in zip(got, ref))
+            row["max_rel_err_vs_fp32_math"] = max(
+                float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)
+            )
             row["ms"] = median(time_ms(lambda: call(backends), a.warmup, a.iters, device))
             row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
             rows.append(row)
-            print(f"[attention] {family} {proxy} {way}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s, "
-                  f"max rel err {row['max_rel_err_vs_fp32_math']:.1e}", flush=True)
+            print(
+                f"[attention] {family} {proxy} {way}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s, "
+                f"max rel err {row['max_rel_err_vs_fp32_math']:.1e}",
+                flush=True,
+            )
     figures = {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
     write_result(a.name, figures, a.out_dir)
     return figures

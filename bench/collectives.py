@@ -59,28 +59,40 @@ def bench_payload(name, rows, dim, mesh, device, a) -> dict:
     cases = {
         "raw_all_to_all": (lambda: dist.all_to_all_single(out, x), nbytes * (world - 1) / world),
         "dispatcher_a2a_even": (lambda: wait(dispatcher_mod._a2a(x, even, even, mesh)), nbytes * (world - 1) / world),
-        "dispatcher_a2a_uneven": (lambda: wait(dispatcher_mod._a2a(x, recv_skew, skew, mesh)),
-                                  (nbytes / rows) * (rows - skew[rank])),
+        "dispatcher_a2a_uneven": (
+            lambda: wait(dispatcher_mod._a2a(x, recv_skew, skew, mesh)),
+            (nbytes / rows) * (rows - skew[rank]),
+        ),
         "raw_all_gather": (lambda: dist.all_gather_into_tensor(gathered, half), half.numel() * 2 * (world - 1)),
-        "dispatcher_all_gather_v": (lambda: wait(dispatcher_mod._all_gather_v(half, [rows // world] * world, mesh)),
-                                    half.numel() * 2 * (world - 1)),
+        "dispatcher_all_gather_v": (
+            lambda: wait(dispatcher_mod._all_gather_v(half, [rows // world] * world, mesh)),
+            half.numel() * 2 * (world - 1),
+        ),
     }
     row = {"payload": name, "rows": rows, "dim": dim, "buffer_mib": round(nbytes / 2**20, 1)}
     for case, (fn, out_bytes) in cases.items():
         ms = median(time_ms(fn, a.warmup, a.iters, device))
         row[case] = {"median_ms": round(ms, 4), "out_GBps": round(out_bytes / (ms * 1e-3) / 1e9, 2)}
-    row["dispatcher_over_raw_a2a"] = round(row["raw_all_to_all"]["median_ms"] / row["dispatcher_a2a_even"]["median_ms"], 3)
+    row["dispatcher_over_raw_a2a"] = round(
+        row["raw_all_to_all"]["median_ms"] / row["dispatcher_a2a_even"]["median_ms"], 3
+    )
     row["dispatcher_over_raw_all_gather"] = round(
-        row["raw_all_gather"]["median_ms"] / row["dispatcher_all_gather_v"]["median_ms"], 3)
+        row["raw_all_gather"]["median_ms"] / row["dispatcher_all_gather_v"]["median_ms"], 3
+    )
     if rank == 0:
-        print(f"{name:20s} {row['buffer_mib']:8.1f} MiB  " + "  ".join(
-            f"{c} {row[c]['out_GBps']:7.1f} GB/s" for c in cases), flush=True)
+        print(
+            f"{name:20s} {row['buffer_mib']:8.1f} MiB  "
+            + "  ".join(f"{c} {row[c]['out_GBps']:7.1f} GB/s" for c in cases),
+            flush=True,
+        )
     return row
 
 
 def main(argv=None):
     p = script_parser(__doc__, "collectives", 5, 20, "gloo on the CPU, small payloads (for tests)", device=False)
-    p.add_argument("--payloads", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,sweep_8MiB,sweep_64MiB,sweep_256MiB")
+    p.add_argument(
+        "--payloads", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,sweep_8MiB,sweep_64MiB,sweep_256MiB"
+    )
     a = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not a.smoke
     if a.smoke:
@@ -90,11 +102,21 @@ def main(argv=None):
     dist.init_process_group("nccl" if on_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("ep",))
     rows = [bench_payload(n, *PAYLOADS[n], mesh, device, a) for n in a.payloads.split(",")]
     if dist.get_rank() == 0:
-        write_result(a.name, {"world_size": dist.get_world_size(), "dtype": "bfloat16", "warmup": a.warmup,
-                              "iters": a.iters, "rows": rows}, a.out_dir)
+        write_result(
+            a.name,
+            {
+                "world_size": dist.get_world_size(),
+                "dtype": "bfloat16",
+                "warmup": a.warmup,
+                "iters": a.iters,
+                "rows": rows,
+            },
+            a.out_dir,
+        )
     dist.destroy_process_group()
 
 

@@ -63,8 +63,9 @@ def command_line(argv: list[str] | None = None) -> str:
     return prefix + cmd
 
 
-def script_parser(doc: str, name: str, warmup: int, iters: int, smoke: str, device: bool = True
-                  ) -> argparse.ArgumentParser:
+def script_parser(
+    doc: str, name: str, warmup: int, iters: int, smoke: str, device: bool = True
+) -> argparse.ArgumentParser:
     """The command line every benchmark script shares, its docstring as --help: --device (where
     the script takes one; CUDA where there is one), --warmup and --iters (timing), --smoke (what
     the tests run: `smoke` says what it shrinks to), --name and --out-dir (write_result's). Each
@@ -80,8 +81,9 @@ def script_parser(doc: str, name: str, warmup: int, iters: int, smoke: str, devi
     return p
 
 
-def write_result(name: str, figures: dict, out_dir: str | None = None, command: str | None = None,
-                 extra: dict | None = None) -> str:
+def write_result(
+    name: str, figures: dict, out_dir: str | None = None, command: str | None = None, extra: dict | None = None
+) -> str:
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     record = {
@@ -146,8 +148,9 @@ def time_ms(fn, warmup: int, iters: int, device: torch.device) -> list[float]:
     with _gc_off():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(iters)]
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
+            ]
             for start, end in events:
                 start.record()
                 fn()
@@ -205,16 +208,22 @@ def _gc_off():
             gc.enable()
 
 
-def dense_gemm_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, iters: int = 10,
-                      seconds: float = 0.0) -> float:
+def dense_gemm_tflops(
+    device: torch.device, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, iters: int = 10, seconds: float = 0.0
+) -> float:
     """bf16 n x n x n matrix product rate on random data, rotating over 3 input sets
     (the ceiling the MoE layer is compared with, measured in the same run). seconds > 0: as many
     timed products as last about that long, the rate the card holds under sustained load (the
     layer's timed loops run for up to seconds; a burst of a few products may run at clocks the
     card does not hold)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    sets = [(torch.randn(n, n, device=device, dtype=dtype, generator=gen),
-             torch.randn(n, n, device=device, dtype=dtype, generator=gen)) for _ in range(3)]
+    sets = [
+        (
+            torch.randn(n, n, device=device, dtype=dtype, generator=gen),
+            torch.randn(n, n, device=device, dtype=dtype, generator=gen),
+        )
+        for _ in range(3)
+    ]
     out = torch.empty(n, n, device=device, dtype=dtype)
     i = [0]
 
@@ -240,8 +249,16 @@ def copy_tbps(device: torch.device, nbytes: int = 1 << 30, warmup: int = 3, iter
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
-def moe_layer_flops(tokens: int, dim: int, ffn: int, top_k: int, num_experts: int, shared_ffn: int = 0,
-                    shared_gate: bool = False, kept_frac: float = 1.0) -> dict:
+def moe_layer_flops(
+    tokens: int,
+    dim: int,
+    ffn: int,
+    top_k: int,
+    num_experts: int,
+    shared_ffn: int = 0,
+    shared_gate: bool = False,
+    kept_frac: float = 1.0,
+) -> dict:
     """Forward + backward FLOPs of one MoE layer (SwiGLU experts), by part.
 
     A matmul of an [m, k] by a [k, n] costs 2mkn forward and 4mkn backward (input and
@@ -256,8 +273,13 @@ def moe_layer_flops(tokens: int, dim: int, ffn: int, top_k: int, num_experts: in
     shared = 6 * tokens * 3 * dim * shared_ffn
     router = 6 * tokens * dim * num_experts
     gate = 6 * tokens * dim if shared_gate else 0
-    return {"routed": routed, "shared": shared, "router": router, "shared_gate": gate,
-            "total": routed + shared + router + gate}
+    return {
+        "routed": routed,
+        "shared": shared,
+        "router": router,
+        "shared_gate": gate,
+        "total": routed + shared + router + gate,
+    }
 
 
 def peak_flops(device_name: str) -> float:

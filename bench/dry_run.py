@@ -34,11 +34,24 @@ def children_cpu_s() -> float:
 def dry_run(config: str, ranks: int, collectives: bool, folder: str) -> dict:
     """One dry run in a fresh process: its figures."""
     report = os.path.join(folder, "dry_run.json")
-    cmd = [sys.executable, "-m", "titan_fold.train", "--job.config_file", config, "--comm.mode", "fake_backend",
-           "--job.dump_folder", folder, "--comm.dry_run_json", report]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_fold.train",
+        "--job.config_file",
+        config,
+        "--comm.mode",
+        "fake_backend",
+        "--job.dump_folder",
+        folder,
+        "--comm.dry_run_json",
+        report,
+    ]
     if not collectives:
         cmd.append("--comm.no-dry_run_collectives")
-    env = dict(os.environ, NGPU=str(ranks), PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, NGPU=str(ranks), PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    )
     cpu, start = children_cpu_s(), time.monotonic()
     result = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True)
     wall, cpu = time.monotonic() - start, children_cpu_s() - cpu
@@ -46,9 +59,15 @@ def dry_run(config: str, ranks: int, collectives: bool, folder: str) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} exited {result.returncode}:\n{result.stderr[-3000:]}")
     with open(report) as f:
         rep = json.load(f)
-    return {"config": config, "ranks": ranks, "collectives": collectives,
-            "matched": rep.get("collectives", {}).get("matched", False), "dry_run_cpu_s": rep["cpu_seconds"],
-            "process_cpu_s": round(cpu, 1), "wall_s": round(wall, 1)}
+    return {
+        "config": config,
+        "ranks": ranks,
+        "collectives": collectives,
+        "matched": rep.get("collectives", {}).get("matched", False),
+        "dry_run_cpu_s": rep["cpu_seconds"],
+        "process_cpu_s": round(cpu, 1),
+        "wall_s": round(wall, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

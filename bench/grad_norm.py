@@ -48,27 +48,47 @@ def main(argv=None) -> dict:
         a.device, a.proxy, a.warmup, a.iters = "cpu", "debug-L2", 1, 2
     device = torch.device(a.device)
     gen = torch.Generator(device=device).manual_seed(0)
-    grads = [torch.randn(s, device=device, dtype=torch.bfloat16, generator=gen) * 1e-3
-             for s in parameter_shapes(a.family, a.proxy)]
+    grads = [
+        torch.randn(s, device=device, dtype=torch.bfloat16, generator=gen) * 1e-3
+        for s in parameter_shapes(a.family, a.proxy)
+    ]
     numel = sum(g.numel() for g in grads)
     ref = sum(float(g.double().square().sum()) for g in grads) ** 0.5
     ways = {
         "foreach": lambda: torch.nn.utils.get_total_norm(grads, 2.0, False, True),
         "per_tensor": lambda: torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads])),
+            torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads])
+        ),
         "titan_fold": lambda: total_norm(grads, 2.0),
     }
     rows = []
     for way, fn in ways.items():
         got = float(fn())
         ms = median(time_ms(fn, a.warmup, a.iters, device))
-        rows.append({"way": way, "ms": ms, "tb_per_s": 2 * numel / (ms * 1e-3) / 1e12,
-                     "host_ms": host_us(fn, 0, 1, a.iters, device) / 1e3,
-                     "norm": got, "rel_err_vs_float64": abs(got - ref) / ref})
-        print(f"[grad_norm] {way}: {ms:.3f} ms, {rows[-1]['tb_per_s']:.2f} TB/s, host {rows[-1]['host_ms']:.3f} ms, "
-              f"rel err {rows[-1]['rel_err_vs_float64']:.2e}", flush=True)
-    figures = {"family": a.family, "proxy": a.proxy, "parameters": numel, "tensors": len(grads),
-               "dtype": "bfloat16", "norm_float64": ref, "rows": rows}
+        rows.append(
+            {
+                "way": way,
+                "ms": ms,
+                "tb_per_s": 2 * numel / (ms * 1e-3) / 1e12,
+                "host_ms": host_us(fn, 0, 1, a.iters, device) / 1e3,
+                "norm": got,
+                "rel_err_vs_float64": abs(got - ref) / ref,
+            }
+        )
+        print(
+            f"[grad_norm] {way}: {ms:.3f} ms, {rows[-1]['tb_per_s']:.2f} TB/s, host {rows[-1]['host_ms']:.3f} ms, "
+            f"rel err {rows[-1]['rel_err_vs_float64']:.2e}",
+            flush=True,
+        )
+    figures = {
+        "family": a.family,
+        "proxy": a.proxy,
+        "parameters": numel,
+        "tensors": len(grads),
+        "dtype": "bfloat16",
+        "norm_float64": ref,
+        "rows": rows,
+    }
     write_result(a.name, figures, a.out_dir)
     return figures
 

@@ -99,7 +99,9 @@ def autograd_operands(R, K, N, E, offs, device, dtype, gen):
     xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
     with _GroupedMMCalls() as calls:
         torch.autograd.backward(gemm(xl, wl.transpose(1, 2), offs), g)
-    ops = {"fwd" if i == 0 else "dgrad" if out.dim() == 2 else "wgrad": (a, b) for i, (a, b, out) in enumerate(calls.calls)}
+    ops = {
+        "fwd" if i == 0 else "dgrad" if out.dim() == 2 else "wgrad": (a, b) for i, (a, b, out) in enumerate(calls.calls)
+    }
     if len(calls.calls) != 3 or set(ops) != set(OPS):
         raise RuntimeError(f"autograd ran {len(calls.calls)} grouped GEMMs, not fwd, dgrad, wgrad")
     return {op: ops[op] for op in OPS}, (x, w, g)
@@ -139,6 +141,7 @@ def rel_diff(a, b) -> float:
 
 # ---- one shape --------------------------------------------------------------------------------
 
+
 def routing(tokens, top_k, E, counts="drawn", seed=0):
     """tokens * top_k assignments to E experts, drawn uniformly ("drawn") or R / E to each in a
     random order ("equal") -> (rows [R], the token each routed row reads, grouped by expert;
@@ -175,31 +178,40 @@ def quack_gemms(tokens, rows, per_expert, dim, ffn, E, device, dtype, gen) -> tu
     x_rows = x[rows]  # the up wgrad's rows, gathered before it as in the experts' backward
     ab_q, h_q, dx_q, y_q = torch.empty_like(ab), torch.empty_like(h), torch.empty_like(dy), torch.empty_like(dy)
     plain = lambda a, b, out: q.gemm_tuned(a, b, out, None, cu_seqlens_m=offs, dynamic_scheduler=True)  # noqa: E731
-    gemms = {"up_fwd": lambda: qm._up_forward(x, rows, offs, w13, p),
-             "up_dgrad": lambda: qm._varlen_m(q, dab, w13, offs),
-             "up_wgrad": lambda: qm._wgrad(q, dab, x_rows, offs),
-             "down_fwd": lambda: qm._down_forward(h, offs, w2),
-             "down_dgrad": lambda: qm._dgated(q, dy, ab, p, offs, w2),
-             "down_wgrad": lambda: qm._wgrad(q, dy, h, offs)}
-    quack_tuned = {"up_fwd": lambda: qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p),
-                   "up_dgrad": lambda: plain(dab, w13, dx_q),
-                   "down_fwd": lambda: plain(h, w2.mT, y_q),
-                   "down_dgrad": lambda: qm._dgated_launch(dy, w2, ab, p, offs)}
+    gemms = {
+        "up_fwd": lambda: qm._up_forward(x, rows, offs, w13, p),
+        "up_dgrad": lambda: qm._varlen_m(q, dab, w13, offs),
+        "up_wgrad": lambda: qm._wgrad(q, dab, x_rows, offs),
+        "down_fwd": lambda: qm._down_forward(h, offs, w2),
+        "down_dgrad": lambda: qm._dgated(q, dy, ab, p, offs, w2),
+        "down_wgrad": lambda: qm._wgrad(q, dy, h, offs),
+    }
+    quack_tuned = {
+        "up_fwd": lambda: qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p),
+        "up_dgrad": lambda: plain(dab, w13, dx_q),
+        "down_fwd": lambda: plain(h, w2.mT, y_q),
+        "down_dgrad": lambda: qm._dgated_launch(dy, w2, ab, p, offs),
+    }
     return gemms, quack_tuned
 
 
 def bounds(gemm_ms: dict, tokens: int, shape: dict, dense: float) -> dict:
     """The shares of the dense rate the routed GEMMs allow (module docstring), from the ms of
     each of the six GEMMs (up_fwd ... down_wgrad) at this shape and tokens."""
-    f = moe_layer_flops(tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"], shape["shared_ffn"],
-                        shape["gate"])
+    f = moe_layer_flops(
+        tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"], shape["shared_ffn"], shape["gate"]
+    )
     routed_ms = sum(gemm_ms.values())
     shared_ms = f["shared"] / (dense * 1e12) * 1e3
     tflops = lambda flop, ms: flop / (ms * 1e-3) / 1e12  # noqa: E731
-    return {"routed_gemms_ms": routed_ms, "routed_gemms_tflops": tflops(f["routed"], routed_ms),
-            "shared_at_dense_ms": shared_ms, "gemm_bound_share": tflops(f["routed"], routed_ms) / dense,
-            "gemm_bound_share_with_shared": tflops(f["routed"] + f["shared"], routed_ms + shared_ms) / dense,
-            "layer_bound_share": tflops(f["total"], routed_ms + shared_ms) / dense}
+    return {
+        "routed_gemms_ms": routed_ms,
+        "routed_gemms_tflops": tflops(f["routed"], routed_ms),
+        "shared_at_dense_ms": shared_ms,
+        "gemm_bound_share": tflops(f["routed"], routed_ms) / dense,
+        "gemm_bound_share_with_shared": tflops(f["routed"] + f["shared"], routed_ms + shared_ms) / dense,
+        "layer_bound_share": tflops(f["total"], routed_ms + shared_ms) / dense,
+    }
 
 
 def bench_gemms(K, N, R, E, offs, a, autotune, device, dtype, gen) -> dict:
@@ -225,8 +237,11 @@ def bench_gemms(K, N, R, E, offs, a, autotune, device, dtype, gen) -> dict:
             torch.cuda.synchronize(device)
             out["compile_s"] += time.perf_counter() - t0
             ms = median(time_ms(lambda lhs=lhs, rhs=rhs: compiled(lhs, rhs, offs), a.warmup, a.iters, device))
-            out["autotune"][op] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-                                   "max_rel_diff": rel_diff(gemm(lhs, rhs, offs), got)}
+            out["autotune"][op] = {
+                "ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+                "max_rel_diff": rel_diff(gemm(lhs, rhs, offs), got),
+            }
     return out
 
 
@@ -235,25 +250,45 @@ def bench_shape(name, shape, a, device, dtype, dense, copy, counts="drawn", impl
     R = a.tokens * k
     rows, per_expert = routing(a.tokens, k, E, counts)
     gen = torch.Generator(device=device).manual_seed(1)
-    row = {"shape": name, "counts": counts, "impl": impl, "tokens": a.tokens, "rows": R, "dim": dim, "ffn": ffn,
-           "experts": E, "top_k": k, "shared_ffn": shape["shared_ffn"], "rows_per_expert_min": int(per_expert.min()),
-           "rows_per_expert_max": int(per_expert.max()), "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
-           "gemms": {}}
+    row = {
+        "shape": name,
+        "counts": counts,
+        "impl": impl,
+        "tokens": a.tokens,
+        "rows": R,
+        "dim": dim,
+        "ffn": ffn,
+        "experts": E,
+        "top_k": k,
+        "shared_ffn": shape["shared_ffn"],
+        "rows_per_expert_min": int(per_expert.min()),
+        "rows_per_expert_max": int(per_expert.max()),
+        "gemm_gflop_each": gemm_flops(R, dim, ffn) / 1e9,
+        "gemms": {},
+    }
     autotune, compile_s = {}, 0.0
     if impl == "quack":
         gemms, quack_tuned = quack_gemms(a.tokens, rows, per_expert, dim, ffn, E, device, dtype, gen)
         for n, fn in gemms.items():
             ms = median(time_ms(fn, a.warmup, a.iters, device))
             row["gemms"][n] = {"ms": ms, "tflops": expert_gemm_flops(n, R, dim, ffn) / (ms * 1e-3) / 1e12}
-        row["tunings"] = tunings({n: {"titan_fold": gemms[n], "quack": fn} for n, fn in quack_tuned.items()}, a,
-                                 device, {n: expert_gemm_flops(n, R, dim, ffn) for n in quack_tuned})
+        row["tunings"] = tunings(
+            {n: {"titan_fold": gemms[n], "quack": fn} for n, fn in quack_tuned.items()},
+            a,
+            device,
+            {n: expert_gemm_flops(n, R, dim, ffn) for n in quack_tuned},
+        )
     else:
         offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)  # torch._grouped_mm's: each group's end
         row.update(bmm_equal_groups={}, operand_layouts={})
         for layer, (K, N) in (("up", (dim, 2 * ffn)), ("down", (ffn, dim))):
             got = bench_gemms(K, N, R, E, offs, a, name in a.autotune, device, dtype, gen)
-            for key, into in (("gemms", row["gemms"]), ("bmm", row["bmm_equal_groups"]),
-                              ("layouts", row["operand_layouts"]), ("autotune", autotune)):
+            for key, into in (
+                ("gemms", row["gemms"]),
+                ("bmm", row["bmm_equal_groups"]),
+                ("layouts", row["operand_layouts"]),
+                ("autotune", autotune),
+            ):
                 into.update({f"{layer}_{op}": v for op, v in got[key].items()})
             compile_s += got["compile_s"]
     row.update(bounds({n: v["ms"] for n, v in row["gemms"].items()}, a.tokens, shape, dense))
@@ -275,13 +310,17 @@ def tunings(fns: dict, a, device, flops: dict, rounds: int = 3) -> dict:
     for _ in range(rounds):
         for g, t in ms:
             ms[g, t].append(median(time_ms(fns[g][t], a.warmup, a.iters, device)))
-    out = {g: {t: {"ms": median(ms[g, t]), "tflops": flops[g] / (median(ms[g, t]) * 1e-3) / 1e12} for t in pair}
-           for g, pair in fns.items()}
+    out = {
+        g: {t: {"ms": median(ms[g, t]), "tflops": flops[g] / (median(ms[g, t]) * 1e-3) / 1e12} for t in pair}
+        for g, pair in fns.items()
+    }
     for g in fns:
         out[g]["quack_over_titan_fold"] = out[g]["quack"]["ms"] / out[g]["titan_fold"]["ms"]
     total = {t: sum(out[g][t]["ms"] for g in fns) for t in ("titan_fold", "quack")}
-    out["varlen_m"] = {**{f"{t}_ms": v for t, v in total.items()},
-                       "quack_over_titan_fold": total["quack"] / total["titan_fold"]}
+    out["varlen_m"] = {
+        **{f"{t}_ms": v for t, v in total.items()},
+        "quack_over_titan_fold": total["quack"] / total["titan_fold"],
+    }
     return out
 
 
@@ -293,8 +332,14 @@ def gemm_bytes(R, E, dim, ffn, impl="torch") -> dict[str, int]:
     [R, ffn]."""
     x, ab, h = 2 * R * dim, 4 * R * ffn, 2 * R * ffn  # rows of x (or dy), of (gate, up), of h (or dh)
     w13, w2 = 4 * E * ffn * dim, 2 * E * dim * ffn
-    out = {"up_fwd": x + w13 + ab, "up_dgrad": ab + w13 + x, "up_wgrad": ab + x + w13,
-           "down_fwd": h + w2 + x, "down_dgrad": x + w2 + h, "down_wgrad": x + h + w2}
+    out = {
+        "up_fwd": x + w13 + ab,
+        "up_dgrad": ab + w13 + x,
+        "up_wgrad": ab + x + w13,
+        "down_fwd": h + w2 + x,
+        "down_dgrad": x + w2 + h,
+        "down_wgrad": x + h + w2,
+    }
     if impl == "quack":
         out["up_fwd"] += h + 4 * R
         out["down_dgrad"] += 2 * ab + 8 * R
@@ -308,7 +353,9 @@ def roofline(gemms: dict, nbytes: dict, R, dim, ffn, dense: float, copy: float) 
     for n, g in gemms.items():
         flop_ms = expert_gemm_flops(n, R, dim, ffn) / (dense * 1e12) * 1e3
         byte_ms = nbytes[n] / (copy * 1e12) * 1e3
-        g.update(gb=nbytes[n] / 1e9, bound_ms=max(flop_ms, byte_ms), bound_by="memory" if byte_ms > flop_ms else "compute")
+        g.update(
+            gb=nbytes[n] / 1e9, bound_ms=max(flop_ms, byte_ms), bound_by="memory" if byte_ms > flop_ms else "compute"
+        )
         g["share_of_bound"] = g["bound_ms"] / g["ms"]
     bound = sum(g["bound_ms"] for g in gemms.values())
     return {"copy_tbps": copy, "roofline_ms": bound, "share_of_roofline": bound / sum(g["ms"] for g in gemms.values())}
@@ -320,20 +367,30 @@ def _print_row(row):
         print(f"{what} ERROR {row['error']}", flush=True)
         return
     tf = " ".join(f"{n} {v['tflops']:.1f}" for n, v in row["gemms"].items())
-    print(f"{what}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
-          f"(with shared {row.get('gemm_bound_share_with_shared')}); share of roofline {row.get('share_of_roofline')}",
-          flush=True)
+    print(
+        f"{what}: TFLOP/s {tf}; bound share {row.get('gemm_bound_share')} "
+        f"(with shared {row.get('gemm_bound_share_with_shared')}); share of roofline {row.get('share_of_roofline')}",
+        flush=True,
+    )
 
 
 def parse(argv=None):
     p = script_parser(__doc__, "grouped_gemm", 5, 20, "CPU, tiny shape, 64 tokens (for tests)")
     p.add_argument("--shapes", default=",".join(GEMM_SHAPES), help="comma list of bench/moe_layer.py's SHAPES")
-    p.add_argument("--impl", default=",".join(IMPLS), help="comma list of torch (torch._grouped_mm) | quack "
-                   "(moe/quack.py's calls; left out, with the reason, where QuACK cannot run)")
+    p.add_argument(
+        "--impl",
+        default=",".join(IMPLS),
+        help="comma list of torch (torch._grouped_mm) | quack "
+        "(moe/quack.py's calls; left out, with the reason, where QuACK cannot run)",
+    )
     p.add_argument("--counts", default=",".join(COUNTS), help="comma list of drawn | equal: rows per expert")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
-    p.add_argument("--autotune", default="", help="comma list of shapes whose six GEMMs are also compiled with "
-                   "max-autotune (CUDA only; about 100 s a shape)")
+    p.add_argument(
+        "--autotune",
+        default="",
+        help="comma list of shapes whose six GEMMs are also compiled with "
+        "max-autotune (CUDA only; about 100 s a shape)",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.device, a.shapes, a.tokens, a.warmup, a.iters = "cpu", "tiny", 64, 1, 2
@@ -361,8 +418,16 @@ def main(argv=None) -> dict:
     copy = copy_tbps(device, nbytes=1 << (30 if device.type == "cuda" else 20))
     print(f"[grouped_gemm] dense bf16 GEMM {dense_n}^3: {dense} TFLOP/s; copy {copy} TB/s", flush=True)
     rows = []
-    figures = {"dense_bf16_gemm_tflops": dense, "dense_gemm_n": dense_n, "copy_tbps": copy, "dtype": "bfloat16",
-               "tokens": a.tokens, "warmup": a.warmup, "iters": a.iters, "rows": rows}
+    figures = {
+        "dense_bf16_gemm_tflops": dense,
+        "dense_gemm_n": dense_n,
+        "copy_tbps": copy,
+        "dtype": "bfloat16",
+        "tokens": a.tokens,
+        "warmup": a.warmup,
+        "iters": a.iters,
+        "rows": rows,
+    }
     impls = a.impl
     if "quack" in impls and (missing := quack_missing(device)):
         figures["quack_left_out"], impls = missing, [i for i in impls if i != "quack"]
@@ -375,7 +440,12 @@ def main(argv=None) -> dict:
                 try:
                     row = bench_shape(name, SHAPES[name], a, device, dtype, dense, copy, counts, impl)
                 except Exception as e:  # one failing case must not lose the others
-                    row = {"shape": name, "counts": counts, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                    row = {
+                        "shape": name,
+                        "counts": counts,
+                        "impl": impl,
+                        "error": f"{type(e).__name__}: {str(e)[:400]}",
+                    }
                 rows.append(row)
                 _print_row(row)
                 write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had

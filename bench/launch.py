@@ -64,21 +64,26 @@ def calls(device: torch.device) -> dict:
         "sum over k (fused)": lambda: fused(_sum_by_token)(routed, slot, k, False),
         "q / k norms + RoPE (autograd Function, fused)": lambda: apply_rope_qk(q, kk, cos, sin, *norms),
         "router: choice and losses (compiled with backward)": lambda: route(logits, bias, rows, args, 1.0),
-        "Adam step of one parameter (fused)": lambda: adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef,
-                                                                  0.9, 0.95, 1e-8, 0.0, True),
+        "Adam step of one parameter (fused)": lambda: adam_update(
+            weight, grad, None, exp_avg, exp_avg_sq, coef, 0.9, 0.95, 1e-8, 0.0, True
+        ),
     }
     if fused_supported(logits, rows):
         found["router: choice and losses (Triton kernels)"] = lambda: fused_route_whole(logits, bias, rows, args, 1.0)
     if device.type == "cuda" and quack_problem(device.index) is None:
         h, w2 = randn(rows * k, ffn), randn(experts, dim, ffn)  # rows * k routed rows, 16 per expert
         offs, gi = offsets(torch.full((experts,), rows * k // experts, device=device)), quack()
-        found.update({
-            "varlen-M GEMM: torch._grouped_mm": lambda: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs[1:]),
-            "varlen-M GEMM: QuACK's gemm": lambda: gi.gemm(h, w2.mT, cu_seqlens_m=offs, dynamic_scheduler=True),
-            "varlen-M GEMM: QuACK's launch replayed (moe/quack.py)": lambda: _varlen_m(gi, h, w2.mT, offs),
-            "down projection op, through the dispatcher": lambda: torch.ops.titan_fold.quack_down_forward(h, offs, w2),
-            "down projection op, called directly (eager)": lambda: _down_forward(h, offs, w2),
-        })
+        found.update(
+            {
+                "varlen-M GEMM: torch._grouped_mm": lambda: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs[1:]),
+                "varlen-M GEMM: QuACK's gemm": lambda: gi.gemm(h, w2.mT, cu_seqlens_m=offs, dynamic_scheduler=True),
+                "varlen-M GEMM: QuACK's launch replayed (moe/quack.py)": lambda: _varlen_m(gi, h, w2.mT, offs),
+                "down projection op, through the dispatcher": lambda: torch.ops.titan_fold.quack_down_forward(
+                    h, offs, w2
+                ),
+                "down projection op, called directly (eager)": lambda: _down_forward(h, offs, w2),
+            }
+        )
     return found
 
 

@@ -47,9 +47,16 @@ def main(argv=None) -> dict:
     for shape in parameter_shapes(a.family, a.proxy):
         n = torch.Size(shape).numel()
         master = torch.randn(n, device=device, generator=gen) * 0.02
-        tensors.append((master.bfloat16(), torch.randn(n, device=device, dtype=torch.bfloat16, generator=gen) * 1e-3,
-                        master, torch.zeros(n, device=device), torch.zeros(n, device=device),
-                        torch.zeros((), device=device)))
+        tensors.append(
+            (
+                master.bfloat16(),
+                torch.randn(n, device=device, dtype=torch.bfloat16, generator=gen) * 1e-3,
+                master,
+                torch.zeros(n, device=device),
+                torch.zeros(n, device=device),
+                torch.zeros((), device=device),
+            )
+        )
     numel = sum(t[0].numel() for t in tensors)
     scalars = torch.tensor([1e-4, 1.0], device=device)  # lr, 1 / grad_scale
 
@@ -67,8 +74,11 @@ def main(argv=None) -> dict:
         rows.append(_row(kernel, median(time_ms(fn, a.warmup, a.iters, device)), nbytes * a.stream_elements))
     for r in rows:
         print(f"[master_step] {r['kernel']}: {r['ms']:.3f} ms, {r['tb_per_s']:.2f} TB/s", flush=True)
-    print(f"[master_step] bf16 one-pass step against torch's fused AdamW after one step: at most "
-          f"{agreement['max_ulps']:.0f} bf16 ulp apart, {agreement['fraction_off']:.2e} of the values differ", flush=True)
+    print(
+        f"[master_step] bf16 one-pass step against torch's fused AdamW after one step: at most "
+        f"{agreement['max_ulps']:.0f} bf16 ulp apart, {agreement['fraction_off']:.2e} of the values differ",
+        flush=True,
+    )
     figures = {"family": a.family, "proxy": a.proxy, "parameters": numel, "rows": rows, "bf16_agreement": agreement}
     write_result(a.name, figures, a.out_dir)
     if agreement["max_ulps"] > 1:
@@ -116,14 +126,17 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
         for x, ref, size in ((weight, p, lr), (exp_avg, state["exp_avg"], 0.0), (exp_avg_sq, state["exp_avg_sq"], 0.0)):
             for xs, rs in zip(x.split(1 << 26), ref.split(1 << 26)):  # float32 copies of a chunk at a time
                 rs = rs.float()
-                ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(
-                    (rs.abs() + size).clamp(min=torch.finfo(torch.bfloat16).tiny))))
+                ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(
+                    torch.floor(torch.log2((rs.abs() + size).clamp(min=torch.finfo(torch.bfloat16).tiny)))
+                )
                 d = (xs.float() - rs).abs() / ulp
                 max_ulps, off, total = max(max_ulps, d.max().item()), off + (d > 0).sum().item(), total + d.numel()
     agreement = {"max_ulps": max_ulps, "fraction_off": off / total, "lr": lr, "grad_scale": grad_scale}
     nbytes = BF16_BYTES_PER_PARAMETER * numel
-    rows = [_row("adam_step_bf16", median(time_ms(one_pass_step, warmup, iters, device)), nbytes),
-            _row("torch_fused_adamw_bf16", median(time_ms(torch_adamw.step, warmup, iters, device)), nbytes)]
+    rows = [
+        _row("adam_step_bf16", median(time_ms(one_pass_step, warmup, iters, device)), nbytes),
+        _row("torch_fused_adamw_bf16", median(time_ms(torch_adamw.step, warmup, iters, device)), nbytes),
+    ]
     return rows, agreement
 
 

@@ -63,8 +63,14 @@ def timed(layer, x, grad, iters, warmup, device):
 
 
 def bench_mode(mode, shape, dtype, device, iters, warmup, seq_len, meshes):
-    args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
-                   shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["shared_ffn"] > 0, **MODES[mode])
+    args = MoEArgs(
+        num_experts=shape["experts"],
+        top_k=shape["top_k"],
+        moe_ffn_dim=shape["ffn"],
+        shared_ffn_dim=shape["shared_ffn"],
+        shared_expert_gate=shape["shared_ffn"] > 0,
+        **MODES[mode],
+    )
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
@@ -145,20 +151,35 @@ def main():
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     layout = f"{world} ranks, ep {ep}, etp {a.etp}, tokens per rank" if world > 1 else "1 rank"
     print(f"MoE layer fwd+bwd, {preset} {shape}, {dtype}, {name}, {layout}, torch {torch.__version__}")
-    print(f"{'mode':<9} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} {'TFLOP/s':>8} {'graphs':>7} {'breaks':>7} "
-          f"{'recomp':>7}  fullgraph")
+    print(
+        f"{'mode':<9} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} {'TFLOP/s':>8} {'graphs':>7} {'breaks':>7} "
+        f"{'recomp':>7}  fullgraph"
+    )
     for r in rows:
-        print(f"{r['mode']:<9} {r['eager_ms']:>9.2f} {r['compiled_ms']:>12.2f} {r['speedup']:>8.2f} {r['compiled_tflops']:>8.1f} "
-              f"{r['graphs']:>7} {r['graph_breaks']:>7} {r['recompiles_after_warmup']:>7}  {r['fullgraph']}")
+        print(
+            f"{r['mode']:<9} {r['eager_ms']:>9.2f} {r['compiled_ms']:>12.2f} {r['speedup']:>8.2f} {r['compiled_tflops']:>8.1f} "
+            f"{r['graphs']:>7} {r['graph_breaks']:>7} {r['recompiles_after_warmup']:>7}  {r['fullgraph']}"
+        )
         for reason in r["break_reasons"]:
             print(f"{'':<9} break: {reason}")
 
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": name, "layout": layout,
-                       "torch": torch.__version__, "preset": preset, "shape": shape, "dtype": str(dtype),
-                       "results": rows}, f, indent=2)
+            json.dump(
+                {
+                    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                    "device": name,
+                    "layout": layout,
+                    "torch": torch.__version__,
+                    "preset": preset,
+                    "shape": shape,
+                    "dtype": str(dtype),
+                    "results": rows,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -80,10 +80,17 @@ MODES = {"dropless": None, "cf1.0": 1.0}
 def build_layer(shape: dict, capacity_factor, device, dtype, impl: str = "titan_fold"):
     if impl == "torchtitan":
         return build_torchtitan_layer(shape, device, dtype)
-    args = MoEArgs(num_experts=shape["experts"], top_k=shape["top_k"], moe_ffn_dim=shape["ffn"],
-                   shared_ffn_dim=shape["shared_ffn"], shared_expert_gate=shape["gate"],
-                   norm_topk_prob=shape["norm_topk"], capacity_factor=capacity_factor,
-                   expert_fp8=impl == "titan_fold_fp8", grouped_gemm="quack" if impl == "titan_fold_quack" else "torch")
+    args = MoEArgs(
+        num_experts=shape["experts"],
+        top_k=shape["top_k"],
+        moe_ffn_dim=shape["ffn"],
+        shared_ffn_dim=shape["shared_ffn"],
+        shared_expert_gate=shape["gate"],
+        norm_topk_prob=shape["norm_topk"],
+        capacity_factor=capacity_factor,
+        expert_fp8=impl == "titan_fold_fp8",
+        grouped_gemm="quack" if impl == "titan_fold_quack" else "torch",
+    )
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
     layer.init_weights(0.02)
@@ -98,9 +105,14 @@ def build_torchtitan_layer(shape: dict, device, dtype):
     from torchtitan.models.moe import MoE as TitanMoE
     from torchtitan.models.moe import MoEArgs as TitanMoEArgs
 
-    args = TitanMoEArgs(num_experts=shape["experts"], num_shared_experts=shape["shared_ffn"] // shape["ffn"],
-                        score_func="softmax", route_norm=shape["norm_topk"], top_k=shape["top_k"],
-                        score_before_experts=False)
+    args = TitanMoEArgs(
+        num_experts=shape["experts"],
+        num_shared_experts=shape["shared_ffn"] // shape["ffn"],
+        score_func="softmax",
+        route_norm=shape["norm_topk"],
+        top_k=shape["top_k"],
+        score_before_experts=False,
+    )
     torch.manual_seed(0)
     layer = TitanMoE(args, shape["dim"], shape["ffn"]).to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -172,14 +184,20 @@ def annotated(layer: MoE):
         def inner(*a, **k):
             with record_function(label):
                 return fn(*a, **k)
+
         return inner
 
     for fn, label in _WRAPPED.items():
         setattr(dispatcher_mod, fn, wrap(originals[fn], label))
     dispatcher_mod.TokenDispatcher._splits = wrap(original_splits, "moe::count_exchange")
     handles, stack = [], []
-    parts = {"router": layer.router, "grouped_gemm": layer.experts, "dispatcher": layer.dispatcher,
-             "shared_expert": layer.shared_expert, "shared_gate": layer.shared_expert_gate}
+    parts = {
+        "router": layer.router,
+        "grouped_gemm": layer.experts,
+        "dispatcher": layer.dispatcher,
+        "shared_expert": layer.shared_expert,
+        "shared_gate": layer.shared_expert_gate,
+    }
     for label, module in parts.items():
         if module is None:
             continue
@@ -254,7 +272,7 @@ def profile_step(step, layer, device, steps: int = 2) -> dict:
     # of the kernel sums
     for evt in events:
         if evt.name.startswith("moe::") and evt.device_type == DeviceType.CPU:
-            key = evt.name[len("moe::"):]
+            key = evt.name[len("moe::") :]
             forward[key] = forward.get(key, 0.0) + _dev_time(evt, on_gpu) / 1e3 / steps
     inner = ("grouped_gemm", "permute_sort", "count_exchange", "all_to_all", "all_gather_v", "reduce_scatter_v")
     if "dispatcher" in forward:
@@ -300,8 +318,10 @@ def idle_before_kernels(spans: list[tuple[float, float, str]], steps: int, top: 
 
 # ---- one configuration ------------------------------------------------------------------------
 
-def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh, overlap=True,
-                 impl="titan_fold", rank_share="off") -> list[dict]:
+
+def bench_config(
+    shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh, overlap=True, impl="titan_fold", rank_share="off"
+) -> list[dict]:
     shape = SHAPES[shape_name]
     layer = build_layer(shape, MODES[mode], device, dtype, impl)
     if impl != "torchtitan":
@@ -320,8 +340,15 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
     grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     rows = []
     for compiled in compile_modes:
-        row = {"impl": impl, "shape": shape_name, "mode": mode, "dispatch": dispatch, "compiled": compiled,
-               "tokens_per_gpu": a.tokens, "shared_overlap": overlap}
+        row = {
+            "impl": impl,
+            "shape": shape_name,
+            "mode": mode,
+            "dispatch": dispatch,
+            "compiled": compiled,
+            "tokens_per_gpu": a.tokens,
+            "shared_overlap": overlap,
+        }
         if share_router is not None:
             row["ep_rank_share_asked"] = rank_share
         try:
@@ -344,16 +371,28 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
             stats = moe_stats([layer])
             kept = 1.0 - (stats.get("dropped_token_frac") or 0.0)
             gate = shape["gate"] and impl != "torchtitan"
-            flops = moe_layer_flops(a.tokens, shape["dim"], shape["ffn"], shape["top_k"], shape["experts"],
-                                    shape["shared_ffn"], gate, kept_frac=kept)
+            flops = moe_layer_flops(
+                a.tokens,
+                shape["dim"],
+                shape["ffn"],
+                shape["top_k"],
+                shape["experts"],
+                shape["shared_ffn"],
+                gate,
+                kept_frac=kept,
+            )
             ms = median(times)
             tflops = flops["total"] / (ms * 1e-3) / 1e12
             row.update(
-                median_ms=round(ms, 3), min_ms=round(min(times), 3), max_ms=round(max(times), 3),
-                tflops=round(tflops, 3), kept_frac=round(kept, 4),
+                median_ms=round(ms, 3),
+                min_ms=round(min(times), 3),
+                max_ms=round(max(times), 3),
+                tflops=round(tflops, 3),
+                kept_frac=round(kept, 4),
                 expert_load_imbalance=round(stats.get("expert_load_imbalance") or 0.0, 3),
                 gflop_per_step={k: round(v / 1e9, 4) for k, v in flops.items()},
-                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3), **reading,
+                routed_tflops=round(flops["routed"] / (ms * 1e-3) / 1e12, 3),
+                **reading,
             )
             if share_router is not None:
                 row["ep_rank0_share"] = round(share_router.observed_share(), 4)
@@ -379,14 +418,19 @@ def bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, me
 def _print_row(row):
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    what = (f"{row['impl']:10s} {row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} "
-            f"{_mode_name(row['compiled']):8s}"
-            f"{'' if row['shared_overlap'] else ' no-overlap'}")
+    what = (
+        f"{row['impl']:10s} {row['shape']:20s} {row['mode']:8s} {row['dispatch']:5s} "
+        f"{_mode_name(row['compiled']):8s}"
+        f"{'' if row['shared_overlap'] else ' no-overlap'}"
+    )
     if "error" in row:
         print(f"{what} ERROR {row['error']}", flush=True)
     else:
-        print(f"{what} {row['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  ratio {row.get('ratio_to_dense_gemm')}  "
-              f"sustained {row.get('ratio_to_dense_sustained')}  kept {row['kept_frac']}", flush=True)
+        print(
+            f"{what} {row['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  ratio {row.get('ratio_to_dense_gemm')}  "
+            f"sustained {row.get('ratio_to_dense_sustained')}  kept {row['kept_frac']}",
+            flush=True,
+        )
 
 
 def _mode_name(compiled) -> str:
@@ -396,23 +440,44 @@ def _mode_name(compiled) -> str:
 def parse(argv=None):
     p = script_parser(__doc__, "moe_layer", 3, 10, "tiny shapes on the CPU, eager (for tests)")
     p.add_argument("--shapes", default="qwen2_57b_a14b,mixtral_8x22b,mixtral_8x22b_g8t8,qwen3_30b_a3b")
-    p.add_argument("--impl", default="titan_fold", help="comma list of titan_fold (moe.grouped_gemm = torch) | "
-                   "titan_fold_quack (moe.grouped_gemm = quack) | titan_fold_fp8 (routed experts "
-                   "in FP8, moe.expert_fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
-                   "one GPU), each timed in this process")
+    p.add_argument(
+        "--impl",
+        default="titan_fold",
+        help="comma list of titan_fold (moe.grouped_gemm = torch) | "
+        "titan_fold_quack (moe.grouped_gemm = quack) | titan_fold_fp8 (routed experts "
+        "in FP8, moe.expert_fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
+        "one GPU), each timed in this process",
+    )
     p.add_argument("--modes", default="dropless,cf1.0")
-    p.add_argument("--compile", default="both", choices=["off", "on", "both", "graph", "off_graph", "all"],
-                   help="eager (off), compiled (on), both, the eager step captured in a CUDA graph (graph), eager "
-                        "and captured (off_graph), or all three")
+    p.add_argument(
+        "--compile",
+        default="both",
+        choices=["off", "on", "both", "graph", "off_graph", "all"],
+        help="eager (off), compiled (on), both, the eager step captured in a CUDA graph (graph), eager "
+        "and captured (off_graph), or all three",
+    )
     p.add_argument("--dispatch", default="none", help="comma list of none | ep2 | etp2 (needs torchrun with 2 ranks)")
-    p.add_argument("--shared-overlap", default="on", help="comma list of on | off: the shared expert beside the "
-                   "all-to-all (MoEArgs.shared_expert_overlap); shapes with a shared expert only for off")
-    p.add_argument("--ep-rank-share", default="off", help="comma list of off | natural | a share in [0.5, 1): "
-                   "routed assignments remapped so that this share lands on EP rank 0's experts (ep dispatch only)")
+    p.add_argument(
+        "--shared-overlap",
+        default="on",
+        help="comma list of on | off: the shared expert beside the "
+        "all-to-all (MoEArgs.shared_expert_overlap); shapes with a shared expert only for off",
+    )
+    p.add_argument(
+        "--ep-rank-share",
+        default="off",
+        help="comma list of off | natural | a share in [0.5, 1): "
+        "routed assignments remapped so that this share lands on EP rank 0's experts (ep dispatch only)",
+    )
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (seq 4096 x batch 2)")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--dense-seconds", type=float, default=2.0, help="also time the dense GEMM for this long "
-                   "(the sustained rate and each row's share of it); 0: the burst only")
+    p.add_argument(
+        "--dense-seconds",
+        type=float,
+        default=2.0,
+        help="also time the dense GEMM for this long "
+        "(the sustained rate and each row's share of it); 0: the burst only",
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     a = p.parse_args(argv)
     if a.smoke:
@@ -434,6 +499,7 @@ def main(argv=None) -> dict:
             device = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group(backend)
         from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("x",))
     elif device.type == "cuda":
         device = torch.device("cuda", 0)
@@ -444,17 +510,35 @@ def main(argv=None) -> dict:
     readings["sustained"] = gpu_reading(device) if a.dense_sustained else {}
     copy = round(copy_tbps(device), 3) if on_gpu else None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}; "
-              f"copy: {copy} TB/s", flush=True)
-    compile_modes = {"off": [False], "on": [True], "both": [False, True], "graph": ["graph"],
-                     "off_graph": [False, "graph"], "all": [False, True, "graph"]}[a.compile]
+        print(
+            f"dense bf16 GEMM 8192^3: {a.dense_tflops} TFLOP/s, over {a.dense_seconds} s: {a.dense_sustained}; "
+            f"copy: {copy} TB/s",
+            flush=True,
+        )
+    compile_modes = {
+        "off": [False],
+        "on": [True],
+        "both": [False, True],
+        "graph": ["graph"],
+        "off_graph": [False, "graph"],
+        "all": [False, True, "graph"],
+    }[a.compile]
     rows = []
-    figures = {"dense_bf16_gemm_tflops": a.dense_tflops, "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
-               "dense_seconds": a.dense_seconds,
-               "dense_sm_clock_mhz": {k: r.get("sm_clock_mhz") for k, r in readings.items()},
-               "dense_power_w": {k: r.get("power_w") for k, r in readings.items()}, "copy_tbps": copy,
-               "dtype": "bfloat16", "tokens_per_gpu": a.tokens, "seq_len": a.seq_len, "warmup": a.warmup,
-               "iters": a.iters, "world_size": world, "rows": rows}
+    figures = {
+        "dense_bf16_gemm_tflops": a.dense_tflops,
+        "dense_bf16_gemm_tflops_sustained": a.dense_sustained,
+        "dense_seconds": a.dense_seconds,
+        "dense_sm_clock_mhz": {k: r.get("sm_clock_mhz") for k, r in readings.items()},
+        "dense_power_w": {k: r.get("power_w") for k, r in readings.items()},
+        "copy_tbps": copy,
+        "dtype": "bfloat16",
+        "tokens_per_gpu": a.tokens,
+        "seq_len": a.seq_len,
+        "warmup": a.warmup,
+        "iters": a.iters,
+        "world_size": world,
+        "rows": rows,
+    }
     for dispatch in a.dispatch.split(","):
         if dispatch != "none" and mesh is None:
             raise SystemExit(f"--dispatch {dispatch} needs torchrun --nproc_per_node 2")
@@ -469,8 +553,19 @@ def main(argv=None) -> dict:
                         for share in a.ep_rank_share.split(","):
                             if share != "off" and (not dispatch.startswith("ep") or impl == "torchtitan"):
                                 raise SystemExit("--ep-rank-share needs --dispatch ep2 and titan_fold's layer")
-                            rows += bench_config(shape_name, mode, dispatch, compile_modes, a, device, dtype, mesh,
-                                                 overlap=overlap == "on", impl=impl, rank_share=share)
+                            rows += bench_config(
+                                shape_name,
+                                mode,
+                                dispatch,
+                                compile_modes,
+                                a,
+                                device,
+                                dtype,
+                                mesh,
+                                overlap=overlap == "on",
+                                impl=impl,
+                                rank_share=share,
+                            )
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     write_result(a.name, figures, a.out_dir)  # after every case: a cut-off run keeps what it had
     if dist.is_initialized():

@@ -33,8 +33,9 @@ def build(ep_mesh):
     from titan_fold.parallel.experts import shard_moe
 
     args = FLAVORS["qwen2_moe"]["debug"]
-    args = dataclasses.replace(args, n_layers=3, first_k_dense=1,
-                               moe=dataclasses.replace(args.moe, delay_wgrad_compute=True))
+    args = dataclasses.replace(
+        args, n_layers=3, first_k_dense=1, moe=dataclasses.replace(args.moe, delay_wgrad_compute=True)
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -71,8 +72,10 @@ def worker(rank, port, out_dir, trace):
     model = build(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))["ep"])
     schedule = OverlapSchedule(model, MICRO_BATCHES)
     g = torch.Generator().manual_seed(rank)
-    data = [(torch.randint(0, 512, (2, 64), generator=g), torch.randint(0, 512, (2, 64), generator=g))
-            for _ in range(MICRO_BATCHES)]
+    data = [
+        (torch.randint(0, 512, (2, 64), generator=g), torch.randint(0, 512, (2, 64), generator=g))
+        for _ in range(MICRO_BATCHES)
+    ]
 
     def loss_fn(logits, labels):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
@@ -82,12 +85,16 @@ def worker(rank, port, out_dir, trace):
             schedule.step(tokens, labels, loss_fn)
     if rank == 0:
         order = pieces(prof.events())
-        pair = order[order.index("mb0 backward head"): order.index("mb1 forward head") + 1]
+        pair = order[order.index("mb0 backward head") : order.index("mb1 forward head") + 1]
         if trace:
             prof.export_chrome_trace(trace)
-        summary = {"command": " ".join(["python bench/overlap_trace.py", *sys.argv[1:]]), "torch": torch.__version__,
-                   "date": datetime.date.today().isoformat(), "device": "CPU, gloo, 2 ranks",
-                   "pair_order": pair}
+        summary = {
+            "command": " ".join(["python bench/overlap_trace.py", *sys.argv[1:]]),
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "device": "CPU, gloo, 2 ranks",
+            "pair_order": pair,
+        }
         with open(os.path.join(out_dir, "overlap_trace_cpu.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print("\n".join(pair))

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench.common import RESULTS_DIR  # noqa: E402
 from bench.train_step import register_proxy  # noqa: E402
 from titan_fold.models import FLAVORS  # noqa: E402
-from titan_fold.planning.cost_model import Cluster, Estimate, Mapping, Workload, estimate, model_sizes  # noqa: E402
+from titan_fold.planning.cost_model import Cluster, Estimate, Mapping, Workload, estimate  # noqa: E402
+from titan_fold.planning.sizes import model_sizes  # noqa: E402
 
 STEP = "foldings"
 
@@ -75,17 +76,37 @@ def pairs(path: str) -> tuple[dict, list[Pair]]:
         if _option(words, "--training.dtype", "float32") != "float32" or fig["mixed_precision_param"] != "bfloat16":
             # the planner's 16 bytes per parameter: fp32 weights, gradients and moments, bf16 compute
             raise ValueError(f"{row['case']}: the planner models fp32 weights with bf16 compute only")
-        deg = {k: int(_option(words, f"--parallelism.{k}_degree")) for k in (
-            "pipeline_parallel", "data_parallel_shard", "context_parallel", "tensor_parallel",
-            "expert_parallel", "expert_tensor_parallel", "expert_data_parallel")}
+        deg = {
+            k: int(_option(words, f"--parallelism.{k}_degree"))
+            for k in (
+                "pipeline_parallel",
+                "data_parallel_shard",
+                "context_parallel",
+                "tensor_parallel",
+                "expert_parallel",
+                "expert_tensor_parallel",
+                "expert_data_parallel",
+            )
+        }
         pp = deg["pipeline_parallel"]
-        mapping = Mapping(pp, 1, deg["data_parallel_shard"], deg["context_parallel"], deg["tensor_parallel"],
-                          deg["expert_parallel"], deg["expert_tensor_parallel"], deg["expert_data_parallel"])
+        mapping = Mapping(
+            pp,
+            1,
+            deg["data_parallel_shard"],
+            deg["context_parallel"],
+            deg["tensor_parallel"],
+            deg["expert_parallel"],
+            deg["expert_tensor_parallel"],
+            deg["expert_data_parallel"],
+        )
         local = int(_option(words, "--training.local_batch_size"))
         # a pipeline splits the local batch into micro-batches (torchtitan's default size 1); else one pass
         micro = int(_option(words, "--parallelism.pipeline_parallel_microbatch_size", "1")) if pp > 1 else local
-        work = Workload(int(_option(words, "--training.seq_len")), int(_option(words, "--training.global_batch_size")),
-                        micro_batch=micro)
+        work = Workload(
+            int(_option(words, "--training.seq_len")),
+            int(_option(words, "--training.global_batch_size")),
+            micro_batch=micro,
+        )
         cluster = Cluster(row["nproc"], gpus_per_node=row["nproc"], gpu_memory_gib=memory_gib)
         out.append(Pair(row, mapping, work, estimate(sizes, mapping, work, cluster)))
     return record, out
@@ -94,12 +115,15 @@ def pairs(path: str) -> tuple[dict, list[Pair]]:
 def table(path: str) -> str:
     record, found = pairs(path)
     fig = record["figures"][STEP]
-    lines = [f"{os.path.relpath(path, os.path.dirname(HERE))}: {record['env']['device_count']} x "
-             f"{record['env']['device']}, {record['date_utc'][:10]}; {fig['family']} {fig['proxy_flavor']}, "
-             f"seq {fig['seq_len']}, local batch {fig['local_batch']}",
-             "", "| case | tokens / step | measured GiB | planner GiB (dropless worst) | planner / measured "
-             "| measured step s | planner step s | planner / measured | measured tok/s/GPU | planner tok/s/GPU |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{os.path.relpath(path, os.path.dirname(HERE))}: {record['env']['device_count']} x "
+        f"{record['env']['device']}, {record['date_utc'][:10]}; {fig['family']} {fig['proxy_flavor']}, "
+        f"seq {fig['seq_len']}, local batch {fig['local_batch']}",
+        "",
+        "| case | tokens / step | measured GiB | planner GiB (dropless worst) | planner / measured "
+        "| measured step s | planner step s | planner / measured | measured tok/s/GPU | planner tok/s/GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for p in found:
         r, e, gpus = p.row, p.estimate, p.row["nproc"]
         gib, worst = e.memory.total / 2**30, e.memory.total_worst_dropless / 2**30
@@ -107,7 +131,8 @@ def table(path: str) -> str:
             f"| {r['case']} | {p.tokens_per_step} | {r['peak_memory_gib']:.1f} | {gib:.1f} ({worst:.1f}) "
             f"| {gib / r['peak_memory_gib']:.3f} | {r['step_time_s']:.4f} | {e.step_s:.4f} "
             f"| {e.step_s / r['step_time_s']:.2f} | {p.tokens_per_step / r['step_time_s'] / gpus:,.0f} "
-            f"| {p.tokens_per_step / e.step_s / gpus:,.0f} |")
+            f"| {p.tokens_per_step / e.step_s / gpus:,.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -37,8 +37,10 @@ def records(results: str) -> dict[tuple, list[dict]]:
             continue
         by_key.setdefault((rec["suite"], rec["env"]["device"], rec["env"]["device_count"]), []).append(rec)
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
-    return {k: sorted(by_key[k], key=lambda r: r["date_utc"], reverse=True)
-            for k in sorted(by_key, key=lambda k: (order.get(k[0], len(order)), k[1], k[2]))}
+    return {
+        k: sorted(by_key[k], key=lambda r: r["date_utc"], reverse=True)
+        for k in sorted(by_key, key=lambda k: (order.get(k[0], len(order)), k[1], k[2]))
+    }
 
 
 def latest(results: str) -> list[dict]:
@@ -68,8 +70,10 @@ def _row_label(r: dict) -> str | None:
     if kind == "gemms":
         return ", ".join(_gemm_case(r))
     if kind == "layer":
-        return (f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, "
-                f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}")
+        return (
+            f"{r['shape']}{'' if r['mode'] == 'dropless' else ' (' + r['mode'] + ')'}, {r['dispatch']}, "
+            f"{_gemm_choice(r['impl'])}, {_mode(r['compiled'])}"
+        )
     return r.get("case")
 
 
@@ -111,8 +115,11 @@ def rerun_table(recs: list[dict], tolerance: float = TOLERANCE) -> list[str]:
     """Of one suite's records on one kind of machine (latest first): each step's figures in its
     latest run beside the same figures in the run of that step before (the code before, <step>@base,
     left out), their ratio, whether it lies within `tolerance` of 1, and whether both were steady."""
-    out = ["| step | row | figure | run before | latest run | before | latest | latest / before | within "
-           f"{100 * tolerance:g}% | steady |", "|---|---|---|---|---|---:|---:|---:|---|---|"]
+    out = [
+        "| step | row | figure | run before | latest run | before | latest | latest / before | within "
+        f"{100 * tolerance:g}% | steady |",
+        "|---|---|---|---|---|---:|---:|---:|---|---|",
+    ]
     counts = [0, 0, 0, 0]  # figures, within; steady figures, within
     steps = dict.fromkeys(n for rec in recs for n, fig in rec["figures"].items() if fig and not n.endswith("@base"))
     for step in steps:
@@ -127,13 +134,18 @@ def rerun_table(recs: list[dict], tolerance: float = TOLERANCE) -> list[str]:
             counts[1] += ok
             counts[2] += steady
             counts[3] += ok and steady
-            out.append(f"| {step} | {key[0]} | {key[1]} | {runs[1]['date_utc'][:16]} | {runs[0]['date_utc'][:16]} | "
-                       f"{_f(b, 3 if b < 10 else 2)} | {_f(n, 3 if n < 10 else 2)} | {_f(n / b, 3)} | {'yes' if ok else 'no'} | {'yes' if steady else 'no'} |")
+            out.append(
+                f"| {step} | {key[0]} | {key[1]} | {runs[1]['date_utc'][:16]} | {runs[0]['date_utc'][:16]} | "
+                f"{_f(b, 3 if b < 10 else 2)} | {_f(n, 3 if n < 10 else 2)} | {_f(n / b, 3)} | {'yes' if ok else 'no'} | {'yes' if steady else 'no'} |"
+            )
     if not counts[0]:
         return []
-    return out + ["", f"{counts[1]} of {counts[0]} figures within {100 * tolerance:g}% of the run before; of the "
-                  f"{counts[2]} steady ones (both medians within {100 * (STEADY - 1):g}% of their fastest repeat), "
-                  f"{counts[3]}."]
+    return out + [
+        "",
+        f"{counts[1]} of {counts[0]} figures within {100 * tolerance:g}% of the run before; of the "
+        f"{counts[2]} steady ones (both medians within {100 * (STEADY - 1):g}% of their fastest repeat), "
+        f"{counts[3]}.",
+    ]
 
 
 def _steps(rec: dict, script_rows: str) -> list[tuple[str, dict]]:
@@ -164,17 +176,22 @@ def layer_table(rec: dict) -> list[str]:
     steps = [(name, fig) for name, fig in _steps(rec, "layer") if not name.endswith("@base")]
     sustained = any(fig.get("dense_bf16_gemm_tflops_sustained") for _, fig in steps)
     clocked = any(r.get("sm_clock_mhz") for _, fig in steps for r in fig["rows"])
-    extra = (" sustained dense TFLOP/s | share of sustained |" if sustained else "") + \
-        (" SM clock MHz: dense burst, sustained, row |" if clocked else "")
+    extra = (" sustained dense TFLOP/s | share of sustained |" if sustained else "") + (
+        " SM clock MHz: dense burst, sustained, row |" if clocked else ""
+    )
     columns = 6 + 2 * sustained + clocked
-    out = ["| step | shape | dispatch | moe.grouped_gemm | mode | ms / step | TFLOP/s | dense GEMM TFLOP/s | "
-           f"share of dense |{extra} code before: ms | before / after |",
-           "|---|---|---|---|---|" + "---:|" * columns]
+    out = [
+        "| step | shape | dispatch | moe.grouped_gemm | mode | ms / step | TFLOP/s | dense GEMM TFLOP/s | "
+        f"share of dense |{extra} code before: ms | before / after |",
+        "|---|---|---|---|---|" + "---:|" * columns,
+    ]
     n = 0
     for name, fig in steps:
         base = rec["figures"].get(name + "@base") or {"rows": []}
-        before = {(r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])): r.get("median_ms")
-                  for r in base["rows"]}
+        before = {
+            (r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])): r.get("median_ms")
+            for r in base["rows"]
+        }
         for r in fig["rows"]:
             shape = r["shape"] + ("" if r["mode"] == "dropless" else f" ({r['mode']})")
             lead = f"| {name} | {shape} | {r['dispatch']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} "
@@ -184,14 +201,19 @@ def layer_table(rec: dict) -> list[str]:
             b = before.get((r["impl"], r["shape"], r["mode"], r["dispatch"], str(r["compiled"])))
             rates = f"{_f(fig['dense_bf16_gemm_tflops'])} | {_f(r.get('ratio_to_dense_gemm'), 3)} | "
             if sustained:
-                rates += (f"{_f(fig.get('dense_bf16_gemm_tflops_sustained'))} | "
-                          f"{_f(r.get('ratio_to_dense_sustained'), 3)} | ")
+                rates += (
+                    f"{_f(fig.get('dense_bf16_gemm_tflops_sustained'))} | {_f(r.get('ratio_to_dense_sustained'), 3)} | "
+                )
             if clocked:
                 dense = fig.get("dense_sm_clock_mhz") or {}
-                rates += " / ".join(_f(c, 0) for c in (dense.get("burst"), dense.get("sustained"), r.get("sm_clock_mhz")))
+                rates += " / ".join(
+                    _f(c, 0) for c in (dense.get("burst"), dense.get("sustained"), r.get("sm_clock_mhz"))
+                )
                 rates += " | "
-            out.append(lead + f"| {_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {rates}{_f(b, 2) if b else '-'} | "
-                       f"{_f(b / r['median_ms'], 3) if b else '-'} |")
+            out.append(
+                lead + f"| {_f(r['median_ms'], 2)} | {_f(r['tflops'])} | {rates}{_f(b, 2) if b else '-'} | "
+                f"{_f(b / r['median_ms'], 3) if b else '-'} |"
+            )
             n += 1
     return out if n else []
 
@@ -203,9 +225,11 @@ def layer_breakdown_table(rec: dict) -> list[str]:
     time no kernel ran between the step's first kernel and its last (where recorded; in a
     graph's replay, the kernels' boundaries)."""
     classes = ("gemm", "index_scatter_gather", "triton_fused", "add", "mul", "reduce", "elementwise_other", "sort_scan")
-    out = ["| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | step beyond GPU busy, share of step | "
-           "GPU idle between kernels ms | kernels | " + " | ".join(classes) + " |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes)]
+    out = [
+        "| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | step beyond GPU busy, share of step | "
+        "GPU idle between kernels ms | kernels | " + " | ".join(classes) + " |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes),
+    ]
     n = 0
     for name, fig in _steps(rec, "layer"):
         for r in fig["rows"]:
@@ -214,10 +238,13 @@ def layer_breakdown_table(rec: dict) -> list[str]:
                 continue
             cls, busy = b["step_gpu_ms_by_kernel_class"], b["step_gpu_busy_ms"]
             gap = max(0.0, r["median_ms"] - busy) / r["median_ms"]
-            out.append(f"| {name} | {r['shape']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} | "
-                       f"{_f(r['median_ms'], 2)} | {_f(busy, 2)} | {_f(100 * gap)}% | {_f(b.get('step_gpu_idle_ms'), 3)} | "
-                       f"{_f(b.get('kernels_per_step'), 0)} | "
-                       + " | ".join(_f(cls.get(c), 2) if cls.get(c) else "-" for c in classes) + " |")
+            out.append(
+                f"| {name} | {r['shape']} | {_gemm_choice(r['impl'])} | {_mode(r['compiled'])} | "
+                f"{_f(r['median_ms'], 2)} | {_f(busy, 2)} | {_f(100 * gap)}% | {_f(b.get('step_gpu_idle_ms'), 3)} | "
+                f"{_f(b.get('kernels_per_step'), 0)} | "
+                + " | ".join(_f(cls.get(c), 2) if cls.get(c) else "-" for c in classes)
+                + " |"
+            )
             n += 1
     return out if n else []
 
@@ -242,8 +269,10 @@ def flop_counts(family: str, proxy: str, seq_len: int) -> tuple[int, int]:
 
     flavors = dict(FLAVORS[family])
     try:
-        return (vs_torchtitan.our_flops_per_token(family, proxy, seq_len),
-                vs_torchtitan.torchtitan_flops_per_token(family, proxy, seq_len))
+        return (
+            vs_torchtitan.our_flops_per_token(family, proxy, seq_len),
+            vs_torchtitan.torchtitan_flops_per_token(family, proxy, seq_len),
+        )
     finally:
         FLAVORS[family].clear()
         FLAVORS[family].update(flavors)
@@ -271,14 +300,26 @@ def _times(x, factor):
 def flop_count_table(groups: dict[tuple, list[dict]]) -> list[str]:
     """Each proxy of the trainer and vs-torchtitan records: its FLOPs per token in titan_fold's
     count and in torchtitan's, and how much higher torchtitan's is (its MFU by as much)."""
-    proxies = sorted({key for recs in groups.values() for rec in recs for fig in rec["figures"].values()
-                      if isinstance(fig, dict) and "rows" in fig and (key := _proxy(fig))})
-    out = ["| family | proxy | seq_len | titan_fold's count: GFLOP per token | torchtitan's count: GFLOP per token | "
-           "torchtitan's over titan_fold's |", "|---|---|---:|---:|---:|---:|"]
+    proxies = sorted(
+        {
+            key
+            for recs in groups.values()
+            for rec in recs
+            for fig in rec["figures"].values()
+            if isinstance(fig, dict) and "rows" in fig and (key := _proxy(fig))
+        }
+    )
+    out = [
+        "| family | proxy | seq_len | titan_fold's count: GFLOP per token | torchtitan's count: GFLOP per token | "
+        "torchtitan's over titan_fold's |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for family, proxy, seq_len in proxies:
         ours, theirs = flop_counts(family, proxy, seq_len)
-        out.append(f"| {family} | {proxy} | {seq_len} | {_f(ours / 1e9, 3)} | {_f(theirs / 1e9, 3)} | "
-                   f"{100 * (theirs / ours - 1):+.1f}% |")
+        out.append(
+            f"| {family} | {proxy} | {seq_len} | {_f(ours / 1e9, 3)} | {_f(theirs / 1e9, 3)} | "
+            f"{100 * (theirs / ours - 1):+.1f}% |"
+        )
     return out if proxies else []
 
 
@@ -287,15 +328,19 @@ def expert_path(row: dict) -> str:
     counted, by eager calls and by graphs compiled; "unknown" where none was counted (a record
     from before the counters, or counters that missed the path), never zeros."""
     calls, compiled = row.get("expert_path_calls") or {}, row.get("expert_path_compiled") or {}
-    parts = [f"{path} {n}" for path, n in calls.items() if n] + \
-        [f"{path} {n} graph{'s' if n > 1 else ''}" for path, n in compiled.items() if n]
+    parts = [f"{path} {n}" for path, n in calls.items() if n] + [
+        f"{path} {n} graph{'s' if n > 1 else ''}" for path, n in compiled.items() if n
+    ]
     return ", ".join(parts) or "unknown"
 
 
 def train_table(rec: dict) -> list[str]:
-    out = ["| step | case | GPUs | attention | experts (ep, etp, edp) | expert path: calls, graphs compiled | "
-           "tokens/s per GPU | TFLOP/s per GPU | MFU %, titan_fold's count | MFU %, torchtitan's count | "
-           "peak memory GiB | step s | loss first -> last |", "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    out = [
+        "| step | case | GPUs | attention | experts (ep, etp, edp) | expert path: calls, graphs compiled | "
+        "tokens/s per GPU | TFLOP/s per GPU | MFU %, titan_fold's count | MFU %, torchtitan's count | "
+        "peak memory GiB | step s | loss first -> last |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     n = 0
     for name, fig in _steps(rec, "train"):
         if "titan_fold_proxy" in fig:
@@ -307,11 +352,13 @@ def train_table(rec: dict) -> list[str]:
             fold = r.get("folding")
             experts = f"{fold['ep']}, {fold['etp']}, {fold['edp']}" if fold else "-"
             status = "" if r["returncode"] == 0 else f" (rc {r['returncode']})"
-            out.append(f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | {experts} | "
-                       f"{expert_path(r)} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
-                       f"{_f(r['mfu_pct'])} | {_f(_times(r['mfu_pct'], theirs))} | "
-                       f"{_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
-                       f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |")
+            out.append(
+                f"| {name} | {r['case']}{status} | {r['nproc']} | {_attention(r)} | {experts} | "
+                f"{expert_path(r)} | {_f(r['tokens_per_sec_per_gpu'], 0)} | {_f(r['tflops_per_gpu'])} | "
+                f"{_f(r['mfu_pct'])} | {_f(_times(r['mfu_pct'], theirs))} | "
+                f"{_f(r['peak_memory_gib'])} | {_f(r['step_time_s'], 3)} | "
+                f"{_f(r['loss_first'], 2)} -> {_f(r['loss_last'], 2)} |"
+            )
             n += 1
     return out if n else []
 
@@ -326,26 +373,44 @@ def train_breakdown_table(rec: dict) -> list[str]:
     rows = [(name, fig, r) for name, fig in _steps(rec, "train") for r in fig["rows"] if r.get("trace_summary")]
     if not rows:
         return []
-    classes = sorted({c for *_, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
-                     key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for *_, r in rows))
+    classes = sorted(
+        {c for *_, r in rows for c in r["trace_summary"]["kernel_ms_by_class"]},
+        key=lambda c: -max(r["trace_summary"]["kernel_ms_by_class"].get(c, 0.0) for *_, r in rows),
+    )
     # the column only where some summary tells the step before's kernels apart (earlier_step_ms)
     earlier = any("earlier_step_ms" in r["trace_summary"] for *_, r in rows)
     idle = any("idle" in r["trace_summary"] for *_, r in rows)  # likewise the GPU's idle intervals
-    out = ["| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
-           + ("step before's kernels ms | " if earlier else "") + ("GPU idle ms (waits) | " if idle else "")
-           + " | ".join(classes) + " |",
-           "|---|---|---:|---:|---:|---:|" + "---:|" * (len(classes) + earlier + idle)]
+    out = [
+        "| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
+        + ("step before's kernels ms | " if earlier else "")
+        + ("GPU idle ms (waits) | " if idle else "")
+        + " | ".join(classes)
+        + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * (len(classes) + earlier + idle),
+    ]
     for name, fig, r in rows:
         t = r["trace_summary"]
         busy = t["gpu_busy_ms"]
-        plain = next((1e3 * q["step_time_s"] for q in fig["rows"]
-                      if q["case"] == r["case"].replace("_profile", "") and q.get("step_time_s")), None)
+        plain = next(
+            (
+                1e3 * q["step_time_s"]
+                for q in fig["rows"]
+                if q["case"] == r["case"].replace("_profile", "") and q.get("step_time_s")
+            ),
+            None,
+        )
         gaps = f"{100 * (plain - busy) / plain:.1f}%" if plain else "n/a"
-        out.append(f"| {name} | {r['case']} | {_f(t['step_wall_ms'])} | {_f(plain)} | {_f(busy)} | {gaps} | "
-                   + (f"{_f(t.get('earlier_step_ms'), 1)} | " if earlier else "")
-                   + ((f"{_f(t['idle']['idle_ms'], 2)} ({t['idle']['waits']}) | " if "idle" in t else "n/a | ")
-                      if idle else "")
-                   + " | ".join(_f(t["kernel_ms_by_class"].get(c), 1) for c in classes) + " |")
+        out.append(
+            f"| {name} | {r['case']} | {_f(t['step_wall_ms'])} | {_f(plain)} | {_f(busy)} | {gaps} | "
+            + (f"{_f(t.get('earlier_step_ms'), 1)} | " if earlier else "")
+            + (
+                (f"{_f(t['idle']['idle_ms'], 2)} ({t['idle']['waits']}) | " if "idle" in t else "n/a | ")
+                if idle
+                else ""
+            )
+            + " | ".join(_f(t["kernel_ms_by_class"].get(c), 1) for c in classes)
+            + " |"
+        )
     return out
 
 
@@ -356,8 +421,10 @@ def train_phases_table(rec: dict) -> list[str]:
     if not rows:
         return []
     phases = list(dict.fromkeys(p for _, r in rows for p in r["phases"]))
-    out = ["| step | case | " + " | ".join(f"{p} host / GPU ms" for p in phases) + " |",
-           "|---|---|" + "---:|" * len(phases)]
+    out = [
+        "| step | case | " + " | ".join(f"{p} host / GPU ms" for p in phases) + " |",
+        "|---|---|" + "---:|" * len(phases),
+    ]
     for name, r in rows:
         cells = []
         for p in phases:
@@ -370,10 +437,12 @@ def train_phases_table(rec: dict) -> list[str]:
 def vs_table(rec: dict) -> list[str]:
     """torchtitan's rows beside titan_fold's, each trainer's MFU in both counts (flop_counts): the
     one it logged, and the other's from it (the same tokens/s and peak, the count's ratio)."""
-    out = ["| step | case | torchtitan tokens/s | titan_fold tokens/s | titan_fold / torchtitan | torchtitan MFU %, "
-           "torchtitan's count | torchtitan MFU %, titan_fold's count | titan_fold MFU %, titan_fold's count | "
-           "titan_fold MFU %, torchtitan's count |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| step | case | torchtitan tokens/s | titan_fold tokens/s | titan_fold / torchtitan | torchtitan MFU %, "
+        "torchtitan's count | torchtitan MFU %, titan_fold's count | titan_fold MFU %, titan_fold's count | "
+        "titan_fold MFU %, torchtitan's count |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     n = 0
     for name, fig in _steps(rec, "train"):
         if "titan_fold_proxy" not in fig:
@@ -381,10 +450,12 @@ def vs_table(rec: dict) -> list[str]:
         theirs = _torchtitan_over_ours(fig)
         for r in fig["rows"]:  # titan_fold's figures n/a where its step left none
             ours_mfu = r.get("titan_fold_mfu_pct")
-            out.append(f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | "
-                       f"{_f(r.get('titan_fold_tokens_per_sec'), 0)} | {_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} | "
-                       f"{_f(r['mfu_pct'])} | {_f(_times(r['mfu_pct'], theirs and 1 / theirs))} | "
-                       f"{_f(ours_mfu)} | {_f(_times(ours_mfu, theirs))} |")
+            out.append(
+                f"| {name} | {r['case']} | {_f(r['tokens_per_sec_per_gpu'], 0)} | "
+                f"{_f(r.get('titan_fold_tokens_per_sec'), 0)} | {_f(r.get('ratio_titan_fold_over_torchtitan'), 3)} | "
+                f"{_f(r['mfu_pct'])} | {_f(_times(r['mfu_pct'], theirs and 1 / theirs))} | "
+                f"{_f(ours_mfu)} | {_f(_times(ours_mfu, theirs))} |"
+            )
             n += 1
     return out if n else []
 
@@ -397,8 +468,10 @@ def _curve_differences(losses: list[float], ref: list[float]) -> tuple[float | N
     largest over the means of successive CURVE_WINDOW-step windows, and that of the mean of all
     those steps (the curve's level, signed)."""
     n = min(len(losses), len(ref))
-    windows = [abs(sum(losses[i:i + CURVE_WINDOW]) / sum(ref[i:i + CURVE_WINDOW]) - 1)
-               for i in range(CURVE_WINDOW, n - CURVE_WINDOW + 1, CURVE_WINDOW)]
+    windows = [
+        abs(sum(losses[i : i + CURVE_WINDOW]) / sum(ref[i : i + CURVE_WINDOW]) - 1)
+        for i in range(CURVE_WINDOW, n - CURVE_WINDOW + 1, CURVE_WINDOW)
+    ]
     level = sum(losses[CURVE_WINDOW:n]) / sum(ref[CURVE_WINDOW:n]) - 1 if n > CURVE_WINDOW else None
     return max(windows, default=None), level
 
@@ -422,11 +495,16 @@ def loss_curve_table(rec: dict) -> list[str]:
     20-step windows (the curve) and of the mean of all those steps (the curve's level); where a path
     ran twice, the differences between runs of one path beside those between runs of two paths, and
     between the paths' mean curves."""
-    out = ["| step | case | steps | loss first -> last | mean of last 20 | relative difference to the first case: "
-           "max per step | max of 20-step means after step 20 | mean after step 20 |",
-           "|---|---|---:|---|---:|---:|---:|---:|"]
-    pairs = ["| step | runs compared | pairs | max difference of 20-step means after step 20 | "
-             "difference of the means after step 20 |", "|---|---|---:|---:|---|"]
+    out = [
+        "| step | case | steps | loss first -> last | mean of last 20 | relative difference to the first case: "
+        "max per step | max of 20-step means after step 20 | mean after step 20 |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    pairs = [
+        "| step | runs compared | pairs | max difference of 20-step means after step 20 | "
+        "difference of the means after step 20 |",
+        "|---|---|---:|---:|---|",
+    ]
     for name, fig in _steps(rec, "train"):
         rows = [r for r in fig["rows"] if r.get("losses")]
         if len(rows) < 2:
@@ -435,13 +513,19 @@ def loss_curve_table(rec: dict) -> list[str]:
         for r in rows:
             step = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)), default=None)
             curve, level = _curve_differences(r["losses"], ref)
-            out.append(f"| {name} | {r['case']} | {len(r['losses'])} | {_f(r['loss_first'], 3)} -> {_f(r['loss_last'], 3)} | "
-                       f"{_f(r['loss_mean_last20'], 4)} | {_pct(step)} | {_pct(curve)} | {_pct(level, True)} |")
+            out.append(
+                f"| {name} | {r['case']} | {len(r['losses'])} | {_f(r['loss_first'], 3)} -> {_f(r['loss_last'], 3)} | "
+                f"{_f(r['loss_mean_last20'], 4)} | {_pct(step)} | {_pct(curve)} | {_pct(level, True)} |"
+            )
         pairs += _path_pairs(name, rows)
     if len(out) == 2:
         return []
-    return out + (["", "Runs of one path against runs of two paths (the run-to-run spread beside the paths' "
-                   "difference):", ""] + pairs if len(pairs) > 2 else [])
+    return out + (
+        ["", "Runs of one path against runs of two paths (the run-to-run spread beside the paths' difference):", ""]
+        + pairs
+        if len(pairs) > 2
+        else []
+    )
 
 
 def _path_pairs(name: str, rows: list[dict]) -> list[str]:
@@ -454,9 +538,13 @@ def _path_pairs(name: str, rows: list[dict]) -> list[str]:
     names = list(paths)
     # each pair as (later run, earlier run): a later run of one path against its earlier, the second
     # path's runs against the first's
-    groups = [(f"within {p}", [(b, a) for i, a in enumerate(paths[p]) for b in paths[p][i + 1:]]) for p in names]
-    groups.append((f"across paths ({', '.join(names[1:])} against {names[0]})",
-                   [(b, a) for i, p in enumerate(names) for q in names[i + 1:] for a in paths[p] for b in paths[q]]))
+    groups = [(f"within {p}", [(b, a) for i, a in enumerate(paths[p]) for b in paths[p][i + 1 :]]) for p in names]
+    groups.append(
+        (
+            f"across paths ({', '.join(names[1:])} against {names[0]})",
+            [(b, a) for i, p in enumerate(names) for q in names[i + 1 :] for a in paths[p] for b in paths[q]],
+        )
+    )
     out = []
     for label, group in groups:
         if not group:
@@ -464,14 +552,21 @@ def _path_pairs(name: str, rows: list[dict]) -> list[str]:
         diffs = [_curve_differences(a, b) for a, b in group]
         curve = max((c for c, _ in diffs if c is not None), default=None)
         levels = sorted({lv for _, lv in diffs if lv is not None})
-        level = ("n/a" if not levels else _pct(levels[0], True) if len(levels) == 1
-                 else f"{_pct(levels[0], True)} to {_pct(levels[-1], True)}")
+        level = (
+            "n/a"
+            if not levels
+            else _pct(levels[0], True)
+            if len(levels) == 1
+            else f"{_pct(levels[0], True)} to {_pct(levels[-1], True)}"
+        )
         out.append(f"| {name} | {label} | {len(group)} | {_pct(curve)} | {level} |")
     means = {p: _mean_curve(runs) for p, runs in paths.items()}
     for p in names[1:]:
         curve, level = _curve_differences(means[p], means[names[0]])
-        out.append(f"| {name} | mean curve of {p} ({_runs(len(paths[p]))}) against {names[0]} "
-                   f"({_runs(len(paths[names[0]]))}) | 1 | {_pct(curve)} | {_pct(level, True)} |")
+        out.append(
+            f"| {name} | mean curve of {p} ({_runs(len(paths[p]))}) against {names[0]} "
+            f"({_runs(len(paths[names[0]]))}) | 1 | {_pct(curve)} | {_pct(level, True)} |"
+        )
     return out
 
 
@@ -498,14 +593,18 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
                 if r.get("losses"):
                     runs = steps.setdefault(name, {}).setdefault(_path(r["case"]), [])
                     runs.append((r["losses"], rec["env"]["device"]))
-    out = ["| step | path | runs | machines | mean after step 20, over runs | standard deviation over runs | "
-           "mean curve against the first path: max difference of 20-step means after step 20 | "
-           "difference of the means after step 20 | its standard error |",
-           "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    out = [
+        "| step | path | runs | machines | mean after step 20, over runs | standard deviation over runs | "
+        "mean curve against the first path: max difference of 20-step means after step 20 | "
+        "difference of the means after step 20 | its standard error |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for name, paths in steps.items():
         if len(paths) < 2:
             continue
-        stats = {p: _mean_sd([sum(c[CURVE_WINDOW:]) / len(c[CURVE_WINDOW:]) for c, _ in runs]) for p, runs in paths.items()}
+        stats = {
+            p: _mean_sd([sum(c[CURVE_WINDOW:]) / len(c[CURVE_WINDOW:]) for c, _ in runs]) for p, runs in paths.items()
+        }
         ref = next(iter(paths))
         ref_curve = _mean_curve([c for c, _ in paths[ref]])
         (ref_mean, ref_sd), n_ref = stats[ref], len(paths[ref])
@@ -514,7 +613,9 @@ def pooled_loss_curves(recs: list[dict]) -> list[str]:
             compared = "(the reference) | | |"
             if p != ref:
                 curve, level = _curve_differences(_mean_curve([c for c, _ in runs]), ref_curve)
-                err = None if sd is None or ref_sd is None else (sd ** 2 / len(runs) + ref_sd ** 2 / n_ref) ** 0.5 / ref_mean
+                err = (
+                    None if sd is None or ref_sd is None else (sd**2 / len(runs) + ref_sd**2 / n_ref) ** 0.5 / ref_mean
+                )
                 compared = f"{_pct(curve)} | {_pct(level, True)} | {_pct(err)} |"
             machines = ", ".join(sorted({d for _, d in runs}))
             out.append(f"| {name} | {p} | {len(runs)} | {machines} | {_f(mean, 4)} | {_f(sd, 4)} | {compared}")
@@ -533,10 +634,13 @@ def grouped_gemm_table(rec: dict) -> list[str]:
     if not fig:
         return []
     gemms = ("up_fwd", "up_dgrad", "up_wgrad", "down_fwd", "down_dgrad", "down_wgrad")
-    out = ["| shape | rows per expert | moe.grouped_gemm | dense GEMM TFLOP/s | " + " | ".join(g.replace("_", " ") for g in gemms)
-           + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | up fwd, QuACK's tuning "
-           "/ ours | varlen-M GEMMs, QuACK's tuning / ours | stacked w13 / ours |",
-           "|---|---|---|---:|" + "---:|" * (len(gemms) + 7)]
+    out = [
+        "| shape | rows per expert | moe.grouped_gemm | dense GEMM TFLOP/s | "
+        + " | ".join(g.replace("_", " ") for g in gemms)
+        + " | routed GEMMs TFLOP/s | gemm_bound_share | with shared | share of roofline | up fwd, QuACK's tuning "
+        "/ ours | varlen-M GEMMs, QuACK's tuning / ours | stacked w13 / ours |",
+        "|---|---|---|---:|" + "---:|" * (len(gemms) + 7),
+    ]
     for r in fig["rows"]:
         case = "| " + " | ".join(_gemm_case(r)) + " |"
         if "error" in r:
@@ -544,13 +648,15 @@ def grouped_gemm_table(rec: dict) -> list[str]:
             continue
         tuned = r.get("tunings", {})
         up_tuned = tuned.get("up_fwd", r.get("up_fwd_tunings", {}))
-        out.append(f"{case} {_f(fig['dense_bf16_gemm_tflops'])} | "
-                   + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
-                   + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
-                   f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('share_of_roofline'), 3)} | "
-                   f"{_f(up_tuned.get('quack_over_titan_fold'), 3)} | "
-                   f"{_f(tuned.get('varlen_m', {}).get('quack_over_titan_fold'), 3)} | "
-                   f"{_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |")
+        out.append(
+            f"{case} {_f(fig['dense_bf16_gemm_tflops'])} | "
+            + " | ".join(_f(r["gemms"][g]["tflops"]) for g in gemms)
+            + f" | {_f(r['routed_gemms_tflops'])} | {_f(r['gemm_bound_share'], 3)} | "
+            f"{_f(r['gemm_bound_share_with_shared'], 3)} | {_f(r.get('share_of_roofline'), 3)} | "
+            f"{_f(up_tuned.get('quack_over_titan_fold'), 3)} | "
+            f"{_f(tuned.get('varlen_m', {}).get('quack_over_titan_fold'), 3)} | "
+            f"{_f(r.get('experts_fwd_bwd', {}).get('stacked_over_separate'), 3)} |"
+        )
     return out
 
 
@@ -558,12 +664,16 @@ def row_movement_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("row_movement")
     if not fig:
         return []
-    out = ["| shape | rows MiB | indexing ms | embedding_bag ms | gather_sum ms | dispatcher ms | dispatcher speedup |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| shape | rows MiB | indexing ms | embedding_bag ms | gather_sum ms | dispatcher ms | dispatcher speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in fig["rows"]:
-        out.append(f"| {r['shape']} | {_f(r['row_bytes_mib'], 0)} | {_f(r['indexing_ms'], 2)} | "
-                   f"{_f(r['embedding_bag_ms'], 2)} | {_f(r['gather_sum_ms'], 2)} | {_f(r['dispatcher_ms'], 2)} | "
-                   f"{_f(r['dispatcher_speedup'], 2)} |")
+        out.append(
+            f"| {r['shape']} | {_f(r['row_bytes_mib'], 0)} | {_f(r['indexing_ms'], 2)} | "
+            f"{_f(r['embedding_bag_ms'], 2)} | {_f(r['gather_sum_ms'], 2)} | {_f(r['dispatcher_ms'], 2)} | "
+            f"{_f(r['dispatcher_speedup'], 2)} |"
+        )
     return out
 
 
@@ -576,19 +686,34 @@ def routing_table(rec: dict) -> list[str]:
     if not fig:
         return []
     widths = ("int64", "int32", "int16", "uint8")
-    keys = ["choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouped_choice_topk_us",
-            "grouped_choice_argmax_us", *(f"grouping_sort_{w}_us" for w in widths), "group_by_us"]
-    out = ["| shape | experts | mode | topk | sort's head | k argmax passes | group-limited, topk | "
-           "group-limited, argmax passes | " + " | ".join(f"sort of {w} keys" for w in widths) + " | group_by |",
-           "|---|---:|---|" + "---:|" * len(keys)]
+    keys = [
+        "choice_topk_us",
+        "choice_sort_head_us",
+        "choice_argmax_us",
+        "grouped_choice_topk_us",
+        "grouped_choice_argmax_us",
+        *(f"grouping_sort_{w}_us" for w in widths),
+        "group_by_us",
+    ]
+    out = [
+        "| shape | experts | mode | topk | sort's head | k argmax passes | group-limited, topk | "
+        "group-limited, argmax passes | " + " | ".join(f"sort of {w} keys" for w in widths) + " | group_by |",
+        "|---|---:|---|" + "---:|" * len(keys),
+    ]
     for r in fig["rows"]:
         cells = " | ".join(_f(r[key]) if key in r else "-" for key in keys)
         out.append(f"| {r['shape']} | {r['experts']} | {_mode(r['compiled'])} | {cells} |")
     if fig.get("routes"):
         ways = ("compiled", "triton")
-        out += ["", "| shape | route's settings | " + " | ".join(
-                    f"{way}: forward kernels | {way}: backward kernels | {way}: forward + backward us" for way in ways)
-                + " |", "|---|---|" + "---:|" * 3 * len(ways)]
+        out += [
+            "",
+            "| shape | route's settings | "
+            + " | ".join(
+                f"{way}: forward kernels | {way}: backward kernels | {way}: forward + backward us" for way in ways
+            )
+            + " |",
+            "|---|---|" + "---:|" * 3 * len(ways),
+        ]
         for r in fig["routes"]:
             settings = ", ".join(f"{k} {v}" for k, v in r["route"].items()) or "softmax"
             cells = []
@@ -611,7 +736,9 @@ def streams_table(rec: dict) -> list[str]:
     n = 0
     for name in ("grad_norm@base", "grad_norm", "master_step@base", "master_step"):
         for r in (rec["figures"].get(name) or {}).get("rows", []):
-            out.append(f"| {name} | {r.get('way') or r.get('kernel')} | {_f(r.get('ms'), 3)} | {_f(r.get('tb_per_s'), 2)} | {_f(r.get('host_ms'), 3)} |")
+            out.append(
+                f"| {name} | {r.get('way') or r.get('kernel')} | {_f(r.get('ms'), 3)} | {_f(r.get('tb_per_s'), 2)} | {_f(r.get('host_ms'), 3)} |"
+            )
             n += 1
     return out if n else []
 
@@ -621,8 +748,10 @@ def attention_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("attention")
     if not fig:
         return []
-    out = ["| proxy | heads (kv) | head_dim q.k / v | way | ms | TFLOP/s | max rel err vs fp32 math |",
-           "|---|---|---|---|---:|---:|---:|"]
+    out = [
+        "| proxy | heads (kv) | head_dim q.k / v | way | ms | TFLOP/s | max rel err vs fp32 math |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
     for r in fig["rows"]:
         head = f"| {r['family']} {r['proxy']} | {r['heads']} ({r['kv_heads']}) | {r['qk_dim']} / {r['v_dim']} | {r['way']} |"
         if "error" in r:
@@ -641,7 +770,9 @@ def launch_table(rec: dict) -> list[str]:
     out = ["| call | host us | code before: host us | before / after |", "|---|---:|---:|---:|"]
     for r in now["rows"]:
         b = base.get(r["call"])
-        out.append(f"| {r['call']} | {_f(r['host_us'])} | {_f(b) if b else '-'} | {_f(b / r['host_us'], 2) if b else '-'} |")
+        out.append(
+            f"| {r['call']} | {_f(r['host_us'])} | {_f(b) if b else '-'} | {_f(b / r['host_us'], 2) if b else '-'} |"
+        )
     return out
 
 
@@ -650,11 +781,15 @@ def dry_run_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("dry_run")
     if not fig:
         return []
-    out = ["| config | ranks | collective check | dry run's CPU s | process CPU s (with imports) | wall s |",
-           "|---|---:|---|---:|---:|---:|"]
+    out = [
+        "| config | ranks | collective check | dry run's CPU s | process CPU s (with imports) | wall s |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
     for r in fig["rows"]:
-        out.append(f"| {r['config']} | {r['ranks']} | {'yes' if r['collectives'] else 'no'} | {_f(r['dry_run_cpu_s'])} "
-                   f"| {_f(r['process_cpu_s'])} | {_f(r['wall_s'])} |")
+        out.append(
+            f"| {r['config']} | {r['ranks']} | {'yes' if r['collectives'] else 'no'} | {_f(r['dry_run_cpu_s'])} "
+            f"| {_f(r['process_cpu_s'])} | {_f(r['wall_s'])} |"
+        )
     return out
 
 
@@ -662,54 +797,96 @@ def collectives_table(rec: dict) -> list[str]:
     fig = rec["figures"].get("collectives")
     if not fig:
         return []
-    cases = ("raw_all_to_all", "dispatcher_a2a_even", "dispatcher_a2a_uneven", "raw_all_gather", "dispatcher_all_gather_v")
-    out = ["| payload | buffer MiB | " + " | ".join(f"{c} GB/s (ms)" for c in cases) + " |",
-           "|---|---:|" + "---:|" * len(cases)]
+    cases = (
+        "raw_all_to_all",
+        "dispatcher_a2a_even",
+        "dispatcher_a2a_uneven",
+        "raw_all_gather",
+        "dispatcher_all_gather_v",
+    )
+    out = [
+        "| payload | buffer MiB | " + " | ".join(f"{c} GB/s (ms)" for c in cases) + " |",
+        "|---|---:|" + "---:|" * len(cases),
+    ]
     for r in fig["rows"]:
-        out.append(f"| {r['payload']} | {_f(r['buffer_mib'])} | "
-                   + " | ".join(f"{_f(r[c]['out_GBps'])} ({_f(r[c]['median_ms'], 3)})" for c in cases) + " |")
+        out.append(
+            f"| {r['payload']} | {_f(r['buffer_mib'])} | "
+            + " | ".join(f"{_f(r[c]['out_GBps'])} ({_f(r[c]['median_ms'], 3)})" for c in cases)
+            + " |"
+        )
     return out
 
 
 def _proxy_mfu(case: str):
     """The Qwen3-30B-A3B proxy's MFU % in case, from a trainer or vs-torchtitan record."""
+
     def value(rec):
         fig = rec["figures"].get("qwen3_30b_a3b_l12") or {}
         return next((r["mfu_pct"] for r in fig.get("rows", []) if r.get("case") == case and r.get("mfu_pct")), None)
+
     return value
 
 
 def _over_torchtitan(case: str):
     """titan_fold's tokens/s over torchtitan 0.2.2's on the Qwen3-30B-A3B proxy in case, one record."""
+
     def value(rec):
         fig = rec["figures"].get("torchtitan_qwen3_30b_a3b_l12") or {}
-        return next((r["ratio_titan_fold_over_torchtitan"] for r in fig.get("rows", [])
-                     if r.get("case") == case and r.get("ratio_titan_fold_over_torchtitan")), None)
+        return next(
+            (
+                r["ratio_titan_fold_over_torchtitan"]
+                for r in fig.get("rows", [])
+                if r.get("case") == case and r.get("ratio_titan_fold_over_torchtitan")
+            ),
+            None,
+        )
+
     return value
 
 
 def _layer_rows(rec: dict, shape: str) -> list[dict]:
     # one GPU's dropless layer rows at shape, the code before's (<step>@base) left out
-    return [r for name, fig in _steps(rec, "layer") if not name.endswith("@base") for r in fig["rows"]
-            if r["shape"] == shape and r["mode"] == "dropless" and r["dispatch"] == "none" and "median_ms" in r]
+    return [
+        r
+        for name, fig in _steps(rec, "layer")
+        if not name.endswith("@base")
+        for r in fig["rows"]
+        if r["shape"] == shape and r["mode"] == "dropless" and r["dispatch"] == "none" and "median_ms" in r
+    ]
 
 
 def _layer_share(shape: str):
     """The MoE layer's best share of the dense GEMM burst at shape with QuACK's GEMMs, over the
     modes (eager, compiled, captured) of one record."""
+
     def value(rec):
-        return max((r["ratio_to_dense_gemm"] for r in _layer_rows(rec, shape)
-                    if r["impl"] == "titan_fold_quack" and r.get("ratio_to_dense_gemm")), default=None)
+        return max(
+            (
+                r["ratio_to_dense_gemm"]
+                for r in _layer_rows(rec, shape)
+                if r["impl"] == "titan_fold_quack" and r.get("ratio_to_dense_gemm")
+            ),
+            default=None,
+        )
+
     return value
 
 
 def _quack_not_slower(shape: str):
     """The layer's time with torch's grouped GEMMs over its time with QuACK's at shape, the least
     over the modes of one record both ran in (the same step)."""
+
     def value(rec):
         times = {(r["impl"], str(r["compiled"])): r["median_ms"] for r in _layer_rows(rec, shape)}
-        return min((times[("titan_fold", mode)] / ms for (impl, mode), ms in times.items()
-                    if impl == "titan_fold_quack" and ("titan_fold", mode) in times), default=None)
+        return min(
+            (
+                times[("titan_fold", mode)] / ms
+                for (impl, mode), ms in times.items()
+                if impl == "titan_fold_quack" and ("titan_fold", mode) in times
+            ),
+            default=None,
+        )
+
     return value
 
 
@@ -717,14 +894,42 @@ def _quack_not_slower(shape: str):
 # hold its figure, the figure of a record or None, the least value that meets it)
 PROXY_CASES = (("eager", "1gpu_bf16params_auxfree", 30), ("compiled", "1gpu_bf16params_auxfree_compiled", 35))
 GOALS = (
-    *((f"Qwen3-30B-A3B proxy, {mode}: MFU % (titan_fold's count)", ("trainer", "vs-torchtitan"), _proxy_mfu(case), least)
-      for mode, case, least in PROXY_CASES),
-    *((f"Qwen3-30B-A3B proxy, {mode}: tokens/s over torchtitan 0.2.2's", ("vs-torchtitan",), _over_torchtitan(case),
-       1.6) for mode, case, _ in PROXY_CASES),
-    *((f"MoE layer at {name} shapes, QuACK's GEMMs, best mode: share of dense", ("layer",), _layer_share(shape), least)
-      for name, shape, least in (("Qwen3-30B-A3B", "qwen3_30b_a3b", 0.60), ("G8T8", "mixtral_8x22b_g8t8", 0.75))),
-    *((f"MoE layer at {name} shapes: time with torch's GEMMs over QuACK's", ("layer",), _quack_not_slower(shape), 0.99)
-      for name, shape in (("Qwen2-57B-A14B", "qwen2_57b_a14b"), ("Mixtral-8x22B", "mixtral_8x22b"))),
+    *(
+        (
+            f"Qwen3-30B-A3B proxy, {mode}: MFU % (titan_fold's count)",
+            ("trainer", "vs-torchtitan"),
+            _proxy_mfu(case),
+            least,
+        )
+        for mode, case, least in PROXY_CASES
+    ),
+    *(
+        (
+            f"Qwen3-30B-A3B proxy, {mode}: tokens/s over torchtitan 0.2.2's",
+            ("vs-torchtitan",),
+            _over_torchtitan(case),
+            1.6,
+        )
+        for mode, case, _ in PROXY_CASES
+    ),
+    *(
+        (
+            f"MoE layer at {name} shapes, QuACK's GEMMs, best mode: share of dense",
+            ("layer",),
+            _layer_share(shape),
+            least,
+        )
+        for name, shape, least in (("Qwen3-30B-A3B", "qwen3_30b_a3b", 0.60), ("G8T8", "mixtral_8x22b_g8t8", 0.75))
+    ),
+    *(
+        (
+            f"MoE layer at {name} shapes: time with torch's GEMMs over QuACK's",
+            ("layer",),
+            _quack_not_slower(shape),
+            0.99,
+        )
+        for name, shape in (("Qwen2-57B-A14B", "qwen2_57b_a14b"), ("Mixtral-8x22B", "mixtral_8x22b"))
+    ),
 )
 
 
@@ -732,32 +937,45 @@ def goals_table(groups: dict[tuple, list[dict]]) -> list[str]:
     """Each goal on each kind of one-GPU machine: its figure in the latest record holding it and
     the best recorded (either may come from older code: the record's date says which run), and
     whether each meets the goal."""
-    out = ["| goal | at least | GPU | latest | run | met | best | run | met |", "|---|---:|---|---:|---|---|---:|---|---|"]
+    out = [
+        "| goal | at least | GPU | latest | run | met | best | run | met |",
+        "|---|---:|---|---:|---|---|---:|---|---|",
+    ]
     for goal, suites, value, least in GOALS:
         found = {}  # device -> (date, figure) of each record holding the goal's figure
         for (suite, device, count), recs in groups.items():
             if suite in suites and count == 1:
-                found.setdefault(device, []).extend((rec["date_utc"], v) for rec in recs if (v := value(rec)) is not None)
+                found.setdefault(device, []).extend(
+                    (rec["date_utc"], v) for rec in recs if (v := value(rec)) is not None
+                )
         for device, runs in sorted((d, runs) for d, runs in found.items() if runs):
             (latest_at, latest), (best_at, best) = max(runs), max(runs, key=lambda run: run[1])
             digits = 1 if least >= 10 else 3
-            out.append(f"| {goal} | {_f(least, digits)} | {device} | {_f(latest, digits)} | {latest_at[:16]} | "
-                       f"{'yes' if latest >= least else 'no'} | {_f(best, digits)} | {best_at[:16]} | "
-                       f"{'yes' if best >= least else 'no'} |")
+            out.append(
+                f"| {goal} | {_f(least, digits)} | {device} | {_f(latest, digits)} | {latest_at[:16]} | "
+                f"{'yes' if latest >= least else 'no'} | {_f(best, digits)} | {best_at[:16]} | "
+                f"{'yes' if best >= least else 'no'} |"
+            )
     return out if len(out) > 2 else []
 
 
-TABLES = (("MoE layer, forward + backward", layer_table), ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
-          ("Trainer", train_table), ("Trainer, one profiled step: GPU time by kernel class (ms)", train_breakdown_table),
-          ("Trainer step phases, medians per step (metrics.step_phases)", train_phases_table),
-          ("Beside torchtitan 0.2.2", vs_table), ("Loss curves", loss_curve_table),
-          ("Routed grouped GEMMs alone", grouped_gemm_table), ("Row movement (dispatch + combine, fwd + bwd)",
-                                                               row_movement_table),
-          ("Routing: the router's choice of k and the grouping's sort (us)", routing_table),
-          ("Gradient norm and the optimizer step", streams_table),
-          ("Attention forward + backward per SDPA backend", attention_table),
-          ("Host time per call of the eager path's generated kernels", launch_table), ("Collectives", collectives_table),
-          ("The dry run's CPU time", dry_run_table))
+TABLES = (
+    ("MoE layer, forward + backward", layer_table),
+    ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
+    ("Trainer", train_table),
+    ("Trainer, one profiled step: GPU time by kernel class (ms)", train_breakdown_table),
+    ("Trainer step phases, medians per step (metrics.step_phases)", train_phases_table),
+    ("Beside torchtitan 0.2.2", vs_table),
+    ("Loss curves", loss_curve_table),
+    ("Routed grouped GEMMs alone", grouped_gemm_table),
+    ("Row movement (dispatch + combine, fwd + bwd)", row_movement_table),
+    ("Routing: the router's choice of k and the grouping's sort (us)", routing_table),
+    ("Gradient norm and the optimizer step", streams_table),
+    ("Attention forward + backward per SDPA backend", attention_table),
+    ("Host time per call of the eager path's generated kernels", launch_table),
+    ("Collectives", collectives_table),
+    ("The dry run's CPU time", dry_run_table),
+)
 
 
 def report(results: str = RESULTS) -> str:
@@ -779,15 +997,20 @@ def report(results: str = RESULTS) -> str:
         if loss_curves and key == loss_curves[-1]:  # after the suite's last machine: its runs on every machine together
             pooled = pooled_loss_curves([rec for k in loss_curves for rec in groups[k]])
             if pooled:
-                text += ["### Suite `loss-curve`: every recorded run, pooled over records and machines", ""] + pooled + [""]
+                text += (
+                    ["### Suite `loss-curve`: every recorded run, pooled over records and machines", ""] + pooled + [""]
+                )
     return "\n".join(text)
 
 
 def _measured(rec: dict) -> set[tuple[str, str | None]]:
     """(step, row label or None) of each figure set a record holds, the code before's left out."""
-    return {(name, _row_label(row) if isinstance(row, dict) else None)
-            for name, fig in rec["figures"].items() if fig and not name.endswith("@base")
-            for row in (fig.get("rows") or [None])}
+    return {
+        (name, _row_label(row) if isinstance(row, dict) else None)
+        for name, fig in rec["figures"].items()
+        if fig and not name.endswith("@base")
+        for row in (fig.get("rows") or [None])
+    }
 
 
 def _shown(recs: list[dict]) -> list[dict]:
@@ -807,9 +1030,14 @@ def _record_text(rec: dict) -> list[str]:
     env = rec["env"]
     gpus = f"{env['device_count']} x {env['device']}" if env["device_count"] else env["device"]
     cpu = f", host CPU {env['cpu']}" if env.get("cpu") else ""
-    text = [f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}{cpu}", "",
-            f"Command: `{rec['command']}`" if rec.get("command") else
-            "Assembled from the per-script results of that date; each step's command is in the file.", ""]
+    text = [
+        f"### Suite `{rec['suite']}`: {gpus}, torch {env['torch']}, {rec['date_utc'][:10]}{cpu}",
+        "",
+        f"Command: `{rec['command']}`"
+        if rec.get("command")
+        else "Assembled from the per-script results of that date; each step's command is in the file.",
+        "",
+    ]
     if rec.get("note"):  # how a record came to be, where its command alone does not say
         text += [f"Note: {rec['note']}", ""]
     for title, fn in TABLES:

@@ -49,8 +49,13 @@ GROUPS = {"deepseek_v3": (8, 4), "tiny": (4, 2)}  # groups, groups kept
 ROUTERS = {  # route's settings of each shape's model, beside MoEArgs' defaults (softmax scores)
     "qwen2_57b_a14b": {},
     "qwen3_30b_a3b": {"norm_topk_prob": True},
-    "deepseek_v3": {"score_func": "sigmoid", "norm_topk_prob": True, "num_groups": 8, "group_topk": 4,
-                    "routed_scaling_factor": 2.5},
+    "deepseek_v3": {
+        "score_func": "sigmoid",
+        "norm_topk_prob": True,
+        "num_groups": 8,
+        "group_topk": 4,
+        "routed_scaling_factor": 2.5,
+    },
     "tiny": {"score_func": "sigmoid", "num_groups": 4, "group_topk": 2},
 }
 
@@ -117,8 +122,9 @@ def bench_shape(name, device, compiled, warmup, iters) -> dict:
         narrow = key.to(dtype)
         sort = wrap(lambda t: torch.sort(t, stable=True).indices)
         assert torch.equal(sort(narrow), order), f"the sort of {dtype} keys gave another order"
-        row[f"grouping_sort_{str(dtype).removeprefix('torch.')}_us"] = _timed_us(lambda: sort(narrow), device,
-                                                                                 warmup, iters)
+        row[f"grouping_sort_{str(dtype).removeprefix('torch.')}_us"] = _timed_us(
+            lambda: sort(narrow), device, warmup, iters
+        )
     grouped = wrap(lambda t: group_by(t, E + 1))
     row["group_by_us"] = _timed_us(lambda: grouped(key), device, warmup, iters)
     return row

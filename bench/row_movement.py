@@ -74,10 +74,15 @@ def ways(token_of_row, slot, k):
             with _summing_with(sum_fn):
                 y = fn(x)
                 return y, torch.autograd.grad(y, x, gy)[0]
+
         return run
 
-    return {"indexing": fwd_bwd(indexing), "embedding_bag": fwd_bwd(gathers, _embedding_bag),
-            "gather_sum": fwd_bwd(gathers, _gather_sum), "dispatcher": fwd_bwd(gathers)}
+    return {
+        "indexing": fwd_bwd(indexing),
+        "embedding_bag": fwd_bwd(gathers, _embedding_bag),
+        "gather_sum": fwd_bwd(gathers, _gather_sum),
+        "dispatcher": fwd_bwd(gathers),
+    }
 
 
 def bench_shape(name, device, dtype, warmup, iters) -> dict:
@@ -101,8 +106,15 @@ def bench_shape(name, device, dtype, warmup, iters) -> dict:
     for way in ("embedding_bag", "gather_sum", "dispatcher"):
         results[f"{way}_speedup"] = base / results[f"{way}_ms"]
     rows_bytes = T * k * dim * x.element_size()
-    return {"shape": name, "tokens": T, "dim": dim, "top_k": k, "experts": E,
-            "row_bytes_mib": rows_bytes / 2**20, **results}
+    return {
+        "shape": name,
+        "tokens": T,
+        "dim": dim,
+        "top_k": k,
+        "experts": E,
+        "row_bytes_mib": rows_bytes / 2**20,
+        **results,
+    }
 
 
 def main(argv=None) -> dict:

@@ -57,8 +57,11 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 def _launches(events: list[dict]) -> dict:
     """Correlation id -> host time of each launch in the trace (generated (Triton) and CuTe kernels
     are launched through the driver API, the rest through the runtime's)."""
-    return {e["args"]["correlation"]: float(e["ts"]) for e in events
-            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    return {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
 
 
 # an idle interval shorter than this is a kernel boundary, not a wait for the host
@@ -72,8 +75,12 @@ def _host_op(ops: list[tuple[float, float, str]], ts: float) -> str:
     return min(inside)[1] if inside else ""
 
 
-def _idle(kernels: list[tuple[float, float, str, float | None]], ops: list[tuple[float, float, str]],
-          first: float, last: float) -> dict:
+def _idle(
+    kernels: list[tuple[float, float, str, float | None]],
+    ops: list[tuple[float, float, str]],
+    first: float,
+    last: float,
+) -> dict:
     """The GPU's idle intervals between first and last (us) among kernels (start, end, name, host
     launch time), the longest with their surroundings: the kernel each wait comes after, the one
     it comes before, and the host op that launched the latter."""
@@ -89,9 +96,16 @@ def _idle(kernels: list[tuple[float, float, str, float | None]], ops: list[tuple
     return {
         "idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
         "waits": len(gaps),
-        "longest": [{"ms": round(ms / 1e3, 3), "at_ms": round((at - first) / 1e3, 3), "after_kernel": b[:120],
-                     "before_kernel": a[:120], "launched_in": "" if launch is None else _host_op(ops, launch)[:120]}
-                    for ms, at, b, a, launch in longest],
+        "longest": [
+            {
+                "ms": round(ms / 1e3, 3),
+                "at_ms": round((at - first) / 1e3, 3),
+                "after_kernel": b[:120],
+                "before_kernel": a[:120],
+                "launched_in": "" if launch is None else _host_op(ops, launch)[:120],
+            }
+            for ms, at, b, a, launch in longest
+        ],
     }
 
 
@@ -99,8 +113,11 @@ def _launched_in(events: list[dict], launches: dict, prefix: str) -> set:
     """Correlation ids of the launches (_launches) made inside a host range whose name starts with
     prefix (torch's optimizers annotate their steps "Optimizer.step#<class>.step"; a container's
     range holds its optimizers' ranges)."""
-    ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(prefix))
+    ranges = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(prefix)
+    )
     merged = []  # nested and overlapping ranges as one
     for start, end in ranges:
         if merged and start <= merged[-1][1]:
@@ -146,8 +163,11 @@ def summarize_trace(path: str) -> dict:
             by_class[cls] = by_class.get(cls, 0.0) + dur / 1e3
             top[name] = top.get(name, 0.0) + dur / 1e3
             spans.append((float(e["ts"]), float(e["ts"]) + dur))
-    ops = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "")) for e in events
-           if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    ops = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+    ]
     first, last = (min(s for s, _ in spans), max(e for _, e in spans)) if spans else (0.0, 0.0)
     return {
         "step_wall_ms": step_ms,

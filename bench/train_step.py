@@ -77,15 +77,16 @@ def _qwen3_at_qwen2_widths():
     from titan_fold.models import FLAVORS
 
     q2 = FLAVORS["qwen2_moe"]["57B-A14B"]
-    return dataclasses.replace(q2, qk_norm=True, qkv_bias=False,
-                               moe=dataclasses.replace(q2.moe, shared_expert_gate=False))
+    return dataclasses.replace(
+        q2, qk_norm=True, qkv_bias=False, moe=dataclasses.replace(q2.moe, shared_expert_gate=False)
+    )
 
 
 LOAD_BALANCE = {"auxloss": "aux_loss", "seqaux": "seq_aux_loss", "auxfree": "aux_free", "lbnone": "none"}
 
 
 def parse_case(case: str) -> tuple[str, dict]:
-    """"<base>[_mod...]" -> (base, mods). base: 1gpu, debug50 or a key of FOLDINGS. mods:
+    """ "<base>[_mod...]" -> (base, mods). base: 1gpu, debug50 or a key of FOLDINGS. mods:
     eager (the default), compiled, bf16params (bf16 weights, training.dtype), masters (bf16
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
@@ -93,14 +94,34 @@ def parse_case(case: str) -> tuple[str, dict]:
     quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), stash<N>
     (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
     same configuration once more, under a name of its own: the run-to-run spread in one call)."""
-    base = next((b for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
-                 if case == b or case.startswith(b + "_")), None)
+    base = next(
+        (
+            b
+            for b in sorted(["1gpu", "debug50", *FOLDINGS], key=len, reverse=True)
+            if case == b or case.startswith(b + "_")
+        ),
+        None,
+    )
     if base is None:
         raise ValueError(f"case {case!r}: must start with one of 1gpu, debug50, {', '.join(FOLDINGS)}")
-    mods = {"compiled": False, "bf16params": False, "masters": False, "fp8": False, "batch": None, "accum": 1,
-            "profile": False, "load_balance": None, "grouped_gemm": None, "cudagraphs": False, "exchange": None, "muon": False,
-            "stash": 0, "phases": False, "rerun": False}
-    for mod in filter(None, case[len(base):].split("_")):
+    mods = {
+        "compiled": False,
+        "bf16params": False,
+        "masters": False,
+        "fp8": False,
+        "batch": None,
+        "accum": 1,
+        "profile": False,
+        "load_balance": None,
+        "grouped_gemm": None,
+        "cudagraphs": False,
+        "exchange": None,
+        "muon": False,
+        "stash": 0,
+        "phases": False,
+        "rerun": False,
+    }
+    for mod in filter(None, case[len(base) :].split("_")):
         if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "phases", "rerun", "muon"):
             mods[mod] = True
         elif mod in ("static", "device"):
@@ -123,27 +144,61 @@ def parse_case(case: str) -> tuple[str, dict]:
 def case_plan(case: str, a) -> tuple[int, list[str]]:
     """-> (processes, titan_fold.train arguments) of one case."""
     base, mods = parse_case(case)
-    common = ["--job.config_file", "debug_moe.toml", "--metrics.log_freq", "1", "--optimizer.lr", "3e-4",
-              "--lr_scheduler.warmup_steps", str(a.lr_warmup_steps), "--activation_checkpoint.mode", "none"]
+    common = [
+        "--job.config_file",
+        "debug_moe.toml",
+        "--metrics.log_freq",
+        "1",
+        "--optimizer.lr",
+        "3e-4",
+        "--lr_scheduler.warmup_steps",
+        str(a.lr_warmup_steps),
+        "--activation_checkpoint.mode",
+        "none",
+    ]
     if base == "debug50":
         # the debug config itself, bf16 on one GPU
-        return 1, ["--job.config_file", "debug_moe.toml", "--training.steps", "50",
-                   "--training.mixed_precision_param", "bfloat16"]
+        return 1, [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--training.steps",
+            "50",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        ]
     nproc, degrees = (1, dict(ep=1, etp=1, edp=-1)) if base == "1gpu" else (2, FOLDINGS[base])
     tp, pp, cp = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("cp", 1)
     dp = nproc // (tp * pp * cp)
     batch = mods["batch"] or a.local_batch
     args = common + [
-        "--model.name", a.family, "--model.flavor", a.proxy,
-        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(batch),
-        "--training.global_batch_size", str(batch * dp * mods["accum"]), "--training.steps", str(a.steps),
-        "--training.mixed_precision_param", a.param_dtype,
-        "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.pipeline_parallel_degree", str(pp),
-        "--parallelism.context_parallel_degree", str(cp),
-        "--parallelism.data_parallel_shard_degree", str(dp),
-        "--parallelism.expert_parallel_degree", str(degrees["ep"]),
-        "--parallelism.expert_tensor_parallel_degree", str(degrees["etp"]),
-        "--parallelism.expert_data_parallel_degree", str(degrees["edp"]),
+        "--model.name",
+        a.family,
+        "--model.flavor",
+        a.proxy,
+        "--training.seq_len",
+        str(a.seq_len),
+        "--training.local_batch_size",
+        str(batch),
+        "--training.global_batch_size",
+        str(batch * dp * mods["accum"]),
+        "--training.steps",
+        str(a.steps),
+        "--training.mixed_precision_param",
+        a.param_dtype,
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--parallelism.pipeline_parallel_degree",
+        str(pp),
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--parallelism.data_parallel_shard_degree",
+        str(dp),
+        "--parallelism.expert_parallel_degree",
+        str(degrees["ep"]),
+        "--parallelism.expert_tensor_parallel_degree",
+        str(degrees["etp"]),
+        "--parallelism.expert_data_parallel_degree",
+        str(degrees["edp"]),
     ]
     if mods["compiled"]:
         args.append("--compile.enable")
@@ -177,6 +232,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
 
 def summarize(records: list[dict], warmup_steps: int) -> dict:
     """Medians over the logged steps after warm-up (peak memory: the max)."""
+
     def mean(xs):
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else None
@@ -207,8 +263,10 @@ def summarize(records: list[dict], warmup_steps: int) -> dict:
         "losses": [r["loss"] for r in records],
     }
     if steady and all("phases" in r for r in steady):  # metrics.step_phases: each phase's medians
-        out["phases"] = {phase: {k: med([r["phases"].get(phase, {}).get(k) for r in steady]) for k in ("host_ms", "gpu_ms")}
-                         for phase in steady[-1]["phases"]}
+        out["phases"] = {
+            phase: {k: med([r["phases"].get(phase, {}).get(k) for r in steady]) for k in ("host_ms", "gpu_ms")}
+            for phase in steady[-1]["phases"]
+        }
     return out
 
 
@@ -260,8 +318,12 @@ def run_case(case: str, a) -> dict:
         if os.path.exists(os.path.join(dump, stale)):
             os.remove(os.path.join(dump, stale))
     worker = ["bench/train_step.py", "--worker", "--family", a.family, "--proxy", a.proxy, "--"]
-    launch = ["--nproc_per_node", str(nproc), "--master_port", str(a.port)] + worker + train_args + [
-        "--job.dump_folder", dump]
+    launch = (
+        ["--nproc_per_node", str(nproc), "--master_port", str(a.port)]
+        + worker
+        + train_args
+        + ["--job.dump_folder", dump]
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
     env = dict(os.environ)
     if a.gpus:
@@ -306,8 +368,10 @@ def log_flags(log_path: str) -> dict:
     TORCH_LOGS=recompiles, the recompiles."""
     with open(log_path) as f:
         text = f.read()
-    return {"dtype_mismatch_warnings": text.count("Mismatch dtype between input and weight"),
-            "recompiles": text.count("Recompiling function")}
+    return {
+        "dtype_mismatch_warnings": text.count("Mismatch dtype between input and weight"),
+        "recompiles": text.count("Recompiling function"),
+    }
 
 
 def finish_row(tag: str, row: dict, log_path: str) -> dict:
@@ -315,8 +379,10 @@ def finish_row(tag: str, row: dict, log_path: str) -> dict:
     if row["returncode"] != 0:
         with open(log_path) as f:
             row["log_tail"] = f.read()[-1500:]
-    print(f"[{tag}] {row['case']}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
-          flush=True)
+    print(
+        f"[{tag}] {row['case']}: " + json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}),
+        flush=True,
+    )
     return row
 
 
@@ -394,8 +460,12 @@ def parse(argv=None):
     p.add_argument("--out-dir", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, debug-width proxy, 4 steps (tests)")
     p.add_argument("--worker", action="store_true")
-    p.add_argument("--rebuild", action="store_true", help="no training: the rows from the metrics and logs in "
-                   "--work-dir that a run cut off (e.g. by a device call's time limit) left, return code 'cut'")
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="no training: the rows from the metrics and logs in "
+        "--work-dir that a run cut off (e.g. by a device call's time limit) left, return code 'cut'",
+    )
     a, rest = p.parse_known_args(argv)
     if a.smoke:
         a.proxy, a.seq_len, a.steps, a.warmup_steps, a.param_dtype = "debug-L2", 128, 4, 1, "float32"
@@ -407,16 +477,23 @@ def main(argv=None) -> dict:
     if "--worker" in argv:
         split = argv.index("--")
         a, _ = parse(argv[:split])
-        worker(argv[split + 1:], a.family, a.proxy)
+        worker(argv[split + 1 :], a.family, a.proxy)
         return {}
     a, _ = parse(argv)
     from bench.common import command_line, write_result
 
     rows = []
-    figures = {"family": a.family, "proxy_flavor": a.proxy, "seq_len": a.seq_len, "local_batch": a.local_batch,
-               "steps": a.steps, "warmup_steps": a.warmup_steps, "lr_warmup_steps": a.lr_warmup_steps,
-               "mixed_precision_param": a.param_dtype,
-               "rows": rows}
+    figures = {
+        "family": a.family,
+        "proxy_flavor": a.proxy,
+        "seq_len": a.seq_len,
+        "local_batch": a.local_batch,
+        "steps": a.steps,
+        "warmup_steps": a.warmup_steps,
+        "lr_warmup_steps": a.lr_warmup_steps,
+        "mixed_precision_param": a.param_dtype,
+        "rows": rows,
+    }
     for case in a.cases.split(","):
         rows.append(run_case(case, a))
         by_case = {r["case"]: r for r in rows}

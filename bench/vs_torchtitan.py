@@ -60,12 +60,26 @@ def qwen3_args(family: str, proxy: str, seq_len: int):
     ours = FLAVORS[family][proxy]
     moe = ours.moe
     return Qwen3ModelArgs(
-        vocab_size=ours.vocab_size, max_seq_len=seq_len, head_dim=ours.head_dim, dim=ours.dim,
-        n_layers=ours.n_layers, n_heads=ours.n_heads, n_kv_heads=ours.n_kv_heads, qk_norm=True,
-        hidden_dim=ours.ffn_dim, rope_theta=ours.rope_theta, moe_enabled=True, moe_inter_dim=moe.moe_ffn_dim,
-        moe_args=MoEArgs(num_experts=moe.num_experts, num_shared_experts=moe.shared_ffn_dim // moe.moe_ffn_dim,
-                         top_k=moe.top_k, score_func="softmax", route_norm=moe.norm_topk_prob,
-                         score_before_experts=False),
+        vocab_size=ours.vocab_size,
+        max_seq_len=seq_len,
+        head_dim=ours.head_dim,
+        dim=ours.dim,
+        n_layers=ours.n_layers,
+        n_heads=ours.n_heads,
+        n_kv_heads=ours.n_kv_heads,
+        qk_norm=True,
+        hidden_dim=ours.ffn_dim,
+        rope_theta=ours.rope_theta,
+        moe_enabled=True,
+        moe_inter_dim=moe.moe_ffn_dim,
+        moe_args=MoEArgs(
+            num_experts=moe.num_experts,
+            num_shared_experts=moe.shared_ffn_dim // moe.moe_ffn_dim,
+            top_k=moe.top_k,
+            score_func="softmax",
+            route_norm=moe.norm_topk_prob,
+            score_before_experts=False,
+        ),
     )
 
 
@@ -84,18 +98,38 @@ def deepseek_v3_args(proxy: str, seq_len: int):
     ours = FLAVORS["deepseek_v3"][proxy]
     moe = ours.moe
     return DeepSeekV3ModelArgs(
-        max_seq_len=seq_len, vocab_size=ours.vocab_size, dim=ours.dim, inter_dim=ours.ffn_dim,
-        moe_inter_dim=moe.moe_ffn_dim, n_layers=ours.n_layers, n_dense_layers=ours.first_k_dense,
-        n_heads=ours.n_heads, norm_eps=ours.norm_eps,
-        moe_args=MoEArgs(num_experts=moe.num_experts, num_shared_experts=moe.shared_ffn_dim // moe.moe_ffn_dim,
-                         top_k=moe.top_k, score_func=moe.score_func, route_norm=moe.norm_topk_prob,
-                         route_scale=moe.routed_scaling_factor, score_before_experts=False,
-                         num_expert_groups=moe.num_groups if moe.num_groups > 1 else None,
-                         num_limited_groups=moe.group_topk if moe.num_groups > 1 else None),
-        q_lora_rank=ours.q_lora_rank or 0, kv_lora_rank=ours.kv_lora_rank, qk_nope_head_dim=ours.qk_nope_head_dim,
-        qk_rope_head_dim=ours.qk_rope_head_dim, v_head_dim=ours.v_head_dim, attn_type="sdpa",
-        attn_mask_type="causal", original_seq_len=ours.original_max_seq_len, rope_theta=ours.rope_theta,
-        rope_factor=ours.rope_factor, beta_fast=int(ours.beta_fast), beta_slow=int(ours.beta_slow),
+        max_seq_len=seq_len,
+        vocab_size=ours.vocab_size,
+        dim=ours.dim,
+        inter_dim=ours.ffn_dim,
+        moe_inter_dim=moe.moe_ffn_dim,
+        n_layers=ours.n_layers,
+        n_dense_layers=ours.first_k_dense,
+        n_heads=ours.n_heads,
+        norm_eps=ours.norm_eps,
+        moe_args=MoEArgs(
+            num_experts=moe.num_experts,
+            num_shared_experts=moe.shared_ffn_dim // moe.moe_ffn_dim,
+            top_k=moe.top_k,
+            score_func=moe.score_func,
+            route_norm=moe.norm_topk_prob,
+            route_scale=moe.routed_scaling_factor,
+            score_before_experts=False,
+            num_expert_groups=moe.num_groups if moe.num_groups > 1 else None,
+            num_limited_groups=moe.group_topk if moe.num_groups > 1 else None,
+        ),
+        q_lora_rank=ours.q_lora_rank or 0,
+        kv_lora_rank=ours.kv_lora_rank,
+        qk_nope_head_dim=ours.qk_nope_head_dim,
+        qk_rope_head_dim=ours.qk_rope_head_dim,
+        v_head_dim=ours.v_head_dim,
+        attn_type="sdpa",
+        attn_mask_type="causal",
+        original_seq_len=ours.original_max_seq_len,
+        rope_theta=ours.rope_theta,
+        rope_factor=ours.rope_factor,
+        beta_fast=int(ours.beta_fast),
+        beta_slow=int(ours.beta_slow),
         mscale=ours.mscale_all_dim,
     )
 
@@ -109,9 +143,16 @@ def register(family: str, proxy: str, seq_len: int) -> None:
         spec, args = get_train_spec("deepseek_v3"), deepseek_v3_args(proxy, seq_len)
     else:
         spec, args = get_train_spec("qwen3"), qwen3_args(family, proxy, seq_len)
-    register_train_spec(SPEC_NAME, dataclasses.replace(
-        spec, model_args={proxy: args}, build_dataloader_fn=build_dataloader,
-        build_tokenizer_fn=build_tokenizer, build_validator_fn=None))
+    register_train_spec(
+        SPEC_NAME,
+        dataclasses.replace(
+            spec,
+            model_args={proxy: args},
+            build_dataloader_fn=build_dataloader,
+            build_tokenizer_fn=build_tokenizer,
+            build_validator_fn=None,
+        ),
+    )
 
 
 def worker(argv: list[str], family: str, proxy: str) -> None:
@@ -135,13 +176,20 @@ def worker(argv: list[str], family: str, proxy: str) -> None:
         original(metrics, step)
         if rank0:
             with open(path, "a") as f:
-                f.write(json.dumps({
-                    "step": step, "loss": metrics["loss_metrics/global_avg_loss"],
-                    "tokens_per_sec": metrics["throughput(tps)"], "tflops": metrics["tflops"],
-                    "mfu": metrics["mfu(%)"] if metrics["mfu(%)"] == metrics["mfu(%)"] else None,
-                    "max_memory_gib": metrics["memory/max_reserved(GiB)"],
-                    "time_per_step_s": metrics["time_metrics/end_to_end(s)"],
-                }) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": metrics["loss_metrics/global_avg_loss"],
+                            "tokens_per_sec": metrics["throughput(tps)"],
+                            "tflops": metrics["tflops"],
+                            "mfu": metrics["mfu(%)"] if metrics["mfu(%)"] == metrics["mfu(%)"] else None,
+                            "max_memory_gib": metrics["memory/max_reserved(GiB)"],
+                            "time_per_step_s": metrics["time_metrics/end_to_end(s)"],
+                        }
+                    )
+                    + "\n"
+                )
 
     trainer.metrics_processor.logger.log = log
     try:
@@ -204,12 +252,33 @@ def run_case(case: str, a) -> dict:
     if os.path.exists(os.path.join(dump, "metrics.jsonl")):
         os.remove(os.path.join(dump, "metrics.jsonl"))
     train_args = [
-        "--model.name", SPEC_NAME, "--model.flavor", a.proxy, "--training.dataset", "stdlib",
-        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(batch),
-        "--training.global_batch_size", str(batch * nproc * mods["accum"]),
-        "--training.steps", str(a.steps), "--training.mixed_precision_param", a.param_dtype,
-        "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--optimizer.lr", "3e-4",
-        "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none", "--job.dump_folder", dump,
+        "--model.name",
+        SPEC_NAME,
+        "--model.flavor",
+        a.proxy,
+        "--training.dataset",
+        "stdlib",
+        "--training.seq_len",
+        str(a.seq_len),
+        "--training.local_batch_size",
+        str(batch),
+        "--training.global_batch_size",
+        str(batch * nproc * mods["accum"]),
+        "--training.steps",
+        str(a.steps),
+        "--training.mixed_precision_param",
+        a.param_dtype,
+        "--metrics.log_freq",
+        "1",
+        "--metrics.disable_color_printing",
+        "--optimizer.lr",
+        "3e-4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--activation_checkpoint.mode",
+        "none",
+        "--job.dump_folder",
+        dump,
     ]
     if nproc == 2:
         train_args += ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
@@ -218,8 +287,19 @@ def run_case(case: str, a) -> dict:
     if mods["bf16params"]:
         # bf16 parameters, no autocast: like titan_fold's *_bf16params cases
         train_args += ["--training.dtype", "bfloat16"]
-    launch = ["--nproc_per_node", str(nproc), "--master_port", str(a.port), "bench/vs_torchtitan.py", "--worker",
-              "--family", a.family, "--proxy", a.proxy, "--"] + train_args
+    launch = [
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(a.port),
+        "bench/vs_torchtitan.py",
+        "--worker",
+        "--family",
+        a.family,
+        "--proxy",
+        a.proxy,
+        "--",
+    ] + train_args
     cmd = [sys.executable, "-m", "torch.distributed.run"] + launch
     env = dict(os.environ)
     if a.gpus:
@@ -230,8 +310,12 @@ def run_case(case: str, a) -> dict:
     log_path = os.path.join(a.work_dir, f"torchtitan_{case}.log")
     with open(log_path, "w") as log:
         rc = run_group(cmd, env, log, a.case_timeout)
-    row = {"case": case, "returncode": rc, "command": shown,
-           **summarize(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup_steps)}
+    row = {
+        "case": case,
+        "returncode": rc,
+        "command": shown,
+        **summarize(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup_steps),
+    }
     return finish_row("vs_torchtitan", row, log_path)
 
 
@@ -240,8 +324,11 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="1gpu_eager,1gpu_compiled")
     p.add_argument("--family", default="qwen2_moe")
-    p.add_argument("--proxy", default="57B-A14B-L2", help="titan_fold's proxy flavor: torchtitan's model takes its "
-                   "widths; titan_fold's FLOP count")
+    p.add_argument(
+        "--proxy",
+        default="57B-A14B-L2",
+        help="titan_fold's proxy flavor: torchtitan's model takes its widths; titan_fold's FLOP count",
+    )
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--local-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -258,7 +345,7 @@ def main(argv=None) -> dict:
     if "--worker" in argv:
         split = argv.index("--")
         a = p.parse_args(argv[:split])
-        worker(argv[split + 1:], a.family, a.proxy)
+        worker(argv[split + 1 :], a.family, a.proxy)
         return {}
     a = p.parse_args(argv)
     from bench.common import command_line, env_info, peak_flops, write_result
@@ -281,9 +368,18 @@ def main(argv=None) -> dict:
             row["titan_fold_mfu_pct"] = mine.get("mfu_pct")
             row["ratio_titan_fold_over_torchtitan"] = mine["tokens_per_sec_per_gpu"] / tps
         rows.append(row)
-    figures = {"family": a.family, "titan_fold_proxy": a.proxy, "seq_len": a.seq_len,
-               "local_batch": a.local_batch, "steps": a.steps, "warmup_steps": a.warmup_steps,
-               "titan_fold_flops_per_token": fpt, "peak_flops": peak, "ours_file": a.ours, "rows": rows}
+    figures = {
+        "family": a.family,
+        "titan_fold_proxy": a.proxy,
+        "seq_len": a.seq_len,
+        "local_batch": a.local_batch,
+        "steps": a.steps,
+        "warmup_steps": a.warmup_steps,
+        "titan_fold_flops_per_token": fpt,
+        "peak_flops": peak,
+        "ours_file": a.ours,
+        "rows": rows,
+    }
     write_result(a.name, figures, a.out_dir, command=command_line(["bench/vs_torchtitan.py"] + argv))
     return figures
 

@@ -24,8 +24,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["docs/dryrun.md", "docs/layouts.md", "docs/moe.md", "docs/parallelize.md", "docs/planning.md",
-        "docs/running.md"]
+DOCS = [
+    "docs/dryrun.md",
+    "docs/layouts.md",
+    "docs/moe.md",
+    "docs/parallelize.md",
+    "docs/planning.md",
+    "docs/running.md",
+]
 MARKER = "<!-- gen -->"
 FORK_LOCK = threading.Lock()
 
@@ -64,7 +70,7 @@ def python_module(command: str) -> tuple[list[str], str] | None:
     lexer.whitespace_split = True
     words = list(lexer)
     ops = [i for i, w in enumerate(words) if w and set(w) <= set("|&;<>()")]
-    head = words[:ops[0]] if ops else words
+    head = words[: ops[0]] if ops else words
     if len(head) < 3 or head[:2] != ["python", "-m"] or (ops and words[ops[0]] != "|"):
         return None
     return head[2:], command.split("|", 1)[1] if ops else ""
@@ -113,18 +119,35 @@ def fork_module(argv: list[str]) -> tuple[int, str]:
 
 def run(command: str) -> str:
     """A `$ ...` line -> the block text: the command, then its output."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]), COLUMNS="200")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        COLUMNS="200",
+    )
     module = python_module(command[2:])
     if module is not None:
         code, output = fork_module(module[0])
         if module[1] and code in (0, 2):
-            result = subprocess.run(["bash", "-o", "pipefail", "-c", module[1]], input=output, cwd=ROOT, env=env,
-                                    capture_output=True, text=True, timeout=600)
+            result = subprocess.run(
+                ["bash", "-o", "pipefail", "-c", module[1]],
+                input=output,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             code, output = result.returncode, result.stdout + result.stderr
     else:
-        result = subprocess.run(["bash", "-o", "pipefail", "-c", command[2:]], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=1800)
+        result = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", command[2:]],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         code, output = result.returncode, result.stdout + result.stderr
     output = output.rstrip("\n")
     if code not in (0, 2):  # 2: a UserError, quoted on purpose
@@ -166,8 +189,12 @@ def generate(text: str, workers: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("files", nargs="*", default=DOCS + list(WHOLE),
-                   help="markdown files (or the files of WHOLE), relative to the repository root")
+    p.add_argument(
+        "files",
+        nargs="*",
+        default=DOCS + list(WHOLE),
+        help="markdown files (or the files of WHOLE), relative to the repository root",
+    )
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 and show the files that differ")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)

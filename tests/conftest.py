@@ -38,18 +38,35 @@ def pytest_configure(config):
     if missing:
         pytest.exit(f"{sys.executable} lacks {', '.join(missing)}: {INSTALL}", returncode=4)
     if not config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses") not in (None, "0"):
-        config.issue_config_time_warning(pytest.PytestConfigWarning(
-            f"pytest-xdist is not installed: the tests run in one process; {INSTALL}"), stacklevel=2)
+        config.issue_config_time_warning(
+            pytest.PytestConfigWarning(f"pytest-xdist is not installed: the tests run in one process; {INSTALL}"),
+            stacklevel=2,
+        )
+
 
 # pytest-xdist runs the files on two workers, a whole file each (pyproject.toml's addopts),
 # handing out the next file as a worker nears the end of its last one: the files with the
 # longest launches go first, so that the two workers finish together rather than one
 # waiting out the other's last long file.
-LONGEST_FIRST = ["test_dryrun.py", "test_overlap.py", "test_readme_commands.py", "test_equivalence.py",
-                 "test_checkpoint.py", "test_optimizer.py", "test_muon_folding.py", "test_reliability.py", "test_docs.py",
-                 "test_hf.py", "test_first_hour.py", "test_packaged_configs_train.py", "test_pipeline.py",
-                 "test_gradient_check.py", "test_attention_parallel.py", "test_both_runs_check.py",
-                 "test_mutations.py"]
+LONGEST_FIRST = [
+    "test_dryrun.py",
+    "test_overlap.py",
+    "test_readme_commands.py",
+    "test_equivalence.py",
+    "test_checkpoint.py",
+    "test_optimizer.py",
+    "test_muon_folding.py",
+    "test_reliability.py",
+    "test_docs.py",
+    "test_hf.py",
+    "test_first_hour.py",
+    "test_packaged_configs_train.py",
+    "test_pipeline.py",
+    "test_gradient_check.py",
+    "test_attention_parallel.py",
+    "test_both_runs_check.py",
+    "test_mutations.py",
+]
 
 
 # the reasons a test may skip for: this machine lacks the hardware or the kernel library the test
@@ -83,8 +100,11 @@ def pytest_collectreport(report):  # a module-level skip (pytest.importorskip, a
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session):
     # in the controller (or the only process); a worse status (interrupted, an internal error) stays
-    if UNEXPLAINED and not hasattr(session.config, "workerinput") and session.exitstatus in (
-            pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+    if (
+        UNEXPLAINED
+        and not hasattr(session.config, "workerinput")
+        and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    ):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -101,8 +121,9 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
 
 
-def forked(nproc: int, module: str, *args: str, env: dict | None = None,
-           timeout: float = 900) -> tuple[list[int], str, str]:
+def forked(
+    nproc: int, module: str, *args: str, env: dict | None = None, timeout: float = 900
+) -> tuple[list[int], str, str]:
     """`python -m MODULE ARGS` on NPROC ranks with torchrun's environment (0: one plain process),
     forked from one process that imported the trainer once per session (tests/launcher.py);
     -> every rank's exit code, stdout, stderr."""
@@ -134,13 +155,28 @@ def read_metrics(folder) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args: str,
-                    config: str = "debug_moe.toml") -> list[dict]:
+def train_from_seed(
+    folder, nproc: int, seed_checkpoint: str, steps: int, *args: str, config: str = "debug_moe.toml"
+) -> list[dict]:
     """Train `steps` steps from the seed checkpoint, logging every step with each parameter
     group's norms; -> the metrics."""
-    torchrun(nproc, "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.initial_load_path",
-             seed_checkpoint, "--checkpoint.interval", "1000", "--training.steps", str(steps),
-             "--metrics.log_freq", "1", "--metrics.group_grad_norms", *args, config=config)
+    torchrun(
+        nproc,
+        "--job.dump_folder",
+        str(folder),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        seed_checkpoint,
+        "--checkpoint.interval",
+        "1000",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.group_grad_norms",
+        *args,
+        config=config,
+    )
     return read_metrics(folder)
 
 
@@ -149,9 +185,14 @@ def train_from_seed(folder, nproc: int, seed_checkpoint: str, steps: int, *args:
 GROUP_METRICS = ("group_grad_norms", "group_update_norms")
 
 
-def assert_matches_one_rank(reference: list[dict], got: list[dict], name: str,
-                            keys: tuple[str, ...] = ("loss", "grad_norm", "moe_aux_loss"),
-                            rel: float = 1e-4, abs: float = 1e-7) -> None:
+def assert_matches_one_rank(
+    reference: list[dict],
+    got: list[dict],
+    name: str,
+    keys: tuple[str, ...] = ("loss", "grad_norm", "moe_aux_loss"),
+    rel: float = 1e-4,
+    abs: float = 1e-7,
+) -> None:
     """Every step of `got` as the one-rank `reference`: the logged `keys`, and the gradient norm
     and update norm of every parameter group (train_from_seed logs them)."""
     assert len(got) == len(reference) > 0, name
@@ -179,5 +220,13 @@ def one_rank_reference(tmp_path_factory, seed_checkpoint) -> list[dict]:
     """5 steps on one rank from the seed checkpoint: the global batch of 8 sequences in 8
     micro-batches of one (so each MoE aux loss is a mean over one sequence, as in the
     folded runs that compare against it)."""
-    return train_from_seed(tmp_path_factory.mktemp("ref"), 1, seed_checkpoint, 5,
-                           "--training.local_batch_size", "1", "--training.global_batch_size", "8")
+    return train_from_seed(
+        tmp_path_factory.mktemp("ref"),
+        1,
+        seed_checkpoint,
+        5,
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "8",
+    )

@@ -41,8 +41,10 @@ def check_op(rank):
             rows = torch.cat([torch.arange(V, device="cuda"), torch.tensor([cap], device="cuda")])
             if not torch.equal(got[rows], want[rows]):
                 bad = (got[rows] != want[rows]).any(1).nonzero().flatten()
-                failures.append(f"rank {rank} trial {trial} width {width}: {bad.numel()} of {V} rows differ, "
-                                f"first {bad[:5].tolist()}, send {send.tolist()}")
+                failures.append(
+                    f"rank {rank} trial {trial} width {width}: {bad.numel()} of {V} rows differ, "
+                    f"first {bad[:5].tolist()}, send {send.tolist()}"
+                )
     return failures
 
 
@@ -78,8 +80,10 @@ def main():
         for i, (a, b) in enumerate(zip(runs["device"], runs["exact"], strict=True)):
             err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
             if err > 2e-2:
-                failures.append(f"rank {rank} skew {skew} compiled {compiled}: tensor {i} {tuple(a.shape)}: "
-                                f"max error {err:.3g} of its largest value")
+                failures.append(
+                    f"rank {rank} skew {skew} compiled {compiled}: tensor {i} {tuple(a.shape)}: "
+                    f"max error {err:.3g} of its largest value"
+                )
         print(f"rank {rank} layer skew {skew} compiled {compiled}: {len(failures)} failures so far", flush=True)
     for f in failures:
         print(f, flush=True)

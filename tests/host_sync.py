@@ -14,8 +14,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
-_DATA_DEPENDENT = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.bincount, aten._unique,
-                   aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.argwhere}
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten.bincount,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.argwhere,
+}
 
 
 class HostSync(RuntimeError):
@@ -30,7 +39,6 @@ class _HostReads(TorchFunctionMode):
 
 
 class _SyncingOps(TorchDispatchMode):
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
@@ -39,7 +47,8 @@ class _SyncingOps(TorchDispatchMode):
         if packet is aten.repeat_interleave and isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None:
             raise HostSync(f"{func} without output_size: its size is the sum of the repeats")
         if packet in (aten.index, aten.index_put, aten.index_put_) and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()
+        ):
             raise HostSync(f"{func} with a boolean mask: its size is the mask's count")
         return func(*args, **kwargs)
 

@@ -86,8 +86,10 @@ def run_ranks(worker, world: int, out_dir, *args, timeout: float = 900) -> None:
     codes = ZYGOTE.launch(world, [], stdout, stderr, timeout=timeout, call=call)
     if any(codes):
         with open(stderr, errors="replace") as f:
-            raise AssertionError(f"{worker.__name__} on {world} ranks: exit codes {codes} "
-                                 f"(-{int(signal.SIGABRT)}: still running after {timeout} s)\n{f.read()[-12000:]}")
+            raise AssertionError(
+                f"{worker.__name__} on {world} ranks: exit codes {codes} "
+                f"(-{int(signal.SIGABRT)}: still running after {timeout} s)\n{f.read()[-12000:]}"
+            )
 
 
 def fork_ranks(worker, world: int, out_dir, *args, timeout: float = 900) -> list[str]:
@@ -129,9 +131,19 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     os.chdir(request["cwd"])
     os.environ.update(request["env"])
     if nproc:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                          GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            GROUP_WORLD_SIZE="1",
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RESTART_COUNT="0",
+        )
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
     sys.stdin = open(os.devnull)
@@ -226,19 +238,41 @@ class Zygote:
     def __init__(self):
         self.proc = None
 
-    def launch(self, nproc: int, argv: list[str], stdout: str, stderr: str, env: dict | None = None,
-               timeout: float = 900, module: str = "titan_fold.train", call: list | None = None) -> list[int]:
+    def launch(
+        self,
+        nproc: int,
+        argv: list[str],
+        stdout: str,
+        stderr: str,
+        env: dict | None = None,
+        timeout: float = 900,
+        module: str = "titan_fold.train",
+        call: list | None = None,
+    ) -> list[int]:
         """`python -m MODULE ARGV` on NPROC ranks with torchrun's environment (0: one plain
         process), stdout and stderr appended to those files; -> every rank's exit code. With
         `call` [module, function, args], each rank runs function(rank, port, *args) instead."""
         if self.proc is None or self.proc.poll() is not None:
             here = os.path.dirname(os.path.abspath(__file__))
             self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(here, "launcher.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                [sys.executable, os.path.join(here, "launcher.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
             atexit.register(self.close)
-        request = dict(nproc=nproc, module=module, argv=list(argv), stdout=stdout, stderr=stderr, env=env or {},
-                       cwd=os.getcwd(), timeout=timeout, call=call)
+        request = dict(
+            nproc=nproc,
+            module=module,
+            argv=list(argv),
+            stdout=stdout,
+            stderr=stderr,
+            env=env or {},
+            cwd=os.getcwd(),
+            timeout=timeout,
+            call=call,
+        )
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()

@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "tests" / "data" / "mutation_results.json"
 # what a copy leaves out: history, environments, outputs and caches
-IGNORED = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
+IGNORED = shutil.ignore_patterns(
+    ".git", ".venv", "outputs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,143 +49,210 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "expert_grad_halved", "every routed expert's gradient halved (the expert FSDP units' divide factor)",
+        "expert_grad_halved",
+        "every routed expert's gradient halved (the expert FSDP units' divide factor)",
         "titan_fold/parallel/parallelize.py",
         "        unit.set_gradient_divide_factor(1.0)\n",
         "        unit.set_gradient_divide_factor(2.0 if unit in [m.experts for m in moe_layers(model)] else 1.0)\n",
         # every layout with experts sharded over edp > 1 (FSDP units of their own)
-        tuple(f"tests/test_equivalence.py::test_layout_matches_one_rank[{layout}]" for layout in (
-            "dp4_ep2_edp2", "c_cp4_dp2_ep2_etp2_edp2", "e_hsdp2x2_tp2_ep2_etp2_edp2", "f_tp4_dp2_ep2_edp4"))),
+        tuple(
+            f"tests/test_equivalence.py::test_layout_matches_one_rank[{layout}]"
+            for layout in (
+                "dp4_ep2_edp2",
+                "c_cp4_dp2_ep2_etp2_edp2",
+                "e_hsdp2x2_tp2_ep2_etp2_edp2",
+                "f_tp4_dp2_ep2_edp4",
+            )
+        ),
+    ),
     Mutation(
-        "expert_norm_not_reduced", "the expert mesh's all-reduce of the gradient norm skipped (clip.full_norm)",
+        "expert_norm_not_reduced",
+        "the expert mesh's all-reduce of the gradient norm skipped (clip.full_norm)",
         "titan_fold/parallel/clip.py",
         "    dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)\n",
         "",
         # every layout with a mesh whose gradients are partial over two dims or more (not dp2 x ep2)
-        (*(f"tests/test_equivalence.py::test_layout_matches_one_rank[{layout}]" for layout in (
-            "dp4_ep2_edp2", "dp8_ep4_etp2", "a_tp2_cp2_dp2_ep4_etp2", "b_tp2_dp4_ep8_moe_recompute",
-            "c_cp4_dp2_ep2_etp2_edp2", "e_hsdp2x2_tp2_ep2_etp2_edp2", "f_tp4_dp2_ep2_edp4")),
-         "tests/test_equivalence.py::test_full_sequence_dropping_matches_one_rank[cp2_tp2_dp2_ep4_etp2_drop]")),
+        (
+            *(
+                f"tests/test_equivalence.py::test_layout_matches_one_rank[{layout}]"
+                for layout in (
+                    "dp4_ep2_edp2",
+                    "dp8_ep4_etp2",
+                    "a_tp2_cp2_dp2_ep4_etp2",
+                    "b_tp2_dp4_ep8_moe_recompute",
+                    "c_cp4_dp2_ep2_etp2_edp2",
+                    "e_hsdp2x2_tp2_ep2_etp2_edp2",
+                    "f_tp4_dp2_ep2_edp4",
+                )
+            ),
+            "tests/test_equivalence.py::test_full_sequence_dropping_matches_one_rank[cp2_tp2_dp2_ep4_etp2_drop]",
+        ),
+    ),
     Mutation(
-        "router_grad_tp_sum_dropped", "the router gate's gradient not summed over tp (its token rows taken as replicated)",
+        "router_grad_tp_sum_dropped",
+        "the router gate's gradient not summed over tp (its token rows taken as replicated)",
         "titan_fold/parallel/placement.py",
         "        return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)\n",
         "        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)\n",
-        ("tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]",)),
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]",),
+    ),
     Mutation(
-        "router_stats_over_cp_only", "the router's aux-loss statistics summed over cp only, not cp x tp",
+        "router_stats_over_cp_only",
+        "the router's aux-loss statistics summed over cp only, not cp x tp",
         "titan_fold/parallel/experts.py",
         '        seq_mesh=layout.get_optional_mesh("cp_tp"),\n',
         '        seq_mesh=layout.get_optional_mesh("cp"),\n',
-        ("tests/test_equivalence.py::test_layout_matches_one_rank[a_tp2_cp2_dp2_ep4_etp2]",
-         "tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]")),
+        (
+            "tests/test_equivalence.py::test_layout_matches_one_rank[a_tp2_cp2_dp2_ep4_etp2]",
+            "tests/test_equivalence.py::test_layout_matches_one_rank[f_tp4_dp2_ep2_edp4]",
+        ),
+    ),
     Mutation(
-        "edp_reduce_scatter_skipped", "routed experts left out of FSDP over edp: their gradients never reduced over edp",
+        "edp_reduce_scatter_skipped",
+        "routed experts left out of FSDP over edp: their gradients never reduced over edp",
         "titan_fold/parallel/placement.py",
         '                fsdp_mesh=("edp",) if layout.edp > 1 else (),\n',
         "                fsdp_mesh=(),\n",
-        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp4_ep2_edp2]",)),
+        ("tests/test_equivalence.py::test_layout_matches_one_rank[dp4_ep2_edp2]",),
+    ),
     Mutation(
-        "cp_chunk_order_wrong", "cp's gathered K/V chunks put in rank order, not the load-balanced mirror order",
+        "cp_chunk_order_wrong",
+        "cp's gathered K/V chunks put in rank order, not the load-balanced mirror order",
         "titan_fold/parallel/attention.py",
         "        order = [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]\n",
         "        order = [2 * g if g < cp else 2 * (g - cp) + 1 for g in range(2 * cp)]\n",
-        ("tests/test_attention_parallel.py::test_attention_parallel_matches_one_rank",)),
+        ("tests/test_attention_parallel.py::test_attention_parallel_matches_one_rank",),
+    ),
     Mutation(
-        "router_ties_to_higher_expert", "the Triton router's argmax passes take the higher expert or group among equals",
+        "router_ties_to_higher_expert",
+        "the Triton router's argmax passes take the higher expert or group among equals",
         "titan_fold/moe/router_triton.py",
         "tl.min(tl.where(x == top[:, None], cols[None, :], x.shape[1]), axis=1)",
         "tl.max(tl.where(x == top[:, None], cols[None, :], -1), axis=1)",
-        ("tests/test_moe_fast_paths.py::test_fused_route_equals_route_whole_in_the_triton_interpreter",), fast=True),
+        ("tests/test_moe_fast_paths.py::test_fused_route_equals_route_whole_in_the_triton_interpreter",),
+        fast=True,
+    ),
     Mutation(
-        "router_group_ties_to_higher", "the Triton router keeps the higher group among groups of equal scores",
+        "router_group_ties_to_higher",
+        "the Triton router keeps the higher group among groups of equal scores",
         "titan_fold/moe/router_triton.py",
         "kept = _first_max(group_score, gcols)",
         "kept = tl.max(tl.where(group_score == tl.max(group_score, axis=1)[:, None], gcols[None, :], -1), axis=1)",
-        ("tests/test_moe_fast_paths.py::test_fused_route_equals_route_whole_in_the_triton_interpreter",)),
+        ("tests/test_moe_fast_paths.py::test_fused_route_equals_route_whole_in_the_triton_interpreter",),
+    ),
     Mutation(
-        "group_offsets_off_by_one", "each expert's row offsets searched after its rows: counts and starts off by one expert",
+        "group_offsets_off_by_one",
+        "each expert's row offsets searched after its rows: counts and starts off by one expert",
         "titan_fold/moe/dispatcher.py",
         "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow))  # [G + 1]\n",
         "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow), right=True)\n",
-        ("tests/test_moe_layer.py::test_group_by[40-7]",
-         "tests/test_moe_layer.py::test_layer_matches_reference[2-8-None-probs-0.0-True-dtype0]"),
-        fast=True),
+        (
+            "tests/test_moe_layer.py::test_group_by[40-7]",
+            "tests/test_moe_layer.py::test_layer_matches_reference[2-8-None-probs-0.0-True-dtype0]",
+        ),
+        fast=True,
+    ),
     Mutation(
-        "token_drop_keeps_lowest", "token drop by probs keeps the lowest routing weights, not the highest",
+        "token_drop_keeps_lowest",
+        "token drop by probs keeps the lowest routing weights, not the highest",
         "titan_fold/moe/dispatcher.py",
         "        prio = torch.sort(probs.flatten(), descending=True, stable=True).indices\n",
         "        prio = torch.sort(probs.flatten(), descending=False, stable=True).indices\n",
-        ("tests/test_moe_layer.py::test_layer_matches_reference[2-8-1.0-probs-0.0-True-dtype0]",)),
+        ("tests/test_moe_layer.py::test_layer_matches_reference[2-8-1.0-probs-0.0-True-dtype0]",),
+    ),
     Mutation(
-        "expert_bias_not_checkpointed", "the aux-free router bias left out of the state dict: a resume restarts it at zero",
+        "expert_bias_not_checkpointed",
+        "the aux-free router bias left out of the state dict: a resume restarts it at zero",
         "titan_fold/moe/router.py",
         '        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)\n',
         '        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)\n',
-        ("tests/test_checkpoint.py::test_checkpoint_holds_every_state",
-         "tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank")),
+        (
+            "tests/test_checkpoint.py::test_checkpoint_holds_every_state",
+            "tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank",
+        ),
+    ),
     Mutation(
-        "mtp_target_offset", "the MTP layer's targets one token too far ahead (future_tokens)",
+        "mtp_target_offset",
+        "the MTP layer's targets one token too far ahead (future_tokens)",
         "titan_fold/models/mtp.py",
         "        pad = torch.full_like(labels[:, :j], IGNORE_INDEX)\n        columns.append(torch.cat([labels[:, j:], pad], dim=1))\n",
         "        pad = torch.full_like(labels[:, :j + 1], IGNORE_INDEX)\n        columns.append(torch.cat([labels[:, j + 1:], pad], dim=1))\n",
-        ("tests/test_deepseek_v3.py::test_mtp_loss_against_a_written_out_computation",)),
+        ("tests/test_deepseek_v3.py::test_mtp_loss_against_a_written_out_computation",),
+    ),
     Mutation(
-        "fp8_scale_transposed", "the FP8 input gradient's weight quantized per output row, scaled per input column",
+        "fp8_scale_transposed",
+        "the FP8 input gradient's weight quantized per output row, scaled per input column",
         "titan_fold/moe/fp8.py",
         "        wt_q, wt_s = quantize(w.transpose(1, 2))  # per (expert, input column), amax over the output rows\n",
         "        wt_q, wt_s = quantize(w)[0].transpose(1, 2), quantize(w.transpose(1, 2))[1]\n",
         ("tests/test_fp8.py::test_grouped_linear_and_grads_against_float64[cpu]",),
-        fast=True),
+        fast=True,
+    ),
     Mutation(
-        "wgrad_flushed_twice", "the delayed weight-gradient queue not emptied by flush: a later flush adds it again",
+        "wgrad_flushed_twice",
+        "the delayed weight-gradient queue not emptied by flush: a later flush adds it again",
         "titan_fold/moe/wgrad.py",
         "        pending, self.pending = self.pending, []\n",
         "        pending = self.pending\n",
-        ("tests/test_wgrad.py::test_delayed_wgrad_matches",)),
+        ("tests/test_wgrad.py::test_delayed_wgrad_matches",),
+    ),
     Mutation(
-        "static_exchange_reads_padding", "the static exchange counts each block's padding rows as its last expert's",
+        "static_exchange_reads_padding",
+        "the static exchange counts each block's padding rows as its last expert's",
         "titan_fold/moe/dispatcher.py",
         "            expert_of_row = torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding\n",
         "            expert_of_row = torch.searchsorted(ends, within, right=True).clamp(max=E_loc - 1).flatten()\n",
-        ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",)),
+        ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",),
+    ),
     Mutation(
-        "aux_free_bias_sign_flipped", "the aux-free bias update's sign flipped: overloaded experts made more attractive",
+        "aux_free_bias_sign_flipped",
+        "the aux-free bias update's sign flipped: overloaded experts made more attractive",
         "titan_fold/moe/layer.py",
         "torch.sign(load.mean() - load)",
         "torch.sign(load - load.mean())",
-        ("tests/test_moe_layer.py::test_aux_free_bias",)),
+        ("tests/test_moe_layer.py::test_aux_free_bias",),
+    ),
     Mutation(
-        "aux_free_load_over_dp_only", "the aux-free expert load summed over dp only, not every rank of the stage (cp, tp)",
+        "aux_free_load_over_dp_only",
+        "the aux-free expert load summed over dp only, not every rank of the stage (cp, tp)",
         "titan_fold/trainer/fold_trainer.py",
         '            stage_mesh = self.parallel_dims.get_optional_mesh("stage")\n',
         '            stage_mesh = self.parallel_dims.get_optional_mesh("batch")\n',
-        ("tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[tp2]",)),
+        ("tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[tp2]",),
+    ),
     Mutation(
-        "mtp_embedding_grad_not_synced", "under pp the MTP layers' embedding copy keeps its own gradient (no sum with stage 0's)",
+        "mtp_embedding_grad_not_synced",
+        "under pp the MTP layers' embedding copy keeps its own gradient (no sum with stage 0's)",
         "titan_fold/parallel/pipeline.py",
         "        grad.add_(buf)\n",
         "",
-        ("tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[pp2]",)),
+        ("tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[pp2]",),
+    ),
     Mutation(
-        "yarn_floor_ceil_swapped", "YaRN's ramp bounds rounded inward (ceil low, floor high), not outward",
+        "yarn_floor_ceil_swapped",
+        "YaRN's ramp bounds rounded inward (ceil low, floor high), not outward",
         "titan_fold/models/mla.py",
         "        low, high = math.floor(low), math.ceil(high)\n",
         "        low, high = math.ceil(low), math.floor(high)\n",
         ("tests/test_deepseek_v3.py::test_import_parity_and_exact_export[q_lora_yarn_groups]",),
-        fast=True),
+        fast=True,
+    ),
     Mutation(
-        "mla_mscale_not_squared", "MLA's softmax scale times YaRN's mscale once, not squared",
+        "mla_mscale_not_squared",
+        "MLA's softmax scale times YaRN's mscale once, not squared",
         "titan_fold/models/deepseek_v3.py",
         "            scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim) ** 2\n",
         "            scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim)\n",
-        ("tests/test_deepseek_v3.py::test_import_parity_and_exact_export[yarn_mscale_half_split_tied]",)),
+        ("tests/test_deepseek_v3.py::test_import_parity_and_exact_export[yarn_mscale_half_split_tied]",),
+    ),
     Mutation(
-        "etp_reduce_scatter_mean", "the dispatcher's reduce-scatter over etp averages the partial w2 products",
+        "etp_reduce_scatter_mean",
+        "the dispatcher's reduce-scatter over etp averages the partial w2 products",
         "titan_fold/moe/dispatcher.py",
         "    return parts.view(n, mine, *y.shape[1:]).sum(0, dtype=y.dtype)\n",
         "    return parts.view(n, mine, *y.shape[1:]).mean(0, dtype=y.dtype)\n",
-        ("tests/test_dispatcher.py::test_dispatcher_matches_reference",)),
+        ("tests/test_dispatcher.py::test_dispatcher_matches_reference",),
+    ),
 )
 
 
@@ -218,8 +287,24 @@ def run(mutation: Mutation, workers: int = 0) -> Outcome:
         mutate(mutation, root)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         # -rf: a line "FAILED <node id> - <message>" per failed test
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-n", str(workers),
-                            *mutation.tests], cwd=root, env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-rf",
+                "-p",
+                "no:cacheprovider",
+                "-n",
+                str(workers),
+                *mutation.tests,
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
     output = r.stdout + r.stderr
     failed = [line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")]
     return Outcome(mutation, [t for t in mutation.tests if t in failed], time.perf_counter() - start, output)
@@ -228,11 +313,21 @@ def run(mutation: Mutation, workers: int = 0) -> Outcome:
 def write_record(outcomes: list[Outcome], command: list[str]) -> None:
     import torch
 
-    record = {"command": " ".join(["python -m tests.mutations", *command]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "torch": torch.__version__, "python": sys.version.split()[0],
-              "mutations": {o.mutation.name: {"fingerprint": o.mutation.fingerprint(), "caught": o.caught,
-                                              "failed": o.failed, "seconds": round(o.seconds, 1)} for o in outcomes}}
+    record = {
+        "command": " ".join(["python -m tests.mutations", *command]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "mutations": {
+            o.mutation.name: {
+                "fingerprint": o.mutation.fingerprint(),
+                "caught": o.caught,
+                "failed": o.failed,
+                "seconds": round(o.seconds, 1),
+            }
+            for o in outcomes
+        },
+    }
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -243,16 +338,22 @@ def read_record() -> dict:
 def listing() -> str:
     """Each mutation, what it plants where, the tests that must catch it and the recorded outcome."""
     record = read_record()
-    lines = [f"{len(MUTATIONS)} mutations ({sum(m.fast for m in MUTATIONS)} also run by the CPU suite: CI); "
-             f"outcomes as recorded by `{record['command']}` ({record['date']}, torch {record['torch']})"]
+    lines = [
+        f"{len(MUTATIONS)} mutations ({sum(m.fast for m in MUTATIONS)} also run by the CPU suite: CI); "
+        f"outcomes as recorded by `{record['command']}` ({record['date']}, torch {record['torch']})"
+    ]
     for m in MUTATIONS:
         seen = record["mutations"].get(m.name)
         if seen is None or seen["fingerprint"] != m.fingerprint():
             outcome = "not recorded since it last changed"
         else:
             outcome = f"caught ({seen['seconds']:.0f} s)" if seen["caught"] else "MISSED"
-        lines += ["", f"{m.name}{'  [CI]' if m.fast else ''}: {m.what}",
-                  f"  in {m.path}; {outcome}; must fail:", *(f"    {t}" for t in m.tests)]
+        lines += [
+            "",
+            f"{m.name}{'  [CI]' if m.fast else ''}: {m.what}",
+            f"  in {m.path}; {outcome}; must fail:",
+            *(f"    {t}" for t in m.tests),
+        ]
     return "\n".join(lines)
 
 
@@ -287,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             for test in m.tests:
                 if test not in outcome.failed:
                     print(f"  did not fail: {test}", flush=True)
-    print(f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught" + (f"; missed: {', '.join(missed)}" if missed else ""))
+    print(
+        f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught"
+        + (f"; missed: {', '.join(missed)}" if missed else "")
+    )
     if args.record:
         write_record(outcomes, argv if argv is not None else sys.argv[1:])
     return 1 if missed else 0

@@ -51,7 +51,13 @@ def _flavors():
         # mixtral with one dense first layer: the dense FFN path too
         # 8 query / 4 kv heads: GQA that tp4 can still split
         out[name] = dataclasses.replace(
-            args, moe=moe, first_k_dense=1 if name == "mixtral" else 0, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=None
+            args,
+            moe=moe,
+            first_k_dense=1 if name == "mixtral" else 0,
+            n_layers=2,
+            n_heads=8,
+            n_kv_heads=4,
+            head_dim=None,
         )
     return out
 

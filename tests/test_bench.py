@@ -122,8 +122,17 @@ def test_moe_layer_smoke(tmp_path):
         assert r["tflops"] == pytest.approx(flops / (r["median_ms"] * 1e-3) / 1e12, rel=2e-2, abs=1e-3)
         parts = r["breakdown"]["forward_ms_by_part"]
         assert {"router", "dispatcher", "grouped_gemm", "permute_sort", "shared_expert"} <= set(parts)
-        inner = sum(parts.get(k, 0.0) for k in ("grouped_gemm", "permute_sort", "count_exchange",
-                                                 "all_to_all", "all_gather_v", "reduce_scatter_v"))
+        inner = sum(
+            parts.get(k, 0.0)
+            for k in (
+                "grouped_gemm",
+                "permute_sort",
+                "count_exchange",
+                "all_to_all",
+                "all_gather_v",
+                "reduce_scatter_v",
+            )
+        )
         assert parts["dispatcher_rest_gather_combine"] == pytest.approx(parts["dispatcher"] - inner, abs=2e-3)
     with open(tmp_path / "moe_layer.json") as f:
         assert json.load(f)["figures"]["rows"][0]["shape"] == "tiny"
@@ -134,8 +143,15 @@ def test_routing_smoke(tmp_path):
     # (the group-limited ways too: the tiny shape has groups), and route_whole ran forward and backward
     figures = routing.main(["--smoke", "--out-dir", str(tmp_path)])
     (row,), (route,) = figures["rows"], figures["routes"]
-    assert {"choice_topk_us", "choice_sort_head_us", "choice_argmax_us", "grouped_choice_topk_us",
-            "grouped_choice_argmax_us", "grouping_sort_uint8_us", "group_by_us"} <= set(row)
+    assert {
+        "choice_topk_us",
+        "choice_sort_head_us",
+        "choice_argmax_us",
+        "grouped_choice_topk_us",
+        "grouped_choice_argmax_us",
+        "grouping_sort_uint8_us",
+        "group_by_us",
+    } <= set(row)
     assert route["route_compiled_us"] > 0 and route["route"]["num_groups"] == 4 and "route_triton_us" not in route
     assert json.load(open(tmp_path / "routing.json"))["figures"]["rows"][0]["experts"] == 8
     # the report's tables: a header, its rule and the one row, every key width timed; then the route
@@ -148,7 +164,9 @@ def test_routing_smoke(tmp_path):
 def test_row_movement_smoke(tmp_path):
     """The three ways agree (checked inside against indexing) and each was timed."""
     (row,) = row_movement.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
-    assert row["shape"] == "tiny" and all(row[f"{w}_ms"] > 0 for w in ("indexing", "embedding_bag", "gather_sum", "dispatcher"))
+    assert row["shape"] == "tiny" and all(
+        row[f"{w}_ms"] > 0 for w in ("indexing", "embedding_bag", "gather_sum", "dispatcher")
+    )
     assert json.load(open(tmp_path / "row_movement.json"))["figures"]["rows"][0]["top_k"] == 2
     from titan_fold.moe import dispatcher
 
@@ -157,8 +175,11 @@ def test_row_movement_smoke(tmp_path):
 
 def test_log_flags(tmp_path):
     log = tmp_path / "case.log"
-    log.write_text("step 1\n" + "UserWarning: Mismatch dtype between input and weight: input dtype = float\n"
-                   + "[0/1] [__recompiles] Recompiling function forward in transformer.py:121\n" * 2)
+    log.write_text(
+        "step 1\n"
+        + "UserWarning: Mismatch dtype between input and weight: input dtype = float\n"
+        + "[0/1] [__recompiles] Recompiling function forward in transformer.py:121\n" * 2
+    )
     assert train_step.log_flags(str(log)) == {"dtype_mismatch_warnings": 1, "recompiles": 2}
     log.write_text("step 1\n")
     assert train_step.log_flags(str(log)) == {"dtype_mismatch_warnings": 0, "recompiles": 0}
@@ -174,8 +195,21 @@ def test_train_step_rebuild_reads_what_a_cut_run_left(tmp_path, capsys):
     # what the worker's counters wrote: the loop compiled into a graph
     (tmp_path / case / "expert_path.json").write_text(json.dumps({"calls": {}, "compiled": {"loop": 1}}))
     out = tmp_path / "out"
-    figures = train_step.main(["--cases", case, "--steps", "8", "--work-dir", str(tmp_path), "--rebuild",
-                               "--name", "cut", "--out-dir", str(out)])
+    figures = train_step.main(
+        [
+            "--cases",
+            case,
+            "--steps",
+            "8",
+            "--work-dir",
+            str(tmp_path),
+            "--rebuild",
+            "--name",
+            "cut",
+            "--out-dir",
+            str(out),
+        ]
+    )
     (row,) = figures["rows"]
     assert row["returncode"] == "cut" and row["steps_logged"] == 8 and row["steps_measured"] == 3
     assert row["tokens_per_sec_per_gpu"] == 700.0 and row["recompiles"] == 1 and "log_tail" in row
@@ -209,16 +243,30 @@ def test_expert_path_counters_count_the_path_that_ran():
             compiled(torch.randn(2, 8, 32, dtype=torch.bfloat16)).float().square().sum().backward()
     assert paths == {"calls": {}, "compiled": {"torch": 1}}
     assert GroupedExperts.path is choose
-    assert report.expert_path({"expert_path_calls": {"torch": 180, "loop": 0}, "expert_path_compiled": {}}) == "torch 180"
-    assert report.expert_path({"expert_path_calls": {}, "expert_path_compiled": {"quack": 2, "loop": 1}}) == \
-        "quack 2 graphs, loop 1 graph"
+    assert (
+        report.expert_path({"expert_path_calls": {"torch": 180, "loop": 0}, "expert_path_compiled": {}}) == "torch 180"
+    )
+    assert (
+        report.expert_path({"expert_path_calls": {}, "expert_path_compiled": {"quack": 2, "loop": 1}})
+        == "quack 2 graphs, loop 1 graph"
+    )
     assert report.expert_path({"expert_path_calls": {"grouped_mm": 0, "loop": 0, "padded": 0}}) == "unknown"
     assert report.expert_path({"case": "1gpu"}) == "unknown"
 
 
 def test_train_step_summary_and_plans():
-    recs = [{"step": s, "loss": 10.0 - s, "tokens_per_sec": 100.0 * s, "mfu": float(s), "tflops": 1.0,
-             "max_memory_gib": 5.0 + (s == 2), "time_per_step_s": 1.0 / s} for s in range(1, 8)]
+    recs = [
+        {
+            "step": s,
+            "loss": 10.0 - s,
+            "tokens_per_sec": 100.0 * s,
+            "mfu": float(s),
+            "tflops": 1.0,
+            "max_memory_gib": 5.0 + (s == 2),
+            "time_per_step_s": 1.0 / s,
+        }
+        for s in range(1, 8)
+    ]
     out = train_step.summarize(recs, warmup_steps=3)
     assert out["steps_measured"] == 4
     assert out["tokens_per_sec_per_gpu"] == 550.0  # median of 400..700
@@ -258,9 +306,15 @@ def test_train_step_summary_and_plans():
 
     train_step.register_proxy(A.family, A.proxy)
     try:
-        for case in [*train_step.FOLDINGS, "1gpu_eager", "1gpu_bf16params_b4_eager", "dp2_ep2_b4_ga2",
-                     "dp2_ep2_bf16params_static_stash4096", "dp2_ep2_bf16params_compiled_static_cudagraphs",
-                     "1gpu_bf16params_auxfree_phases"]:
+        for case in [
+            *train_step.FOLDINGS,
+            "1gpu_eager",
+            "1gpu_bf16params_b4_eager",
+            "dp2_ep2_b4_ga2",
+            "dp2_ep2_bf16params_static_stash4096",
+            "dp2_ep2_bf16params_compiled_static_cudagraphs",
+            "1gpu_bf16params_auxfree_phases",
+        ]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
         # the static exchange is what lets CUDA graphs run over ep2: without it the trainer refuses
@@ -273,6 +327,7 @@ def test_train_step_summary_and_plans():
 def test_train_step_phases_medians_and_table():
     """The case modifier `phases` turns metrics.step_phases on; the summary takes each phase's
     medians over the measured steps, and the report lists them per case (host / GPU ms)."""
+
     class A:
         family, proxy, seq_len, local_batch, steps, param_dtype = "qwen2_moe", "57B-A14B-L2", 4096, 2, 20, "bfloat16"
         lr_warmup_steps = 2
@@ -280,15 +335,28 @@ def test_train_step_phases_medians_and_table():
     assert "--metrics.step_phases" in train_step.case_plan("1gpu_bf16params_auxfree_phases", A)[1]
     assert "--metrics.step_phases" not in train_step.case_plan("1gpu_bf16params_auxfree", A)[1]
     # `rerun` names a second run of a configuration apart and changes none of its arguments
-    assert (train_step.case_plan("1gpu_bf16params_auxfree_compiled_torchgemm_rerun", A)
-            == train_step.case_plan("1gpu_bf16params_auxfree_compiled_torchgemm", A))
-    recs = [{"step": s, "loss": 1.0, "tokens_per_sec": 1.0, "time_per_step_s": 1.0,
-             "phases": {"forward": {"host_ms": 10.0 * s, "gpu_ms": 12.0 * s}, "optimizer": {"host_ms": 1.0, "gpu_ms": 5.0}}}
-            for s in range(1, 6)]
+    assert train_step.case_plan("1gpu_bf16params_auxfree_compiled_torchgemm_rerun", A) == train_step.case_plan(
+        "1gpu_bf16params_auxfree_compiled_torchgemm", A
+    )
+    recs = [
+        {
+            "step": s,
+            "loss": 1.0,
+            "tokens_per_sec": 1.0,
+            "time_per_step_s": 1.0,
+            "phases": {
+                "forward": {"host_ms": 10.0 * s, "gpu_ms": 12.0 * s},
+                "optimizer": {"host_ms": 1.0, "gpu_ms": 5.0},
+            },
+        }
+        for s in range(1, 6)
+    ]
     out = train_step.summarize(recs, warmup_steps=2)  # steps 3, 4, 5
     assert out["phases"] == {"forward": {"host_ms": 40.0, "gpu_ms": 48.0}, "optimizer": {"host_ms": 1.0, "gpu_ms": 5.0}}
     assert "phases" not in train_step.summarize([{k: v for k, v in r.items() if k != "phases"} for r in recs], 2)
-    rec = {"figures": {"q": {"rows": [{"case": "1gpu_phases", **out}, {"case": "1gpu", "tokens_per_sec_per_gpu": 1.0}]}}}
+    rec = {
+        "figures": {"q": {"rows": [{"case": "1gpu_phases", **out}, {"case": "1gpu", "tokens_per_sec_per_gpu": 1.0}]}}
+    }
     lines = report.train_phases_table(rec)
     assert lines[0] == "| step | case | forward host / GPU ms | optimizer host / GPU ms |"
     assert lines[2:] == ["| q | 1gpu_phases | 40.0 / 48.0 | 1.0 / 5.0 |"]
@@ -337,6 +405,7 @@ def test_torchtitan_qwen3_is_our_qwen3(base):
         with torch.device("meta"):
             theirs = Qwen3Model(vs_torchtitan.qwen3_args("qwen3_moe", proxy, 4096))
             ours = Transformer(FLAVORS["qwen3_moe"][proxy])
+
         def theirs_stacked(name, p):
             if name.endswith("experts.w3"):
                 return None
@@ -399,14 +468,40 @@ def test_report_shows_both_mfu_counts(tmp_path):
     GPU runs' records: titan_fold_flops_per_token), torchtitan's 6 * 12 * 32 * 4096 * 128 =
     1,207,959,552 more, 1.2117x: 30% MFU in ours is 36.35% in theirs, 20% in theirs 16.51% in ours."""
     proxy = {"family": "qwen3_moe", "seq_len": 4096}
-    ours = {"case": "1gpu", "nproc": 1, "returncode": 0, "tokens_per_sec_per_gpu": 50000.0, "tflops_per_gpu": 1.0,
-            "mfu_pct": 30.0, "peak_memory_gib": 1.0, "step_time_s": 0.1, "loss_first": 1.0, "loss_last": 1.0}
-    theirs = {"case": "1gpu", "returncode": 0, "tokens_per_sec_per_gpu": 33000.0, "mfu_pct": 20.0,
-              "titan_fold_tokens_per_sec": 50000.0, "titan_fold_mfu_pct": 30.0, "ratio_titan_fold_over_torchtitan": 1.5}
-    _suite_file(tmp_path, "vs-torchtitan", {
-        "q": {**proxy, "proxy_flavor": "30B-A3B-L12", "rows": [ours]},
-        "torchtitan_q": {**proxy, "titan_fold_proxy": "30B-A3B-L12", "titan_fold_flops_per_token": 5706676224,
-                         "rows": [theirs]}})
+    ours = {
+        "case": "1gpu",
+        "nproc": 1,
+        "returncode": 0,
+        "tokens_per_sec_per_gpu": 50000.0,
+        "tflops_per_gpu": 1.0,
+        "mfu_pct": 30.0,
+        "peak_memory_gib": 1.0,
+        "step_time_s": 0.1,
+        "loss_first": 1.0,
+        "loss_last": 1.0,
+    }
+    theirs = {
+        "case": "1gpu",
+        "returncode": 0,
+        "tokens_per_sec_per_gpu": 33000.0,
+        "mfu_pct": 20.0,
+        "titan_fold_tokens_per_sec": 50000.0,
+        "titan_fold_mfu_pct": 30.0,
+        "ratio_titan_fold_over_torchtitan": 1.5,
+    }
+    _suite_file(
+        tmp_path,
+        "vs-torchtitan",
+        {
+            "q": {**proxy, "proxy_flavor": "30B-A3B-L12", "rows": [ours]},
+            "torchtitan_q": {
+                **proxy,
+                "titan_fold_proxy": "30B-A3B-L12",
+                "titan_fold_flops_per_token": 5706676224,
+                "rows": [theirs],
+            },
+        },
+    )
     text = report.report(str(tmp_path))
     assert "| qwen3_moe | 30B-A3B-L12 | 4096 | 5.707 | 6.915 | +21.2% |" in text
     assert "| q | 1gpu | 1 | single | - | unknown | 50,000 | 1.0 | 30.0 | 36.4 | 1.0 |" in text
@@ -421,36 +516,76 @@ def _suite_file(tmp_path, suite, figures, date="2026-11-25T10:00:00Z", device="N
 
 def test_report_tables(tmp_path):
     assert report.report(str(tmp_path)) == ""  # no results, no tables
-    row = {"case": "dp2_ep2", "nproc": 2, "returncode": 0, "folding": {"ep": 2, "etp": 1, "edp": 1},
-           "tokens_per_sec_per_gpu": 44141.3, "tflops_per_gpu": 287.8, "mfu_pct": 29.1, "peak_memory_gib": 59.0,
-           "step_time_s": 0.186, "loss_first": 10.9, "loss_last": 2.6}
+    row = {
+        "case": "dp2_ep2",
+        "nproc": 2,
+        "returncode": 0,
+        "folding": {"ep": 2, "etp": 1, "edp": 1},
+        "tokens_per_sec_per_gpu": 44141.3,
+        "tflops_per_gpu": 287.8,
+        "mfu_pct": 29.1,
+        "peak_memory_gib": 59.0,
+        "step_time_s": 0.186,
+        "loss_first": 10.9,
+        "loss_last": 2.6,
+    }
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [row]}}, date="2026-11-24T10:00:00Z")
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [dict(row, mfu_pct=30.0)]}})  # the latest wins
-    layer = {"impl": "titan_fold_quack", "shape": "qwen3_30b_a3b", "mode": "dropless", "dispatch": "none",
-             "compiled": "graph", "median_ms": 4.59, "tflops": 407.2, "ratio_to_dense_gemm": 0.509,
-             "ratio_to_dense_sustained": 0.531}
+    layer = {
+        "impl": "titan_fold_quack",
+        "shape": "qwen3_30b_a3b",
+        "mode": "dropless",
+        "dispatch": "none",
+        "compiled": "graph",
+        "median_ms": 4.59,
+        "tflops": 407.2,
+        "ratio_to_dense_gemm": 0.509,
+        "ratio_to_dense_sustained": 0.531,
+    }
     base = dict(layer, median_ms=5.242)
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
-                                                   "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
-                                    "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {"dense_bf16_gemm_tflops": 799.2, "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
+            "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]},
+        },
+    )
     text = report.report(str(tmp_path))
-    assert ("| foldings | dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | unknown | 44,141 | 287.8 | 30.0 | n/a | 59.0 | 0.186 | "
-            "10.90 -> 2.60 |") in text  # no proxy recorded: torchtitan's count unknown
+    assert (
+        "| foldings | dp2_ep2 | 2 | dp2 FSDP | 2, 1, 1 | unknown | 44,141 | 287.8 | 30.0 | n/a | 59.0 | 0.186 | "
+        "10.90 -> 2.60 |"
+    ) in text  # no proxy recorded: torchtitan's count unknown
     assert "29.1" not in text
-    assert ("| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 766.8 | 0.531 | 5.24 "
-            "| 1.142 |") in text
+    assert (
+        "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | 766.8 | 0.531 | 5.24 "
+        "| 1.142 |"
+    ) in text
     del layer["ratio_to_dense_sustained"]  # a record made without the sustained rate
     _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2, "rows": [layer]}})
     text = report.report(str(tmp_path))  # its table as before: no sustained columns
     assert "| dense GEMM TFLOP/s | share of dense | code before: ms | before / after |" in text
     assert "| layer_fine | qwen3_30b_a3b | none | quack | graph | 4.59 | 407.2 | 799.2 | 0.509 | - | - |" in text
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
-                                                   "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
-                                    "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]}})
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {"dense_bf16_gemm_tflops": 799.2, "dense_bf16_gemm_tflops_sustained": 766.8, "rows": [layer]},
+            "layer_fine@base": {"dense_bf16_gemm_tflops": 799.6, "rows": [base]},
+        },
+    )
     clocked = dict(layer, sm_clock_mhz=1485, power_w=695.2)  # a record with NVML's readings: the clock column
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 799.2,
-                                                   "dense_sm_clock_mhz": {"burst": 1980, "sustained": 1530},
-                                                   "rows": [clocked, dict(clocked, error="out of memory")]}})
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {
+                "dense_bf16_gemm_tflops": 799.2,
+                "dense_sm_clock_mhz": {"burst": 1980, "sustained": 1530},
+                "rows": [clocked, dict(clocked, error="out of memory")],
+            }
+        },
+    )
     text = report.report(str(tmp_path))
     assert "| share of dense | SM clock MHz: dense burst, sustained, row | code before: ms |" in text
     assert "| 4.59 | 407.2 | 799.2 | 0.509 | 1,980 / 1,530 / 1,485 | - | - |" in text
@@ -460,13 +595,22 @@ def test_report_tables(tmp_path):
     assert text.index("Suite `layer`") < text.index("Suite `trainer`")
     assert "one profiled step" not in text  # no profiled row, no breakdown table
     # the host gaps are measured against the same case's step without the profiler, in the same run
-    profiled = dict(row, case="1gpu_compiled_profile", trace_summary={
-        "step_wall_ms": 250.0, "gpu_busy_ms": 180.0, "kernel_ms_by_class": {"optimizer": 58.0, "attention": 22.5}})
+    profiled = dict(
+        row,
+        case="1gpu_compiled_profile",
+        trace_summary={
+            "step_wall_ms": 250.0,
+            "gpu_busy_ms": 180.0,
+            "kernel_ms_by_class": {"optimizer": 58.0, "attention": 22.5},
+        },
+    )
     plain = dict(row, case="1gpu_compiled", step_time_s=0.2)
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [plain, profiled]}}, date="2026-11-25T11:00:00Z")
     text = report.report(str(tmp_path))
-    assert ("| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
-            "optimizer | attention |") in text
+    assert (
+        "| step | case | traced step ms | step ms without profiler | GPU busy ms | host gaps, share of step | "
+        "optimizer | attention |"
+    ) in text
     assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 58.0 | 22.5 |" in text
     profiled["trace_summary"]["earlier_step_ms"] = 24.0  # the step before's kernels, in a column of their own
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [plain, profiled]}}, date="2026-11-25T11:00:00Z")
@@ -477,7 +621,9 @@ def test_report_tables(tmp_path):
     _suite_file(tmp_path, "trainer", {"foldings": {"rows": [plain, profiled]}}, date="2026-11-25T11:00:00Z")
     text = report.report(str(tmp_path))
     assert "| step before's kernels ms | GPU idle ms (waits) | optimizer | attention |" in text
-    assert "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 24.0 | 3.85 (36) | 58.0 | 22.5 |" in text
+    assert (
+        "| foldings | 1gpu_compiled_profile | 250.0 | 200.0 | 180.0 | 10.0% | 24.0 | 3.85 (36) | 58.0 | 22.5 |" in text
+    )
     assert "Command: `python -m bench layer`" in text
 
 
@@ -485,78 +631,162 @@ def test_report_goals_latest_and_best_per_gpu(tmp_path):
     """Each goal's figure on each kind of one-GPU machine: the latest record's and the best recorded,
     each against the goal; the code before (<step>@base) and rows of other shapes, GEMM paths or
     machines left out."""
+
     def train(case, mfu):
         return {"case": case, "mfu_pct": mfu}
 
     eager, compiled = "1gpu_bf16params_auxfree", "1gpu_bf16params_auxfree_compiled"
-    _suite_file(tmp_path, "trainer", {"qwen3_30b_a3b_l12": {"rows": [train(eager, 31.0), train(compiled, 36.1)]},
-                                      "qwen3_30b_a3b_l12@base": {"rows": [train(compiled, 40.0)]}},
-                date="2026-11-24T10:00:00Z")
-    theirs = [dict(train(eager, 22.0), ratio_titan_fold_over_torchtitan=1.84),
-              dict(train(compiled, 24.0), ratio_titan_fold_over_torchtitan=1.5)]
-    _suite_file(tmp_path, "vs-torchtitan", {"qwen3_30b_a3b_l12": {"rows": [train(eager, 33.3), train(compiled, 34.4)]},
-                                            "torchtitan_qwen3_30b_a3b_l12": {"titan_fold_proxy": "30B-A3B-L12",
-                                                                             "rows": theirs}},
-                date="2026-11-25T10:00:00Z")
+    _suite_file(
+        tmp_path,
+        "trainer",
+        {
+            "qwen3_30b_a3b_l12": {"rows": [train(eager, 31.0), train(compiled, 36.1)]},
+            "qwen3_30b_a3b_l12@base": {"rows": [train(compiled, 40.0)]},
+        },
+        date="2026-11-24T10:00:00Z",
+    )
+    theirs = [
+        dict(train(eager, 22.0), ratio_titan_fold_over_torchtitan=1.84),
+        dict(train(compiled, 24.0), ratio_titan_fold_over_torchtitan=1.5),
+    ]
+    _suite_file(
+        tmp_path,
+        "vs-torchtitan",
+        {
+            "qwen3_30b_a3b_l12": {"rows": [train(eager, 33.3), train(compiled, 34.4)]},
+            "torchtitan_qwen3_30b_a3b_l12": {"titan_fold_proxy": "30B-A3B-L12", "rows": theirs},
+        },
+        date="2026-11-25T10:00:00Z",
+    )
 
     def layer(impl, shape, mode, ms, share):
-        return {"impl": impl, "shape": shape, "mode": "dropless", "dispatch": "none", "compiled": mode,
-                "median_ms": ms, "ratio_to_dense_gemm": share}
+        return {
+            "impl": impl,
+            "shape": shape,
+            "mode": "dropless",
+            "dispatch": "none",
+            "compiled": mode,
+            "median_ms": ms,
+            "ratio_to_dense_gemm": share,
+        }
 
-    rows = [layer("titan_fold_quack", "qwen3_30b_a3b", False, 4.6, 0.52),
-            layer("titan_fold_quack", "qwen3_30b_a3b", "graph", 4.1, 0.58),
-            layer("titan_fold", "qwen3_30b_a3b", "graph", 4.7, 0.61),  # torch's GEMMs: not the goal's
-            layer("titan_fold_quack", "qwen2_57b_a14b", False, 9.9, 0.8), layer("titan_fold", "qwen2_57b_a14b", False, 10.0, 0.79),
-            layer("titan_fold_quack", "qwen2_57b_a14b", True, 10.2, 0.78), layer("titan_fold", "qwen2_57b_a14b", True, 10.0, 0.79)]
-    _suite_file(tmp_path, "layer", {"layer_fine": {"rows": rows},
-                                    "layer_fine@base": {"rows": [layer("titan_fold_quack", "qwen3_30b_a3b", "graph", 3.0, 0.7)]}},
-                device="NVIDIA H200")
+    rows = [
+        layer("titan_fold_quack", "qwen3_30b_a3b", False, 4.6, 0.52),
+        layer("titan_fold_quack", "qwen3_30b_a3b", "graph", 4.1, 0.58),
+        layer("titan_fold", "qwen3_30b_a3b", "graph", 4.7, 0.61),  # torch's GEMMs: not the goal's
+        layer("titan_fold_quack", "qwen2_57b_a14b", False, 9.9, 0.8),
+        layer("titan_fold", "qwen2_57b_a14b", False, 10.0, 0.79),
+        layer("titan_fold_quack", "qwen2_57b_a14b", True, 10.2, 0.78),
+        layer("titan_fold", "qwen2_57b_a14b", True, 10.0, 0.79),
+    ]
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {"rows": rows},
+            "layer_fine@base": {"rows": [layer("titan_fold_quack", "qwen3_30b_a3b", "graph", 3.0, 0.7)]},
+        },
+        device="NVIDIA H200",
+    )
     lines = report.goals_table(report.records(str(tmp_path)))
     assert lines[0] == "| goal | at least | GPU | latest | run | met | best | run | met |"
     h100 = "NVIDIA H100 80GB HBM3"
-    assert f"| Qwen3-30B-A3B proxy, eager: MFU % (titan_fold's count) | 30.0 | {h100} | 33.3 | 2026-11-25T10:00 | yes | 33.3 | 2026-11-25T10:00 | yes |" in lines
-    assert f"| Qwen3-30B-A3B proxy, compiled: MFU % (titan_fold's count) | 35.0 | {h100} | 34.4 | 2026-11-25T10:00 | no | 36.1 | 2026-11-24T10:00 | yes |" in lines
-    assert (f"| Qwen3-30B-A3B proxy, compiled: tokens/s over torchtitan 0.2.2's | 1.600 | {h100} | 1.500 | 2026-11-25T10:00 | "
-            "no | 1.500 | 2026-11-25T10:00 | no |") in lines
-    assert ("| MoE layer at Qwen3-30B-A3B shapes, QuACK's GEMMs, best mode: share of dense | 0.600 | NVIDIA H200 | 0.580 | "
-            "2026-11-25T10:00 | no | 0.580 | 2026-11-25T10:00 | no |") in lines
+    assert (
+        f"| Qwen3-30B-A3B proxy, eager: MFU % (titan_fold's count) | 30.0 | {h100} | 33.3 | 2026-11-25T10:00 | yes | 33.3 | 2026-11-25T10:00 | yes |"
+        in lines
+    )
+    assert (
+        f"| Qwen3-30B-A3B proxy, compiled: MFU % (titan_fold's count) | 35.0 | {h100} | 34.4 | 2026-11-25T10:00 | no | 36.1 | 2026-11-24T10:00 | yes |"
+        in lines
+    )
+    assert (
+        f"| Qwen3-30B-A3B proxy, compiled: tokens/s over torchtitan 0.2.2's | 1.600 | {h100} | 1.500 | 2026-11-25T10:00 | "
+        "no | 1.500 | 2026-11-25T10:00 | no |"
+    ) in lines
+    assert (
+        "| MoE layer at Qwen3-30B-A3B shapes, QuACK's GEMMs, best mode: share of dense | 0.600 | NVIDIA H200 | 0.580 | "
+        "2026-11-25T10:00 | no | 0.580 | 2026-11-25T10:00 | no |"
+    ) in lines
     # eager 10.0 / 9.9 ms, compiled 10.0 / 10.2: the slower mode's ratio
-    assert ("| MoE layer at Qwen2-57B-A14B shapes: time with torch's GEMMs over QuACK's | 0.990 | NVIDIA H200 | 0.980 | "
-            "2026-11-25T10:00 | no |") in "\n".join(lines)
+    assert (
+        "| MoE layer at Qwen2-57B-A14B shapes: time with torch's GEMMs over QuACK's | 0.990 | NVIDIA H200 | 0.980 | "
+        "2026-11-25T10:00 | no |"
+    ) in "\n".join(lines)
     assert len(lines) == 2 + 6  # two MFU goals and two torchtitan ones on the H100, two layer goals on the H200
 
 
 def test_layer_breakdown_table_shows_eager_and_captured_steps():
     """A profiled eager step and a profiled graph replay, each with its mode; the GPU's idle time
     between kernels where recorded (n/a in records made before it was)."""
-    layer = {"impl": "titan_fold_quack", "shape": "qwen3_30b_a3b", "mode": "dropless", "dispatch": "none",
-             "median_ms": 4.0, "ratio_to_dense_gemm": 0.55}
-    breakdown = {"step_gpu_ms_by_kernel_class": {"gemm": 3.0, "sort_scan": 0.05}, "step_gpu_busy_ms": 3.2,
-                 "kernels_per_step": 83.0}
-    rows = [dict(layer, compiled=False, breakdown=breakdown),
-            dict(layer, compiled="graph", median_ms=3.6, breakdown=dict(breakdown, step_gpu_span_ms=3.5,
-                                                                           step_gpu_idle_ms=0.3))]
+    layer = {
+        "impl": "titan_fold_quack",
+        "shape": "qwen3_30b_a3b",
+        "mode": "dropless",
+        "dispatch": "none",
+        "median_ms": 4.0,
+        "ratio_to_dense_gemm": 0.55,
+    }
+    breakdown = {
+        "step_gpu_ms_by_kernel_class": {"gemm": 3.0, "sort_scan": 0.05},
+        "step_gpu_busy_ms": 3.2,
+        "kernels_per_step": 83.0,
+    }
+    rows = [
+        dict(layer, compiled=False, breakdown=breakdown),
+        dict(
+            layer,
+            compiled="graph",
+            median_ms=3.6,
+            breakdown=dict(breakdown, step_gpu_span_ms=3.5, step_gpu_idle_ms=0.3),
+        ),
+    ]
     table = report.layer_breakdown_table({"figures": {"layer_profile": {"rows": rows}}})
-    assert table[0].startswith("| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | step beyond GPU "
-                               "busy, share of step | GPU idle between kernels ms | kernels | gemm |")
-    assert table[2].startswith("| layer_profile | qwen3_30b_a3b | quack | eager | 4.00 | 3.20 | 20.0% | n/a | 83 | 3.00 |")
-    assert table[3].startswith("| layer_profile | qwen3_30b_a3b | quack | graph | 3.60 | 3.20 | 11.1% | 0.300 | 83 | 3.00 |")
+    assert table[0].startswith(
+        "| step | shape | moe.grouped_gemm | mode | step ms | GPU busy ms | step beyond GPU "
+        "busy, share of step | GPU idle between kernels ms | kernels | gemm |"
+    )
+    assert table[2].startswith(
+        "| layer_profile | qwen3_30b_a3b | quack | eager | 4.00 | 3.20 | 20.0% | n/a | 83 | 3.00 |"
+    )
+    assert table[3].startswith(
+        "| layer_profile | qwen3_30b_a3b | quack | graph | 3.60 | 3.20 | 11.1% | 0.300 | 83 | 3.00 |"
+    )
 
 
 def test_report_partial_run_leaves_the_other_cases_shown(tmp_path):
     """A run of some of a step's trainer cases (--cases) is shown above the run holding the other
     cases' latest figures; a run of all of them hides the older one."""
+
     def row(case, tps):
-        return {"case": case, "nproc": 1, "returncode": 0, "folding": {"ep": 1, "etp": 1, "edp": 1},
-                "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": 1.0, "mfu_pct": 1.0, "peak_memory_gib": 1.0,
-                "step_time_s": 0.1, "loss_first": 1.0, "loss_last": 1.0}
-    _suite_file(tmp_path, "trainer", {"q": {"rows": [row("1gpu", 11111), row("1gpu_compiled", 22222)]}},
-                date="2026-11-24T10:00:00Z")
+        return {
+            "case": case,
+            "nproc": 1,
+            "returncode": 0,
+            "folding": {"ep": 1, "etp": 1, "edp": 1},
+            "tokens_per_sec_per_gpu": tps,
+            "tflops_per_gpu": 1.0,
+            "mfu_pct": 1.0,
+            "peak_memory_gib": 1.0,
+            "step_time_s": 0.1,
+            "loss_first": 1.0,
+            "loss_last": 1.0,
+        }
+
+    _suite_file(
+        tmp_path,
+        "trainer",
+        {"q": {"rows": [row("1gpu", 11111), row("1gpu_compiled", 22222)]}},
+        date="2026-11-24T10:00:00Z",
+    )
     _suite_file(tmp_path, "trainer", {"q": {"rows": [row("1gpu_compiled", 33333)]}}, date="2026-11-25T10:00:00Z")
     text = report.report(str(tmp_path))
     assert text.count("### Suite `trainer`") == 2 and text.index("33,333 |") < text.index("11,111 |")
-    _suite_file(tmp_path, "trainer", {"q": {"rows": [row("1gpu", 44444), row("1gpu_compiled", 33333)]}},
-                date="2026-11-25T10:00:00Z")
+    _suite_file(
+        tmp_path,
+        "trainer",
+        {"q": {"rows": [row("1gpu", 44444), row("1gpu_compiled", 33333)]}},
+        date="2026-11-25T10:00:00Z",
+    )
     text = report.report(str(tmp_path))
     assert text.count("### Suite `trainer`") == 1 and "44,444 |" in text and "11,111 |" not in text
 
@@ -565,13 +795,27 @@ def test_report_vs_torchtitan_without_titan_folds_rows(tmp_path):
     """A vs-torchtitan record whose titan_fold step left no figures (cut by its time limit):
     torchtitan's rows are shown beside n/a, not taken for titan_fold's; a record the report
     cannot read leaves docs/benchmarks.md as it was."""
-    row = {"case": "1gpu_bf16params_auxfree", "returncode": 0, "tokens_per_sec_per_gpu": 28174.6, "mfu_pct": 19.7,
-           "tflops_per_gpu": 195.0, "peak_memory_gib": 71.0, "step_time_s": 0.29, "loss_first": 10.9, "loss_last": 4.9}
-    _suite_file(tmp_path, "vs-torchtitan", {"qwen3_30b_a3b_l12": None,
-                                            "torchtitan_qwen3_30b_a3b_l12": {"titan_fold_proxy": "30B-A3B-L12",
-                                                                             "rows": [row]}})
+    row = {
+        "case": "1gpu_bf16params_auxfree",
+        "returncode": 0,
+        "tokens_per_sec_per_gpu": 28174.6,
+        "mfu_pct": 19.7,
+        "tflops_per_gpu": 195.0,
+        "peak_memory_gib": 71.0,
+        "step_time_s": 0.29,
+        "loss_first": 10.9,
+        "loss_last": 4.9,
+    }
+    _suite_file(
+        tmp_path,
+        "vs-torchtitan",
+        {"qwen3_30b_a3b_l12": None, "torchtitan_qwen3_30b_a3b_l12": {"titan_fold_proxy": "30B-A3B-L12", "rows": [row]}},
+    )
     text = report.report(str(tmp_path))
-    assert "| torchtitan_qwen3_30b_a3b_l12 | 1gpu_bf16params_auxfree | 28,175 | n/a | n/a | 19.7 | n/a | n/a | n/a |" in text
+    assert (
+        "| torchtitan_qwen3_30b_a3b_l12 | 1gpu_bf16params_auxfree | 28,175 | n/a | n/a | 19.7 | n/a | n/a | n/a |"
+        in text
+    )
     assert "Trainer:" not in text
 
     doc = tmp_path / "doc.md"
@@ -587,48 +831,112 @@ def test_report_rerun_beside_the_run_before(tmp_path):
     have (a layer row's share of the dense rate, GPU busy time, the dense rate), their ratio,
     whether it lies within 3%, and whether both medians were steady (within 5% of their fastest
     repeat); rows only one run has, and the code before (<step>@base), are left out."""
-    def row(shape, ms, share, fastest=None):
-        return {"impl": "titan_fold", "shape": shape, "mode": "dropless", "dispatch": "none", "compiled": "graph",
-                "median_ms": ms, "min_ms": fastest or ms, "tflops": 1.0, "ratio_to_dense_gemm": share}
 
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0, "copy_tbps": 3.1,
-                                                   "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7), row("gone", 1.0, 0.1)]},
-                                    "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]}}, date="2026-11-25T08:00:00Z")
+    def row(shape, ms, share, fastest=None):
+        return {
+            "impl": "titan_fold",
+            "shape": shape,
+            "mode": "dropless",
+            "dispatch": "none",
+            "compiled": "graph",
+            "median_ms": ms,
+            "min_ms": fastest or ms,
+            "tflops": 1.0,
+            "ratio_to_dense_gemm": share,
+        }
+
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {
+                "dense_bf16_gemm_tflops": 800.0,
+                "copy_tbps": 3.1,
+                "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7), row("gone", 1.0, 0.1)],
+            },
+            "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]},
+        },
+        date="2026-11-25T08:00:00Z",
+    )
     (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0800.json")
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 792.0, "copy_tbps": 3.0,
-                                                   "rows": [row("a", 5.1, 0.51), row("b", 21.0, 0.6, fastest=19.0),
-                                                            row("new", 2.0, 0.2)]},
-                                    "layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.0, 0.4), breakdown={
-                                        "step_gpu_busy_ms": 5.0, "step_gpu_ms_by_kernel_class": {}})]}},
-                date="2026-11-25T09:00:00Z")
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {
+                "dense_bf16_gemm_tflops": 792.0,
+                "copy_tbps": 3.0,
+                "rows": [row("a", 5.1, 0.51), row("b", 21.0, 0.6, fastest=19.0), row("new", 2.0, 0.2)],
+            },
+            "layer_profile": {
+                "dense_bf16_gemm_tflops": 790.0,
+                "rows": [
+                    dict(row("a", 7.0, 0.4), breakdown={"step_gpu_busy_ms": 5.0, "step_gpu_ms_by_kernel_class": {}})
+                ],
+            },
+        },
+        date="2026-11-25T09:00:00Z",
+    )
     text = report.report(str(tmp_path))
-    assert ("| layer_fine | a, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.500 | "
-            "0.510 | 1.020 | yes | yes |") in text
-    assert "| layer_fine | b, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.700 | " \
-           "0.600 | 0.857 | no | no |" in text  # 21 ms against a fastest repeat of 19: not steady
-    assert "| layer_fine | - | dense GEMM TFLOP/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 800.00 | 792.00 | 0.990 | yes | yes |" in text
-    assert "| layer_fine | - | copy TB/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 3.100 | 3.000 | 0.968 | no | yes |" in text
-    reruns = text[text.index("Each step's latest run beside its run before"):]
+    assert (
+        "| layer_fine | a, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.500 | "
+        "0.510 | 1.020 | yes | yes |"
+    ) in text
+    assert (
+        "| layer_fine | b, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 | 0.700 | "
+        "0.600 | 0.857 | no | no |" in text
+    )  # 21 ms against a fastest repeat of 19: not steady
+    assert (
+        "| layer_fine | - | dense GEMM TFLOP/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 800.00 | 792.00 | 0.990 | yes | yes |"
+        in text
+    )
+    assert (
+        "| layer_fine | - | copy TB/s | 2026-11-25T08:00 | 2026-11-25T09:00 | 3.100 | 3.000 | 0.968 | no | yes |"
+        in text
+    )
+    reruns = text[text.index("Each step's latest run beside its run before") :]
     assert "gone" not in reruns and "new, none" not in reruns and "0.300" not in reruns
-    assert "2 of 4 figures within 3% of the run before; of the 3 steady ones" in text and "ones (both medians within 5% " \
-           "of their fastest repeat), 2." in text
+    assert (
+        "2 of 4 figures within 3% of the run before; of the 3 steady ones" in text
+        and "ones (both medians within 5% of their fastest repeat), 2." in text
+    )
     # the earlier record holds a row no later one has (shape gone): it stays shown, for that row
     assert text.count("Suite `layer`") == 2 and "| layer_fine | gone | none | torch | graph |" in text
     (tmp_path / "layer_h100_2026-11-25_0800.json").unlink()
     (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0900.json")
-    _suite_file(tmp_path, "layer", {"layer_fine": {"dense_bf16_gemm_tflops": 800.0, "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7)]},
-                                    "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]}}, date="2026-11-25T08:00:00Z")
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_fine": {"dense_bf16_gemm_tflops": 800.0, "rows": [row("a", 5.0, 0.5), row("b", 20.0, 0.7)]},
+            "layer_fine@base": {"rows": [row("a", 9.0, 0.3)]},
+        },
+        date="2026-11-25T08:00:00Z",
+    )
     (tmp_path / "layer_h100_2026-11-25.json").rename(tmp_path / "layer_h100_2026-11-25_0800.json")
     text = report.report(str(tmp_path))
     assert text.count("Suite `layer`") == 1  # the earlier record's rows are all in the latest: only beside it
     # a later run of one step: the record before stays shown for its other steps; each step is
     # compared with its own run before
-    _suite_file(tmp_path, "layer", {"layer_profile": {"dense_bf16_gemm_tflops": 790.0, "rows": [dict(row("a", 7.7, 0.4), breakdown={
-        "step_gpu_busy_ms": 5.1, "step_gpu_ms_by_kernel_class": {}})]}}, date="2026-11-25T11:00:00Z")
+    _suite_file(
+        tmp_path,
+        "layer",
+        {
+            "layer_profile": {
+                "dense_bf16_gemm_tflops": 790.0,
+                "rows": [
+                    dict(row("a", 7.7, 0.4), breakdown={"step_gpu_busy_ms": 5.1, "step_gpu_ms_by_kernel_class": {}})
+                ],
+            }
+        },
+        date="2026-11-25T11:00:00Z",
+    )
     text = report.report(str(tmp_path))
     assert text.count("Suite `layer`") == 2 and "| layer_fine | b | none | torch | graph | 21.00 |" in text
-    assert "| layer_profile | a, none, torch, graph | GPU busy ms | 2026-11-25T09:00 | 2026-11-25T11:00 | 5.000 | 5.100 | " \
-           "1.020 | yes | yes |" in text
+    assert (
+        "| layer_profile | a, none, torch, graph | GPU busy ms | 2026-11-25T09:00 | 2026-11-25T11:00 | 5.000 | 5.100 | "
+        "1.020 | yes | yes |" in text
+    )
     assert "| layer_fine | a, none, torch, graph | share of dense | 2026-11-25T08:00 | 2026-11-25T09:00 |" in text
     assert "5 of 6 figures within 3% of the run before" in text
 
@@ -639,8 +947,9 @@ def test_suites_listed_and_steps_planned(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "loss-curve", "kernels",
-                                        "2gpu"))
+    assert all(
+        name in out for name in ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "loss-curve", "kernels", "2gpu")
+    )
     assert gpu_tag({"device": "NVIDIA H200", "device_count": 2}) == "h200x2"
     assert gpu_tag({"device": "x86_64", "device_count": 0}) == "cpu"
     step = SUITES["layer"].steps[0]
@@ -653,21 +962,31 @@ def test_suites_listed_and_steps_planned(capsys):
     assert vs[-2:] == ["--ours", "/o/q.json"]
     # --cases: a trainer step keeps only the asked cases, in its own order; a step without --cases runs whole
     trainer = SUITES["trainer"].steps[0]
-    cut = step_command(trainer, "/o", "t", wanted={"cases": ["1gpu_bf16params_auxfree_compiled_profile",
-                                                             "1gpu_bf16params_auxfree"]})
+    cut = step_command(
+        trainer, "/o", "t", wanted={"cases": ["1gpu_bf16params_auxfree_compiled_profile", "1gpu_bf16params_auxfree"]}
+    )
     assert cut[cut.index("--cases") + 1] == "1gpu_bf16params_auxfree,1gpu_bf16params_auxfree_compiled_profile"
     assert narrowed(trainer.args, {"cases": ["dp2_ep2"]}) is None
     assert narrowed(step.args, {"cases": ["x"]}) == step.args
     # --shapes and --impls narrow the MoE-layer steps (bench/moe_layer.py's --shapes and --impl) alike
     coarse = next(st for st in SUITES["layer"].steps if st.name == "layer_coarse")
-    cut = narrowed(coarse.args, {"shapes": ["mixtral_8x22b"], "impls": ["titan_fold_quack", "titan_fold"], "cases": None})
-    assert cut[cut.index("--shapes") + 1] == "mixtral_8x22b" and cut[cut.index("--impl") + 1] == "titan_fold,titan_fold_quack"
+    cut = narrowed(
+        coarse.args, {"shapes": ["mixtral_8x22b"], "impls": ["titan_fold_quack", "titan_fold"], "cases": None}
+    )
+    assert (
+        cut[cut.index("--shapes") + 1] == "mixtral_8x22b"
+        and cut[cut.index("--impl") + 1] == "titan_fold,titan_fold_quack"
+    )
     assert len(cut) == len(coarse.args) and narrowed(coarse.args, {"shapes": ["qwen3_30b_a3b"]}) is None
     assert narrowed(trainer.args, {"shapes": ["mixtral_8x22b"]}) == trainer.args
     # and the grouped GEMMs of the kernels suite, whose coarse shapes QuACK takes minutes to tune
     gemms = next(st for st in SUITES["kernels"].steps if st.name == "grouped_gemm")
     assert narrowed(gemms.args, {"shapes": ["mixtral_8x22b_g8t8", "qwen3_30b_a3b"], "impls": ["quack"]}) == [
-        "--shapes", "qwen3_30b_a3b,mixtral_8x22b_g8t8", "--impl", "quack"]
+        "--shapes",
+        "qwen3_30b_a3b,mixtral_8x22b_g8t8",
+        "--impl",
+        "quack",
+    ]
     for suite in SUITES.values():  # every trainer case parses
         for st in suite.steps:
             if st.script == "train_step":
@@ -690,12 +1009,22 @@ def test_suite_interleaves_each_step_with_the_code_before(tmp_path, monkeypatch,
 
     monkeypatch.setattr(suite, "run_step", fake_run_step)
     monkeypatch.setattr(suite, "env_info", lambda: {"device": "NVIDIA H200", "device_count": 1})
-    argv = ["vs-torchtitan", "--steps", "qwen3_30b_a3b_l12,torchtitan_qwen3_30b_a3b_l12", "--base", str(tmp_path / "b"),
-            "--out-dir", str(tmp_path)] + (["--base-last"] if base_last else [])
+    argv = [
+        "vs-torchtitan",
+        "--steps",
+        "qwen3_30b_a3b_l12,torchtitan_qwen3_30b_a3b_l12",
+        "--base",
+        str(tmp_path / "b"),
+        "--out-dir",
+        str(tmp_path),
+    ] + (["--base-last"] if base_last else [])
     record = json.loads(open(suite.main(argv)).read())
-    pairs = [("qwen3_30b_a3b_l12@base", str(tmp_path / "b"), None), ("qwen3_30b_a3b_l12", suite.ROOT, None),
-             ("torchtitan_qwen3_30b_a3b_l12@base", str(tmp_path / "b"), "qwen3_30b_a3b_l12@base.json"),
-             ("torchtitan_qwen3_30b_a3b_l12", suite.ROOT, "qwen3_30b_a3b_l12.json")]
+    pairs = [
+        ("qwen3_30b_a3b_l12@base", str(tmp_path / "b"), None),
+        ("qwen3_30b_a3b_l12", suite.ROOT, None),
+        ("torchtitan_qwen3_30b_a3b_l12@base", str(tmp_path / "b"), "qwen3_30b_a3b_l12@base.json"),
+        ("torchtitan_qwen3_30b_a3b_l12", suite.ROOT, "qwen3_30b_a3b_l12.json"),
+    ]
     want = [pairs[1], pairs[0], pairs[3], pairs[2]] if base_last else pairs
     assert ran == want
     assert record["figures"] == {name: {"name": name} for name, _, _ in pairs}
@@ -745,15 +1074,33 @@ def test_trace_summary(tmp_path):
         {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 700, "dur": 5},
         {"ph": "X", "cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 705, "dur": 2},
         {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 710, "dur": 5, "args": {"correlation": 7}},
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 920, "dur": 30,
-         "args": {"correlation": 7}},
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "triton_poi_fused_lerp_mul_sqrt_0",
+            "ts": 920,
+            "dur": 30,
+            "args": {"correlation": 7},
+        },
         {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 755, "dur": 15},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 760, "dur": 5, "args": {"correlation": 8}},
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 975, "dur": 20,
-         "args": {"correlation": 8}},
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "triton_poi_fused_add_0",
+            "ts": 975,
+            "dur": 20,
+            "args": {"correlation": 8},
+        },
         # queued in the step before (its launch is not in the trace), run inside this one: in no class
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_lerp_mul_sqrt_0", "ts": 985, "dur": 15,
-         "args": {"correlation": 3}},
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "triton_poi_fused_lerp_mul_sqrt_0",
+            "ts": 985,
+            "dur": 15,
+            "args": {"correlation": 3},
+        },
     ]
     path = tmp_path / "iteration_10" / "rank0_trace.json"
     path.parent.mkdir()
@@ -761,8 +1108,15 @@ def test_trace_summary(tmp_path):
     assert trace_summary.find_trace(str(tmp_path)) == str(path)
     s = trace_summary.summarize_trace(str(path))
     assert s["step_wall_ms"] == 1.0
-    assert s["kernel_ms_by_class"] == {"grouped_gemm": 0.4, "nccl": 0.2, "attention": 0.14, "dense_gemm": 0.1,
-                                       "optimizer": 0.08, "elementwise_other": 0.02, "memcpy_memset": 0.01}
+    assert s["kernel_ms_by_class"] == {
+        "grouped_gemm": 0.4,
+        "nccl": 0.2,
+        "attention": 0.14,
+        "dense_gemm": 0.1,
+        "optimizer": 0.08,
+        "elementwise_other": 0.02,
+        "memcpy_memset": 0.01,
+    }
     assert s["gpu_busy_ms"] == pytest.approx(0.76)  # [0, 650] + [800, 850] + [900, 910] + [920, 950] + [975, 995]
     assert s["earlier_step_ms"] == pytest.approx(0.015)
     # idle from the first kernel to the last: 650-800, 850-900, 950-975 (910-920 is a kernel boundary)
@@ -793,7 +1147,9 @@ def test_rank_share_router_moves_the_asked_share(share):
     assert torch.equal(routing.experts % per_rank, natural.experts % per_rank)
     assert torch.equal(routing.probs, natural.probs)
     assert torch.equal(routing.tokens_per_expert, torch.bincount(routing.experts.flatten(), minlength=16).float())
-    assert routing.record[2].item() == pytest.approx((routing.tokens_per_expert.max() / routing.tokens_per_expert.mean()).item())
+    assert routing.record[2].item() == pytest.approx(
+        (routing.tokens_per_expert.max() / routing.tokens_per_expert.mean()).item()
+    )
     assert router.observed_share() == pytest.approx((rank == 0).float().mean().item())
     keep = moe_layer.RankShareRouter(router.inner, None, ep=4, seed=3)
     assert torch.equal(keep(x, 4096).experts, natural.experts)
@@ -847,7 +1203,11 @@ def test_grouped_gemm_smoke(tmp_path):
     shared = 6 * 64 * 3 * shape["dim"] * shape["shared_ffn"]
     assert row["shared_at_dense_ms"] == pytest.approx(shared / (dense * 1e12) * 1e3)
     assert row["gemm_bound_share_with_shared"] == pytest.approx(
-        (9 * row["gemm_gflop_each"] * 1e9 + shared) / ((row["routed_gemms_ms"] + row["shared_at_dense_ms"]) * 1e-3) / 1e12 / dense)
+        (9 * row["gemm_gflop_each"] * 1e9 + shared)
+        / ((row["routed_gemms_ms"] + row["shared_at_dense_ms"]) * 1e-3)
+        / 1e12
+        / dense
+    )
     assert 0 < row["gemm_bound_share_with_shared"] < row["layer_bound_share"]  # + router and gate FLOPs
     with pytest.raises(SystemExit):  # max-autotune needs CUDA
         grouped_gemm.parse(["--device", "cpu", "--autotune", "tiny"])
@@ -894,18 +1254,26 @@ def test_grouped_gemm_quack_calls(tmp_path, monkeypatch):
         assert t["quack_over_titan_fold"] == pytest.approx(t["quack"]["ms"] / t["titan_fold"]["ms"])
         flop = (2 if name.startswith("up_") else 1) * row["gemm_gflop_each"] * 1e9
         assert t["quack"]["tflops"] == pytest.approx(flop / (t["quack"]["ms"] * 1e-3) / 1e12)
-    total = {w: sum(tunings[n][w]["ms"] for n in ("up_fwd", "up_dgrad", "down_fwd", "down_dgrad"))
-             for w in ("titan_fold", "quack")}
+    total = {
+        w: sum(tunings[n][w]["ms"] for n in ("up_fwd", "up_dgrad", "down_fwd", "down_dgrad"))
+        for w in ("titan_fold", "quack")
+    }
     assert tunings["varlen_m"]["quack_over_titan_fold"] == pytest.approx(total["quack"] / total["titan_fold"])
     shape = moe_layer.SHAPES["tiny"]
     E, dim, ffn = shape["experts"], shape["dim"], shape["ffn"]
     rows, per_expert = grouped_gemm.routing(64, 2, E, "drawn")
-    fns, quack_tuned = grouped_gemm.quack_gemms(64, rows, per_expert, dim, ffn, E, torch.device("cpu"),
-                                                torch.bfloat16, torch.Generator().manual_seed(0))
+    fns, quack_tuned = grouped_gemm.quack_gemms(
+        64, rows, per_expert, dim, ffn, E, torch.device("cpu"), torch.bfloat16, torch.Generator().manual_seed(0)
+    )
     shapes = {n: tuple(t.shape for t in fn()) if n in ("up_fwd", "down_dgrad") else fn().shape for n, fn in fns.items()}
-    assert shapes == {"up_fwd": ((128, 2 * ffn), (128, ffn)), "up_dgrad": (128, dim), "up_wgrad": (E, 2 * ffn, dim),
-                      "down_fwd": (128, dim), "down_dgrad": ((128, 2 * ffn), (128, ffn), (128,)),
-                      "down_wgrad": (E, dim, ffn)}
+    assert shapes == {
+        "up_fwd": ((128, 2 * ffn), (128, ffn)),
+        "up_dgrad": (128, dim),
+        "up_wgrad": (E, 2 * ffn, dim),
+        "down_fwd": (128, dim),
+        "down_dgrad": ((128, 2 * ffn), (128, ffn), (128,)),
+        "down_wgrad": (E, dim, ffn),
+    }
     assert quack_tuned["up_fwd"]() is None  # writes its own ab and h
     assert [tuple(t.shape) for t in quack_tuned["down_dgrad"]()] == [(128, 2 * ffn), (128, ffn), (128,)]
     assert quack_tuned["up_dgrad"]()[0] is not None and quack_tuned["down_fwd"]()[0] is not None  # QuACK's plans
@@ -923,19 +1291,28 @@ def test_grouped_gemm_roofline_by_hand():
     x, ab, h = R * dim * 2, R * 2 * ffn * 2, R * ffn * 2  # bf16 rows: 268 MB, 201 MB, 101 MB
     w13, w2 = E * 2 * ffn * dim * 2, E * dim * ffn * 2  # 805 MB, 403 MB
     torch_bytes = grouped_gemm.gemm_bytes(R, E, dim, ffn)
-    assert torch_bytes == {"up_fwd": x + w13 + ab, "up_dgrad": ab + w13 + x, "up_wgrad": ab + x + w13,
-                           "down_fwd": h + w2 + x, "down_dgrad": x + w2 + h, "down_wgrad": x + h + w2}
+    assert torch_bytes == {
+        "up_fwd": x + w13 + ab,
+        "up_dgrad": ab + w13 + x,
+        "up_wgrad": ab + x + w13,
+        "down_fwd": h + w2 + x,
+        "down_dgrad": x + w2 + h,
+        "down_wgrad": x + h + w2,
+    }
     quack_bytes = grouped_gemm.gemm_bytes(R, E, dim, ffn, "quack")
     assert quack_bytes["up_fwd"] == x + w13 + ab + h + 4 * R  # + h written, p read
     assert quack_bytes["down_dgrad"] == x + w2 + ab + ab + h + 8 * R  # (gate, up) read, dab and h written, p, dp
     assert {n: b for n, b in quack_bytes.items() if n not in ("up_fwd", "down_dgrad")} == {
-        n: b for n, b in torch_bytes.items() if n not in ("up_fwd", "down_dgrad")}
+        n: b for n, b in torch_bytes.items() if n not in ("up_fwd", "down_dgrad")
+    }
     gemms = {n: {"ms": 0.5} for n in torch_bytes}
     got = grouped_gemm.roofline(gemms, quack_bytes, R, dim, ffn, 800.0, 3.0)
     up_flop_ms = 2 * 2 * R * dim * ffn / 800e12 * 1e3  # 0.515 ms
     dgrad_byte_ms = quack_bytes["down_dgrad"] / 3e12 * 1e3  # 1.17 GB: 0.392 ms
     assert gemms["up_fwd"]["bound_by"] == "compute" and gemms["up_fwd"]["bound_ms"] == pytest.approx(up_flop_ms)
-    assert gemms["down_dgrad"]["bound_by"] == "memory" and gemms["down_dgrad"]["bound_ms"] == pytest.approx(dgrad_byte_ms)
+    assert gemms["down_dgrad"]["bound_by"] == "memory" and gemms["down_dgrad"]["bound_ms"] == pytest.approx(
+        dgrad_byte_ms
+    )
     assert gemms["down_dgrad"]["share_of_bound"] == pytest.approx(dgrad_byte_ms / 0.5)
     assert gemms["down_dgrad"]["gb"] == pytest.approx(quack_bytes["down_dgrad"] / 1e9)
     assert got["roofline_ms"] == pytest.approx(sum(g["bound_ms"] for g in gemms.values()))
@@ -960,30 +1337,63 @@ def test_grouped_gemm_bounds_by_hand():
     assert b["shared_at_dense_ms"] == pytest.approx(shared_ms)
     assert b["gemm_bound_share_with_shared"] == pytest.approx((9 * gemm + shared) / ((21 + shared_ms) * 1e-3) / 500e12)
     router_gate = 6 * 8192 * 3584 * 64 + 6 * 8192 * 3584
-    assert b["layer_bound_share"] == pytest.approx((9 * gemm + shared + router_gate) / ((21 + shared_ms) * 1e-3) / 500e12)
+    assert b["layer_bound_share"] == pytest.approx(
+        (9 * gemm + shared + router_gate) / ((21 + shared_ms) * 1e-3) / 500e12
+    )
 
 
 def test_grouped_gemm_report_table(tmp_path):
-    gemms = {f"{m}_{op}": {"ms": 1.0, "tflops": t} for (m, op), t in zip(
-        [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")], (447.2, 352.1, 397.6, 440.3, 475.3, 448.3))}
-    row = {"shape": "qwen3_30b_a3b", "gemms": gemms, "routed_gemms_tflops": 410.5, "gemm_bound_share": 0.5549,
-           "gemm_bound_share_with_shared": 0.5549, "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912}}
-    quack = {**row, "counts": "equal", "impl": "quack", "gemm_bound_share": 0.7012, "share_of_roofline": 0.8123,
-             "tunings": {"up_fwd": {"quack_over_titan_fold": 1.1834}, "varlen_m": {"quack_over_titan_fold": 1.0412}}}
+    gemms = {
+        f"{m}_{op}": {"ms": 1.0, "tflops": t}
+        for (m, op), t in zip(
+            [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")],
+            (447.2, 352.1, 397.6, 440.3, 475.3, 448.3),
+        )
+    }
+    row = {
+        "shape": "qwen3_30b_a3b",
+        "gemms": gemms,
+        "routed_gemms_tflops": 410.5,
+        "gemm_bound_share": 0.5549,
+        "gemm_bound_share_with_shared": 0.5549,
+        "experts_fwd_bwd": {"separate_ms": 3.21, "stacked_over_separate": 0.912},
+    }
+    quack = {
+        **row,
+        "counts": "equal",
+        "impl": "quack",
+        "gemm_bound_share": 0.7012,
+        "share_of_roofline": 0.8123,
+        "tunings": {"up_fwd": {"quack_over_titan_fold": 1.1834}, "varlen_m": {"quack_over_titan_fold": 1.0412}},
+    }
     before = {**quack, "counts": "drawn", "tunings": None, "up_fwd_tunings": {"quack_over_titan_fold": 1.0921}}
     del before["tunings"]
-    _suite_file(tmp_path, "kernels", {"grouped_gemm": {"dense_bf16_gemm_tflops": 739.8, "rows": [
-        quack, before, row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}]}})
+    _suite_file(
+        tmp_path,
+        "kernels",
+        {
+            "grouped_gemm": {
+                "dense_bf16_gemm_tflops": 739.8,
+                "rows": [quack, before, row, {"shape": "mixtral_8x22b", "error": "OutOfMemoryError: x"}],
+            }
+        },
+    )
     text = report.report(str(tmp_path))
     assert "Routed grouped GEMMs alone:" in text
     # a row without counts and impl (a record from before them) is torch's at drawn counts
-    assert ("| qwen3_30b_a3b | drawn | torch | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | "
-            "0.555 | n/a | n/a | n/a | 0.912 |") in text
-    assert ("| qwen3_30b_a3b | equal | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
-            "0.555 | 0.812 | 1.183 | 1.041 |") in text
+    assert (
+        "| qwen3_30b_a3b | drawn | torch | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.555 | "
+        "0.555 | n/a | n/a | n/a | 0.912 |"
+    ) in text
+    assert (
+        "| qwen3_30b_a3b | equal | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
+        "0.555 | 0.812 | 1.183 | 1.041 |"
+    ) in text
     # a record from before the four varlen-M GEMMs were timed both ways: the up projection's alone
-    assert ("| qwen3_30b_a3b | drawn | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
-            "0.555 | 0.812 | 1.092 | n/a |") in text
+    assert (
+        "| qwen3_30b_a3b | drawn | quack | 739.8 | 447.2 | 352.1 | 397.6 | 440.3 | 475.3 | 448.3 | 410.5 | 0.701 | "
+        "0.555 | 0.812 | 1.092 | n/a |"
+    ) in text
     lines = report.grouped_gemm_table(report.latest(str(tmp_path))[0])
     assert len({line.count("|") for line in lines}) == 1  # the error row has every column
     assert "| mixtral_8x22b | drawn | torch | error: OutOfMemoryError: x |" in text
@@ -1018,8 +1428,9 @@ def test_attention_smoke(tmp_path):
     for family in ("qwen3_moe", "deepseek_v3"):
         r = rows[(family, "default")]
         assert r["max_rel_err_vs_fp32_math"] < 1e-5 and r["ms"] > 0
-        assert r["tflops"] == pytest.approx(6 * r["batch"] * r["seq_len"] ** 2 * r["heads"]
-                                            * (r["qk_dim"] + r["v_dim"]) / 2 / (r["ms"] * 1e-3) / 1e12)
+        assert r["tflops"] == pytest.approx(
+            6 * r["batch"] * r["seq_len"] ** 2 * r["heads"] * (r["qk_dim"] + r["v_dim"]) / 2 / (r["ms"] * 1e-3) / 1e12
+        )
     rec = json.loads((tmp_path / "attention.json").read_text())
     lines = report.attention_table({"figures": {"attention": rec["figures"]}})
     assert len(lines) == 2 + len(figures["rows"]) and len({line.count("|") for line in lines}) == 1
@@ -1046,7 +1457,9 @@ def test_dry_run_smoke(tmp_path):
     figures = dry_run.main(["--smoke", "--out-dir", str(tmp_path)])
     rows = figures["rows"]
     assert [(r["config"], r["ranks"], r["collectives"]) for r in rows] == [
-        ("debug_moe.toml", 2, False), ("debug_moe.toml", 2, True)]
+        ("debug_moe.toml", 2, False),
+        ("debug_moe.toml", 2, True),
+    ]
     assert [r["matched"] for r in rows] == [False, True]  # the collectives recorded and matched in the second only
     assert all(0 < r["dry_run_cpu_s"] <= r["process_cpu_s"] for r in rows), rows
     lines = report.dry_run_table({"figures": {"dry_run": figures}})
@@ -1072,9 +1485,20 @@ def test_master_step_smoke(tmp_path):
 
 
 def _loss_row(case, losses):
-    return {"case": case, "nproc": 1, "returncode": 0, "tokens_per_sec_per_gpu": 1.0, "tflops_per_gpu": 1.0,
-            "mfu_pct": 1.0, "peak_memory_gib": 1.0, "step_time_s": 1.0, "loss_first": losses[0],
-            "loss_last": losses[-1], "loss_mean_last20": sum(losses[-20:]) / 20, "losses": losses}
+    return {
+        "case": case,
+        "nproc": 1,
+        "returncode": 0,
+        "tokens_per_sec_per_gpu": 1.0,
+        "tflops_per_gpu": 1.0,
+        "mfu_pct": 1.0,
+        "peak_memory_gib": 1.0,
+        "step_time_s": 1.0,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "loss_mean_last20": sum(losses[-20:]) / 20,
+        "losses": losses,
+    }
 
 
 def _curve(*windows):
@@ -1097,8 +1521,12 @@ def test_report_loss_curves_within_and_across_paths(tmp_path):
     """Two runs of each path (rerun names the second): each path's later run against its earlier,
     every run of the second path against every run of the first, and the two paths' mean curves,
     by the largest 20-step-mean difference after step 20 and the level after step 20."""
-    rows = [_loss_row("torchgemm", _curve(2.0, 2.0)), _loss_row("quack", _curve(2.04, 2.0)),
-            _loss_row("torchgemm_rerun", _curve(1.96, 2.0)), _loss_row("quack_rerun", _curve(2.0, 2.0))]
+    rows = [
+        _loss_row("torchgemm", _curve(2.0, 2.0)),
+        _loss_row("quack", _curve(2.04, 2.0)),
+        _loss_row("torchgemm_rerun", _curve(1.96, 2.0)),
+        _loss_row("quack_rerun", _curve(2.0, 2.0)),
+    ]
     _suite_file(tmp_path, "loss-curve", {"curve": {"rows": rows}})
     text = report.report(str(tmp_path))
     assert "| curve | within torchgemm | 1 | 2.00% | -1.00% |" in text
@@ -1112,18 +1540,36 @@ def test_report_loss_curves_within_and_across_paths(tmp_path):
 def test_report_pools_loss_curves_over_records_and_machines(tmp_path):
     """Every run of a loss-curve step in any record, by path: the levels after step 20 over runs,
     and the mean curves' difference with the standard error of the levels' difference."""
-    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", _curve(2.0, 2.2)),
-                                                            _loss_row("quack", _curve(2.1, 2.1))]}})
-    _suite_file(tmp_path, "loss-curve", {"curve": {"rows": [_loss_row("torchgemm", _curve(1.8, 2.0)),
-                                                            _loss_row("quack_rerun", _curve(1.9, 1.9)),
-                                                            _loss_row("quack", _curve(1.9, 2.0))]},
-                                         "alone": {"rows": [_loss_row("torchgemm", _curve(2.0))]}},
-                date="2026-11-26T10:00:00Z", device="NVIDIA H200")
+    _suite_file(
+        tmp_path,
+        "loss-curve",
+        {"curve": {"rows": [_loss_row("torchgemm", _curve(2.0, 2.2)), _loss_row("quack", _curve(2.1, 2.1))]}},
+    )
+    _suite_file(
+        tmp_path,
+        "loss-curve",
+        {
+            "curve": {
+                "rows": [
+                    _loss_row("torchgemm", _curve(1.8, 2.0)),
+                    _loss_row("quack_rerun", _curve(1.9, 1.9)),
+                    _loss_row("quack", _curve(1.9, 2.0)),
+                ]
+            },
+            "alone": {"rows": [_loss_row("torchgemm", _curve(2.0))]},
+        },
+        date="2026-11-26T10:00:00Z",
+        device="NVIDIA H200",
+    )
     text = report.report(str(tmp_path))
     assert "every recorded run, pooled over records and machines" in text
     # torchgemm levels 2.1, 1.9: mean 2.0, sd 0.1414; its mean curve 1.9, 2.1
-    assert "| curve | torchgemm | 2 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 2.0000 | 0.1414 | (the reference) | | |" in text
+    assert (
+        "| curve | torchgemm | 2 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 2.0000 | 0.1414 | (the reference) | | |" in text
+    )
     # quack levels 2.1, 1.9, 1.95: mean 1.9833, sd 0.1041; its mean curve 1.9667, 2.0 against 1.9, 2.1:
     # windows 3.51% and 4.76%, level 1.9833 / 2.0 - 1; error sqrt(0.1041^2 / 3 + 0.1414^2 / 2) / 2.0
-    assert "| curve | quack | 3 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 1.9833 | 0.1041 | 4.76% | -0.83% | 5.83% |" in text
+    assert (
+        "| curve | quack | 3 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 1.9833 | 0.1041 | 4.76% | -0.83% | 5.83% |" in text
+    )
     assert "| alone |" not in text.split("pooled over records and machines")[1]  # one path: nothing to compare

@@ -67,14 +67,23 @@ def test_check_fails_both_runs_alike(name, tmp_path):
     args = case(tmp_path / "run") if callable(case) else ("--job.dump_folder", str(tmp_path / "run"), *case)
     common = ("--job.config_file", "debug_moe.toml", "--training.steps", "1", *args)
     codes, _, real_err = forked(NPROC, "titan_fold.train", *common)
-    (dry_code,), _, dry_err = forked(0, "titan_fold.train", *common, "--comm.mode", "fake_backend",
-                                     "--comm.dry_run_json", str(tmp_path / "dry.json"), env={"NGPU": str(NPROC)})
+    (dry_code,), _, dry_err = forked(
+        0,
+        "titan_fold.train",
+        *common,
+        "--comm.mode",
+        "fake_backend",
+        "--comm.dry_run_json",
+        str(tmp_path / "dry.json"),
+        env={"NGPU": str(NPROC)},
+    )
     real, dry = error_lines(real_err), error_lines(dry_err)
     assert codes == [2] * NPROC and dry_code == 2, (codes, dry_code, real_err[-2000:], dry_err[-2000:])
     assert len(real) == 1 and len(dry) == 1, (real, dry)
     if name in HOST_DEPENDENT:
         assert real[0].startswith(f"error: {HOST_DEPENDENT[name]}") and dry[0].startswith(
-            f"error: {HOST_DEPENDENT[name]}"), (real, dry)
+            f"error: {HOST_DEPENDENT[name]}"
+        ), (real, dry)
     else:
         assert real == dry
     assert not os.path.exists(tmp_path / "dry.json")  # nothing reported as if it had passed

@@ -34,15 +34,29 @@ import torch
 from conftest import forked, read_metrics, torchrun
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from titan_fold.checkpoint.manager import SETTINGS_FILE, CheckpointError, complete, read_metadata, validate_against
+from titan_fold.checkpoint.files import validate_against
+from titan_fold.checkpoint.manager import SETTINGS_FILE, CheckpointError, complete
 from titan_fold.checkpoint.settings import check_resume, run_settings
+from titan_fold.checkpoint.trusted import read_metadata
 
 STEPS = 6
 COMMON = (
-    "--training.local_batch_size", "1", "--training.global_batch_size", "8",
-    "--moe.load_balance", "aux_free", "--moe.aux_loss_coeff", "0",
-    "--metrics.log_freq", "1", "--training.steps", str(STEPS),
-    "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.no-last_save_model_only",
+    "--training.local_batch_size",
+    "1",
+    "--training.global_batch_size",
+    "8",
+    "--moe.load_balance",
+    "aux_free",
+    "--moe.aux_loss_coeff",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--training.steps",
+    str(STEPS),
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.no-last_save_model_only",
 )
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 
@@ -140,22 +154,44 @@ def test_resume_two_ranks_ep2_on_one_rank(run_a, run_one, tmp_path):
 
 def test_resume_two_ranks_ep2_on_pipeline_pp2_edp2(run_a, run_one, tmp_path):
     # 4 pipeline micro-batches of one sequence per rank and step
-    got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 4, "--parallelism.pipeline_parallel_degree", "2",
-                 "--training.local_batch_size", "4")
+    got = resume(
+        tmp_path,
+        run_a[0] / "checkpoint" / "step-3",
+        4,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "4",
+    )
     close(got, run_one[1], (4, 5, 6))
     same_biases(tmp_path, run_one[0])
 
 
 def test_resume_one_rank_on_four_ranks_tp2_ep2_etp2(run_one, tmp_path):
-    got = resume(tmp_path, run_one[0] / "checkpoint" / "step-3", 4, *EP2,
-                 "--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2")
+    got = resume(
+        tmp_path,
+        run_one[0] / "checkpoint" / "step-3",
+        4,
+        *EP2,
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    )
     close(got, run_one[1], (4, 5, 6))
     same_biases(tmp_path, run_one[0])
 
 
 def test_resume_two_ranks_dp2_ep2_on_cp2_etp2(run_a, run_one, tmp_path):
-    got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 2,
-                 "--parallelism.context_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
+    got = resume(
+        tmp_path,
+        run_a[0] / "checkpoint" / "step-3",
+        2,
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+    )
     close(got, run_one[1], (4, 5, 6))
     same_biases(tmp_path, run_one[0])
 
@@ -173,20 +209,41 @@ def test_killed_rank_restarts_from_last_complete_checkpoint(run_a, seed_checkpoi
     partial = tmp_path / "checkpoint" / "step-5"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half written")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path),
-           *COMMON, *EP2]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "-m",
+        "titan_fold.train",
+        "--job.config_file",
+        "debug_moe.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        *COMMON,
+        *EP2,
+    ]
     # torch 2.13's torchrun shares one TCPStore across restarts: the restarted ranks can read
     # the dead attempt's gloo addresses from it and hang in init_process_group. A fresh
     # store per attempt (rank 0 hosts it) avoids that.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               TITAN_FOLD_FAULT_AT_STEP="5", TITAN_FOLD_FAULT_RANK="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        TITAN_FOLD_FAULT_AT_STEP="5",
+        TITAN_FOLD_FAULT_RANK="1",
+    )
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     assert "fault injection: SIGKILL to rank 1 in step 5" in log, log[-3000:]  # rank 1 died of SIGKILL
-    loads = [line.split("Loading the checkpoint from ")[1].strip(" .") for line in log.splitlines()
-             if "Loading the checkpoint from" in line]
+    loads = [
+        line.split("Loading the checkpoint from ")[1].strip(" .")
+        for line in log.splitlines()
+        if "Loading the checkpoint from" in line
+    ]
     assert {os.path.basename(p) for p in loads} == {"step-0", "step-3"}, loads
     steps = [r["step"] for r in read_metrics(tmp_path)]
     # first attempt: steps 1..4 (step 5 never finished); the restart from step 3 drops the
@@ -221,7 +278,9 @@ def test_mismatched_checkpoint_fails_clearly(seed_checkpoint):
     good = {k: torch.empty(m.size) for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
     validate_against(seed_checkpoint, good)  # fits
     wrong_vocab = dict(good, **{"tok_embeddings.weight": torch.empty(1000, 64)})
-    with pytest.raises(CheckpointError, match=r"tok_embeddings.weight: checkpoint \[512, 64\], model \[1000, 64\][\s\S]*vocabulary"):
+    with pytest.raises(
+        CheckpointError, match=r"tok_embeddings.weight: checkpoint \[512, 64\], model \[1000, 64\][\s\S]*vocabulary"
+    ):
         validate_against(seed_checkpoint, wrong_vocab)
     other_model = dict(good, **{"layers.9.attention.wq.weight": torch.empty(64, 64)})
     with pytest.raises(CheckpointError, match="missing from the checkpoint.*layers.9.attention.wq.weight"):
@@ -233,12 +292,18 @@ def test_checkpoint_with_gate_and_up_apart_names_the_way_out(tmp_path):
     refused before any read, naming the conversion through a Hugging Face folder."""
     import torch.distributed.checkpoint as dcp
 
-    old = {"layers.0.moe.experts.w1": torch.randn(4, 8, 16), "layers.0.moe.experts.w3": torch.randn(4, 8, 16),
-           "layers.0.moe.experts.w2": torch.randn(4, 16, 8)}
+    old = {
+        "layers.0.moe.experts.w1": torch.randn(4, 8, 16),
+        "layers.0.moe.experts.w3": torch.randn(4, 8, 16),
+        "layers.0.moe.experts.w2": torch.randn(4, 16, 8),
+    }
     dcp.save(old, checkpoint_id=str(tmp_path / "step-1"))
     want = {"layers.0.moe.experts.w13": torch.empty(4, 16, 16), "layers.0.moe.experts.w2": torch.empty(4, 16, 8)}
-    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \(1\): layers.0.moe.experts.w13\n"
-                                              r"[\s\S]*experts.w1 / w3[\s\S]*python -m titan_fold.hf export"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing from the checkpoint \(1\): layers.0.moe.experts.w13\n"
+        r"[\s\S]*experts.w1 / w3[\s\S]*python -m titan_fold.hf export",
+    ):
         validate_against(str(tmp_path / "step-1"), want)
 
 
@@ -283,7 +348,7 @@ def test_non_tensor_entries_must_load_weights_only(tmp_path):
     such an entry holding a callable is refused before DCP reads anything."""
     import torch.distributed.checkpoint as dcp
 
-    from titan_fold.checkpoint.manager import check_bytes_entries
+    from titan_fold.checkpoint.trusted import check_bytes_entries
 
     dcp.save({"w": torch.zeros(2), "train_state": {"step": 3}}, checkpoint_id=str(tmp_path / "ok"))
     check_bytes_entries(str(tmp_path / "ok"), read_metadata(str(tmp_path / "ok")))
@@ -297,20 +362,35 @@ def test_checkpoint_records_the_runs_settings(run_a):
     with open(folder / "checkpoint" / "step-3" / SETTINGS_FILE) as f:
         saved = json.load(f)
     assert saved["training.seq_len"] == 128 and saved["training.global_batch_size"] == 8
-    assert (saved["model.name"], saved["model.flavor"], saved["tokenizer"]) == ("qwen2_moe", "debug", "byte-level, 258 tokens")
+    assert (saved["model.name"], saved["model.flavor"], saved["tokenizer"]) == (
+        "qwen2_moe",
+        "debug",
+        "byte-level, 258 tokens",
+    )
     assert saved["training.steps"] == STEPS and saved["optimizer.lr"] == 3e-3
 
 
 def test_resume_with_another_seq_len_is_one_line_before_any_work(run_a, tmp_path):
     os.makedirs(tmp_path / "checkpoint")
     shutil.copytree(run_a[0] / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
-    codes, out, err = forked(2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
-                             str(tmp_path), *COMMON, "--training.seq_len", "256")
+    codes, out, err = forked(
+        2,
+        "titan_fold.train",
+        "--job.config_file",
+        "debug_moe.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        *COMMON,
+        "--training.seq_len",
+        "256",
+    )
     assert codes[0] == 2, (codes, out[-2000:], err[-3000:])
     lines = [line for line in (out + err).splitlines() if line.strip()]
-    assert lines == [f"error: training.seq_len = 256, but {tmp_path}/checkpoint/step-3 was saved with training.seq_len "
-                     f"= 128: a resume keeps it (to start from these weights with new settings: another "
-                     f"job.dump_folder and --checkpoint.initial_load_path {tmp_path}/checkpoint/step-3)"], lines
+    assert lines == [
+        f"error: training.seq_len = 256, but {tmp_path}/checkpoint/step-3 was saved with training.seq_len "
+        f"= 128: a resume keeps it (to start from these weights with new settings: another "
+        f"job.dump_folder and --checkpoint.initial_load_path {tmp_path}/checkpoint/step-3)"
+    ], lines
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]  # nothing written, the lock not taken
 
 
@@ -330,12 +410,18 @@ def test_resume_names_what_changes_and_keeps_layout_changes_silent(run_a, tmp_pa
         f"resuming {tmp_path}/checkpoint/step-3 with training.global_batch_size = 16 (saved with 8): the run continues "
         f"with the new value",
         f"resuming {tmp_path}/checkpoint/step-3 with lr_scheduler.warmup_steps = 2 (saved with 5): the run continues "
-        f"with the new value"]
-    with pytest.raises(CheckpointError, match=r"^model.flavor = '57B-A14B', but .* was saved with model.flavor = 'debug'"):
+        f"with the new value",
+    ]
+    with pytest.raises(
+        CheckpointError, match=r"^model.flavor = '57B-A14B', but .* was saved with model.flavor = 'debug'"
+    ):
         check("--model.flavor", "57B-A14B")
     assert check("--optimizer.name", "Adam") == []  # Adam's states are AdamW's
-    with pytest.raises(CheckpointError, match=r"^optimizer.name = 'Muon', but .* was saved with optimizer.name = "
-                                              r"'AdamW': their states differ [^\n]*$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^optimizer.name = 'Muon', but .* was saved with optimizer.name = "
+        r"'AdamW': their states differ [^\n]*$",
+    ):
         check("--optimizer.name", "Muon")
     os.remove(tmp_path / "checkpoint" / "step-3" / SETTINGS_FILE)  # saved before settings were recorded
     assert check("--training.seq_len", "256") == []
@@ -345,8 +431,18 @@ def test_resume_names_what_changes_and_keeps_layout_changes_silent(run_a, tmp_pa
 
 # the lr schedule of `--training.steps 4` with one warm-up step: 1, 1, 2/3, 1/3 of the lr; of
 # `--training.steps 2`: 1, 1, then 0 (decayed to zero at its end)
-EXTEND = ("--training.local_batch_size", "1", "--training.global_batch_size", "2", "--training.seq_len", "32",
-          "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1")
+EXTEND = (
+    "--training.local_batch_size",
+    "1",
+    "--training.global_batch_size",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.log_freq",
+    "1",
+)
 
 
 def records(folder) -> dict[int, dict]:
@@ -355,8 +451,9 @@ def records(folder) -> dict[int, dict]:
 
 def train(folder, *args) -> tuple[list[int], str]:
     """One rank; -> exit codes and stdout + stderr."""
-    codes, out, err = forked(1, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
-                             str(folder), *EXTEND, *args)
+    codes, out, err = forked(
+        1, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder", str(folder), *EXTEND, *args
+    )
     return codes, out + err
 
 

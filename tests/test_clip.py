@@ -81,8 +81,11 @@ def _chunk_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     from titan_fold.parallel import sum_squares
 
     chunk = sum_squares.CHUNK
-    return torch.cat([torch.nn.functional.pad(t.double(), (0, -t.numel() % chunk)).view(-1, chunk)
-                      for t in tensors]).square().sum(1)
+    return (
+        torch.cat([torch.nn.functional.pad(t.double(), (0, -t.numel() % chunk)).view(-1, chunk) for t in tensors])
+        .square()
+        .sum(1)
+    )
 
 
 _INTERPRETED = """
@@ -109,9 +112,13 @@ def test_sum_squares_kernel_in_the_triton_interpreter():
 
     here = os.path.dirname(os.path.abspath(__file__))  # the script imports _chunk_sums from this file
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED],
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED],
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "programs 14" in done.stdout  # ceil(numel / CHUNK) each: 5 + 3 + 1 + 3 + 2
 
@@ -125,8 +132,13 @@ def test_total_norm_of_large_cuda_gradients_equals_float64():
     from titan_fold.parallel.clip import _KERNEL_MIN_NUMEL, total_norm
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    sizes = ((_KERNEL_MIN_NUMEL + 12_345, 1e-3, torch.bfloat16), (5_000_011, 2.0, torch.float32),
-             (4097, 5.0, torch.bfloat16), (7_000_001, 1e-2, torch.bfloat16), (_KERNEL_MIN_NUMEL, 0.5, torch.float32))
+    sizes = (
+        (_KERNEL_MIN_NUMEL + 12_345, 1e-3, torch.bfloat16),
+        (5_000_011, 2.0, torch.float32),
+        (4097, 5.0, torch.bfloat16),
+        (7_000_001, 1e-2, torch.bfloat16),
+        (_KERNEL_MIN_NUMEL, 0.5, torch.float32),
+    )
     grads = [(torch.randn(n, generator=g, device="cuda") * s).to(dtype) for n, s, dtype in sizes]
     want = torch.linalg.vector_norm(torch.cat([t.double() for t in grads]))
     got = total_norm(grads, 2.0)

@@ -12,9 +12,14 @@ def write(tmp_path, text: str) -> str:
 
 
 def test_toml_and_cli_override(tmp_path):
-    path = write(tmp_path, '[moe]\ncapacity_factor = 1.25\nscore_func = "sigmoid"\n'
-                           "[parallelism]\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 2\n")
-    config = parse_args(["--job.config_file", path, "--moe.top_k", "3", "--parallelism.expert_data_parallel_degree", "2"])
+    path = write(
+        tmp_path,
+        '[moe]\ncapacity_factor = 1.25\nscore_func = "sigmoid"\n'
+        "[parallelism]\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 2\n",
+    )
+    config = parse_args(
+        ["--job.config_file", path, "--moe.top_k", "3", "--parallelism.expert_data_parallel_degree", "2"]
+    )
     assert config.moe.capacity_factor == 1.25
     assert config.moe.score_func == "sigmoid"
     assert config.moe.top_k == 3
@@ -59,33 +64,66 @@ def test_missing_file_names_it():
         ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
         ('[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n', "choose one"),
         ("[moe\n", "not valid TOML"),
-        ("[moe]\ncapacity_factor = 1.0\nexchange = \"static\"\n",
-         "moe.exchange = 'static' with moe.capacity_factor = 1.0: it is for dropless routing"),
-        ("[moe]\ncapacity_factor = 1.0\nstatic_ep_exchange = true\n",  # the moved key, read as exchange = "static"
-         "moe.exchange = 'static' with moe.capacity_factor = 1.0: it is for dropless routing"),
-        ("[moe]\nexchange = \"exact\"\nstatic_ep_exchange = true\n", "moe.static_ep_exchange = true with moe.exchange = 'exact'"),
-        ("[moe]\nexchange = \"device\"\ncapacity_factor = 1.0\n", "moe.exchange = 'device' with moe.capacity_factor = 1.0"),
-        ("[moe]\nexchange = \"device\"\n[parallelism]\nexpert_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
-         "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = 2: the device exchange covers ep only"),
-        ("[moe]\nexchange = \"device\"\noverlap_ep_comm = true\n", "moe.overlap_ep_comm = true with moe.exchange = 'device'"),
-        ("[moe]\nexchange = \"device\"\n[compile]\nenable = true\ncudagraphs = true\n",
-         "compile.cudagraphs = true with moe.exchange = 'device'"),
-        ("[moe]\nexchange = \"fast\"\n", "moe.exchange"),
-        ('[parallelism]\nexpert_parallel_comm_backend = "deepep"\n',
-         "parallelism.expert_parallel_comm_backend = 'deepep': not used by titan_fold"),
-        ("[parallelism]\nenable_async_tensor_parallel = true\n",
-         "parallelism.enable_async_tensor_parallel = True: not used by titan_fold"),
-        ('[parallelism]\ncontext_parallel_rotate_method = "alltoall"\n',
-         "parallelism.context_parallel_rotate_method = 'alltoall': not used by titan_fold"),
-        ("[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
-         "compile.cudagraphs = true with dropless routing .*; set moe.exchange = 'static'"),
+        (
+            '[moe]\ncapacity_factor = 1.0\nexchange = "static"\n',
+            "moe.exchange = 'static' with moe.capacity_factor = 1.0: it is for dropless routing",
+        ),
+        (
+            "[moe]\ncapacity_factor = 1.0\nstatic_ep_exchange = true\n",  # the moved key, read as exchange = "static"
+            "moe.exchange = 'static' with moe.capacity_factor = 1.0: it is for dropless routing",
+        ),
+        (
+            '[moe]\nexchange = "exact"\nstatic_ep_exchange = true\n',
+            "moe.static_ep_exchange = true with moe.exchange = 'exact'",
+        ),
+        (
+            '[moe]\nexchange = "device"\ncapacity_factor = 1.0\n',
+            "moe.exchange = 'device' with moe.capacity_factor = 1.0",
+        ),
+        (
+            '[moe]\nexchange = "device"\n[parallelism]\nexpert_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n',
+            "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = 2: the device exchange covers ep only",
+        ),
+        (
+            '[moe]\nexchange = "device"\noverlap_ep_comm = true\n',
+            "moe.overlap_ep_comm = true with moe.exchange = 'device'",
+        ),
+        (
+            '[moe]\nexchange = "device"\n[compile]\nenable = true\ncudagraphs = true\n',
+            "compile.cudagraphs = true with moe.exchange = 'device'",
+        ),
+        ('[moe]\nexchange = "fast"\n', "moe.exchange"),
+        (
+            '[parallelism]\nexpert_parallel_comm_backend = "deepep"\n',
+            "parallelism.expert_parallel_comm_backend = 'deepep': not used by titan_fold",
+        ),
+        (
+            "[parallelism]\nenable_async_tensor_parallel = true\n",
+            "parallelism.enable_async_tensor_parallel = True: not used by titan_fold",
+        ),
+        (
+            '[parallelism]\ncontext_parallel_rotate_method = "alltoall"\n',
+            "parallelism.context_parallel_rotate_method = 'alltoall': not used by titan_fold",
+        ),
+        (
+            "[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
+            "compile.cudagraphs = true with dropless routing .*; set moe.exchange = 'static'",
+        ),
         ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.exchange = 'static'"),
-        ("[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
-         "moe.stash_rows = 100 with activation checkpointing"),
-        ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
-         "moe_layer_recompute = true\n", "moe.stash_rows = 100 with activation checkpointing"),
-        ('[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
-         "[compile]\nenable = true\ncudagraphs = true\n", "moe.stash_rows = 100 with compile.cudagraphs = true"),
+        (
+            "[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
+            "moe.stash_rows = 100 with activation checkpointing",
+        ),
+        (
+            '[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
+            "moe_layer_recompute = true\n",
+            "moe.stash_rows = 100 with activation checkpointing",
+        ),
+        (
+            '[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
+            "[compile]\nenable = true\ncudagraphs = true\n",
+            "moe.stash_rows = 100 with compile.cudagraphs = true",
+        ),
     ],
 )
 def test_bad_config_names_key_and_rule(tmp_path, text, message):
@@ -93,12 +131,15 @@ def test_bad_config_names_key_and_rule(tmp_path, text, message):
         parse_args(["--job.config_file", write(tmp_path, text)])
 
 
-@pytest.mark.parametrize("args", [
-    [],  # one EP rank: the dropless layer has no host sync
-    ["--parallelism.expert_parallel_degree", "2", "--moe.exchange", "static"],
-    ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],  # the moved key
-    ["--parallelism.expert_parallel_degree", "2", "--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],  # one EP rank: the dropless layer has no host sync
+        ["--parallelism.expert_parallel_degree", "2", "--moe.exchange", "static"],
+        ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],  # the moved key
+        ["--parallelism.expert_parallel_degree", "2", "--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"],
+    ],
+)
 def test_cudagraphs_with_static_shapes_accepted(args):
     config = parse_args(["--compile.enable", "--compile.cudagraphs", *args])
     assert config.compile.cudagraphs
@@ -109,8 +150,9 @@ def test_moved_static_key_reads_as_exchange(capsys):
     one-line notice; the model's MoEArgs get the new key."""
     from titan_fold.trainer.preflight import model_args_from_config
 
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.static_ep_exchange",
-                         "--parallelism.expert_parallel_degree", "2"])
+    config = parse_args(
+        ["--job.config_file", "debug_moe.toml", "--moe.static_ep_exchange", "--parallelism.expert_parallel_degree", "2"]
+    )
     assert config.moe.exchange == "static" and not config.moe.static_ep_exchange
     notice = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
     assert notice == ['notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = "static"'], notice
@@ -120,12 +162,25 @@ def test_moved_static_key_reads_as_exchange(capsys):
 
 @pytest.mark.parametrize("args", [[], ["--compile.enable"]])
 def test_stash_accepted_without_recompute(args):
-    config = parse_args(["--moe.exchange", "static", "--moe.stash_rows", "4096", "--activation_checkpoint.mode", "none",
-                         "--parallelism.expert_parallel_degree", "2", *args])
+    config = parse_args(
+        [
+            "--moe.exchange",
+            "static",
+            "--moe.stash_rows",
+            "4096",
+            "--activation_checkpoint.mode",
+            "none",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            *args,
+        ]
+    )
     assert config.moe.stash_rows == 4096
 
 
-@pytest.mark.parametrize("name, world", [("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)])
+@pytest.mark.parametrize(
+    "name, world", [("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)]
+)
 def test_packaged_configs_fit_their_world(name, world):
     """The real-size configs' degrees, pipeline schedule and micro-batches pass the trainer's
     checks at the world size they are written for (their tokenizers are not in the repo)."""

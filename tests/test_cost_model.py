@@ -21,9 +21,9 @@ from titan_fold.planning.cost_model import (
     estimate,
     group_membership,
     memory,
-    model_sizes,
 )
 from titan_fold.planning.search import enumerate_mappings, job_toml, min_gpus, plan
+from titan_fold.planning.sizes import model_sizes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.planned import latest_record, pairs  # noqa: E402
@@ -39,8 +39,13 @@ def _brute_force(world, args, seq_len):
     for pp, dpr, cp, tp, ep, etp in itertools.product(_divisors(world), repeat=6):
         try:
             lay = Layout(world, pp=pp, dp_replicate=dpr, cp=cp, tp=tp, ep=ep, etp=etp)
-            lay.validate(num_experts=args.moe.num_experts, moe_ffn_dim=args.moe.moe_ffn_dim,
-                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, seq_len=seq_len)
+            lay.validate(
+                num_experts=args.moe.num_experts,
+                moe_ffn_dim=args.moe.moe_ffn_dim,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads,
+                seq_len=seq_len,
+            )
         except LayoutError:
             continue
         accepted.add((pp, dpr, lay.dp_shard, cp, tp, ep, etp, lay.edp))
@@ -59,10 +64,23 @@ def test_enumeration_is_exactly_what_layout_accepts(family):
         assert len(keys) == len(set(keys))
         assert set(keys) == _brute_force(world, args, seq_len), world
         for m in got:  # explicit degrees (nothing derived) pass too
-            Layout(world, pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp,
-                   ep=m.ep, etp=m.etp, edp=m.edp).validate(
-                num_experts=args.moe.num_experts, moe_ffn_dim=args.moe.moe_ffn_dim, n_heads=args.n_heads,
-                n_kv_heads=args.n_kv_heads, seq_len=seq_len)
+            Layout(
+                world,
+                pp=m.pp,
+                dp_replicate=m.dp_replicate,
+                dp_shard=m.dp_shard,
+                cp=m.cp,
+                tp=m.tp,
+                ep=m.ep,
+                etp=m.etp,
+                edp=m.edp,
+            ).validate(
+                num_experts=args.moe.num_experts,
+                moe_ffn_dim=args.moe.moe_ffn_dim,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads,
+                seq_len=seq_len,
+            )
     # the model's sizes prune: 8 experts never allow ep 16; tp takes exactly the divisors of the kv heads
     got = enumerate_mappings(16, sizes, seq_len)
     assert {m.ep for m in got} == {1, 2, 4, 8}
@@ -91,8 +109,17 @@ def test_group_membership_is_the_trainers_meshes():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
     try:
         for m in (Mapping(2, 2, 1, 2, 2, 4, 2, 1), Mapping(1, 1, 2, 4, 2, 2, 4, 2), Mapping(4, 1, 1, 1, 4, 1, 2, 2)):
-            real = Layout(16, pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp,
-                          ep=m.ep, etp=m.etp, edp=m.edp)
+            real = Layout(
+                16,
+                pp=m.pp,
+                dp_replicate=m.dp_replicate,
+                dp_shard=m.dp_shard,
+                cp=m.cp,
+                tp=m.tp,
+                ep=m.ep,
+                etp=m.etp,
+                edp=m.edp,
+            )
             real.build_mesh("cpu")
             ours = group_membership(m)
             for name in ("tp", "cp", "dp_shard_cp", "dp_replicate", "ep", "etp", "edp"):
@@ -105,8 +132,15 @@ def test_group_membership_is_the_trainers_meshes():
 
 def test_memory_by_hand():
     # dim 8, 2 layers, 2 heads of 4 (1 kv head), vocab 16, 4 experts of 8 top-2, no shared expert
-    args = TransformerArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=16, ffn_dim=16,
-                           moe=MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=8))
+    args = TransformerArgs(
+        dim=8,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        vocab_size=16,
+        ffn_dim=16,
+        moe=MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=8),
+    )
     sizes = model_sizes(args, 16)
     # per layer: wq 64 + wk 32 + wv 32 + wo 64 = 192 (TP); norms 16 + router 32 = 48; experts 3*4*8*8 = 768
     assert sizes.tp_params_per_layer["moe"] == 192 and sizes.rep_params_per_layer["moe"] == 48
@@ -168,9 +202,32 @@ def test_paper_long_context_case_prefers_a_folded_mapping():
 
 def test_cli_json_and_written_config_parse(tmp_path):
     cfg = tmp_path / "plan.toml"
-    out = python_m("titan_fold.plan", "--model", "qwen2_moe/debug", "--gpus", "8", "--gpus-per-node", "4",
-                   "--gpu-memory-gib", "1", "--reserve-gib", "0", "--seq-len", "128", "--global-batch", "16", "--top", "3",
-                   "--fix", "pp=1", "--format", "json", "--write-config", str(cfg), timeout=120)
+    out = python_m(
+        "titan_fold.plan",
+        "--model",
+        "qwen2_moe/debug",
+        "--gpus",
+        "8",
+        "--gpus-per-node",
+        "4",
+        "--gpu-memory-gib",
+        "1",
+        "--reserve-gib",
+        "0",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "16",
+        "--top",
+        "3",
+        "--fix",
+        "pp=1",
+        "--format",
+        "json",
+        "--write-config",
+        str(cfg),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert len(rep["ranked"]) == 3
@@ -180,10 +237,25 @@ def test_cli_json_and_written_config_parse(tmp_path):
     best = rep["ranked"][0]["mapping"]
     config = parse_args(["--job.config_file", str(cfg)])
     p = config.parallelism
-    assert (p.pipeline_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-            p.context_parallel_degree, p.tensor_parallel_degree, p.expert_parallel_degree,
-            p.expert_tensor_parallel_degree, p.expert_data_parallel_degree) == (
-        best["pp"], best["dp_replicate"], best["dp_shard"], best["cp"], best["tp"], best["ep"], best["etp"], best["edp"])
+    assert (
+        p.pipeline_parallel_degree,
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.context_parallel_degree,
+        p.tensor_parallel_degree,
+        p.expert_parallel_degree,
+        p.expert_tensor_parallel_degree,
+        p.expert_data_parallel_degree,
+    ) == (
+        best["pp"],
+        best["dp_replicate"],
+        best["dp_shard"],
+        best["cp"],
+        best["tp"],
+        best["ep"],
+        best["etp"],
+        best["edp"],
+    )
     assert (config.model.name, config.model.flavor) == ("qwen2_moe", "debug")
     assert (config.training.seq_len, config.training.global_batch_size) == (128, 16)
     assert config.activation_checkpoint.mode == best["recompute"]
@@ -191,8 +263,11 @@ def test_cli_json_and_written_config_parse(tmp_path):
 
 def test_written_config_with_pipeline_and_capacity_parses(tmp_path):
     path = tmp_path / "pp.toml"
-    path.write_text(job_toml("mixtral", "8x22B", Mapping(8, 2, 1, 4, 2, 8, 1, 2, "selective"),
-                             Workload(16384, 1024, capacity_factor=1.0)))
+    path.write_text(
+        job_toml(
+            "mixtral", "8x22B", Mapping(8, 2, 1, 4, 2, 8, 1, 2, "selective"), Workload(16384, 1024, capacity_factor=1.0)
+        )
+    )
     config = parse_args(["--job.config_file", str(path)])
     assert config.parallelism.pipeline_parallel_degree == 8 and config.parallelism.context_parallel_degree == 4
     assert config.training.local_batch_size == 1024 // 2  # all of the rank's sequences, one per micro-batch
@@ -229,7 +304,9 @@ def test_activation_inventory_matches_autograd():
 
     one, args = saved_bytes(1)
     two, _ = saved_bytes(2)
-    planned = activation_bytes(model_sizes(args, seq), Mapping(1, 1, 1, 1, 1, 1, 1, 1), Workload(seq, batch, compute_bytes=4))
+    planned = activation_bytes(
+        model_sizes(args, seq), Mapping(1, 1, 1, 1, 1, 1, 1, 1), Workload(seq, batch, compute_bytes=4)
+    )
     ratio = planned * batch / (two - one)
     assert 0.95 < ratio < 1.15, ratio
 
@@ -258,10 +335,15 @@ def test_two_gpu_trainer_measurements():
         folding, words = p.row["folding"], p.row["command"]
         flags = dict(re.findall(r"--(\S+) (\S+)", words))
         assert (p.mapping.tp, p.mapping.ep, p.mapping.etp, p.mapping.edp) == (
-            folding.get("tp", 1), folding["ep"], folding["etp"], folding["edp"]), p.row["case"]
+            folding.get("tp", 1),
+            folding["ep"],
+            folding["etp"],
+            folding["edp"],
+        ), p.row["case"]
         assert p.mapping.pp * p.mapping.dp_shard * p.mapping.cp * p.mapping.tp == p.row["nproc"] == 2
         assert p.work.seq_len * p.work.global_batch == int(flags["training.seq_len"]) * int(
-            flags["training.global_batch_size"])
+            flags["training.global_batch_size"]
+        )
         ratio = p.estimate.memory.total / 2**30 / p.row["peak_memory_gib"]
         assert 1 <= ratio < 1.15, (p.row["case"], p.row["peak_memory_gib"], p.estimate.memory.gib())
     layouts = {}
@@ -274,5 +356,11 @@ def test_two_gpu_trainer_measurements():
             if abs(ta - tb) > 0.01 * min(ta, tb):
                 ranked += 1
                 assert (ta < tb) == (a.estimate.step_s < b.estimate.step_s), (
-                    a.row["case"], ta, a.estimate.step_s, b.row["case"], tb, b.estimate.step_s)
+                    a.row["case"],
+                    ta,
+                    a.estimate.step_s,
+                    b.row["case"],
+                    tb,
+                    b.estimate.step_s,
+                )
     assert ranked, "no two foldings of one attention layout to rank"

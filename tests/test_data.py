@@ -174,7 +174,9 @@ def write_hf_assets(folder: pathlib.Path, corpus_lines):
     return tok
 
 
-LINES = [f"line {i} says {' '.join(['alpha', 'beta', 'gamma', 'delta'][: 1 + i % 4])} and {i * 7 % 13}" for i in range(40)]
+LINES = [
+    f"line {i} says {' '.join(['alpha', 'beta', 'gamma', 'delta'][: 1 + i % 4])} and {i * 7 % 13}" for i in range(40)
+]
 
 
 def test_hf_local_file_with_tokenizer_json(tmp_path):
@@ -186,8 +188,14 @@ def test_hf_local_file_with_tokenizer_json(tmp_path):
     G = 6
 
     def jc(D, b):
-        return job("hf", seq_len=8, local_batch_size=b, global_batch_size=G, dataset_path=str(data),
-                   assets=str(tmp_path / "assets"))
+        return job(
+            "hf",
+            seq_len=8,
+            local_batch_size=b,
+            global_batch_size=G,
+            dataset_path=str(data),
+            assets=str(tmp_path / "assets"),
+        )
 
     tok = build_tokenizer(jc(1, 6))
     assert tok.get_vocab_size() == ref_tok.get_vocab_size() and tok.bos_id == bos and tok.eos_id == eos
@@ -199,7 +207,9 @@ def test_hf_local_file_with_tokenizer_json(tmp_path):
     (dl,) = loaders(job("stdlib", seq_len=8, local_batch_size=3, assets=str(tmp_path / "assets")), 1)
     first = stdlib_reference_files()[0].read_text()
     x, y = next(iter(dl))
-    assert torch.cat([x["input"], y[:, -1:]], 1).tolist() == [list(w) for w in windows([bos, *ref_tok.encode(first).ids], 8, 0, 3)]
+    assert torch.cat([x["input"], y[:, -1:]], 1).tolist() == [
+        list(w) for w in windows([bos, *ref_tok.encode(first).ids], 8, 0, 3)
+    ]
     assert dl.dataset.total_tokens is None and len(dl.dataset._ends) == 1
 
 
@@ -212,7 +222,14 @@ def test_hf_text_file_with_byte_tokenizer(tmp_path):
     n_steps = len(stream) // 44 + 2
     ref = [sorted(windows(stream, 10, s * 4, 4)) for s in range(n_steps)]
     assert steps(loaders(jc, 2), 1, n_steps) == ref
-    assert steps(loaders(job("hf", seq_len=10, local_batch_size=1, global_batch_size=4, dataset_path=str(data)), 1), 4, n_steps) == ref
+    assert (
+        steps(
+            loaders(job("hf", seq_len=10, local_batch_size=1, global_batch_size=4, dataset_path=str(data)), 1),
+            4,
+            n_steps,
+        )
+        == ref
+    )
 
 
 def test_clear_errors(tmp_path):

@@ -17,7 +17,7 @@ from conftest import python_m
 from host_sync import no_host_sync
 from safetensors.torch import load_file, save_file
 
-from titan_fold.checkpoint.manager import read_hf_folder
+from titan_fold.checkpoint.files import read_hf_folder
 from titan_fold.hf import main
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.deepseek_v3 import count_parameters
@@ -26,27 +26,66 @@ from titan_fold.models.hf_deepseek import dequantize_fp8, quantize_fp8
 from titan_fold.models.mtp import IGNORE_INDEX, future_tokens
 from titan_fold.moe import MoEArgs, Router
 
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}
-BASE = dict(vocab_size=300, hidden_size=48, intermediate_size=72, moe_intermediate_size=20, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
-            routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-            qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
-            norm_topk_prob=True, max_position_embeddings=256, rope_scaling=YARN, rope_theta=10000.0,
-            rms_norm_eps=1e-6)
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+BASE = dict(
+    vocab_size=300,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=20,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=2,
+    n_routed_experts=8,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    qk_nope_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    max_position_embeddings=256,
+    rope_scaling=YARN,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
 CASES = {
     "q_lora_yarn_groups": {},
-    "no_q_lora_plain_rope_one_group": dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1,
-                                           norm_topk_prob=False, routed_scaling_factor=1.0),
+    "no_q_lora_plain_rope_one_group": dict(
+        q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0
+    ),
     # transformers' defaults for the fields left out (num_key_value_heads 128 with 4 heads among them)
     "defaults": dict(num_key_value_heads=None),
     # V2-Lite-like mscale (cos/sin and softmax scaled), factor given apart from the lengths, no dense layer,
     # half-split rotary layout, tied embeddings
     "yarn_mscale_half_split_tied": dict(
-        rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 0.707,
-                      "mscale_all_dim": 0.707},
-        rope_interleave=False, first_k_dense_replace=0, n_group=2, topk_group=1, num_experts_per_tok=2,
-        tie_word_embeddings=True, n_shared_experts=1),
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        rope_interleave=False,
+        first_k_dense_replace=0,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        n_shared_experts=1,
+    ),
 }
 
 
@@ -92,10 +131,22 @@ def test_import_parity_and_exact_export(case, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     assert theirs.std() > 0.1
     assert [layer.moe_enabled for layer in model.layers.values()] == [
-        not hasattr(layer.mlp, "gate_proj") for layer in hf.model.layers]
+        not hasattr(layer.mlp, "gate_proj") for layer in hf.model.layers
+    ]
 
-    main(["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model.name", "deepseek_v3", "--model.flavor",
-          "hf", "--model.hf_config", str(tmp_path / "hf")])
+    main(
+        [
+            "export",
+            str(tmp_path / "dcp"),
+            str(tmp_path / "out"),
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "hf",
+            "--model.hf_config",
+            str(tmp_path / "hf"),
+        ]
+    )
     before, after = read_hf_folder(str(tmp_path / "hf")), read_hf_folder(str(tmp_path / "out"))
     assert sorted(before) == sorted(after)
     for key, value in before.items():
@@ -125,8 +176,11 @@ def fp8_folder(tmp_path, config):
     random_hf_model(config, tmp_path / "hf", dtype=torch.bfloat16)
     original = read_hf_folder(str(tmp_path / "hf"))
     fp8 = {}
-    quantized = [k for k, v in original.items() if v.dim() == 2 and "norm" not in k and "embed" not in k
-                 and "lm_head" not in k and ".gate.weight" not in k]
+    quantized = [
+        k
+        for k, v in original.items()
+        if v.dim() == 2 and "norm" not in k and "embed" not in k and "lm_head" not in k and ".gate.weight" not in k
+    ]
     for key, value in original.items():
         if key in quantized:
             q, scale_inv = quantize_fp8(value)
@@ -136,11 +190,17 @@ def fp8_folder(tmp_path, config):
     os.makedirs(tmp_path / "fp8")
     save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"), metadata={"format": "pt"})
     # the published folders have an index (torch's quantized reader needs it)
-    json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in fp8}},
-              open(tmp_path / "fp8" / "model.safetensors.index.json", "w"))
+    json.dump(
+        {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fp8}},
+        open(tmp_path / "fp8" / "model.safetensors.index.json", "w"),
+    )
     config_json = json.load(open(tmp_path / "hf" / "config.json"))
-    config_json["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                          "weight_block_size": [128, 128]}
+    config_json["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
     json.dump(config_json, open(tmp_path / "fp8" / "config.json", "w"))
     return original, fp8, quantized
 
@@ -149,13 +209,31 @@ def test_fp8_checkpoint_dequantizes(tmp_path):
     """A bf16 folder quantized here as DeepSeek publishes (e4m3, a scale_inv per 128 x 128 block;
     weights of 200 x 300 leave partial blocks) imports to the dequantized weights, within e4m3's
     rounding of the bf16 original, and exports bf16 tensors."""
-    config = {**BASE, "hidden_size": 200, "moe_intermediate_size": 136, "intermediate_size": 300,
-              "num_hidden_layers": 2}
+    config = {
+        **BASE,
+        "hidden_size": 200,
+        "moe_intermediate_size": 136,
+        "intermediate_size": 300,
+        "num_hidden_layers": 2,
+    }
     original, fp8, quantized = fp8_folder(tmp_path, config)
 
     main(["import", str(tmp_path / "fp8"), str(tmp_path / "dcp")])
-    main(["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model.name", "deepseek_v3", "--model.flavor",
-          "hf", "--model.hf_config", str(tmp_path / "hf"), "--dtype", "bfloat16"])
+    main(
+        [
+            "export",
+            str(tmp_path / "dcp"),
+            str(tmp_path / "out"),
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "hf",
+            "--model.hf_config",
+            str(tmp_path / "hf"),
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     out = read_hf_folder(str(tmp_path / "out"))
     assert sorted(out) == sorted(original) and len(quantized) > 10
     for key in quantized:
@@ -187,8 +265,10 @@ def test_mtp_layer_is_skipped_or_imported(tmp_path):
     tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     os.makedirs(tmp_path / "hf")
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    json.dump({**json.load(open(tmp_path / "four" / "config.json")), "num_hidden_layers": 3,
-               "num_nextn_predict_layers": 1}, open(tmp_path / "hf" / "config.json", "w"))
+    json.dump(
+        {**json.load(open(tmp_path / "four" / "config.json")), "num_hidden_layers": 3, "num_nextn_predict_layers": 1},
+        open(tmp_path / "hf" / "config.json", "w"),
+    )
 
     r = python_m("titan_fold.hf", "import", str(tmp_path / "hf"), str(tmp_path / "skip"))
     assert r.returncode == 0, r.stderr
@@ -199,20 +279,36 @@ def test_mtp_layer_is_skipped_or_imported(tmp_path):
     model = load_dcp_model(tmp_path / "dcp", tmp_path / "hf", mtp_layers=1)
     assert torch.equal(model.mtp.layers["0"].eh_proj.weight, tensors["model.layers.3.eh_proj.weight"])
     assert torch.equal(model.mtp.layers["0"].block.moe.router.gate.weight, tensors["model.layers.3.mlp.gate.weight"])
-    main(["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model.name", "deepseek_v3", "--model.flavor",
-          "hf", "--model.hf_config", str(tmp_path / "hf"), "--mtp.num_layers", "1"])
+    main(
+        [
+            "export",
+            str(tmp_path / "dcp"),
+            str(tmp_path / "out"),
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "hf",
+            "--model.hf_config",
+            str(tmp_path / "hf"),
+            "--mtp.num_layers",
+            "1",
+        ]
+    )
     out = read_hf_folder(str(tmp_path / "out"))
     assert sorted(out) == sorted(tensors)
     for key, value in tensors.items():
         assert torch.equal(out[key], value), key
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(q_lora_rank=0), "q_lora_rank = 0"),
-    (dict(n_group=3), "n_group = 3: must divide n_routed_experts = 8"),
-    (dict(topk_group=5), "topk_group = 5: must be in [1, n_group = 4]"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling.rope_type = 'linear'"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(q_lora_rank=0), "q_lora_rank = 0"),
+        (dict(n_group=3), "n_group = 3: must divide n_routed_experts = 8"),
+        (dict(topk_group=5), "topk_group = 5: must be in [1, n_group = 4]"),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling.rope_type = 'linear'"),
+    ],
+)
 def test_bad_config_is_one_line(change, field, tmp_path):
     random_hf_model(BASE, tmp_path / "hf")
     config = json.load(open(tmp_path / "hf" / "config.json"))
@@ -234,8 +330,16 @@ def test_group_limited_routing_against_a_loop():
     """Group-limited top-k with the aux-free bias in the choice only, normalization and scaling,
     against a float64 per-token loop written out here."""
     torch.manual_seed(0)
-    args = MoEArgs(num_experts=12, top_k=3, score_func="sigmoid", norm_topk_prob=True, num_groups=4, group_topk=2,
-                   routed_scaling_factor=2.5, load_balance="aux_free")
+    args = MoEArgs(
+        num_experts=12,
+        top_k=3,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        num_groups=4,
+        group_topk=2,
+        routed_scaling_factor=2.5,
+        load_balance="aux_free",
+    )
     router = Router(16, args).double()
     router.expert_bias.copy_(torch.randn(12) * 0.3)
     x = torch.randn(50, 16, dtype=torch.float64)
@@ -243,7 +347,7 @@ def test_group_limited_routing_against_a_loop():
     scores = torch.sigmoid(x @ router.gate.weight.T)
     for t in range(50):
         biased = scores[t] + router.expert_bias.double()
-        group_score = [sorted(biased[g * 3:(g + 1) * 3].tolist())[-2:] for g in range(4)]
+        group_score = [sorted(biased[g * 3 : (g + 1) * 3].tolist())[-2:] for g in range(4)]
         groups = sorted(range(4), key=lambda g: -sum(group_score[g]))[:2]
         allowed = [e for e in range(12) if e // 3 in groups]
         chosen = sorted(allowed, key=lambda e: -biased[e].item())[:3]
@@ -308,11 +412,33 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     from conftest import torchrun
 
     random_hf_model(BASE, tmp_path / "hf")
-    torchrun(2, "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "hf"), "--job.dump_folder",
-             str(tmp_path / "out"), "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-             "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--optimizer.lr", "0",
-             "--training.steps", "1", "--training.seq_len", "32", "--parallelism.expert_parallel_degree", "2",
-             "--parallelism.tensor_parallel_degree", "2", "--moe.load_balance", "none", config="debug_deepseek_v3.toml")
+    torchrun(
+        2,
+        "--model.flavor",
+        "hf",
+        "--model.hf_config",
+        str(tmp_path / "hf"),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "hf"),
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.last_save_in_hf",
+        "--optimizer.lr",
+        "0",
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        "32",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--moe.load_balance",
+        "none",
+        config="debug_deepseek_v3.toml",
+    )
     out = tmp_path / "out" / "checkpoint" / "step-1"
     before, after = read_hf_folder(str(tmp_path / "hf")), read_hf_folder(str(out))
     assert sorted(before) == sorted(after)
@@ -326,14 +452,40 @@ def test_trainer_loads_fp8_folder(tmp_path):
     the exported weights are the dequantized ones."""
     from conftest import torchrun
 
-    config = {**BASE, "hidden_size": 200, "moe_intermediate_size": 136, "intermediate_size": 300,
-              "num_hidden_layers": 2}
+    config = {
+        **BASE,
+        "hidden_size": 200,
+        "moe_intermediate_size": 136,
+        "intermediate_size": 300,
+        "num_hidden_layers": 2,
+    }
     original, fp8, quantized = fp8_folder(tmp_path, config)
-    torchrun(2, "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "fp8"), "--job.dump_folder",
-             str(tmp_path / "out"), "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "fp8"),
-             "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized",
-             "--checkpoint.last_save_in_hf", "--optimizer.lr", "0", "--training.steps", "1", "--training.seq_len", "32",
-             "--parallelism.tensor_parallel_degree", "2", "--moe.load_balance", "none", config="debug_deepseek_v3.toml")
+    torchrun(
+        2,
+        "--model.flavor",
+        "hf",
+        "--model.hf_config",
+        str(tmp_path / "fp8"),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "fp8"),
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_in_hf_quantized",
+        "--checkpoint.last_save_in_hf",
+        "--optimizer.lr",
+        "0",
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        "32",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--moe.load_balance",
+        "none",
+        config="debug_deepseek_v3.toml",
+    )
     after = read_hf_folder(str(tmp_path / "out" / "checkpoint" / "step-1"))
     assert sorted(after) == sorted(original)
     for key in quantized:

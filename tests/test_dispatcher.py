@@ -45,9 +45,17 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
 
     top_k, E, cf, policy, skew, pad, n, dtype, before = case
     rank = dist.get_rank()
-    args = MoEArgs(num_experts=E, top_k=top_k, moe_ffn_dim=FFN, capacity_factor=cf, drop_policy=policy,
-                   pad_to_capacity=pad, drop_scope="full_sequence" if n > 1 else "sub_sequence",
-                   load_balance="none", prob_before_w2=before)
+    args = MoEArgs(
+        num_experts=E,
+        top_k=top_k,
+        moe_ffn_dim=FFN,
+        capacity_factor=cf,
+        drop_policy=policy,
+        pad_to_capacity=pad,
+        drop_scope="full_sequence" if n > 1 else "sub_sequence",
+        load_balance="none",
+        prob_before_w2=before,
+    )
 
     # the sequences of this rank's group, [B, n * S_LOC, DIM]; this rank holds chunk i of each
     group, i = rank // n, rank % n
@@ -172,8 +180,11 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
 
     device = torch.device(device_type, rank if device_type == "cuda" else None)
     failures = []
-    seq_meshes = {n: init_device_mesh(device_type, (world // n, n), mesh_dim_names=("dp", "seq"))["seq"]
-                  for n in (2, 4) if world % n == 0}
+    seq_meshes = {
+        n: init_device_mesh(device_type, (world // n, n), mesh_dim_names=("dp", "seq"))["seq"]
+        for n in (2, 4)
+        if world % n == 0
+    }
     for ep, etp in layouts:
         mesh = init_device_mesh(device_type, (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
         ep_mesh = mesh["ep"] if ep > 1 else None
@@ -194,13 +205,13 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
     end_rank_checks(out_dir, rank, failures)
 
 
-
 def launch(out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu"):
     if device_type == "cuda":  # fresh interpreters: a forked child can use CUDA only if no ancestor did
         import torch.multiprocessing as mp
 
-        mp.start_processes(worker, args=(free_port(), str(out_dir), world, layouts, device_type), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            worker, args=(free_port(), str(out_dir), world, layouts, device_type), nprocs=world, start_method="spawn"
+        )
         return rank_failures(str(out_dir), world)
     return fork_ranks(worker, world, out_dir, world, layouts, device_type)
 

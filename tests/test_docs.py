@@ -16,24 +16,65 @@ import gen  # noqa: E402
 @pytest.mark.parametrize("doc", gen.DOCS)
 def test_quoted_output_is_current(doc):
     # planning.md's 20 planner searches: about a CPU minute, each forked from one import (gen.fork_module)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "gen.py"), "--check", doc],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{doc} quotes stale output; run `python docs/gen.py`:\n{result.stdout}{result.stderr}"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "docs", "gen.py"), "--check", doc],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, (
+        f"{doc} quotes stale output; run `python docs/gen.py`:\n{result.stdout}{result.stderr}"
+    )
 
 
 def test_generator_replaces_only_the_output():
-    text = "\n".join(["intro", gen.MARKER, "```", "$ echo one \\", "  two | tr a-z A-Z", "stale", "",
-                      "$ printf 'x\\ny\\n'", "old", "```", "```", "$ echo untouched", "kept", "```"])
+    text = "\n".join(
+        [
+            "intro",
+            gen.MARKER,
+            "```",
+            "$ echo one \\",
+            "  two | tr a-z A-Z",
+            "stale",
+            "",
+            "$ printf 'x\\ny\\n'",
+            "old",
+            "```",
+            "```",
+            "$ echo untouched",
+            "kept",
+            "```",
+        ]
+    )
     lines = gen.generate(text, workers=1).split("\n")
-    assert lines == ["intro", gen.MARKER, "```", "$ echo one \\", "  two | tr a-z A-Z", "ONE TWO", "",
-                     "$ printf 'x\\ny\\n'", "x", "y", "```", "```", "$ echo untouched", "kept", "```"]
+    assert lines == [
+        "intro",
+        gen.MARKER,
+        "```",
+        "$ echo one \\",
+        "  two | tr a-z A-Z",
+        "ONE TWO",
+        "",
+        "$ printf 'x\\ny\\n'",
+        "x",
+        "y",
+        "```",
+        "```",
+        "$ echo untouched",
+        "kept",
+        "```",
+    ]
 
 
 def test_python_commands_are_forked_with_their_filter():
     assert gen.python_module("python -m titan_fold.plan --gpus 64 | grep -E '^( +1 |best)'") == (
-        ["titan_fold.plan", "--gpus", "64"], " grep -E '^( +1 |best)'")
+        ["titan_fold.plan", "--gpus", "64"],
+        " grep -E '^( +1 |best)'",
+    )
     assert gen.python_module("python -m titan_fold.layout --world-size 8 \\\n  --tp 2") == (
-        ["titan_fold.layout", "--world-size", "8", "--tp", "2"], "")
+        ["titan_fold.layout", "--world-size", "8", "--tp", "2"],
+        "",
+    )
     assert gen.python_module("python -m titan_fold.plan > out.txt") is None  # bash runs the rest
     assert gen.python_module("NGPU=8 python -m titan_fold.train") is None
     code, output = gen.fork_module(["titan_fold.plan", "--model", "57B-A14B", "--min-gpus", "cp=8", "ep=8"])
@@ -97,8 +138,9 @@ def test_quoted_bench_records_exist(doc):
 
 
 def test_anchors_follow_github():
-    assert _anchors("# Quick start (CPU, no GPU)\n```\n# not a heading\n```\n## `[moe]`\n## metrics.jsonl\n## A\n## A") == {
-        "quick-start-cpu-no-gpu", "moe", "metricsjsonl", "a", "a-1"}
+    assert _anchors(
+        "# Quick start (CPU, no GPU)\n```\n# not a heading\n```\n## `[moe]`\n## metrics.jsonl\n## A\n## A"
+    ) == {"quick-start-cpu-no-gpu", "moe", "metricsjsonl", "a", "a-1"}
     assert _links("see [x](docs/a.md#b), [y](https://e.org) and [z](#c)") == ["docs/a.md#b", "#c"]
 
 

@@ -24,23 +24,63 @@ from titan_fold.trainer.banner import banner
 ROOT = Path(__file__).resolve().parents[1]
 
 # world size each packaged config is written for (a new config must be added here)
-WORLD = {"debug_moe.toml": 2, "debug_qwen3_moe.toml": 2, "qwen3_30b_a3b.toml": 8, "qwen2.toml": 64,
-         "mixtral_8x22b.toml": 128, "mixtral_8x22b_g8t8.toml": 128, "debug_deepseek_v3.toml": 2,
-         "deepseek_v3_16b.toml": 8, "deepseek_v3_671b.toml": 1024}
+WORLD = {
+    "debug_moe.toml": 2,
+    "debug_qwen3_moe.toml": 2,
+    "qwen3_30b_a3b.toml": 8,
+    "qwen2.toml": 64,
+    "mixtral_8x22b.toml": 128,
+    "mixtral_8x22b_g8t8.toml": 128,
+    "debug_deepseek_v3.toml": 2,
+    "deepseek_v3_16b.toml": 8,
+    "deepseek_v3_671b.toml": 1024,
+}
 # the paper's 1024-GPU layouts: Table 5's folded Mixtral-8x22B at 128K (cp8 tp8 ep8 pp8 etp1,
 # global batch 128), its unfolded MCore row (cp16 tp4 ep8 pp8, etp = tp), and the packaged
 # 4K mappings scaled to 1024 GPUs (Table 4's strong scaling, global batch 1024)
 PAPER_1024 = {
-    "mixtral folded 128K": ("mixtral_8x22b.toml", [
-        "--training.seq_len", "131072", "--model.max_seq_len", "131072", "--training.global_batch_size", "128",
-        "--parallelism.context_parallel_degree", "8", "--parallelism.tensor_parallel_degree", "8",
-        "--parallelism.expert_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "8",
-        "--parallelism.expert_tensor_parallel_degree", "1"]),
-    "mixtral mcore 128K": ("mixtral_8x22b.toml", [
-        "--training.seq_len", "131072", "--model.max_seq_len", "131072", "--training.global_batch_size", "128",
-        "--parallelism.context_parallel_degree", "16", "--parallelism.tensor_parallel_degree", "4",
-        "--parallelism.expert_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "8",
-        "--parallelism.expert_tensor_parallel_degree", "4"]),
+    "mixtral folded 128K": (
+        "mixtral_8x22b.toml",
+        [
+            "--training.seq_len",
+            "131072",
+            "--model.max_seq_len",
+            "131072",
+            "--training.global_batch_size",
+            "128",
+            "--parallelism.context_parallel_degree",
+            "8",
+            "--parallelism.tensor_parallel_degree",
+            "8",
+            "--parallelism.expert_parallel_degree",
+            "8",
+            "--parallelism.pipeline_parallel_degree",
+            "8",
+            "--parallelism.expert_tensor_parallel_degree",
+            "1",
+        ],
+    ),
+    "mixtral mcore 128K": (
+        "mixtral_8x22b.toml",
+        [
+            "--training.seq_len",
+            "131072",
+            "--model.max_seq_len",
+            "131072",
+            "--training.global_batch_size",
+            "128",
+            "--parallelism.context_parallel_degree",
+            "16",
+            "--parallelism.tensor_parallel_degree",
+            "4",
+            "--parallelism.expert_parallel_degree",
+            "8",
+            "--parallelism.pipeline_parallel_degree",
+            "8",
+            "--parallelism.expert_tensor_parallel_degree",
+            "4",
+        ],
+    ),
     "qwen2 4K": ("qwen2.toml", ["--training.global_batch_size", "1024"]),
     "mixtral g8t8 4K": ("mixtral_8x22b_g8t8.toml", ["--training.global_batch_size", "1024"]),
 }
@@ -72,9 +112,13 @@ def test_packaged_config_dry_runs(name):
     report = dryrun.dry_run(c, WORLD[name], collectives=False)
     memory_s = sum(r["cpu_seconds"] for r in report["ranks"])
     per_stage = WORLD[name] // c.parallelism.pipeline_parallel_degree
-    assert [r["rank"] for r in report["ranks"]] == (sorted(
-        {r for p in range(c.parallelism.pipeline_parallel_degree) for r in (p * per_stage, (p + 1) * per_stage - 1)})
-        if every else [0])
+    assert [r["rank"] for r in report["ranks"]] == (
+        sorted(
+            {r for p in range(c.parallelism.pipeline_parallel_degree) for r in (p * per_stage, (p + 1) * per_stage - 1)}
+        )
+        if every
+        else [0]
+    )
     for rep in report["ranks"]:
         # the pp coordinate of each rank is its block of world / pp consecutive ranks
         assert rep["coordinates"]["attention"]["pp"] == rep["rank"] // per_stage
@@ -120,15 +164,22 @@ def test_paper_1024_rank_layouts(label):
     args = FLAVORS[c.model.name][c.model.flavor]
     assert rep["bytes"]["params"] == 4 * rep["numel"]
     assert rep["kinds"]["routed experts"]["numel"] == rep["moe_layers"] * 3 * (
-        args.moe.num_experts // c.parallelism.expert_parallel_degree) * args.dim * args.moe.moe_ffn_dim // (
-        c.parallelism.expert_tensor_parallel_degree * report["expert_mesh"]["edp"])
+        args.moe.num_experts // c.parallelism.expert_parallel_degree
+    ) * args.dim * args.moe.moe_ffn_dim // (c.parallelism.expert_tensor_parallel_degree * report["expert_mesh"]["edp"])
 
 
 def test_local_shapes_partition_the_model():
     """On every rank of a pure FSDP x (ep 4, etp 2) world the local parameters are pieces of
     the model: their numels over all ranks add up to the model's parameter count."""
-    c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "4",
-               "--parallelism.expert_tensor_parallel_degree", "2", "--training.local_batch_size", "1")
+    c = config(
+        "debug_moe.toml",
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "1",
+    )
     _, args, _ = dryrun.check_config(c, 8)
     total = sum(dryrun.simulate_rank(c, 8, r, args, measure=False)["numel"] for r in range(8))
     with torch.device("meta"):
@@ -142,10 +193,26 @@ def test_fake_backend_command(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("NGPU", "8")
     out = tmp_path / "dry.json"
-    code = main(["--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend",
-                 "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "2",
-                 "--training.local_batch_size", "1", "--training.steps", "2", "--comm.dry_run_rank", "5",
-                 "--comm.dry_run_json", str(out)])
+    code = main(
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--comm.mode",
+            "fake_backend",
+            "--parallelism.expert_parallel_degree",
+            "4",
+            "--parallelism.expert_tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "1",
+            "--training.steps",
+            "2",
+            "--comm.dry_run_rank",
+            "5",
+            "--comm.dry_run_json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     assert report["ranks"][0]["rank"] == 5
@@ -159,13 +226,25 @@ def test_fake_backend_command(tmp_path, monkeypatch, capsys):
 def test_progress_per_phase_on_stderr(tmp_path):
     """A line per phase on stderr (the collective phase's with the ranks recorded so far); the
     report alone on stdout."""
-    r = python_m("titan_fold.train", "--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend",
-                 "--comm.dry_run_json", str(tmp_path / "dry.json"), env={"NGPU": "2"})
+    r = python_m(
+        "titan_fold.train",
+        "--job.config_file",
+        "debug_moe.toml",
+        "--comm.mode",
+        "fake_backend",
+        "--comm.dry_run_json",
+        str(tmp_path / "dry.json"),
+        env={"NGPU": "2"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     progress = [line for line in r.stderr.splitlines() if line.startswith("dry run: ")]
-    assert progress == ["dry run: checks done", "dry run: rank 0: model built on the meta device",
-                        "dry run: memory measured on 1 rank", "dry run: recording one step's collectives on 2 ranks",
-                        "dry run: collectives recorded on 2 of 2 ranks"], r.stderr[-3000:]
+    assert progress == [
+        "dry run: checks done",
+        "dry run: rank 0: model built on the meta device",
+        "dry run: memory measured on 1 rank",
+        "dry run: recording one step's collectives on 2 ranks",
+        "dry run: collectives recorded on 2 of 2 ranks",
+    ], r.stderr[-3000:]
     assert r.stdout.startswith("dry run: qwen2_moe/debug on 2 ranks (debug_moe.toml)\n"), r.stdout[:300]
     assert not set(progress) & set(r.stdout.splitlines())
 
@@ -204,8 +283,15 @@ def test_mismatched_dispatcher_is_caught(monkeypatch):
                 return disp._Splits(sp.send, sp.recv, [sum(sp.recv)] * etp), rows_of_source.repeat(etp, 1)
             return super()._splits(counts, E_loc, device, rows)
 
-    c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "4",
-               "--parallelism.expert_tensor_parallel_degree", "2", "--training.local_batch_size", "1")
+    c = config(
+        "debug_moe.toml",
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "1",
+    )
     _, args, _ = dryrun.check_config(c, 8)
     assert dryrun.first_divergence(dryrun.record_collectives(c, 8, args)) is None
     # parallelize builds the dispatchers (parallel/experts.py)
@@ -238,9 +324,19 @@ def test_doc_excerpt_is_current():
 
 # debug_moe at pp 2 x (dp_shard 2 | ep 2) on 4 ranks: stage 0 on ranks 0, 1, stage 1 on ranks
 # 2, 3 (pp pairs 0-2 and 1-3); the schedules the packaged configs use
-PP2 = {schedule: ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                  "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "2")
-       for schedule in ("1F1B", "Interleaved1F1B")}
+PP2 = {
+    schedule: (
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--training.local_batch_size",
+        "2",
+    )
+    for schedule in ("1F1B", "Interleaved1F1B")
+}
 
 
 @pytest.mark.parametrize("schedule", sorted(PP2))

@@ -56,9 +56,19 @@ def test_shared_sharding_decisions_change_nothing():
     """Ranks recorded in one pass (DTensor's sharding decisions computed once, handed to each
     rank with its own meshes) issue exactly what each rank recorded alone issues: every call's
     op, shapes, integers, peer and call site (tp, ep, etp, FSDP on both meshes, pp 2 x 2 stages)."""
-    c = config("debug_moe.toml", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-               "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-               "--training.local_batch_size", "2")
+    c = config(
+        "debug_moe.toml",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+        "--training.local_batch_size",
+        "2",
+    )
     _, args, _ = dryrun.check_config(c, 8)
     together = dryrun.record_collectives(c, 8, args)
     alone: dict = {}

@@ -13,10 +13,20 @@ from conftest import assert_matches_one_rank, train_from_seed
 STEPS = 5
 BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
 
+
 def degrees(tp=1, cp=1, dp_replicate=1, ep=1, etp=1) -> tuple[str, ...]:
-    return ("--parallelism.tensor_parallel_degree", str(tp), "--parallelism.context_parallel_degree", str(cp),
-            "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
-            "--parallelism.expert_parallel_degree", str(ep), "--parallelism.expert_tensor_parallel_degree", str(etp))
+    return (
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--parallelism.data_parallel_replicate_degree",
+        str(dp_replicate),
+        "--parallelism.expert_parallel_degree",
+        str(ep),
+        "--parallelism.expert_tensor_parallel_degree",
+        str(etp),
+    )
 
 
 LAYOUTS = {
@@ -36,8 +46,14 @@ LAYOUTS = {
 
 # token drop with decisions over whole sequences: must equal the one-rank decisions; by
 # position (the first tokens of a sequence win), so the token order must be restored too
-FULL_SEQUENCE_DROP = ("--moe.capacity_factor", "1.0", "--moe.drop_scope", "full_sequence",
-                      "--moe.drop_policy", "position")
+FULL_SEQUENCE_DROP = (
+    "--moe.capacity_factor",
+    "1.0",
+    "--moe.drop_scope",
+    "full_sequence",
+    "--moe.drop_policy",
+    "position",
+)
 DROP_LAYOUTS = {
     # the drop decision gathers each sequence from cp x tp ranks and undoes cp's chunk order
     "cp2_tp2_dp2_ep4_etp2_drop": (8, degrees(tp=2, cp=2, ep=4, etp=2)),

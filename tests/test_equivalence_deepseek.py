@@ -17,8 +17,14 @@ from test_equivalence import BATCH, STEPS, degrees
 
 CONFIG = "debug_deepseek_v3.toml"
 MTP = ("--mtp.num_layers", "1")
-PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
-       "--parallelism.pipeline_parallel_microbatch_size", "1")
+PP2 = (
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "2",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "1",
+)
 
 LAYOUTS = {
     "tp2": (2, degrees(tp=2)),
@@ -39,8 +45,15 @@ def run(folder, nproc, seed_checkpoint, *args) -> list[dict]:
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("seed_deepseek")
-    torchrun(1, "--job.dump_folder", str(root), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", *MTP,
-             config=CONFIG)
+    torchrun(
+        1,
+        "--job.dump_folder",
+        str(root),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        *MTP,
+        config=CONFIG,
+    )
     return str(root / "checkpoint" / "step-0")
 
 
@@ -58,4 +71,7 @@ def test_deepseek_layout_matches_one_rank(name, reference, tmp_path, seed):
     assert {"mtp", "dense_ffn", "routed_experts"} <= set(reference[0]["group_grad_norms"])
     assert_matches_one_rank(reference, folded, name)
     for ref, got in zip(reference, folded):
-        assert got["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-2 if "cp" in name else 1e-4), (name, ref["step"])
+        assert got["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-2 if "cp" in name else 1e-4), (
+            name,
+            ref["step"],
+        )

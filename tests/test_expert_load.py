@@ -12,8 +12,15 @@ from conftest import python_m, train_from_seed
 
 from titan_fold.trainer.expert_load import summary
 
-ARGS = ("--metrics.expert_load", "--training.local_batch_size", "2", "--training.seq_len", "64",
-        "--training.global_batch_size", "4")
+ARGS = (
+    "--metrics.expert_load",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "4",
+)
 
 
 def _read(folder):
@@ -25,8 +32,16 @@ def _read(folder):
 def test_expert_load_sums_over_ranks_and_matches_one_rank(tmp_path, seed_checkpoint):
     """Both runs start from the seed checkpoint (the same weights whatever the layout)."""
     folded, one = tmp_path / "dp2_ep2", tmp_path / "one"
-    train_from_seed(folded, 2, seed_checkpoint, 3, *ARGS, "--parallelism.expert_parallel_degree", "2",
-                    "--metrics.enable_tensorboard")
+    train_from_seed(
+        folded,
+        2,
+        seed_checkpoint,
+        3,
+        *ARGS,
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--metrics.enable_tensorboard",
+    )
     train_from_seed(one, 1, seed_checkpoint, 3, *ARGS)
     load, metrics = _read(folded)
     load_one, _ = _read(one)

@@ -21,9 +21,23 @@ import titan_fold
 STEPS = 6  # logged: 1, 5 (log_freq) and 6 (the last)
 TEST_EXTRAS = ["transformers", "matplotlib", "pytest", "xdist"]  # pyproject.toml's [test] extra
 NOISE = [
-    "HF assets path", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "lspci", "Peak flops", "Peak FLOPS", "nan%",
-    "safetensors.index.json", "UserWarning", "LOG_RANK", '"n_layers"', "Traceback", "[GC]", "purge thread",
-    "staging if async", "Saving a ", "stdlib:", " on 1 ranks",
+    "HF assets path",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "lspci",
+    "Peak flops",
+    "Peak FLOPS",
+    "nan%",
+    "safetensors.index.json",
+    "UserWarning",
+    "LOG_RANK",
+    '"n_layers"',
+    "Traceback",
+    "[GC]",
+    "purge thread",
+    "staging if async",
+    "Saving a ",
+    "stdlib:",
+    " on 1 ranks",
 ]
 STEP_LINE = re.compile(
     r"step +(\d+)/(\d+)  loss +([\d.]+)  grad_norm +([\d.]+)  lr ([\d.e+-]+)  tps ([\d,]+)  mem ([\d.]+)GiB  "
@@ -32,8 +46,18 @@ STEP_LINE = re.compile(
 
 
 def launch(nproc: int, *args: str, config: str = "debug_moe.toml", wait: bool = True, env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titan_fold.train", "--job.config_file", config, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titan_fold.train",
+        "--job.config_file",
+        config,
+        *args,
+    ]
     env = dict(env or os.environ, OMP_NUM_THREADS="1")
     env.pop("LOG_RANK", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -53,8 +77,17 @@ def messages(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("first_hour") / "run"
-    result = launch(2, "--job.dump_folder", str(folder), "--training.steps", str(STEPS),
-                    "--metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.interval", "5")
+    result = launch(
+        2,
+        "--job.dump_folder",
+        str(folder),
+        "--training.steps",
+        str(STEPS),
+        "--metrics.enable_tensorboard",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "5",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return folder, result
 
@@ -113,7 +146,7 @@ def test_summary(two_ranks):
     records = read_metrics(folder)
     text = "\n".join(messages(result.stdout))
     best = min(records, key=lambda r: r["loss"])
-    assert (f"run summary: steps 1-{STEPS} of {STEPS} in " in text), text
+    assert f"run summary: steps 1-{STEPS} of {STEPS} in " in text, text
     assert f"-> {records[-1]['loss']:.4f} (step {STEPS}), best {best['loss']:.4f} (step {best['step']})" in text
     m = re.search(r"after warm-up \(steps 2-6\): ([\d,]+) tokens/s per device; peak memory ([\d.]+) GiB", text)
     assert m, text
@@ -124,7 +157,8 @@ def test_summary(two_ranks):
     saves = [line for line in messages(result.stdout) if line.startswith("checkpoint ")]
     assert [line.rsplit(" in ", 1)[0] for line in saves] == [
         f"checkpoint {folder / 'checkpoint' / 'step-5'} saved",
-        f"checkpoint {folder / 'checkpoint' / f'step-{STEPS}'} (weights only, float32: checkpoint.last_save_model_only) saved"]
+        f"checkpoint {folder / 'checkpoint' / f'step-{STEPS}'} (weights only, float32: checkpoint.last_save_model_only) saved",
+    ]
 
 
 def test_tensorboard_events_hold_the_losses(two_ranks):
@@ -162,7 +196,9 @@ def test_plot_overlays_runs(two_ranks, seeded, tmp_path):
     folder, _ = two_ranks
     *_, seed_root = seeded
     out = tmp_path / "runs.png"
-    result = python_m("titan_fold.plot", str(folder), str(seed_root / "run0"), str(seed_root / "run2"), "--out", str(out))
+    result = python_m(
+        "titan_fold.plot", str(folder), str(seed_root / "run0"), str(seed_root / "run2"), "--out", str(out)
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     image = matplotlib.image.imread(out)  # [h, w, rgba] in 0..1
@@ -239,5 +275,7 @@ def test_logging_rank_rule_and_noise(rank, log_rank, shown, monkeypatch, capsys)
     out = messages(capsys.readouterr().out)
     who = f"rank {rank} - " if rank else ""
     expected = ([f"{who}INFO - an info line" if rank else "an info line"] if "i" in shown else []) + [
-        f"{who}WARNING - a warning", f"{who}WARNING - HF assets path /data/mine does not exist!"]
+        f"{who}WARNING - a warning",
+        f"{who}WARNING - HF assets path /data/mine does not exist!",
+    ]
     assert out == expected

@@ -113,10 +113,14 @@ def test_fp8_rules():
     assert "sm80" in fp8_problem(2048, 768, (8, 0))
     assert "multiples of 16" in fp8_problem(2048, 760, (9, 0))
     assert fp8_problem(2048, 768, (9, 0)) is None
-    with pytest.raises(ConfigError, match=r"^moe.expert_fp8 = true with training.dtype = 'float32' and "
-                                          r"training.mixed_precision_param = 'float32'"):
-        parse_args(["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param",
-                    "float32"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^moe.expert_fp8 = true with training.dtype = 'float32' and "
+        r"training.mixed_precision_param = 'float32'",
+    ):
+        parse_args(
+            ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "float32"]
+        )
 
 
 def test_trainer_refuses_fp8_without_gpu(monkeypatch):
@@ -124,8 +128,9 @@ def test_trainer_refuses_fp8_without_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine checks the CPU's refusal too
 
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.expert_fp8",
-                         "--training.mixed_precision_param", "bfloat16"])
+    config = parse_args(
+        ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "bfloat16"]
+    )
     with pytest.raises(ConfigError, match=r"^moe.expert_fp8 = true: needs a CUDA GPU$"):
         preflight(config, 1)
 
@@ -134,11 +139,30 @@ def test_dry_run_checks_only_the_shapes():
     # a dry run plans for the real GPUs: no device rule on its host, the width rule still
     from titan_fold.trainer.preflight import preflight
 
-    base = ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "bfloat16",
-            "--comm.mode", "fake_backend"]
+    base = [
+        "--job.config_file",
+        "debug_moe.toml",
+        "--moe.expert_fp8",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--comm.mode",
+        "fake_backend",
+    ]
     preflight(parse_args(base), 1)
-    config = parse_args(base + ["--parallelism.expert_tensor_parallel_degree", "4", "--training.global_batch_size", "-1",
-                                "--parallelism.data_parallel_shard_degree", "4"])
-    with pytest.raises(ConfigError, match=r"^moe.expert_fp8 = true: the model width \(\d+\) and each expert's width "
-                                          r"per etp rank \(\d+\) must be multiples of 16$"):
+    config = parse_args(
+        base
+        + [
+            "--parallelism.expert_tensor_parallel_degree",
+            "4",
+            "--training.global_batch_size",
+            "-1",
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^moe.expert_fp8 = true: the model width \(\d+\) and each expert's width "
+        r"per etp rank \(\d+\) must be multiples of 16$",
+    ):
         preflight(config, 4)

@@ -79,7 +79,10 @@ def test_groups_agree_with_the_layout_tool():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     layout.build_mesh("cpu")
     g = Groups(layout)
-    for mesh, names in (("attention", ("dp_replicate", "dp_shard", "cp", "tp", "pp")), ("expert", ("edp", "ep", "etp"))):
+    for mesh, names in (
+        ("attention", ("dp_replicate", "dp_shard", "cp", "tp", "pp")),
+        ("expert", ("edp", "ep", "etp")),
+    ):
         for name in names:
             for members in layout.groups(name, mesh):
                 for r in members[:2]:
@@ -119,18 +122,34 @@ def test_paper_1024_rank_layouts_gradients(label):
 # ---------------------------------------------------------------- planted bugs
 
 # debug_moe on 8 ranks: attention dp_shard 4 x tp 2, experts edp 2 x ep 4 (FSDP on both meshes)
-TP2_EP4 = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
-           "--training.local_batch_size", "1")
+TP2_EP4 = (
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--parallelism.expert_parallel_degree",
+    "4",
+    "--training.local_batch_size",
+    "1",
+)
 
 
 def test_unplanted_layouts_match():
     """The layouts the plants below run in, as shipped: every parameter matches."""
     assert not run("debug_moe.toml", 8, *TP2_EP4, ranks=[0, 7])["mismatches"]
-    assert not run("debug_moe.toml", 2, "--parallelism.tensor_parallel_degree", "2",
-                   "--parallelism.expert_parallel_degree", "2")["mismatches"]
-    assert not run("debug_moe.toml", 8, "--parallelism.tensor_parallel_degree", "2",
-                   "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2",
-                   "--training.local_batch_size", "1")["mismatches"]
+    assert not run(
+        "debug_moe.toml", 2, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"
+    )["mismatches"]
+    assert not run(
+        "debug_moe.toml",
+        8,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "1",
+    )["mismatches"]
 
 
 def test_rowwise_bias_is_whole_on_every_tp_rank():
@@ -141,7 +160,10 @@ def test_rowwise_bias_is_whole_on_every_tp_rank():
     args.out_bias = True
     plan = placement.placement_plan(args, layout)
     assert not plan["layers.0.attention.wo.bias"].tp_partial_grad
-    assert plan["layers.0.attention_norm.weight"].tp_partial_grad and plan["layers.0.moe.router.gate.weight"].tp_partial_grad
+    assert (
+        plan["layers.0.attention_norm.weight"].tp_partial_grad
+        and plan["layers.0.moe.router.gate.weight"].tp_partial_grad
+    )
     rep = check_gradients(c, 8, args, ranks=[0])["gradients"]
     assert rep["mismatches"] == []
     rows = {(r["grad_plan"], r["grad_recorded"]) for r in rep["table"] if "attention.wo.bias" in r["params"]}
@@ -151,8 +173,15 @@ def test_rowwise_bias_is_whole_on_every_tp_rank():
 def test_router_never_summed_over_tp(monkeypatch):
     """TokenwiseReplicate declaring each tp rank's token rows replicated: DTensor then sees a
     complete router gradient on every tp rank and nothing sums it over tp."""
-    monkeypatch.setattr(placement.TokenwiseReplicate, "_input", staticmethod(
-        lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)))
+    monkeypatch.setattr(
+        placement.TokenwiseReplicate,
+        "_input",
+        staticmethod(
+            lambda module, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+            )
+        ),
+    )
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
     assert set(found) == {f"layers.{i}.moe.{p}.weight" for i in (0, 1) for p in ("router.gate", "shared_expert_gate")}
     assert all("gradient summed over dp_shard, the plan says dp_shard x tp" in p for ps in found.values() for p in ps)
@@ -179,8 +208,16 @@ def test_norm_never_summed_over_tp(monkeypatch):
         model.register_forward_pre_hook(register)
 
     monkeypatch.setattr(attention, "_grads_like_params", local_shortcut)
-    found = bad(run("debug_moe.toml", 2, "--parallelism.tensor_parallel_degree", "2",
-                    "--parallelism.expert_parallel_degree", "2"))
+    found = bad(
+        run(
+            "debug_moe.toml",
+            2,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        )
+    )
     norms = {"norm.weight", *(f"layers.{i}.{n}.weight" for i in (0, 1) for n in ("attention_norm", "ffn_norm"))}
     assert norms <= set(found)
     assert "gradient summed over none, the plan says tp" in found["layers.0.attention_norm.weight"][0]
@@ -192,8 +229,12 @@ def test_replicated_parameter_counted_tp_times_in_the_norm(monkeypatch):
     gradients' mesh, replicated dims included."""
 
     def counts_every_replica(grads, norm_type, error_if_nonfinite=False):
-        local = torch.stack([torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g, norm_type,
-                                                      dtype=torch.float32) for g in grads])
+        local = torch.stack(
+            [
+                torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g, norm_type, dtype=torch.float32)
+                for g in grads
+            ]
+        )
         total = torch.linalg.vector_norm(local, norm_type) ** norm_type
         if isinstance(grads[0], DTensor):
             for d in range(grads[0].device_mesh.ndim):
@@ -202,11 +243,18 @@ def test_replicated_parameter_counted_tp_times_in_the_norm(monkeypatch):
 
     monkeypatch.setattr(clip, "total_norm", counts_every_replica)
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
-    replicated = {"norm.weight", *(f"layers.{i}.{n}.weight" for i in (0, 1) for n in (
-        "attention_norm", "ffn_norm", "moe.router.gate", "moe.shared_expert_gate"))}
+    replicated = {
+        "norm.weight",
+        *(
+            f"layers.{i}.{n}.weight"
+            for i in (0, 1)
+            for n in ("attention_norm", "ffn_norm", "moe.router.gate", "moe.shared_expert_gate")
+        ),
+    }
     assert set(found) == replicated
-    assert found["layers.0.ffn_norm.weight"] == ["norm counts each piece 2 times (plan: once over dp_shard; "
-                                                 "recorded: summed over dp_shard x tp)"]
+    assert found["layers.0.ffn_norm.weight"] == [
+        "norm counts each piece 2 times (plan: once over dp_shard; recorded: summed over dp_shard x tp)"
+    ]
     assert all(len(ps) == 1 and ps[0].startswith("norm counts each piece 2 times") for ps in found.values())
 
 
@@ -239,8 +287,12 @@ def test_skipped_reduce_scatter(monkeypatch):
 def test_extra_reduction(monkeypatch):
     """Expert gradients also all-reduced over ep after FSDP's reduce-scatter (as if ep
     were data parallel)."""
-    _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_all_reduce_hook(
-        lambda g, group=layout.get_mesh("ep").get_group(): dist.all_reduce(g, group=group)))
+    _plant_in_expert_fsdp(
+        monkeypatch,
+        lambda unit, layout: unit.set_all_reduce_hook(
+            lambda g, group=layout.get_mesh("ep").get_group(): dist.all_reduce(g, group=group)
+        ),
+    )
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
     assert set(found) == EXPERTS
     assert found["layers.1.moe.experts.w2"] == ["gradient summed over edp x ep, the plan says edp"]
@@ -252,18 +304,35 @@ def test_divided_by_the_wrong_degree(monkeypatch):
     _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_gradient_divide_factor(float(layout.ep)))
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
     assert set(found) == EXPERTS
-    assert found["layers.0.moe.experts.w13"] == ["gradient scaled by 1/4 besides its sum over edp (plan: a plain sum, "
-                                                "the loss is already divided by the step's token count)"]
+    assert found["layers.0.moe.experts.w13"] == [
+        "gradient scaled by 1/4 besides its sum over edp (plan: a plain sum, "
+        "the loss is already divided by the step's token count)"
+    ]
 
 
 def test_reduced_over_tp_where_ep_equals_tp(monkeypatch):
     """ep = tp = 2 with etp 2: the expert gradients summed over the tp group, which has ep's
     size but other ranks (the etp group here): named by its dims, not passed for its size."""
-    _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_all_reduce_hook(
-        lambda g, group=layout.get_mesh("tp").get_group(): dist.all_reduce(g, group=group)))
-    found = bad(run("debug_moe.toml", 8, "--parallelism.tensor_parallel_degree", "2",
-                    "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2",
-                    "--training.local_batch_size", "1"))
+    _plant_in_expert_fsdp(
+        monkeypatch,
+        lambda unit, layout: unit.set_all_reduce_hook(
+            lambda g, group=layout.get_mesh("tp").get_group(): dist.all_reduce(g, group=group)
+        ),
+    )
+    found = bad(
+        run(
+            "debug_moe.toml",
+            8,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.expert_tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "1",
+        )
+    )
     assert set(found) == EXPERTS
     assert found["layers.0.moe.experts.w13"] == ["gradient summed over edp x etp, the plan says edp"]
 
@@ -281,8 +350,11 @@ def test_one_parameter_listed_twice_for_the_norm(monkeypatch):
 
     monkeypatch.setattr(FoldTrainer, "clip_grad_norm", twice)
     found = bad(run("mixtral_8x22b.toml", 128, ranks=[127]))
-    assert found == {"norm.weight": ["norm counts each piece 2 times (plan: once over pp x dp_shard; "
-                                     "recorded: summed over pp x dp_shard x tp)"]}
+    assert found == {
+        "norm.weight": [
+            "norm counts each piece 2 times (plan: once over pp x dp_shard; recorded: summed over pp x dp_shard x tp)"
+        ]
+    }
 
 
 def test_command_prints_the_table_and_exits_1_on_a_mismatch(tmp_path, monkeypatch, capsys):
@@ -291,8 +363,17 @@ def test_command_prints_the_table_and_exits_1_on_a_mismatch(tmp_path, monkeypatc
     from titan_fold.train import main
 
     monkeypatch.setenv("NGPU", "8")
-    args = ["--job.config_file", "debug_moe.toml", "--comm.mode", "fake_backend", "--comm.check_gradients",
-            "--comm.no-dry_run_collectives", *TP2_EP4, "--comm.dry_run_json", str(tmp_path / "dry.json")]
+    args = [
+        "--job.config_file",
+        "debug_moe.toml",
+        "--comm.mode",
+        "fake_backend",
+        "--comm.check_gradients",
+        "--comm.no-dry_run_collectives",
+        *TP2_EP4,
+        "--comm.dry_run_json",
+        str(tmp_path / "dry.json"),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "gradients of one step against the placement plan on 2 rank(s): every parameter matches" in out

@@ -44,7 +44,10 @@ def test_published_config_builds_with_the_published_sizes(name):
     assert abs(active / 1e9 - active_b) < 0.02 * active_b
     assert args.get_nparams_and_flops(model, 4096)[0] == total
     if flavor is not None:  # the packaged flavor computes the same thing
-        assert config_mismatches(json.load(open(os.path.join(DATA, name + ".json"))), family, FLAVORS[family][flavor]) == []
+        assert (
+            config_mismatches(json.load(open(os.path.join(DATA, name + ".json"))), family, FLAVORS[family][flavor])
+            == []
+        )
     # and the config we would write for it reads back to the same model
     assert config_mismatches(hf_config(family, args), family, args) == []
 
@@ -68,13 +71,23 @@ BASE = {
     "family, change, field",
     [
         ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
-        ("qwen3_moe", {"rope_theta": None, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
-         "rope_parameters.rope_type"),
+        (
+            "qwen3_moe",
+            {"rope_theta": None, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            "rope_parameters.rope_type",
+        ),
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
-        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["full_attention"] * 23
-                       + ["sliding_attention"]}, "layers \\[23\\] slide"),
+        (
+            "qwen2_moe",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4096,
+                "layer_types": ["full_attention"] * 23 + ["sliding_attention"],
+            },
+            "layers \\[23\\] slide",
+        ),
         ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
         ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
         ("qwen2_moe", {"mlp_only_layers": [24]}, "mlp_only_layers"),
@@ -100,8 +113,10 @@ def test_fields_that_do_not_apply_are_accepted():
     assert args.dense_layers == ()
     # Qwen2-MoE with use_sliding_window but no layer that slides (max_window_layers 0), and a
     # window no shorter than the positions
-    for change in ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
-                   {"use_sliding_window": True, "sliding_window": 8192}):
+    for change in (
+        {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
+        {"use_sliding_window": True, "sliding_window": 8192},
+    ):
         config = {**json.load(open(os.path.join(DATA, "Qwen1.5-MoE-A2.7B.json"))), **change}
         assert args_from_hf_config(config)[1].n_layers == 24
 
@@ -109,8 +124,12 @@ def test_fields_that_do_not_apply_are_accepted():
 def test_dense_layers_follow_transformers():
     """mlp_only_layers and decoder_sparse_step: HF builds layer i sparse iff i not in
     mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
-    config = {**json.load(open(os.path.join(DATA, "Qwen3-30B-A3B.json"))), "num_hidden_layers": 6,
-              "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    config = {
+        **json.load(open(os.path.join(DATA, "Qwen3-30B-A3B.json"))),
+        "num_hidden_layers": 6,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
     _, args = args_from_hf_config(config)
     assert [args.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     written = hf_config("qwen3_moe", args)
@@ -141,13 +160,26 @@ def test_hf_flavor_in_the_job_config(tmp_path):
     from titan_fold.trainer.preflight import model_args_from_config
 
     path = os.path.join(DATA, "Qwen3-30B-A3B.json")
-    _, args = model_args_from_config(parse_args(["--job.config_file", "qwen3_30b_a3b.toml", "--model.flavor", "hf",
-                                                 "--model.hf_config", path]))
+    _, args = model_args_from_config(
+        parse_args(["--job.config_file", "qwen3_30b_a3b.toml", "--model.flavor", "hf", "--model.hf_config", path])
+    )
     assert config_mismatches(json.load(open(path)), "qwen3_moe", args) == [] and args.max_seq_len == 4096
     with pytest.raises(UserError, match="needs model.hf_config"):
         model_args_from_config(parse_args(["--job.config_file", "debug_qwen3_moe.toml", "--model.flavor", "hf"]))
     with pytest.raises(ConfigError, match="model.hf_config is read only with model.flavor = 'hf'"):
         parse_args(["--job.config_file", "debug_qwen3_moe.toml", "--model.hf_config", path])
     with pytest.raises(HFConfigError, match="model_type = 'qwen3_moe' but --model.name is 'mixtral'"):
-        model_args_from_config(parse_args(["--job.config_file", "debug_qwen3_moe.toml", "--model.name", "mixtral",
-                                           "--model.flavor", "hf", "--model.hf_config", path]))
+        model_args_from_config(
+            parse_args(
+                [
+                    "--job.config_file",
+                    "debug_qwen3_moe.toml",
+                    "--model.name",
+                    "mixtral",
+                    "--model.flavor",
+                    "hf",
+                    "--model.hf_config",
+                    path,
+                ]
+            )
+        )

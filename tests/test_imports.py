@@ -113,8 +113,11 @@ def test_modules_stay_short():
 
 
 def test_every_module_says_what_it_is_for():
-    silent = [name for name, path in modules(ROOT).items()
-              if path.read_text().strip() and not ast.get_docstring(ast.parse(path.read_text()))]
+    silent = [
+        name
+        for name, path in modules(ROOT).items()
+        if path.read_text().strip() and not ast.get_docstring(ast.parse(path.read_text()))
+    ]
     assert silent == []
 
 
@@ -142,6 +145,9 @@ def test_a_planted_circle_is_found(tmp_path, kind):
         (pkg / rel).write_text(textwrap.dedent(text))
     found = circles(import_graph(pkg))
     assert len(found) == 1
-    expected = {"function-level": ["pkg.a", "pkg.b"], "through a package __init__": ["pkg.sub", "pkg.sub.inner"],
-                "relative": ["pkg.b", "pkg.sub.inner"]}[kind]
+    expected = {
+        "function-level": ["pkg.a", "pkg.b"],
+        "through a package __init__": ["pkg.sub", "pkg.sub.inner"],
+        "relative": ["pkg.b", "pkg.sub.inner"],
+    }[kind]
     assert found[0] == expected

@@ -26,9 +26,17 @@ def test_user_error_exits_2_and_is_printed_once(tmp_path):
 
 def test_killed_rank_ends_the_launch(tmp_path):
     # rank 1 SIGKILLs itself in step 1; rank 0 fails in (or is stopped while in) a collective
-    codes, err = launch(tmp_path, 2, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
-                        "--parallelism.expert_parallel_degree", "2",
-                        env={"TITAN_FOLD_FAULT_AT_STEP": "1", "TITAN_FOLD_FAULT_RANK": "1"})
+    codes, err = launch(
+        tmp_path,
+        2,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.steps",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        env={"TITAN_FOLD_FAULT_AT_STEP": "1", "TITAN_FOLD_FAULT_RANK": "1"},
+    )
     assert codes[1] == -9 and codes[0] != 0, (codes, err[-3000:])
 
 

@@ -156,8 +156,19 @@ def test_torchtitan_names(fake_world):
     assert layout.get_optional_mesh(["ep", "etp"]) is None
     assert layout.get_mesh(["ep"]).mesh.tolist() == group("ep")
     assert set(layout.get_all_one_dimensional_meshes()) == {
-        "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "cp_tp", "stage",
-        "edp", "ep", "ep_etp",
+        "pp",
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "tp",
+        "dp",
+        "dp_shard_cp",
+        "dp_cp",
+        "cp_tp",
+        "stage",
+        "edp",
+        "ep",
+        "ep_etp",
     }
     # cp and tp are the fastest dims: a sequence's ranks are 4 consecutive ones; pp is the
     # slowest: a stage is 16 consecutive ranks
@@ -188,7 +199,10 @@ def test_efsdp_kept_with_ep_even_at_size_1(fake_world):
         ),
         (dict(world_size=8, ep=3), ["ep(3) * etp(1) = 3 must divide", "ep in {2, 4, 8}"]),
         (dict(world_size=8, ep=4, etp=4), ["ep(4) * etp(4) = 16", "ep in {1, 2}", "etp in {1, 2}"]),
-        (dict(world_size=8, ep=4, edp=4), ["pp(1) * edp(4) * ep(4) * etp(1) = 16 != world_size(8)", "edp=-1 derives it (2)"]),
+        (
+            dict(world_size=8, ep=4, edp=4),
+            ["pp(1) * edp(4) * ep(4) * etp(1) = 16 != world_size(8)", "edp=-1 derives it (2)"],
+        ),
         (dict(world_size=8, pp=3), ["pp(3) must divide world_size(8)", "valid pp: 2, 4, 8"]),
         (dict(world_size=8, tp=0), ["tp must be an integer >= 1, got 0"]),
         (dict(world_size=8, dp_shard=0), ["dp_shard must be -1 (derived) or an integer >= 1, got 0"]),
@@ -271,7 +285,11 @@ def test_json_report_shape(cfg, fake_world):
     assert rep["expert"]["degrees"] == dict(pp=pp, edp=world // (pp * ep * etp), ep=ep, etp=etp)
     assert rep["attention"]["groups"] == {n: ref[n] for n in ("pp", "dp", "cp", "tp", "dp_cp")}
     assert rep["expert"]["groups"] == {
-        "pp": ref["expert.pp"], "edp": ref["edp"], "ep": ref["ep"], "etp": ref["etp"], "ep_etp": ref["ep_etp"]
+        "pp": ref["expert.pp"],
+        "edp": ref["edp"],
+        "ep": ref["ep"],
+        "etp": ref["etp"],
+        "ep_etp": ref["ep_etp"],
     }
 
 
@@ -326,7 +344,14 @@ def test_cli_placements_print_the_plan(capsys):
     assert layout_command.main(argv + ["--placements"]) == 0
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     # experts: 8 of [2 x 32, 64] split 4 ways by expert and 2 ways by width
-    assert lines["layers.0-3.moe.experts.w13"][1:7] == ["expert", "ep:Shard(0),", "etp:Shard(1)", "-", "8x64x64", "2x32x64"]
+    assert lines["layers.0-3.moe.experts.w13"][1:7] == [
+        "expert",
+        "ep:Shard(0),",
+        "etp:Shard(1)",
+        "-",
+        "8x64x64",
+        "2x32x64",
+    ]
     assert lines["layers.0-3.moe.experts.w2"][5:7] == ["8x64x32", "2x64x16"]
     assert lines["layers.0-3.attention.wo.weight"][1:4] == ["attention", "tp:Shard(1)", "RowwiseParallel"]
     assert lines["layers.0-3.moe.router.gate.weight"][2] == "tp:Replicate"

@@ -84,8 +84,18 @@ def test_gqa_attention_matches_float64_reference(offset):
     cos, sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
     got = attn(x, cos[positions].double(), sin[positions].double())
     want = reference_attention(
-        x, attn.wq.weight, attn.wq.bias, attn.wk.weight, attn.wk.bias, attn.wv.weight, attn.wv.bias,
-        attn.wo.weight, 6, 2, 500.0, positions.tolist(),
+        x,
+        attn.wq.weight,
+        attn.wq.bias,
+        attn.wk.weight,
+        attn.wk.bias,
+        attn.wv.weight,
+        attn.wv.bias,
+        attn.wo.weight,
+        6,
+        2,
+        500.0,
+        positions.tolist(),
     )
     # the RoPE table is float32: ~1e-7 relative error on the angles
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -272,7 +282,9 @@ def test_param_and_flop_counts(name, flavor, total_b, active_with_embedding_b):
     assert float(flops) == want_flops  # exact in float64 at these magnitudes (< 2**53)
     # the published sizes (activated as the model cards count it: with the embedding table)
     assert abs(total / 1e9 - total_b) < 0.01 * total_b
-    assert abs((want_active + args.vocab_size * args.dim) / 1e9 - active_with_embedding_b) < 0.01 * active_with_embedding_b
+    assert (
+        abs((want_active + args.vocab_size * args.dim) / 1e9 - active_with_embedding_b) < 0.01 * active_with_embedding_b
+    )
 
 
 def test_tied_embeddings_counted_once():
@@ -358,8 +370,9 @@ def test_moe_layer_recompute():
 def test_dense_layers_and_attention_options():
     """dense_layers (HF's mlp_only_layers) on top of the frequency rule; q/k norms and the wo bias
     are counted and change the output."""
-    args = dataclasses.replace(FLAVORS["qwen3_moe"]["debug"], n_layers=5, moe_layer_freq=2, dense_layers=(2,),
-                               out_bias=True, qkv_bias=True)
+    args = dataclasses.replace(
+        FLAVORS["qwen3_moe"]["debug"], n_layers=5, moe_layer_freq=2, dense_layers=(2,), out_bias=True, qkv_bias=True
+    )
     with torch.device("meta"):
         model = Transformer(args)
     assert [layer.moe_enabled for layer in model.layers.values()] == [True, False, False, False, True]
@@ -390,10 +403,26 @@ def test_every_parameter_has_its_group(family):
     assert groups["tok_embeddings.weight"] == "embedding" and groups["output.weight"] == "head"
     assert groups["norm.weight"] == groups["layers.0.attention_norm.weight"] == "norms"
     for name, group in groups.items():
-        expected = ("mtp" if name.startswith("mtp.") else "embedding" if name.startswith("tok_embeddings.")
-                    else "head" if name.startswith("output.") else "norms" if "norm" in name.rsplit(".", 2)[-2]
-                    else "router" if ".router." in name else "routed_experts" if ".moe.experts." in name
-                    else "shared_experts" if ".shared_expert" in name else "dense_ffn" if ".feed_forward." in name
-                    else "attention" if ".attention." in name else None)
+        expected = (
+            "mtp"
+            if name.startswith("mtp.")
+            else "embedding"
+            if name.startswith("tok_embeddings.")
+            else "head"
+            if name.startswith("output.")
+            else "norms"
+            if "norm" in name.rsplit(".", 2)[-2]
+            else "router"
+            if ".router." in name
+            else "routed_experts"
+            if ".moe.experts." in name
+            else "shared_experts"
+            if ".shared_expert" in name
+            else "dense_ffn"
+            if ".feed_forward." in name
+            else "attention"
+            if ".attention." in name
+            else None
+        )
         assert group == expected, (name, group)
     assert {"attention", "router", "routed_experts", "mtp"} <= set(groups.values())

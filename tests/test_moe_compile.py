@@ -32,14 +32,24 @@ def _fwd_bwd(module, x):
 def test_fullgraph_compile(capacity_factor, pad, dtype):
     """Padded: every shape static. Dropless: sizes from device counts are unbacked
     symbols (fullgraph turns scalar capture on). No graph break, no recompile for new data."""
-    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=16, shared_expert_gate=True,
-                   capacity_factor=capacity_factor, pad_to_capacity=pad, z_loss_coeff=1e-3)
+    args = MoEArgs(
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=32,
+        shared_ffn_dim=16,
+        shared_expert_gate=True,
+        capacity_factor=capacity_factor,
+        pad_to_capacity=pad,
+        z_loss_coeff=1e-3,
+    )
     moe, x = _layer_and_input(args, dtype)
     torch._dynamo.reset()
     compiled = torch.compile(moe, fullgraph=True)
     y_c, gx_c, g_c = _fwd_bwd(compiled, x)
     y_e, gx_e, g_e = _fwd_bwd(moe, x)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)  # bf16: fused kernels round less
+    tol = (
+        dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    )  # bf16: fused kernels round less
     torch.testing.assert_close(y_c, y_e, **tol)
     torch.testing.assert_close(gx_c, gx_e, **tol)
     for a, b in zip(g_c, g_e):
@@ -75,8 +85,13 @@ def test_cudagraphs_step_starts_marked(monkeypatch, cudagraphs):
 
     calls = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("mark"))
-    trainer = SimpleNamespace(step=3, guard=SimpleNamespace(step=None), cudagraphs=cudagraphs, phases=None,
-                              _train_step=lambda data: calls.append(("step", data)))
+    trainer = SimpleNamespace(
+        step=3,
+        guard=SimpleNamespace(step=None),
+        cudagraphs=cudagraphs,
+        phases=None,
+        _train_step=lambda data: calls.append(("step", data)),
+    )
     FoldTrainer.train_step(trainer, "batches")
     FoldTrainer.train_step(trainer, "batches")
     step = [("step", "batches")]
@@ -105,6 +120,16 @@ def test_cudagraphs_freed_before_the_process_group(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: order.append("destroy"))
     # a run that stops before training (experts over 2 ranks in a world of 1): the same order
-    main(["--job.config_file", "debug_moe.toml", "--compile.enable", "--compile.cudagraphs",
-          "--moe.exchange", "static", "--parallelism.expert_parallel_degree", "2"])
+    main(
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--compile.enable",
+            "--compile.cudagraphs",
+            "--moe.exchange",
+            "static",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ]
+    )
     assert order == ["reset", "destroy"]

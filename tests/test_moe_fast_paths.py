@@ -50,21 +50,37 @@ def reference_routing(router: Router, x: torch.Tensor, seq_len: int):
     return probs, experts, loss, whole.detach(), torch.bincount(experts.flatten(), minlength=E).float()
 
 
-ROUTERS = list(itertools.product(["softmax", "sigmoid"], ["aux_loss", "seq_aux_loss", "aux_free", "none"],
-                                 [False, True], [0.0, 1e-3]))
+ROUTERS = list(
+    itertools.product(
+        ["softmax", "sigmoid"], ["aux_loss", "seq_aux_loss", "aux_free", "none"], [False, True], [0.0, 1e-3]
+    )
+)
 
 
 # on a GPU the router runs its Triton kernels (moe/router_triton.py): a few of the settings there
-GPU_ROUTERS = [("softmax", "aux_loss", True, 1e-3), ("sigmoid", "aux_free", True, 0.0), ("softmax", "seq_aux_loss", False, 0.0)]
+GPU_ROUTERS = [
+    ("softmax", "aux_loss", True, 1e-3),
+    ("sigmoid", "aux_free", True, 0.0),
+    ("softmax", "seq_aux_loss", False, 0.0),
+]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-@pytest.mark.parametrize("device,score_func,load_balance,norm,z",
-                         [("cpu", *r) for r in ROUTERS] + [pytest.param("cuda", *r, marks=needs_cuda) for r in GPU_ROUTERS])
+@pytest.mark.parametrize(
+    "device,score_func,load_balance,norm,z",
+    [("cpu", *r) for r in ROUTERS] + [pytest.param("cuda", *r, marks=needs_cuda) for r in GPU_ROUTERS],
+)
 def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, norm, z):
     """fp32: the same choices, weights, losses, statistics, and gradients of the gate."""
-    args = MoEArgs(num_experts=16, top_k=4, score_func=score_func, load_balance=load_balance, norm_topk_prob=norm,
-                   z_loss_coeff=z, aux_loss_coeff=0.0 if load_balance in ("aux_free", "none") else 1e-2)
+    args = MoEArgs(
+        num_experts=16,
+        top_k=4,
+        score_func=score_func,
+        load_balance=load_balance,
+        norm_topk_prob=norm,
+        z_loss_coeff=z,
+        aux_loss_coeff=0.0 if load_balance in ("aux_free", "none") else 1e-2,
+    )
     torch.manual_seed(0)
     router = Router(32, args).to(device)
     router.gate.weight.data.normal_(0, 0.3)
@@ -73,7 +89,9 @@ def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, n
     got = router(x, 20)
     want = reference_routing(router, x, 20)
     torch.testing.assert_close(got.experts, want[1])
-    for a, b in zip((got.probs, got.loss, got.balance_loss, got.tokens_per_expert), (want[0], want[2], want[3], want[4])):
+    for a, b in zip(
+        (got.probs, got.loss, got.balance_loss, got.tokens_per_expert), (want[0], want[2], want[3], want[4])
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     imbalance = want[4].max() / want[4].mean()
     record = torch.stack([want[3], torch.zeros_like(imbalance), imbalance, torch.ones_like(imbalance)])
@@ -88,8 +106,14 @@ def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, n
 # groups (three or four experts each), z loss, normalization and scaling, one choice
 FUSED_ROUTES = [
     dict(score_func="softmax", load_balance="aux_loss", norm_topk_prob=True, z_loss_coeff=1e-2),
-    dict(score_func="sigmoid", load_balance="aux_free", norm_topk_prob=True, num_groups=4, group_topk=2,
-         routed_scaling_factor=2.5),
+    dict(
+        score_func="sigmoid",
+        load_balance="aux_free",
+        norm_topk_prob=True,
+        num_groups=4,
+        group_topk=2,
+        routed_scaling_factor=2.5,
+    ),
     dict(score_func="softmax", load_balance="seq_aux_loss"),
     dict(score_func="sigmoid", load_balance="seq_aux_loss", z_loss_coeff=1e-2, num_groups=2, group_topk=1),
     dict(score_func="sigmoid", load_balance="aux_loss", norm_topk_prob=True),
@@ -147,10 +171,17 @@ def fused_route_against_route_whole(device: str):
 def test_fused_route_equals_route_whole_in_the_triton_interpreter():
     """The Triton kernels' logic on the CPU: Triton's interpreter runs them (TRITON_INTERPRET=1, set
     before Triton is imported: a process of its own)."""
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); " \
-           "import test_moe_fast_paths as t; t.fused_route_against_route_whole('cpu')"
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=600)
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        "import test_moe_fast_paths as t; t.fused_route_against_route_whole('cpu')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -201,7 +232,7 @@ def test_limit_to_groups_keeps_the_best_groups_the_lower_first_among_equals(devi
         torch._dynamo.maybe_mark_dynamic(x, 0)
         got = fn(x, G, kept).cpu()
         for t, row in enumerate(scores.tolist()):
-            sums = [sum(sorted(row[g * n:(g + 1) * n])[-2:]) for g in range(G)]
+            sums = [sum(sorted(row[g * n : (g + 1) * n])[-2:]) for g in range(G)]
             best = sorted(range(G), key=lambda g: -sums[g])[:kept]
             assert got[t].tolist() == [v if e // n in best else float("-inf") for e, v in enumerate(row)]
 
@@ -247,8 +278,18 @@ def test_dropless_layer_has_no_host_sync(load_balance, tensors):
     data-dependent shape inside the layer (router, dispatch, experts, combine, aux-loss
     bookkeeping) raises. Such a layer can be captured in a CUDA graph. (Over ep > 1 with
     moe.exchange = "static" or "device": tests/test_static_exchange.py.)"""
-    _layer_step(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32, load_balance=load_balance,
-                        z_loss_coeff=1e-3, aux_loss_coeff=1e-2 if load_balance != "aux_free" else 0.0), tensors)
+    _layer_step(
+        MoEArgs(
+            num_experts=8,
+            top_k=2,
+            moe_ffn_dim=32,
+            shared_ffn_dim=32,
+            load_balance=load_balance,
+            z_loss_coeff=1e-3,
+            aux_loss_coeff=1e-2 if load_balance != "aux_free" else 0.0,
+        ),
+        tensors,
+    )
 
 
 @pytest.mark.parametrize("tensors, error", [("fake", DataDependentOutputException), ("real", HostSync)])
@@ -313,15 +354,24 @@ def test_quack_only_where_the_row_count_is_fixed():
     # a dry run's plan (fake backend): QuACK's machine check is left to the GPUs, the row rule is not
     base = ["--job.config_file", "debug_moe.toml", "--moe.grouped_gemm", "quack", "--comm.mode", "fake_backend"]
     ep2 = ["--parallelism.expert_parallel_degree", "2"]
-    with pytest.raises(ConfigError, match=r"^moe.grouped_gemm = 'quack' with the exact exchange over "
-                                          r"parallelism.expert_parallel_degree x expert_tensor_parallel_degree = 2 x 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^moe.grouped_gemm = 'quack' with the exact exchange over "
+        r"parallelism.expert_parallel_degree x expert_tensor_parallel_degree = 2 x 1",
+    ):
         preflight(parse_args(base + ep2), 2)
-    with pytest.raises(ConfigError, match=r"^moe.grouped_gemm = 'quack' with moe.capacity_factor = 1.0 without "
-                                          r"moe.pad_to_capacity"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^moe.grouped_gemm = 'quack' with moe.capacity_factor = 1.0 without "
+        r"moe.pad_to_capacity",
+    ):
         preflight(parse_args(base + ["--moe.capacity_factor", "1.0"]), 1)
-    fixed = [(ep2 + ["--moe.exchange", "static"], 2), (ep2 + ["--moe.exchange", "device"], 2),
-             (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"], 1),
-             ([], 1)]
+    fixed = [
+        (ep2 + ["--moe.exchange", "static"], 2),
+        (ep2 + ["--moe.exchange", "device"], 2),
+        (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"], 1),
+        ([], 1),
+    ]
     for extra, world in fixed:
         preflight(parse_args(base + extra), world)
 
@@ -380,11 +430,21 @@ def _stand_in_quack(calls):
             launch(kind, a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan)
             return plan
 
-    def gemm_execute(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, config, split_k, dynamic_scheduler,
-                     dispatch_plan, **fixed):
+    def gemm_execute(
+        a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, config, split_k, dynamic_scheduler, dispatch_plan, **fixed
+    ):
         assert fixed["rounding_mode"] == "RN" and fixed["split_k_mode"] == "SERIAL" and fixed["beta"] == 1.0
-        launch("replay", a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, (config, split_k, dynamic_scheduler,
-                                                                            dispatch_plan))
+        launch(
+            "replay",
+            a,
+            b,
+            out,
+            c,
+            cu_seqlens_m,
+            cu_seqlens_k,
+            A_idx,
+            (config, split_k, dynamic_scheduler, dispatch_plan),
+        )
 
     def gemm_dgated(a, b, preact, *, activation, colvec_scale, colvec_reduce, cu_seqlens_m, config, dynamic_scheduler):
         assert activation == "swiglu" and colvec_reduce and dynamic_scheduler
@@ -399,14 +459,20 @@ def _stand_in_quack(calls):
         dpre = torch.stack((dgate, dup), -1).flatten(-2)
         return dpre.to(preact.dtype), (out * s).to(preact.dtype), (out * acc).sum(-1).float()
 
-    return SimpleNamespace(gemm_tuned=GemmTuned(), _gemm_execute=gemm_execute, gemm_dgated=gemm_dgated,
-                           RoundingMode=SimpleNamespace(RN="RN"), SplitKMode=SimpleNamespace(SERIAL="SERIAL"))
+    return SimpleNamespace(
+        gemm_tuned=GemmTuned(),
+        _gemm_execute=gemm_execute,
+        gemm_dgated=gemm_dgated,
+        RoundingMode=SimpleNamespace(RN="RN"),
+        SplitKMode=SimpleNamespace(SERIAL="SERIAL"),
+    )
 
 
 def _stand_in_up_epilogue(calls):
     """moe/quack_epilogue.py's GEMM as moe/quack.py calls it, in float64 and recorded in calls:
     acc = A @ B per group of rows (A's rows A[A_idx] where given), D = acc (its (gate, up) pairs
     adjacent), postact = silu(gate) * up * p; the config pinned, if any, recorded beside the call."""
+
     def up(a, b, c, *, out, cu_seqlens_m, A_idx, p, config, dynamic_scheduler):
         assert c is None and dynamic_scheduler and set(out) == {"D", "postact"}
         calls.append(("gated", config))
@@ -440,8 +506,10 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
     order = torch.sort(experts_of, stable=True).indices
     counts = torch.bincount(experts_of, minlength=E)
     rows, slot = order // k, torch.empty_like(order).scatter_(0, order, torch.arange(T * k))
-    leaves = {n: torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-              for n, shape in (("x", (T, dim)), ("p", (T * k,)), ("w13", (E, 2 * ffn, dim)), ("w2", (E, dim, ffn)))}
+    leaves = {
+        n: torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        for n, shape in (("x", (T, dim)), ("p", (T * k,)), ("w13", (E, 2 * ffn, dim)), ("w2", (E, dim, ffn)))
+    }
     gy = torch.randn(T * k, dim, dtype=torch.float64)
 
     def grads(run):
@@ -451,8 +519,11 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
         y.backward(gy)
         return [y.detach()] + [leaves[n].grad.clone() for n in ("x", "p", "w13", "w2")]
 
-    want = grads(lambda x, p, w13, w2: _swiglu_loop(_Dispatch.apply(x, rows, slot, k, False), counts, w13, w2,
-                                                     p[order].unsqueeze(-1), prob_before_w2))
+    want = grads(
+        lambda x, p, w13, w2: _swiglu_loop(
+            _Dispatch.apply(x, rows, slot, k, False), counts, w13, w2, p[order].unsqueeze(-1), prob_before_w2
+        )
+    )
 
     def ours(x, p, w13, w2):
         offs = qm.offsets(counts)
@@ -553,8 +624,9 @@ def test_quack_up_projection_without_a_kernel(monkeypatch):
     offs, rows, p = qm.offsets(torch.tensor([2, 0, 3])), torch.tensor([0, 1, 1, 3, 2], dtype=torch.int32), torch.rand(5)
     ab, h = qm._up_forward(torch.randn(4, 0), rows, offs, torch.randn(3, 8, 0), p)
     assert torch.equal(ab, torch.zeros(5, 8)) and torch.equal(h, torch.zeros(5, 4))
-    ab, h = qm._up_forward(torch.randn(4, 6), rows[:0], qm.offsets(torch.zeros(3, dtype=torch.int64)),
-                           torch.randn(3, 8, 6), p[:0])
+    ab, h = qm._up_forward(
+        torch.randn(4, 6), rows[:0], qm.offsets(torch.zeros(3, dtype=torch.int64)), torch.randn(3, 8, 6), p[:0]
+    )
     assert ab.shape == (0, 8) and h.shape == (0, 4) and not calls
     ab, h = qm._up_forward(torch.randn(4, 6), rows, offs, torch.randn(3, 8, 6), p)  # one launch: the GEMM's
     assert len(calls) == 1 and h.shape == (5, 4)
@@ -620,12 +692,22 @@ def _experts_case(T, k, E, dim, ffn, prob_before_w2, idle_experts=0, seed=0):
     mod.init_weights(0.02)
     w = {n: p.detach().double().cpu().requires_grad_() for n, p in mod.named_parameters()}
     xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    want = _swiglu_loop(_Dispatch.apply(xr, rows, slot, k, False), counts, w["w13"], w["w2"],
-                        pr[order].unsqueeze(-1), prob_before_w2)
+    want = _swiglu_loop(
+        _Dispatch.apply(xr, rows, slot, k, False), counts, w["w13"], w["w2"], pr[order].unsqueeze(-1), prob_before_w2
+    )
     gy = torch.randn_like(want)
     want.backward(gy)
-    inputs = dict(mod=mod.to(torch.bfloat16), x=x, probs=probs, counts=counts.cuda(), rows=rows.cuda(),
-                  slot=slot.cuda(), order=order.cuda(), gy=gy.cuda().bfloat16(), k=k)
+    inputs = dict(
+        mod=mod.to(torch.bfloat16),
+        x=x,
+        probs=probs,
+        counts=counts.cuda(),
+        rows=rows.cuda(),
+        slot=slot.cuda(),
+        order=order.cuda(),
+        gy=gy.cuda().bfloat16(),
+        k=k,
+    )
     reference = {"y": want, "dx": xr.grad, "dp": pr.grad, **{f"d{n}": w[n].grad for n in w}}
     return inputs, reference
 
@@ -673,7 +755,7 @@ def test_quack_experts_match_float64(rows_in, prob_before_w2):
     for n in want:
         assert _rel(got[n], want[n]) < 1e-2, n
     for n in ("dw13", "dw2"):
-        assert got[n][E - 2:].abs().max() == 0  # experts without rows
+        assert got[n][E - 2 :].abs().max() == 0  # experts without rows
 
 
 @needs_quack
@@ -684,10 +766,16 @@ def test_quack_experts_round_no_more_than_torch(prob_before_w2):
     width 384): the output and every gradient no further off through QuACK than through torch, so a
     difference between the two paths' loss curves does not come from one path rounding more."""
     case, want = _experts_case(2048, 8, 64, 1024, 384, prob_before_w2)
-    err = {path: {n: _rel(g, want[n]) for n, g in _run_experts(case, path, "gathered", prob_before_w2).items()}
-           for path in ("torch", "quack")}
+    err = {
+        path: {n: _rel(g, want[n]) for n, g in _run_experts(case, path, "gathered", prob_before_w2).items()}
+        for path in ("torch", "quack")
+    }
     for n in want:
-        assert err["torch"][n] < 1e-2 and err["quack"][n] <= 1.05 * err["torch"][n], (n, err["torch"][n], err["quack"][n])
+        assert err["torch"][n] < 1e-2 and err["quack"][n] <= 1.05 * err["torch"][n], (
+            n,
+            err["torch"][n],
+            err["quack"][n],
+        )
 
 
 @needs_quack
@@ -724,7 +812,10 @@ def test_quack_replayed_launch_equals_tuned_launch(monkeypatch):
     x, w, dy = randn(T, dim), randn(E, dim, ffn), randn(T * k, ffn)
     calls = {
         "varlen-M, gathered rows": lambda offs, rows: (qm._varlen_m(q, x, w, offs, rows), (x, w, offs, None, rows)),
-        "varlen-K": lambda offs, rows: (qm._wgrad(q, dy, x[rows.long()], offs), (dy.mT, x[rows.long()], None, offs, None)),
+        "varlen-K": lambda offs, rows: (
+            qm._wgrad(q, dy, x[rows.long()], offs),
+            (dy.mT, x[rows.long()], None, offs, None),
+        ),
     }
     for name, call in calls.items():
         first = None
@@ -754,7 +845,12 @@ def test_quack_configs_chosen_once_per_signature_from_the_sweep(monkeypatch):
     q, gen = qm.quack(), torch.Generator(device="cuda").manual_seed(0)
     T, k, E, dim, ffn = 256, 4, 8, 256, 128
     randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
-    x, w13, w2, dy = randn(T, dim), randn(E, 2 * ffn, dim) * dim**-0.5, randn(E, dim, ffn) * ffn**-0.5, randn(T * k, dim)
+    x, w13, w2, dy = (
+        randn(T, dim),
+        randn(E, 2 * ffn, dim) * dim**-0.5,
+        randn(E, dim, ffn) * ffn**-0.5,
+        randn(T * k, dim),
+    )
     rows = torch.randint(0, T, (T * k,), device="cuda", dtype=torch.int32, generator=gen)
     offs = qm.offsets(torch.tensor([100, 0, 300, 7, 129, 200, 64, 224], device="cuda"))
     p = torch.rand(T * k, device="cuda", generator=gen)
@@ -762,7 +858,7 @@ def test_quack_configs_chosen_once_per_signature_from_the_sweep(monkeypatch):
 
     def top(tuner):
         ranked = sorted(tuner.configs_timings.items(), key=lambda item: item[1][0])
-        return [c.kwargs["config"] for c, _ in ranked[:qm._TOP]]
+        return [c.kwargs["config"] for c, _ in ranked[: qm._TOP]]
 
     ab, h = qm._up_forward(x, rows, offs, w13, p)
     up_tuner = qm._tuner(qm._up_launch, "gated", True, cap)
@@ -822,6 +918,7 @@ def test_quack_layer_matches_torch_layer(compiled):
 def test_cuda_graph_captured_layer_matches_uncaptured(grouped_gemm):
     """20 SGD steps of the dropless layer, forward and backward captured in one CUDA graph and
     replayed, against the same steps run eagerly: the same losses."""
+
     def train(capture: bool):
         torch.manual_seed(0)
         moe = MoE(256, replace(_qwen3_like(grouped_gemm), load_balance="aux_loss", shared_ffn_dim=128)).cuda()

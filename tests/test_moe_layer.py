@@ -47,8 +47,13 @@ def run_reference(moe, x, upstream, args, chunks=1):
     params = {n: p.detach().double().clone().requires_grad_() for n, p in moe.named_parameters() if n in names}
     xr = x.detach().double().flatten(0, 1).requires_grad_()
     y, kept, chosen = reference_moe(
-        xr, params["router.gate.weight"], params["experts.w13"], params["experts.w2"],
-        args, bias=moe.router.expert_bias.tolist(), chunks=chunks,
+        xr,
+        params["router.gate.weight"],
+        params["experts.w13"],
+        params["experts.w2"],
+        args,
+        bias=moe.router.expert_bias.tolist(),
+        chunks=chunks,
     )
     (y * upstream.double().flatten(0, 1)).sum().backward()
     return y.view(x.shape), xr.grad.view(x.shape), {n: p.grad for n, p in params.items()}, kept, chosen
@@ -73,9 +78,16 @@ CASES = [
 @pytest.mark.parametrize("prob_before_w2", [True, False])
 @pytest.mark.parametrize("top_k,num_experts,capacity_factor,drop_policy,skew", CASES)
 def test_layer_matches_reference(dtype, prob_before_w2, top_k, num_experts, capacity_factor, drop_policy, skew):
-    args = MoEArgs(num_experts=num_experts, top_k=top_k, moe_ffn_dim=FFN, capacity_factor=capacity_factor,
-                   drop_policy=drop_policy, load_balance="none", prob_before_w2=prob_before_w2,
-                   norm_topk_prob=top_k == 2)
+    args = MoEArgs(
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_ffn_dim=FFN,
+        capacity_factor=capacity_factor,
+        drop_policy=drop_policy,
+        load_balance="none",
+        prob_before_w2=prob_before_w2,
+        norm_topk_prob=top_k == 2,
+    )
     moe = make_layer(args, dtype, skew=skew)
     x = make_input(dtype, skew=skew)
     y, gx, grads, upstream = run_layer(moe, x)
@@ -136,8 +148,16 @@ def test_moe_stats_leave_out_idle_layers_in_one_read():
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_pad_to_capacity_equals_unpadded(drop_policy, dtype):
-    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, capacity_factor=1.0, drop_policy=drop_policy,
-                   load_balance="aux_loss", shared_ffn_dim=6, shared_expert_gate=True)
+    args = MoEArgs(
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=FFN,
+        capacity_factor=1.0,
+        drop_policy=drop_policy,
+        load_balance="aux_loss",
+        shared_ffn_dim=6,
+        shared_expert_gate=True,
+    )
     results = []
     for pad in (False, True):
         moe = make_layer(replace(args, pad_to_capacity=pad), dtype, skew=2.0)
@@ -151,8 +171,9 @@ def test_pad_to_capacity_equals_unpadded(drop_policy, dtype):
 
 
 def test_shared_expert_with_gate():
-    args = MoEArgs(num_experts=4, top_k=1, moe_ffn_dim=FFN, shared_ffn_dim=6, shared_expert_gate=True,
-                   load_balance="none")
+    args = MoEArgs(
+        num_experts=4, top_k=1, moe_ffn_dim=FFN, shared_ffn_dim=6, shared_expert_gate=True, load_balance="none"
+    )
     moe = make_layer(args, torch.float64)
     x = make_input(torch.float64)
     y = moe(x)
@@ -168,10 +189,18 @@ def test_shared_expert_with_gate():
 
 # ---- router losses on a tiny example, by hand -----------------------------------------------
 
+
 def tiny_router(load_balance, score_func="softmax", top_k=1, z=0.0, seq=4):
     """4 tokens, 4 experts, gate = identity: the logits are the inputs."""
-    args = MoEArgs(num_experts=4, top_k=top_k, moe_ffn_dim=FFN, score_func=score_func,
-                   load_balance=load_balance, aux_loss_coeff=0.5, z_loss_coeff=z)
+    args = MoEArgs(
+        num_experts=4,
+        top_k=top_k,
+        moe_ffn_dim=FFN,
+        score_func=score_func,
+        load_balance=load_balance,
+        aux_loss_coeff=0.5,
+        z_loss_coeff=z,
+    )
     moe = MoE(4, args).double()
     moe.init_weights(0.1)
     with torch.no_grad():
@@ -338,11 +367,15 @@ def test_dispatch_and_combine_are_gathers_with_the_indexing_gradients(case):
     (grows,) = torch.autograd.grad(y, y_rows, gy)
     torch.testing.assert_close(grows * live, gy[token_of_row[:R]] * live)  # empty slots: weight 0, unused
     if case != "padded":
-        assert torch.autograd.gradcheck(lambda r: _Combine.apply(r, token_of_row[:R], slot.clamp(max=R), k, dropped),
-                                        (y_rows.detach().requires_grad_(),))
+        assert torch.autograd.gradcheck(
+            lambda r: _Combine.apply(r, token_of_row[:R], slot.clamp(max=R), k, dropped),
+            (y_rows.detach().requires_grad_(),),
+        )
     perm = torch.randperm(T)
-    assert torch.autograd.gradcheck(lambda t: _PermuteRows.apply(t, perm, _inverse(perm)),
-                                    (torch.randn(T, dim, dtype=torch.float64, requires_grad=True),))
+    assert torch.autograd.gradcheck(
+        lambda t: _PermuteRows.apply(t, perm, _inverse(perm)),
+        (torch.randn(T, dim, dtype=torch.float64, requires_grad=True),),
+    )
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -424,8 +457,10 @@ def test_swiglu_pairs_as_words_round_as_the_halves_do():
     assert words.dtype == torch.int32 and words.shape == (37, 48)
 
     def same(got, want):
-        assert got.dtype == want.dtype and torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
-                                                       want.view(torch.int16) if want.dtype == torch.bfloat16 else want)
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+            want.view(torch.int16) if want.dtype == torch.bfloat16 else want,
+        )
 
     same(s._pairs_forward(words), s._pairs_forward(ab))
     same(s._pairs_prob_forward(words, p), s._pairs_prob_forward(ab, p))

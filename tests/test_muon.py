@@ -15,8 +15,15 @@ from titan_fold.parallel.pipeline import stage_fqns
 from titan_fold.trainer.muon import Muon, MuonOptimizersContainer
 from titan_fold.trainer.preflight import check_layout, model_args_from_config
 
-SETTINGS = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, momentum=0.95,
-                ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5)
+SETTINGS = dict(
+    lr=0.02,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    weight_decay=0.1,
+    momentum=0.95,
+    ns_coefficients=(3.4445, -4.775, 2.0315),
+    ns_steps=5,
+)
 STEPS = 3
 
 
@@ -26,9 +33,16 @@ def muon(named, nesterov=True, lr_adjust="match_rms_adamw", ns_dtype="bfloat16",
 
 def torch_muon(params, nesterov=True, lr_adjust="match_rms_adamw") -> torch.optim.Muon:
     s = SETTINGS
-    return torch.optim.Muon(params, lr=s["lr"], weight_decay=s["weight_decay"], momentum=s["momentum"],
-                            nesterov=nesterov, ns_coefficients=s["ns_coefficients"], ns_steps=s["ns_steps"],
-                            adjust_lr_fn=lr_adjust)
+    return torch.optim.Muon(
+        params,
+        lr=s["lr"],
+        weight_decay=s["weight_decay"],
+        momentum=s["momentum"],
+        nesterov=nesterov,
+        ns_coefficients=s["ns_coefficients"],
+        ns_steps=s["ns_steps"],
+        adjust_lr_fn=lr_adjust,
+    )
 
 
 def steps(pairs, optimizers, seed=0):
@@ -88,12 +102,16 @@ def test_each_expert_matrix_steps_as_torch_muon():
 
 def test_other_parameters_step_as_torch_adamw():
     ours, ref = copies([(30, 8), (8,), (1, 8)])
-    named = [("tok_embeddings.weight", ours[0]), ("layers.0.attention.wq.bias", ours[1]),
-             ("layers.0.moe.shared_expert_gate.weight", ours[2])]
+    named = [
+        ("tok_embeddings.weight", ours[0]),
+        ("layers.0.attention.wq.bias", ours[1]),
+        ("layers.0.moe.shared_expert_gate.weight", ours[2]),
+    ]
     opt = muon(named)
     assert [(g["muon"], g["params"]) for g in opt.param_groups] == [(True, []), (False, ours)]
-    adamw = torch.optim.AdamW(ref, lr=SETTINGS["lr"], betas=SETTINGS["betas"], eps=SETTINGS["eps"],
-                              weight_decay=SETTINGS["weight_decay"])
+    adamw = torch.optim.AdamW(
+        ref, lr=SETTINGS["lr"], betas=SETTINGS["betas"], eps=SETTINGS["eps"], weight_decay=SETTINGS["weight_decay"]
+    )
     steps(list(zip(ours, ref)), [opt, adamw])
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
@@ -106,15 +124,34 @@ def test_split_of_the_debug_models(family):
     with torch.device("meta"):
         model = Transformer(FLAVORS[family]["debug"])
     split = {name: uses_muon(name, p) for name, p in model.named_parameters()}
-    want_muon = {"attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
-                 "moe.experts.w13", "moe.experts.w2", "moe.shared_expert.w1.weight", "moe.shared_expert.w2.weight",
-                 "moe.shared_expert.w3.weight"}
+    want_muon = {
+        "attention.wq.weight",
+        "attention.wk.weight",
+        "attention.wv.weight",
+        "attention.wo.weight",
+        "moe.experts.w13",
+        "moe.experts.w2",
+        "moe.shared_expert.w1.weight",
+        "moe.shared_expert.w2.weight",
+        "moe.shared_expert.w3.weight",
+    }
     if family == "deepseek_v3":
-        want_muon = {"attention.wq_a.weight", "attention.wq_b.weight", "attention.wkv_a.weight",
-                     "attention.wkv_b.weight", "attention.wk_rope.weight", "attention.wo.weight",
-                     "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
-                     "moe.experts.w13", "moe.experts.w2", "moe.shared_expert.w1.weight",
-                     "moe.shared_expert.w2.weight", "moe.shared_expert.w3.weight"}
+        want_muon = {
+            "attention.wq_a.weight",
+            "attention.wq_b.weight",
+            "attention.wkv_a.weight",
+            "attention.wkv_b.weight",
+            "attention.wk_rope.weight",
+            "attention.wo.weight",
+            "feed_forward.w1.weight",
+            "feed_forward.w2.weight",
+            "feed_forward.w3.weight",
+            "moe.experts.w13",
+            "moe.experts.w2",
+            "moe.shared_expert.w1.weight",
+            "moe.shared_expert.w2.weight",
+            "moe.shared_expert.w3.weight",
+        }
     got_muon = {name.split(".", 2)[2] for name, muon_ in split.items() if muon_}
     assert got_muon == want_muon
     assert not any(split[n] for n in split if not n.startswith("layers."))  # embedding, head, final norm
@@ -127,16 +164,28 @@ def test_banner_line_counts_each_update():
     kwargs = dict(SETTINGS, nesterov=True, lr_adjust="match_rms_adamw", ns_dtype="bfloat16")
     line = MuonOptimizersContainer([model], kwargs).split()
     n = args.n_layers
-    matrices = sum(p.numel() for name, p in model.named_parameters() if re.search(r"\.(wq|wk|wv|wo|w1|w2|w3|w13)(\.weight)?$", name))
+    matrices = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if re.search(r"\.(wq|wk|wv|wo|w1|w2|w3|w13)(\.weight)?$", name)
+    )
     rest = sum(p.numel() for p in model.parameters()) - matrices
-    assert line == (f"muon {matrices / 1e6:.2f}M params: attention {4 * n}, routed_experts {2 * n}, shared_experts "
-                    f"{3 * n}; adamw {rest / 1e6:.2f}M params: attention {3 * n}, embedding 1, head 1, norms "
-                    f"{2 * n + 1}, router {n}, shared_experts {n}")
+    assert line == (
+        f"muon {matrices / 1e6:.2f}M params: attention {4 * n}, routed_experts {2 * n}, shared_experts "
+        f"{3 * n}; adamw {rest / 1e6:.2f}M params: attention {3 * n}, embedding 1, head 1, norms "
+        f"{2 * n + 1}, router {n}, shared_experts {n}"
+    )
 
 
 # the real-size configs at the world sizes they are written for
-PACKAGED = [("deepseek_v3_16b.toml", 8), ("deepseek_v3_671b.toml", 1024), ("qwen3_30b_a3b.toml", 8),
-            ("qwen2.toml", 64), ("mixtral_8x22b.toml", 128), ("mixtral_8x22b_g8t8.toml", 128)]
+PACKAGED = [
+    ("deepseek_v3_16b.toml", 8),
+    ("deepseek_v3_671b.toml", 1024),
+    ("qwen3_30b_a3b.toml", 8),
+    ("qwen2.toml", 64),
+    ("mixtral_8x22b.toml", 128),
+    ("mixtral_8x22b_g8t8.toml", 128),
+]
 
 
 @pytest.mark.parametrize("name, world", PACKAGED)

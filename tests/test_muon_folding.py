@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_fold.checkpoint.manager import read_model_tensors
+from titan_fold.checkpoint.files import read_model_tensors
 from titan_fold.models.groups import uses_muon
 from titan_fold.parallel.orthogonalize import Orthogonalizer
 from titan_fold.trainer.muon import Muon
@@ -53,24 +53,58 @@ def strided(dim: int, split: int):
 # name -> [(mesh shape, mesh dim names, {parameter: placements})]
 LAYOUTS = {
     "dp4": [((4,), ("dp_shard",), {n: [S0] for n in SHAPES})],
-    "tp2_fsdp2": [((2, 2), ("dp_shard", "tp"), {
-        "layers.0.attention.wq.weight": [strided(0, 2), S0], "layers.0.attention.wo.weight": [S0, S1],
-        "layers.0.attention.wq_a.weight": [S0, R], "layers.0.attention.wkv_b.weight": [S1, S0]}),
-        ((4,), ("edp",), {n: [S0] for n in EXPERTS})],
+    "tp2_fsdp2": [
+        (
+            (2, 2),
+            ("dp_shard", "tp"),
+            {
+                "layers.0.attention.wq.weight": [strided(0, 2), S0],
+                "layers.0.attention.wo.weight": [S0, S1],
+                "layers.0.attention.wq_a.weight": [S0, R],
+                "layers.0.attention.wkv_b.weight": [S1, S0],
+            },
+        ),
+        ((4,), ("edp",), {n: [S0] for n in EXPERTS}),
+    ],
     "hsdp2x2": [((2, 2), ("dp_replicate", "dp_shard"), {n: [R, S0] for n in SHAPES})],
-    "tp4": [((4,), ("tp",), {"layers.0.attention.wq.weight": [S0], "layers.0.attention.wo.weight": [S1],
-                             "layers.0.attention.wq_a.weight": [R], "layers.0.attention.wkv_b.weight": [S0],
-                             "layers.0.moe.experts.w13": [S1], "layers.0.moe.experts.w2": [S2]})],
-    "dp2_ep2": [((4,), ("dp_shard",), {n: [S0] for n in ATTENTION}),
-                ((2, 2), ("edp", "ep"), {n: [strided(0, 2), S0] for n in EXPERTS})],
-    "ep2_etp2": [((2, 2), ("dp_shard", "tp"), {n: [S0, S0] for n in ATTENTION}),
-                 ((2, 2), ("ep", "etp"), {"layers.0.moe.experts.w13": [S0, S1], "layers.0.moe.experts.w2": [S0, S2]})],
-    "ep4_edp_on_dim": [((4,), ("dp_shard",), {n: [S1] for n in ATTENTION}),
-                       ((2, 2), ("edp", "ep"), {"layers.0.moe.experts.w13": [S2, S0],
-                                                "layers.0.moe.experts.w2": [S1, S0]})],
+    "tp4": [
+        (
+            (4,),
+            ("tp",),
+            {
+                "layers.0.attention.wq.weight": [S0],
+                "layers.0.attention.wo.weight": [S1],
+                "layers.0.attention.wq_a.weight": [R],
+                "layers.0.attention.wkv_b.weight": [S0],
+                "layers.0.moe.experts.w13": [S1],
+                "layers.0.moe.experts.w2": [S2],
+            },
+        )
+    ],
+    "dp2_ep2": [
+        ((4,), ("dp_shard",), {n: [S0] for n in ATTENTION}),
+        ((2, 2), ("edp", "ep"), {n: [strided(0, 2), S0] for n in EXPERTS}),
+    ],
+    "ep2_etp2": [
+        ((2, 2), ("dp_shard", "tp"), {n: [S0, S0] for n in ATTENTION}),
+        ((2, 2), ("ep", "etp"), {"layers.0.moe.experts.w13": [S0, S1], "layers.0.moe.experts.w2": [S0, S2]}),
+    ],
+    "ep4_edp_on_dim": [
+        ((4,), ("dp_shard",), {n: [S1] for n in ATTENTION}),
+        ((2, 2), ("edp", "ep"), {"layers.0.moe.experts.w13": [S2, S0], "layers.0.moe.experts.w2": [S1, S0]}),
+    ],
 }
-SETTINGS = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, momentum=0.95, nesterov=True,
-                ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, lr_adjust="match_rms_adamw")
+SETTINGS = dict(
+    lr=0.02,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_coefficients=(3.4445, -4.775, 2.0315),
+    ns_steps=5,
+    lr_adjust="match_rms_adamw",
+)
 STEPS = 2
 
 
@@ -129,9 +163,16 @@ def torch_muon() -> dict[str, torch.Tensor]:
     weights, grads = globals_()
     params = {n: torch.nn.Parameter(weights[n].clone()) for n in ATTENTION}
     s = SETTINGS
-    opt = torch.optim.Muon(list(params.values()), lr=s["lr"], weight_decay=s["weight_decay"], momentum=s["momentum"],
-                           nesterov=s["nesterov"], ns_coefficients=s["ns_coefficients"], ns_steps=s["ns_steps"],
-                           adjust_lr_fn=s["lr_adjust"])
+    opt = torch.optim.Muon(
+        list(params.values()),
+        lr=s["lr"],
+        weight_decay=s["weight_decay"],
+        momentum=s["momentum"],
+        nesterov=s["nesterov"],
+        ns_coefficients=s["ns_coefficients"],
+        ns_steps=s["ns_steps"],
+        adjust_lr_fn=s["lr_adjust"],
+    )
     for g in grads:
         for n, p in params.items():
             p.grad = g[n].clone()
@@ -142,8 +183,9 @@ def torch_muon() -> dict[str, torch.Tensor]:
 def worker(rank, port, out_dir, layouts):
     start_rank(rank, port, WORLD)
     reference, torch_reference = one_process("float32"), torch_muon()
-    failures = run_checks([(name, lambda name=name: check_layout(name, reference, torch_reference))
-                           for name in layouts], "muon")
+    failures = run_checks(
+        [(name, lambda name=name: check_layout(name, reference, torch_reference)) for name in layouts], "muon"
+    )
     dist.barrier()
     end_rank_checks(out_dir, rank, failures)
 
@@ -188,8 +230,18 @@ def test_trainer_muon_steps_match_one_rank(name, muon_reference, tmp_path, seed_
 
 
 def test_resume_under_another_folding_continues_the_run(tmp_path, seed_checkpoint):
-    full = (*BATCH, *MUON, "--checkpoint.enable", "--checkpoint.initial_load_path", seed_checkpoint,
-            "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only", "--training.steps", "2")
+    full = (
+        *BATCH,
+        *MUON,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        seed_checkpoint,
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.no-last_save_model_only",
+        "--training.steps",
+        "2",
+    )
     torchrun(1, "--job.dump_folder", str(tmp_path / "on"), *full)
     os.makedirs(tmp_path / "resumed" / "checkpoint")
     shutil.copytree(tmp_path / "on" / "checkpoint" / "step-1", tmp_path / "resumed" / "checkpoint" / "step-1")

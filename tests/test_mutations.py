@@ -22,7 +22,9 @@ def test_record_covers_every_mutation_as_it_is():
 @pytest.mark.parametrize("mutation", [m for m in MUTATIONS if m.fast], ids=lambda m: m.name)
 def test_fast_mutation_is_caught(mutation):
     outcome = run(mutation)
-    assert outcome.caught, f"{mutation.name}: did not fail: {set(mutation.tests) - set(outcome.failed)}\n{outcome.output[-3000:]}"
+    assert outcome.caught, (
+        f"{mutation.name}: did not fail: {set(mutation.tests) - set(outcome.failed)}\n{outcome.output[-3000:]}"
+    )
 
 
 def test_a_harmless_change_is_not_caught():

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import build_optimizers as build_titan_optimizers
 
-from titan_fold.checkpoint.manager import read_metadata, read_model_tensors
+from titan_fold.checkpoint.files import read_model_tensors
+from titan_fold.checkpoint.trusted import read_metadata
 from titan_fold.common.config import ConfigError, Optimizer, parse_args
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale
 from titan_fold.trainer.optimizer import (
@@ -30,8 +31,16 @@ def make_model(seed=0):
 
 
 def build(model, implementation="for-loop", master_weights=True, name="AdamW"):
-    config = Optimizer(name=name, lr=LR, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                       implementation=implementation, master_weights=master_weights)
+    config = Optimizer(
+        name=name,
+        lr=LR,
+        weight_decay=WD,
+        beta1=BETAS[0],
+        beta2=BETAS[1],
+        eps=EPS,
+        implementation=implementation,
+        master_weights=master_weights,
+    )
     return build_optimizers([model], config, parallel_dims=None)
 
 
@@ -341,8 +350,12 @@ def test_checkpoint_interop_with_torch_fused_adamw(writer, reader):
     model, opt = make(writer, 0)
     clipped_steps(model, opt, 0, 3)
     saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()}
-    assert {"state.0.weight.exp_avg", "state.0.weight.exp_avg_sq", "state.0.weight.step",
-            "param_groups.0.weight.lr"} <= saved.keys()
+    assert {
+        "state.0.weight.exp_avg",
+        "state.0.weight.exp_avg_sq",
+        "state.0.weight.step",
+        "param_groups.0.weight.lr",
+    } <= saved.keys()
     resumed_model, resumed = make(reader, 1)  # other weights: the checkpoint replaces them
     resumed_model.load_state_dict(model.state_dict())
     resumed.load_state_dict(saved)
@@ -371,8 +384,14 @@ def test_state_dict_round_trip_and_resume():
             p.grad = g
         opt.step()
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()}
-    assert {"state.0.weight.master", "state.0.weight.exp_avg", "state.0.weight.exp_avg_sq", "state.0.weight.step",
-            "param_groups.0.weight.lr", "state.2.bias.master"} <= set(state)
+    assert {
+        "state.0.weight.master",
+        "state.0.weight.exp_avg",
+        "state.0.weight.exp_avg_sq",
+        "state.0.weight.step",
+        "param_groups.0.weight.lr",
+        "state.2.bias.master",
+    } <= set(state)
 
     resumed_model = make_model(seed=1)  # other weights: the checkpoint must replace them
     resumed = build(resumed_model)
@@ -403,11 +422,16 @@ def test_model_only_load_after_build_reaches_the_masters():
         assert torch.allclose(m, w.float() * (1 - LR * WD), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--optimizer.master_weights"], "training.dtype = 'float32'"),
-    (["--optimizer.master_weights", "--training.dtype", "bfloat16", "--optimizer.early_step_in_backward"],
-     "early_step_in_backward"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--optimizer.master_weights"], "training.dtype = 'float32'"),
+        (
+            ["--optimizer.master_weights", "--training.dtype", "bfloat16", "--optimizer.early_step_in_backward"],
+            "early_step_in_backward",
+        ),
+    ],
+)
 def test_config_rejects(args, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--job.config_file", "debug_moe.toml", *args])
@@ -429,32 +453,67 @@ def test_debug_model_loss_matches_the_autocast_recipe(tmp_path, seed_checkpoint)
     batch = ("--training.local_batch_size", "4", "--training.global_batch_size", "4")
     autocast = ("--training.mixed_precision_param", "bfloat16", *batch)
     amp = train_from_seed(tmp_path / "amp", 1, seed_checkpoint, LOSS_STEPS, *autocast)
-    masters = train_from_seed(tmp_path / "masters", 1, seed_checkpoint, LOSS_STEPS, "--training.dtype", "bfloat16",
-                              "--optimizer.master_weights", *batch)
-    torchrun(1, "--job.dump_folder", str(tmp_path / "seed1"), "--checkpoint.enable",
-             "--checkpoint.create_seed_checkpoint", "--debug.seed", "1")
-    other = train_from_seed(tmp_path / "amp_seed1", 1, str(tmp_path / "seed1" / "checkpoint" / "step-0"),
-                            LOSS_STEPS, *autocast)
+    masters = train_from_seed(
+        tmp_path / "masters",
+        1,
+        seed_checkpoint,
+        LOSS_STEPS,
+        "--training.dtype",
+        "bfloat16",
+        "--optimizer.master_weights",
+        *batch,
+    )
+    torchrun(
+        1,
+        "--job.dump_folder",
+        str(tmp_path / "seed1"),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--debug.seed",
+        "1",
+    )
+    other = train_from_seed(
+        tmp_path / "amp_seed1", 1, str(tmp_path / "seed1" / "checkpoint" / "step-0"), LOSS_STEPS, *autocast
+    )
     noise = abs(_mean_tail(other) - _mean_tail(amp))
     gap = abs(_mean_tail(masters) - _mean_tail(amp))
-    print(f"mean loss of the last 25 steps: autocast {_mean_tail(amp):.4f}, masters {_mean_tail(masters):.4f}, "
-          f"autocast from another seed {_mean_tail(other):.4f}; gap {gap:.4f}, noise {noise:.4f}")
+    print(
+        f"mean loss of the last 25 steps: autocast {_mean_tail(amp):.4f}, masters {_mean_tail(masters):.4f}, "
+        f"autocast from another seed {_mean_tail(other):.4f}; gap {gap:.4f}, noise {noise:.4f}"
+    )
     assert _mean_tail(masters) < 0.8 * masters[0]["loss"]  # it trains
     assert gap <= max(noise, 0.005 * _mean_tail(amp)), (gap, noise, _mean_tail(amp), _mean_tail(masters))
 
 
 # 4 ranks, FSDP2 on both meshes: the dense parameters sharded 4 ways over the attention
 # mesh's dp_shard, each ep rank's 4 experts 2 ways over the expert mesh's edp (ep 2 x edp 2)
-BOTH_MESHES = ("--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2",
-               "--parallelism.expert_data_parallel_degree", "2")
+BOTH_MESHES = (
+    "--parallelism.data_parallel_shard_degree",
+    "4",
+    "--parallelism.expert_parallel_degree",
+    "2",
+    "--parallelism.expert_data_parallel_degree",
+    "2",
+)
 # lr 1e-4 at the end of the warmup: in 4 steps the masters move a few bf16 ulps of most
 # weights and a fraction of one of the norms' (1.0), so a master rounded to bf16 on the way
 # shows; micro-batches of 2 sequences in both runs (the aux loss is a mean over one);
 # checkpoints at steps 2 and 4 with the optimizer's states
 SHARDED_STEPS = 4
-SHARDED_RUN = ("--training.dtype", "bfloat16", "--optimizer.master_weights", "--optimizer.lr", "1e-4",
-               "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-               "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only")
+SHARDED_RUN = (
+    "--training.dtype",
+    "bfloat16",
+    "--optimizer.master_weights",
+    "--optimizer.lr",
+    "1e-4",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.no-last_save_model_only",
+)
 
 
 @pytest.fixture(scope="module")
@@ -474,10 +533,13 @@ def saved_masters(folder) -> dict[str, torch.Tensor]:
 
     prefix, suffix = "optimizer.state.", f".{MASTER_KEY}"
     metadata = read_metadata(str(folder)).state_dict_metadata
-    masters = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-               if k.startswith(prefix) and k.endswith(suffix)}
+    masters = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if k.startswith(prefix) and k.endswith(suffix)
+    }
     dcp.load(masters, checkpoint_id=str(folder), no_dist=True)
-    return {k[len(prefix):-len(suffix)]: v for k, v in masters.items()}
+    return {k[len(prefix) : -len(suffix)]: v for k, v in masters.items()}
 
 
 def test_fsdp2_masters_on_both_meshes_match_one_rank(sharded_runs, seed_checkpoint):
@@ -504,7 +566,7 @@ def test_fsdp2_masters_on_both_meshes_match_one_rank(sharded_runs, seed_checkpoi
     assert [m["step"] for m in one] == [m["step"] for m in sharded] == list(range(1, SHARDED_STEPS + 1))
     for ref, got in zip(one, sharded):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["step"]
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2 ** -6), ref["step"]
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2**-6), ref["step"]
 
     start = read_model_tensors(seed_checkpoint)  # fp32: the runs start from it rounded to bf16
     ref, got = saved_masters(root / "one" / "checkpoint" / "step-4"), saved_masters(step4)
@@ -540,7 +602,10 @@ def test_fsdp2_masters_resume_on_both_meshes(sharded_runs, seed_checkpoint, tmp_
     resumed = train_from_seed(tmp_path, 4, seed_checkpoint, SHARDED_STEPS, *SHARDED_RUN, *BOTH_MESHES)
     keys = ("step", "loss", "grad_norm", "group_grad_norms", "group_update_norms")
     assert [[m[k] for k in keys] for m in resumed] == [[m[k] for k in keys] for m in sharded[2:]]
-    ref, got = saved_masters(root / "sharded" / "checkpoint" / "step-4"), saved_masters(tmp_path / "checkpoint" / "step-4")
+    ref, got = (
+        saved_masters(root / "sharded" / "checkpoint" / "step-4"),
+        saved_masters(tmp_path / "checkpoint" / "step-4"),
+    )
     assert got.keys() == ref.keys()
     for name, master in got.items():
         assert torch.equal(master, ref[name]), name

@@ -47,8 +47,10 @@ def build(ep_mesh, etp_mesh, delay, n_layers=3):
 
 def batches():
     g = torch.Generator().manual_seed(dist.get_rank())
-    return [(torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g))
-            for _ in range(MICRO_BATCHES)]
+    return [
+        (torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g))
+        for _ in range(MICRO_BATCHES)
+    ]
 
 
 def loss_fn(logits, labels):
@@ -82,7 +84,7 @@ def check_order(order, ep):
     """Between micro-batch 0's backward and 1's forward: each all-to-all of one is issued
     before the other's next compute piece, which runs while it travels."""
     assert order[0] == "overlap:mb0 forward embed", order[:3]
-    pair = order[order.index("overlap:mb0 backward head"):]
+    pair = order[order.index("overlap:mb0 backward head") :]
     pair = pair[: pair.index("overlap:mb1 forward head") + 1]
     if ep == 1:
         return
@@ -111,8 +113,9 @@ def assert_same_numbers(losses, grads, ref_losses, ref_grads, label):
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         assert ref is not None and grads[name] is not None, name
-        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
-                                   msg=lambda m, name=name: f"{label} grad of {name}: {m}")
+        torch.testing.assert_close(
+            grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{label} grad of {name}: {m}"
+        )
 
 
 def case(ep_mesh, etp_mesh, ep):
@@ -133,7 +136,6 @@ def worker(rank, port, out_dir):
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         failures += run_checks([("", lambda: case(ep_mesh, etp_mesh, ep))], f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
-
 
 
 def test_overlapped_micro_batches_match_gradient_accumulation(tmp_path):
@@ -175,8 +177,11 @@ def pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap, delay):
         hooks.append(StageHooks(part))
         first = torch.empty(1, 16, dtype=torch.int64, device=meta) if s == 0 else hidden
         last = torch.empty(1, 16, 512, device=meta, requires_grad=True) if s == num_stages - 1 else hidden
-        stages.append(PipelineStage(part, s, num_stages, torch.device("cpu"), input_args=first, output_args=last,
-                                    group=pp_mesh.get_group()))
+        stages.append(
+            PipelineStage(
+                part, s, num_stages, torch.device("cpu"), input_args=first, output_args=last, group=pp_mesh.get_group()
+            )
+        )
 
     def loss(x, y):
         return loss_fn(x, y) / 100.0
@@ -184,19 +189,29 @@ def pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap, delay):
     if overlap:
         schedule = overlapped_pipeline(cls, stages, PP_MICRO_BATCHES, loss, [h.pre_forward for h in hooks])
     else:
-        schedule = cls(stages[0] if cls is Schedule1F1B else stages, n_microbatches=PP_MICRO_BATCHES, loss_fn=loss,
-                       scale_grads=False)
+        schedule = cls(
+            stages[0] if cls is Schedule1F1B else stages,
+            n_microbatches=PP_MICRO_BATCHES,
+            loss_fn=loss,
+            scale_grads=False,
+        )
     g = torch.Generator().manual_seed(dist.get_rank() // pp)  # the ep ranks see different batches
     tokens = torch.randint(0, 512, (PP_MICRO_BATCHES, 16), generator=g)
     labels = torch.randint(0, 512, (PP_MICRO_BATCHES, 16), generator=g)
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        schedule.step(*((tokens,) if has_first else ()), aux_loss_scale=torch.full((PP_MICRO_BATCHES,), 0.125),
-                      target=labels if has_last else None, losses=losses, return_outputs=False)
+        schedule.step(
+            *((tokens,) if has_first else ()),
+            aux_loss_scale=torch.full((PP_MICRO_BATCHES,), 0.125),
+            target=labels if has_last else None,
+            losses=losses,
+            return_outputs=False,
+        )
     flush_wgrad(parts)
-    grads = {f"stage{st.stage_index}.{n}": p.grad for st, part in zip(stages, parts)
-             for n, p in part.named_parameters()}
+    grads = {
+        f"stage{st.stage_index}.{n}": p.grad for st, part in zip(stages, parts) for n, p in part.named_parameters()
+    }
     order = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("overlap:")]
     return losses, grads, order
 
@@ -205,8 +220,10 @@ def interleaved(order) -> bool:
     """Some micro-batch's backward all-to-all is followed by another micro-batch's forward."""
     pattern = re.compile(r"overlap:mb(\d+) (backward|forward) ")
     steps = [(m.group(1), m.group(2), name) for name in order if (m := pattern.match(name))]
-    return any(a[1] == "backward" and a[2].endswith("a2a") and b[1] == "forward" and b[0] != a[0]
-               for a, b in zip(steps, steps[1:]))
+    return any(
+        a[1] == "backward" and a[2].endswith("a2a") and b[1] == "forward" and b[0] != a[0]
+        for a, b in zip(steps, steps[1:])
+    )
 
 
 def pipeline_case(pp_mesh, ep_mesh, schedule_name):
@@ -237,17 +254,22 @@ def test_paired_pipeline_orders_lower(pp):
 
     n = 2 * pp
     # the interleaved order as ScheduleInterleaved1F1B computes it, without building stages
-    looped = SimpleNamespace(pp_group_size=pp, n_local_stages=2, _n_microbatches=n, number_of_rounds=2,
-                             microbatches_per_round=pp)
-    for stages, order in ((pp, lambda r: one_f_one_b(r, pp, n)),
-                          (2 * pp, lambda r: ScheduleInterleaved1F1B._calculate_single_rank_operations(looped, r))):
+    looped = SimpleNamespace(
+        pp_group_size=pp, n_local_stages=2, _n_microbatches=n, number_of_rounds=2, microbatches_per_round=pp
+    )
+    for stages, order in (
+        (pp, lambda r: one_f_one_b(r, pp, n)),
+        (2 * pp, lambda r: ScheduleInterleaved1F1B._calculate_single_rank_operations(looped, r)),
+    ):
         paired = {r: [a for a in pair_steady_state(order(r)) if a is not None] for r in range(pp)}
         for r, actions in paired.items():
             pairs = [a.sub_actions for a in actions if a.computation_type == OVERLAP_F_B]
             assert pairs, (stages, r)  # a steady state on every pp rank
             for f, b in pairs:
                 assert f.computation_type == FORWARD and (f.stage_index, f.microbatch_index) != (
-                    b.stage_index, b.microbatch_index)
+                    b.stage_index,
+                    b.microbatch_index,
+                )
         _add_send_recv(paired, stage_to_rank=lambda s: s % pp, num_stages=stages)
 
 
@@ -256,7 +278,9 @@ def pipeline_worker(rank, port, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
-    checks = [(name, lambda name=name: pipeline_case(mesh["pp"], mesh["ep"], name)) for name in ("1F1B", "Interleaved1F1B")]
+    checks = [
+        (name, lambda name=name: pipeline_case(mesh["pp"], mesh["ep"], name)) for name in ("1F1B", "Interleaved1F1B")
+    ]
     end_rank_checks(out_dir, rank, run_checks(checks, "schedule"))
 
 
@@ -273,80 +297,219 @@ def test_overlapped_pipeline_matches_the_schedule(tmp_path):
 # the one-rank reference: 4 micro-batches per rank at dp 2, 2 at dp 4
 TRAINER_RUNS = {
     # the split alone: W in the dispatch backward, also when the MoE layers are recomputed
-    "delay_dp2_ep2_moe_recompute": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute",
-                                        "--activation_checkpoint.moe_layer_recompute")),
+    "delay_dp2_ep2_moe_recompute": (
+        2,
+        (
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.delay_wgrad_compute",
+            "--activation_checkpoint.moe_layer_recompute",
+        ),
+    ),
     # under the pipeline schedules, which run each stage's backward in one piece
-    "delay_pp2_dp2_ep2_1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                                   "--parallelism.pipeline_parallel_microbatch_size", "1",
-                                   "--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
-    "delay_pp2_cp2_ep2_Interleaved1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2",
-                                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                              "--training.local_batch_size", "8",
-                                              "--parallelism.pipeline_parallel_microbatch_size", "1",
-                                              "--parallelism.context_parallel_degree", "2",
-                                              "--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    "delay_pp2_dp2_ep2_1F1B": (
+        4,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
+    "delay_pp2_cp2_ep2_Interleaved1F1B": (
+        4,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
     # FSDP2 over edp 2: W before the experts unit's reduce-scatter
     "delay_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
     # the overlap, FSDP2 over dp 2 for the dense layers
-    "overlap_dp2_ep2": (2, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
-                            "--moe.delay_wgrad_compute")),
+    "overlap_dp2_ep2": (
+        2,
+        ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute"),
+    ),
     # sequence parallel attention, the MoE on each tp rank's tokens
-    "overlap_tp2_ep2": (2, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                            "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
-    "overlap_dp4_ep2_etp2": (4, ("--parallelism.expert_parallel_degree", "2",
-                                 "--parallelism.expert_tensor_parallel_degree", "2", "--moe.overlap_ep_comm",
-                                 "--moe.delay_wgrad_compute")),
+    "overlap_tp2_ep2": (
+        2,
+        (
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.overlap_ep_comm",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
+    "overlap_dp4_ep2_etp2": (
+        4,
+        (
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.expert_tensor_parallel_degree",
+            "2",
+            "--moe.overlap_ep_comm",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
     "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
     # under the pipeline schedules: each steady-state (backward, forward) pair overlapped, FSDP2
     # over dp 2 for the dense layers of each stage
-    "overlap_pp2_dp2_ep2_1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                                     "--parallelism.pipeline_parallel_microbatch_size", "1",
-                                     "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
-                                     "--moe.delay_wgrad_compute")),
-    "overlap_pp2_cp2_ep2_Interleaved1F1B": (4, ("--parallelism.pipeline_parallel_degree", "2",
-                                                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                                "--training.local_batch_size", "8",
-                                                "--parallelism.pipeline_parallel_microbatch_size", "1",
-                                                "--parallelism.context_parallel_degree", "2",
-                                                "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    "overlap_pp2_dp2_ep2_1F1B": (
+        4,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.overlap_ep_comm",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
+    "overlap_pp2_cp2_ep2_Interleaved1F1B": (
+        4,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.overlap_ep_comm",
+        ),
+    ),
     # FSDP2 over edp 2 for the experts too (attention pp2 dp4, experts pp2 ep2 edp2); 2 pipeline
     # micro-batches: one overlapped pair, on the last stage
-    "overlap_pp2_dp4_ep2_edp2_1F1B": (8, ("--parallelism.pipeline_parallel_degree", "2",
-                                          "--training.local_batch_size", "2",
-                                          "--parallelism.pipeline_parallel_microbatch_size", "1",
-                                          "--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm",
-                                          "--moe.delay_wgrad_compute")),
+    "overlap_pp2_dp4_ep2_edp2_1F1B": (
+        8,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.overlap_ep_comm",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
     # cp's load-balanced chunks: the pieces take the global positions for RoPE
-    "overlap_cp2_ep2": (2, ("--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                            "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")),
+    "overlap_cp2_ep2": (
+        2,
+        (
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.overlap_ep_comm",
+            "--moe.delay_wgrad_compute",
+        ),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(TRAINER_RUNS))
 def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
     nproc, args = TRAINER_RUNS[name]
-    got = train_from_seed(tmp_path, nproc, seed_checkpoint, 5, "--training.local_batch_size", "1",
-                          "--training.global_batch_size", "8", *args)  # a later --training.local_batch_size wins
+    got = train_from_seed(
+        tmp_path,
+        nproc,
+        seed_checkpoint,
+        5,
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "8",
+        *args,
+    )  # a later --training.local_batch_size wins
     assert len(got) == 5
     assert_matches_one_rank(one_rank_reference, got, name)
 
 
-@pytest.mark.parametrize("args, match", [
-    (("--moe.delay_wgrad_compute",), "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree > 1"),
-    (("--moe.overlap_ep_comm",), "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree > 1"),
-    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
-     "moe.overlap_ep_comm = true needs at least 2 micro-batches per step"),
-    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
-      "2", "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "GPipe"),
-     "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'"),
-    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--parallelism.pipeline_parallel_degree",
-      "2", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"),
-     "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
-    (("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
-     "moe.delay_wgrad_compute = true with compile.enable"),
-    (("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "16",
-      "--activation_checkpoint.mode", "full"), "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("--moe.delay_wgrad_compute",), "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree > 1"),
+        (("--moe.overlap_ep_comm",), "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree > 1"),
+        (
+            ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
+            "moe.overlap_ep_comm = true needs at least 2 micro-batches per step",
+        ),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--moe.overlap_ep_comm",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "4",
+                "--parallelism.pipeline_parallel_schedule",
+                "GPipe",
+            ),
+            "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'",
+        ),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--moe.overlap_ep_comm",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "4",
+                "--activation_checkpoint.mode",
+                "full",
+            ),
+            "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'",
+        ),
+        (
+            ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
+            "moe.delay_wgrad_compute = true with compile.enable",
+        ),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--moe.overlap_ep_comm",
+                "--training.global_batch_size",
+                "16",
+                "--activation_checkpoint.mode",
+                "full",
+            ),
+            "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'",
+        ),
+    ],
+)
 def test_refused_with_the_key(args, match):
     from titan_fold.common.config import ConfigError, parse_args
     from titan_fold.trainer.preflight import check_layout
@@ -363,9 +526,18 @@ def test_refused_with_the_key(args, match):
 DRY_RUNS = {
     "qwen2_pp1": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "1")),
     "qwen2_pp2_Interleaved1F1B": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "2")),
-    "mixtral_pp2_1F1B": ("mixtral_8x22b.toml", 128, ("--parallelism.pipeline_parallel_degree", "2",
-                                                     "--parallelism.pipeline_parallel_schedule", "1F1B",
-                                                     "--training.local_batch_size", "4")),
+    "mixtral_pp2_1F1B": (
+        "mixtral_8x22b.toml",
+        128,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--training.local_batch_size",
+            "4",
+        ),
+    ),
 }
 
 
@@ -380,8 +552,15 @@ def test_dry_run_collectives_match_with_overlap(name):
 
     file, world, overrides = DRY_RUNS[name]
     try:
-        c = config(file, *overrides, "--activation_checkpoint.mode", "none", "--compile.no-enable",
-                   "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute")
+        c = config(
+            file,
+            *overrides,
+            "--activation_checkpoint.mode",
+            "none",
+            "--compile.no-enable",
+            "--moe.overlap_ep_comm",
+            "--moe.delay_wgrad_compute",
+        )
         _, args, _ = dryrun.check_config(c, world)
         per_group = dryrun.record_collectives(c, world, args)
     finally:

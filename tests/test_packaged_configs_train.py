@@ -20,8 +20,12 @@ from titan_fold.trainer.preflight import model_args_from_config
 
 STEPS = 2
 # the degrees a shrunk run keeps above 1 (at 2), in this order, while each side's product is at most 4
-ATTENTION = ("pipeline_parallel_degree", "context_parallel_degree", "tensor_parallel_degree",
-             "data_parallel_replicate_degree")
+ATTENTION = (
+    "pipeline_parallel_degree",
+    "context_parallel_degree",
+    "tensor_parallel_degree",
+    "data_parallel_replicate_degree",
+)
 EXPERT = ("expert_parallel_degree", "expert_tensor_parallel_degree")
 
 
@@ -52,16 +56,34 @@ def shrunk_run(name: str, folder) -> tuple[int, list[str]]:
         exported.moe = dataclasses.replace(exported.moe, score_func="sigmoid")
     (folder / "config.json").write_text(json.dumps(hf_config(config.model.name, exported)))
     # enough sequences for two pipeline micro-batches per stage, no more
-    local = min(small.training.local_batch_size, 2 * degrees["pipeline_parallel_degree"] *
-                config.parallelism.pipeline_parallel_microbatch_size)
-    return ranks, ["--job.config_file", name, "--job.dump_folder", str(folder / "run"),
-                   *(a for key, value in degrees.items() for a in (f"--parallelism.{key}", str(value))),
-                   "--model.flavor", "hf", "--model.hf_config", str(folder / "config.json"),
-                   "--moe.score_func", args.moe.score_func,
-                   "--model.hf_assets_path", "",  # the byte-level tokenizer: the configs' folders are on the cluster
-                   "--compile.no-enable",  # inductor's CPU build of every block takes minutes
-                   "--training.seq_len", str(small.training.seq_len), "--training.local_batch_size", str(local),
-                   "--training.global_batch_size", "-1", "--training.steps", str(STEPS)]
+    local = min(
+        small.training.local_batch_size,
+        2 * degrees["pipeline_parallel_degree"] * config.parallelism.pipeline_parallel_microbatch_size,
+    )
+    return ranks, [
+        "--job.config_file",
+        name,
+        "--job.dump_folder",
+        str(folder / "run"),
+        *(a for key, value in degrees.items() for a in (f"--parallelism.{key}", str(value))),
+        "--model.flavor",
+        "hf",
+        "--model.hf_config",
+        str(folder / "config.json"),
+        "--moe.score_func",
+        args.moe.score_func,
+        "--model.hf_assets_path",
+        "",  # the byte-level tokenizer: the configs' folders are on the cluster
+        "--compile.no-enable",  # inductor's CPU build of every block takes minutes
+        "--training.seq_len",
+        str(small.training.seq_len),
+        "--training.local_batch_size",
+        str(local),
+        "--training.global_batch_size",
+        "-1",
+        "--training.steps",
+        str(STEPS),
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))

@@ -46,9 +46,18 @@ def parallelism(schedule="1F1B", layers_per_stage=None, fqns=None, first_less=1,
         (parallelism("Interleaved1F1B"), 4, 2, [EMB + layers(0), layers(1), layers(2), layers(3) + HEAD]),
         (parallelism("Interleaved1F1B"), 6, 2, [EMB + layers(0), layers(1, 2), layers(3, 4), layers(5) + HEAD]),
         # ceil((8 + 1 + 1) / 3) = 4 stages
-        (parallelism("Interleaved1F1B", layers_per_stage=3), 8, 2,
-         [EMB + layers(0, 1), layers(2, 3, 4), layers(5, 6), layers(7) + HEAD]),
-        (parallelism("1F1B", fqns=[EMB, layers(0, 1, 2), layers(3) + HEAD]), 4, 3, [EMB, layers(0, 1, 2), layers(3) + HEAD]),
+        (
+            parallelism("Interleaved1F1B", layers_per_stage=3),
+            8,
+            2,
+            [EMB + layers(0, 1), layers(2, 3, 4), layers(5, 6), layers(7) + HEAD],
+        ),
+        (
+            parallelism("1F1B", fqns=[EMB, layers(0, 1, 2), layers(3) + HEAD]),
+            4,
+            3,
+            [EMB, layers(0, 1, 2), layers(3) + HEAD],
+        ),
     ],
 )
 def test_stage_split(config, n_layers, pp, expected):
@@ -76,9 +85,14 @@ def test_stage_split_rejects(config, n_layers, pp, match):
     "args, match",
     [
         (("--training.local_batch_size", "1"), "1 pipeline micro-batches .* 1F1B needs at least pp = 2"),
-        (("--training.local_batch_size", "5", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
-         "Interleaved1F1B needs a multiple of 2"),
-        (("--training.local_batch_size", "3", "--parallelism.pipeline_parallel_microbatch_size", "2"), "not a multiple"),
+        (
+            ("--training.local_batch_size", "5", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+            "Interleaved1F1B needs a multiple of 2",
+        ),
+        (
+            ("--training.local_batch_size", "3", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+            "not a multiple",
+        ),
         (("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), "supported are"),
     ],
 )
@@ -88,8 +102,17 @@ def test_preflight_checks_the_pipeline(args, match):
     from titan_fold.common.config import parse_args
     from titan_fold.trainer.preflight import preflight
 
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--parallelism.pipeline_parallel_degree", "2",
-                         "--training.global_batch_size", "40", *args])
+    config = parse_args(
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.global_batch_size",
+            "40",
+            *args,
+        ]
+    )
     with pytest.raises(LayoutError, match=match):
         preflight(config, 2)
     assert not dist.is_initialized()
@@ -156,16 +179,46 @@ LAYOUTS = {
     "pp2_1F1B_ac": (2, ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"), "1F1B"),
     # attention pp2 dp2, experts pp2 edp2 with op-level selective AC: the experts' FSDP unit runs
     # inside the recompute (parallelize.keep_profiler_ranges_out_of_sac); the reference has no AC
-    "pp2_edp2_1F1B_op_sac": (4, ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
-                                 "--activation_checkpoint.selective_ac_option", "op"), "1F1B"),
+    "pp2_edp2_1F1B_op_sac": (
+        4,
+        (
+            "--training.local_batch_size",
+            "4",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ),
+        "1F1B",
+    ),
     "pp2_GPipe": (2, ("--training.local_batch_size", "4"), "GPipe"),
     # the parallelize issue's layout (d): attention pp2 tp2 dp2, experts pp2 ep4 etp1 (tp folded into ep)
-    "d_pp2_tp2_dp2_ep4_1F1B": (8, ("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-                                   "--parallelism.expert_parallel_degree", "4"), "1F1B"),
+    "d_pp2_tp2_dp2_ep4_1F1B": (
+        8,
+        (
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "4",
+        ),
+        "1F1B",
+    ),
     # attention pp2 cp2, experts pp2 ep2: 8 micro-batches of one sequence cut in cp chunks,
     # two stages per rank
-    "pp2_cp2_ep2_Interleaved1F1B": (4, ("--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
-                                        "--parallelism.expert_parallel_degree", "2"), "Interleaved1F1B"),
+    "pp2_cp2_ep2_Interleaved1F1B": (
+        4,
+        (
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ),
+        "Interleaved1F1B",
+    ),
 }
 
 
@@ -176,10 +229,16 @@ def run(folder, nproc, args, seed_checkpoint) -> list[dict]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkpoint):
     nproc, args, schedule = LAYOUTS[name]
-    got = run(tmp_path, nproc, (*args, "--parallelism.pipeline_parallel_degree", "2",
-                                "--parallelism.pipeline_parallel_schedule", schedule), seed_checkpoint)
+    got = run(
+        tmp_path,
+        nproc,
+        (*args, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule),
+        seed_checkpoint,
+    )
     assert len(got) == STEPS
     # the load imbalance is measured on each rank's tokens: a sequence shard under tp (sequence
     # parallel) or cp
-    keys = ("loss", "grad_norm", "moe_aux_loss") + (() if "tp2" in name or "cp2" in name else ("expert_load_imbalance",))
+    keys = ("loss", "grad_norm", "moe_aux_loss") + (
+        () if "tp2" in name or "cp2" in name else ("expert_load_imbalance",)
+    )
     assert_matches_one_rank(one_rank_reference, got, name, keys=keys, abs=0)

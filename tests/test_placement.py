@@ -58,8 +58,13 @@ LAYOUTS = {
     "b": (dict(tp=2, ep=8), ("tp",), ("dp_shard_cp",), ("ep",), ()),
     "c": (dict(cp=4, ep=2, etp=2), (), ("dp_shard_cp",), ("ep", "etp"), ("edp",)),
     "d": (dict(pp=2, tp=2, ep=4), ("tp",), ("dp_shard_cp",), ("ep",), ()),
-    "e": (dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, etp=2), ("tp",), ("dp_replicate", "dp_shard_cp"), ("ep", "etp"),
-          ("edp",)),
+    "e": (
+        dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, etp=2),
+        ("tp",),
+        ("dp_replicate", "dp_shard_cp"),
+        ("ep", "etp"),
+        ("edp",),
+    ),
     "f": (dict(tp=4, ep=2), ("tp",), ("dp_shard_cp",), ("ep",), ("edp",)),
 }
 
@@ -128,13 +133,34 @@ def test_format_plan_folds_blocks():
     assert len(lines) == 1 + 3 + 16  # one line per distinct parameter, layers 0-3 folded
     wq = next(line for line in lines if line.startswith("layers.0-3.attention.wq.weight"))
     assert wq.split() == [
-        "layers.0-3.attention.wq.weight", "attention", "tp:Shard(0)", "ColwiseParallel", "64x64", "32x64",
-        "replicate", "dp_replicate;", "shard", "dim", "0", "over", "dp_shard_cp",
+        "layers.0-3.attention.wq.weight",
+        "attention",
+        "tp:Shard(0)",
+        "ColwiseParallel",
+        "64x64",
+        "32x64",
+        "replicate",
+        "dp_replicate;",
+        "shard",
+        "dim",
+        "0",
+        "over",
+        "dp_shard_cp",
     ]
     w2 = next(line for line in lines if line.startswith("layers.0-3.moe.experts.w2"))
     assert w2.split() == [
-        "layers.0-3.moe.experts.w2", "expert", "ep:Shard(0),", "etp:Shard(2)", "-", "8x64x32", "4x64x16",
-        "shard", "dim", "0", "over", "edp",
+        "layers.0-3.moe.experts.w2",
+        "expert",
+        "ep:Shard(0),",
+        "etp:Shard(2)",
+        "-",
+        "8x64x32",
+        "4x64x16",
+        "shard",
+        "dim",
+        "0",
+        "over",
+        "edp",
     ]
 
 
@@ -227,7 +253,9 @@ def test_the_printed_plan_names_fsdp_strided_shards():
     layout = Layout(8, tp=2, cp=2, ep=4, etp=2)
     plan = placement_plan(QWEN, layout)
     assert plan["layers.0.attention.wq.weight"].dtensor(layout) == (
-        ("dp_shard_cp", "tp"), (_StridedShard(0, split_factor=2), Shard(0)))
+        ("dp_shard_cp", "tp"),
+        (_StridedShard(0, split_factor=2), Shard(0)),
+    )
     assert plan["layers.0.attention.wo.weight"].dtensor(layout) == (("dp_shard_cp", "tp"), (Shard(0), Shard(1)))
     assert plan["layers.0.moe.experts.w13"].dtensor(layout) == (("ep", "etp"), (Shard(0), Shard(1)))  # edp 1: no FSDP
     wide = Layout(16, tp=2, ep=8)
@@ -239,5 +267,8 @@ def test_pipeline_stages_in_the_plan():
     stages = stage_fqns(Parallelism(pipeline_parallel_schedule="1F1B"), QWEN.n_layers, 2)
     plan = placement_plan(QWEN, layout, stages)
     assert {fqn: p.stage for fqn, p in plan.items() if not fqn.startswith("layers.")} == {
-        "tok_embeddings.weight": 0, "norm.weight": 1, "output.weight": 1}
+        "tok_embeddings.weight": 0,
+        "norm.weight": 1,
+        "output.weight": 1,
+    }
     assert [plan[f"layers.{i}.attention.wq.weight"].stage for i in range(4)] == [0, 0, 1, 1]

@@ -38,18 +38,30 @@ PROGRAMS = re.compile(r"^(\$ )?([A-Z_]+=\S+ )*(torchrun|python3?) ")
 
 # (pattern on the command, reason): the commands this test does not run
 NOT_RUN = [
-    (r"^python3? -m venv|^\. \.venv/bin/activate|^pip install", "installs: .ci/run makes this install, then runs the tests"),
+    (
+        r"^python3? -m venv|^\. \.venv/bin/activate|^pip install",
+        "installs: .ci/run makes this install, then runs the tests",
+    ),
     (r"^python -m pytest", "the test suite itself (.ci/run)"),
     (r"--nnodes ([2-9]|\d\d)", "several nodes"),
-    (r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
-     "a full-size model: GPUs"),
+    (
+        r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
+        "a full-size model: GPUs",
+    ),
     (r"^python (bench/|-m bench (?!--help))", "GPU benchmark runs"),
-    (r"^python -m bench\.report --write", "rewrites docs/benchmarks.md (tests/test_bench.py checks that it holds the report)"),
+    (
+        r"^python -m bench\.report --write",
+        "rewrites docs/benchmarks.md (tests/test_bench.py checks that it holds the report)",
+    ),
     (r"outputs/(qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))/", "needs the GPU run above"),
-    (r"pipeline_parallel_degree 2 .*selective_ac_option op", "this layout trains in tests/test_pipeline.py "
-     "(pp2_edp2_1F1B_op_sac, against the one-rank run)"),
-    (r"/models/|\$[A-Za-z_]|\.\.\.|\[--|\b(N|FILE\.toml|FLAVOR|HOST|HF_FOLDER|HF_OUT|DCP_FOLDER|DENSE|DENSE_DCP)\b",
-     "a placeholder to fill in"),
+    (
+        r"pipeline_parallel_degree 2 .*selective_ac_option op",
+        "this layout trains in tests/test_pipeline.py (pp2_edp2_1F1B_op_sac, against the one-rank run)",
+    ),
+    (
+        r"/models/|\$[A-Za-z_]|\.\.\.|\[--|\b(N|FILE\.toml|FLAVOR|HOST|HF_FOLDER|HF_OUT|DCP_FOLDER|DENSE|DENSE_DCP)\b",
+        "a placeholder to fill in",
+    ),
 ]
 
 
@@ -156,8 +168,9 @@ def run(command: str) -> tuple[int, str]:
 
 
 def _python(args: list[str], env: dict, cwd: str | None = None) -> tuple[list[int], str, str]:
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, **env), cwd=cwd)
+    result = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=600, env=dict(os.environ, **env), cwd=cwd
+    )
     return [result.returncode], result.stdout, result.stderr
 
 

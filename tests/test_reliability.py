@@ -20,7 +20,8 @@ import torch
 from conftest import forked, python_m
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from titan_fold.checkpoint.manager import complete, read_model_tensors
+from titan_fold.checkpoint.files import read_model_tensors
+from titan_fold.checkpoint.manager import complete
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.common.storage import StorageError, storage_problem
 from titan_fold.trainer.fold_trainer import lock_dump_folder
@@ -37,14 +38,23 @@ def trainer_args(folder, *args) -> list[str]:
 
 
 def trainer_cmd(nproc: int, folder, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "titan_fold.train", *trainer_args(folder, *args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titan_fold.train",
+        *trainer_args(folder, *args),
+    ]
 
 
 def launch(nproc: int, folder, *args, env=None) -> subprocess.CompletedProcess:
     """Real torchrun with NPROC workers."""
-    return subprocess.run(trainer_cmd(nproc, folder, *args), capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, timeout=900)
+    return subprocess.run(
+        trainer_cmd(nproc, folder, *args), capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=900
+    )
 
 
 def one_process(folder, *args, env=None) -> subprocess.CompletedProcess:
@@ -59,7 +69,8 @@ def worker_lines(stderr: str, prefix: str) -> list[str]:
 def only_torchruns_traceback(stderr: str) -> bool:
     """torchrun itself, signalled, ends in its own SignalException traceback; no worker may print one."""
     return stderr.count("Traceback (most recent call last)") <= 1 and (
-        "Traceback" not in stderr or "elastic.multiprocessing.api.SignalException" in stderr)
+        "Traceback" not in stderr or "elastic.multiprocessing.api.SignalException" in stderr
+    )
 
 
 def steps_saved(folder) -> list[int]:
@@ -122,8 +133,20 @@ def test_cli_values_are_typed(args, message):
 
 
 def test_cli_accepts_what_it_should():
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.max_norm", "inf", "--checkpoint.no-enable",
-                         "--lr_scheduler.total_steps", "None", "--optimizer.lr=1e-4", "--parallelism.expert_data_parallel_degree", "-1"])
+    config = parse_args(
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--training.max_norm",
+            "inf",
+            "--checkpoint.no-enable",
+            "--lr_scheduler.total_steps",
+            "None",
+            "--optimizer.lr=1e-4",
+            "--parallelism.expert_data_parallel_degree",
+            "-1",
+        ]
+    )
     assert math.isinf(config.training.max_norm) and not config.checkpoint.enable
     assert config.lr_scheduler.total_steps is None and config.optimizer.lr == 1e-4
     # keys that may be unset (bool | None) take True, False or None
@@ -138,20 +161,37 @@ def test_cli_accepts_what_it_should():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model.name", "llama3", "--model.flavor", "debugmodel"], r"model.name = 'llama3': not a titan_fold model family"),
+        (
+            ["--model.name", "llama3", "--model.flavor", "debugmodel"],
+            r"model.name = 'llama3': not a titan_fold model family",
+        ),
         (["--training.global_batch_size", "3"], r"global_batch_size = 3 must be a multiple .* 1 x 2"),
         (["--training.seq_len", "4096"], r"training.seq_len = 4096: longer than qwen2_moe debug's max_seq_len 2048"),
         (["--training.dataset", "c4"], r"training.dataset = 'c4' is unknown"),
-        (["--training.dataset", "hf", "--training.dataset_path", "/nonexistent/x.jsonl"], r"'/nonexistent/x.jsonl' does not exist"),
-        (["--checkpoint.enable", "--checkpoint.initial_load_path", "/nonexistent/step-3"],
-         r"initial_load_path = '/nonexistent/step-3' does not exist"),
+        (
+            ["--training.dataset", "hf", "--training.dataset_path", "/nonexistent/x.jsonl"],
+            r"'/nonexistent/x.jsonl' does not exist",
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.initial_load_path", "/nonexistent/step-3"],
+            r"initial_load_path = '/nonexistent/step-3' does not exist",
+        ),
     ],
 )
 def test_preflight_rejects_before_any_process_group(tmp_path, args, message):
     import torch.distributed as dist
 
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path / "run"),
-                         "--training.local_batch_size", "1", *args])
+    config = parse_args(
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--training.local_batch_size",
+            "1",
+            *args,
+        ]
+    )
     with pytest.raises(Exception, match=message):
         preflight(config, 2)
     assert not dist.is_initialized()
@@ -161,14 +201,18 @@ def test_preflight_rejects_before_any_process_group(tmp_path, args, message):
 def test_preflight_empty_dataset_and_dump_folder(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.dataset", "hf",
-                         "--training.dataset_path", str(empty)])
+    config = parse_args(
+        ["--job.config_file", "debug_moe.toml", "--training.dataset", "hf", "--training.dataset_path", str(empty)]
+    )
     with pytest.raises(Exception, match="the file is empty"):
         preflight(config, 1)
     (tmp_path / "file").write_text("x")
     with pytest.raises(StorageError, match=r"job.dump_folder: cannot create .*file/run: Not a directory"):
         lock_dump_folder(str(tmp_path / "file" / "run"))
-    assert storage_problem(str(tmp_path / "gone")) == f"cannot write {tmp_path / 'gone'}: the folder does not exist (any more)"
+    assert (
+        storage_problem(str(tmp_path / "gone"))
+        == f"cannot write {tmp_path / 'gone'}: the folder does not exist (any more)"
+    )
     assert storage_problem(str(tmp_path)) is None
 
 
@@ -181,7 +225,8 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
     r = one_process(tmp_path / "run")  # a good config, but no torchrun
     assert r.returncode == 2 and worker_lines(r.stderr, "error:") == [
-        "error: start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ..."], r.stderr[-3000:]
+        "error: start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ..."
+    ], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
 
@@ -277,7 +322,9 @@ def test_plan_rejects_impossible_inputs(capsys, args, message):
 def test_layout_out_into_missing_folder(capsys, tmp_path):
     from titan_fold import layout
 
-    code, err = run_cli(layout, ["--world-size", "2", "--out", str(tmp_path / "no" / "x.json"), "--format", "json"], capsys)
+    code, err = run_cli(
+        layout, ["--world-size", "2", "--out", str(tmp_path / "no" / "x.json"), "--format", "json"], capsys
+    )
     assert code == 2 and len(err) == 1 and "no/x.json" in err[0] and "does not exist" in err[0], err
 
 
@@ -287,8 +334,20 @@ def test_layout_out_into_missing_folder(capsys, tmp_path):
 def test_nan_stops_every_rank_and_a_nan_checkpoint_is_refused(tmp_path):
     """lr 1e6: the loss or grad norm turns NaN within a few steps on both ranks."""
     folder = tmp_path / "run"
-    r = launch(2, folder, "--training.global_batch_size", "2", "--training.steps", "8", "--optimizer.lr", "1e6",
-               "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only")
+    r = launch(
+        2,
+        folder,
+        "--training.global_batch_size",
+        "2",
+        "--training.steps",
+        "8",
+        "--optimizer.lr",
+        "1e6",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.no-last_save_model_only",
+    )
     assert r.returncode != 0
     lines = worker_lines(r.stderr, "error:")
     assert len(lines) == 1, r.stderr[-4000:]
@@ -310,8 +369,11 @@ def test_nan_stops_every_rank_and_a_nan_checkpoint_is_refused(tmp_path):
     torch.save(state, whole)
     shutil.rmtree(last)
     torch_save_to_dcp(str(whole), str(last))
-    codes, _, stderr = forked(1, "titan_fold.train", *trainer_args(folder, "--training.global_batch_size", "1",
-                                                                    "--training.steps", "8", "--checkpoint.enable"))
+    codes, _, stderr = forked(
+        1,
+        "titan_fold.train",
+        *trainer_args(folder, "--training.global_batch_size", "1", "--training.steps", "8", "--checkpoint.enable"),
+    )
     lines = worker_lines(stderr, "error:")
     assert codes != [0] and len(lines) == 1, stderr[-4000:]
     assert f"checkpoint {last} holds non-finite weights (layers.0.attention.wq.weight has NaN or Inf)" in lines[0]
@@ -319,10 +381,25 @@ def test_nan_stops_every_rank_and_a_nan_checkpoint_is_refused(tmp_path):
 
 def test_skip_policy_skips_and_counts(tmp_path):
     folder = tmp_path / "run"
-    codes, _, stderr = forked(1, "titan_fold.train", *trainer_args(
-        folder, "--training.global_batch_size", "1", "--training.steps", "6", "--optimizer.lr", "1e6",
-        "--training.nonfinite", "skip", "--checkpoint.enable", "--checkpoint.interval", "100",
-        "--checkpoint.no-last_save_model_only"))
+    codes, _, stderr = forked(
+        1,
+        "titan_fold.train",
+        *trainer_args(
+            folder,
+            "--training.global_batch_size",
+            "1",
+            "--training.steps",
+            "6",
+            "--optimizer.lr",
+            "1e6",
+            "--training.nonfinite",
+            "skip",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "100",
+            "--checkpoint.no-last_save_model_only",
+        ),
+    )
     assert codes == [0], stderr[-4000:]
     records = read_records(str(folder / "metrics.jsonl"))
     skipped = [m for m in records if "skipped" in m]
@@ -345,17 +422,31 @@ def _wait_for_step(folder, step: int, proc, timeout: float = 600) -> None:
 
 def test_sigterm_saves_exits_143_and_resumes_once_per_step(tmp_path):
     folder = tmp_path / "run"
-    common = ("--training.global_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "1000",
-              "--checkpoint.no-last_save_model_only")
-    proc = subprocess.Popen(trainer_cmd(2, folder, *common, "--training.steps", "1000"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    common = (
+        "--training.global_batch_size",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+        "--checkpoint.no-last_save_model_only",
+    )
+    proc = subprocess.Popen(
+        trainer_cmd(2, folder, *common, "--training.steps", "1000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     _wait_for_step(folder, 2, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both workers
     _, stderr = proc.communicate(timeout=600)
     lines = worker_lines(stderr, "stopped by SIGTERM")
     assert len(lines) == 1, stderr[-4000:]
     stop = int(lines[0].split()[5].rstrip(";"))
-    assert lines[0] == f"stopped by SIGTERM at step {stop}; last complete checkpoint step-{stop} in {folder / 'checkpoint'}"
+    assert (
+        lines[0]
+        == f"stopped by SIGTERM at step {stop}; last complete checkpoint step-{stop} in {folder / 'checkpoint'}"
+    )
     assert steps_saved(folder) == [stop] and only_torchruns_traceback(stderr), stderr[-5000:]
     assert not (folder / "trainer.lock").exists()
 
@@ -396,11 +487,18 @@ def test_a_stop_request_is_agreed_one_step_later_on_every_rank(tmp_path):
 
 def test_ctrl_c_is_one_line_exit_130_and_the_folder_is_locked_meanwhile(tmp_path):
     folder = tmp_path / "run"
-    proc = subprocess.Popen(trainer_cmd(1, folder, "--training.global_batch_size", "1", "--training.steps", "1000"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        trainer_cmd(1, folder, "--training.global_batch_size", "1", "--training.steps", "1000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     _wait_for_step(folder, 1, proc)
     # a second trainer (one process, as torchrun would start it) into the same folder
-    second = one_process(folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
+    second = one_process(
+        folder, "--training.global_batch_size", "1", env=dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    )
     assert second.returncode == 2
     holder = json.loads((folder / "trainer.lock").read_text())
     lines = worker_lines(second.stderr, "error:")
@@ -455,8 +553,9 @@ def test_a_rank_that_returned_keeps_its_exit_code_through_torchruns_sigterm(tmp_
     teardown would first reset the signal handlers, and the SIGTERM would kill it (-15)."""
     script = tmp_path / "rank.py"
     script.write_text(_RETURNED_RANK)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
     assert proc.stdout.readline() == "returning\n", proc.communicate()[1][-3000:]
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)
@@ -470,17 +569,22 @@ def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
 
     monkeypatch.setattr(planning, "MIN_GPUS_BUDGET_S", 0.0)  # ep=3 never divides the debug model's 8 experts
     code, err = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=3"], capsys)
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: --min-gpus ep=3: no mapping found up to 3 GPUs"), err
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --min-gpus ep=3: no mapping found up to 3 GPUs"), (
+        err
+    )
     monkeypatch.setattr(planning, "MIN_GPUS_BUDGET_S", 60.0)
     code, _ = run_cli(plan, ["--model", "qwen2_moe/debug", "--min-gpus", "ep=2"], capsys)
     assert code == 0
 
 
-@pytest.mark.parametrize("fault, rank, cause", [
-    ("enospc", 1, "No space left on device"),
-    ("permission", 0, "Permission denied"),
-    ("vanished", 1, "the folder does not exist (any more)"),
-])
+@pytest.mark.parametrize(
+    "fault, rank, cause",
+    [
+        ("enospc", 1, "No space left on device"),
+        ("permission", 0, "Permission denied"),
+        ("vanished", 1, "the folder does not exist (any more)"),
+    ],
+)
 def test_a_failed_save_is_one_line_exit_2_on_every_rank(tmp_path, fault, rank, cause):
     """The save of step 4 fails on one rank, inside DCP's writes (checkpoint/manager.py's fault
     injection: the disk full, no permission, or the step folder removed while it is written):
@@ -488,14 +592,27 @@ def test_a_failed_save_is_one_line_exit_2_on_every_rank(tmp_path, fault, rank, c
     which is left whole."""
     folder = tmp_path / "run"
     env = {"TITAN_FOLD_FAULT_KIND": fault, "TITAN_FOLD_FAULT_AT_STEP": "4", "TITAN_FOLD_FAULT_RANK": str(rank)}
-    codes, out, err = forked(2, "titan_fold.train", *trainer_args(
-        folder, "--training.global_batch_size", "2", "--training.steps", "5", "--checkpoint.enable",
-        "--checkpoint.interval", "2"), env=env)
+    codes, out, err = forked(
+        2,
+        "titan_fold.train",
+        *trainer_args(
+            folder,
+            "--training.global_batch_size",
+            "2",
+            "--training.steps",
+            "5",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+        ),
+        env=env,
+    )
     assert codes == [2, 2], (codes, err[-6000:])
     lines = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
     checkpoints = folder / "checkpoint"
-    assert lines == [f"error: cannot save {checkpoints / 'step-4'}: {cause}; last complete checkpoint step-2 in "
-                     f"{checkpoints}"], err[-6000:]
+    assert lines == [
+        f"error: cannot save {checkpoints / 'step-4'}: {cause}; last complete checkpoint step-2 in {checkpoints}"
+    ], err[-6000:]
     assert steps_saved(folder) == [2]
     weights = read_model_tensors(str(checkpoints / "step-2"))
     assert weights and all(torch.isfinite(t).all() for t in weights.values())

@@ -27,25 +27,25 @@ def test_known_failure():
 def test_runs():
     pass
 '''
-MISSING_FILE = '''
+MISSING_FILE = """
 import pytest
 
 def test_reads_data():
     pytest.skip("data file missing")
-'''
-MISSING_MODULE = '''
+"""
+MISSING_MODULE = """
 import pytest
 
 pytest.importorskip("a_module_nobody_installed")
 
 def test_uses_it():
     pass
-'''
+"""
 
 
 # the planted files' conftest: the suite's skip hooks (the suite's conftest.py itself loaded under
 # another name, as two modules named conftest cannot both be imported)
-CONFTEST = f'''
+CONFTEST = f"""
 import importlib.util
 
 spec = importlib.util.spec_from_file_location("suite_conftest", {os.path.join(TESTS, "conftest.py")!r})
@@ -55,16 +55,34 @@ pytest_runtest_logreport = suite.pytest_runtest_logreport
 pytest_collectreport = suite.pytest_collectreport
 pytest_sessionfinish = suite.pytest_sessionfinish
 pytest_terminal_summary = suite.pytest_terminal_summary
-'''
+"""
 
 
 def _pytest(folder, *args):
     (folder / "pytest.ini").write_text("[pytest]\n")  # not the repository's addopts
     (folder / "conftest.py").write_text(CONFTEST)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "pytest", "-c", str(folder / "pytest.ini"), "--rootdir", str(folder),
-                           "-q", "-p", "no:cacheprovider", *args, str(folder)],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=folder)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            str(folder / "pytest.ini"),
+            "--rootdir",
+            str(folder),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *args,
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=folder,
+    )
 
 
 def test_allowed_skips_and_xfail_pass(tmp_path):

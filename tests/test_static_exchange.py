@@ -144,8 +144,9 @@ def check_case(case, ep_mesh, etp_mesh, mode="static"):
         experts_idx = one_rank.router(x.flatten(0, 1), S_LOC).experts
         assert (experts_idx < args.num_experts // ep).all(), "the skewed case does not reach the worst case"
     if exchanged is not None:
-        assert len(exchanged) == 3 and all(t.isfinite().all() for t in exchanged), \
+        assert len(exchanged) == 3 and all(t.isfinite().all() for t in exchanged), (
             f"{name}: the experts' NaN padding rows reached the exchange"
+        )
     close(y, y_ex, "output, static vs exact")
     close(xg, xg_ex, "input grad, static vs exact")
     for key in grads:
@@ -162,8 +163,15 @@ def check_no_host_sync(ep_mesh, etp_mesh, mode="static"):
     from titan_fold.moe.stash import Stash
     from titan_fold.parallel.experts import shard_moe
 
-    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, shared_ffn_dim=FFN, load_balance="aux_loss",
-                   z_loss_coeff=1e-3, exchange=mode)
+    args = MoEArgs(
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=FFN,
+        shared_ffn_dim=FFN,
+        load_balance="aux_loss",
+        z_loss_coeff=1e-3,
+        exchange=mode,
+    )
     moe = make_layer(args, torch.float32)
     shard_moe(moe, ep_mesh, etp_mesh)
     if mode == "static":
@@ -198,8 +206,9 @@ def check_compiles_static(ep_mesh, etp_mesh, mode="static"):
     def check(gm, example_inputs):
         for node in gm.graph.nodes:
             value = node.meta.get("val")
-            assert not (isinstance(value, torch.Tensor) and free_unbacked_symbols(value)), \
+            assert not (isinstance(value, torch.Tensor) and free_unbacked_symbols(value)), (
                 f"{node.format_node()}: a size read from the device"
+            )
         graphs.append(gm)
         return gm
 
@@ -234,7 +243,9 @@ def check_stash(ep_mesh):
     xs = [torch.randn(B_LOC, S_LOC, DIM, generator=g).abs() + 0.5 for _ in range(2)]
     # the real rows each ep rank's experts get in the two calls: every rank's assignments to them
     ep, E_loc = ep_mesh.size(), args.num_experts // ep_mesh.size()
-    sent = sum(torch.bincount(layer.router(x.flatten(0, 1), S_LOC).experts.flatten() // E_loc, minlength=ep) for x in xs)
+    sent = sum(
+        torch.bincount(layer.router(x.flatten(0, 1), S_LOC).experts.flatten() // E_loc, minlength=ep) for x in xs
+    )
     dist.all_reduce(sent, group=ep_mesh.get_group())
     real = int(sent[ep_mesh.get_local_rank()])
     most = sent.max().clone()  # the pool rows the config must give: the most any rank needs
@@ -255,7 +266,7 @@ def check_stash(ep_mesh):
         if stash is not None:
             held = (int(stash.offset), stash.outstanding)
             for pool in stash.pools:  # what later layers would write past the real rows
-                pool[int(stash.offset):] = float("nan") if pool.is_floating_point() else 0
+                pool[int(stash.offset) :] = float("nan") if pool.is_floating_point() else 0
         sum((y * y.detach().roll(1, -1)).sum() for y in ys).backward()
         grads = [x.grad for x in inputs] + [p.grad for p in moe.parameters()]
         return [y.detach() for y in ys] + grads, held
@@ -287,8 +298,9 @@ def check_stash(ep_mesh):
         assert (s.outstanding, int(s.offset)) == (0, 0), "the pool is not free after backward"
     worst = ep * B_LOC * S_LOC * args.top_k  # one layer call's received rows R: the tail room
     assert stash.pools and all(p.shape[0] == most + worst for p in stash.pools), [p.shape for p in stash.pools]
-    assert overflow is not None and f"moe.stash_rows = {most - 1}:" in overflow \
-        and f"needed {most} rows" in overflow, overflow
+    assert overflow is not None and f"moe.stash_rows = {most - 1}:" in overflow and f"needed {most} rows" in overflow, (
+        overflow
+    )
     assert most == 2 * worst, "the skewed case does not send every row to one rank"
 
 
@@ -298,8 +310,11 @@ def worker(rank, port, out_dir):
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [(c[0], lambda c=c: check_case(c, ep_mesh, etp_mesh)) for c in CASES]
         if etp == 1:  # the device exchange covers ep only
-            checks += [(f"device {c[0]}", lambda c=c: check_case(c, ep_mesh, etp_mesh, "device"))
-                       for c in CASES if "delay_wgrad_compute" not in c[1]]
+            checks += [
+                (f"device {c[0]}", lambda c=c: check_case(c, ep_mesh, etp_mesh, "device"))
+                for c in CASES
+                if "delay_wgrad_compute" not in c[1]
+            ]
         checks.append(("no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh)))
         if etp == 1:
             checks.append(("device: no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh, "device")))
@@ -362,10 +377,26 @@ def test_trainer_stops_when_the_stash_overflows(tmp_path):
     NaN/Inf guard reads before the optimizer step: too few rows stop every rank at step 1 with
     one line naming moe.stash_rows and the rows needed; no step is logged."""
     folder = tmp_path / "run"
-    codes, _, stderr = forked(2, "titan_fold.train", "--job.config_file", "debug_moe.toml", "--job.dump_folder",
-                              str(folder), "--training.local_batch_size", "1", "--training.seq_len", "32",
-                              "--training.steps", "2", "--parallelism.expert_parallel_degree", "2",
-                              "--moe.exchange", "static", "--moe.stash_rows", "8")
+    codes, _, stderr = forked(
+        2,
+        "titan_fold.train",
+        "--job.config_file",
+        "debug_moe.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--moe.exchange",
+        "static",
+        "--moe.stash_rows",
+        "8",
+    )
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert codes == [2, 2] and len(lines) == 1, stderr[-4000:]
     assert lines[0].startswith("error: moe.stash_rows = 8: the MoE layers in flight at step 1 needed "), lines[0]

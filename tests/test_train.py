@@ -22,15 +22,27 @@ STEPS = 20
 def runs(tmp_path_factory, seed_checkpoint):
     root = tmp_path_factory.mktemp("train")
     # the 2-rank run times its steps' phases too: its losses must still be the 1-rank run's
-    return (train_from_seed(root / "r1", 1, seed_checkpoint, STEPS),
-            train_from_seed(root / "r2", 2, seed_checkpoint, STEPS, "--metrics.step_phases"))
+    return (
+        train_from_seed(root / "r1", 1, seed_checkpoint, STEPS),
+        train_from_seed(root / "r2", 2, seed_checkpoint, STEPS, "--metrics.step_phases"),
+    )
 
 
 def test_metrics_file_has_every_field(runs):
     one, _ = runs
     assert [m["step"] for m in one] == list(range(1, STEPS + 1))
-    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_gib",
-                "moe_aux_loss", "dropped_token_frac", "expert_load_imbalance"):
+    for key in (
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_sec",
+        "mfu",
+        "max_memory_gib",
+        "moe_aux_loss",
+        "dropped_token_frac",
+        "expert_load_imbalance",
+    ):
         assert key in one[0], key
     assert one[0]["mfu"] is None  # no peak FLOP/s on a CPU
     assert one[0]["tokens_per_sec"] > 0 and one[0]["max_memory_gib"] > 0

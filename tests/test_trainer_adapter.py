@@ -22,9 +22,16 @@ from titan_fold.trainer.fold_trainer import FoldTrainer
 from titan_fold.trainer.torchtitan_adapter import Names
 
 # the module attributes titan_fold used to assign (torchtitan_adapter.py lists why they matter)
-WATCHED = [(tt_utils, "device_type"), (tt_utils, "device_module"), (tt_dist_utils, "device_type"),
-           (tt_dist_utils, "clip_grad_norm_"), (tt_dist_utils, "maybe_enable_amp"), (tt_dist_utils, "set_pg_timeouts"),
-           (tt_checkpoint.CheckpointManager, "dcp_load"), (tt_metrics, "build_device_memory_monitor")]
+WATCHED = [
+    (tt_utils, "device_type"),
+    (tt_utils, "device_module"),
+    (tt_dist_utils, "device_type"),
+    (tt_dist_utils, "clip_grad_norm_"),
+    (tt_dist_utils, "maybe_enable_amp"),
+    (tt_dist_utils, "set_pg_timeouts"),
+    (tt_checkpoint.CheckpointManager, "dcp_load"),
+    (tt_metrics, "build_device_memory_monitor"),
+]
 
 
 @pytest.fixture
@@ -33,8 +40,9 @@ def one_rank(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         monkeypatch.setenv(key, value)
     yield
     if dist.is_initialized():
@@ -49,9 +57,23 @@ def one_rank(monkeypatch):
 def train(folder, trainer_class=FoldTrainer, steps: int = 3, each_step=None, args: tuple[str, ...] = ()) -> list[dict]:
     """`steps` steps of debug_moe.toml (two micro-batches a step) on this process's device;
     each_step(trainer, step) wraps each step's call where given."""
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(folder), "--training.steps",
-                         str(steps), "--metrics.log_freq", "1", "--debug.seed", "0",
-                         "--training.max_norm", "0.5", *args])  # clipping bites from the first step
+    config = parse_args(
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--job.dump_folder",
+            str(folder),
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            "1",
+            "--debug.seed",
+            "0",
+            "--training.max_norm",
+            "0.5",
+            *args,
+        ]
+    )  # clipping bites from the first step
     os.makedirs(folder, exist_ok=True)  # main creates and locks it before building the trainer
     trainer = trainer_class(config)
     if each_step is not None:

@@ -69,7 +69,9 @@ def test_refuses_granular_without_renormalization():
 def test_wrong_width_is_rejected():
     args = moe_args("mixtral", moe_ffn_dim=32)  # 128 / 32 = 4, not 2
     with pytest.raises(ValueError, match="moe_ffn_dim 32 x granularity 2"):
-        upcycle_state_dict(dense_model(args).state_dict(), moe_args("mixtral", num_experts=16, top_k=4, moe_ffn_dim=32), 2, 0.02)
+        upcycle_state_dict(
+            dense_model(args).state_dict(), moe_args("mixtral", num_experts=16, top_k=4, moe_ffn_dim=32), 2, 0.02
+        )
 
 
 def test_cli_dense_dcp_to_moe_dcp(tmp_path):
@@ -78,8 +80,18 @@ def test_cli_dense_dcp_to_moe_dcp(tmp_path):
     args = FLAVORS["mixtral"]["debug"]
     dense = dense_model(args)
     dcp.save(dense.state_dict(), checkpoint_id=str(tmp_path / "dense"))
-    main(["--dense", str(tmp_path / "dense"), "--out", str(tmp_path / "moe"),
-          "--model.name", "mixtral", "--model.flavor", "debug"])
+    main(
+        [
+            "--dense",
+            str(tmp_path / "dense"),
+            "--out",
+            str(tmp_path / "moe"),
+            "--model.name",
+            "mixtral",
+            "--model.flavor",
+            "debug",
+        ]
+    )
     moe = Transformer(args)
     sd = moe.state_dict()
     dcp.load(sd, checkpoint_id=str(tmp_path / "moe"))
@@ -99,7 +111,11 @@ def test_default_router_is_not_degenerate(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     for family in ("mixtral", "qwen2_moe"):
-        args = moe_args(family, moe_ffn_dim=FLAVORS[family]["debug"].ffn_dim) if family == "qwen2_moe" else moe_args(family)
+        args = (
+            moe_args(family, moe_ffn_dim=FLAVORS[family]["debug"].ffn_dim)
+            if family == "qwen2_moe"
+            else moe_args(family)
+        )
         dense = dense_model(dataclasses.replace(args, ffn_dim=args.moe.moe_ffn_dim))
         dcp.save(dense.state_dict(), checkpoint_id=str(tmp_path / f"{family}_dense"), no_dist=True)
         if family == "qwen2_moe":  # the flavor's own moe_ffn_dim is 32, the dense FFN 128: granularity 1 needs 128
@@ -107,8 +123,18 @@ def test_default_router_is_not_degenerate(tmp_path):
 
             sd = up.upcycle_state_dict(dense.state_dict(), args, 1, up.default_router_std(args))
         else:
-            main(["--dense", str(tmp_path / f"{family}_dense"), "--out", str(tmp_path / f"{family}_moe"),
-                  "--model.name", family, "--model.flavor", "debug"])
+            main(
+                [
+                    "--dense",
+                    str(tmp_path / f"{family}_dense"),
+                    "--out",
+                    str(tmp_path / f"{family}_moe"),
+                    "--model.name",
+                    family,
+                    "--model.flavor",
+                    "debug",
+                ]
+            )
             sd = Transformer(args).state_dict()
             dcp.load(sd, checkpoint_id=str(tmp_path / f"{family}_moe"), no_dist=True)
         moe = Transformer(args)
@@ -133,17 +159,39 @@ def test_hf_dense_folder_to_moe(tmp_path):
 
     from titan_fold.models.hf_adapter import args_from_hf_config
 
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                        sliding_window=None, rope_theta=1e6)
+    config = transformers.MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        sliding_window=None,
+        rope_theta=1e6,
+    )
     torch.manual_seed(0)
     mistral = transformers.MistralForCausalLM(config).eval()
     mistral.save_pretrained(tmp_path / "dense")
-    moe_config = {**json.load(open(tmp_path / "dense" / "config.json")), "model_type": "mixtral",
-                  "num_local_experts": 4, "num_experts_per_tok": 2}
+    moe_config = {
+        **json.load(open(tmp_path / "dense" / "config.json")),
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     (tmp_path / "moe.json").write_text(json.dumps(moe_config))
-    r = cli("--dense", str(tmp_path / "dense"), "--hf", "--out", str(tmp_path / "moe"), "--model.name", "mixtral",
-            "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "moe.json"))
+    r = cli(
+        "--dense",
+        str(tmp_path / "dense"),
+        "--hf",
+        "--out",
+        str(tmp_path / "moe"),
+        "--model.name",
+        "mixtral",
+        "--model.flavor",
+        "hf",
+        "--model.hf_config",
+        str(tmp_path / "moe.json"),
+    )
     assert r.returncode == 0, r.stderr
     _, args = args_from_hf_config(str(tmp_path / "moe.json"))
     moe = Transformer(args)
@@ -154,8 +202,21 @@ def test_hf_dense_folder_to_moe(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(moe(tokens), mistral(tokens).logits, rtol=0, atol=1e-4)
     # a dense config that does not fit the MoE model is named field by field
-    r = cli("--dense", str(tmp_path / "dense"), "--hf", "--out", str(tmp_path / "moe2"), "--model.name", "mixtral",
-            "--model.flavor", "hf", "--model.hf_config", str(tmp_path / "moe.json"), "--granularity", "2")
+    r = cli(
+        "--dense",
+        str(tmp_path / "dense"),
+        "--hf",
+        "--out",
+        str(tmp_path / "moe2"),
+        "--model.name",
+        "mixtral",
+        "--model.flavor",
+        "hf",
+        "--model.hf_config",
+        str(tmp_path / "moe.json"),
+        "--granularity",
+        "2",
+    )
     assert r.returncode == 2 and "intermediate_size: config.json 128, model 256" in r.stderr
     assert not (tmp_path / "moe2").exists()
 

@@ -7,7 +7,6 @@ ep 2 x etp 2; with token dropping and padding, with the layer recomputed in back
 The queue really holds the weight gradients: left unflushed, they are missing.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,7 +76,9 @@ def check_case(case, mesh, ep_mesh, etp_mesh):
     assert got[2].keys() == ref[2].keys()
     for key in ref[2]:
         assert ref[2][key] is not None, (name, key)
-        torch.testing.assert_close(got[2][key], ref[2][key], **tol, msg=lambda m, key=key: f"{name}: grad of {key}: {m}")
+        torch.testing.assert_close(
+            got[2][key], ref[2][key], **tol, msg=lambda m, key=key: f"{name}: grad of {key}: {m}"
+        )
 
 
 def check_order(mesh, ep_mesh, etp_mesh):
@@ -90,7 +91,7 @@ def check_order(mesh, ep_mesh, etp_mesh):
     w = names.index("moe:experts weight gradients")
     issued = [n for n in names[:w] if "all_to_all_single" in n or "wait_tensor" in n]
     assert issued and "all_to_all_single" in issued[-1], issued[-3:]  # issued, not yet waited for
-    after = [e.name for e in events[w + 1:] if e.time_range.start >= events[w].time_range.end]
+    after = [e.name for e in events[w + 1 :] if e.time_range.start >= events[w].time_range.end]
     assert any("wait_tensor" in n for n in after), "the all-to-all was waited for before the weight gradients"
 
 
@@ -105,13 +106,15 @@ def worker(rank, port, out_dir):
     start_rank(rank, port, WORLD)
     failures = []
     for ep, etp, mesh, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
-        checks = [(c[0], lambda c=c: check_case(c, mesh, ep_mesh, etp_mesh)) for c in CASES
-                  if not (c[3] and WORLD // (ep * etp) == 1)]
+        checks = [
+            (c[0], lambda c=c: check_case(c, mesh, ep_mesh, etp_mesh))
+            for c in CASES
+            if not (c[3] and WORLD // (ep * etp) == 1)
+        ]
         checks.append(("unflushed", lambda: check_unflushed(mesh, ep_mesh, etp_mesh)))
         checks.append(("order", lambda: check_order(mesh, ep_mesh, etp_mesh)))
         failures += run_checks(checks, f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
-
 
 
 def test_delayed_wgrad_matches(tmp_path):

@@ -1,6 +1,6 @@
 """The training command: trains (trainer/), or dry-runs the job at NGPU ranks on one CPU with `--comm.mode fake_backend` (dryrun/).
 
-    torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]
+torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]
 """
 
 import contextlib

@@ -30,14 +30,14 @@ import warnings
 
 import torch
 
-from titan_fold.checkpoint.manager import (
-    CheckpointError,
+from titan_fold.checkpoint.files import (
     check_hf_checkpoint,
     compare_shapes,
     read_hf_folder,
     read_model_tensors,
     save_model_as_hf,
 )
+from titan_fold.checkpoint.manager import CheckpointError
 from titan_fold.checkpoint.options import DTYPE_NAMES
 from titan_fold.common.config import ConfigError
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
@@ -83,7 +83,9 @@ def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs, flav
     wanted = model_shapes(args)
     sd = ADAPTERS[family](args).from_hf(read_hf_folder(hf_folder))
     # HF has no aux-free router biases: they start at zero, as in a fresh model
-    sd.update({k: torch.zeros(shape) for k, shape in wanted.items() if k.endswith("router.expert_bias") and k not in sd})
+    sd.update(
+        {k: torch.zeros(shape) for k, shape in wanted.items() if k.endswith("router.expert_bias") and k not in sd}
+    )
     compare_shapes(f"Hugging Face checkpoint {hf_folder}", {k: list(v.shape) for k, v in sd.items()}, wanted)
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -97,8 +99,14 @@ def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs, flav
         raise
 
 
-def export_hf(dcp_folder: str, out: str, family: str, args: TransformerArgs, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> None:
+def export_hf(
+    dcp_folder: str,
+    out: str,
+    family: str,
+    args: TransformerArgs,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
     check_out_folder(out)
     # shapes from the metadata first: a wrong flavor fails before any tensor is read
     sd = read_model_tensors(dcp_folder, model_shapes(args))
@@ -127,7 +135,9 @@ def run(a: argparse.Namespace) -> None:
         import_hf(a.src, a.dst, family, args, a.flavor)
     else:
         if a.flavor is None:
-            raise ConfigError("export needs --model.name and --model.flavor (or --model.flavor hf --model.hf_config PATH)")
+            raise ConfigError(
+                "export needs --model.name and --model.flavor (or --model.flavor hf --model.hf_config PATH)"
+            )
         family, args = resolve_model(a.name, a.flavor, a.hf_config)
         args.mtp_layers = a.mtp_layers
         export_hf(a.src, a.dst, family, args, DTYPES.get(a.dtype), parse_size(a.max_shard_size))

@@ -26,7 +26,11 @@ from titan_fold.common.storage import StorageError, folder_problem
 
 # ---------------------------------------------------------------- faults (tests)
 
-FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_KIND_ENV = "TITAN_FOLD_FAULT_AT_STEP", "TITAN_FOLD_FAULT_RANK", "TITAN_FOLD_FAULT_KIND"
+FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_KIND_ENV = (
+    "TITAN_FOLD_FAULT_AT_STEP",
+    "TITAN_FOLD_FAULT_RANK",
+    "TITAN_FOLD_FAULT_KIND",
+)
 
 
 def fault(step: int) -> str | None:

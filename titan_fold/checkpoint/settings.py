@@ -19,8 +19,15 @@ from titan_fold.checkpoint.manager import SETTINGS_FILE, CheckpointError, comple
 # a resume continues the saved run: the same tokens (sequence length, tokenizer) in the same model
 FIXED = ("training.seq_len", "model.name", "model.flavor", "tokenizer")
 # may change on resume, and the run then differs from the saved one: said in one line each
-MENTIONED = ("training.global_batch_size", "training.steps", "optimizer.lr", "lr_scheduler.warmup_steps",
-             "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor")
+MENTIONED = (
+    "training.global_batch_size",
+    "training.steps",
+    "optimizer.lr",
+    "lr_scheduler.warmup_steps",
+    "lr_scheduler.decay_ratio",
+    "lr_scheduler.decay_type",
+    "lr_scheduler.min_lr_factor",
+)
 
 
 def tokenizer_identity(tokenizer, config) -> str:
@@ -91,12 +98,18 @@ def check_resume(config, settings: dict[str, Any]) -> list[str]:
             raise CheckpointError(
                 f"{key} = {settings[key]!r}, but {folder} was saved with {key} = {saved[key]!r}: a resume keeps "
                 f"it (to start from these weights with new settings: another job.dump_folder and "
-                f"--checkpoint.initial_load_path {folder})")
+                f"--checkpoint.initial_load_path {folder})"
+            )
     old, new = saved.get("optimizer.name"), settings["optimizer.name"]
     if old is not None and (old == "Muon") != (new == "Muon"):
         raise CheckpointError(
             f"optimizer.name = {new!r}, but {folder} was saved with optimizer.name = {old!r}: their states differ "
             f"(Muon keeps one momentum per matrix, Adam two moments), so a resume keeps it (to start from these "
-            f"weights with a fresh optimizer: another job.dump_folder and --checkpoint.initial_load_path {folder})")
-    return [f"resuming {folder} with {key} = {settings[key]!r} (saved with {saved[key]!r}): the run continues "
-            f"with the new value" for key in MENTIONED if key in saved and saved[key] != settings[key]]
+            f"weights with a fresh optimizer: another job.dump_folder and --checkpoint.initial_load_path {folder})"
+        )
+    return [
+        f"resuming {folder} with {key} = {settings[key]!r} (saved with {saved[key]!r}): the run continues "
+        f"with the new value"
+        for key in MENTIONED
+        if key in saved and saved[key] != settings[key]
+    ]

@@ -20,13 +20,26 @@ class CheckpointError(UserError, RuntimeError):
     pass
 
 
-
 _ALLOWED_GLOBALS = {
     # what torch 2.13's DCP pickles into .metadata, nothing callable beyond constructors
     "torch.distributed.checkpoint.metadata": None,  # the classes defined in DCP's metadata module
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-              "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2"},
+    "torch": {
+        "Size",
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    },
     "torch.serialization": {"_get_layout"},  # a lookup of torch.strided & co by name
     "collections": {"OrderedDict"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
@@ -92,4 +105,6 @@ def check_bytes_entries(folder: str, metadata: Metadata) -> None:
         try:
             torch.load(io.BytesIO(blob), weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"{folder}: entry {fqn!r} is not plain data ({type(e).__name__}); refusing to load") from None
+            raise CheckpointError(
+                f"{folder}: entry {fqn!r} is not plain data ({type(e).__name__}); refusing to load"
+            ) from None

@@ -113,7 +113,9 @@ def upcycle_state_dict(
         # expert n * G + g = segment g of copy n
         gate_up = stack_gate_up(w1.view(G, seg, -1), w3.view(G, seg, -1))  # [G, 2 seg, dim]
         out[f"{p}moe.experts.w13"] = gate_up.repeat(copies, 1, 1).clone()  # [E, 2 seg, dim]
-        out[f"{p}moe.experts.w2"] = (w2.view(-1, G, seg).transpose(0, 1) * scale).repeat(copies, 1, 1).clone()  # [E, dim, seg]
+        out[f"{p}moe.experts.w2"] = (
+            (w2.view(-1, G, seg).transpose(0, 1) * scale).repeat(copies, 1, 1).clone()
+        )  # [E, dim, seg]
         coarse = torch.randn(copies, args.dim) * router_std
         out[f"{p}moe.router.gate.weight"] = coarse.repeat_interleave(G, dim=0).to(w1.dtype)  # [E, dim]
         out[f"{p}moe.router.expert_bias"].zero_()
@@ -138,13 +140,15 @@ def check_granularity(args: TransformerArgs, granularity: int, router_std: float
 
 def dense_args(args: TransformerArgs, granularity: int) -> TransformerArgs:
     """The dense model an MoE `args` upcycles from: every layer a SwiGLU of width moe_ffn_dim x G."""
-    return dataclasses.replace(args, dense_layers=tuple(range(args.n_layers)), ffn_dim=args.moe.moe_ffn_dim * granularity)
+    return dataclasses.replace(
+        args, dense_layers=tuple(range(args.n_layers)), ffn_dim=args.moe.moe_ffn_dim * granularity
+    )
 
 
 def read_dense(path: str, hf: bool, family: str, args: TransformerArgs, granularity: int) -> dict[str, torch.Tensor]:
     """The dense state dict, its shapes (and, from HF, its config.json) checked against the
     dense twin of the MoE model before any tensor is read."""
-    from titan_fold.checkpoint.manager import compare_shapes, hf_shapes, read_hf_folder, read_model_tensors
+    from titan_fold.checkpoint.files import compare_shapes, hf_shapes, read_hf_folder, read_model_tensors
     from titan_fold.models.hf_adapter import ADAPTERS, check_dense_hf_config
 
     dense = dense_args(args, granularity)
@@ -180,4 +184,6 @@ def run(a: argparse.Namespace) -> None:
     dense = read_dense(a.dense, a.hf, family, args, a.granularity)
     sd = upcycle_state_dict(dense, args, a.granularity, router_std, a.seed)
     dcp.save(sd, checkpoint_id=a.out, no_dist=True)
-    print(f"upcycled {a.dense} -> {a.out} ({a.name} {a.flavor}, granularity {a.granularity}, router_std {router_std:.3g})")
+    print(
+        f"upcycled {a.dense} -> {a.out} ({a.name} {a.flavor}, granularity {a.granularity}, router_std {router_std:.3g})"
+    )

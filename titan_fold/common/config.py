@@ -158,9 +158,15 @@ class JobConfig(TitanJobConfig):
 def _keys(cls: type, prefix: str = "") -> list[str]:
     """Every `section.key` of a config class, nested sections included."""
     hints = typing.get_type_hints(cls)
-    return [key for f in dataclasses.fields(cls)
-            for key in (_keys(hints[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(hints[f.name])
-                        else [f"{prefix}{f.name}"])]
+    return [
+        key
+        for f in dataclasses.fields(cls)
+        for key in (
+            _keys(hints[f.name], f"{prefix}{f.name}.")
+            if dataclasses.is_dataclass(hints[f.name])
+            else [f"{prefix}{f.name}"]
+        )
+    ]
 
 
 def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
@@ -170,8 +176,10 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
         name = f"{prefix}{key}"
         if key not in hints:
             known = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
-            raise ConfigError(f"unknown key '{name}' in the config file (valid here: {known})"
-                              + did_you_mean(key, [f.name for f in dataclasses.fields(cls)], lambda k: prefix + k))
+            raise ConfigError(
+                f"unknown key '{name}' in the config file (valid here: {known})"
+                + did_you_mean(key, [f.name for f in dataclasses.fields(cls)], lambda k: prefix + k)
+            )
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{name}' must be a [{name}] table")
@@ -202,11 +210,17 @@ def check_ranges(config: JobConfig) -> None:
 
 # torchtitan keys whose components titan_fold replaces: (key, the only value that holds, what does the job)
 REPLACED_TORCHTITAN_KEYS = (
-    ("parallelism.expert_parallel_comm_backend", "standard",
-     "titan_fold's dispatcher exchanges the tokens (moe.exchange chooses how)"),
+    (
+        "parallelism.expert_parallel_comm_backend",
+        "standard",
+        "titan_fold's dispatcher exchanges the tokens (moe.exchange chooses how)",
+    ),
     ("parallelism.enable_async_tensor_parallel", False, "titan_fold's tensor parallelism has no async variant"),
-    ("parallelism.context_parallel_rotate_method", "allgather",
-     "titan_fold's context parallelism all-gathers K and V (docs/parallelize.md)"),
+    (
+        "parallelism.context_parallel_rotate_method",
+        "allgather",
+        "titan_fold's context parallelism all-gathers K and V (docs/parallelize.md)",
+    ),
 )
 
 
@@ -224,7 +238,9 @@ def validate(config: JobConfig) -> None:
             if value not in (None, False):
                 raise ConfigError(f"moe.{key} = {value!r} needs moe.capacity_factor (dropless mode drops nothing)")
     if moe.load_balance in ("none", "aux_free") and moe.aux_loss_coeff:
-        raise ConfigError(f"moe.aux_loss_coeff = {moe.aux_loss_coeff} has no effect with moe.load_balance = '{moe.load_balance}'")
+        raise ConfigError(
+            f"moe.aux_loss_coeff = {moe.aux_loss_coeff} has no effect with moe.load_balance = '{moe.load_balance}'"
+        )
     if config.model.hf_config and config.model.flavor != "hf":
         raise ConfigError(f"model.hf_config is read only with model.flavor = 'hf' (flavor is {config.model.flavor!r})")
     ac = config.activation_checkpoint
@@ -236,56 +252,81 @@ def validate(config: JobConfig) -> None:
     opt = config.optimizer
     if opt.name == "Muon" and (opt.master_weights or opt.early_step_in_backward):
         key = "master_weights" if opt.master_weights else "early_step_in_backward"
-        raise ConfigError(f"optimizer.name = 'Muon' with optimizer.{key} = true: Muon steps whole matrices after "
-                          "backward, in the parameters' dtype; choose one")
+        raise ConfigError(
+            f"optimizer.name = 'Muon' with optimizer.{key} = true: Muon steps whole matrices after "
+            "backward, in the parameters' dtype; choose one"
+        )
     if opt.master_weights and tr.dtype != "bfloat16":
-        raise ConfigError(f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
-                          "are for bf16 model parameters; set training.dtype = 'bfloat16'")
+        raise ConfigError(
+            f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
+            "are for bf16 model parameters; set training.dtype = 'bfloat16'"
+        )
     if config.compile.cudagraphs and not config.compile.enable:
         raise ConfigError("compile.cudagraphs = true needs compile.enable (the graphs are torch.compile's)")
     if moe.static_ep_exchange:
         if moe.exchange not in ("auto", "static"):
-            raise ConfigError(f"moe.static_ep_exchange = true with moe.exchange = {moe.exchange!r}: the old key "
-                              "moved to moe.exchange; set only moe.exchange")
-        print("notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = \"static\"", file=sys.stderr)
+            raise ConfigError(
+                f"moe.static_ep_exchange = true with moe.exchange = {moe.exchange!r}: the old key "
+                "moved to moe.exchange; set only moe.exchange"
+            )
+        print('notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = "static"', file=sys.stderr)
         moe.exchange, moe.static_ep_exchange = "static", False
     if moe.exchange == "static" and moe.capacity_factor is not None:
-        raise ConfigError(f"moe.exchange = 'static' with moe.capacity_factor = {moe.capacity_factor}: it is for "
-                          "dropless routing; token drop has moe.pad_to_capacity for static shapes")
+        raise ConfigError(
+            f"moe.exchange = 'static' with moe.capacity_factor = {moe.capacity_factor}: it is for "
+            "dropless routing; token drop has moe.pad_to_capacity for static shapes"
+        )
     if moe.exchange == "device" and par.expert_tensor_parallel_degree > 1:
-        raise ConfigError(f"moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
-                          f"{par.expert_tensor_parallel_degree}: the device exchange covers ep only; use moe.exchange "
-                          "= 'exact' or 'static' with etp > 1")
+        raise ConfigError(
+            f"moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
+            f"{par.expert_tensor_parallel_degree}: the device exchange covers ep only; use moe.exchange "
+            "= 'exact' or 'static' with etp > 1"
+        )
     if moe.exchange == "device" and moe.capacity_factor is not None:
-        raise ConfigError(f"moe.exchange = 'device' with moe.capacity_factor = {moe.capacity_factor}: it is for "
-                          "dropless routing; token drop has moe.pad_to_capacity for static shapes")
+        raise ConfigError(
+            f"moe.exchange = 'device' with moe.capacity_factor = {moe.capacity_factor}: it is for "
+            "dropless routing; token drop has moe.pad_to_capacity for static shapes"
+        )
     if moe.exchange == "device" and config.compile.cudagraphs:
-        raise ConfigError("compile.cudagraphs = true with moe.exchange = 'device': CUDA graph trees refuse the "
-                          "device exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs")
+        raise ConfigError(
+            "compile.cudagraphs = true with moe.exchange = 'device': CUDA graph trees refuse the "
+            "device exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs"
+        )
     if moe.exchange == "device" and (moe.overlap_ep_comm or moe.delay_wgrad_compute):
         key = "overlap_ep_comm" if moe.overlap_ep_comm else "delay_wgrad_compute"
-        raise ConfigError(f"moe.{key} = true with moe.exchange = 'device': not built for the device exchange; "
-                          "choose one")
+        raise ConfigError(
+            f"moe.{key} = true with moe.exchange = 'device': not built for the device exchange; choose one"
+        )
     if moe.stash_rows:
         if moe.exchange != "static":
-            raise ConfigError(f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
-                              "moe.exchange = 'static' (it stashes that exchange's real rows)")
+            raise ConfigError(
+                f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
+                "moe.exchange = 'static' (it stashes that exchange's real rows)"
+            )
         if ac.mode != "none" or ac.moe_layer_recompute:
-            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' "
-                              "saved tensors are recomputed, not stashed; choose one")
+            raise ConfigError(
+                f"moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' "
+                "saved tensors are recomputed, not stashed; choose one"
+            )
         if config.compile.cudagraphs:
-            raise ConfigError(f"moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the "
-                              "experts in eager mode between the layer's graphs, and CUDA graph trees then record the "
-                              "graphs again in most steps (the parameters FSDP2 gathers move with the eager experts' "
-                              "allocations), slower than compile.enable alone; choose one")
+            raise ConfigError(
+                f"moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the "
+                "experts in eager mode between the layer's graphs, and CUDA graph trees then record the "
+                "graphs again in most steps (the parameters FSDP2 gathers move with the eager experts' "
+                "allocations), slower than compile.enable alone; choose one"
+            )
     exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
     if config.compile.cudagraphs and exchange and moe.capacity_factor is None and moe.exchange in ("auto", "exact"):
-        raise ConfigError("compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "
-                          "expert_tensor_parallel_degree > 1: the exchange sizes reach the host in every layer "
-                          "(a graph per shape); set moe.exchange = 'static'")
+        raise ConfigError(
+            "compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "
+            "expert_tensor_parallel_degree > 1: the exchange sizes reach the host in every layer "
+            "(a graph per shape); set moe.exchange = 'static'"
+        )
     if config.moe.expert_fp8 and "bfloat16" not in (tr.dtype, tr.mixed_precision_param):
-        raise ConfigError(f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
-                          f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'")
+        raise ConfigError(
+            f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
+            f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'"
+        )
     if opt.master_weights and opt.early_step_in_backward:
         raise ConfigError("optimizer.master_weights = true with optimizer.early_step_in_backward: choose one")
     if config.checkpoint.initial_load_path and not config.checkpoint.enable:
@@ -316,8 +357,10 @@ def check_dry_run_keys(config: JobConfig, named: set[str]) -> None:
         value = getattr(config.comm, name)
         if key in named or (value != getattr(Comm(), name) and value is not False):
             shown = str(value).lower() if isinstance(value, bool) else repr(value)
-            raise ConfigError(f"{key} = {shown}: only with comm.mode = \"fake_backend\" (the dry run); "
-                              f"comm.mode is {config.comm.mode!r}, where {lost}")
+            raise ConfigError(
+                f'{key} = {shown}: only with comm.mode = "fake_backend" (the dry run); '
+                f"comm.mode is {config.comm.mode!r}, where {lost}"
+            )
 
 
 def parse_args(args: list[str] | None = None) -> JobConfig:

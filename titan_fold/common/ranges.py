@@ -49,23 +49,39 @@ RANGES = (
     Range("training.dataloader.num_workers", ">= 0", _at_least(0)),
     Range("training.dataloader.prefetch_factor", ">= 1", _at_least(1)),
     Range("model.max_seq_len", ">= 0 (0: the flavor's context length)", _at_least(0)),
-    *(Range(f"parallelism.{key}", ">= 1", _at_least(1)) for key in (
-        "tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
-        "data_parallel_replicate_degree", "expert_parallel_degree", "expert_tensor_parallel_degree")),
-    *(Range(f"parallelism.{key}", ">= 1, or -1 to derive it", _derived_or_positive) for key in (
-        "data_parallel_shard_degree", "expert_data_parallel_degree")),
+    *(
+        Range(f"parallelism.{key}", ">= 1", _at_least(1))
+        for key in (
+            "tensor_parallel_degree",
+            "context_parallel_degree",
+            "pipeline_parallel_degree",
+            "data_parallel_replicate_degree",
+            "expert_parallel_degree",
+            "expert_tensor_parallel_degree",
+        )
+    ),
+    *(
+        Range(f"parallelism.{key}", ">= 1, or -1 to derive it", _derived_or_positive)
+        for key in ("data_parallel_shard_degree", "expert_data_parallel_degree")
+    ),
     Range("parallelism.pipeline_parallel_first_stage_less_layers", ">= 0", _at_least(0)),
     Range("parallelism.pipeline_parallel_last_stage_less_layers", ">= 0", _at_least(0)),
     Range("parallelism.pipeline_parallel_layers_per_stage", ">= 1", _at_least(1)),
     Range("parallelism.pipeline_parallel_microbatch_size", ">= 1", _at_least(1)),
     Range("checkpoint.interval", ">= 1", _at_least(1)),
-    Range("checkpoint.keep_latest_k", "0 (keep all) or >= 2 (one may be in the middle of its save)",
-          lambda v: v == 0 or v >= 2),
+    Range(
+        "checkpoint.keep_latest_k",
+        "0 (keep all) or >= 2 (one may be in the middle of its save)",
+        lambda v: v == 0 or v >= 2,
+    ),
     Range("checkpoint.load_step", ">= 0, or -1 for the latest", lambda v: v >= -1),
     Range("activation_checkpoint.memory_budget", "in [0, 1]", _unit),
     # torchtitan's: a number in a string (every n-th layer), or "op"
-    Range("activation_checkpoint.selective_ac_option", "'op' or an integer >= 1 (every n-th layer)",
-          lambda v: v == "op" or (v.isdigit() and int(v) >= 1)),
+    Range(
+        "activation_checkpoint.selective_ac_option",
+        "'op' or an integer >= 1 (every n-th layer)",
+        lambda v: v == "op" or (v.isdigit() and int(v) >= 1),
+    ),
     Range("metrics.log_freq", ">= 1", _at_least(1)),
     Range("profiling.profile_freq", ">= 1", _at_least(1)),
     Range("profiling.profiler_active", ">= 1", _at_least(1)),

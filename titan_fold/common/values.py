@@ -68,7 +68,9 @@ def _type_name(hint) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is list:
         return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    return {bool: "a bool (true/false)", int: "an integer", float: "a finite number", str: "a string"}.get(hint, str(hint))
+    return {bool: "a bool (true/false)", int: "an integer", float: "a finite number", str: "a string"}.get(
+        hint, str(hint)
+    )
 
 
 def _fits(hint, value, name: str) -> bool:
@@ -157,13 +159,16 @@ def check_cli(args: list[str], field: Callable[[str], Any], keys: Callable[[], l
         named.add(name)
         if hint is bool:
             if values:
-                raise ConfigError(f"--{key} {' '.join(values)}: {name} is a flag, "
-                                  f"write --{section}.{last} or --{section}.no-{last}")
+                raise ConfigError(
+                    f"--{key} {' '.join(values)}: {name} is a flag, write --{section}.{last} or --{section}.no-{last}"
+                )
             continue
         if len(values) != 1 and not _takes_list(hint):
             raise ConfigError(f"--{key}: needs one value ({_type_name(hint)}), got {len(values)}")
         if _takes_list(hint):
-            element = next(typing.get_args(a)[0] for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is list)
+            element = next(
+                typing.get_args(a)[0] for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is list
+            )
             hint = element if not _takes_list(element) else str
         for v in values:
             check_value(name, hint, _parse_cli_value(name, hint, v))
@@ -185,6 +190,7 @@ def hint_text(hint) -> str:
 
 
 def parse_hint(text: str):
-    hint = eval(text, {"Literal": Literal, "None": None, "int": int, "float": float, "str": str, "bool": bool,
-                       "list": list})
+    hint = eval(
+        text, {"Literal": Literal, "None": None, "int": int, "float": float, "str": str, "bool": bool, "list": list}
+    )
     return type(None) if hint is None else hint

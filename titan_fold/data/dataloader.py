@@ -19,7 +19,14 @@ from titan_fold.data.dataset import DataError, HFTextCorpus, StdlibCorpus, Token
 
 DATASETS = ("stdlib", "hf")
 # local file suffix -> datasets' builder
-_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -74,14 +81,18 @@ class FoldDataLoader(ParallelAwareDataloader):
         if not state_dict:
             return
         if "consumed_sequences" not in state_dict:
-            raise ValueError(f"dataloader state has no 'consumed_sequences' (keys: {sorted(state_dict)}): not a titan_fold checkpoint")
+            raise ValueError(
+                f"dataloader state has no 'consumed_sequences' (keys: {sorted(state_dict)}): not a titan_fold checkpoint"
+            )
         if state_dict["seq_len"] != self.dataset.seq_len:
             raise ValueError(
                 f"training.seq_len = {self.dataset.seq_len} but the checkpoint was taken with seq_len "
                 f"{state_dict['seq_len']}: sequence indices would point elsewhere in the stream"
             )
         if state_dict["dataset"] != self.dataset.corpus.fingerprint:
-            logger.warning(f"dataloader: checkpoint read {state_dict['dataset']}, now reading {self.dataset.corpus.fingerprint}")
+            logger.warning(
+                f"dataloader: checkpoint read {state_dict['dataset']}, now reading {self.dataset.corpus.fingerprint}"
+            )
         self.consumed_sequences = int(state_dict["consumed_sequences"])
 
 
@@ -99,7 +110,9 @@ def load_hf_dataset(path: str):
     if os.path.isfile(path):
         return datasets.load_dataset(_FILE_BUILDERS[os.path.splitext(path)[1].lower()], data_files=path, split="train")
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "dataset_dict.json")):
+        if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(
+            os.path.join(path, "dataset_dict.json")
+        ):
             ds = datasets.load_from_disk(path)
             return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
         return datasets.load_dataset(path, split="train")
@@ -132,8 +145,10 @@ def open_text_dataset(path: str, column: str = "text"):
         for b, rows in enumerate(ds.select_columns([column]).iter(batch_size=batch)):
             for i, value in enumerate(rows[column]):
                 if not isinstance(value, (str, bytes, type(None))):
-                    raise DataError(f"training.dataset_path = '{path}': record {b * batch + i} has a '{column}' of "
-                                    f"type {type(value).__name__} ({str(value)[:40]!r}), not a string")
+                    raise DataError(
+                        f"training.dataset_path = '{path}': record {b * batch + i} has a '{column}' of "
+                        f"type {type(value).__name__} ({str(value)[:40]!r}), not a string"
+                    )
     return ds
 
 
@@ -155,7 +170,9 @@ def _check_dataset_settings(tr) -> bool:
     if os.path.isfile(path):
         suffix = os.path.splitext(path)[1].lower()
         if suffix not in _FILE_BUILDERS:
-            raise DataError(f"training.dataset_path = '{path}': unsupported file type '{suffix}' (supported: {sorted(_FILE_BUILDERS)})")
+            raise DataError(
+                f"training.dataset_path = '{path}': unsupported file type '{suffix}' (supported: {sorted(_FILE_BUILDERS)})"
+            )
         if not os.access(path, os.R_OK):
             raise DataError(f"training.dataset_path = '{path}': not readable (permission denied)")
         if os.path.getsize(path) == 0:
@@ -210,6 +227,4 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
             f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size x "
             f"dp degree = {b} x {dp_world_size}"
         )
-    return FoldDataLoader(
-        build_dataset(tokenizer, job_config), dp_rank, dp_world_size, b, **asdict(tr.dataloader)
-    )
+    return FoldDataLoader(build_dataset(tokenizer, job_config), dp_rank, dp_world_size, b, **asdict(tr.dataloader))

@@ -48,7 +48,9 @@ class ByteTokenizer(BaseTokenizer):
                 run.append(i)
                 continue
             if i not in (self.bos_id, self.eos_id):
-                raise ValueError(f"ByteTokenizer.decode: id {i} is outside the vocabulary (0..{self.get_vocab_size() - 1})")
+                raise ValueError(
+                    f"ByteTokenizer.decode: id {i} is outside the vocabulary (0..{self.get_vocab_size() - 1})"
+                )
             out.append(run.decode("utf-8", errors="replace"))
             run = bytearray()
             if not skip_special_tokens:
@@ -74,7 +76,9 @@ def build_tokenizer(job_config) -> BaseTokenizer:
     if not path or (path == _TITAN_DEFAULT_ASSETS and not os.path.exists(path)):
         return ByteTokenizer()
     if not os.path.isdir(path):
-        raise TokenizerNotFound(f"model.hf_assets_path = '{path}': no such folder (unset it for the byte-level tokenizer)")
+        raise TokenizerNotFound(
+            f"model.hf_assets_path = '{path}': no such folder (unset it for the byte-level tokenizer)"
+        )
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         raise TokenizerNotFound(
             f"model.hf_assets_path = '{path}' holds none of {list(_TOKENIZER_FILES)} "

@@ -28,15 +28,31 @@ from titan_fold.dryrun.match import first_divergence
 from titan_fold.dryrun.measure import build_rank, simulate_rank
 from titan_fold.dryrun.record import P2P, StepFailed, record_collectives, shrunk_config
 from titan_fold.dryrun.report import (
-           check_config,
-           doc_excerpt,
-           dry_run,
-           excerpt_block,
-           format_report,
-           main,
+    check_config,
+    doc_excerpt,
+    dry_run,
+    excerpt_block,
+    format_report,
+    main,
 )
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
 
-__all__ = ["P2P", "SharedShardingDecisions", "StepFailed", "build_rank", "check_config", "check_gradients", "doc_excerpt", "dry_run",
-           "excerpt_block", "first_divergence", "format_report", "gradient_check", "init_fake_world", "main", "record_collectives",
-           "shrunk_config", "simulate_rank"]
+__all__ = [
+    "P2P",
+    "SharedShardingDecisions",
+    "StepFailed",
+    "build_rank",
+    "check_config",
+    "check_gradients",
+    "doc_excerpt",
+    "dry_run",
+    "excerpt_block",
+    "first_divergence",
+    "format_report",
+    "gradient_check",
+    "init_fake_world",
+    "main",
+    "record_collectives",
+    "shrunk_config",
+    "simulate_rank",
+]

@@ -54,9 +54,19 @@ from titan_fold.planning.accounting import param_kind
 from titan_fold.trainer.preflight import layout_from_config
 
 # collectives by what they do to a gradient: sum over the group, or move pieces around
-_REDUCING = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_", "reduce_scatter_tensor",
-             "reduce_scatter_tensor_coalesced", "allreduce_", "allreduce_coalesced_", "_reduce_scatter_base_",
-             "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+_REDUCING = {
+    "all_reduce",
+    "all_reduce_",
+    "all_reduce_coalesced",
+    "all_reduce_coalesced_",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+    "allreduce_",
+    "allreduce_coalesced_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_",
+    "reduce_scatter_tensor_coalesced_",
+}
 _SKIP = {"wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}
 _NAMESPACES = ("_c10d_functional.", "c10d.", "_dtensor.")
 REL_TOL = 1e-4
@@ -265,8 +275,9 @@ class GradientWatch:
             self.constants[fqn] = float(torch.tensor(c, dtype=local.dtype))
             self.tracer.tag(local, [fqn])
             if isinstance(grad, DTensor):
-                return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
-                                          shape=grad.shape, stride=grad.stride())
+                return DTensor.from_local(
+                    local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+                )
             return local
 
         return hook
@@ -283,8 +294,14 @@ class GradientWatch:
         self.tracer.phase = "norm"
         total = self.clip(*args, **kwargs)
         self.tracer.phase = None
-        local_p = {fqn: float(torch.linalg.vector_norm(s.double(), p) ** p) if s.numel() else 0.0
-                   for fqn, s in snapshot.items()} if math.isfinite(p) else {}
+        local_p = (
+            {
+                fqn: float(torch.linalg.vector_norm(s.double(), p) ** p) if s.numel() else 0.0
+                for fqn, s in snapshot.items()
+            }
+            if math.isfinite(p)
+            else {}
+        )
         pieces = {fqn: math.prod(self.layout.size(d) for d in found[fqn]["expected"].norm_dims) for fqn in found}
         counts = {}
         if math.isfinite(p):
@@ -322,8 +339,13 @@ class GradientWatch:
         exp: Expected = expected(self.plan[fqn], self.layout)
         events = self.tracer.events.get(("grad", fqn), [])
         reductions = [ranks for _, ranks, reducing in events if reducing]
-        others = sorted({f"{op} over {self.groups.name(self.rank, ranks, exp.mesh)}" for op, ranks, reducing in events
-                         if not reducing})
+        others = sorted(
+            {
+                f"{op} over {self.groups.name(self.rank, ranks, exp.mesh)}"
+                for op, ranks, reducing in events
+                if not reducing
+            }
+        )
         grad = param.grad
         value = None
         if grad is not None:
@@ -331,9 +353,16 @@ class GradientWatch:
             if local.numel():
                 lo, hi = float(local.min()), float(local.max())
                 value = (lo, hi)
-        return {"expected": exp, "reductions": reductions, "others": others, "value": value,
-                "has_grad": grad is not None, "fires": self.fires.get(fqn, 0), "constant": self.constants.get(fqn),
-                "tol": max(REL_TOL, 8 * torch.finfo(grad.dtype).eps) if grad is not None else REL_TOL}
+        return {
+            "expected": exp,
+            "reductions": reductions,
+            "others": others,
+            "value": value,
+            "has_grad": grad is not None,
+            "fires": self.fires.get(fqn, 0),
+            "constant": self.constants.get(fqn),
+            "tol": max(REL_TOL, 8 * torch.finfo(grad.dtype).eps) if grad is not None else REL_TOL,
+        }
 
     def _judge(self, fqn: str, g: dict, count: float | None) -> dict:
         exp: Expected = g["expected"]
@@ -344,8 +373,10 @@ class GradientWatch:
         if not g["has_grad"]:
             problems.append("no gradient reached the optimizer")
         if got != want:
-            problems.append(f"gradient summed over {groups.name(rank, got, exp.mesh)}, the plan says "
-                            f"{groups.name(rank, want, exp.mesh)}")
+            problems.append(
+                f"gradient summed over {groups.name(rank, got, exp.mesh)}, the plan says "
+                f"{groups.name(rank, want, exp.mesh)}"
+            )
         if g["others"]:
             problems.append("gradient also moved by " + ", ".join(g["others"]))
         scale = None
@@ -355,22 +386,34 @@ class GradientWatch:
             if not _close(lo, hi, g["tol"]):
                 problems.append(f"gradient not uniform after its reductions ({lo:g} .. {hi:g})")
             elif not _close(scale, 1.0, g["tol"]):
-                problems.append(f"gradient scaled by {_ratio(scale)} besides its sum over {groups.name(rank, got, exp.mesh)} "
-                                "(plan: a plain sum, the loss is already divided by the step's token count)")
+                problems.append(
+                    f"gradient scaled by {_ratio(scale)} besides its sum over {groups.name(rank, got, exp.mesh)} "
+                    "(plan: a plain sum, the loss is already divided by the step's token count)"
+                )
         norm_want = groups.group(rank, exp.mesh, exp.norm_dims)
         norm_got = groups.closure(rank, [r for _, r, red in self.tracer.events.get(("norm", fqn), []) if red])
         if g["has_grad"] and not norm_want <= norm_got:
-            problems.append(f"norm summed over {groups.name(rank, norm_got, exp.mesh)}, must include "
-                            f"{groups.name(rank, norm_want, exp.mesh)}")
+            problems.append(
+                f"norm summed over {groups.name(rank, norm_got, exp.mesh)}, must include "
+                f"{groups.name(rank, norm_want, exp.mesh)}"
+            )
         if count is not None and not _close(count, 1.0):
-            problems.append(f"norm counts each piece {count:.3g} times (plan: once over "
-                            f"{groups.name(rank, norm_want, exp.mesh)}; recorded: summed over "
-                            f"{groups.name(rank, norm_got, exp.mesh)})")
+            problems.append(
+                f"norm counts each piece {count:.3g} times (plan: once over "
+                f"{groups.name(rank, norm_want, exp.mesh)}; recorded: summed over "
+                f"{groups.name(rank, norm_got, exp.mesh)})"
+            )
         mesh = exp.mesh
-        return {"kind": gradient_kind(fqn), "grad_plan": groups.name(rank, want, mesh),
-                "grad_recorded": groups.name(rank, got, mesh), "norm_plan": groups.name(rank, norm_want, mesh),
-                "norm_recorded": groups.name(rank, norm_got, mesh),
-                "norm_count": count if g["has_grad"] else "no gradient", "scale": scale, "problems": problems}
+        return {
+            "kind": gradient_kind(fqn),
+            "grad_plan": groups.name(rank, want, mesh),
+            "grad_recorded": groups.name(rank, got, mesh),
+            "norm_plan": groups.name(rank, norm_want, mesh),
+            "norm_recorded": groups.name(rank, norm_got, mesh),
+            "norm_count": count if g["has_grad"] else "no gradient",
+            "scale": scale,
+            "problems": problems,
+        }
 
 
 def _close(a: float, b: float, tol: float = REL_TOL) -> bool:
@@ -404,17 +447,34 @@ class GradientCheck:
         mismatches = []
         for rr in self.ranks:
             for fqn, f in rr.params.items():
-                key = (f["kind"], f["grad_plan"], f["grad_recorded"], f["norm_plan"], f["norm_recorded"],
-                       _times(f["norm_count"]))
+                key = (
+                    f["kind"],
+                    f["grad_plan"],
+                    f["grad_recorded"],
+                    f["norm_plan"],
+                    f["norm_recorded"],
+                    _times(f["norm_count"]),
+                )
                 row = rows.setdefault(key, {"params": set(), "ranks": set(), "bad": 0})
                 row["params"].add(_short(fqn))
                 row["ranks"].add(rr.rank)
                 row["bad"] += bool(f["problems"])
                 for why in f["problems"]:
                     mismatches.append({"parameter": fqn, "rank": rr.rank, "problem": why})
-        table = [{"kind": k[0], "grad_plan": k[1], "grad_recorded": k[2], "norm_plan": k[3], "norm_recorded": k[4],
-                  "norm_count": k[5], "params": sorted(v["params"]), "ranks": len(v["ranks"]), "mismatched": v["bad"]}
-                 for k, v in sorted(rows.items())]
+        table = [
+            {
+                "kind": k[0],
+                "grad_plan": k[1],
+                "grad_recorded": k[2],
+                "norm_plan": k[3],
+                "norm_recorded": k[4],
+                "norm_count": k[5],
+                "params": sorted(v["params"]),
+                "ranks": len(v["ranks"]),
+                "mismatched": v["bad"],
+            }
+            for k, v in sorted(rows.items())
+        ]
         return {"ranks": sorted(r.rank for r in self.ranks), "table": table, "mismatches": mismatches}
 
 
@@ -435,14 +495,24 @@ def format_gradients(rep: dict, limit: int = 20) -> list[str]:
     """One line per parameter kind and plan (the parameters that share them), then one line
     per mismatch (parameter, rank, what the plan says, what the step did)."""
     n = len(rep["ranks"])
-    lines = [f"gradients of one step against the placement plan on {n} rank(s): "
-             + ("every parameter matches" if not rep["mismatches"] else f"{len(rep['mismatches'])} MISMATCH(ES)")]
+    lines = [
+        f"gradients of one step against the placement plan on {n} rank(s): "
+        + ("every parameter matches" if not rep["mismatches"] else f"{len(rep['mismatches'])} MISMATCH(ES)")
+    ]
     rows = [("kind", "gradient summed over: plan", "recorded", "norm: pieces over (plan)", "recorded, counted", "")]
     for r in rep["table"]:
         names = ", ".join(r["params"][:3]) + (f" (+{len(r['params']) - 3})" if len(r["params"]) > 3 else "")
         mark = "ok" if not r["mismatched"] else f"{r['mismatched']} MISMATCHED"
-        rows.append((r["kind"], r["grad_plan"], r["grad_recorded"], r["norm_plan"],
-                     f"{r['norm_recorded']}, {r['norm_count']}", f"{mark}: {names}"))
+        rows.append(
+            (
+                r["kind"],
+                r["grad_plan"],
+                r["grad_recorded"],
+                r["norm_plan"],
+                f"{r['norm_recorded']}, {r['norm_count']}",
+                f"{mark}: {names}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     for m in rep["mismatches"][:limit]:

@@ -1,7 +1,5 @@
 """Matching the recorded collectives: the first call at which a group's members, or a send and its recv, disagree."""
 
-
-
 from titan_fold.dryrun.record import P2P, _p2p_signature, _signature
 
 
@@ -27,12 +25,21 @@ def first_divergence(per_group: dict) -> dict | None:
             if len(set(sigs.values())) > 1:
                 ref = sigs[ref_rank]
                 odd = next(r for r in members if sigs[r] != ref)
+
                 def show(r, seq=seqs, i=i):
                     c = seq[r][i] if i < len(seq[r]) else None
                     return "nothing (sequence ended)" if c is None else f"{c['op']} {c['shapes']} at {c['site']}"
-                return {"group": desc, "ranks": list(ranks), "call": i, "rank": odd, "reference_rank": ref_rank,
-                        "rank_issued": show(odd), "reference_issued": show(ref_rank),
-                        "unrecorded_members": missing}
+
+                return {
+                    "group": desc,
+                    "ranks": list(ranks),
+                    "call": i,
+                    "rank": odd,
+                    "reference_rank": ref_rank,
+                    "rank_issued": show(odd),
+                    "reference_issued": show(ref_rank),
+                    "unrecorded_members": missing,
+                }
     return None
 
 
@@ -49,7 +56,14 @@ def _p2p_divergence(pair: tuple[int, int], by_rank: dict) -> dict | None:
             send = sends[i] if i < len(sends) else None
             recv = recvs[i] if i < len(recvs) else None
             if send is None or recv is None or _p2p_signature(send) != _p2p_signature(recv):
-                return {"group": f"{P2P} {src}->{dst}", "ranks": [src, dst], "call": i, "rank": src,
-                        "reference_rank": dst, "rank_issued": show(send), "reference_issued": show(recv),
-                        "unrecorded_members": []}
+                return {
+                    "group": f"{P2P} {src}->{dst}",
+                    "ranks": [src, dst],
+                    "call": i,
+                    "rank": src,
+                    "reference_rank": dst,
+                    "rank_issued": show(send),
+                    "reference_issued": show(recv),
+                    "unrecorded_members": [],
+                }
     return None

@@ -19,6 +19,7 @@ from titan_fold.parallel.pipeline import check_pipeline, format_stages, pipeline
 from titan_fold.planning import cost_model
 from titan_fold.planning.accounting import GIB, bytes_of, parameter_report
 from titan_fold.planning.options import RECOMPUTE
+from titan_fold.planning.sizes import model_sizes
 from titan_fold.trainer.preflight import layout_from_config
 from titan_fold.trainer.train_spec import register_train_specs
 
@@ -79,13 +80,18 @@ def fake_step(model_parts: list[nn.Module], stages: list, layout: Layout, job_co
                 x = torch.zeros(mb, S // layout.tp, model_args.dim, dtype=compute_dtype, requires_grad=True)
             positions = torch.arange(S) if layout.cp > 1 else None
             tracker = LiveBytes()
-            lp = loss_parallel() if last and layout.tp > 1 and not job_config.parallelism.disable_loss_parallel \
+            lp = (
+                loss_parallel()
+                if last and layout.tp > 1 and not job_config.parallelism.disable_loss_parallel
                 else contextlib.nullcontext()
+            )
             with tracker, lp:
                 out = part(x, positions=positions)
                 if last:
                     labels = torch.zeros(mb, S, dtype=torch.int64)
-                    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                    loss = torch.nn.functional.cross_entropy(
+                        out.flatten(0, 1).float(), labels.flatten(), reduction="sum"
+                    )
                 else:
                     loss = None
                 held = tracker.bytes_of(p for p in part.parameters())
@@ -120,15 +126,21 @@ def build_rank(job_config, layout: Layout, model_args, dtype: torch.dtype = torc
     """The trainer's model construction for this rank, on the meta device:
     -> (model_parts, stage indices, every stage's module FQNs, pipeline schedule or None)."""
 
-
     register_train_specs()
     spec = get_train_spec(job_config.model.name)
     with torch.device("meta"), _cast_default_dtype(dtype):
         model = spec.model_cls(model_args)
     if layout.pp > 1:
         _, all_fqns, _ = check_pipeline(job_config, model_args, layout.pp)
-        schedule, parts, _, _ = pipeline(model, layout, job_config, torch.device("cpu"), model_args,
-                                         spec.parallelize_fn, spec.build_loss_fn(job_config))
+        schedule, parts, _, _ = pipeline(
+            model,
+            layout,
+            job_config,
+            torch.device("cpu"),
+            model_args,
+            spec.parallelize_fn,
+            spec.build_loss_fn(job_config),
+        )
         pp_rank = layout.get_mesh("pp").get_local_rank()
         stages = list(range(pp_rank, len(all_fqns), layout.pp))
     else:
@@ -159,19 +171,28 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
     report = {
         "rank": rank,
         "coordinates": coordinates(layout),
-        "stages": [{"index": s, "of": len(all_fqns), "modules": format_stages([all_fqns[s]], 1).split(": ", 1)[1]}
-                   for s in stages],
+        "stages": [
+            {"index": s, "of": len(all_fqns), "modules": format_stages([all_fqns[s]], 1).split(": ", 1)[1]}
+            for s in stages
+        ],
         **parameter_report(parts, job_config),
     }
     report["moe_layers"] = sum(1 for part in parts for b in part.layers.values() if b.moe_enabled)
     report["dense_layers"] = sum(1 for part in parts for b in part.layers.values() if not b.moe_enabled)
     if measure:
         try:
-            report["activations"] = {"source": "fake-tensor step", **fake_step(parts, stages, layout, config, model_args)}
+            report["activations"] = {
+                "source": "fake-tensor step",
+                **fake_step(parts, stages, layout, config, model_args),
+            }
         except Exception as e:  # reported; the cost model's estimate stands in
-            report["activations"] = {"source": "cost model estimate (the fake-tensor step failed: "
-                                               f"{type(e).__name__}: {str(e).splitlines()[0][:200]})"}
-            report["activations"]["traceback"] = "".join(line for line in traceback.format_exc().splitlines(True) if "titan_fold" in line)
+            report["activations"] = {
+                "source": "cost model estimate (the fake-tensor step failed: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            }
+            report["activations"]["traceback"] = "".join(
+                line for line in traceback.format_exc().splitlines(True) if "titan_fold" in line
+            )
     report["cpu_seconds"] = round(time.process_time() - t0, 2)
     return report
 
@@ -182,13 +203,26 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
 def cost_model_estimate(job_config, layout: Layout, model_args) -> tuple[cost_model.Memory, dict]:
     tr, par = job_config.training, job_config.parallelism
     ac = job_config.activation_checkpoint
-    mapping = cost_model.Mapping(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep,
-                                 layout.etp, layout.edp, recompute=ac.mode if ac.mode in RECOMPUTE else "none")
+    mapping = cost_model.Mapping(
+        layout.pp,
+        layout.dp_replicate,
+        layout.dp_shard,
+        layout.cp,
+        layout.tp,
+        layout.ep,
+        layout.etp,
+        layout.edp,
+        recompute=ac.mode if ac.mode in RECOMPUTE else "none",
+    )
     micro = par.pipeline_parallel_microbatch_size if layout.pp > 1 else tr.local_batch_size
-    work = cost_model.Workload(tr.seq_len, tr.global_batch_size if tr.global_batch_size > 0 else tr.local_batch_size * layout.dp,
-                               job_config.moe.capacity_factor, compute_bytes=bytes_of(tr.mixed_precision_param),
-                               micro_batch=micro)
-    sizes = cost_model.model_sizes(model_args, tr.seq_len, f"{job_config.model.name}/{job_config.model.flavor}")
+    work = cost_model.Workload(
+        tr.seq_len,
+        tr.global_batch_size if tr.global_batch_size > 0 else tr.local_batch_size * layout.dp,
+        job_config.moe.capacity_factor,
+        compute_bytes=bytes_of(tr.mixed_precision_param),
+        micro_batch=micro,
+    )
+    sizes = model_sizes(model_args, tr.seq_len, f"{job_config.model.name}/{job_config.model.flavor}")
     return cost_model.memory(sizes, mapping, work), {
         "layers_per_stage": cost_model._layers_per_stage(sizes, layout.pp),
         "in_flight": min(layout.pp, work.microbatches(layout.dp)) if layout.pp > 1 else 1,
@@ -202,11 +236,15 @@ def compare(rank_report: dict, est: cost_model.Memory, info: dict, layout: Layou
     acts = rank_report.get("activations", {})
     layers = rank_report["moe_layers"] + rank_report["dense_layers"]
     assumed = info["layers_per_stage"]["moe"] + info["layers_per_stage"]["dense"]
-    layer_note = (f"this rank holds {layers} blocks, the cost model's busiest stage ceil(layers / pp) = {assumed}"
-                  f"{'' if len(rank_report['stages']) == 1 else ' (one stage per pp rank; here interleaved stages)'}")
-    rows = [("params", b["params"], est.params, layer_note),
-            ("grads", b["grads"], est.grads, layer_note),
-            ("optimizer", b["optimizer"], est.optimizer, layer_note)]
+    layer_note = (
+        f"this rank holds {layers} blocks, the cost model's busiest stage ceil(layers / pp) = {assumed}"
+        f"{'' if len(rank_report['stages']) == 1 else ' (one stage per pp rank; here interleaved stages)'}"
+    )
+    rows = [
+        ("params", b["params"], est.params, layer_note),
+        ("grads", b["grads"], est.grads, layer_note),
+        ("optimizer", b["optimizer"], est.optimizer, layer_note),
+    ]
     if "per_microbatch" in acts:
         # 1F1B: pp rank p holds min(pp - p, micro-batches) forwards before its first backward
         pp_rank = rank_report["coordinates"]["attention"]["pp"]
@@ -214,21 +252,39 @@ def compare(rank_report: dict, est: cost_model.Memory, info: dict, layout: Layou
         measured = acts["per_microbatch"] * flight
         why = []
         if flight != info["in_flight"]:
-            why.append(f"{flight} micro-batch(es) in flight here (pipeline micro-batches of this config: "
-                       f"{info['pipeline_microbatches']}), the cost model assumes {info['in_flight']} "
-                       f"(global batch / dp sequences, one per micro-batch)")
+            why.append(
+                f"{flight} micro-batch(es) in flight here (pipeline micro-batches of this config: "
+                f"{info['pipeline_microbatches']}), the cost model assumes {info['in_flight']} "
+                f"(global batch / dp sequences, one per micro-batch)"
+            )
         per_mb = est.activations / info["in_flight"]
-        why.append(f"per micro-batch {acts['per_microbatch'] / GIB:.2f} GiB measured against {per_mb / GIB:.2f} "
-                   "GiB estimated: the fake step measures what autograd and the activation checkpointing policy "
-                   "keep; the cost model counts an inventory of saved tensors per block (docs/planning.md), "
-                   "and for selective recompute two ffn-wide tensors per block where torchtitan's op policy "
-                   "recomputes every other matmul")
+        why.append(
+            f"per micro-batch {acts['per_microbatch'] / GIB:.2f} GiB measured against {per_mb / GIB:.2f} "
+            "GiB estimated: the fake step measures what autograd and the activation checkpointing policy "
+            "keep; the cost model counts an inventory of saved tensors per block (docs/planning.md), "
+            "and for selective recompute two ffn-wide tensors per block where torchtitan's op policy "
+            "recomputes every other matmul"
+        )
         note = "; ".join(why)
-        rows.append(("activations", measured, est.activations + (est.logits if rank_report["stages"][-1]["index"]
-                                                                   == rank_report["stages"][-1]["of"] - 1 else 0), note))
+        rows.append(
+            (
+                "activations",
+                measured,
+                est.activations
+                + (est.logits if rank_report["stages"][-1]["index"] == rank_report["stages"][-1]["of"] - 1 else 0),
+                note,
+            )
+        )
     out = []
     for what, mine, theirs, note in rows:
         diff = (mine - theirs) / theirs if theirs else 0.0
-        out.append({"what": what, "dry_run": mine, "cost_model": theirs, "diff": diff,
-                    "note": note if abs(diff) > DIFF_NOTE else ""})
+        out.append(
+            {
+                "what": what,
+                "dry_run": mine,
+                "cost_model": theirs,
+                "diff": diff,
+                "note": note if abs(diff) > DIFF_NOTE else "",
+            }
+        )
     return out

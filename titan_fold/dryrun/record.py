@@ -85,7 +85,8 @@ class CollectiveRecorder(TorchDispatchMode):
         if op in self.P2P_OPS:  # c10d.send / recv_(tensors, group, peer's rank in the group, tag)
             peer = ranks[ints[0]]
             self.calls[(P2P, tuple(sorted((self.rank, peer))))].append(
-                {"op": self.P2P_OPS[op], "peer": peer, "shapes": shapes, "ints": ints, "site": call_site()})
+                {"op": self.P2P_OPS[op], "peer": peer, "shapes": shapes, "ints": ints, "site": call_site()}
+            )
             return
         desc = getattr(group, "group_desc", "") or ""
         self.calls[(desc, ranks)].append({"op": op, "shapes": shapes, "ints": ints, "site": call_site()})
@@ -116,8 +117,15 @@ def call_site() -> str:
     """The innermost titan_fold frame and the torch subsystem that issued the collective."""
     stack = traceback.extract_stack()[:-3]
     mine = next((f for f in reversed(stack) if ours(f.filename)), None)
-    torch_part = next((f for f in reversed(stack) if "/torch/distributed/" in f.filename and not any(
-        s in f.filename for s in ("_python_dispatch", "_functional_collectives", "distributed_c10d"))), None)
+    torch_part = next(
+        (
+            f
+            for f in reversed(stack)
+            if "/torch/distributed/" in f.filename
+            and not any(s in f.filename for s in ("_python_dispatch", "_functional_collectives", "distributed_c10d"))
+        ),
+        None,
+    )
     parts = []
     if mine is not None:
         parts.append(f"{where(mine.filename)}:{mine.lineno} {mine.name}")
@@ -167,14 +175,18 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
         args.dim = math.lcm(args.dim, layout.edp)
     args.ffn_dim = 8 * tp
     args.vocab_size = max(512, 16 * tp)
-    args.moe = dataclasses.replace(args.moe, moe_ffn_dim=8 * etp,
-                                   shared_ffn_dim=8 * tp if args.moe.shared_ffn_dim else 0)
+    args.moe = dataclasses.replace(
+        args.moe, moe_ffn_dim=8 * etp, shared_ffn_dim=8 * tp if args.moe.shared_ffn_dim else 0
+    )
     cp = par.context_parallel_degree
     step = (2 * cp if cp > 1 else 1) * tp
     tr.seq_len = step * max(1, math.ceil(8 / step))
     args.max_seq_len = tr.seq_len  # the rotary tables of every stage: no longer than used
-    dp = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree
-          if par.data_parallel_shard_degree > 0 else None)
+    dp = (
+        par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+        if par.data_parallel_shard_degree > 0
+        else None
+    )
     tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
     if layout is not None and args.moe.overlap_ep_comm and layout.pp > 1:
         # 2 pp pipeline micro-batches: (backward, forward) pairs on every pp rank of either schedule
@@ -240,7 +252,10 @@ class StepFailed(Exception):
         frames = traceback.extract_tb(error.__traceback__)
         mine = [f for f in frames if in_package(f.filename)]
         site = mine[-1] if mine else frames[-1]
-        self.report = {"rank": rank, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}",
-                       "site": f"{where(site.filename)}:{site.lineno} {site.name}",
-                       "innermost": f"{where(frames[-1].filename)}:{frames[-1].lineno}"}
+        self.report = {
+            "rank": rank,
+            "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}",
+            "site": f"{where(site.filename)}:{site.lineno} {site.name}",
+            "innermost": f"{where(frames[-1].filename)}:{frames[-1].lineno}",
+        }
         super().__init__(f"rank {rank}: {self.report['error']} at {self.report['site']}")

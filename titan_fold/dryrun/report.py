@@ -42,8 +42,9 @@ def _progress(line: str) -> None:
     print(f"dry run: {line}", file=sys.stderr, flush=True)
 
 
-def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collectives: bool = True,
-            progress=_quiet) -> dict:
+def dry_run(
+    job_config, world_size: int, ranks: list[int] | None = None, collectives: bool = True, progress=_quiet
+) -> dict:
     """The report of a dry run (see the module docstring); ranks None = comm.dry_run_rank;
     progress(line): called as each phase ends."""
     t0 = time.process_time()
@@ -78,23 +79,38 @@ def dry_run(job_config, world_size: int, ranks: list[int] | None = None, collect
         t1 = time.process_time()
         # without the collective check, the gradient check's step runs on one rank per position
         step_ranks = None if collectives else positions(layout)
-        where = f"on all {world_size} ranks" if collectives else (
-            f"on ranks {step_ranks} (one per position; comm.dry_run_collectives off: collectives not matched)")
+        where = (
+            f"on all {world_size} ranks"
+            if collectives
+            else (f"on ranks {step_ranks} (one per position; comm.dry_run_collectives off: collectives not matched)")
+        )
         col = report["collectives"] = {
             "note": "a shrunk model (same layout, experts, top-k and heads; tiny widths, "
-                    f"{shrunk_config(job_config, model_args)[1].n_layers} layers) {where}"
-                    + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 and collectives else ""),
-            "matched": collectives, "step_failed": None, "first_divergence": None}
+            f"{shrunk_config(job_config, model_args)[1].n_layers} layers) {where}"
+            + ("; pipeline send/recv matched per pair of ranks" if layout.pp > 1 and collectives else ""),
+            "matched": collectives,
+            "step_failed": None,
+            "first_divergence": None,
+        }
         progress(f"recording one step's collectives on {len(step_ranks or range(world_size))} ranks")
         try:
-            per_group = record_collectives(job_config, world_size, model_args, ranks=step_ranks,
-                                           watch=check.watch if check is not None else None, progress=progress)
+            per_group = record_collectives(
+                job_config,
+                world_size,
+                model_args,
+                ranks=step_ranks,
+                watch=check.watch if check is not None else None,
+                progress=progress,
+            )
         except StepFailed as e:
             col["step_failed"] = e.report
         else:
-            col.update(groups=len(per_group), calls=sum(len(c) for g in per_group.values() for c in g.values()),
-                       by_kind=_count_kinds(per_group),
-                       first_divergence=first_divergence(per_group) if collectives else None)
+            col.update(
+                groups=len(per_group),
+                calls=sum(len(c) for g in per_group.values() for c in g.values()),
+                by_kind=_count_kinds(per_group),
+                first_divergence=first_divergence(per_group) if collectives else None,
+            )
             if check is not None:
                 report["gradients"] = check.report()
         col["cpu_seconds"] = round(time.process_time() - t1, 2)
@@ -121,14 +137,21 @@ def _gib(b: float) -> str:
 def format_report(report: dict) -> str:
     att = " x ".join(f"{k} {v}" for k, v in report["attention_mesh"].items())
     exp = " x ".join(f"{k} {v}" for k, v in report["expert_mesh"].items())
-    lines = [f"dry run: {report['model']} on {report['world_size']} ranks ({os.path.basename(report['config'])})",
-             f"  attention mesh: {att}", f"  expert mesh:    {exp}; {report['experts_per_rank']} experts per rank"]
+    lines = [
+        f"dry run: {report['model']} on {report['world_size']} ranks ({os.path.basename(report['config'])})",
+        f"  attention mesh: {att}",
+        f"  expert mesh:    {exp}; {report['experts_per_rank']} experts per rank",
+    ]
     lines += [f"  warning: {w}" for w in report["warnings"]]
     for rep in report["ranks"]:
         c = rep["coordinates"]
         lines.append("")
-        lines.append(f"rank {rep['rank']}: attention " + " ".join(f"{k}={v}" for k, v in c["attention"].items())
-                     + " | expert " + " ".join(f"{k}={v}" for k, v in c["expert"].items()))
+        lines.append(
+            f"rank {rep['rank']}: attention "
+            + " ".join(f"{k}={v}" for k, v in c["attention"].items())
+            + " | expert "
+            + " ".join(f"{k}={v}" for k, v in c["expert"].items())
+        )
         for s in rep["stages"]:
             lines.append(f"  stage {s['index']} of {s['of']}: {s['modules']}")
         lines.append(f"  {'parameters by kind':<22} {'local numel':>14}  local shapes")
@@ -139,11 +162,14 @@ def format_report(report: dict) -> str:
         acts = rep.get("activations", {})
         lines.append(f"  {'memory (GiB)':<22} {'dry run':>8} {'cost model':>11} {'diff':>7}")
         for row in rep["compare"]:
-            lines.append(f"  {row['what']:<22} {_gib(row['dry_run'])} {_gib(row['cost_model']):>11} "
-                         f"{100 * row['diff']:>+6.0f}%")
+            lines.append(
+                f"  {row['what']:<22} {_gib(row['dry_run'])} {_gib(row['cost_model']):>11} {100 * row['diff']:>+6.0f}%"
+            )
         if "per_microbatch" in acts:
-            lines.append(f"  activations: {acts['source']}, {acts['per_microbatch'] / GIB:.2f} GiB per micro-batch; "
-                         f"peak of forward + backward {acts['peak'] / GIB:.2f} GiB")
+            lines.append(
+                f"  activations: {acts['source']}, {acts['per_microbatch'] / GIB:.2f} GiB per micro-batch; "
+                f"peak of forward + backward {acts['peak'] / GIB:.2f} GiB"
+            )
         else:
             lines.append(f"  activations: {acts.get('source', 'not measured')}")
         for row in rep["compare"]:
@@ -153,8 +179,11 @@ def format_report(report: dict) -> str:
     col = report.get("collectives")
     if col and col["step_failed"]:
         f = col["step_failed"]
-        lines += ["", f"collectives of one step: {col['note']}",
-                  f"  THE STEP FAILS on rank {f['rank']}: {f['error']} at {f['site']} (raised in {f['innermost']})"]
+        lines += [
+            "",
+            f"collectives of one step: {col['note']}",
+            f"  THE STEP FAILS on rank {f['rank']}: {f['error']} at {f['site']} (raised in {f['innermost']})",
+        ]
     elif col:
         lines.append("")
         lines.append(f"collectives of one step: {col['calls']} calls in {col['groups']} process groups; {col['note']}")
@@ -162,9 +191,11 @@ def format_report(report: dict) -> str:
         if col["matched"] and div is None:
             lines.append("  every member of every group issues the same sequence")
         elif col["matched"]:
-            lines.append(f"  MISMATCH in group {div['group']} {div['ranks'][:8]}{'...' if len(div['ranks']) > 8 else ''}, "
-                         f"call {div['call']}: rank {div['rank']} issues {div['rank_issued']}; "
-                         f"rank {div['reference_rank']} issues {div['reference_issued']}")
+            lines.append(
+                f"  MISMATCH in group {div['group']} {div['ranks'][:8]}{'...' if len(div['ranks']) > 8 else ''}, "
+                f"call {div['call']}: rank {div['rank']} issues {div['rank_issued']}; "
+                f"rank {div['reference_rank']} issues {div['reference_issued']}"
+            )
     if "gradients" in report:
         lines += ["", *format_gradients(report["gradients"])]
     lines.append(f"({report['cpu_seconds']:.1f} CPU s in all)")
@@ -174,8 +205,10 @@ def format_report(report: dict) -> str:
 def main(job_config) -> int:
     """`--comm.mode fake_backend`: the dry run of this job at NGPU ranks."""
     if job_config.comm.mode == "local_tensor":
-        raise UserError("comm.mode = 'local_tensor': not supported, FSDP2 fails under torch's LocalTensorMode "
-                        "(docs/planning.md, 'Dry run'); use comm.mode = 'fake_backend'")
+        raise UserError(
+            "comm.mode = 'local_tensor': not supported, FSDP2 fails under torch's LocalTensorMode "
+            "(docs/planning.md, 'Dry run'); use comm.mode = 'fake_backend'"
+        )
     ngpu = os.environ.get("NGPU")
     if ngpu is None or not ngpu.isdigit() or int(ngpu) < 1:
         raise UserError(f"comm.mode = 'fake_backend' needs NGPU=<world size> in the environment (got {ngpu!r})")
@@ -198,9 +231,13 @@ def main(job_config) -> int:
     return 1 if col.get("first_divergence") or col.get("step_failed") or mismatched else 0
 
 
-EXCERPT_COMMAND = ("NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "
-                   "--comm.no-dry_run_collectives")
-EXCERPT_BEGIN = "<!-- dry-run excerpt: written by `python -m titan_fold.dryrun --update-docs`, checked by tests/test_dryrun.py -->"
+EXCERPT_COMMAND = (
+    "NGPU=64 python -m titan_fold.train --job.config_file qwen2.toml --comm.mode fake_backend "
+    "--comm.no-dry_run_collectives"
+)
+EXCERPT_BEGIN = (
+    "<!-- dry-run excerpt: written by `python -m titan_fold.dryrun --update-docs`, checked by tests/test_dryrun.py -->"
+)
 EXCERPT_END = "<!-- end of dry-run excerpt -->"
 
 
@@ -215,8 +252,11 @@ def doc_excerpt() -> str:
 
 
 def excerpt_block(excerpt: str) -> str:
-    return f"{EXCERPT_BEGIN}\n\n    $ {EXCERPT_COMMAND}\n" + "".join(
-        f"    {line}\n" if line else "\n" for line in excerpt.splitlines()) + f"\n{EXCERPT_END}"
+    return (
+        f"{EXCERPT_BEGIN}\n\n    $ {EXCERPT_COMMAND}\n"
+        + "".join(f"    {line}\n" if line else "\n" for line in excerpt.splitlines())
+        + f"\n{EXCERPT_END}"
+    )
 
 
 def update_doc(path: str) -> None:

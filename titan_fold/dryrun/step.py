@@ -39,7 +39,8 @@ class NoRecords:
 
     color = NoColor()
     device_memory_monitor = types.SimpleNamespace(
-        device_name="cpu", get_peak_stats=lambda: types.SimpleNamespace(max_reserved_gib=0.0, max_reserved_pct=0.0))
+        device_name="cpu", get_peak_stats=lambda: types.SimpleNamespace(max_reserved_gib=0.0, max_reserved_pct=0.0)
+    )
 
     def __init__(self, *args, **kwargs):
         pass
@@ -102,10 +103,14 @@ class StepTrainer(FoldTrainer):
         model_args = copy.copy(model_args)
         model_args.update_from_config = lambda *args, **kwargs: None
         self._spec = dataclasses.replace(
-            spec, model_args={config.model.flavor: model_args},
+            spec,
+            model_args={config.model.flavor: model_args},
             model_cls=init_by_shard(spec.model_cls) if by_shard else spec.model_cls,
-            build_tokenizer_fn=None, build_dataloader_fn=None, build_metrics_processor_fn=NoRecords,
-            state_dict_adapter=None)
+            build_tokenizer_fn=None,
+            build_dataloader_fn=None,
+            build_metrics_processor_fn=NoRecords,
+            state_dict_adapter=None,
+        )
         super().__init__(config)
         self.step = 1  # Trainer.train counts the step before it runs it
 
@@ -117,8 +122,13 @@ class StepTrainer(FoldTrainer):
         return {
             **names,
             "os": Names(os, environ={"LOCAL_RANK": "0"}),
-            "utils": Names(names["utils"], device_type="cpu", device_module=torch.cpu,
-                           GarbageCollection=NoGarbageCollection, get_peak_flops=lambda device_name: 0.0),
+            "utils": Names(
+                names["utils"],
+                device_type="cpu",
+                device_module=torch.cpu,
+                GarbageCollection=NoGarbageCollection,
+                get_peak_flops=lambda device_name: 0.0,
+            ),
             # values do not change a dry run's collectives: no seeding (and its warnings per rank)
             "dist_utils": Names(names["dist_utils"], set_determinism=lambda *args, **kwargs: None),
             "train_spec_module": Names(train_spec_module, get_train_spec=lambda name: self._spec),

@@ -26,8 +26,11 @@ def _forget_dtensor_decisions() -> None:
     from torch.distributed.tensor import _redistribute
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    for cached in (prop.propagate_op_sharding, getattr(prop, "_propagate_tensor_meta_cached", None),
-                   getattr(_redistribute, "_gen_transform_infos", None)):
+    for cached in (
+        prop.propagate_op_sharding,
+        getattr(prop, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    ):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
     if hasattr(_redistribute, "clear_redistribute_planner_cache"):
@@ -83,11 +86,13 @@ def _rebind(x, meshes: dict):
     if isinstance(x, DTensorSpec):
         return dataclasses.replace(x, mesh=meshes.get(id(x.mesh), x.mesh))
     if isinstance(x, OutputSharding):
-        return dataclasses.replace(x, output_spec=_rebind(x.output_spec, meshes),
-                                   redistribute_schema=_rebind(x.redistribute_schema, meshes))
+        return dataclasses.replace(
+            x, output_spec=_rebind(x.output_spec, meshes), redistribute_schema=_rebind(x.redistribute_schema, meshes)
+        )
     if isinstance(x, OpSchema):
-        return dataclasses.replace(x, args_schema=_rebind(x.args_schema, meshes),
-                                   kwargs_schema=_rebind(x.kwargs_schema, meshes))
+        return dataclasses.replace(
+            x, args_schema=_rebind(x.args_schema, meshes), kwargs_schema=_rebind(x.kwargs_schema, meshes)
+        )
     if isinstance(x, (tuple, list)):
         return type(x)(_rebind(a, meshes) for a in x)
     if isinstance(x, dict):
@@ -98,8 +103,7 @@ def _rebind(x, meshes: dict):
 def _meshes(op_schema) -> list:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    return [a.mesh for a in tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
-            if isinstance(a, DTensorSpec)]
+    return [a.mesh for a in tree_leaves((op_schema.args_schema, op_schema.kwargs_schema)) if isinstance(a, DTensorSpec)]
 
 
 def positions(layout: Layout) -> list[int]:

@@ -73,9 +73,7 @@ class TransformerArgs(BaseModelArgs):
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
-            layer_id >= self.first_k_dense
-            and layer_id % self.moe_layer_freq == 0
-            and layer_id not in self.dense_layers
+            layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0 and layer_id not in self.dense_layers
         )
 
     def update_from_config(self, job_config, **kwargs) -> None:
@@ -91,8 +89,10 @@ class TransformerArgs(BaseModelArgs):
             from titan_fold.common.config import ConfigError
 
             whose = f"{model.name} {model.flavor}'s" if model is not None else "the model's"
-            raise ConfigError(f"training.seq_len = {seq_len}: longer than {whose} max_seq_len {limit} "
-                              "(set model.max_seq_len to train longer sequences)")
+            raise ConfigError(
+                f"training.seq_len = {seq_len}: longer than {whose} max_seq_len {limit} "
+                "(set model.max_seq_len to train longer sequences)"
+            )
         self.max_seq_len = seq_len
         mtp = getattr(job_config, "mtp", None)
         if mtp is not None:

@@ -73,14 +73,32 @@ class DeepSeekV3Args(TransformerArgs):
         return scale
 
 
-def _yarn(factor: float, beta_fast: float, beta_slow: float, mscale: float, mscale_all_dim: float,
-          original: int = 4096) -> dict:
-    return dict(rope_type="yarn", rope_factor=factor, original_max_seq_len=original, beta_fast=beta_fast,
-                beta_slow=beta_slow, mscale=mscale, mscale_all_dim=mscale_all_dim)
+def _yarn(
+    factor: float, beta_fast: float, beta_slow: float, mscale: float, mscale_all_dim: float, original: int = 4096
+) -> dict:
+    return dict(
+        rope_type="yarn",
+        rope_factor=factor,
+        original_max_seq_len=original,
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+        mscale=mscale,
+        mscale_all_dim=mscale_all_dim,
+    )
 
 
-def _big(vocab_size: int, n_heads: int, first_k_dense: int, num_experts: int, num_groups: int, group_topk: int,
-         routed_scaling_factor: float, rope_theta: float, max_seq_len: int, yarn: dict) -> DeepSeekV3Args:
+def _big(
+    vocab_size: int,
+    n_heads: int,
+    first_k_dense: int,
+    num_experts: int,
+    num_groups: int,
+    group_topk: int,
+    routed_scaling_factor: float,
+    rope_theta: float,
+    max_seq_len: int,
+    yarn: dict,
+) -> DeepSeekV3Args:
     """DeepSeek-V3's widths (Kimi-K2 shares them): dim 7168, 61 layers, experts of 2048, top-8."""
     return DeepSeekV3Args(
         dim=7168,  # hidden_size
@@ -132,9 +150,18 @@ DEEPSEEK_V3 = {
         qk_rope_head_dim=8,
         v_head_dim=16,
         **_yarn(factor=4.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0, original=512),
-        moe=MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, shared_ffn_dim=32, score_func="sigmoid",
-                    norm_topk_prob=True, num_groups=4, group_topk=2, routed_scaling_factor=2.5,
-                    load_balance="aux_free"),
+        moe=MoEArgs(
+            num_experts=8,
+            top_k=2,
+            moe_ffn_dim=32,
+            shared_ffn_dim=32,
+            score_func="sigmoid",
+            norm_topk_prob=True,
+            num_groups=4,
+            group_topk=2,
+            routed_scaling_factor=2.5,
+            load_balance="aux_free",
+        ),
     ),
     # torchtitan 0.2.2's deepseek_v3 "16B" (DeepSeek-V2-Lite widths): 15.7B parameters, 2.4B activated
     "16B": DeepSeekV3Args(
@@ -153,17 +180,43 @@ DEEPSEEK_V3 = {
         qk_rope_head_dim=64,
         v_head_dim=128,
         **_yarn(factor=40.0, beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
-        moe=MoEArgs(num_experts=64, top_k=6, moe_ffn_dim=1408, shared_ffn_dim=2 * 1408, score_func="softmax",
-                    norm_topk_prob=False, load_balance="aux_free", aux_free_bias_update_rate=1e-3),
+        moe=MoEArgs(
+            num_experts=64,
+            top_k=6,
+            moe_ffn_dim=1408,
+            shared_ffn_dim=2 * 1408,
+            score_func="softmax",
+            norm_topk_prob=False,
+            load_balance="aux_free",
+            aux_free_bias_update_rate=1e-3,
+        ),
     ),
     # deepseek-ai/DeepSeek-V3 (and R1): 671B parameters, 37B activated; 685B with its MTP layer
-    "671B": _big(vocab_size=129280, n_heads=128, first_k_dense=3, num_experts=256, num_groups=8, group_topk=4,
-                 routed_scaling_factor=2.5, rope_theta=10000.0, max_seq_len=163840,
-                 yarn=_yarn(factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "671B": _big(
+        vocab_size=129280,
+        n_heads=128,
+        first_k_dense=3,
+        num_experts=256,
+        num_groups=8,
+        group_topk=4,
+        routed_scaling_factor=2.5,
+        rope_theta=10000.0,
+        max_seq_len=163840,
+        yarn=_yarn(factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    ),
     # moonshotai/Kimi-K2-Instruct: 1.04T parameters, 32B activated; 384 experts, one group
-    "kimi_k2": _big(vocab_size=163840, n_heads=64, first_k_dense=1, num_experts=384, num_groups=1, group_topk=1,
-                    routed_scaling_factor=2.827, rope_theta=50000.0, max_seq_len=131072,
-                    yarn=_yarn(factor=32.0, beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "kimi_k2": _big(
+        vocab_size=163840,
+        n_heads=64,
+        first_k_dense=1,
+        num_experts=384,
+        num_groups=1,
+        group_topk=1,
+        routed_scaling_factor=2.827,
+        rope_theta=50000.0,
+        max_seq_len=131072,
+        yarn=_yarn(factor=32.0, beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    ),
 }
 
 

@@ -62,10 +62,12 @@ QWEN2_MOE = {
     ),
 }
 
+
 # Mixtral: softmax over all experts, then the top-k weights renormalized to sum to one
 # (the same as a softmax over the k chosen logits); no biases, no shared expert.
-def _mixtral(dim, n_layers, n_heads, vocab_size, max_seq_len, ffn_dim, num_experts=8, top_k=2, n_kv_heads=8,
-             aux_loss_coeff=1e-3) -> TransformerArgs:
+def _mixtral(
+    dim, n_layers, n_heads, vocab_size, max_seq_len, ffn_dim, num_experts=8, top_k=2, n_kv_heads=8, aux_loss_coeff=1e-3
+) -> TransformerArgs:
     return TransformerArgs(
         dim=dim,
         n_layers=n_layers,
@@ -76,31 +78,50 @@ def _mixtral(dim, n_layers, n_heads, vocab_size, max_seq_len, ffn_dim, num_exper
         rope_theta=1e6,
         max_seq_len=max_seq_len,
         ffn_dim=ffn_dim,  # intermediate_size, the width of each original expert
-        moe=MoEArgs(num_experts=num_experts, top_k=top_k, moe_ffn_dim=ffn_dim // (num_experts // 8),
-                    norm_topk_prob=True, aux_loss_coeff=aux_loss_coeff),
+        moe=MoEArgs(
+            num_experts=num_experts,
+            top_k=top_k,
+            moe_ffn_dim=ffn_dim // (num_experts // 8),
+            norm_topk_prob=True,
+            aux_loss_coeff=aux_loss_coeff,
+        ),
     )
 
 
 MIXTRAL = {
-    "debug": _mixtral(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=2048, ffn_dim=128,
-                      aux_loss_coeff=0.01),
+    "debug": _mixtral(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=2048, ffn_dim=128, aux_loss_coeff=0.01
+    ),
     # mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B activated
-    "8x7B": _mixtral(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, max_seq_len=32768, ffn_dim=14336,
-                     aux_loss_coeff=2e-2),
+    "8x7B": _mixtral(
+        dim=4096, n_layers=32, n_heads=32, vocab_size=32000, max_seq_len=32768, ffn_dim=14336, aux_loss_coeff=2e-2
+    ),
     # mistralai/Mixtral-8x22B-v0.1: 141B parameters, 39B activated
     "8x22B": _mixtral(dim=6144, n_layers=56, n_heads=48, vocab_size=32768, max_seq_len=65536, ffn_dim=16384),
     # The paper's fine-grained Mixtral-8x22B (section 4, "fine-grained upcycling"): each expert
     # split 8 ways, 64 experts of 16384 / 8 = 2048, top-8. Same 141B total; a token passes
     # through one original expert's width instead of two: 22.3B activated.
-    "8x22B-G8T8": _mixtral(dim=6144, n_layers=56, n_heads=48, vocab_size=32768, max_seq_len=65536, ffn_dim=16384,
-                           num_experts=64, top_k=8),
+    "8x22B-G8T8": _mixtral(
+        dim=6144, n_layers=56, n_heads=48, vocab_size=32768, max_seq_len=65536, ffn_dim=16384, num_experts=64, top_k=8
+    ),
 }
 
 
 # Qwen3-MoE: q/k RMSNorm per head, no biases, no shared expert, head_dim independent of
 # dim / n_heads, softmax top-k renormalized (norm_topk_prob true in the published models).
-def _qwen3(dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, num_experts, top_k, moe_ffn_dim, vocab_size=151936,
-           max_seq_len=40960) -> TransformerArgs:
+def _qwen3(
+    dim,
+    n_layers,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    ffn_dim,
+    num_experts,
+    top_k,
+    moe_ffn_dim,
+    vocab_size=151936,
+    max_seq_len=40960,
+) -> TransformerArgs:
     return TransformerArgs(
         dim=dim,
         n_layers=n_layers,
@@ -113,21 +134,51 @@ def _qwen3(dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, num_experts, t
         qk_norm=True,
         max_seq_len=max_seq_len,
         ffn_dim=ffn_dim,  # intermediate_size; unused while every layer is MoE
-        moe=MoEArgs(num_experts=num_experts, top_k=top_k, moe_ffn_dim=moe_ffn_dim, norm_topk_prob=True,
-                    aux_loss_coeff=1e-3),
+        moe=MoEArgs(
+            num_experts=num_experts, top_k=top_k, moe_ffn_dim=moe_ffn_dim, norm_topk_prob=True, aux_loss_coeff=1e-3
+        ),
     )
 
 
 QWEN3_MOE = {
     # head_dim 16 != 64 / 8, as in the real ones (128 != 2048 / 32)
-    "debug": _qwen3(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=128, num_experts=8, top_k=2,
-                    moe_ffn_dim=32, vocab_size=512, max_seq_len=2048),
+    "debug": _qwen3(
+        dim=64,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=16,
+        ffn_dim=128,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=32,
+        vocab_size=512,
+        max_seq_len=2048,
+    ),
     # Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B activated
-    "30B-A3B": _qwen3(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, num_experts=128,
-                      top_k=8, moe_ffn_dim=768),
+    "30B-A3B": _qwen3(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_dim=6144,
+        num_experts=128,
+        top_k=8,
+        moe_ffn_dim=768,
+    ),
     # Qwen/Qwen3-235B-A22B: 235B parameters, 22B activated
-    "235B-A22B": _qwen3(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288,
-                        num_experts=128, top_k=8, moe_ffn_dim=1536),
+    "235B-A22B": _qwen3(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_dim=12288,
+        num_experts=128,
+        top_k=8,
+        moe_ffn_dim=1536,
+    ),
 }
 
 FLAVORS = {"qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK_V3}

@@ -152,7 +152,9 @@ class MoEStateDictAdapter(StateDictAdapter):
                 parts = dict(zip(("w1", "w3"), split_gate_up(value))) if name == "w13" else {"w2": value}
                 for ours, stacked in parts.items():
                     for e in range(stacked.shape[0]):
-                        hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[ours]}"] = stacked[e].contiguous()
+                        hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[ours]}"] = stacked[
+                            e
+                        ].contiguous()
                 continue
             hf_key = self._native_to_hf_key(key)
             if hf_key is not None:
@@ -184,7 +186,7 @@ class MoEStateDictAdapter(StateDictAdapter):
             elif rest in inverse_layer:
                 native[f"layers.{i}.{inverse_layer[rest]}"] = value
             elif rest.startswith(self.moe_prefix + ".") and rest[len(self.moe_prefix) + 1 :] in inverse_moe:
-                native[f"layers.{i}.moe.{inverse_moe[rest[len(self.moe_prefix) + 1:]]}"] = value
+                native[f"layers.{i}.moe.{inverse_moe[rest[len(self.moe_prefix) + 1 :]]}"] = value
             else:
                 raise HFKeyError(f"unknown Hugging Face key {hf_key!r} (another model family?)")
         n = self.model_args.moe.num_experts

@@ -26,19 +26,46 @@ class HFConfigError(UserError, ValueError):
     """A config.json titan_fold cannot build, or one that does not match the model."""
 
 
-ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+ARCHITECTURES = {
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 # transformers' default rope_theta when a config.json has none
 _DEFAULT_ROPE_THETA = {"qwen2_moe": 10000.0, "qwen3_moe": 10000.0, "mixtral": 1e6}
 
 # fields that do not change what the model computes from its weights (generation, caching,
 # initialization, bookkeeping): accepted and not compared
 _INERT = {
-    "architectures", "model_type", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_router_logits",
-    "router_aux_loss_coef", "max_position_embeddings", "max_window_layers", "tokenizer_class", "auto_map",
-    "id2label", "label2id", "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
-    "is_encoder_decoder", "chunk_size_feed_forward", "problem_type", "num_labels", "generation_config",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "max_position_embeddings",
+    "max_window_layers",
+    "tokenizer_class",
+    "auto_map",
+    "id2label",
+    "label2id",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "tie_encoder_decoder",
+    "is_encoder_decoder",
+    "chunk_size_feed_forward",
+    "problem_type",
+    "num_labels",
+    "generation_config",
 }
 
 
@@ -77,11 +104,15 @@ def _rope_theta(family: str, config: dict) -> float:
         if factor != 1.0:
             raise HFConfigError(f"{key}.partial_rotary_factor = {factor}: titan_fold rotates the whole head")
     if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFConfigError(f"partial_rotary_factor = {config['partial_rotary_factor']}: titan_fold rotates the whole head")
+        raise HFConfigError(
+            f"partial_rotary_factor = {config['partial_rotary_factor']}: titan_fold rotates the whole head"
+        )
     theta = config.get("rope_theta")
     if params and "rope_theta" in params:
         if theta is not None and float(theta) != float(params["rope_theta"]):
-            raise HFConfigError(f"rope_theta = {theta} and rope_parameters.rope_theta = {params['rope_theta']} disagree")
+            raise HFConfigError(
+                f"rope_theta = {theta} and rope_parameters.rope_theta = {params['rope_theta']} disagree"
+            )
         theta = params["rope_theta"]
     return float(theta if theta is not None else _DEFAULT_ROPE_THETA[family])
 
@@ -150,18 +181,57 @@ def _is_bool(v) -> bool:
 # the type and range of every config.json field titan_fold reads (an absent or null field is
 # not checked here: the family's reader knows its default)
 HF_FIELDS = (
-    *((key, "an integer >= 1", _integer(1)) for key in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-        "shared_expert_intermediate_size", "max_position_embeddings", "decoder_sparse_step", "kv_lora_rank",
-        "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")),
+    *(
+        (key, "an integer >= 1", _integer(1))
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_local_experts",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "max_position_embeddings",
+            "decoder_sparse_step",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_group",
+            "topk_group",
+        )
+    ),
     # sliding_window: Qwen2's configs write 0 beside use_sliding_window = false
-    *((key, "an integer >= 0", _integer(0)) for key in (
-        "intermediate_size", "n_shared_experts", "first_k_dense_replace", "qk_nope_head_dim", "sliding_window")),
-    *((key, "a number > 0", _number(lambda v: v > 0)) for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor")),
+    *(
+        (key, "an integer >= 0", _integer(0))
+        for key in (
+            "intermediate_size",
+            "n_shared_experts",
+            "first_k_dense_replace",
+            "qk_nope_head_dim",
+            "sliding_window",
+        )
+    ),
+    *(
+        (key, "a number > 0", _number(lambda v: v > 0))
+        for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+    ),
     ("router_aux_loss_coef", "a number >= 0", _number(lambda v: v >= 0)),
-    *((key, "true or false", _is_bool) for key in (
-        "norm_topk_prob", "tie_word_embeddings", "qkv_bias", "attention_bias", "use_sliding_window", "rope_interleave")),
+    *(
+        (key, "true or false", _is_bool)
+        for key in (
+            "norm_topk_prob",
+            "tie_word_embeddings",
+            "qkv_bias",
+            "attention_bias",
+            "use_sliding_window",
+            "rope_interleave",
+        )
+    ),
 )
 
 
@@ -237,8 +307,12 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
         max_seq_len=c.get("max_position_embeddings") or 4096,
         tie_embeddings=bool(get("tie_word_embeddings", False)),
     )
-    moe = dict(num_experts=num_experts, top_k=top_k, score_func="softmax",
-               aux_loss_coeff=float(c.get("router_aux_loss_coef", 1e-3)))
+    moe = dict(
+        num_experts=num_experts,
+        top_k=top_k,
+        score_func="softmax",
+        aux_loss_coeff=float(c.get("router_aux_loss_coef", 1e-3)),
+    )
     _check_sliding_window(family, c, common["max_seq_len"])
     used.update({"sliding_window", "use_sliding_window", "layer_types"})
     if family == "mixtral":
@@ -253,13 +327,27 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
         if family == "qwen2_moe":
             shared = get("shared_expert_intermediate_size")
             if shared < 1:
-                raise HFConfigError(f"shared_expert_intermediate_size = {shared}: must be >= 1 (HF Qwen2-MoE always has one)")
-            args = TransformerArgs(**common, qkv_bias=bool(get("qkv_bias", True)), ffn_dim=ffn, dense_layers=dense,
-                                   moe=MoEArgs(**moe, shared_ffn_dim=shared, shared_expert_gate=True))
+                raise HFConfigError(
+                    f"shared_expert_intermediate_size = {shared}: must be >= 1 (HF Qwen2-MoE always has one)"
+                )
+            args = TransformerArgs(
+                **common,
+                qkv_bias=bool(get("qkv_bias", True)),
+                ffn_dim=ffn,
+                dense_layers=dense,
+                moe=MoEArgs(**moe, shared_ffn_dim=shared, shared_expert_gate=True),
+            )
         else:
             bias = bool(get("attention_bias", False))
-            args = TransformerArgs(**common, qkv_bias=bias, out_bias=bias, qk_norm=True, ffn_dim=ffn,
-                                   dense_layers=dense, moe=MoEArgs(**moe))
+            args = TransformerArgs(
+                **common,
+                qkv_bias=bias,
+                out_bias=bias,
+                qk_norm=True,
+                ffn_dim=ffn,
+                dense_layers=dense,
+                moe=MoEArgs(**moe),
+            )
     unknown = sorted(set(c) - used)
     if unknown:
         print(f"warning: config.json fields titan_fold does not read: {', '.join(unknown)}", file=sys.stderr)
@@ -298,7 +386,9 @@ def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
         "qkv bias": args.qkv_bias,
         "o_proj bias": args.out_bias,
         "q/k norm": args.qk_norm,
-        "dense layers (mlp_only_layers, decoder_sparse_step)": [i for i in range(args.n_layers) if not args.is_moe_layer(i)],
+        "dense layers (mlp_only_layers, decoder_sparse_step)": [
+            i for i in range(args.n_layers) if not args.is_moe_layer(i)
+        ],
         "moe_intermediate_size" if family != "mixtral" else "intermediate_size": moe.moe_ffn_dim,
         "shared_expert_intermediate_size": moe.shared_ffn_dim,
         "shared_expert_gate": moe.shared_expert_gate,
@@ -312,8 +402,11 @@ def config_mismatches(config: dict, family: str, args: TransformerArgs) -> list[
     """'field: config.json X, model Y' for every computation-changing field where they differ."""
     _, from_config = args_from_hf_config(config, family)
     want, have = _compared(family, from_config), _compared(family, args)
-    return [f"{k}: config.json {want.get(k)}, model {have.get(k)}" for k in want.keys() | have.keys()
-            if want.get(k) != have.get(k)]
+    return [
+        f"{k}: config.json {want.get(k)}, model {have.get(k)}"
+        for k in want.keys() | have.keys()
+        if want.get(k) != have.get(k)
+    ]
 
 
 def check_hf_config(path: str, family: str, args: TransformerArgs, flavor: str = "hf") -> None:
@@ -346,8 +439,13 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
 
     dtype_name = str(dtype).removeprefix("torch.")
     if family == "deepseek_v3":
-        return {"architectures": [ARCHITECTURES[family]], "model_type": family, **deepseek_hf_config(args, need),
-                "torch_dtype": dtype_name, "dtype": dtype_name}
+        return {
+            "architectures": [ARCHITECTURES[family]],
+            "model_type": family,
+            **deepseek_hf_config(args, need),
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
     need(moe.score_func == "softmax", f"routes with softmax scores, the model has {moe.score_func!r}")
     dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
     config = {
@@ -376,8 +474,12 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
         need(not moe.shared_ffn_dim, "has no shared expert")
         need(not (args.qkv_bias or args.out_bias or args.qk_norm), "has no attention biases and no q/k norm")
         need(not dense, "has no dense layers")
-        config.update(num_local_experts=moe.num_experts, intermediate_size=moe.moe_ffn_dim, sliding_window=None,
-                      router_jitter_noise=0.0)
+        config.update(
+            num_local_experts=moe.num_experts,
+            intermediate_size=moe.moe_ffn_dim,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
         return config
     config.update(
         num_experts=moe.num_experts,
@@ -400,7 +502,6 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
     need(args.qkv_bias == args.out_bias, "has biases on all of q, k, v, o_proj or on none (attention_bias)")
     config.update(attention_bias=args.qkv_bias)
     return config
-
 
 
 def check_dense_hf_config(path: str, dense: TransformerArgs) -> None:

@@ -137,7 +137,8 @@ class DeepSeekV3Names:
         for i, parts in kv_parts.items():
             # [kv_lora_rank + rope, dim]: the latent rows first, as HF splits them
             hf[f"model.layers.{i}.{KV_A}"] = torch.cat(
-                [_full(parts["attention.wkv_a.weight"]), _full(parts["attention.wk_rope.weight"])])
+                [_full(parts["attention.wkv_a.weight"]), _full(parts["attention.wk_rope.weight"])]
+            )
         hf.update(base_to_hf(main))
         for k in range(self.args.mtp_layers):
             for hf_name, ours in MTP_COPIES.items():
@@ -171,7 +172,10 @@ class DeepSeekV3Names:
             if name == KV_A:
                 latent = value[: self.args.kv_lora_rank]
                 rope = value[self.args.kv_lora_rank :]
-                native[f"layers.{i}.attention.wkv_a.weight"], native[f"layers.{i}.attention.wk_rope.weight"] = latent, rope
+                native[f"layers.{i}.attention.wkv_a.weight"], native[f"layers.{i}.attention.wk_rope.weight"] = (
+                    latent,
+                    rope,
+                )
                 continue
             mla = {v: o for o, v in MLA_LAYER.items()}.get(name)
             if mla is not None:
@@ -180,9 +184,11 @@ class DeepSeekV3Names:
             rest[key] = value
         if skipped:
             layers = sorted({int(k.split(".")[2]) for k in skipped})
-            print(f"note: skipped {len(skipped)} tensors of the Multi-Token Prediction layer(s) "
-                  f"{', '.join(f'model.layers.{i}' for i in layers)} (set mtp.num_layers to import them)",
-                  file=sys.stderr)
+            print(
+                f"note: skipped {len(skipped)} tensors of the Multi-Token Prediction layer(s) "
+                f"{', '.join(f'model.layers.{i}' for i in layers)} (set mtp.num_layers to import them)",
+                file=sys.stderr,
+            )
         native.update(base_from_hf(rest))
         for key, (mesh, placements) in self.layouts.items():
             if key in native:  # every rank read the whole rows: cut out its own piece, no communication
@@ -214,23 +220,62 @@ class DeepSeekV3Names:
 
 # transformers' DeepseekV3Config defaults, for fields a config.json leaves out
 HF_DEFAULTS = {
-    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_interleave": True, "tie_word_embeddings": False, "rope_theta": 10000.0,
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
 }
 # fields of DeepSeek's own (remote-code) config.json that transformers does not read
 INERT = {
-    "num_nextn_predict_layers", "num_mtp_layers", "topk_method", "scoring_func", "aux_loss_alpha", "seq_aux",
-    "ep_size", "moe_layer_freq", "num_local_experts", "head_dim", "qk_head_dim",
+    "num_nextn_predict_layers",
+    "num_mtp_layers",
+    "topk_method",
+    "scoring_func",
+    "aux_loss_alpha",
+    "seq_aux",
+    "ep_size",
+    "moe_layer_freq",
+    "num_local_experts",
+    "head_dim",
+    "qk_head_dim",
     # MLA builds a key per head from the latent whatever it says (transformers' default is 128
     # for any head count; its SDPA attention gives the same result)
     "num_key_value_heads",
 }
-YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate", "partial_rotary_factor"}
+YARN_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+    "partial_rotary_factor",
+}
 
 
 def deepseek_args_from_hf_config(c: dict, inert: set, error) -> DeepSeekV3Args:
@@ -261,15 +306,29 @@ def deepseek_args_from_hf_config(c: dict, inert: set, error) -> DeepSeekV3Args:
             raise error(f"{key} = {c[key]!r}: {rule}")
     heads = get("num_attention_heads")
     q_lora = get("q_lora_rank")
-    need(q_lora is None or (isinstance(q_lora, int) and q_lora >= 1), "q_lora_rank",
-         "must be >= 1, or null for no q LoRA")
-    experts, groups, group_topk, top_k = get("n_routed_experts"), get("n_group"), get("topk_group"), get("num_experts_per_tok")
+    need(
+        q_lora is None or (isinstance(q_lora, int) and q_lora >= 1),
+        "q_lora_rank",
+        "must be >= 1, or null for no q LoRA",
+    )
+    experts, groups, group_topk, top_k = (
+        get("n_routed_experts"),
+        get("n_group"),
+        get("topk_group"),
+        get("num_experts_per_tok"),
+    )
     need(isinstance(experts, int) and experts >= 1, "n_routed_experts", "must be >= 1")
-    need(isinstance(groups, int) and groups >= 1 and experts % groups == 0, "n_group",
-         f"must divide n_routed_experts = {experts}")
+    need(
+        isinstance(groups, int) and groups >= 1 and experts % groups == 0,
+        "n_group",
+        f"must divide n_routed_experts = {experts}",
+    )
     need(isinstance(group_topk, int) and 1 <= group_topk <= groups, "topk_group", f"must be in [1, n_group = {groups}]")
-    need(isinstance(top_k, int) and 1 <= top_k <= group_topk * (experts // groups), "num_experts_per_tok",
-         f"must be in [1, topk_group x experts per group = {group_topk * (experts // groups)}]")
+    need(
+        isinstance(top_k, int) and 1 <= top_k <= group_topk * (experts // groups),
+        "num_experts_per_tok",
+        f"must be in [1, topk_group x experts per group = {group_topk * (experts // groups)}]",
+    )
     moe_ffn, n_shared = get("moe_intermediate_size"), get("n_shared_experts")
     n_layers = get("num_hidden_layers")
     first_dense = get("first_k_dense_replace")
@@ -293,9 +352,15 @@ def deepseek_args_from_hf_config(c: dict, inert: set, error) -> DeepSeekV3Args:
         rope_interleave=bool(get("rope_interleave")),
         **rope,
         moe=MoEArgs(
-            num_experts=experts, top_k=top_k, moe_ffn_dim=moe_ffn, shared_ffn_dim=n_shared * moe_ffn,
-            score_func="sigmoid", norm_topk_prob=bool(get("norm_topk_prob")), num_groups=groups,
-            group_topk=group_topk, routed_scaling_factor=float(get("routed_scaling_factor")),
+            num_experts=experts,
+            top_k=top_k,
+            moe_ffn_dim=moe_ffn,
+            shared_ffn_dim=n_shared * moe_ffn,
+            score_func="sigmoid",
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            num_groups=groups,
+            group_topk=group_topk,
+            routed_scaling_factor=float(get("routed_scaling_factor")),
             load_balance="aux_free",
         ),
     )
@@ -308,8 +373,12 @@ def deepseek_args_from_hf_config(c: dict, inert: set, error) -> DeepSeekV3Args:
 def _fp8_quantization(q) -> bool:
     if not q:
         return True
-    return (isinstance(q, dict) and q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3"
-            and list(q.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])) == [FP8_BLOCK, FP8_BLOCK])
+    return (
+        isinstance(q, dict)
+        and q.get("quant_method") == "fp8"
+        and q.get("fmt", "e4m3") == "e4m3"
+        and list(q.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])) == [FP8_BLOCK, FP8_BLOCK]
+    )
 
 
 def _rope(c: dict, used: set, error) -> dict:
@@ -336,9 +405,13 @@ def _rope(c: dict, used: set, error) -> dict:
         raise error(f"{where}.rope_type = {kind!r}: titan_fold implements 'default' and 'yarn' RoPE")
     unknown = sorted(set(chosen) - YARN_KEYS)
     if unknown:
-        raise error(f"{where}.{unknown[0]}: not a RoPE field titan_fold reads (it reads {', '.join(sorted(YARN_KEYS))})")
-    for key, value in (("partial_rotary_factor", chosen.get("partial_rotary_factor", 1.0)),
-                       ("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))):
+        raise error(
+            f"{where}.{unknown[0]}: not a RoPE field titan_fold reads (it reads {', '.join(sorted(YARN_KEYS))})"
+        )
+    for key, value in (
+        ("partial_rotary_factor", chosen.get("partial_rotary_factor", 1.0)),
+        ("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)),
+    ):
         if value != 1.0:
             raise error(f"{key} = {value}: titan_fold rotates the whole qk_rope_head_dim")
     if kind == "default":
@@ -350,9 +423,14 @@ def _rope(c: dict, used: set, error) -> dict:
     if factor is None:  # transformers' rule
         factor = c.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]) / original
     return dict(
-        rope_theta=theta, rope_type="yarn", rope_factor=float(factor), original_max_seq_len=original,
-        beta_fast=float(chosen.get("beta_fast") or 32), beta_slow=float(chosen.get("beta_slow") or 1),
-        mscale=float(chosen.get("mscale") or 0.0), mscale_all_dim=float(chosen.get("mscale_all_dim") or 0.0),
+        rope_theta=theta,
+        rope_type="yarn",
+        rope_factor=float(factor),
+        original_max_seq_len=original,
+        beta_fast=float(chosen.get("beta_fast") or 32),
+        beta_slow=float(chosen.get("beta_slow") or 1),
+        mscale=float(chosen.get("mscale") or 0.0),
+        mscale_all_dim=float(chosen.get("mscale_all_dim") or 0.0),
         rope_truncate=bool(chosen.get("truncate", True)),
         yarn_attention_factor_override=chosen.get("attention_factor"),
     )
@@ -362,25 +440,46 @@ def deepseek_compared(args: DeepSeekV3Args) -> dict[str, Any]:
     """The computation-changing values of a deepseek_v3 model, under their HF names."""
     moe = args.moe
     values = {
-        "vocab_size": args.vocab_size, "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "q_lora_rank": args.q_lora_rank, "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim, "rope_interleave": args.rope_interleave, "rope_theta": args.rope_theta,
-        "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "q_lora_rank": args.q_lora_rank,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "rope_interleave": args.rope_interleave,
+        "rope_theta": args.rope_theta,
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
         "first_k_dense_replace": [i for i in range(args.n_layers) if not args.is_moe_layer(i)],
-        "intermediate_size": args.ffn_dim, "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.moe_ffn_dim, "shared experts' width": moe.shared_ffn_dim,
-        "shared expert gate": moe.shared_expert_gate, "router score function": moe.score_func,
-        "norm_topk_prob": moe.norm_topk_prob, "n_group": moe.num_groups, "topk_group": moe.group_topk,
-        "routed_scaling_factor": moe.routed_scaling_factor, "rope_type": args.rope_type,
+        "intermediate_size": args.ffn_dim,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_ffn_dim,
+        "shared experts' width": moe.shared_ffn_dim,
+        "shared expert gate": moe.shared_expert_gate,
+        "router score function": moe.score_func,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "n_group": moe.num_groups,
+        "topk_group": moe.group_topk,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "rope_type": args.rope_type,
     }
     if args.rope_type == "yarn":
-        values.update({
-            "rope factor": args.rope_factor, "original_max_position_embeddings": args.original_max_seq_len,
-            "beta_fast": args.beta_fast, "beta_slow": args.beta_slow, "mscale": args.mscale,
-            "mscale_all_dim": args.mscale_all_dim, "attention_factor": args.yarn_attention_factor(),
-            "truncate": args.rope_truncate,
-        })
+        values.update(
+            {
+                "rope factor": args.rope_factor,
+                "original_max_position_embeddings": args.original_max_seq_len,
+                "beta_fast": args.beta_fast,
+                "beta_slow": args.beta_slow,
+                "mscale": args.mscale,
+                "mscale_all_dim": args.mscale_all_dim,
+                "attention_factor": args.yarn_attention_factor(),
+                "truncate": args.rope_truncate,
+            }
+        )
     return values
 
 
@@ -391,13 +490,18 @@ def deepseek_hf_config(args: DeepSeekV3Args, need) -> dict:
     need(moe.score_func == "sigmoid", f"routes with sigmoid scores, the model has {moe.score_func!r}")
     need(dense == list(range(len(dense))), "has dense layers only first (first_k_dense_replace)")
     need(not moe.shared_expert_gate, "has no shared expert gate")
-    need(moe.shared_ffn_dim % moe.moe_ffn_dim == 0,
-         "has n_shared_experts x moe_intermediate_size shared expert width")
+    need(moe.shared_ffn_dim % moe.moe_ffn_dim == 0, "has n_shared_experts x moe_intermediate_size shared expert width")
     rope: dict[str, Any] = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
     if args.rope_type == "yarn":
-        rope.update(factor=args.rope_factor, original_max_position_embeddings=args.original_max_seq_len,
-                    beta_fast=args.beta_fast, beta_slow=args.beta_slow, mscale=args.mscale,
-                    mscale_all_dim=args.mscale_all_dim, truncate=args.rope_truncate)
+        rope.update(
+            factor=args.rope_factor,
+            original_max_position_embeddings=args.original_max_seq_len,
+            beta_fast=args.beta_fast,
+            beta_slow=args.beta_slow,
+            mscale=args.mscale,
+            mscale_all_dim=args.mscale_all_dim,
+            truncate=args.rope_truncate,
+        )
         if args.yarn_attention_factor_override is not None:
             rope["attention_factor"] = args.yarn_attention_factor_override
     return {

@@ -21,7 +21,9 @@ class HFConfigArgs(TransformerArgs):
         if not path and ckpt.initial_load_in_hf and ckpt.initial_load_path:
             path = ckpt.initial_load_path
         if not path:
-            raise ConfigError("model.flavor = 'hf' needs model.hf_config: a config.json or the Hugging Face folder holding it")
+            raise ConfigError(
+                "model.flavor = 'hf' needs model.hf_config: a config.json or the Hugging Face folder holding it"
+            )
         _, loaded = args_from_hf_config(path, job_config.model.name)
         for f in dataclasses.fields(loaded):
             setattr(self, f.name, getattr(loaded, f.name))

@@ -34,17 +34,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated * sin).type_as(x)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  q_norm: nn.RMSNorm | None = None, k_norm: nn.RMSNorm | None = None):
+def apply_rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: nn.RMSNorm | None = None,
+    k_norm: nn.RMSNorm | None = None,
+):
     """apply_rope of q and k ([b, s, heads, head_dim] each, their own head counts), after
     q_norm and k_norm where given (Qwen3: one RMSNorm over head_dim for every query head, one
     for every key head). Op by op that is a cast, a concatenation and fp32 products per tensor,
     and the norms' own passes, each through memory; on plain tensors outside torch.compile
     (which fuses these itself) forward and backward are each one fused() call over both."""
     norms = () if q_norm is None else (q_norm, k_norm)
-    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or cos.requires_grad or sin.requires_grad
-            or any(norm.weight is None or isinstance(norm.weight, DTensor) or _hooked(norm) for norm in norms)):
+    if (
+        torch.compiler.is_compiling()
+        or type(q) is not torch.Tensor
+        or type(k) is not torch.Tensor
+        or cos.requires_grad
+        or sin.requires_grad
+        or any(norm.weight is None or isinstance(norm.weight, DTensor) or _hooked(norm) for norm in norms)
+    ):
         if norms:
             q, k = q_norm(q), k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -57,8 +68,9 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 def _hooked(module: nn.Module) -> bool:
     """Whether a call of module runs hooks registered on it (a parallel plan's, a dry run's): it
     is then called, not bypassed by reading its weight."""
-    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
-                or module._backward_hooks)
+    return bool(
+        module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
+    )
 
 
 class _RopeQK(torch.autograd.Function):

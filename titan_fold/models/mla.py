@@ -36,8 +36,16 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_seq_len: int, beta_fast: float,
-                  beta_slow: float, truncate: bool = True, device=None) -> torch.Tensor:
+def yarn_inv_freq(
+    dim: int,
+    theta: float,
+    factor: float,
+    original_max_seq_len: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool = True,
+    device=None,
+) -> torch.Tensor:
     """YaRN's blend of interpolated (low-frequency) and original (high-frequency) inverse
     frequencies [dim / 2], with a linear ramp between the dims that turn beta_fast and
     beta_slow times over the original context."""
@@ -62,8 +70,16 @@ def yarn_cos_sin(args, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     DeepSeekV3Args with rope_type "default" or "yarn"; YaRN scales both by its attention factor."""
     dim = args.qk_rope_head_dim
     if args.rope_type == "yarn":
-        inv_freq = yarn_inv_freq(dim, args.rope_theta, args.rope_factor, args.original_max_seq_len,
-                                 args.beta_fast, args.beta_slow, args.rope_truncate, device)
+        inv_freq = yarn_inv_freq(
+            dim,
+            args.rope_theta,
+            args.rope_factor,
+            args.original_max_seq_len,
+            args.beta_fast,
+            args.beta_slow,
+            args.rope_truncate,
+            device,
+        )
         attention_factor = args.yarn_attention_factor()
     else:
         inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)

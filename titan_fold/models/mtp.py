@@ -42,8 +42,9 @@ class TokenCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits [b, s, vocab], targets [b, s]
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
 
 class MultiTokenPrediction(nn.Module):
@@ -55,8 +56,15 @@ class MultiTokenPrediction(nn.Module):
         self.register_buffer("loss_scale", torch.ones(()), persistent=False)
         self.register_buffer("stats", torch.zeros(2), persistent=False)
 
-    def forward(self, h: torch.Tensor, future_tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                embed: nn.Module, head: nn.Module) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        future_tokens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        embed: nn.Module,
+        head: nn.Module,
+    ) -> torch.Tensor:
         """h [b, s, dim]: the main model's last hidden state (before its final norm);
         future_tokens [b, s, mtp_layers + 1]. Returns the scaled loss (a scalar with gradient)."""
         total = torch.zeros((), device=h.device)

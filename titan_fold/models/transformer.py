@@ -157,8 +157,9 @@ class Transformer(ModelProtocol):
             return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         return self.rope_cos[positions], self.rope_sin[positions]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                future_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, future_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
         positions: global positions of these tokens, [s] or [b, s] int64, for context

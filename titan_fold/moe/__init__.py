@@ -15,6 +15,15 @@ from titan_fold.moe.layer import (
 from titan_fold.moe.router import Router
 
 __all__ = [
-    "MoE", "MoEArgs", "Router", "GroupedExperts", "TokenDispatcher", "FeedForward",
-    "moe_layers", "moe_stats", "moe_stats_from", "moe_stats_values", "update_expert_bias",
+    "MoE",
+    "MoEArgs",
+    "Router",
+    "GroupedExperts",
+    "TokenDispatcher",
+    "FeedForward",
+    "moe_layers",
+    "moe_stats",
+    "moe_stats_from",
+    "moe_stats_values",
+    "update_expert_bias",
 ]

@@ -70,6 +70,8 @@ class MoEArgs:
         if not 1 <= self.group_topk <= G:
             return f"moe.group_topk = {self.group_topk}: must be in [1, moe.num_groups = {G}]"
         if self.top_k > self.group_topk * (E // G):
-            return (f"moe.top_k = {self.top_k}: more than the {self.group_topk * (E // G)} experts of "
-                    f"moe.group_topk = {self.group_topk} groups of {E // G}")
+            return (
+                f"moe.top_k = {self.top_k}: more than the {self.group_topk * (E // G)} experts of "
+                f"moe.group_topk = {self.group_topk} groups of {E // G}"
+            )
         return None

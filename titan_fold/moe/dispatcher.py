@@ -93,6 +93,7 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
 # otherwise return float32 and turn the whole residual stream float32). On a GPU the gather
 # and the sum over k are one kernel (fused): the [T*k, dim] gathered rows never reach memory.
 
+
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter(0, perm, torch.arange(perm.numel(), device=perm.device))
 
@@ -173,6 +174,7 @@ class _Combine(torch.autograd.Function):
 
 
 # ---- collectives over a 1-D mesh; None means degree 1 (identity) -------------------------
+
 
 def _size(mesh: DeviceMesh | None) -> int:
     return 1 if mesh is None else mesh.size()
@@ -271,8 +273,13 @@ class TokenDispatcher(nn.Module):
     seq_positions: where each rank's tokens sit in the whole sequence (cp's load-balanced
     chunks); None: local token slices are contiguous chunks, in mesh-rank order."""
 
-    def __init__(self, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
-                 seq_mesh: DeviceMesh | None = None, seq_positions: Callable[[int], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        ep_mesh: DeviceMesh | None = None,
+        etp_mesh: DeviceMesh | None = None,
+        seq_mesh: DeviceMesh | None = None,
+        seq_positions: Callable[[int], torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
@@ -314,8 +321,16 @@ class TokenDispatcher(nn.Module):
         mine = keep.view(num_seqs, n, L, k)[:, self.seq_mesh.get_local_rank()]
         return mine.reshape(T, k), cap
 
-    def forward(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor,
-                experts: GroupedExperts, args: MoEArgs, num_seqs: int, overlap=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        experts_idx: torch.Tensor,
+        experts: GroupedExperts,
+        args: MoEArgs,
+        num_seqs: int,
+        overlap=None,
+    ):
         """x [T, dim], probs/experts_idx [T, k] -> (y [T, dim], keep [T, k] bool or None,
         overlap() or None).
 
@@ -350,8 +365,15 @@ class TokenDispatcher(nn.Module):
             y_rows = _a2a(y_in, plan.splits.send, plan.splits.recv, self.ep_mesh)  # [sum(send), dim]
         return self.unpermute(y_rows, plan), plan.keep, overlapped
 
-    def permute(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor, args: MoEArgs,
-                num_seqs: int, gather_rows: bool = True) -> tuple["Plan", torch.Tensor, torch.Tensor]:
+    def permute(
+        self,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        experts_idx: torch.Tensor,
+        args: MoEArgs,
+        num_seqs: int,
+        gather_rows: bool = True,
+    ) -> tuple["Plan", torch.Tensor, torch.Tensor]:
         """Drop decisions, rows grouped by destination, split sizes exchanged (the layer's one
         host sync, none with static shapes) -> (plan, x_rows [R, dim], w_rows [R]: the rows to
         send and their weights).
@@ -414,8 +436,15 @@ class TokenDispatcher(nn.Module):
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
         return plan, x_rows, weight_of_row
 
-    def _device_forward(self, x: torch.Tensor, probs: torch.Tensor, experts_idx: torch.Tensor,
-                        experts: GroupedExperts, args: MoEArgs, overlap=None):
+    def _device_forward(
+        self,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        experts_idx: torch.Tensor,
+        experts: GroupedExperts,
+        args: MoEArgs,
+        overlap=None,
+    ):
         """Dropless over ep with the split sizes on the device (moe.exchange = "device",
         moe/exchange.py): rows arrive already grouped by local expert, in a buffer of the most
         rows this rank can receive, real rows first; no host sync. -> (y [T, dim], overlap())."""
@@ -447,8 +476,9 @@ class TokenDispatcher(nn.Module):
         y = exchange(y_sorted, Route(inv, recv, slot.view(T, k)), Route(token_of_row, send, perm), cap, g)  # [T, dim]
         return y, overlapped
 
-    def compute(self, x_in: torch.Tensor, w_in: torch.Tensor, plan: "Plan", experts: GroupedExperts,
-                args: MoEArgs) -> torch.Tensor:
+    def compute(
+        self, x_in: torch.Tensor, w_in: torch.Tensor, plan: "Plan", experts: GroupedExperts, args: MoEArgs
+    ) -> torch.Tensor:
         """Rows that arrived over ep -> the experts' output rows, summed over etp, to send back.
         x_in [sum(recv), dim], w_in [sum(recv)], by (ep source, expert)."""
         sp, rows_of_source = plan.splits, plan.rows_of_source
@@ -478,8 +508,14 @@ class TokenDispatcher(nn.Module):
         y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
         return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
 
-    def _padded_experts(self, x_sorted: torch.Tensor, w_sorted: torch.Tensor, local_counts: torch.Tensor,
-                        experts: GroupedExperts, args: MoEArgs) -> torch.Tensor:
+    def _padded_experts(
+        self,
+        x_sorted: torch.Tensor,
+        w_sorted: torch.Tensor,
+        local_counts: torch.Tensor,
+        experts: GroupedExperts,
+        args: MoEArgs,
+    ) -> torch.Tensor:
         """The experts over rows by local expert that end in padding (the static exchange):
         x_sorted [R_all, dim], w_sorted [R_all], local_counts [E_loc] summing to the V real rows.
         The experts skip the rows past the last group and leave their outputs and input gradients

@@ -53,6 +53,7 @@ def resolve(choice: str, ep: int, etp: int) -> str:
 # process, keyed by (group, dtype, width, cap), like torch's own symmetric-memory workspaces
 # (a ring serves one cap: its zero row is row cap).
 
+
 @dataclass
 class _Slot:
     send: torch.Tensor  # [cap * width] symmetric: the rows this rank sends, read by its peers
@@ -74,10 +75,12 @@ class _Ring:
         self.cap, self.width, self.turn = cap, width, 0
         self.slots = []
         for _ in range(2):
-            slot = _Slot(symm_mem.empty(cap * width, dtype=dtype, device=device),
-                         symm_mem.empty((cap + 1) * width, dtype=dtype, device=device),
-                         symm_mem.empty(W, dtype=torch.int64, device=device),
-                         symm_mem.empty((2, W), dtype=torch.int64, device=device))
+            slot = _Slot(
+                symm_mem.empty(cap * width, dtype=dtype, device=device),
+                symm_mem.empty((cap + 1) * width, dtype=dtype, device=device),
+                symm_mem.empty(W, dtype=torch.int64, device=device),
+                symm_mem.empty((2, W), dtype=torch.int64, device=device),
+            )
             slot.recv.zero_()  # row cap stays zero: the op writes rows below V <= cap only
             for t in (slot.send, slot.recv, slot.in_splits, slot.out_splits_offsets):
                 symm_mem.rendezvous(t, group_name)
@@ -99,6 +102,7 @@ def _ring(group_name: str, dtype: torch.dtype, width: int, cap: int, device: tor
 
 
 # ---- the op ---------------------------------------------------------------------------------
+
 
 def _read(recv: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
     """recv [cap + 1, dim] -> recv[gather] ([r, dim]) or, gather [T, k], each token's k rows summed."""
@@ -141,8 +145,9 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("titan_fold::ep_exchange", mutates_args=())
-def ep_exchange(src: torch.Tensor, index: torch.Tensor, send: torch.Tensor, gather: torch.Tensor, cap: int,
-                group_name: str) -> torch.Tensor:
+def ep_exchange(
+    src: torch.Tensor, index: torch.Tensor, send: torch.Tensor, gather: torch.Tensor, cap: int, group_name: str
+) -> torch.Tensor:
     """src [n, dim], index [m] (rows to send, grouped by destination), send [W] (rows to each ep
     rank, sum <= m) -> recv[gather] (see the module docstring)."""
     width = src.shape[1]
@@ -195,6 +200,15 @@ def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name:
     """src [n, dim] or [n] -> the rows `there` reads ([r, dim] or [r]); the gradient goes `back`.
     cap: the most rows either direction receives."""
     flat = src.dim() == 1
-    out = _Exchange.apply(src[:, None] if flat else src, there.index, there.send, there.gather,
-                          back.index, back.send, back.gather, cap, group_name)
+    out = _Exchange.apply(
+        src[:, None] if flat else src,
+        there.index,
+        there.send,
+        there.gather,
+        back.index,
+        back.send,
+        back.gather,
+        cap,
+        group_name,
+    )
     return out[:, 0] if flat else out

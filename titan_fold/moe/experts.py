@@ -41,8 +41,7 @@ def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
         return False
     if x.dtype == torch.bfloat16:
         return True
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not is_fake(x))
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(x)
 
 
 class GroupedExperts(nn.Module):
@@ -60,7 +59,11 @@ class GroupedExperts(nn.Module):
         return self.wgrad is None and not self.fp8 and use_quack(self.grouped_gemm, x, local(self.w2).shape[2])
 
     def forward(
-        self, x: torch.Tensor, counts: torch.Tensor | int, probs: torch.Tensor, prob_before_w2: bool,
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor | int,
+        probs: torch.Tensor,
+        prob_before_w2: bool,
         gather: Gather | None = None,
     ) -> torch.Tensor:
         """x [R, dim] rows grouped by local expert; probs [R] routing weight of each row.
@@ -85,7 +88,9 @@ class GroupedExperts(nn.Module):
                 counts = torch.full((w13.shape[0],), counts, device=x.device)
             return _swiglu_grouped(x, counts, w13, w2, p, prob_before_w2, fp8_grouped_linear)
         if path == "padded":
-            y = _swiglu_padded(x.view(w13.shape[0], counts, -1), w13, w2, p.view(w13.shape[0], counts, 1), prob_before_w2)
+            y = _swiglu_padded(
+                x.view(w13.shape[0], counts, -1), w13, w2, p.view(w13.shape[0], counts, 1), prob_before_w2
+            )
             return y.flatten(0, 1)
         if path == "quack":
             return quack_experts(x, offsets(counts), w13, w2, probs, prob_before_w2, gather)
@@ -163,8 +168,9 @@ def _swiglu_split_wgrad(experts, x, counts, w13, w2, p, prob_before_w2):
         # FSDP2 reduce-scatters the unit's gradients when they reach its input
         x, p = flush_at_input(x, experts.wgrad), flush_at_input(p, experts.wgrad)
     quack = not experts.fp8 and use_quack(experts.grouped_gemm, x, w2.shape[2])
-    return _swiglu_grouped(x, counts, w13, w2, p, prob_before_w2,
-                           split_grouped_linear(experts.wgrad, experts.fp8, quack))
+    return _swiglu_grouped(
+        x, counts, w13, w2, p, prob_before_w2, split_grouped_linear(experts.wgrad, experts.fp8, quack)
+    )
 
 
 def _swiglu_loop(x, counts, w13, w2, p, prob_before_w2):
@@ -176,6 +182,8 @@ def _swiglu_loop(x, counts, w13, w2, p, prob_before_w2):
     sizes = counts.tolist()
     padding = x.shape[0] - sum(sizes)  # rows past the last group: zeros, not computed
     xs, ps = x.split(sizes + [padding]), p.split(sizes + [padding])
-    ys = [_apply(xs[e] @ w13[e].T, ps[e], lambda h: h @ w2[e].T, prob_before_w2)  # [n_e, dim]
-          for e in range(len(sizes))]
+    ys = [
+        _apply(xs[e] @ w13[e].T, ps[e], lambda h: h @ w2[e].T, prob_before_w2)  # [n_e, dim]
+        for e in range(len(sizes))
+    ]
     return torch.cat(ys + [x.new_zeros(padding, w2.shape[1])])

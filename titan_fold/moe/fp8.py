@@ -28,8 +28,9 @@ def fp8_problem(dim: int, ffn_local: int, capability: tuple[int, int] | None) ->
     if capability < (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
         return f"needs an sm90 (Hopper) GPU or newer with torch._scaled_grouped_mm; this GPU is sm{capability[0]}{capability[1]}"
     if dim % ALIGN or ffn_local % ALIGN:
-        return (f"the model width ({dim}) and each expert's width per etp rank ({ffn_local}) must be multiples "
-                f"of {ALIGN}")
+        return (
+            f"the model width ({dim}) and each expert's width per etp rank ({ffn_local}) must be multiples of {ALIGN}"
+        )
     return None
 
 
@@ -68,12 +69,19 @@ def _(t):
 
 
 @torch.library.custom_op("titan_fold::scaled_grouped_mm", mutates_args=())
-def _scaled_grouped_mm_cuda(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
-                            offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_grouped_mm_cuda(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     # an op of its own, so that torch.compile passes the operands in these layouts: A row-major,
     # B as [E, K, N] column-major (the transpose of the contiguous [E, N, K])
-    return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_s, b_s, offs=offs, out_dtype=out_dtype,
-                                    use_fast_accum=True)
+    return torch._scaled_grouped_mm(
+        a_q, b_q.transpose(-2, -1), a_s, b_s, offs=offs, out_dtype=out_dtype, use_fast_accum=True
+    )
 
 
 @_scaled_grouped_mm_cuda.register_fake

@@ -64,8 +64,9 @@ class MoE(nn.Module):
             overlap = lambda: self._shared(tokens)  # noqa: E731
         elif self.shared_expert is not None:
             shared_y = self._shared(tokens)
-        y, keep, overlapped = self.dispatcher(tokens, routing.probs, routing.experts, self.experts, self.args, b,
-                                              overlap=overlap)  # [T, dim]
+        y, keep, overlapped = self.dispatcher(
+            tokens, routing.probs, routing.experts, self.experts, self.args, b, overlap=overlap
+        )  # [T, dim]
         if overlapped is not None:
             shared_y = overlapped
         if shared_y is not None:
@@ -114,7 +115,9 @@ def moe_layers(model_parts) -> list[MoE]:
 
 def moe_stashes(model_parts) -> list:
     """The distinct stashes (moe.stash_rows, moe/stash.py) of the MoE layers of a module or a list of them."""
-    found = {id(m.dispatcher.stash): m.dispatcher.stash for m in moe_layers(model_parts) if m.dispatcher.stash is not None}
+    found = {
+        id(m.dispatcher.stash): m.dispatcher.stash for m in moe_layers(model_parts) if m.dispatcher.stash is not None
+    }
     return list(found.values())
 
 

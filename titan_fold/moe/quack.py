@@ -128,8 +128,10 @@ def _problem(device_index: int | None) -> str | None:
         return 'needs quack-kernels (pip install -e ".[quack]")'
     names = ("gemm_tuned", "_gemm_execute", "gemm_dgated", "RoundingMode", "SplitKMode")
     if up_epilogue() is None or not all(hasattr(q, name) for name in names):
-        return (f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): moe/quack.py replays '
-                "its launches, calls gemm_dgated and writes an epilogue on its GEMM frontend")
+        return (
+            f'needs quack-kernels 0.6 (pip install -e ".[quack]"; installed: {_version()}): moe/quack.py replays '
+            "its launches, calls gemm_dgated and writes an epilogue on its GEMM frontend"
+        )
     return None
 
 
@@ -146,10 +148,16 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
     for every new count (its autotuner keys on the operands' shapes): there it would tune in every
     layer and step, so "auto" takes torch's GEMMs and "quack" is refused."""
     if args.capacity_factor is not None:
-        return None if args.pad_to_capacity else f"moe.capacity_factor = {args.capacity_factor} without moe.pad_to_capacity"
+        return (
+            None
+            if args.pad_to_capacity
+            else f"moe.capacity_factor = {args.capacity_factor} without moe.pad_to_capacity"
+        )
     if ep * etp > 1 and resolve(args.exchange, ep, etp) == "exact":
-        return (f"the exact exchange over parallelism.expert_parallel_degree x expert_tensor_parallel_degree = "
-                f"{ep} x {etp} (moe.exchange = {args.exchange!r})")
+        return (
+            f"the exact exchange over parallelism.expert_parallel_degree x expert_tensor_parallel_degree = "
+            f"{ep} x {etp} (moe.exchange = {args.exchange!r})"
+        )
     return None
 
 
@@ -166,7 +174,9 @@ def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     elif x.dtype != torch.bfloat16:
         problem = f"takes bf16 rows (got {x.dtype}): set training.mixed_precision_param or training.dtype to bfloat16"
     elif x.shape[-1] % _ALIGN or ffn % _ALIGN:
-        problem = f"needs the model width ({x.shape[-1]}) and the expert width per etp rank ({ffn}) divisible by {_ALIGN}"
+        problem = (
+            f"needs the model width ({x.shape[-1]}) and the expert width per etp rank ({ffn}) divisible by {_ALIGN}"
+        )
     else:
         problem = quack_problem(x.device.index)
     if problem is not None and choice == "quack":
@@ -180,6 +190,7 @@ def _op(name: str):
     the shapes register_fake gives) and runs fn itself on plain tensors in eager code, where the
     dispatcher's round trip would add about 20 us a call (bench/launch.py) in a layer whose
     eager forward is host-bound."""
+
     def wrap(fn):
         op = torch.library.custom_op(f"titan_fold::{name}", fn, mutates_args=(), device_types="cuda")
 
@@ -190,12 +201,14 @@ def _op(name: str):
 
         call.register_fake = op.register_fake
         return call
+
     return wrap
 
 
 @_op("quack_up_forward")
-def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w13: torch.Tensor,
-                p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _up_forward(
+    x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w13: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, dim]; rows [R] int32, the row of x each routed row reads (None: x holds the R
     routed rows); offs [E + 1]; w13 [E, 2 * ffn, dim]; p [R] float32 -> ab [R, 2 * ffn] (each
     row's (gate, up) pairs) and h = silu(gate) * up * p [R, ffn], from one GEMM."""
@@ -207,8 +220,9 @@ def _up_forward(x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, 
 
 def _up_launch(x, w13t, ab, h, offs, rows, p, config=None):
     # config None: QuACK's frontend tunes over its own space at a signature's first call
-    up_epilogue()(x, w13t, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, config=config,
-                  **_SCHED)
+    up_epilogue()(
+        x, w13t, None, out={"D": ab, "postact": h}, cu_seqlens_m=offs, A_idx=rows, p=p, config=config, **_SCHED
+    )
 
 
 # Each GEMM's config is chosen once per call signature. QuACK's autotuner times each config of its
@@ -227,8 +241,11 @@ def _tuned(launch, epilogue: str, args: tuple, rows: torch.Tensor | None):
     key = (launch, *_signature(*args))
     if key not in _CONFIGS:
         device = args[0].device
-        tuner = _tuner(launch, epilogue, rows is not None, torch.cuda.get_device_capability(device)[0]) \
-            if device.type == "cuda" else None
+        tuner = (
+            _tuner(launch, epilogue, rows is not None, torch.cuda.get_device_capability(device)[0])
+            if device.type == "cuda"
+            else None
+        )
         _CONFIGS[key] = None if tuner is None else _choose(tuner, args)
     return launch(*args, config=_CONFIGS[key])
 
@@ -284,8 +301,14 @@ def _tuner(launch, epilogue: str, gather_A: bool, cap: int):
         from quack.gemm_config import config_supports, get_all_configs
     except ImportError:
         return None
-    space = [c for c in get_all_configs(epilogue=epilogue) if c.device_capacity == cap and c.split_k == 1
-             and not c.use_tma_gather and config_supports(c, gather_A=gather_A, varlen_m=True)]
+    space = [
+        c
+        for c in get_all_configs(epilogue=epilogue)
+        if c.device_capacity == cap
+        and c.split_k == 1
+        and not c.use_tma_gather
+        and config_supports(c, gather_A=gather_A, varlen_m=True)
+    ]
     if gather_A and cap == 9:
         space += [replace(c, cluster_m=1) for c in space]
     configs = [AutotuneConfig(config=c) for c in dict.fromkeys(space)]
@@ -303,8 +326,9 @@ def _(x, rows, offs, w13, p):
 
 
 @_op("quack_up_backward")
-def _up_backward(dab: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor,
-                 w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _up_backward(
+    dab: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, offs: torch.Tensor, w13: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> dx_rows [R, dim] (dab @ w13[e]), dw13 [E, 2 * ffn, dim]."""
     q = quack()
     x_rows = x if rows is None else x[rows]  # [R, dim]: the weight gradient contracts over rows
@@ -328,8 +352,9 @@ def _(h, offs, w2):
 
 
 @_op("quack_down_backward")
-def _down_backward(dy: torch.Tensor, ab: torch.Tensor, p: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _down_backward(
+    dy: torch.Tensor, ab: torch.Tensor, p: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy [R, dim], ab [R, 2 * ffn], p [R] float32 -> dab [R, 2 * ffn], dw2 [E, dim, ffn], dp [R]:
     with g = dy @ w2[e] (fp32, in the epilogue) dab = SwiGLU's backward of g * p, h = swiglu(ab) * p
     (the forward's h, recomputed) and dp = sum(g * swiglu(ab)) over ffn."""
@@ -344,8 +369,9 @@ def _dgated(q, dy, ab, p, offs, w2):
 
 
 def _dgated_launch(dy, w2, ab, p, offs, config=None):
-    return quack().gemm_dgated(dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True,
-                               cu_seqlens_m=offs, config=config, **_SCHED)
+    return quack().gemm_dgated(
+        dy, w2, ab, activation="swiglu", colvec_scale=p, colvec_reduce=True, cu_seqlens_m=offs, config=config, **_SCHED
+    )
 
 
 @_down_backward.register_fake
@@ -353,8 +379,9 @@ def _(dy, ab, p, offs, w2):
     return torch.empty_like(ab), torch.empty_like(w2), torch.empty_like(p)
 
 
-def _varlen_m(q, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def _varlen_m(
+    q, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     # [T or R, k], [E, k, n] -> [R, n]: each expert's rows of a (a[rows] when rows is given,
     # gathered by the GEMM) times b[e]
     out = a.new_empty(a.shape[0] if rows is None else rows.shape[0], b.shape[-1])
@@ -392,8 +419,16 @@ def _no_kernel(a: torch.Tensor, *outs: torch.Tensor) -> bool:
     return False
 
 
-def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_m: torch.Tensor | None = None,
-          cu_seqlens_k: torch.Tensor | None = None, a_idx: torch.Tensor | None = None) -> torch.Tensor:
+def _gemm(
+    q,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_m: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    a_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
     """out = a @ b per group: of rows (cu_seqlens_m; a's rows a[a_idx] where given) or of the
     contraction (cu_seqlens_k). A signature's first call chooses its config (_choose, with QuACK's
     tuner of its gemm) and launches it; later calls replay that launch: the same kernel."""
@@ -407,10 +442,28 @@ def _gemm(q, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, cu_seqlens_
         _PLANS[key] = q.gemm_tuned.fn(*args, **kwargs, config=_choose(q.gemm_tuned, args, kwargs))
         return out
     config, split_k, dynamic, dispatch = plan
-    q._gemm_execute(a, b, out, None, **groups, bias=None, alpha=1.0, beta=1.0, batch_idx_permute=None,
-                    add_to_output=False, dynamic_scheduler=dynamic, config=config, rounding_mode=q.RoundingMode.RN,
-                    sr_seed=0, concat_layout=None, SFA=None, SFB=None, split_k=split_k,
-                    split_k_mode=q.SplitKMode.SERIAL, dispatch_plan=dispatch)
+    q._gemm_execute(
+        a,
+        b,
+        out,
+        None,
+        **groups,
+        bias=None,
+        alpha=1.0,
+        beta=1.0,
+        batch_idx_permute=None,
+        add_to_output=False,
+        dynamic_scheduler=dynamic,
+        config=config,
+        rounding_mode=q.RoundingMode.RN,
+        sr_seed=0,
+        concat_layout=None,
+        SFA=None,
+        SFB=None,
+        split_k=split_k,
+        split_k_mode=q.SplitKMode.SERIAL,
+        dispatch_plan=dispatch,
+    )
     return out
 
 
@@ -472,15 +525,25 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
 
 
-def quack_experts(x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor,
-                  prob_before_w2: bool, gather: Gather | None = None) -> torch.Tensor:
+def quack_experts(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    probs: torch.Tensor,
+    prob_before_w2: bool,
+    gather: Gather | None = None,
+) -> torch.Tensor:
     """The routed experts' SwiGLU FFN on QuACK's GEMMs: [R, dim], each row times its routing
     weight probs [R] (before w2 or after it).
 
     x [T, dim] bf16 with gather (rows of x read in place), or the R routed rows themselves;
     offs from offsets(); w13 [E, 2 * ffn, dim] (gate, up rows alternating), w2 [E, dim, ffn]."""
-    rows, slot, k, row_sum = (None, None, 1, None) if gather is None else (
-        gather.rows.to(torch.int32), gather.slot, gather.k, gather.row_sum)
+    rows, slot, k, row_sum = (
+        (None, None, 1, None)
+        if gather is None
+        else (gather.rows.to(torch.int32), gather.slot, gather.k, gather.row_sum)
+    )
     p = probs.float()
     if prob_before_w2:
         return _Experts.apply(x, rows, offs, w13, w2, p, slot, k, row_sum)

@@ -83,8 +83,15 @@ def top_k_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(picks, dim=-1)
 
 
-def losses(score_sums: torch.Tensor, counts: torch.Tensor, z: torch.Tensor | None, seq_len: int, args: MoEArgs,
-           loss_scale: torch.Tensor | float, mesh: DeviceMesh | None):
+def losses(
+    score_sums: torch.Tensor,
+    counts: torch.Tensor,
+    z: torch.Tensor | None,
+    seq_len: int,
+    args: MoEArgs,
+    loss_scale: torch.Tensor | float,
+    mesh: DeviceMesh | None,
+):
     """route()'s statistics of T = b * seq_len tokens -> the Routing fields after the choice: (loss
     scaled by loss_scale, balance_loss, tokens_per_expert, record). mesh: the ranks holding the
     other parts of these sequences (Router.forward's seq_mesh)."""
@@ -106,8 +113,9 @@ def losses(score_sums: torch.Tensor, counts: torch.Tensor, z: torch.Tensor | Non
     return loss * loss_scale, whole[0], tokens_per_expert, record
 
 
-def route_whole(logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs,
-                loss_scale: torch.Tensor | float):
+def route_whole(
+    logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs, loss_scale: torch.Tensor | float
+):
     """route() and losses() of a rank that holds its sequences whole (no seq_mesh): the Routing
     fields from the logits, one function to compile."""
     probs, experts, score_sums, counts, z = route(logits, expert_bias, logits.shape[0] // seq_len, args)
@@ -189,8 +197,9 @@ class Router(nn.Module):
         # aux_free: added to the scores for the choice only, never to the combine weights
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
 
-    def forward(self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0,
-                seq_mesh: DeviceMesh | None = None) -> Routing:
+    def forward(
+        self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0, seq_mesh: DeviceMesh | None = None
+    ) -> Routing:
         """x [T, dim] with T = b * seq_len tokens, sequences contiguous. seq_mesh: the ranks
         holding the other parts of these sequences (attention cp x tp, the dispatcher's):
         the balance and z losses are computed over all of them."""
@@ -203,8 +212,9 @@ class Router(nn.Module):
             whole = fused_route_whole if fused_supported(logits, seq_len) else _compiled_on(x.device, route_whole)
             return Routing(*whole(logits, self.expert_bias, seq_len, args, loss_scale))
         # the statistics' all-reduce over seq_mesh runs between the choice and the losses
-        probs, experts, score_sums, counts, z = _compiled_on(x.device, route)(logits, self.expert_bias,
-                                                                              x.shape[0] // seq_len, args)
+        probs, experts, score_sums, counts, z = _compiled_on(x.device, route)(
+            logits, self.expert_bias, x.shape[0] // seq_len, args
+        )
         return Routing(probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, seq_mesh))
 
     def init_weights(self, init_std: float):
@@ -228,4 +238,3 @@ class AddAuxLoss(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         shape, dtype, device = ctx.loss_meta
         return grad_out, torch.ones(shape, dtype=dtype, device=device)
-

@@ -33,8 +33,14 @@ _ELEMENTS = 4096  # a block's tokens x experts held at once: registers, not spil
 def supported(logits: torch.Tensor, seq_len: int) -> bool:
     """Whether the router runs these logits through fused_route_whole: float32 on a GPU, Triton
     installed, outside torch.compile (which traces route_whole into the model's graph)."""
-    return (triton is not None and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[0] % seq_len == 0 and not torch.compiler.is_compiling())
+    return (
+        triton is not None
+        and logits.is_cuda
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[0] % seq_len == 0
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _block_tokens(seq_len: int, experts_p2: int) -> int:
@@ -62,21 +68,57 @@ class _FusedRoute(torch.autograd.Function):
         z_part = logits.new_empty(blocks)
         z = args.z_loss_coeff > 0
         _route_forward[(blocks,)](
-            logits, expert_bias.float().contiguous(), probs, experts, score_part, count_part, z_part,
+            logits,
+            expert_bias.float().contiguous(),
+            probs,
+            experts,
+            score_part,
+            count_part,
+            z_part,
             float(args.routed_scaling_factor),
-            E=E, E_P2=E_P2, K=k, K_P2=K_P2, SOFTMAX=args.score_func == "softmax",
-            BIAS=args.load_balance == "aux_free", GROUPS=G, GROUP_SIZE=E // G, G_P2=triton.next_power_of_2(G),
-            GROUP_TOPK=args.group_topk or G, NORM=args.norm_topk_prob, Z=z, BLOCK_T=BLOCK_T)
+            E=E,
+            E_P2=E_P2,
+            K=k,
+            K_P2=K_P2,
+            SOFTMAX=args.score_func == "softmax",
+            BIAS=args.load_balance == "aux_free",
+            GROUPS=G,
+            GROUP_SIZE=E // G,
+            G_P2=triton.next_power_of_2(G),
+            GROUP_TOPK=args.group_topk or G,
+            NORM=args.norm_topk_prob,
+            Z=z,
+            BLOCK_T=BLOCK_T,
+        )
         loss, balance, record, tokens_per_expert = (logits.new_empty(n) for n in ((), (), 4, E))
         f = logits.new_empty(b, E)  # the balance loss's assignment shares: its gradient's coefficients
         # the loss scale: a tensor (MoE.aux_loss_scale) read by the kernels, or a number passed to them
         ctx.scale = loss_scale if torch.is_tensor(loss_scale) else float(loss_scale)
         scale_ptr, scale_value = _scale_args(ctx.scale, f)
         _route_losses[(1,)](
-            score_part, count_part, z_part, scale_ptr, scale_value, loss, balance, tokens_per_expert, record, f,
-            seq_len, float(args.aux_loss_coeff), float(args.z_loss_coeff),
-            E=E, E_P2=E_P2, K=k, MODE=_mode(args), Z=z, NUM_SEQS=b, BLOCKS_PER_SEQ=seq_len // BLOCK_T,
-            BLOCKS_P2=triton.next_power_of_2(blocks), SCALE_TENSOR=torch.is_tensor(ctx.scale))
+            score_part,
+            count_part,
+            z_part,
+            scale_ptr,
+            scale_value,
+            loss,
+            balance,
+            tokens_per_expert,
+            record,
+            f,
+            seq_len,
+            float(args.aux_loss_coeff),
+            float(args.z_loss_coeff),
+            E=E,
+            E_P2=E_P2,
+            K=k,
+            MODE=_mode(args),
+            Z=z,
+            NUM_SEQS=b,
+            BLOCKS_PER_SEQ=seq_len // BLOCK_T,
+            BLOCKS_P2=triton.next_power_of_2(blocks),
+            SCALE_TENSOR=torch.is_tensor(ctx.scale),
+        )
         ctx.save_for_backward(logits, experts, f)
         ctx.seq_len, ctx.args, ctx.block_t = seq_len, args, BLOCK_T
         ctx.mark_non_differentiable(experts, balance, tokens_per_expert, record)
@@ -93,13 +135,31 @@ class _FusedRoute(torch.autograd.Function):
         scale_ptr, scale_value = _scale_args(ctx.scale, f)
         d_logits = torch.empty_like(logits)
         _route_backward[(T // ctx.block_t,)](
-            logits, experts, g_probs, f if g_loss is None else g_loss.float().reshape(()), scale_ptr, scale_value, f,
-            d_logits, ctx.seq_len, T // ctx.seq_len, float(args.routed_scaling_factor), float(args.aux_loss_coeff),
+            logits,
+            experts,
+            g_probs,
+            f if g_loss is None else g_loss.float().reshape(()),
+            scale_ptr,
+            scale_value,
+            f,
+            d_logits,
+            ctx.seq_len,
+            T // ctx.seq_len,
+            float(args.routed_scaling_factor),
+            float(args.aux_loss_coeff),
             float(args.z_loss_coeff),
-            E=E, E_P2=triton.next_power_of_2(E), K=k, K_P2=triton.next_power_of_2(k),
-            SOFTMAX=args.score_func == "softmax", NORM=args.norm_topk_prob, MODE=_mode(args),
-            Z=args.z_loss_coeff > 0, LOSS_GRAD=g_loss is not None, SCALE_TENSOR=torch.is_tensor(ctx.scale),
-            BLOCK_T=ctx.block_t)
+            E=E,
+            E_P2=triton.next_power_of_2(E),
+            K=k,
+            K_P2=triton.next_power_of_2(k),
+            SOFTMAX=args.score_func == "softmax",
+            NORM=args.norm_topk_prob,
+            MODE=_mode(args),
+            Z=args.z_loss_coeff > 0,
+            LOSS_GRAD=g_loss is not None,
+            SCALE_TENSOR=torch.is_tensor(ctx.scale),
+            BLOCK_T=ctx.block_t,
+        )
         return d_logits, None, None, None, None
 
 
@@ -109,8 +169,9 @@ def _scale_args(scale, placeholder: torch.Tensor) -> tuple:
     return (scale, 1.0) if torch.is_tensor(scale) else (placeholder, scale)
 
 
-def fused_route_whole(logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs,
-                      loss_scale: torch.Tensor | float):
+def fused_route_whole(
+    logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs, loss_scale: torch.Tensor | float
+):
     """route_whole (moe/router.py) of float32 logits [T, E] as Triton kernels: (probs [T, k],
     experts [T, k], loss, balance_loss, tokens_per_expert [E], record [4]); only where supported()."""
     return _FusedRoute.apply(logits, expert_bias, loss_scale, seq_len, args)
@@ -143,11 +204,29 @@ if triton is not None:
         return tl.min(tl.where(x == top[:, None], cols[None, :], x.shape[1]), axis=1)
 
     @triton.jit
-    def _route_forward(logits_ptr, bias_ptr, probs_ptr, experts_ptr, score_part_ptr, count_part_ptr, z_part_ptr,
-                       routed_scale, E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
-                       SOFTMAX: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                       G_P2: tl.constexpr, GROUP_TOPK: tl.constexpr, NORM: tl.constexpr, Z: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
+    def _route_forward(
+        logits_ptr,
+        bias_ptr,
+        probs_ptr,
+        experts_ptr,
+        score_part_ptr,
+        count_part_ptr,
+        z_part_ptr,
+        routed_scale,
+        E: tl.constexpr,
+        E_P2: tl.constexpr,
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        SOFTMAX: tl.constexpr,
+        BIAS: tl.constexpr,
+        GROUPS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        G_P2: tl.constexpr,
+        GROUP_TOPK: tl.constexpr,
+        NORM: tl.constexpr,
+        Z: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
         block = tl.program_id(0)
         rows = block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
         cols = tl.arange(0, E_P2)  # [E_P2] experts
@@ -201,11 +280,30 @@ if triton is not None:
             tl.store(z_part_ptr + block, tl.sum(lse * lse, axis=0))
 
     @triton.jit
-    def _route_losses(score_part_ptr, count_part_ptr, z_part_ptr, scale_ptr, scale_value, loss_ptr, balance_ptr,
-                      tpe_ptr, record_ptr, f_ptr, seq_len, aux_coeff, z_coeff,
-                      E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, MODE: tl.constexpr, Z: tl.constexpr,
-                      NUM_SEQS: tl.constexpr, BLOCKS_PER_SEQ: tl.constexpr, BLOCKS_P2: tl.constexpr,
-                      SCALE_TENSOR: tl.constexpr):
+    def _route_losses(
+        score_part_ptr,
+        count_part_ptr,
+        z_part_ptr,
+        scale_ptr,
+        scale_value,
+        loss_ptr,
+        balance_ptr,
+        tpe_ptr,
+        record_ptr,
+        f_ptr,
+        seq_len,
+        aux_coeff,
+        z_coeff,
+        E: tl.constexpr,
+        E_P2: tl.constexpr,
+        K: tl.constexpr,
+        MODE: tl.constexpr,
+        Z: tl.constexpr,
+        NUM_SEQS: tl.constexpr,
+        BLOCKS_PER_SEQ: tl.constexpr,
+        BLOCKS_P2: tl.constexpr,
+        SCALE_TENSOR: tl.constexpr,
+    ):
         # one program: the blocks' sums, per sequence (a batch's shape: compiled once per run)
         cols = tl.arange(0, E_P2)
         col_ok = cols < E
@@ -251,11 +349,32 @@ if triton is not None:
         tl.store(record_ptr + four, record)
 
     @triton.jit
-    def _route_backward(logits_ptr, experts_ptr, g_probs_ptr, g_loss_ptr, scale_ptr, scale_value, f_ptr,
-                        d_logits_ptr, seq_len, num_seqs, routed_scale, aux_coeff, z_coeff,
-                        E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
-                        SOFTMAX: tl.constexpr, NORM: tl.constexpr, MODE: tl.constexpr, Z: tl.constexpr,
-                        LOSS_GRAD: tl.constexpr, SCALE_TENSOR: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _route_backward(
+        logits_ptr,
+        experts_ptr,
+        g_probs_ptr,
+        g_loss_ptr,
+        scale_ptr,
+        scale_value,
+        f_ptr,
+        d_logits_ptr,
+        seq_len,
+        num_seqs,
+        routed_scale,
+        aux_coeff,
+        z_coeff,
+        E: tl.constexpr,
+        E_P2: tl.constexpr,
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        SOFTMAX: tl.constexpr,
+        NORM: tl.constexpr,
+        MODE: tl.constexpr,
+        Z: tl.constexpr,
+        LOSS_GRAD: tl.constexpr,
+        SCALE_TENSOR: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
         block = tl.program_id(0)
         rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_P2)

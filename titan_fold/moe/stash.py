@@ -95,8 +95,10 @@ class Stash:
             self.pools.append(torch.empty((self.rows + R, *t.shape[1:]), dtype=t.dtype, device=t.device))
         pool = self.pools[i]
         if pool.shape[1:] != t.shape[1:] or pool.dtype != t.dtype or pool.shape[0] < self.rows + R:
-            raise RuntimeError(f"moe.stash_rows: saved tensor {i} of a layer is {tuple(t.shape)} {t.dtype}, "
-                               f"its pool {tuple(pool.shape)} {pool.dtype}: every MoE layer must save alike")
+            raise RuntimeError(
+                f"moe.stash_rows: saved tensor {i} of a layer is {tuple(t.shape)} {t.dtype}, "
+                f"its pool {tuple(pool.shape)} {pool.dtype}: every MoE layer must save alike"
+            )
         pool.index_copy_(0, start + torch.arange(R, device=t.device), t)
         return _Stashed(self, pool, start, valid, R, dtype)
 
@@ -109,8 +111,9 @@ class Stash:
 class _Stashed:
     """What autograd keeps of one stashed tensor: where its rows are."""
 
-    def __init__(self, stash: Stash, pool: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, R: int,
-                 dtype: torch.dtype):
+    def __init__(
+        self, stash: Stash, pool: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, R: int, dtype: torch.dtype
+    ):
         self.pool, self.start, self.valid, self.R, self.dtype = pool, start, valid, R, dtype
         stash.outstanding += 1
         weakref.finalize(self, stash._release)
@@ -129,4 +132,3 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _unpack(saved):
     return saved.unpack() if isinstance(saved, _Stashed) else saved
-

@@ -55,8 +55,14 @@ class WgradQueue:
         return len(self.pending)
 
 
-def defer_weight_grad(queue: WgradQueue, w: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
-                      offs: torch.Tensor, weight_grad: Callable = None) -> None:
+def defer_weight_grad(
+    queue: WgradQueue,
+    w: torch.Tensor,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    weight_grad: Callable = None,
+) -> None:
     """Queue dW = grad^T x per group, sent into w's autograd graph (w is the forward's weight
     operand); weight_grad(grad, x, offs) -> [E, N, K] computes it (default: torch's GEMMs)."""
     if not w.requires_grad:
@@ -71,8 +77,11 @@ def defer_weight_grad(queue: WgradQueue, w: torch.Tensor, grad: torch.Tensor, x:
 def _grouped_ok(x: torch.Tensor, *widths: int) -> bool:
     # bf16 anywhere (CUDA, CPU eager, fake tensors), fp32 in CPU eager; 16-byte aligned rows
     fp32_ok = x.dtype == torch.float32 and not x.is_cuda and not is_fake(x)
-    return (hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or fp32_ok)
-            and all((n * x.element_size()) % 16 == 0 for n in widths))
+    return (
+        hasattr(torch, "_grouped_mm")
+        and (x.dtype == torch.bfloat16 or fp32_ok)
+        and all((n * x.element_size()) % 16 == 0 for n in widths)
+    )
 
 
 def _weight_grad_of(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -130,6 +139,7 @@ def split_grouped_linear(queue: WgradQueue, fp8: bool = False, quack: bool = Fal
     The GEMM takes w detached: w's own graph (its cast, DTensor.to_local) is run once, by the
     queued work, and not by the layer's backward (where, given no gradient, a DTensor's
     to_local would still accumulate a zero gradient into the parameter)."""
+
     def linear(x, w, offs):
         def defer(grad, x_, offs_):
             defer_weight_grad(queue, w, grad, x_, offs_, weight_grad if quack else None)

@@ -95,9 +95,15 @@ _KERNEL_MIN_NUMEL = 1 << 16
 
 
 def _summed_by_kernel(g: torch.Tensor, norm_type: float) -> bool:
-    return (norm_type == 2.0 and g.is_cuda and not isinstance(g, DTensor) and g.is_contiguous()
-            and g.numel() >= _KERNEL_MIN_NUMEL and g.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and g.data_ptr() % g.element_size() == 0)
+    return (
+        norm_type == 2.0
+        and g.is_cuda
+        and not isinstance(g, DTensor)
+        and g.is_contiguous()
+        and g.numel() >= _KERNEL_MIN_NUMEL
+        and g.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and g.data_ptr() % g.element_size() == 0
+    )
 
 
 def full_norm(norm: DTensor, norm_type: float) -> torch.Tensor:
@@ -120,11 +126,14 @@ def divides_by_grad_scale(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in opt.param_groups)
 
 
-
 @torch.no_grad()
-def group_norms(tensors: Iterable[tuple[str, torch.Tensor]], groups: tuple[str, ...],
-                group_of: Callable[[str], str], device: torch.device,
-                pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def group_norms(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    groups: tuple[str, ...],
+    group_of: Callable[[str], str],
+    device: torch.device,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
     """The squared 2-norm of each group's tensors (gradients, updates) over every mesh they live
     on, summed over pp as clip_grad_norm_ sums the total, and how many tensors each group has:
     [2, groups]. `group_of(name)` names a tensor's group. The one all-reduce over pp takes every

@@ -57,20 +57,28 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
             moe.dispatcher.stash = stash
 
 
-def expert_slice(w: torch.Tensor, name: str, ep_mesh: DeviceMesh | None = None,
-                 etp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def expert_slice(
+    w: torch.Tensor, name: str, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """This rank's slice (a view) of a full stacked expert weight experts.<name>, as the
     plan places it: w13 [E, 2 * ffn, dim] -> [E/ep, 2 * ffn/etp, dim]; w2 -> [E/ep, dim, ffn/etp]."""
     meshes = {d: m for d, m in (("ep", ep_mesh), ("etp", etp_mesh)) if m is not None}
     for (d, mesh), placement in zip(meshes.items(), expert_placements(name, meshes)):
         if w.shape[placement.dim] % mesh.size():
-            raise ValueError(f"experts.{name}: dim {placement.dim} of {tuple(w.shape)} does not split {d} = {mesh.size()} ways")
+            raise ValueError(
+                f"experts.{name}: dim {placement.dim} of {tuple(w.shape)} does not split {d} = {mesh.size()} ways"
+            )
         w = w.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
     return w
 
 
-def shard_moe(moe: MoE, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh | None = None,
-              seq_mesh: DeviceMesh | None = None, weights_mesh: DeviceMesh | None = None) -> None:
+def shard_moe(
+    moe: MoE,
+    ep_mesh: DeviceMesh | None = None,
+    etp_mesh: DeviceMesh | None = None,
+    seq_mesh: DeviceMesh | None = None,
+    weights_mesh: DeviceMesh | None = None,
+) -> None:
     """One MoE layer on its own (tests, benchmarks): its full expert weights (equal on every
     rank) become this rank's slices, new Parameters (build the optimizer afterwards), and it
     dispatches over ep x etp. weights_mesh: None = plain local tensors; else a mesh whose dims
@@ -80,7 +88,8 @@ def shard_moe(moe: MoE, ep_mesh: DeviceMesh | None = None, etp_mesh: DeviceMesh 
         full = getattr(moe.experts, name)
         part = expert_slice(full.detach(), name, ep_mesh, etp_mesh).clone()
         if weights_mesh is not None:
-            part = DTensor.from_local(part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names),
-                                      run_check=False)
+            part = DTensor.from_local(
+                part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names), run_check=False
+            )
         setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
     moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)

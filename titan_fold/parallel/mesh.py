@@ -99,9 +99,7 @@ class Layout(ParallelDims):
 
         pp, dpr, cp, tp, ep, etp = self.pp, self.dp_replicate, self.cp, self.tp, self.ep, self.etp
         if w % pp:
-            raise LayoutError(
-                f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(_nearest(pp, divisors(w)))}"
-            )
+            raise LayoutError(f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(_nearest(pp, divisors(w)))}")
         per_stage = w // pp
 
         # attention: pp * dp_replicate * dp_shard * cp * tp == world_size
@@ -126,8 +124,7 @@ class Layout(ParallelDims):
             if per_stage % (ep * etp):
                 raise LayoutError(
                     f"expert mesh: ep({ep}) * etp({etp}) = {ep * etp} must divide world_size / pp = "
-                    f"{w} / {pp} = {per_stage} so that edp can be derived; "
-                    + self._expert_neighbours(per_stage)
+                    f"{w} / {pp} = {per_stage} so that edp can be derived; " + self._expert_neighbours(per_stage)
                 )
             self.edp = per_stage // (ep * etp)
         if pp * self.edp * ep * etp != w:
@@ -211,8 +208,13 @@ class Layout(ParallelDims):
     def validate_model(self, model_args, seq_len: int | None = None) -> "Layout":
         """`validate` against a model's sizes (a TransformerArgs); None skips the sequence check."""
         moe = model_args.moe
-        return self.validate(num_experts=moe.num_experts, moe_ffn_dim=moe.moe_ffn_dim, n_heads=model_args.n_heads,
-                             n_kv_heads=model_args.n_kv_heads, seq_len=seq_len)
+        return self.validate(
+            num_experts=moe.num_experts,
+            moe_ffn_dim=moe.moe_ffn_dim,
+            n_heads=model_args.n_heads,
+            n_kv_heads=model_args.n_kv_heads,
+            seq_len=seq_len,
+        )
 
     # ---- meshes ----
 
@@ -332,7 +334,9 @@ class Layout(ParallelDims):
                 return mesh[names]
             # a flattened name among others: unflatten the span instead of slicing a flattened
             # dim out of the root mesh (deprecated in torch 2.11)
-            if [dims.index(d) for d in expanded] != list(range(dims.index(expanded[0]), dims.index(expanded[0]) + len(expanded))):
+            if [dims.index(d) for d in expanded] != list(
+                range(dims.index(expanded[0]), dims.index(expanded[0]) + len(expanded))
+            ):
                 break
             known = [f for f, (_, fdims) in FLATTENED.items() if list(fdims) == expanded]
             span = self._meshes[known[0]] if known else mesh[tuple(expanded)]._flatten("_".join(expanded))

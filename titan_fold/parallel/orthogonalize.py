@@ -40,8 +40,9 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from titan_fold.models.groups import from_matrices, matrices, matrix_shape
 
 
-def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+def newton_schulz(
+    x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
     """x [..., A, B] -> its Newton-Schulz orthogonalization, each matrix on its own, computed in
     `dtype` and returned in it (torch.optim.Muon's iteration; on [A, B] its very ops)."""
     a, b, c = coefficients
@@ -93,7 +94,9 @@ def local_indices(p: DTensor) -> list[torch.Tensor]:
     out = []
     for d, size in enumerate(p.shape):
         placements = [_on_dim0(pl) if _shards(pl) == d else Replicate() for pl in p.placements]
-        out.append(distribute_tensor(torch.arange(size), p.device_mesh, placements, src_data_rank=None).to_local().cpu())
+        out.append(
+            distribute_tensor(torch.arange(size), p.device_mesh, placements, src_data_rank=None).to_local().cpu()
+        )
     return out
 
 
@@ -134,16 +137,26 @@ class Entry:
 
 def entries_of(named: list[tuple[str, torch.Tensor]], ns_steps: int) -> list[Entry]:
     """An Entry per Muon parameter of `named`, with its units and their Newton-Schulz FLOPs."""
-    return [Entry(name, p, p.shape[0] if p.ndim == 3 else 1,
-                  (2 if name.endswith(".experts.w13") else 1) * ns_flops(matrix_shape(name, p.shape), ns_steps))
-            for name, p in named]
+    return [
+        Entry(
+            name,
+            p,
+            p.shape[0] if p.ndim == 3 else 1,
+            (2 if name.endswith(".experts.w13") else 1) * ns_flops(matrix_shape(name, p.shape), ns_steps),
+        )
+        for name, p in named
+    ]
 
 
 def _piece_index(rows: torch.Tensor, cols: torch.Tensor, device) -> tuple:
     """The index of the piece [rows, cols] of a matrix: a slice for a run of consecutive indices
     (a plain Shard's, a view), else index tensors on `device` (a strided shard's)."""
-    runs = [slice(int(i[0]), int(i[-1]) + 1) if len(i) and torch.equal(i, torch.arange(int(i[0]), int(i[0]) + len(i)))
-            else None for i in (rows, cols)]
+    runs = [
+        slice(int(i[0]), int(i[-1]) + 1)
+        if len(i) and torch.equal(i, torch.arange(int(i[0]), int(i[0]) + len(i)))
+        else None
+        for i in (rows, cols)
+    ]
     if None not in runs:
         return tuple(runs)
     return rows.to(device)[:, None], cols.to(device)[None, :]
@@ -154,8 +167,9 @@ def assign_owners(entries: list[Entry], ranks: Callable[[Entry], list[int]]) -> 
     FLOPs first, each to the rank with the fewest so far (the lowest rank of those tied);
     ranks(entry): its mesh's global ranks by position. Entries whose meshes span the same ranks
     share one count. -> FLOPs per global rank."""
-    units = sorted(((e.cost, i, u) for i, e in enumerate(entries) for u in range(e.units)),
-                   key=lambda t: (-t[0], t[1], t[2]))
+    units = sorted(
+        ((e.cost, i, u) for i, e in enumerate(entries) for u in range(e.units)), key=lambda t: (-t[0], t[1], t[2])
+    )
     for e in entries:
         e.owners = [0] * e.units
     # one count per set of ranks, a heap of (FLOPs, rank): every rank of a set sees the same
@@ -201,8 +215,9 @@ class Orthogonalizer:
             self._index(self.mesh_of[key], self.groups[key], entries)
         self.plain = [e for e in self.entries if all(e not in es for es in self.meshes.values())]
         ranks = {id(e): list(key[0]) for key, entries in self.meshes.items() for e in entries}
-        self.loads = assign_owners(self.entries, lambda e: ranks.get(id(e), [dist.get_rank() if dist.is_initialized()
-                                                                               else 0]))
+        self.loads = assign_owners(
+            self.entries, lambda e: ranks.get(id(e), [dist.get_rank() if dist.is_initialized() else 0])
+        )
 
     @staticmethod
     def _index(mesh: DeviceMesh, group, entries: list[Entry]) -> None:
@@ -212,16 +227,21 @@ class Orthogonalizer:
         dist.all_gather_object(gathered, mine, group=group)
         members = mesh.mesh.flatten().tolist()
         by_pos = [gathered[dist.get_group_rank(group, g)] for g in members]
-        coords = [tuple(int(c) for c in torch.unravel_index(torch.tensor(pos), tuple(mesh.mesh.shape)))
-                  for pos in range(len(members))]
+        coords = [
+            tuple(int(c) for c in torch.unravel_index(torch.tensor(pos), tuple(mesh.mesh.shape)))
+            for pos in range(len(members))
+        ]
         for k, e in enumerate(entries):
-            e.set_indices([[torch.tensor(i, dtype=torch.long) for i in by_pos[pos][k]] for pos in range(len(members))],
-                          e.param.to_local().device)
+            e.set_indices(
+                [[torch.tensor(i, dtype=torch.long) for i in by_pos[pos][k]] for pos in range(len(members))],
+                e.param.to_local().device,
+            )
             replicated = [dim for dim, pl in enumerate(e.param.placements) if _shards(pl) is None]
             e.slice_key = [tuple(c[dim] for dim in replicated) for c in coords]
 
-    def __call__(self, updates: list[torch.Tensor], orthogonalize: Callable[[torch.Tensor], torch.Tensor],
-                 dtype: torch.dtype) -> list[torch.Tensor]:
+    def __call__(
+        self, updates: list[torch.Tensor], orthogonalize: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """updates: each parameter's local update (placed as the parameter) -> its local
         orthogonalized update in `dtype`; orthogonalize: [n, A, B] -> [n, A, B] in `dtype`."""
         local_of = {id(e): u for e, u in zip(self.entries, updates)}
@@ -254,8 +274,10 @@ class Orthogonalizer:
                     send.append((local[held[u]] if e.stacked else local).reshape(-1).to(dtype))
                     n += send[-1].numel()
             send_sizes.append(n)
-        recv_sizes = [sum(e.piece_numel(s) for e, u in owned[me] if e.slice_key[s] == e.slice_key[me] and u in e.held[s])
-                      for s in range(size)]
+        recv_sizes = [
+            sum(e.piece_numel(s) for e, u in owned[me] if e.slice_key[s] == e.slice_key[me] and u in e.held[s])
+            for s in range(size)
+        ]
         received = _all_to_all(send, send_sizes, recv_sizes, group, members, dtype, device)
         # assemble my units whole
         full = {}
@@ -267,7 +289,7 @@ class Orthogonalizer:
             for e, u in owned[me]:
                 if e.slice_key[s] == e.slice_key[me] and u in e.held[s]:
                     n = e.piece_numel(s)
-                    full[(id(e), u)][e.pieces[s]] = chunk[at:at + n].view(e.piece_shapes[s])
+                    full[(id(e), u)][e.pieces[s]] = chunk[at : at + n].view(e.piece_shapes[s])
                     at += n
         done = _orthogonalize_units(owned[me], full, orthogonalize)
         # scatter: each rank's piece of every unit I own
@@ -288,13 +310,20 @@ class Orthogonalizer:
                 held = e.held[me]
                 if u in held:
                     target = out[id(e)][held[u]] if e.stacked else out[id(e)]
-                    target.copy_(chunk[at:at + target.numel()].view(target.shape))
+                    target.copy_(chunk[at : at + target.numel()].view(target.shape))
                     at += target.numel()
         return out
 
 
-def _all_to_all(send: list[torch.Tensor], send_sizes: list[int], recv_sizes: list[int], group, members: list[int],
-                dtype: torch.dtype, device) -> list[torch.Tensor]:
+def _all_to_all(
+    send: list[torch.Tensor],
+    send_sizes: list[int],
+    recv_sizes: list[int],
+    group,
+    members: list[int],
+    dtype: torch.dtype,
+    device,
+) -> list[torch.Tensor]:
     """One all_to_all_single over `group` (positions: `members`' global ranks) -> the received chunk per position."""
     by_group_rank = sorted(range(len(members)), key=lambda pos: dist.get_group_rank(group, members[pos]))
     # the send buffer in group-rank order
@@ -302,19 +331,27 @@ def _all_to_all(send: list[torch.Tensor], send_sizes: list[int], recv_sizes: lis
     for n in send_sizes:
         starts.append(starts[-1] + n)
     flat = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
-    ordered = torch.cat([flat[starts[p]:starts[p + 1]] for p in by_group_rank]) if flat.numel() else flat
+    ordered = torch.cat([flat[starts[p] : starts[p + 1]] for p in by_group_rank]) if flat.numel() else flat
     output = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    dist.all_to_all_single(output, ordered.contiguous(), [recv_sizes[p] for p in by_group_rank],
-                           [send_sizes[p] for p in by_group_rank], group=group)
+    dist.all_to_all_single(
+        output,
+        ordered.contiguous(),
+        [recv_sizes[p] for p in by_group_rank],
+        [send_sizes[p] for p in by_group_rank],
+        group=group,
+    )
     chunks, at = {}, 0
     for p in by_group_rank:
-        chunks[p] = output[at:at + recv_sizes[p]]
+        chunks[p] = output[at : at + recv_sizes[p]]
         at += recv_sizes[p]
     return [chunks[p] for p in range(len(members))]
 
 
-def _orthogonalize_units(units: list[tuple[Entry, int]], full: dict[tuple[int, int], torch.Tensor],
-                         orthogonalize: Callable[[torch.Tensor], torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
+def _orthogonalize_units(
+    units: list[tuple[Entry, int]],
+    full: dict[tuple[int, int], torch.Tensor],
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[tuple[int, int], torch.Tensor]:
     """Each unit whole ({(id(entry), unit): [A, B]}) -> orthogonalized: the matrices of one shape in one batch."""
     batches: dict[tuple, list[tuple[Entry, int, int]]] = defaultdict(list)  # shape -> (entry, unit, matrices)
     stacks: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -327,6 +364,6 @@ def _orthogonalize_units(units: list[tuple[Entry, int]], full: dict[tuple[int, i
         result = orthogonalize(torch.cat(stacks[shape]))
         at = 0
         for e, u, k in members:
-            done[(id(e), u)] = from_matrices(e.name, result[at:at + k])
+            done[(id(e), u)] = from_matrices(e.name, result[at : at + k])
             at += k
     return done

@@ -88,8 +88,11 @@ class Piece:
         self.outputs = fn(*self.inputs)
 
     def backward(self, grads: list) -> list:
-        pairs = [(o, _wait(g)) for o, g in zip(self.outputs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        pairs = [
+            (o, _wait(g))
+            for o, g in zip(self.outputs, grads)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return [t.grad if isinstance(t, torch.Tensor) else None for t in self.inputs]
@@ -147,18 +150,24 @@ class MicroBatch:
                 continue
             moe = block.moe
             h, shared, x_rows, w_rows, plan = self._compute(
-                f"layer{i} attention", lambda x, block=block: block.overlap_attention(x, cos, sin), h)
+                f"layer{i} attention", lambda x, block=block: block.overlap_attention(x, cos, sin), h
+            )
             sp, mesh = plan.splits, moe.dispatcher.ep_mesh  # ep > 1 (overlap_problem)
             x_in, w_in = self._comm(f"layer{i} dispatch a2a", [x_rows, w_rows], sp.send, sp.recv, mesh)
             yield
-            (y_in,) = self._compute(f"layer{i} experts", lambda x, w, moe=moe, plan=plan: (
-                moe.dispatcher.compute(x, w, plan, moe.experts, moe.args),), x_in, w_in)
+            (y_in,) = self._compute(
+                f"layer{i} experts",
+                lambda x, w, moe=moe, plan=plan: (moe.dispatcher.compute(x, w, plan, moe.experts, moe.args),),
+                x_in,
+                w_in,
+            )
             if moe.experts.wgrad is not None:
                 self.wgrad[len(self.pieces) - 1] = moe.experts.wgrad
             (y_rows,) = self._comm(f"layer{i} combine a2a", [y_in], sp.recv, sp.send, mesh)
             yield
-            (h,) = self._compute(f"layer{i} post", lambda r, y, s, moe=moe, plan=plan: (_post(moe, plan, r, y, s),),
-                                 h, y_rows, shared)
+            (h,) = self._compute(
+                f"layer{i} post", lambda r, y, s, moe=moe, plan=plan: (_post(moe, plan, r, y, s),), h, y_rows, shared
+            )
         (self.output,) = self._compute("head", lambda x: (self._loss(model.overlap_head(x)),), h)
 
     def _loss(self, out):
@@ -293,8 +302,13 @@ class OverlapSchedule:
     context(): what the trainer runs forward and backward under (loss parallel);
     forward_context(): what it runs only forward under (autocast)."""
 
-    def __init__(self, model: nn.Module, micro_batches: int, context=contextlib.nullcontext,
-                 forward_context=contextlib.nullcontext):
+    def __init__(
+        self,
+        model: nn.Module,
+        micro_batches: int,
+        context=contextlib.nullcontext,
+        forward_context=contextlib.nullcontext,
+    ):
         prepare(model)
         self.model, self.micro_batches = model, micro_batches
         self.context, self.forward_context = context, forward_context
@@ -337,8 +351,7 @@ def pair_steady_state(actions: list) -> list:
     out = []
     for a in actions:
         b = out[-1] if out else None
-        if (a is not None and a.computation_type == FORWARD and b is not None
-                and b.computation_type == FULL_BACKWARD):
+        if a is not None and a.computation_type == FORWARD and b is not None and b.computation_type == FULL_BACKWARD:
             out[-1] = _Action(-1, OVERLAP_F_B, None, (a, b))
         else:
             out.append(a)
@@ -355,8 +368,7 @@ def overlapped_pipeline(cls: type, stages: list, n_microbatches: int, loss_fn, p
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         order = schedule.pipeline_order
     else:
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                            scale_grads=False)
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         pp = stages[0].group_size
         order = {r: one_f_one_b(r, pp, n_microbatches) for r in range(pp)}
     schedule.pipeline_order = {r: pair_steady_state(actions) for r, actions in order.items()}
@@ -400,8 +412,14 @@ class StagePieces:
             args = stage._retrieve_recv_activations(i)
         args, kwargs = self.pre_forward[s](stage.submod, args, dict(ctx.kwarg_mbs[i]))
         last = stage.is_last
-        mb = MicroBatch(stage.submod, args[0], ctx.target_mbs[i] if last else None,
-                        schedule._loss_fn if last else None, kwargs.get("positions"), i)
+        mb = MicroBatch(
+            stage.submod,
+            args[0],
+            ctx.target_mbs[i] if last else None,
+            schedule._loss_fn if last else None,
+            kwargs.get("positions"),
+            i,
+        )
         yield from mb.forward()
         self.micro_batches[s, i] = mb
         stage.fwd_cache[i] = ((mb.output,), list(args))
@@ -442,26 +460,40 @@ def overlap_problem(config, layout) -> str | None:
         if not getattr(moe, key):
             continue
         if layout.ep == 1:
-            return (f"moe.{key} = true needs parallelism.expert_parallel_degree > 1: it hides the expert "
-                    "all-to-all, and ep = 1 has none")
+            return (
+                f"moe.{key} = true needs parallelism.expert_parallel_degree > 1: it hides the expert "
+                "all-to-all, and ep = 1 has none"
+            )
         if compiled:
-            return (f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
-                    "outside one compiled graph; choose one")
+            return (
+                f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
+                "outside one compiled graph; choose one"
+            )
     if not moe.overlap_ep_comm:
         return None
     schedule = config.parallelism.pipeline_parallel_schedule
     if layout.pp > 1 and schedule.lower() not in [name.lower() for name in PIPELINE_SCHEDULES]:
-        return (f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = {schedule!r}: it pairs "
-                f"the backward and forward of a 1F1B steady state; choose {' or '.join(PIPELINE_SCHEDULES)}")
+        return (
+            f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = {schedule!r}: it pairs "
+            f"the backward and forward of a 1F1B steady state; choose {' or '.join(PIPELINE_SCHEDULES)}"
+        )
     if layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
         tr = config.training
-        return (f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
-                f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}")
+        return (
+            f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
+            f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}"
+        )
     if config.mtp.num_layers > 0:
-        return (f"moe.overlap_ep_comm = true with mtp.num_layers = {config.mtp.num_layers}: the overlapped schedule "
-                "runs the main model's blocks only; choose one")
+        return (
+            f"moe.overlap_ep_comm = true with mtp.num_layers = {config.mtp.num_layers}: the overlapped schedule "
+            "runs the main model's blocks only; choose one"
+        )
     if ac.mode != "none" or ac.moe_layer_recompute:
-        what = f"activation_checkpoint.mode = '{ac.mode}'" if ac.mode != "none" else "activation_checkpoint.moe_layer_recompute"
+        what = (
+            f"activation_checkpoint.mode = '{ac.mode}'"
+            if ac.mode != "none"
+            else "activation_checkpoint.moe_layer_recompute"
+        )
         return f"moe.overlap_ep_comm = true with {what}: the overlapped pieces are not recomputed; choose one"
     return None
 
@@ -477,5 +509,9 @@ def overlap_forward_backward(trainer, *, input_dict, labels, global_valid_tokens
         # a new tensor, not fill_: the previous micro-batch's backward still reads its own
         moe.aux_loss_scale = scale.detach().clone()
     inputs, labels, _, extra_kwargs = trainer.post_dataloading_process(input_dict, labels)
-    return trainer.overlap.step(inputs, labels, lambda pred, target: trainer.loss_fn(pred, target) / global_valid_tokens,
-                                extra_kwargs.get("positions"))
+    return trainer.overlap.step(
+        inputs,
+        labels,
+        lambda pred, target: trainer.loss_fn(pred, target) / global_valid_tokens,
+        extra_kwargs.get("positions"),
+    )

@@ -184,10 +184,14 @@ def apply_fsdp(model: nn.Module, layout: Layout, plan: dict[str, Placed], job_co
         meshes = {placed[id(p)].fsdp_mesh for p in params}
         if len(meshes) != 1:
             raise AssertionError(f"one FSDP unit, parameters on different FSDP meshes {meshes}: fix placement.py")
-        fully_shard(unit, mesh=layout.get_mesh(list(meshes.pop())), mp_policy=mp_policy,
-                    reshard_after_forward=reshard and unit is not model,
-                    shard_placement_fn=lambda p: Shard(placed[id(p)].fsdp_dim),
-                    ignored_params=outside & set(unit.parameters()))
+        fully_shard(
+            unit,
+            mesh=layout.get_mesh(list(meshes.pop())),
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard and unit is not model,
+            shard_placement_fn=lambda p: Shard(placed[id(p)].fsdp_dim),
+            ignored_params=outside & set(unit.parameters()),
+        )
         unit.set_gradient_divide_factor(1.0)
         if not on_gpu:
             # gloo has no PREMUL_SUM

@@ -73,7 +73,9 @@ def split_layers(n_layers: int, num_stages: int, first_less: int = 1, last_less:
     for s, n in enumerate(counts):
         fqns = [f"layers.{i}" for i in range(start, start + n)]
         start += n
-        stages.append((["tok_embeddings"] if s == 0 else []) + fqns + (["norm", "output"] if s == num_stages - 1 else []))
+        stages.append(
+            (["tok_embeddings"] if s == 0 else []) + fqns + (["norm", "output"] if s == num_stages - 1 else [])
+        )
     return stages
 
 
@@ -94,7 +96,9 @@ def stage_fqns(parallelism, n_layers: int, pp: int) -> list[list[str]]:
             )
     elif parallelism.pipeline_parallel_layers_per_stage is not None:
         per_stage = parallelism.pipeline_parallel_layers_per_stage
-        stages = split_layers(n_layers, math.ceil((n_layers + first_less + last_less) / per_stage), first_less, last_less)
+        stages = split_layers(
+            n_layers, math.ceil((n_layers + first_less + last_less) / per_stage), first_less, last_less
+        )
     else:
         stages = split_layers(n_layers, pp * (1 if single else 2), first_less, last_less)
     if len(stages) % pp or (single and len(stages) != pp):
@@ -197,8 +201,11 @@ def stage_io(stage: int, num_stages: int, layout: Layout, job_config, model_args
     # requires_grad: gradients travel back along the hidden states
     h = torch.empty(mb, s // layout.tp, model_args.dim, dtype=hidden, device=meta, requires_grad=True)
     first = torch.empty(mb, s, dtype=torch.int64, device=meta) if stage == 0 else h
-    last = (torch.empty(mb, s, model_args.vocab_size, dtype=logits, device=meta, requires_grad=True)
-            if stage == num_stages - 1 else h)
+    last = (
+        torch.empty(mb, s, model_args.vocab_size, dtype=logits, device=meta, requires_grad=True)
+        if stage == num_stages - 1
+        else h
+    )
     return first, last
 
 
@@ -213,8 +220,10 @@ def check_pipeline(job_config, model_args, pp: int) -> tuple[type, list[list[str
     cls = schedule_class(p.pipeline_parallel_schedule)
     mb_size, local_batch = p.pipeline_parallel_microbatch_size, job_config.training.local_batch_size
     if local_batch % mb_size:
-        raise LayoutError(f"training.local_batch_size = {local_batch}: not a multiple of "
-                          f"parallelism.pipeline_parallel_microbatch_size = {mb_size}")
+        raise LayoutError(
+            f"training.local_batch_size = {local_batch}: not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size = {mb_size}"
+        )
     stages, n_microbatches = stage_fqns(p, model_args.n_layers, pp), local_batch // mb_size
     # the schedules' own rules, which they would otherwise raise after the process groups exist
     rounds = max(1, n_microbatches // pp)
@@ -238,16 +247,20 @@ def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device,
         hooks.append(StageHooks(part))
         model_parts.append(part)
         inputs, outputs = stage_io(s, num_stages, layout, job_config, model_args)
-        stages.append(PipelineStage(part, s, num_stages, device, input_args=inputs, output_args=outputs,
-                                    group=pp_mesh.get_group()))
+        stages.append(
+            PipelineStage(
+                part, s, num_stages, device, input_args=inputs, output_args=outputs, group=pp_mesh.get_group()
+            )
+        )
         logger.info(f"Pipeline stage {s} of {num_stages} on pp rank {pp_rank}: {all_fqns[s]}")
     token_loss = TokenNormalizedLoss(loss_fn)
     if model_args.moe.overlap_ep_comm:  # the steady state's pairs overlapped (parallel/overlap.py)
         schedule = overlapped_pipeline(cls, stages, n_microbatches, token_loss, [h.pre_forward for h in hooks])
     else:
         single = issubclass(cls, PipelineScheduleSingle)
-        schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=token_loss,
-                       scale_grads=False)
+        schedule = cls(
+            stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=token_loss, scale_grads=False
+        )
     # pipeline_forward_backward sets its scale every step
     schedule.token_loss = token_loss
     logger.info(f"Pipeline schedule {cls.__name__}: {n_microbatches} micro-batches, {num_stages} stages")
@@ -272,8 +285,15 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
     with trainer.train_context(), trainer.maybe_enable_amp:
         inputs = (inputs,) if trainer.pp_has_first_stage else ()
         extra = extra_inputs if trainer.pp_has_first_stage else {}
-        schedule.step(*inputs, **extra, **extra_kwargs, **{AUX_SCALE_KWARG: aux_scale},
-                      target=labels if last else None, losses=losses, return_outputs=False)
+        schedule.step(
+            *inputs,
+            **extra,
+            **extra_kwargs,
+            **{AUX_SCALE_KWARG: aux_scale},
+            target=labels if last else None,
+            losses=losses,
+            return_outputs=False,
+        )
     loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=trainer.device)
     if isinstance(loss, DTensor):  # loss parallel under tp
         loss = loss.full_tensor()
@@ -285,8 +305,12 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
 def embedding_copies(model_parts: list[nn.Module]) -> list[torch.Tensor]:
     """The parameters of this pp rank's copy of the embedding: the last stage's, for its MTP
     layers ([] on a rank without one)."""
-    return [p for part in model_parts if part.mtp is not None and not part.embeds_tokens
-            for p in part.tok_embeddings.parameters()]
+    return [
+        p
+        for part in model_parts
+        if part.mtp is not None and not part.embeds_tokens
+        for p in part.tok_embeddings.parameters()
+    ]
 
 
 @torch.no_grad()

@@ -112,8 +112,12 @@ class ReplicateParallel(ParallelStyle):
         self.partial_grad = partial_grad
 
     def _input(self, module, inputs, mesh):
-        return tuple(x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor)
-                     else DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+        return tuple(
+            x.redistribute(placements=[Replicate()])
+            if isinstance(x, DTensor)
+            else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            for x in inputs
+        )
 
     def _output(self, module, output, mesh):
         return output.to_local(grad_placements=[Partial()] if self.partial_grad else None)
@@ -127,13 +131,22 @@ def mla_plan(prefix: str, attention: nn.Module) -> dict[str, ParallelStyle]:
     wo rowwise; the down-projections to the latents (wq_a, wkv_a), their norms and the rotary
     key wk_rope (one for all heads) replicated, computed whole on every tp rank: they are
     narrow (kv_lora_rank + rope = 576 of DeepSeek-V3's 7168)."""
-    plan = {prefix + "wkv_a": ReplicateParallel(), prefix + "kv_a_norm": ReplicateParallel(),
-            prefix + "wkv_b": ColwiseParallel(), prefix + "wk_rope": ReplicateParallel(partial_grad=True)}
+    plan = {
+        prefix + "wkv_a": ReplicateParallel(),
+        prefix + "kv_a_norm": ReplicateParallel(),
+        prefix + "wkv_b": ColwiseParallel(),
+        prefix + "wk_rope": ReplicateParallel(partial_grad=True),
+    }
     if attention.wq is not None:
         plan[prefix + "wq"] = ColwiseParallel()
     else:
-        plan.update({prefix + "wq_a": ReplicateParallel(), prefix + "q_a_norm": ReplicateParallel(),
-                     prefix + "wq_b": ColwiseParallel()})
+        plan.update(
+            {
+                prefix + "wq_a": ReplicateParallel(),
+                prefix + "q_a_norm": ReplicateParallel(),
+                prefix + "wq_b": ColwiseParallel(),
+            }
+        )
     return plan
 
 
@@ -155,7 +168,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
             input_layouts=Replicate(), output_layouts=seq, use_local_output=not keep_dtensor
         )
     blocks = [(f"layers.{layer_id}.", block) for layer_id, block in model.layers.items()]
-    for k, layer in (model.mtp.layers.items() if getattr(model, "mtp", None) is not None else ()):
+    for k, layer in model.mtp.layers.items() if getattr(model, "mtp", None) is not None else ():
         # Multi-Token Prediction: its norms and the projection of [embedding; hidden] act on
         # each rank's sequence shard with replicated weights; its block as any block; its
         # loss (over vocab-sharded logits under loss parallel) comes back as a plain tensor
@@ -166,8 +179,9 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
             for name in ("enorm", "hnorm", "eh_proj", "norm"):
                 plan[m + name] = seq_style()
         if loss_parallel:
-            plan[m + "loss"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
-                                                   use_local_output=True)
+            plan[m + "loss"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True
+            )
     for p, block in blocks:
         if sequence_parallel:
             plan[p + "attention_norm"] = SequenceParallel()
@@ -197,13 +211,19 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
             # the MoE takes and returns this rank's tokens as a plain tensor [b, s/tp, dim]: its
             # dispatcher only ever sees "the tokens of this rank", whatever the attention layout
             plan[p + "moe"] = PrepareModuleInputOutput(
-                input_layouts=(seq,), desired_input_layouts=(seq,), use_local_input=True,
-                output_layouts=(seq,), desired_output_layouts=(seq,), use_local_output=False,
+                input_layouts=(seq,),
+                desired_input_layouts=(seq,),
+                use_local_input=True,
+                output_layouts=(seq,),
+                desired_output_layouts=(seq,),
+                use_local_output=False,
             )
             plan[p + "moe.router.gate"] = TokenwiseReplicate()
         if block.moe.shared_expert is not None:
             # all-gather this rank's rows: the shared expert's tp shards need every token
-            plan[p + "moe.shared_expert"] = PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),))
+            plan[p + "moe.shared_expert"] = PrepareModuleInput(
+                input_layouts=(rows,), desired_input_layouts=(Replicate(),)
+            )
             plan[p + "moe.shared_expert.w1"] = ColwiseParallel()
             plan[p + "moe.shared_expert.w3"] = ColwiseParallel()
             # back to this rank's rows: reduce-scatter under SP, all-reduce otherwise
@@ -286,8 +306,11 @@ class Placed:
         dim that a model-parallel dim already splits in interleaved pieces (`_StridedShard`)."""
         if not self.fsdp_mesh:
             return self.dims, self.placements
-        split = math.prod(layout.size(d) for d, p in zip(self.dims, self.placements)
-                          if isinstance(p, Shard) and p.dim == self.fsdp_dim)
+        split = math.prod(
+            layout.size(d)
+            for d, p in zip(self.dims, self.placements)
+            if isinstance(p, Shard) and p.dim == self.fsdp_dim
+        )
         shard = _StridedShard(self.fsdp_dim, split_factor=split) if split > 1 else Shard(self.fsdp_dim)
         fsdp = (Replicate(),) * (len(self.fsdp_mesh) - 1) + (shard,)
         return self.fsdp_mesh + self.dims, fsdp + self.placements
@@ -297,8 +320,9 @@ def _dense_fsdp_mesh(layout: Layout) -> tuple[str, ...]:
     return tuple(n for n in ("dp_replicate", "dp_shard_cp") if layout.size(n) > 1)
 
 
-def placement_plan(model_args, layout: Layout, stages: list[list[str]] | None = None,
-                   sequence_parallel: bool = True) -> dict[str, Placed]:
+def placement_plan(
+    model_args, layout: Layout, stages: list[list[str]] | None = None, sequence_parallel: bool = True
+) -> dict[str, Placed]:
     """{FQN: Placed} for every parameter of `Transformer(model_args)` under `layout`.
 
     The FQNs are read off a model built on the meta device (no memory), so they are exactly
@@ -321,17 +345,26 @@ def placement_plan(model_args, layout: Layout, stages: list[list[str]] | None = 
             ep_place, etp_place, width = _EXPERT_RULES[name]
             dims = tuple(d for d in ("ep", "etp") if layout.size(d) > 1)
             plan[fqn] = Placed(
-                EXPERT, dims, expert_placements(name, dims), tuple(param.shape),
+                EXPERT,
+                dims,
+                expert_placements(name, dims),
+                tuple(param.shape),
                 fsdp_mesh=("edp",) if layout.edp > 1 else (),
-                fsdp_dim=width if experts_per_rank < layout.edp else 0, stage=stage,
+                fsdp_dim=width if experts_per_rank < layout.edp else 0,
+                stage=stage,
             )
             continue
         style = styles.get(owner)
         placement = tp_placement(style, model.get_submodule(owner), name) if style is not None else None
         plan[fqn] = Placed(
-            ATTENTION, ("tp",) if placement else (), (placement,) if placement else (), tuple(param.shape),
-            tp_style=type(style).__name__ if placement else "", tp_partial_grad=tp_partial_grad(style, placement),
-            fsdp_mesh=_dense_fsdp_mesh(layout), stage=stage,
+            ATTENTION,
+            ("tp",) if placement else (),
+            (placement,) if placement else (),
+            tuple(param.shape),
+            tp_style=type(style).__name__ if placement else "",
+            tp_partial_grad=tp_partial_grad(style, placement),
+            fsdp_mesh=_dense_fsdp_mesh(layout),
+            stage=stage,
         )
     return plan
 
@@ -372,8 +405,18 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
             if len(placed.fsdp_mesh) > 1:
                 fsdp = f"replicate {placed.fsdp_mesh[0]}; " + fsdp
         local = "x".join(map(str, placed.local_shape(layout))) if layout is not None else ""
-        rows.append((name, placed.mesh, placements, placed.tp_style or "-", "x".join(map(str, placed.shape)), local,
-                     fsdp, str(placed.stage)))
+        rows.append(
+            (
+                name,
+                placed.mesh,
+                placements,
+                placed.tp_style or "-",
+                "x".join(map(str, placed.shape)),
+                local,
+                fsdp,
+                str(placed.stage),
+            )
+        )
     keep = [i for i in range(len(rows[0])) if not (i == 5 and layout is None) and not (i == 7 and not staged)]
     rows = [[r[i] for i in keep] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -53,8 +53,7 @@ def expected(placed: Placed, layout: Layout) -> Expected:
         grad = {"edp"}
     else:
         grad = {"dp_replicate", "dp_shard", "cp"} | ({"tp"} if placed.tp_partial_grad else set())
-    return Expected(placed.mesh, tuple(d for d in big if d in grad),
-                    tuple(d for d in big if d in sharded or d == "pp"))
+    return Expected(placed.mesh, tuple(d for d in big if d in grad), tuple(d for d in big if d in sharded or d == "pp"))
 
 
 class Groups:
@@ -107,7 +106,9 @@ class Groups:
         found = self.dims_of(rank, ranks, mesh)
         if found is None:
             shown = sorted(ranks)
-            return "ranks [" + ", ".join(map(str, shown[:8])) + (", ..." if len(shown) > 8 else "") + f"] ({len(shown)})"
+            return (
+                "ranks [" + ", ".join(map(str, shown[:8])) + (", ..." if len(shown) > 8 else "") + f"] ({len(shown)})"
+            )
         return " x ".join(found[1]) or "none"
 
     def closure(self, rank: int, groups) -> frozenset[int]:

@@ -24,8 +24,9 @@ CHUNK = 16384  # elements per program
 
 
 @triton.jit
-def _partials_kernel(base_ptr, table_ptr, out_ptr, T_PAD: tl.constexpr, LOG2_T: tl.constexpr,
-                     BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _partials_kernel(
+    base_ptr, table_ptr, out_ptr, T_PAD: tl.constexpr, LOG2_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr
+):
     pid = tl.program_id(0).to(tl.int64)
     firsts = table_ptr + 2 * T_PAD
     t = pid * 0
@@ -55,11 +56,20 @@ def partials(tensors: list[torch.Tensor]) -> torch.Tensor:
         firsts.append(total)
         total += c
     # int64 [3, t_pad]: element offsets, element counts, first programs (padding: never found)
-    table = torch.tensor([*((t.data_ptr() - base.data_ptr()) // size for t in tensors), *pad,
-                          *(t.numel() for t in tensors), *pad, *firsts, *[1 << 62] * len(pad)],
-                         dtype=torch.int64)
+    table = torch.tensor(
+        [
+            *((t.data_ptr() - base.data_ptr()) // size for t in tensors),
+            *pad,
+            *(t.numel() for t in tensors),
+            *pad,
+            *firsts,
+            *[1 << 62] * len(pad),
+        ],
+        dtype=torch.int64,
+    )
     table = to_device(table, base.device)
     out = torch.empty(total, dtype=torch.float32, device=base.device)
-    _partials_kernel[(total,)](base, table, out, T_PAD=t_pad, LOG2_T=t_pad.bit_length() - 1, BLOCK=BLOCK,
-                               CHUNK=CHUNK, num_warps=8)
+    _partials_kernel[(total,)](
+        base, table, out, T_PAD=t_pad, LOG2_T=t_pad.bit_length() - 1, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=8
+    )
     return out

@@ -20,9 +20,14 @@ def bytes_of(dtype_name: str) -> int:
 def param_kind(fqn: str) -> str:
     if ".moe.experts." in fqn:
         return "routed experts"
-    for key, kind in ((".moe.router.", "router"), (".moe.shared_expert", "shared expert"),
-                      (".attention.", "attention"), (".feed_forward.", "dense ffn"),
-                      ("tok_embeddings.", "embedding"), ("output.", "output head")):
+    for key, kind in (
+        (".moe.router.", "router"),
+        (".moe.shared_expert", "shared expert"),
+        (".attention.", "attention"),
+        (".feed_forward.", "dense ffn"),
+        ("tok_embeddings.", "embedding"),
+        ("output.", "output head"),
+    ):
         if key in fqn or fqn.startswith(key):
             return kind
     return "norms"

@@ -32,11 +32,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
-from titan_fold.models import FLAVORS, Transformer, TransformerArgs
 from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout
-from titan_fold.parallel.placement import EXPERT, placement_plan
+from titan_fold.planning.sizes import ModelSizes
 
 GIB = 1024**3
 BF16, FP32 = 2, 4
@@ -81,102 +79,6 @@ class Workload:
         return self.global_batch // (dp * self.micro_batch)
 
 
-@dataclass
-class ModelSizes:
-    """Parameter counts read off the trainer's own model and its placement plan."""
-
-    args: TransformerArgs
-    name: str
-    dim: int
-    n_layers: int
-    n_moe_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab: int
-    num_experts: int
-    top_k: int
-    moe_ffn_dim: int
-    shared_ffn_dim: int
-    dense_ffn_dim: int
-    tp_params_per_layer: dict  # {"moe": n, "dense": n}: parameters TP shards (attention, shared expert, FFN)
-    rep_params_per_layer: dict  # norms, router, shared-expert gate: replicated over tp
-    expert_params_per_layer: int  # routed experts of one MoE layer
-    embedding_params: int
-    head_params: int  # output projection + final norm
-    total_params: int
-    flops_per_token: int  # the trainer's count (6 N_active + causal attention) at seq_len
-    flops_per_token_layer: dict  # {"moe": f, "dense": f} at seq_len (forward + backward)
-    flops_per_token_head: int
-
-
-def resolve_flavor(spec: str) -> tuple[str, str]:
-    """"family/flavor" or a flavor name found in exactly one family."""
-    if "/" in spec:
-        family, flavor = spec.split("/", 1)
-        if family in FLAVORS and flavor in FLAVORS[family]:
-            return family, flavor
-        raise ValueError(f"unknown model '{spec}'; known: {known_flavors()}")
-    hits = [(f, spec) for f in FLAVORS if spec in FLAVORS[f]]
-    if len(hits) != 1:
-        what = "ambiguous" if hits else "unknown"
-        raise ValueError(f"{what} flavor '{spec}' (use family/flavor); known: {known_flavors()}")
-    return hits[0]
-
-
-def known_flavors() -> str:
-    return ", ".join(f"{f}/{v}" for f in FLAVORS for v in FLAVORS[f])
-
-
-def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSizes:
-    """Count parameters by role as the placement plan lays them out (meta device: no memory):
-    laid out on tp (attention, its Qwen2 biases, shared expert, dense FFN), replicated over tp
-    (norms, router, shared-expert gate), routed experts."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    # any layout with tp > 1 names every parameter's tp placement
-    plan = placement_plan(args, Layout(2, tp=2))
-    tp_sharded = {"moe": 0, "dense": 0}
-    replicated = {"moe": 0, "dense": 0}
-    experts = 0
-    seen = set()
-    for fqn, placed in plan.items():
-        if not fqn.startswith("layers."):
-            continue
-        lid, rest = fqn.split(".")[1], fqn.split(".", 2)[2]
-        kind = "moe" if args.is_moe_layer(int(lid)) else "dense"
-        if (kind, rest) in seen:
-            continue  # every layer of a kind has the same parameters
-        seen.add((kind, rest))
-        numel = math.prod(placed.shape)
-        if placed.mesh == EXPERT:
-            experts += numel
-        elif any(isinstance(p, Shard) for p in placed.placements):
-            tp_sharded[kind] += numel
-        else:
-            replicated[kind] += numel
-    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
-    head = model.output.weight.numel() + model.norm.weight.numel()
-    embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
-    total, flops = args.get_nparams_and_flops(model, seq_len)
-    attention = 6 * args.n_heads * args.attention_flops_dim() * seq_len
-    m = args.moe
-    per_layer = {
-        "moe": 6 * (tp_sharded["moe"] + replicated["moe"] + experts * m.top_k // m.num_experts) + attention,
-        "dense": 6 * (tp_sharded["dense"] + replicated["dense"]) + attention,
-    }
-    return ModelSizes(
-        args=args, name=name, dim=args.dim, n_layers=args.n_layers, n_moe_layers=n_moe, n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, vocab=args.vocab_size,
-        num_experts=m.num_experts, top_k=m.top_k, moe_ffn_dim=m.moe_ffn_dim,
-        shared_ffn_dim=m.shared_ffn_dim, dense_ffn_dim=args.ffn_dim,
-        tp_params_per_layer=tp_sharded, rep_params_per_layer=replicated,
-        expert_params_per_layer=experts, embedding_params=embedding, head_params=head,
-        total_params=total, flops_per_token=flops, flops_per_token_layer=per_layer,
-        flops_per_token_head=6 * head,  # the trainer counts the final norm as active too
-    )
-
-
 # ---------------------------------------------------------------- mappings
 
 
@@ -206,8 +108,17 @@ class Mapping:
         return not (self.etp == self.tp and self.dp % self.ep == 0)
 
     def layout(self) -> Layout:
-        return _GroupLayout(self.world, pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                            cp=self.cp, tp=self.tp, ep=self.ep, etp=self.etp, edp=self.edp)
+        return _GroupLayout(
+            self.world,
+            pp=self.pp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            ep=self.ep,
+            etp=self.etp,
+            edp=self.edp,
+        )
 
     def short(self) -> str:
         att = f"pp{self.pp} dp{self.dp_replicate}x{self.dp_shard} cp{self.cp} tp{self.tp}"
@@ -226,8 +137,9 @@ class _GroupLayout(Layout):
     def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
         def build(names):
             shape = tuple(getattr(self, n) for n in names)
-            return DeviceMesh("cpu", torch.arange(self.world_size).reshape(shape), mesh_dim_names=names,
-                              _init_backend=False, _rank=0)
+            return DeviceMesh(
+                "cpu", torch.arange(self.world_size).reshape(shape), mesh_dim_names=names, _init_backend=False, _rank=0
+            )
 
         self._attention, self._expert = build(ATTENTION_DIMS), build(EXPERT_DIMS)
         return self._attention
@@ -266,8 +178,9 @@ def routed_rows(sizes: ModelSizes, m: Mapping, work: Workload, worst: bool = Fal
     return tokens * sizes.top_k * factor
 
 
-def activation_bytes(sizes: ModelSizes, m: Mapping, work: Workload, kind: str = "moe",
-                     recompute: str = "none", worst: bool = False) -> float:
+def activation_bytes(
+    sizes: ModelSizes, m: Mapping, work: Workload, kind: str = "moe", recompute: str = "none", worst: bool = False
+) -> float:
     """Bytes one block keeps for backward, per rank and micro-batch (one sequence).
 
     The inventory of what autograd saves in the trainer's eager block (checked with
@@ -335,9 +248,12 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
     # biggest FSDP unit gathered at once: one block, the embedding or the output head
     unit = max(
         sizes.tp_params_per_layer["moe"] / m.tp
-        + (sizes.expert_params_per_layer / (m.ep * m.etp) if experts_fsdp else 0) if layers["moe"] else 0,
+        + (sizes.expert_params_per_layer / (m.ep * m.etp) if experts_fsdp else 0)
+        if layers["moe"]
+        else 0,
         sizes.tp_params_per_layer["dense"] / m.tp if layers["dense"] else 0,
-        sizes.embedding_params / m.tp, sizes.head_params / m.tp,
+        sizes.embedding_params / m.tp,
+        sizes.head_params / m.tp,
     )
 
     stages = []
@@ -363,19 +279,35 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
             return per_mb * flight * work.micro_batch
 
         def grads_of_block(worst):
-            return activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst) * work.micro_batch
+            return (
+                activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst) * work.micro_batch
+            )
 
         T = work.seq_len / (m.cp * m.tp)
-        disp = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work)) * work.micro_batch if layers["moe"] else 0
-        disp_worst = A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work, True)) * work.micro_batch if layers["moe"] else 0
+        disp = (
+            A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work)) * work.micro_batch if layers["moe"] else 0
+        )
+        disp_worst = (
+            A * sizes.dim * (T * sizes.top_k + routed_rows(sizes, m, work, True)) * work.micro_batch
+            if layers["moe"]
+            else 0
+        )
         logits = (A + 2 * FP32) * work.micro_batch * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
         base = sharded * STATE_BYTES + unsharded + logits
-        stages.append(Memory(
-            params=sharded * FP32, grads=sharded * FP32, optimizer=sharded * 2 * FP32, unsharded=unsharded,
-            activations=acts(False), backward=grads_of_block(False), dispatcher=disp, logits=logits,
-            total=base + acts(False) + grads_of_block(False) + disp,
-            total_worst_dropless=base + acts(True) + grads_of_block(True) + disp_worst,
-        ))
+        stages.append(
+            Memory(
+                params=sharded * FP32,
+                grads=sharded * FP32,
+                optimizer=sharded * 2 * FP32,
+                unsharded=unsharded,
+                activations=acts(False),
+                backward=grads_of_block(False),
+                dispatcher=disp,
+                logits=logits,
+                total=base + acts(False) + grads_of_block(False) + disp,
+                total_worst_dropless=base + acts(True) + grads_of_block(True) + disp_worst,
+            )
+        )
     return max(stages, key=lambda s: s.total)
 
 
@@ -431,19 +363,35 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
     gathers = 1 if m.pp > 1 else 2 * work.microbatches(m.dp)
     syncs = 1 if m.pp > 1 else work.microbatches(m.dp)
     dense = sum(layers[k] * sizes.tp_params_per_layer[k] / m.tp for k in layers) + (
-        (sizes.embedding_params + sizes.head_params) / m.tp if m.pp == 1 else max(sizes.embedding_params, sizes.head_params) / m.tp)
+        (sizes.embedding_params + sizes.head_params) / m.tp
+        if m.pp == 1
+        else max(sizes.embedding_params, sizes.head_params) / m.tp
+    )
     experts = layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp)
     fsdp = m.dp_shard * m.cp
     dense_units = n_layers + (2 if m.pp == 1 else 1)  # blocks, embedding and/or head
     if fsdp > 1:
-        out["dp_shard_cp"] = GroupComm("dp_shard_cp", dense * ring(fsdp) * (gathers * A + syncs * FP32), "ring", True,
-                                       fsdp, units=dense_units)
+        out["dp_shard_cp"] = GroupComm(
+            "dp_shard_cp", dense * ring(fsdp) * (gathers * A + syncs * FP32), "ring", True, fsdp, units=dense_units
+        )
     if m.edp > 1:
-        out["edp"] = GroupComm("edp", experts * ring(m.edp) * (gathers * A + syncs * FP32), "ring", True, m.edp,
-                               units=max(layers["moe"], 1))
+        out["edp"] = GroupComm(
+            "edp",
+            experts * ring(m.edp) * (gathers * A + syncs * FP32),
+            "ring",
+            True,
+            m.edp,
+            units=max(layers["moe"], 1),
+        )
     if m.dp_replicate > 1:  # HSDP: all-reduce of the sharded dense gradients
-        out["dp_replicate"] = GroupComm("dp_replicate", syncs * dense / fsdp * FP32 * 2 * ring(m.dp_replicate),
-                                        "ring", True, m.dp_replicate, units=dense_units)
+        out["dp_replicate"] = GroupComm(
+            "dp_replicate",
+            syncs * dense / fsdp * FP32 * 2 * ring(m.dp_replicate),
+            "ring",
+            True,
+            m.dp_replicate,
+            units=dense_units,
+        )
     return out
 
 
@@ -480,8 +428,15 @@ def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[in
     edp = its dp_replicate x cp groups.
     """
     lay = m.layout()
-    names = {"tp": "tp", "cp": "cp", "dp_shard_cp": "dp_shard_cp", "dp_replicate": "dp_replicate",
-             "ep": "ep", "etp": "etp", "edp": "edp"}
+    names = {
+        "tp": "tp",
+        "cp": "cp",
+        "dp_shard_cp": "dp_shard_cp",
+        "dp_replicate": "dp_replicate",
+        "ep": "ep",
+        "etp": "etp",
+        "edp": "edp",
+    }
     out = {k: lay.groups(v, "expert" if k in ("ep", "etp", "edp") else "attention") for k, v in names.items()}
     out["pp"] = lay.groups("pp")
     if legacy:
@@ -534,8 +489,15 @@ def _seconds(c: GroupComm, cluster: Cluster) -> float:
     return c.bytes_per_step / inter
 
 
-def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
-             groups: bool = True, legacy: bool = False, mem: Memory | None = None) -> Estimate:
+def estimate(
+    sizes: ModelSizes,
+    m: Mapping,
+    work: Workload,
+    cluster: Cluster,
+    groups: bool = True,
+    legacy: bool = False,
+    mem: Memory | None = None,
+) -> Estimate:
     """Step time and memory of one mapping; groups=False: every group inside a node (a lower bound);
     legacy: the legacy (unfolded) scheme's expert groups; mem: `memory(sizes, m, work)` if known."""
     mem = mem or memory(sizes, m, work)
@@ -573,8 +535,21 @@ def estimate(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster,
     tokens = work.global_batch * work.seq_len
     mfu = sizes.flops_per_token * tokens / (m.world * cluster.tflops * 1e12 * step)
     capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
-    est = Estimate(m, mem, comm, compute, exposed, fsdp, bubble, step, mfu, mem.total <= capacity,
-                   (capacity - mem.total) / GIB, tokens, legacy_groups=legacy)
+    est = Estimate(
+        m,
+        mem,
+        comm,
+        compute,
+        exposed,
+        fsdp,
+        bubble,
+        step,
+        mfu,
+        mem.total <= capacity,
+        (capacity - mem.total) / GIB,
+        tokens,
+        legacy_groups=legacy,
+    )
     costs = {"compute": mb * compute, "pp bubble": bubble, "fsdp/edp (exposed)": fsdp}
     costs.update({f"{n} comm": c.seconds for n, c in comm.items() if not c.overlapped})
     est.dominant = max(costs, key=costs.get)

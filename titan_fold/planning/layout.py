@@ -27,7 +27,7 @@ EXPERT_GROUPS = ("pp", "edp", "ep", "etp", "ep_etp")
 
 def _model_args(spec: str):
     from titan_fold.models import FLAVORS
-    from titan_fold.planning.cost_model import resolve_flavor
+    from titan_fold.planning.sizes import resolve_flavor
 
     family, flavor = resolve_flavor(spec)
     return FLAVORS[family][flavor]
@@ -36,8 +36,15 @@ def _model_args(spec: str):
 def build_layout(args: argparse.Namespace, model_args=None) -> Layout:
     """Validate (no process group yet), then build both meshes on a fake world as rank 0."""
     layout = Layout(
-        args.world_size, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard,
-        cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, edp=args.edp,
+        args.world_size,
+        pp=args.pp,
+        dp_replicate=args.dp_replicate,
+        dp_shard=args.dp_shard,
+        cp=args.cp,
+        tp=args.tp,
+        ep=args.ep,
+        etp=args.etp,
+        edp=args.edp,
     )
     if model_args is not None:
         layout.validate_model(model_args, getattr(args, "seq_len", None))
@@ -168,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
         layout = build_layout(args, model_args)
         stages = None
         if args.placements and layout.pp > 1:
-            stages = stage_fqns(Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp)
+            stages = stage_fqns(
+                Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp
+            )
     except (LayoutError, ValueError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2

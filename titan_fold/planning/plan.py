@@ -19,16 +19,9 @@ from dataclasses import asdict
 
 from titan_fold.common.errors import UserError
 from titan_fold.models import FLAVORS
-from titan_fold.planning.cost_model import (
-    GIB,
-    Cluster,
-    Estimate,
-    Workload,
-    estimate,
-    model_sizes,
-    resolve_flavor,
-)
+from titan_fold.planning.cost_model import GIB, Cluster, Estimate, Workload, estimate
 from titan_fold.planning.search import enumerate_mappings, job_toml, min_gpus, plan
+from titan_fold.planning.sizes import model_sizes, resolve_flavor
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "edp")
 # seconds --min-gpus searches before it gives up (it prints its progress meanwhile)
@@ -83,8 +76,10 @@ class _Progress:
     def __call__(self, gpus: int) -> None:
         now = time.monotonic()
         if now - self.start > self.budget_s:
-            raise PlanError(f"--min-gpus {self.what}: no mapping found up to {gpus} GPUs within {self.budget_s:.0f} s; "
-                            "check that the degrees divide the model's sizes (layout --model checks one set)")
+            raise PlanError(
+                f"--min-gpus {self.what}: no mapping found up to {gpus} GPUs within {self.budget_s:.0f} s; "
+                "check that the degrees divide the model's sizes (layout --model checks one set)"
+            )
         if now - self.last > 5:
             print(f"searching {self.what}: {gpus} GPUs ...", file=sys.stderr, flush=True)
             self.last = now
@@ -92,24 +87,45 @@ class _Progress:
 
 def _row(rank: int | str, e: Estimate) -> str:
     m = e.mapping
-    return (f"{rank:>4}  {m.pp:>2} {m.dp_replicate:>3}x{m.dp_shard:<3} {m.cp:>2} {m.tp:>2} | {m.ep:>3} {m.etp:>3} {m.edp:>3}"
-            f"  {m.recompute:<9} {'yes' if m.folded else 'no':<6} {e.memory.total / GIB:>6.1f} {e.headroom_gib:>6.1f}"
-            f" {e.memory.total_worst_dropless / GIB:>7.1f} {e.step_s:>7.2f} {100 * e.mfu:>5.1f}%  {e.reasons[0]}; {e.reasons[2]}")
+    return (
+        f"{rank:>4}  {m.pp:>2} {m.dp_replicate:>3}x{m.dp_shard:<3} {m.cp:>2} {m.tp:>2} | {m.ep:>3} {m.etp:>3} {m.edp:>3}"
+        f"  {m.recompute:<9} {'yes' if m.folded else 'no':<6} {e.memory.total / GIB:>6.1f} {e.headroom_gib:>6.1f}"
+        f" {e.memory.total_worst_dropless / GIB:>7.1f} {e.step_s:>7.2f} {100 * e.mfu:>5.1f}%  {e.reasons[0]}; {e.reasons[2]}"
+    )
 
 
-HEADER = (f"{'rank':>4}  {'pp':>2} {'dp r x s':>7} {'cp':>2} {'tp':>2} | {'ep':>3} {'etp':>3} {'edp':>3}  {'recompute':<9} "
-          f"{'folded':<6} {'GiB':>6} {'free':>6} {'worst':>7} {'step s':>7} {'MFU':>6}  reasons")
+HEADER = (
+    f"{'rank':>4}  {'pp':>2} {'dp r x s':>7} {'cp':>2} {'tp':>2} | {'ep':>3} {'etp':>3} {'edp':>3}  {'recompute':<9} "
+    f"{'folded':<6} {'GiB':>6} {'free':>6} {'worst':>7} {'step s':>7} {'MFU':>6}  reasons"
+)
 
 
 def _as_dict(e: Estimate) -> dict:
     return {
-        "mapping": asdict(e.mapping), "folded": e.mapping.folded, "legacy_groups": e.legacy_groups,
-        "memory_gib": e.memory.gib(), "headroom_gib": e.headroom_gib, "fits": e.fits,
-        "step_s": e.step_s, "mfu": e.mfu, "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
-        "compute_s_per_microbatch": e.compute_s, "exposed_comm_s_per_microbatch": e.exposed_comm_s,
-        "exposed_fsdp_s": e.exposed_fsdp_s, "bubble_s": e.bubble_s, "dominant": e.dominant,
-        "comm": {n: {"bytes_per_step": c.bytes_per_step, "seconds": c.seconds, "crossing": c.crossing,
-                     "groups": c.groups, "overlapped": c.overlapped} for n, c in e.comm.items()},
+        "mapping": asdict(e.mapping),
+        "folded": e.mapping.folded,
+        "legacy_groups": e.legacy_groups,
+        "memory_gib": e.memory.gib(),
+        "headroom_gib": e.headroom_gib,
+        "fits": e.fits,
+        "step_s": e.step_s,
+        "mfu": e.mfu,
+        "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
+        "compute_s_per_microbatch": e.compute_s,
+        "exposed_comm_s_per_microbatch": e.exposed_comm_s,
+        "exposed_fsdp_s": e.exposed_fsdp_s,
+        "bubble_s": e.bubble_s,
+        "dominant": e.dominant,
+        "comm": {
+            n: {
+                "bytes_per_step": c.bytes_per_step,
+                "seconds": c.seconds,
+                "crossing": c.crossing,
+                "groups": c.groups,
+                "overlapped": c.overlapped,
+            }
+            for n, c in e.comm.items()
+        },
         "reasons": e.reasons,
     }
 
@@ -126,8 +142,10 @@ def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, re
         if not found:
             raise PlanError(f"--mapping {spec}: not a valid mapping on {cluster.gpus} GPUs")
         for legacy in (False, True) if not found[0].folded else (False,):
-            ests = [estimate(sizes, m, work, cluster, True, legacy) for m in
-                    (dataclasses.replace(found[0], recompute=rc) for rc in recompute)]
+            ests = [
+                estimate(sizes, m, work, cluster, True, legacy)
+                for m in (dataclasses.replace(found[0], recompute=rc) for rc in recompute)
+            ]
             fit = [e for e in ests if e.fits] or [min(ests, key=lambda e: e.memory.total)]
             out.append(("lgcy" if legacy else "given", min(fit, key=lambda e: e.step_s)))
     return out
@@ -150,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
         for folded in (True, False):
             found = min_gpus(sizes, args.seq_len, wanted, folded, progress=progress)
             result["folded" if folded else "legacy"] = (
-                {"gpus": found[0], "mapping": found[1].short()} if found else None)
+                {"gpus": found[0], "mapping": found[1].short()} if found else None
+            )
         if args.format == "json":
             print(json.dumps(result))
         else:
@@ -160,9 +179,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     cluster = Cluster(
-        args.gpus, args.gpus_per_node, args.gpu_memory_gib, intra_node_gbps=args.intra_node_gbps,
-        inter_node_gbps=args.inter_node_gbps, tflops=args.tflops, compute_efficiency=args.compute_efficiency,
-        gemm_half_rows=args.gemm_half_rows, comm_efficiency=args.comm_efficiency, reserve_gib=args.reserve_gib,
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu_memory_gib,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+        tflops=args.tflops,
+        compute_efficiency=args.compute_efficiency,
+        gemm_half_rows=args.gemm_half_rows,
+        comm_efficiency=args.comm_efficiency,
+        reserve_gib=args.reserve_gib,
     )
     work = Workload(args.seq_len, args.global_batch, args.capacity_factor)
     result = plan(sizes, work, cluster, args.top, tuple(args.recompute), fixed)
@@ -170,32 +196,46 @@ def run(args: argparse.Namespace) -> int:
     given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))
 
     if args.format == "json":
-        print(json.dumps({
-            "model": sizes.name, "cluster": asdict(cluster), "workload": asdict(work),
-            "candidates": result.candidates, "rejected": result.rejected,
-            "ranked": [_as_dict(e) for e in result.ranked],
-            "best_legacy": _as_dict(legacy) if legacy else None,
-            "given": [{"label": label, **_as_dict(e)} for label, e in given],
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": sizes.name,
+                    "cluster": asdict(cluster),
+                    "workload": asdict(work),
+                    "candidates": result.candidates,
+                    "rejected": result.rejected,
+                    "ranked": [_as_dict(e) for e in result.ranked],
+                    "best_legacy": _as_dict(legacy) if legacy else None,
+                    "given": [{"label": label, **_as_dict(e)} for label, e in given],
+                },
+                indent=1,
+            )
+        )
     else:
         nodes = -(-args.gpus // args.gpus_per_node)
-        print(f"{sizes.name}: {sizes.total_params / 1e9:.1f}B params, {sizes.flops_per_token / 1e9:.1f} GFLOP/token "
-              f"at seq {args.seq_len}; {args.gpus} GPUs ({nodes} node(s) x {args.gpus_per_node}), "
-              f"{args.gpu_memory_gib:g} GiB, {args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s, "
-              f"{args.tflops:g} TFLOP/s x {args.compute_efficiency:g}; global batch {args.global_batch} "
-              + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}"))
-        print(f"{result.candidates} candidates (degree sets x recompute); rejected: "
-              + ", ".join(f"{k} {v}" for k, v in result.rejected.items()))
+        print(
+            f"{sizes.name}: {sizes.total_params / 1e9:.1f}B params, {sizes.flops_per_token / 1e9:.1f} GFLOP/token "
+            f"at seq {args.seq_len}; {args.gpus} GPUs ({nodes} node(s) x {args.gpus_per_node}), "
+            f"{args.gpu_memory_gib:g} GiB, {args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s, "
+            f"{args.tflops:g} TFLOP/s x {args.compute_efficiency:g}; global batch {args.global_batch} "
+            + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}")
+        )
+        print(
+            f"{result.candidates} candidates (degree sets x recompute); rejected: "
+            + ", ".join(f"{k} {v}" for k, v in result.rejected.items())
+        )
         print(HEADER)
         for i, e in enumerate(result.ranked, 1):
             print(_row(i, e))
         if legacy:
             print(_row("lgcy", legacy))
             if best:
-                print(f"best: {best.mapping.short()} {best.mapping.recompute}: {best.step_s:.2f} s/step, "
-                      f"{best.tokens_per_s_per_gpu:.0f} tokens/s/GPU; best unfolded (legacy group order): "
-                      f"{legacy.mapping.short()} {legacy.mapping.recompute}: {legacy.step_s:.2f} s/step; "
-                      f"expected gain {legacy.step_s / best.step_s:.2f}x")
+                print(
+                    f"best: {best.mapping.short()} {best.mapping.recompute}: {best.step_s:.2f} s/step, "
+                    f"{best.tokens_per_s_per_gpu:.0f} tokens/s/GPU; best unfolded (legacy group order): "
+                    f"{legacy.mapping.short()} {legacy.mapping.recompute}: {legacy.step_s:.2f} s/step; "
+                    f"expected gain {legacy.step_s / best.step_s:.2f}x"
+                )
         elif best:
             print("no unfolded (legacy) mapping fits")
         if not best:

@@ -5,17 +5,9 @@ import math
 from dataclasses import dataclass, replace
 
 from titan_fold.parallel.mesh import Layout, LayoutError, divisors
-from titan_fold.planning.cost_model import (
-    GIB,
-    Cluster,
-    Estimate,
-    Mapping,
-    ModelSizes,
-    Workload,
-    estimate,
-    memory,
-)
+from titan_fold.planning.cost_model import GIB, Cluster, Estimate, Mapping, Workload, estimate, memory
 from titan_fold.planning.options import RECOMPUTE
+from titan_fold.planning.sizes import ModelSizes
 
 
 def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict | None = None) -> list[Mapping]:
@@ -50,8 +42,9 @@ def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict 
     return out
 
 
-def min_gpus(sizes: ModelSizes, seq_len: int, fixed: dict, folded: bool, limit: int = 4096,
-             progress=None) -> tuple[int, Mapping] | None:
+def min_gpus(
+    sizes: ModelSizes, seq_len: int, fixed: dict, folded: bool, limit: int = 4096, progress=None
+) -> tuple[int, Mapping] | None:
     """Fewest GPUs with a valid mapping that has the `fixed` degrees (legacy scheme if not folded).
 
     Every degree divides the world, so only multiples of their lcm are tried; `progress(n)`
@@ -74,8 +67,14 @@ class Plan:
     rejected: dict  # reason -> count
 
 
-def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
-         recompute: tuple = RECOMPUTE, fixed: dict | None = None) -> Plan:
+def plan(
+    sizes: ModelSizes,
+    work: Workload,
+    cluster: Cluster,
+    top: int = 5,
+    recompute: tuple = RECOMPUTE,
+    fixed: dict | None = None,
+) -> Plan:
     """Rank every valid mapping (with the `fixed` degrees) by estimated step time.
 
     Exact for the top K and the best legacy mapping.
@@ -115,8 +114,7 @@ def plan(sizes: ModelSizes, work: Workload, cluster: Cluster, top: int = 5,
         return exact[:k]
 
     legacy = best_of([b for b in bounds if not b.mapping.folded], 1, True)
-    return Plan(best_of(bounds, top, False), legacy[0] if legacy else None,
-                len(degree_sets) * len(recompute), rejected)
+    return Plan(best_of(bounds, top, False), legacy[0] if legacy else None, len(degree_sets) * len(recompute), rejected)
 
 
 def job_toml(family: str, flavor: str, m: Mapping, work: Workload) -> str:
@@ -124,14 +122,26 @@ def job_toml(family: str, flavor: str, m: Mapping, work: Workload) -> str:
     # PP: the rank's whole batch, cut into micro-batches by the schedule; otherwise one
     # micro-batch per forward/backward and gradient accumulation over global / (local x dp)
     local = work.global_batch // m.dp if m.pp > 1 else work.micro_batch
-    ac = {"none": 'mode = "none"', "selective": 'mode = "selective"\nselective_ac_option = "op"', "full": 'mode = "full"'}
+    ac = {
+        "none": 'mode = "none"',
+        "selective": 'mode = "selective"\nselective_ac_option = "op"',
+        "full": 'mode = "full"',
+    }
     lines = [
         f"# written by `python -m titan_fold.plan`: {m.short()}, recompute {m.recompute}"
         + (" (folded)" if m.folded else ""),
-        "[job]", f'dump_folder = "./outputs/{family}_{flavor}"', "",
-        "[model]", f'name = "{family}"', f'flavor = "{flavor}"', "",
-        "[training]", f"seq_len = {work.seq_len}", f"global_batch_size = {work.global_batch}",
-        f"local_batch_size = {local}", "",
+        "[job]",
+        f'dump_folder = "./outputs/{family}_{flavor}"',
+        "",
+        "[model]",
+        f'name = "{family}"',
+        f'flavor = "{flavor}"',
+        "",
+        "[training]",
+        f"seq_len = {work.seq_len}",
+        f"global_batch_size = {work.global_batch}",
+        f"local_batch_size = {local}",
+        "",
         "[parallelism]",
         f"pipeline_parallel_degree = {m.pp}",
         f"data_parallel_replicate_degree = {m.dp_replicate}",

@@ -12,24 +12,36 @@ def _human(b: float) -> str:
 
 def memory_line(model_parts: list[nn.Module], job_config) -> str:
     b = parameter_report(model_parts, job_config)["bytes"]
-    return (f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
-            f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})")
+    return (
+        f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
+        f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})"
+    )
 
 
-def banner(layout: Layout, model_args, model_parts: list[nn.Module], job_config, num_stages: int = 1,
-           optimizer_split: str | None = None) -> str:
+def banner(
+    layout: Layout,
+    model_args,
+    model_parts: list[nn.Module],
+    job_config,
+    num_stages: int = 1,
+    optimizer_split: str | None = None,
+) -> str:
     """What a real run prints once at start (rank 0): both meshes, experts per rank,
     pipeline stages and this rank's parameter/gradient/optimizer memory, as the dry run counts it;
     with Muon, which parameters take which update (MuonOptimizersContainer.split)."""
     att = " x ".join(f"{k} {v}" for k, v in layout.degrees("attention").items())
     exp = " x ".join(f"{k} {v}" for k, v in layout.degrees("expert").items())
-    return "\n".join([
-        f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} "
-        + ("rank" if layout.world_size == 1 else "ranks"),
-        f"  attention mesh (pp, dp_replicate, dp_shard, cp, tp): {att}",
-        (f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
-         f"{model_args.moe.num_experts} experts per rank"),
-        f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
-        f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
-        *([f"  optimizer updates (rank 0): {optimizer_split}"] if optimizer_split else []),
-    ])
+    return "\n".join(
+        [
+            f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} "
+            + ("rank" if layout.world_size == 1 else "ranks"),
+            f"  attention mesh (pp, dp_replicate, dp_shard, cp, tp): {att}",
+            (
+                f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
+                f"{model_args.moe.num_experts} experts per rank"
+            ),
+            f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
+            f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
+            *([f"  optimizer updates (rank 0): {optimizer_split}"] if optimizer_split else []),
+        ]
+    )

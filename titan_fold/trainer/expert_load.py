@@ -109,7 +109,9 @@ def summary(names: list[str], counts: torch.Tensor, ep: int) -> dict:
             out[name] = None
             continue
         per_rank = row.view(ep, -1).sum(1)  # [ep] rows the experts of each ep rank got
-        out[name] = {"max_over_mean": round(float(row.max() / row.mean()), 4),
-                     "ep_max_over_mean": round(float(per_rank.max() / per_rank.mean()), 4),
-                     "hottest": row.topk(min(HOTTEST, row.numel())).indices.tolist()}
+        out[name] = {
+            "max_over_mean": round(float(row.max() / row.mean()), 4),
+            "ep_max_over_mean": round(float(per_rank.max() / per_rank.mean()), 4),
+            "hottest": row.topk(min(HOTTEST, row.numel())).indices.tolist(),
+        }
     return out

@@ -76,7 +76,6 @@ def lock_dump_folder(folder: str) -> DumpFolderLock:
     return lock
 
 
-
 def fit_warmup(config: JobConfig) -> None:
     """Warm up over at most training.steps steps: torchtitan's lr scheduler would shorten the
     warm-up itself while its trainer still reports the configured value."""
@@ -121,7 +120,8 @@ class FoldTrainer(Trainer):
         # MoE statistics queued here, before the optimizer's kernels; the loss and the gradient
         # norm where they are computed
         self.optimizers.register_step_pre_hook(
-            lambda *args, **kwargs: self.metrics_processor.stage(self.guard.copies.copy) if self._logs() else None)
+            lambda *args, **kwargs: self.metrics_processor.stage(self.guard.copies.copy) if self._logs() else None
+        )
         self.cudagraphs = cuda_graphs(job_config)
         if self.cudagraphs:
             mark_static_buffers(self.model_parts)
@@ -132,9 +132,13 @@ class FoldTrainer(Trainer):
             sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "weights")
         # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py); under pp the
         # pipeline schedule pairs them (pipeline.py)
-        self.overlap = (OverlapSchedule(self.model_parts[0], self.gradient_accumulation_steps, self.train_context,
-                                        lambda: self.maybe_enable_amp)
-                        if self.model_args.moe.overlap_ep_comm and not self.parallel_dims.pp_enabled else None)
+        self.overlap = (
+            OverlapSchedule(
+                self.model_parts[0], self.gradient_accumulation_steps, self.train_context, lambda: self.maybe_enable_amp
+            )
+            if self.model_args.moe.overlap_ep_comm and not self.parallel_dims.pp_enabled
+            else None
+        )
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
         if isinstance(self.checkpointer, FoldCheckpointManager) and self.checkpointer.enable:
@@ -250,8 +254,9 @@ class FoldTrainer(Trainer):
         skip = {id(p) for p in copies}
         parameters = [p for p in parameters if id(p) not in skip]
         if self.job_config.metrics.group_grad_norms and self._logs():  # before the clip scales them
-            self.group_grad_norms = self.guard.copies.copy(self._group_norms(
-                (name, p.grad) for name, p in self._named_parameters() if p.grad is not None))
+            self.group_grad_norms = self.guard.copies.copy(
+                self._group_norms((name, p.grad) for name, p in self._named_parameters() if p.grad is not None)
+            )
         norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
         if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
             torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
@@ -281,11 +286,14 @@ class FoldTrainer(Trainer):
         try:
             self._train_step(data_iterator)
         except SkippedStep as e:
-            logger.warning(f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
-                           f"{self.guard.skipped} skipped so far)")
+            logger.warning(
+                f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
+                f"{self.guard.skipped} skipped so far)"
+            )
             if self.metrics_processor.jsonl:
-                self.metrics_processor.jsonl.write({"step": self.step, "skipped": e.what,
-                                                    "skipped_steps": self.guard.skipped})
+                self.metrics_processor.jsonl.write(
+                    {"step": self.step, "skipped": e.what, "skipped_steps": self.guard.skipped}
+                )
 
     def _train_step(self, data_iterator):
         """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
@@ -302,20 +310,27 @@ class FoldTrainer(Trainer):
         # the micro-batches stay on the host until their turn; their tokens are counted there
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
         local_valid_tokens = to_device(
-            torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device)
+            torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device
+        )
         global_valid_tokens = local_valid_tokens.float()
         if layout.dp_enabled:
             global_valid_tokens = funcol.all_reduce(local_valid_tokens, "sum", layout.get_mesh("batch")).float()
         losses = []
         for input_dict, labels in microbatches:
-            input_dict = {k: to_device(v, self.device) if isinstance(v, torch.Tensor) else v
-                          for k, v in input_dict.items()}
-            loss = self.forward_backward_step(input_dict=input_dict, labels=to_device(labels, self.device),
-                                              global_valid_tokens=global_valid_tokens)
+            input_dict = {
+                k: to_device(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()
+            }
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=to_device(labels, self.device), global_valid_tokens=global_valid_tokens
+            )
             losses.append(loss.detach())
-        grad_norm = self.clip_grad_norm([p for m in self.model_parts for p in m.parameters()],
-                                        self.job_config.training.max_norm, foreach=True,
-                                        pp_mesh=layout.get_optional_mesh("pp"), ep_enabled=layout.ep_enabled)
+        grad_norm = self.clip_grad_norm(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=layout.get_optional_mesh("pp"),
+            ep_enabled=layout.ep_enabled,
+        )
         logs = self.metrics_processor.should_log(self.step)
         read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
         self.checkpointer.maybe_wait_for_staging()
@@ -334,8 +349,12 @@ class FoldTrainer(Trainer):
         activation checkpointing), less the MTP layers' embedding copy under pp (counted on the
         first stage, as in the gradient norm)."""
         skip = {id(p) for p in embedding_copies(self.model_parts)}
-        return [(_plan_fqn(name), p) for part in self.model_parts for name, p in part.named_parameters()
-                if id(p) not in skip]
+        return [
+            (_plan_fqn(name), p)
+            for part in self.model_parts
+            for name, p in part.named_parameters()
+            if id(p) not in skip
+        ]
 
     def _group_norms(self, tensors) -> torch.Tensor:
         return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
@@ -349,29 +368,38 @@ class FoldTrainer(Trainer):
         its update (the weights after the optimizer step less those before)."""
         updates = self._group_norms((name, p.detach() - weights) for name, p, weights in before)
         grads, self.group_grad_norms = self.group_grad_norms, None
-        return {"group_grad_norms": group_norm_values(grads, GROUPS),
-                "group_update_norms": group_norm_values(updates.cpu(), GROUPS)}
+        return {
+            "group_grad_norms": group_norm_values(grads, GROUPS),
+            "group_update_norms": group_norm_values(updates.cpu(), GROUPS),
+        }
 
-    def _logged_values(self, losses: list[torch.Tensor], global_valid_tokens: torch.Tensor,
-                       local_valid_tokens: torch.Tensor) -> Callable[[], tuple[float, float, int]]:
+    def _logged_values(
+        self, losses: list[torch.Tensor], global_valid_tokens: torch.Tensor, local_valid_tokens: torch.Tensor
+    ) -> Callable[[], tuple[float, float, int]]:
         """A logged step's loss (summed over its micro-batches and every rank's tokens), the largest
         of the ranks' own mean losses and the tokens seen, as torchtitan logs them: under dp or cp
         reduced over the ranks on the device and copied to the host here, before the update is
         queued. Returns their reader, for after the guard's wait."""
         mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
         if mesh is None:
+
             def read():  # the losses are host copies already (forward_backward_step)
                 loss = torch.stack(losses).sum().item()
                 return loss, loss, self.ntokens_seen
+
             return read
         loss = torch.stack(losses).sum()
         if isinstance(loss, DTensor):  # loss parallel under tp
             loss = loss.full_tensor()
         seen = to_device(torch.tensor(self.ntokens_seen, dtype=torch.int64), self.device)
-        copies = [self.guard.copies.copy(v) for v in (
-            funcol.all_reduce(loss, "sum", mesh),
-            funcol.all_reduce(loss * global_valid_tokens / local_valid_tokens, "max", mesh),
-            funcol.all_reduce(seen, "sum", mesh))]
+        copies = [
+            self.guard.copies.copy(v)
+            for v in (
+                funcol.all_reduce(loss, "sum", mesh),
+                funcol.all_reduce(loss * global_valid_tokens / local_valid_tokens, "max", mesh),
+                funcol.all_reduce(seen, "sum", mesh),
+            )
+        ]
         return lambda: (copies[0].item(), copies[1].item(), int(copies[2].item()))
 
     def should_continue_training(self) -> bool:
@@ -457,8 +485,10 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         return e.exit_code
     except NonFiniteError as e:
         clean = True  # every rank raised it at the same step
-        say(f"error: {e}; stopped before the optimizer step, nothing saved from it; {last_checkpoint_text(config)} "
-            f"(training.nonfinite = 'skip' skips such steps instead)")
+        say(
+            f"error: {e}; stopped before the optimizer step, nothing saved from it; {last_checkpoint_text(config)} "
+            f"(training.nonfinite = 'skip' skips such steps instead)"
+        )
         return e.exit_code
     except StopRequested as e:
         clean = True

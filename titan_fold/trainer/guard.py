@@ -60,8 +60,10 @@ class StashOverflow(ConfigError):
     """The MoE layers needed more stash rows than moe.stash_rows at `step`; the optimizer has not stepped."""
 
     def __init__(self, step: int, rows: int, needed: int):
-        super().__init__(f"moe.stash_rows = {rows}: the MoE layers in flight at step {step} needed {needed} rows; "
-                         f"set moe.stash_rows >= {needed} (stopped before that step's optimizer step)")
+        super().__init__(
+            f"moe.stash_rows = {rows}: the MoE layers in flight at step {step} needed {needed} rows; "
+            f"set moe.stash_rows >= {needed} (stopped before that step's optimizer step)"
+        )
 
 
 class SkippedStep(Exception):
@@ -119,8 +121,9 @@ class NonFiniteGuard:
         for stash in self.stashes:  # rows needed beyond the pool, else 0
             peak = stash.peak().to(self.device)
             overflow = torch.maximum(overflow, torch.where(peak > stash.rows, peak, 0))
-        codes = torch.stack([loss_code.to(self.device, torch.int64), _code(norm.float()).to(self.device, torch.int64),
-                             overflow])
+        codes = torch.stack(
+            [loss_code.to(self.device, torch.int64), _code(norm.float()).to(self.device, torch.int64), overflow]
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(codes, op=dist.ReduceOp.MAX)
         if not self.optimizers:

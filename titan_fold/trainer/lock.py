@@ -59,9 +59,11 @@ def _stale(holder: dict) -> bool:
 
 def _describe(folder: str, holder: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return (f"job.dump_folder {folder} is in use by another trainer (pid {holder.get('pid')} on "
-            f"{holder.get('host')}, since {since}); one trainer per folder: wait for it, use another "
-            f"--job.dump_folder, or delete {os.path.join(folder, LOCK_FILE)} if that run is gone")
+    return (
+        f"job.dump_folder {folder} is in use by another trainer (pid {holder.get('pid')} on "
+        f"{holder.get('host')}, since {since}); one trainer per folder: wait for it, use another "
+        f"--job.dump_folder, or delete {os.path.join(folder, LOCK_FILE)} if that run is gone"
+    )
 
 
 class DumpFolderLock:

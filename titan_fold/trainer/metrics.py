@@ -82,7 +82,8 @@ class FoldMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         # torchtitan's __init__ with a memory monitor that works on the CPU too (torchtitan_adapter.py)
         with_names(MetricsProcessor.__init__, build_device_memory_monitor=_memory_monitor)(
-            self, job_config, parallel_dims, tag)
+            self, job_config, parallel_dims, tag
+        )
         if not torch.cuda.is_available():
             self.gpu_peak_flops = float("nan")
         # torchtitan's Trainer colours its lines with this too; escape codes only on a terminal
@@ -136,8 +137,14 @@ class FoldMetricsProcessor(MetricsProcessor):
             values = values / have
         return {k: (None if v != v else float(v)) for k, v in zip(keys, values.tolist())}
 
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None):
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ):
         phases = self.phases.finish() if self.phases is not None else None
         now = time.perf_counter()
         time_delta = now - self.time_last_log
@@ -167,8 +174,11 @@ class FoldMetricsProcessor(MetricsProcessor):
         }
         # TensorBoard and W&B take numbers only (mfu and the MoE statistics can be null); a dict of
         # them (group_grad_norms) as one number per key
-        flat = {f"{k}/{name}" if isinstance(v, dict) else k: value for k, v in record.items()
-                for name, value in (v.items() if isinstance(v, dict) else [(k, v)])}
+        flat = {
+            f"{k}/{name}" if isinstance(v, dict) else k: value
+            for k, v in record.items()
+            for name, value in (v.items() if isinstance(v, dict) else [(k, v)])
+        }
         self.logger.log({k: v for k, v in flat.items() if k != "step" and isinstance(v, (int, float))}, step)
         if self.jsonl:
             self.jsonl.write(record)

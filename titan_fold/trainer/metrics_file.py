@@ -61,7 +61,9 @@ class MetricsFile:
                 if resume_step > 0 and len(keep) < len(records):
                     self._rewrite(keep)
                 elif resume_step == 0 and records:
-                    old = records[-1].get("run") or time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(self.path)))
+                    old = records[-1].get("run") or time.strftime(
+                        "%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(self.path))
+                    )
                     os.replace(self.path, os.path.join(os.path.dirname(self.path), f"metrics.{old}.jsonl"))
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:

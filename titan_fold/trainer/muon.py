@@ -50,16 +50,36 @@ class Muon(torch.optim.Optimizer):
     parameters (group 1); both groups take the scheduler's lr and the decay. State: a
     "momentum_buffer" per matrix, "step", "exp_avg", "exp_avg_sq" per other parameter."""
 
-    def __init__(self, named_params: list[tuple[str, torch.Tensor]], lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float, momentum: float, nesterov: bool,
-                 ns_coefficients: tuple[float, float, float], ns_steps: int, lr_adjust: str, ns_dtype: str):
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.Tensor]],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        momentum: float,
+        nesterov: bool,
+        ns_coefficients: tuple[float, float, float],
+        ns_steps: int,
+        lr_adjust: str,
+        ns_dtype: str,
+    ):
         self.names = {id(p): name for name, p in named_params}
         muon = [p for name, p in named_params if uses_muon(name, p)]
         adam = [p for name, p in named_params if not uses_muon(name, p)]
         groups = [{"params": muon, "muon": True}, {"params": adam, "muon": False}]
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, lr_adjust=lr_adjust,
-                        ns_dtype=ns_dtype)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_steps=ns_steps,
+            lr_adjust=lr_adjust,
+            ns_dtype=ns_dtype,
+        )
         super().__init__(groups, defaults)
         self._orthogonalizer = None
 
@@ -77,9 +97,20 @@ class Muon(torch.optim.Optimizer):
         scalars = torch.tensor([group["lr"], 1.0], dtype=torch.float32, device=local(live[0]).device)
         coefs = adam_coefficients([s["step"] for s in states], scalars, beta1, beta2, group["weight_decay"])
         for p, state, coef in zip(live, states, coefs):
-            adam_update(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), None,
-                        local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1), coef, beta1, beta2,
-                        group["eps"], group["weight_decay"], True, None)
+            adam_update(
+                local(p).view(-1),
+                local(_placed_like(p.grad, p)).reshape(-1),
+                None,
+                local(state["exp_avg"]).view(-1),
+                local(state["exp_avg_sq"]).view(-1),
+                coef,
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                True,
+                None,
+            )
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         params = group["params"]
@@ -141,15 +172,27 @@ class MuonOptimizersContainer(OptimizersContainer):
                     name = parameter_group(opt.names[id(p)])
                     counts[kind][name] = counts[kind].get(name, 0) + 1
                     sizes[kind] += p.numel()
-        return "; ".join(f"{kind} {sizes[kind] / 1e6:.2f}M params: " + ", ".join(
-            f"{group} {n}" for group, n in sorted(counts[kind].items())) for kind in ("muon", "adamw"))
+        return "; ".join(
+            f"{kind} {sizes[kind] / 1e6:.2f}M params: "
+            + ", ".join(f"{group} {n}" for group, n in sorted(counts[kind].items()))
+            for kind in ("muon", "adamw")
+        )
 
 
 def muon_kwargs(optimizer_config) -> dict[str, Any]:
     c = optimizer_config
-    return dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay, momentum=c.muon_momentum,
-                nesterov=c.muon_nesterov, ns_coefficients=tuple(c.muon_ns_coefficients), ns_steps=c.muon_ns_steps,
-                lr_adjust=c.muon_lr_adjust, ns_dtype=c.muon_ns_dtype)
+    return dict(
+        lr=c.lr,
+        betas=(c.beta1, c.beta2),
+        eps=c.eps,
+        weight_decay=c.weight_decay,
+        momentum=c.muon_momentum,
+        nesterov=c.muon_nesterov,
+        ns_coefficients=tuple(c.muon_ns_coefficients),
+        ns_steps=c.muon_ns_steps,
+        lr_adjust=c.muon_lr_adjust,
+        ns_dtype=c.muon_ns_dtype,
+    )
 
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:

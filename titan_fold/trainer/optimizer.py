@@ -67,9 +67,12 @@ def steps_in_one_pass(opt: torch.optim.Optimizer) -> bool:
     """Whether `_adam_step` computes what opt.step() would: a fused Adam / AdamW (whose
     clip parallel/clip.py hands over as grad_scale) of one param group of real parameters,
     with none of the options it does not compute."""
-    return (divides_by_grad_scale(opt) and len(opt.param_groups) == 1
-            and not any(group.get(key) for group in opt.param_groups for key in _TORCH_ONLY)
-            and not any(torch.is_complex(p) for group in opt.param_groups for p in group["params"]))
+    return (
+        divides_by_grad_scale(opt)
+        and len(opt.param_groups) == 1
+        and not any(group.get(key) for group in opt.param_groups for key in _TORCH_ONLY)
+        and not any(torch.is_complex(p) for group in opt.param_groups for p in group["params"])
+    )
 
 
 class AdamOptimizersContainer(OptimizersContainer):
@@ -120,13 +123,25 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
         if not live:
             return
         states = [_state(opt, optimized) for _, optimized in live]
-        coefs = adam_coefficients([state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"],
-                                  found_inf)
+        coefs = adam_coefficients(
+            [state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"], found_inf
+        )
         for (p, optimized), state, coef in zip(live, states, coefs):
             master = None if optimized is p else local(optimized).view(-1)
-            adam_update(local(p).view(-1), local(_placed_like(p.grad, p)).reshape(-1), master,
-                        local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1),
-                        coef, beta1, beta2, group["eps"], group["weight_decay"], decoupled, found_inf)
+            adam_update(
+                local(p).view(-1),
+                local(_placed_like(p.grad, p)).reshape(-1),
+                master,
+                local(state["exp_avg"]).view(-1),
+                local(state["exp_avg_sq"]).view(-1),
+                coef,
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                decoupled,
+                found_inf,
+            )
 
 
 class MasterWeightOptimizersContainer(AdamOptimizersContainer):
@@ -201,8 +216,14 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
         self._copy(self.params, self.masters)
 
 
-def adam_coefficients(steps: list[torch.Tensor], scalars: torch.Tensor, beta1: float, beta2: float,
-                      weight_decay: float, found_inf: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def adam_coefficients(
+    steps: list[torch.Tensor],
+    scalars: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Counts a step of each parameter (steps: their step counts, float32 [] on one device;
     none where found_inf [] is nonzero) and returns each one's `_adam_step` coefficients [4],
     computed once per parameter rather than for every element inside its update. scalars [2]:
@@ -221,8 +242,20 @@ def adam_coefficients(steps: list[torch.Tensor], scalars: torch.Tensor, beta1: f
 ROW = 1 << 16
 
 
-def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, beta2: float, eps: float,
-                weight_decay: float, decoupled: bool, found_inf=None) -> None:
+def adam_update(
+    weight,
+    grad,
+    master,
+    exp_avg,
+    exp_avg_sq,
+    coef,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    found_inf=None,
+) -> None:
     """`_adam_step` of one parameter's flat [n] tensors (master: [n] or None) through fused():
     the first n // ROW * ROW elements viewed [rows, ROW] where that makes two rows or more
     (fused() runs one row op by op, as any size under 2), the rest as they are."""
@@ -230,8 +263,16 @@ def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, b
     bulk = n // ROW * ROW if n >= 2 * ROW else 0
     for step, start, stop, shape in ((_fused_adam_rows, 0, bulk, (-1, ROW)), (_fused_adam_step, bulk, n, (-1,))):
         if stop > start:
-            step(*(None if t is None else t[start:stop].view(shape) for t in tensors), coef, beta1, beta2, eps,
-                 weight_decay, decoupled, found_inf)
+            step(
+                *(None if t is None else t[start:stop].view(shape) for t in tensors),
+                coef,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+                found_inf,
+            )
 
 
 def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
@@ -245,8 +286,20 @@ def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: floa
     return torch.stack([step_size, bias_correction2_sqrt, decay, inv_scale.expand_as(steps)], dim=1)
 
 
-def _adam_step(weight, grad, master, exp_avg, exp_avg_sq, coef, beta1: float, beta2: float,
-               eps: float, weight_decay: float, decoupled: bool, found_inf=None) -> None:
+def _adam_step(
+    weight,
+    grad,
+    master,
+    exp_avg,
+    exp_avg_sq,
+    coef,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    found_inf=None,
+) -> None:
     """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one parameter
     [n], in place, from its gradient [n] (any float dtype). With a master [n] (fp32) the
     master is updated and rounded into the weight; without one (None) the weight itself, read
@@ -318,8 +371,9 @@ def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=No
     master_weights = getattr(optimizer_config, "master_weights", False)
     if type(optimizers) is not OptimizersContainer:  # early_step_in_backward, fault tolerance: torchtitan's step
         if master_weights:  # config.validate rules out the others but fault tolerance
-            raise ConfigError("optimizer.master_weights = true works with the plain optimizer step, "
-                              "not with fault tolerance")
+            raise ConfigError(
+                "optimizer.master_weights = true works with the plain optimizer step, not with fault tolerance"
+            )
         return optimizers
     first = optimizers.optimizers[0]
     kwargs = {k: first.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "fused", "foreach")}

@@ -67,10 +67,13 @@ class StepPhases:
 
 def phases_text(phases: dict[str, dict[str, float | None]]) -> str:
     """The step line's part: `phases ms host/GPU data H/G forward H/G ...` (host only without CUDA)."""
+
     def ms(v: float) -> str:
         return f"{v:.1f}" if v < 10 else f"{v:.0f}"
 
-    parts = [f"{name} {ms(p['host_ms'])}" + ("" if p["gpu_ms"] is None else f"/{ms(p['gpu_ms'])}")
-             for name, p in phases.items()]
+    parts = [
+        f"{name} {ms(p['host_ms'])}" + ("" if p["gpu_ms"] is None else f"/{ms(p['gpu_ms'])}")
+        for name, p in phases.items()
+    ]
     gpu = any(p["gpu_ms"] is not None for p in phases.values())
     return f"phases ms {'host/GPU' if gpu else 'host'} " + " ".join(parts)

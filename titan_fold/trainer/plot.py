@@ -124,10 +124,14 @@ def plot_load(path: str, out: str, panels: int = 4) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m titan_fold.plot", description=__doc__.split("\n\n")[1])
     p.add_argument("runs", nargs="+", metavar="DUMP_FOLDER", help="a run's job.dump_folder (or its metrics.jsonl)")
-    p.add_argument("--out", default=None,
-                   help="PNG to write (default: DUMP_FOLDER/metrics.png for one run, runs.png for several)")
-    p.add_argument("--expert-load", action="store_true",
-                   help="one run's per-expert load heat maps (default --out: DUMP_FOLDER/expert_load.png)")
+    p.add_argument(
+        "--out", default=None, help="PNG to write (default: DUMP_FOLDER/metrics.png for one run, runs.png for several)"
+    )
+    p.add_argument(
+        "--expert-load",
+        action="store_true",
+        help="one run's per-expert load heat maps (default --out: DUMP_FOLDER/expert_load.png)",
+    )
     args = p.parse_args(argv)
     if args.expert_load:
         if len(args.runs) != 1:
@@ -135,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = args.runs[0] if os.path.isdir(args.runs[0]) else os.path.dirname(args.runs[0])
         print(plot_load(args.runs[0], args.out or os.path.join(folder, "expert_load.png")))
         return
-    out = args.out or (os.path.join(args.runs[0], "metrics.png") if len(args.runs) == 1 and os.path.isdir(args.runs[0])
-                       else "runs.png")
+    out = args.out or (
+        os.path.join(args.runs[0], "metrics.png") if len(args.runs) == 1 and os.path.isdir(args.runs[0]) else "runs.png"
+    )
     print(plot(args.runs, out))

@@ -8,7 +8,7 @@ import torch
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
-from titan_fold.checkpoint.manager import check_initial_hf_load
+from titan_fold.checkpoint.files import check_initial_hf_load
 from titan_fold.checkpoint.settings import check_resume, run_settings
 from titan_fold.common.config import ConfigError, JobConfig
 from titan_fold.common.errors import is_first_rank
@@ -97,9 +97,11 @@ def _check_experts(c: Checked) -> None:
     if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
         raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")
     if moe.grouped_gemm == "quack" and (varying := varying_rows(moe, c.layout.ep, c.layout.etp)):
-        raise ConfigError(f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
-                          "layer and step, and QuACK tunes its kernels for each new count; set "
-                          "moe.grouped_gemm = 'torch' (or 'auto', which picks it here)")
+        raise ConfigError(
+            f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
+            "layer and step, and QuACK tunes its kernels for each new count; set "
+            "moe.grouped_gemm = 'torch' (or 'auto', which picks it here)"
+        )
 
 
 def _check_paths(c: Checked) -> None:
@@ -107,8 +109,10 @@ def _check_paths(c: Checked) -> None:
     check_initial_hf_load(config, c.model_args)
     hub = check_dataset(config)
     if hub and c.not_checked is not None:
-        c.not_checked.append(f"not checked here: training.dataset_path = '{hub}': a Hub dataset, read by a real "
-                             "run as it builds its data loader")
+        c.not_checked.append(
+            f"not checked here: training.dataset_path = '{hub}': a Hub dataset, read by a real "
+            "run as it builds its data loader"
+        )
     ckpt = config.checkpoint
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
@@ -167,7 +171,6 @@ def check_expert_fp8(config: JobConfig, model_args, layout: Layout) -> None:
         raise ConfigError(f"moe.expert_fp8 = true: {problem}")
 
 
-
 # the names LayoutError messages give the degrees (as `name(value)`) -> the job config keys
 CONFIG_KEYS = {
     "pp": "parallelism.pipeline_parallel_degree",
@@ -203,4 +206,3 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     if problem := overlap_problem(config, layout):
         raise ConfigError(problem)
     return layout
-

@@ -42,8 +42,13 @@ def with_names(function: types.FunctionType, **names) -> types.FunctionType:
     """A copy of `function` whose global lookups find `names` first (its module is untouched).
     Decorators (torchtitan's `@record`) are looked through: the copy is of the function itself."""
     function = inspect.unwrap(function)
-    copy = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
-                              function.__defaults__, function.__closure__)
+    copy = types.FunctionType(
+        function.__code__,
+        {**function.__globals__, **names},
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
 
@@ -95,4 +100,3 @@ def trainer_names() -> dict:
 def init_distributed(comm_config, base_folder: str) -> int:
     """torchtitan's init_distributed with this machine's backend (gloo without a GPU)."""
     return with_names(dist_utils.init_distributed, device_type=device_type())(comm_config, base_folder=base_folder)
-
