@@ -78,6 +78,27 @@ EXCHANGE_CASES = ",".join(
         )
     ]
 )
+# the foldings of 2 GPUs at one global batch (4 sequences): tp2 x ep2 runs local batch 4 on its one dp
+# rank, so each GPU holds the tokens it holds under dp2 x ep2; each folding twice (the spread)
+FOLDING_CASES = ",".join(
+    f"{base}_bf16params_auxfree_compiled{batch}{rerun}"
+    for rerun in ("", "_rerun")
+    for base, batch in (("tp2_ep2", "_b4"), ("dp2_ep2", ""), ("dp2_etp2", ""), ("dp2_edp2", ""))
+)
+# every speed option of the exchange beside the default (exact): the overlap and delayed weight
+# gradients eager over 2 micro-batches, the other exchanges compiled, static also in CUDA graphs
+OPTION_CASES = ",".join(
+    DP2_EP2 + m
+    for m in (
+        "_ga2",
+        "_ga2_overlap",
+        "_ga2_overlap_delaywgrad",
+        "_compiled",
+        "_compiled_static",
+        "_compiled_static_cudagraphs",
+        "_compiled_device",
+    )
+)
 # dp2 x ep2 compiled with torch's grouped GEMMs (exact and static exchange) beside QuACK's (installed:
 # bench/wheels.sh), which need the static exchange's fixed row count, also captured in CUDA graphs
 QUACK_CASES = ",".join(
@@ -275,7 +296,8 @@ SUITES = {
     "2gpu": Suite(
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "
         "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs) "
-        "and with QuACK's grouped GEMMs",
+        "and with QuACK's grouped GEMMs, its foldings compiled at one global batch (tp2 x ep2, dp2 x ep2, dp2 x etp2, "
+        "dp2 x edp2), every exchange option beside the default",
         [
             Step("collectives", "collectives", [], 60, gpus=2),
             Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
@@ -309,6 +331,18 @@ SUITES = {
                 "qwen3_30b_a3b_l12_dp2_ep2_exchange",
                 "train_step",
                 [*QWEN3, "--cases", EXCHANGE_CASES, "--steps", "12", "--warmup-steps", "4", "--case-timeout", "150"],
+                900,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_foldings",
+                "train_step",
+                [*QWEN3, "--cases", FOLDING_CASES, "--steps", "10", "--warmup-steps", "4", "--case-timeout", "100"],
+                900,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_options",
+                "train_step",
+                [*QWEN3, "--cases", OPTION_CASES, "--steps", "10", "--warmup-steps", "4", "--case-timeout", "110"],
                 900,
             ),
             Step(

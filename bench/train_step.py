@@ -11,6 +11,7 @@
     (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
     batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
     by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static / _device moe.exchange, _muon optimizer.name = "Muon",
+    _overlap moe.overlap_ep_comm, _delaywgrad moe.delay_wgrad_compute,
     _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs, _phases metrics.step_phases)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
@@ -91,7 +92,8 @@ def parse_case(case: str) -> tuple[str, dict]:
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
-    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), stash<N>
+    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), overlap (moe.overlap_ep_comm),
+    delaywgrad (moe.delay_wgrad_compute), stash<N>
     (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
     same configuration once more, under a name of its own: the run-to-run spread in one call)."""
     base = next(
@@ -117,12 +119,26 @@ def parse_case(case: str) -> tuple[str, dict]:
         "cudagraphs": False,
         "exchange": None,
         "muon": False,
+        "overlap": False,
+        "delaywgrad": False,
         "stash": 0,
         "phases": False,
         "rerun": False,
     }
     for mod in filter(None, case[len(base) :].split("_")):
-        if mod in ("compiled", "bf16params", "masters", "fp8", "profile", "cudagraphs", "phases", "rerun", "muon"):
+        if mod in (
+            "compiled",
+            "bf16params",
+            "masters",
+            "fp8",
+            "profile",
+            "cudagraphs",
+            "phases",
+            "rerun",
+            "muon",
+            "overlap",
+            "delaywgrad",
+        ):
             mods[mod] = True
         elif mod in ("static", "device"):
             mods["exchange"] = mod
@@ -217,6 +233,10 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--moe.exchange", mods["exchange"]]
     if mods["muon"]:
         args += ["--optimizer.name", "Muon"]
+    if mods["overlap"]:
+        args += ["--moe.overlap_ep_comm"]
+    if mods["delaywgrad"]:
+        args += ["--moe.delay_wgrad_compute"]
     if mods["stash"]:
         args += ["--moe.stash_rows", str(mods["stash"])]
     if mods["load_balance"]:

@@ -294,12 +294,17 @@ def test_train_step_summary_and_plans():
         train_step.case_plan("dp2_ep2_fast", A)
     with pytest.raises(ValueError, match="must start with"):
         train_step.case_plan("dp4_ep2", A)
+    _, args = train_step.case_plan("dp2_ep2_ga2_overlap_delaywgrad", A)
+    assert "--moe.overlap_ep_comm" in args and "--moe.delay_wgrad_compute" in args
+    _, args = train_step.case_plan("dp2_ep2_ga2", A)
+    assert "--moe.overlap_ep_comm" not in args and "--moe.delay_wgrad_compute" not in args
     _, args = train_step.case_plan("dp2_ep2_compiled_static_stash4096", A)
     assert get("--moe.exchange") == "static" and get("--moe.stash_rows") == "4096"
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
     # every case's command passes the trainer's checks for its world size
+    import bench.__main__ as bench_main
     from titan_fold.common.config import ConfigError, parse_args
     from titan_fold.models import FLAVORS
     from titan_fold.trainer.preflight import preflight
@@ -314,6 +319,8 @@ def test_train_step_summary_and_plans():
             "dp2_ep2_bf16params_static_stash4096",
             "dp2_ep2_bf16params_compiled_static_cudagraphs",
             "1gpu_bf16params_auxfree_phases",
+            *bench_main.FOLDING_CASES.split(","),
+            *bench_main.OPTION_CASES.split(","),
         ]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
@@ -1573,3 +1580,21 @@ def test_report_pools_loss_curves_over_records_and_machines(tmp_path):
         "| curve | quack | 3 | NVIDIA H100 80GB HBM3, NVIDIA H200 | 1.9833 | 0.1041 | 4.76% | -0.83% | 5.83% |" in text
     )
     assert "| alone |" not in text.split("pooled over records and machines")[1]  # one path: nothing to compare
+
+
+def test_curves_smooth_and_plot(tmp_path):
+    """bench/curves.py: each case's losses averaged over a trailing window, one line per case in the PNG."""
+    from bench import curves
+
+    record = {
+        "env": {"device": "cpu"},
+        "figures": {"family": "f", "proxy_flavor": "p", "rows": [{"case": "a", "losses": [4.0, 2.0, 0.0, 6.0]}]},
+    }
+    assert curves.curves(record, 1) == {"a": [4.0, 2.0, 0.0, 6.0]}
+    assert curves.curves(record, 2) == {"a": [4.0, 3.0, 1.0, 3.0]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    curves.main([str(path), "--out", str(tmp_path / "c.png"), "--smooth", "3"])
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        curves.main([str(path), "--out", str(tmp_path / "d.png"), "--smooth", "0"])
