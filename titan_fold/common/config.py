@@ -118,8 +118,9 @@ class Compile(TitanCompile):
     cudagraphs: bool = False
     """Each compiled block's forward and backward replayed as CUDA graphs (torch.compile
     mode="reduce-overhead"): no host launch work per kernel. Needs compile.enable; the layer must
-    have no host sync (dropless on one EP rank or with moe.exchange = "static" or "device", or token drop with
-    pad_to_capacity)."""
+    have no host sync (dropless on one EP rank or with moe.exchange = "static", or token drop with
+    pad_to_capacity). At ep > 1 measured slower than compiled alone (docs/moe.md, "What each option
+    costs")."""
 
 
 @dataclass

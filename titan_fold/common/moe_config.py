@@ -43,12 +43,14 @@ class MoE:
     delay_wgrad_compute: bool = False
     """Compute the routed experts' weight gradients apart from their input gradients: in backward
     while the dispatch all-to-all's gradients travel (Megatron-Core's --delay-wgrad-compute);
-    needs expert_parallel_degree > 1."""
+    needs expert_parallel_degree > 1. Measured slower than without it on the 2-GPU runs (docs/moe.md,
+    "What each option costs")."""
     overlap_ep_comm: bool = False
     """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
     that the expert all-to-alls of each run under the other's compute (Megatron-Core's
     --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches; under
-    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state."""
+    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state. Measured slower than
+    without it on the 2-GPU runs (docs/moe.md, "What each option costs")."""
     exchange: Literal["auto", "exact", "static", "device"] = "auto"
     """The routed tokens' exchange over expert_parallel_degree x expert_tensor_parallel_degree
     (docs/moe.md, "Exchanges"): "exact" moves the real rows and reads the split sizes on the host
@@ -56,7 +58,8 @@ class MoE:
     could get, T * min(top_k, experts per ep rank), with the sizes on the device (ep x the bytes;
     what compile.cudagraphs needs with ep or etp > 1); "device" (dropless, ep only) moves the real
     rows with the sizes on the device (NVSHMEM all-to-all on GPUs; a host stand-in elsewhere), into
-    buffers of the most rows a rank can get; "auto" picks "exact". No effect with ep = etp = 1."""
+    buffers of the most rows a rank can get; "auto" picks "exact": "static" and "device" are measured
+    slower than it on the 2-GPU runs (docs/moe.md, "What each option costs"). No effect with ep = etp = 1."""
     static_ep_exchange: bool = False
     """Moved: `static_ep_exchange = true` is `exchange = "static"` (accepted with a notice)."""
     stash_rows: int = 0
