@@ -177,6 +177,15 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
         ],
         **parameter_report(parts, job_config),
     }
+    if job_config.optimizer.name == "Muon":
+        # each local element of a Muon parameter goes to its unit's owner and comes back (two
+        # all-to-alls per mesh, parallel/orthogonalize.py), in optimizer.muon_ns_dtype
+        n = report["muon_numel"]
+        report["muon"] = {
+            "numel": n,
+            "momentum_bytes": n * bytes_of(job_config.training.dtype),
+            "sent_bytes": 2 * n * bytes_of(job_config.optimizer.muon_ns_dtype),
+        }
     report["moe_layers"] = sum(1 for part in parts for b in part.layers.values() if b.moe_enabled)
     report["dense_layers"] = sum(1 for part in parts for b in part.layers.values() if not b.moe_enabled)
     if measure:
@@ -221,6 +230,8 @@ def cost_model_estimate(job_config, layout: Layout, model_args) -> tuple[cost_mo
         job_config.moe.capacity_factor,
         compute_bytes=bytes_of(tr.mixed_precision_param),
         micro_batch=micro,
+        optimizer=job_config.optimizer.name,
+        ns_steps=job_config.optimizer.muon_ns_steps,
     )
     sizes = model_sizes(model_args, tr.seq_len, f"{job_config.model.name}/{job_config.model.flavor}")
     return cost_model.memory(sizes, mapping, work), {

@@ -109,6 +109,7 @@ def dry_run(
                 groups=len(per_group),
                 calls=sum(len(c) for g in per_group.values() for c in g.values()),
                 by_kind=_count_kinds(per_group),
+                optimizer_calls=_optimizer_calls(per_group),
                 first_divergence=first_divergence(per_group) if collectives else None,
             )
             if check is not None:
@@ -127,6 +128,20 @@ def _count_kinds(per_group: dict) -> dict:
         calls = next(iter(by_rank.values()))
         for c in calls:
             out[f"{desc or 'group'}: {c['op']}"] += 1
+    return dict(sorted(out.items()))
+
+
+OPTIMIZER_SITES = ("parallel/orthogonalize.py", "trainer/muon.py", "trainer/optimizer.py")
+
+
+def _optimizer_calls(per_group: dict) -> dict:
+    """The optimizer step's own collectives (issued from the optimizers' code) on one member of
+    each group: {op: calls}."""
+    out: dict[str, int] = defaultdict(int)
+    for by_rank in per_group.values():
+        for c in next(iter(by_rank.values())):
+            if c.get("site", "").startswith(OPTIMIZER_SITES):
+                out[c["op"]] += 1
     return dict(sorted(out.items()))
 
 
@@ -172,6 +187,13 @@ def format_report(report: dict) -> str:
             )
         else:
             lines.append(f"  activations: {acts.get('source', 'not measured')}")
+        if "muon" in rep:
+            mu = rep["muon"]
+            lines.append(
+                f"  optimizer: Muon orthogonalizes {mu['numel']:,} local elements (momentum "
+                f"{mu['momentum_bytes'] / GIB:.2f} GiB); each step sends {mu['sent_bytes'] / GIB:.2f} GiB "
+                "to their owners and back"
+            )
         for row in rep["compare"]:
             if row["note"]:
                 lines.append(f"  note on {row['what']} ({100 * row['diff']:+.0f}%): {row['note']}")
@@ -187,6 +209,9 @@ def format_report(report: dict) -> str:
     elif col:
         lines.append("")
         lines.append(f"collectives of one step: {col['calls']} calls in {col['groups']} process groups; {col['note']}")
+        if col.get("optimizer_calls"):
+            ops = ", ".join(f"{op} x {n}" for op, n in col["optimizer_calls"].items())
+            lines.append(f"  the optimizer step's own, one member of each group: {ops}")
         div = col["first_divergence"]
         if col["matched"] and div is None:
             lines.append("  every member of every group issues the same sequence")

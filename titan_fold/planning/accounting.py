@@ -6,10 +6,13 @@ import torch
 import torch.nn as nn
 
 from titan_fold.common.tensors import local
+from titan_fold.models.groups import uses_muon
 
 GIB = 1024**3
-# optimizer states per parameter, in the parameter's dtype
-OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 0}
+# optimizer states per parameter, in the parameter's dtype; Muon keeps one (its momentum) for the
+# parameters it orthogonalizes (models/groups.py: uses_muon) and AdamW's two for the rest
+OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 0, "Muon": 2}
+MUON_STATES = 1
 DIFF_NOTE = 0.10  # differences beyond this fraction get an explanation
 
 
@@ -36,14 +39,20 @@ def param_kind(fqn: str) -> str:
 def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
     """Local shapes by kind and the bytes of params, grads and optimizer states of this rank."""
     master = bytes_of(job_config.training.dtype)  # master weights, their gradients and states
-    states = OPTIMIZER_STATES.get(job_config.optimizer.name, 2)
+    optimizer = job_config.optimizer.name
+    states = OPTIMIZER_STATES.get(optimizer, 2)
     kinds: dict[str, dict] = {}
-    numel = 0
+    numel = state_numel = muon_numel = 0
     for part in model_parts:
         for fqn, p in part.named_parameters():
             shape = tuple(local(p).shape)
             n = math.prod(shape)
             numel += n
+            muon = optimizer == "Muon" and uses_muon(
+                fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), p
+            )
+            muon_numel += n if muon else 0
+            state_numel += n * (MUON_STATES if muon else states)
             k = kinds.setdefault(param_kind(fqn), {"numel": 0, "shapes": {}})
             k["numel"] += n
             name = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -51,6 +60,7 @@ def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
             k["shapes"].setdefault(name, shape)
     return {
         "numel": numel,
-        "bytes": {"params": numel * master, "grads": numel * master, "optimizer": numel * master * states},
+        "bytes": {"params": numel * master, "grads": numel * master, "optimizer": state_numel * master},
         "kinds": kinds,
+        "muon_numel": muon_numel,
     }

@@ -38,8 +38,6 @@ from titan_fold.planning.sizes import ModelSizes
 
 GIB = 1024**3
 BF16, FP32 = 2, 4
-# per sharded parameter: fp32 master weight + fp32 gradient + two fp32 AdamW moments
-STATE_BYTES = FP32 + FP32 + 2 * FP32
 
 
 # ---------------------------------------------------------------- inputs
@@ -74,6 +72,8 @@ class Workload:
     dropless_imbalance: float = 1.0
     compute_bytes: int = BF16  # activations, gathered parameters, communication (4: fp32 CPU runs)
     micro_batch: int = 1  # sequences per micro-batch (the planner searches 1 only)
+    optimizer: str = "AdamW"  # "Muon": one momentum state and Newton-Schulz on owners (muon_* below)
+    ns_steps: int = 5  # Muon's Newton-Schulz steps
 
     def microbatches(self, dp: int) -> int:
         return self.global_batch // (dp * self.micro_batch)
@@ -231,6 +231,34 @@ def _attention_widths(sizes: ModelSizes) -> tuple[float, float, float, float]:
     return sizes.n_heads * (2 * qk + v), sizes.n_heads * v, sizes.n_heads * (qk + v), latent
 
 
+def muon_local(sizes: ModelSizes, m: Mapping, work: Workload, first: bool = True, last: bool = True) -> float:
+    """Elements of the parameters Muon orthogonalizes on one rank of the busiest stage (0 with AdamW)."""
+    if work.optimizer != "Muon":
+        return 0.0
+    layers = _layers_per_stage(sizes, m.pp)
+    dense = sum(layers[k] * sizes.muon_params_per_layer[k] for k in layers) / (m.tp * m.dp_shard * m.cp)
+    return dense + layers["moe"] * sizes.expert_params_per_layer / (m.ep * m.etp * m.edp)
+
+
+def optimizer_seconds(sizes: ModelSizes, m: Mapping, work: Workload, cluster: Cluster) -> float:
+    """Muon's extra time per step on one rank: its share of the stage's Newton-Schulz FLOPs (owners
+    balanced over the stage's ranks) at the GEMM rate, and each local element sent to its owner
+    and back (two all-to-alls over the stage's ranks). 0 with AdamW, whose step is elementwise."""
+    if work.optimizer != "Muon":
+        return 0.0
+    layers = _layers_per_stage(sizes, m.pp)
+    flops = work.ns_steps * (
+        sum(layers[k] * sizes.muon_flops_per_layer[k] for k in layers)
+        + layers["moe"] * sizes.muon_expert_flops_per_layer
+    )
+    ranks = m.world // m.pp
+    sent = 2 * muon_local(sizes, m, work) * work.compute_bytes * (ranks - 1) / ranks
+    bandwidth = cluster.intra_node_gbps if ranks <= cluster.gpus_per_node else cluster.inter_node_gbps
+    return flops / ranks / (cluster.tflops * 1e12 * cluster.compute_efficiency) + sent / (
+        bandwidth * 1e9 * cluster.comm_efficiency
+    )
+
+
 def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
     """Peak bytes per GPU on the busiest pipeline stage (max of first and last)."""
     A = work.compute_bytes
@@ -293,12 +321,17 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
             else 0
         )
         logits = (A + 2 * FP32) * work.micro_batch * (work.seq_len / m.cp) * sizes.vocab / m.tp if last else 0
-        base = sharded * STATE_BYTES + unsharded + logits
+        muon = muon_local(sizes, m, work, first, last)
+        # Muon: one fp32 momentum instead of two moments; an owner holds its units whole, gathered
+        # and orthogonalized (balanced owners: about its own share), in the exchange's dtype
+        optimizer = sharded * 2 * FP32 - muon * FP32
+        unsharded += 2 * muon * A
+        base = sharded * (FP32 + FP32) + optimizer + unsharded + logits
         stages.append(
             Memory(
                 params=sharded * FP32,
                 grads=sharded * FP32,
-                optimizer=sharded * 2 * FP32,
+                optimizer=optimizer,
                 unsharded=unsharded,
                 activations=acts(False),
                 backward=grads_of_block(False),
@@ -473,6 +506,7 @@ class Estimate:
     legacy_groups: bool = False
     dominant: str = ""
     reasons: list = field(default_factory=list)
+    optimizer_s: float = 0.0  # per step: Muon's Newton-Schulz and exchanges (0 with AdamW)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -531,7 +565,8 @@ def estimate(
     fsdp = max(sum(c.seconds / c.units for c in overlapped), sum(c.seconds for c in overlapped) - mb * compute)
     slot = compute + exposed
     bubble = (m.pp - 1) * slot
-    step = mb * slot + bubble + fsdp
+    optimizer = optimizer_seconds(sizes, m, work, cluster)
+    step = mb * slot + bubble + fsdp + optimizer
     tokens = work.global_batch * work.seq_len
     mfu = sizes.flops_per_token * tokens / (m.world * cluster.tflops * 1e12 * step)
     capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
@@ -549,8 +584,9 @@ def estimate(
         (capacity - mem.total) / GIB,
         tokens,
         legacy_groups=legacy,
+        optimizer_s=optimizer,
     )
-    costs = {"compute": mb * compute, "pp bubble": bubble, "fsdp/edp (exposed)": fsdp}
+    costs = {"compute": mb * compute, "pp bubble": bubble, "fsdp/edp (exposed)": fsdp, "optimizer": optimizer}
     costs.update({f"{n} comm": c.seconds for n, c in comm.items() if not c.overlapped})
     est.dominant = max(costs, key=costs.get)
     cross = [f"{n}({c.crossing}/{c.groups})" for n, c in comm.items() if c.crossing]

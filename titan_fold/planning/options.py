@@ -63,6 +63,12 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-efficiency", type=float, default=0.7)
     p.add_argument("--reserve-gib", type=float, default=4.0, help="memory kept for CUDA/NCCL/fragmentation")
     p.add_argument("--capacity-factor", type=float, default=None, help="token drop; unset = dropless")
+    p.add_argument(
+        "--optimizer",
+        choices=("AdamW", "Muon"),
+        default="AdamW",
+        help="Muon: one momentum state, and its Newton-Schulz and exchanges in the step time",
+    )
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
     p.add_argument("--top", type=int, default=5)
     p.add_argument(

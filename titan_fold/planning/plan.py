@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         comm_efficiency=args.comm_efficiency,
         reserve_gib=args.reserve_gib,
     )
-    work = Workload(args.seq_len, args.global_batch, args.capacity_factor)
+    work = Workload(args.seq_len, args.global_batch, args.capacity_factor, optimizer=args.optimizer)
     result = plan(sizes, work, cluster, args.top, tuple(args.recompute), fixed)
     best, legacy = (result.ranked[0] if result.ranked else None), result.best_legacy
     given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))
@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.gpu_memory_gib:g} GiB, {args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s, "
             f"{args.tflops:g} TFLOP/s x {args.compute_efficiency:g}; global batch {args.global_batch} "
             + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}")
+            + ("" if args.optimizer == "AdamW" else f"; {args.optimizer}")
         )
         print(
             f"{result.candidates} candidates (degree sets x recompute); rejected: "

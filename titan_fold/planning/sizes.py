@@ -2,13 +2,15 @@
 expert), per-layer widths and FLOPs, read from the model built on the meta device."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import Shard
 
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
+from titan_fold.models.groups import matrix_shape, uses_muon
 from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.orthogonalize import ns_flops
 from titan_fold.parallel.placement import EXPERT, placement_plan
 
 
@@ -39,6 +41,12 @@ class ModelSizes:
     flops_per_token: int  # the trainer's count (6 N_active + causal attention) at seq_len
     flops_per_token_layer: dict  # {"moe": f, "dense": f} at seq_len (forward + backward)
     flops_per_token_head: int
+    # Muon (models/groups.py: uses_muon): the parameters of one layer it orthogonalizes outside the
+    # routed experts ({"moe": n, "dense": n}, laid out on tp), and one Newton-Schulz step's FLOPs
+    # over those matrices and over one MoE layer's routed experts (parallel/orthogonalize.py)
+    muon_params_per_layer: dict = field(default_factory=lambda: {"moe": 0, "dense": 0})
+    muon_flops_per_layer: dict = field(default_factory=lambda: {"moe": 0, "dense": 0})
+    muon_expert_flops_per_layer: int = 0
 
 
 def resolve_flavor(spec: str) -> tuple[str, str]:
@@ -86,6 +94,19 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
             tp_sharded[kind] += numel
         else:
             replicated[kind] += numel
+    muon_params, muon_flops, muon_expert_flops = {"moe": 0, "dense": 0}, {"moe": 0, "dense": 0}, 0
+    for fqn, p in model.named_parameters():
+        if not fqn.startswith("layers.") or not uses_muon(fqn, p) or fqn.split(".")[1] != str(_first(args, fqn)):
+            continue
+        kind = "moe" if args.is_moe_layer(int(fqn.split(".")[1])) else "dense"
+        # one unit per expert of a stack; w13 holds two matrices (gate and up) per expert
+        units = (p.shape[0] if p.ndim == 3 else 1) * (2 if fqn.endswith(".experts.w13") else 1)
+        flops = units * ns_flops(matrix_shape(fqn, p.shape), 1)
+        if p.ndim == 3:
+            muon_expert_flops += flops
+        else:
+            muon_params[kind] += p.numel()
+            muon_flops[kind] += flops
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     head = model.output.weight.numel() + model.norm.weight.numel()
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
@@ -120,4 +141,14 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
         flops_per_token=flops,
         flops_per_token_layer=per_layer,
         flops_per_token_head=6 * head,  # the trainer counts the final norm as active too
+        muon_params_per_layer=muon_params,
+        muon_flops_per_layer=muon_flops,
+        muon_expert_flops_per_layer=muon_expert_flops,
     )
+
+
+def _first(args: TransformerArgs, fqn: str) -> int:
+    """The first layer of the kind (MoE or dense) of the layer `fqn` is in: every layer of a kind
+    has the same parameters, so one of each is counted."""
+    kind = args.is_moe_layer(int(fqn.split(".")[1]))
+    return next(i for i in range(args.n_layers) if args.is_moe_layer(i) == kind)
