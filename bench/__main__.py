@@ -99,6 +99,10 @@ OPTION_CASES = ",".join(
         "_compiled_device",
     )
 )
+# Muon beside fused AdamW, each step's phases timed: one GPU over 200 steps (the loss curves,
+# `python -m bench.curves`), then dp2 x ep2
+MUON_CURVES = "1gpu_bf16params_auxfree_compiled_phases,1gpu_bf16params_auxfree_compiled_phases_muon"
+MUON_DP2_EP2 = "dp2_ep2_bf16params_auxfree_compiled_phases,dp2_ep2_bf16params_auxfree_compiled_phases_muon"
 # dp2 x ep2 compiled with torch's grouped GEMMs (exact and static exchange) beside QuACK's (installed:
 # bench/wheels.sh), which need the static exchange's fixed row count, also captured in CUDA graphs
 QUACK_CASES = ",".join(
@@ -297,7 +301,8 @@ SUITES = {
         "2 GPUs: collectives, the MoE layer at ep2 / etp2, trainer foldings, dp2 x ep2 beside torchtitan, "
         "the Qwen3-30B-A3B proxy at dp2 x ep2 with the static exchange (eager, paged stashing, compiled, CUDA graphs) "
         "and with QuACK's grouped GEMMs, its foldings compiled at one global batch (tp2 x ep2, dp2 x ep2, dp2 x etp2, "
-        "dp2 x edp2), every exchange option beside the default",
+        "dp2 x edp2), every exchange option beside the default, Muon beside AdamW (one GPU over 200 steps, and "
+        "dp2 x ep2)",
         [
             Step("collectives", "collectives", [], 60, gpus=2),
             Step("layer_ep2_etp2", "moe_layer", ["--dispatch", "ep2,etp2", "--compile", "off"], 100, gpus=2),
@@ -344,6 +349,18 @@ SUITES = {
                 "train_step",
                 [*QWEN3, "--cases", OPTION_CASES, "--steps", "10", "--warmup-steps", "4", "--case-timeout", "110"],
                 900,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_muon_200",
+                "train_step",
+                [*QWEN3, "--cases", MUON_CURVES, "--steps", "200", "--warmup-steps", "10", "--case-timeout", "270"],
+                600,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_muon",
+                "train_step",
+                [*QWEN3, "--cases", MUON_DP2_EP2, "--steps", "10", "--warmup-steps", "4", "--case-timeout", "110"],
+                300,
             ),
             Step(
                 "qwen3_30b_a3b_l12_dp2_ep2_quack",

@@ -321,6 +321,8 @@ def test_train_step_summary_and_plans():
             "1gpu_bf16params_auxfree_phases",
             *bench_main.FOLDING_CASES.split(","),
             *bench_main.OPTION_CASES.split(","),
+            *bench_main.MUON_CURVES.split(","),
+            *bench_main.MUON_DP2_EP2.split(","),
         ]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
