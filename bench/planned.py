@@ -60,6 +60,46 @@ def latest_record() -> str:
     return max(found)[1]
 
 
+def mapping_and_work(row: dict) -> tuple[Mapping, Workload]:
+    """The planner's mapping and workload of a trainer case: the degrees, sequence length and batch
+    its command ran with."""
+    words = shlex.split(row["command"])
+    deg = {
+        k: int(_option(words, f"--parallelism.{k}_degree"))
+        for k in (
+            "pipeline_parallel",
+            "data_parallel_shard",
+            "context_parallel",
+            "tensor_parallel",
+            "expert_parallel",
+            "expert_tensor_parallel",
+            "expert_data_parallel",
+        )
+    }
+    pp = deg["pipeline_parallel"]
+    if deg["expert_data_parallel"] < 0:  # -1: whatever the expert mesh leaves (the trainer's default)
+        deg["expert_data_parallel"] = row["nproc"] // (pp * deg["expert_parallel"] * deg["expert_tensor_parallel"])
+    mapping = Mapping(
+        pp,
+        1,
+        deg["data_parallel_shard"],
+        deg["context_parallel"],
+        deg["tensor_parallel"],
+        deg["expert_parallel"],
+        deg["expert_tensor_parallel"],
+        deg["expert_data_parallel"],
+    )
+    local = int(_option(words, "--training.local_batch_size"))
+    # a pipeline splits the local batch into micro-batches (torchtitan's default size 1); else one pass
+    micro = int(_option(words, "--parallelism.pipeline_parallel_microbatch_size", "1")) if pp > 1 else local
+    work = Workload(
+        int(_option(words, "--training.seq_len")),
+        int(_option(words, "--training.global_batch_size")),
+        micro_batch=micro,
+    )
+    return mapping, work
+
+
 def pairs(path: str) -> tuple[dict, list[Pair]]:
     """-> (the record, its foldings' rows that ran through, each with the planner's estimate)."""
     with open(path) as f:
@@ -76,37 +116,7 @@ def pairs(path: str) -> tuple[dict, list[Pair]]:
         if _option(words, "--training.dtype", "float32") != "float32" or fig["mixed_precision_param"] != "bfloat16":
             # the planner's 16 bytes per parameter: fp32 weights, gradients and moments, bf16 compute
             raise ValueError(f"{row['case']}: the planner models fp32 weights with bf16 compute only")
-        deg = {
-            k: int(_option(words, f"--parallelism.{k}_degree"))
-            for k in (
-                "pipeline_parallel",
-                "data_parallel_shard",
-                "context_parallel",
-                "tensor_parallel",
-                "expert_parallel",
-                "expert_tensor_parallel",
-                "expert_data_parallel",
-            )
-        }
-        pp = deg["pipeline_parallel"]
-        mapping = Mapping(
-            pp,
-            1,
-            deg["data_parallel_shard"],
-            deg["context_parallel"],
-            deg["tensor_parallel"],
-            deg["expert_parallel"],
-            deg["expert_tensor_parallel"],
-            deg["expert_data_parallel"],
-        )
-        local = int(_option(words, "--training.local_batch_size"))
-        # a pipeline splits the local batch into micro-batches (torchtitan's default size 1); else one pass
-        micro = int(_option(words, "--parallelism.pipeline_parallel_microbatch_size", "1")) if pp > 1 else local
-        work = Workload(
-            int(_option(words, "--training.seq_len")),
-            int(_option(words, "--training.global_batch_size")),
-            micro_batch=micro,
-        )
+        mapping, work = mapping_and_work(row)
         cluster = Cluster(row["nproc"], gpus_per_node=row["nproc"], gpu_memory_gib=memory_gib)
         out.append(Pair(row, mapping, work, estimate(sizes, mapping, work, cluster)))
     return record, out

@@ -60,6 +60,10 @@ class Cluster:
     gemm_half_rows: float = 128.0
     comm_efficiency: float = 0.7  # NCCL bus bandwidth / link bandwidth at tens of MiB
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    # the exact exchange reads its split sizes on the host before each expert all-to-all (two in
+    # forward, two in backward per MoE layer with ep x etp > 1): the GPU idles that long each time.
+    # 0 by default; bench/calibrate.py fits it on a measured run
+    exchange_latency_s: float = 0.0
 
 
 @dataclass
@@ -461,16 +465,8 @@ def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[in
     edp = its dp_replicate x cp groups.
     """
     lay = m.layout()
-    names = {
-        "tp": "tp",
-        "cp": "cp",
-        "dp_shard_cp": "dp_shard_cp",
-        "dp_replicate": "dp_replicate",
-        "ep": "ep",
-        "etp": "etp",
-        "edp": "edp",
-    }
-    out = {k: lay.groups(v, "expert" if k in ("ep", "etp", "edp") else "attention") for k, v in names.items()}
+    names = ("tp", "cp", "dp_shard_cp", "dp_replicate", "ep", "etp", "edp")
+    out = {k: lay.groups(k, "expert" if k in ("ep", "etp", "edp") else "attention") for k in names}
     out["pp"] = lay.groups("pp")
     if legacy:
         old = Mapping(m.pp, m.dp // m.ep, m.ep, m.cp, m.tp, 1, 1, m.world // m.pp).layout()
@@ -559,6 +555,8 @@ def estimate(
     rank_tokens = work.micro_batch * work.seq_len / (m.cp * m.tp)  # per rank and micro-batch
     compute = rank_tokens * (dense / gemm(dense_rows) + routed / gemm(expert_rows)) / flops_rate
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
+    waits = 4 * layers["moe"] * cluster.exchange_latency_s if m.ep * m.etp > 1 else 0.0
+    exposed += waits
     # FSDP traffic hides behind compute, except one unit's share: the first gather of a pass
     # and the last reduce-scatter have nothing to overlap with
     overlapped = [c for c in comm.values() if c.overlapped]
@@ -588,6 +586,8 @@ def estimate(
     )
     costs = {"compute": mb * compute, "pp bubble": bubble, "fsdp/edp (exposed)": fsdp, "optimizer": optimizer}
     costs.update({f"{n} comm": c.seconds for n, c in comm.items() if not c.overlapped})
+    if waits:
+        costs["exchange host waits"] = mb * waits
     est.dominant = max(costs, key=costs.get)
     cross = [f"{n}({c.crossing}/{c.groups})" for n, c in comm.items() if c.crossing]
     est.reasons = [
