@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [
+    "docs/configuration.md",
     "docs/dryrun.md",
     "docs/layouts.md",
     "docs/moe.md",

@@ -33,6 +33,7 @@ from titan_fold.common.hints import did_you_mean
 from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 from titan_fold.common.ranges import RANGES
+from titan_fold.common.torchtitan_keys import refusal
 from titan_fold.common.values import (
     ConfigError,
     _resolve_config_arg,
@@ -209,29 +210,11 @@ def check_ranges(config: JobConfig) -> None:
             raise ConfigError(f"{key} = {value!r}: must be {rule}")
 
 
-# torchtitan keys whose components titan_fold replaces: (key, the only value that holds, what does the job)
-REPLACED_TORCHTITAN_KEYS = (
-    (
-        "parallelism.expert_parallel_comm_backend",
-        "standard",
-        "titan_fold's dispatcher exchanges the tokens (moe.exchange chooses how)",
-    ),
-    ("parallelism.enable_async_tensor_parallel", False, "titan_fold's tensor parallelism has no async variant"),
-    (
-        "parallelism.context_parallel_rotate_method",
-        "allgather",
-        "titan_fold's context parallelism all-gathers K and V (docs/parallelize.md)",
-    ),
-)
-
-
 def validate(config: JobConfig) -> None:
     """Rules that hold for any model and world size; degrees against the world come later."""
     check_ranges(config)
-    for key, holds, instead in REPLACED_TORCHTITAN_KEYS:
-        section, name = key.split(".")
-        if (value := getattr(getattr(config, section), name)) != holds:
-            raise ConfigError(f"{key} = {value!r}: not used by titan_fold ({instead}); leave it at {holds!r}")
+    if problem := refusal(config):
+        raise ConfigError(problem)
     moe, par, tr = config.moe, config.parallelism, config.training
     if moe.capacity_factor is None:
         for key in ("pad_to_capacity", "drop_policy", "drop_scope"):

@@ -1,0 +1,93 @@
+"""Every key of torchtitan's JobConfig (and of titan_fold's extensions) is read, refused or
+listed as of no effect (titan_fold/common/torchtitan_keys.py), and a read key's attribute is
+accessed in the file the table names."""
+
+import dataclasses
+import os
+import re
+import typing
+
+import pytest
+import torchtitan
+from torchtitan.config.job_config import JobConfig as TitanJobConfig
+
+from titan_fold.common import torchtitan_keys
+from titan_fold.common.config import ConfigError, JobConfig, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.path.dirname(os.path.dirname(torchtitan.__file__))
+
+
+def keys(cls: type, prefix: str = "") -> dict[str, object]:
+    """Every `section.key` of a config class -> its default."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(keys(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    return out
+
+
+def reads(path: str, key: str) -> bool:
+    """Does the file access the key's last part as an attribute (or name it as a string)?"""
+    leaf = key.rsplit(".", 1)[1]
+    with open(path) as f:
+        return re.search(rf"\.{leaf}\b|[\"']{leaf}[\"']", f.read()) is not None
+
+
+def test_every_torchtitan_key_is_classified_once():
+    read, refused = torchtitan_keys.read_where(), [r.key for r in torchtitan_keys.REFUSED]
+    named = list(read) + refused + list(torchtitan_keys.NO_EFFECT)
+    assert len(named) == len(set(named)), "a key classified twice"
+    titan = keys(TitanJobConfig)
+    assert sorted(set(titan) - set(named)) == [], "torchtitan keys the table does not classify"
+    assert sorted(set(named) - set(titan)) == [], "the table names keys torchtitan's JobConfig lacks"
+    for r in torchtitan_keys.REFUSED:  # refused at any value but torchtitan's default
+        assert titan[r.key] == r.default, r.key
+
+
+def test_read_keys_are_accessed_where_the_table_says():
+    missing = []
+    for key, where in torchtitan_keys.read_where().items():
+        base = ROOT if where.startswith("titan_fold/") else SITE
+        if not reads(os.path.join(base, where), key):
+            missing.append(f"{key} in {where}")
+    assert missing == []
+
+
+def test_titan_fold_keys_are_read_by_titan_fold():
+    ours = sorted(set(keys(JobConfig)) - set(keys(TitanJobConfig)))
+    sources = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "titan_fold")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    sources.append(f.read())
+    text = "\n".join(sources)
+    unread = [k for k in ours if not re.search(rf"\.{k.rsplit('.', 1)[1]}\b", text)]
+    assert ours and unread == []
+
+
+# a value other than the default for each refused key
+SET = {
+    "parallelism.expert_parallel_comm_backend": ["deepep"],
+    "parallelism.enable_async_tensor_parallel": [],
+    "parallelism.context_parallel_rotate_method": ["alltoall"],
+    "training.enable_cpu_offload": [],
+    "validation.enable": [],
+    "memory_estimation.enable": [],
+    "debug.moe_force_load_balance": [],
+    "job.print_config": [],
+    "job.save_config_file": ["config.toml"],
+}
+
+
+@pytest.mark.parametrize("refused", torchtitan_keys.REFUSED, ids=lambda r: r.key)
+def test_refused_key_is_one_line_naming_it(refused):
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--{refused.key}", *SET[refused.key]])
+    message = str(e.value)
+    assert message.startswith(f"{refused.key} = ") and refused.instead in message and "\n" not in message
+    if isinstance(refused.default, str):  # a flag's or an unset key's default is the bare command's
+        parse_args([f"--{refused.key}", refused.default])
