@@ -55,7 +55,17 @@ def test_missing_file_names_it():
         ('[moe]\nload_balance = "aux"\n', "moe.load_balance = 'aux'"),
         ('[moe]\ndrop_scope = "sequence"\n', "moe.drop_scope"),
         ("[moe]\ncapacity_factor = 0.0\n", "moe.capacity_factor = 0.0: must be > 0"),
-        ("[moe]\npad_to_capacity = true\n", "moe.pad_to_capacity = True needs moe.capacity_factor"),
+        ('[moe]\ntoken_drop = "drop_and_pad"\n', "moe.token_drop = 'drop_and_pad' needs moe.capacity_factor"),
+        # the moved key, read as token_drop = "drop_and_pad"
+        ("[moe]\npad_to_capacity = true\n", "moe.token_drop = 'drop_and_pad' needs moe.capacity_factor"),
+        (
+            '[moe]\ncapacity_factor = 1.0\ntoken_drop = "dropless"\n',
+            "moe.capacity_factor = 1.0 with moe.token_drop = 'dropless'",
+        ),
+        (
+            '[moe]\ncapacity_factor = 1.0\npad_to_capacity = true\ntoken_drop = "drop"\n',
+            "moe.pad_to_capacity = true with moe.token_drop = 'drop': the old key moved to moe.token_drop",
+        ),
         ('[moe]\ndrop_policy = "position"\n', "moe.drop_policy = 'position' needs moe.capacity_factor"),
         ("[moe]\ntop_k = 0\n", "moe.top_k = 0: must be >= 1"),
         ("[moe]\naux_loss_coeff = -0.1\n", "moe.aux_loss_coeff = -0.1: must be >= 0"),
@@ -137,6 +147,14 @@ def test_bad_config_names_key_and_rule(tmp_path, text, message):
         [],  # one EP rank: the dropless layer has no host sync
         ["--parallelism.expert_parallel_degree", "2", "--moe.exchange", "static"],
         ["--parallelism.expert_parallel_degree", "2", "--moe.static_ep_exchange"],  # the moved key
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.capacity_factor",
+            "1.0",
+            "--moe.token_drop",
+            "drop_and_pad",
+        ],
         ["--parallelism.expert_parallel_degree", "2", "--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"],
     ],
 )
@@ -158,6 +176,39 @@ def test_moved_static_key_reads_as_exchange(capsys):
     assert notice == ['notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = "static"'], notice
     _, args = model_args_from_config(config)
     assert args.moe.exchange == "static"
+
+
+@pytest.mark.parametrize(
+    "args,token_drop,moe_args,notice",
+    [
+        pytest.param([], "dropless", (None, False), [], id="unset-dropless"),
+        pytest.param(["--moe.capacity_factor", "1.5"], "drop", (1.5, False), [], id="capacity-drops"),
+        pytest.param(
+            ["--moe.capacity_factor", "1.5", "--moe.token_drop", "drop_and_pad"],
+            "drop_and_pad",
+            (1.5, True),
+            [],
+            id="drop-and-pad",
+        ),
+        pytest.param(
+            ["--moe.capacity_factor", "1.5", "--moe.pad_to_capacity", "True"],
+            "drop_and_pad",
+            (1.5, True),
+            ['notice: moe.pad_to_capacity moved to moe.token_drop; read as moe.token_drop = "drop_and_pad"'],
+            id="moved-pad-key",
+        ),
+    ],
+)
+def test_token_drop_reaches_the_model(capsys, args, token_drop, moe_args, notice):
+    """moe.token_drop is one choice; unset, capacity_factor decides; the old pad_to_capacity = true
+    reads as "drop_and_pad" with a one-line notice. The model's MoEArgs get capacity and padding."""
+    from titan_fold.trainer.preflight import model_args_from_config
+
+    config = parse_args(["--job.config_file", "debug_moe.toml", *args])
+    assert config.moe.token_drop == token_drop and not config.moe.pad_to_capacity
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")] == notice
+    _, model_args = model_args_from_config(config)
+    assert (model_args.moe.capacity_factor, model_args.moe.pad_to_capacity) == moe_args
 
 
 @pytest.mark.parametrize("args", [[], ["--compile.enable"]])

@@ -362,14 +362,13 @@ def test_quack_only_where_the_row_count_is_fixed():
         preflight(parse_args(base + ep2), 2)
     with pytest.raises(
         ConfigError,
-        match=r"^moe.grouped_gemm = 'quack' with moe.capacity_factor = 1.0 without "
-        r"moe.pad_to_capacity",
+        match=r"^moe.grouped_gemm = 'quack' with moe.token_drop = 'drop' \(moe.capacity_factor = 1.0, unpadded\)",
     ):
         preflight(parse_args(base + ["--moe.capacity_factor", "1.0"]), 1)
     fixed = [
         (ep2 + ["--moe.exchange", "static"], 2),
         (ep2 + ["--moe.exchange", "device"], 2),
-        (["--moe.capacity_factor", "1.0", "--moe.pad_to_capacity", "True"], 1),
+        (["--moe.capacity_factor", "1.0", "--moe.token_drop", "drop_and_pad"], 1),
         ([], 1),
     ]
     for extra, world in fixed:

@@ -33,6 +33,7 @@ from titan_fold.common.hints import did_you_mean
 from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 from titan_fold.common.ranges import RANGES
+from titan_fold.common.rules import broken_rule, move_keys
 from titan_fold.common.torchtitan_keys import refusal
 from titan_fold.common.values import (
     ConfigError,
@@ -119,9 +120,9 @@ class Compile(TitanCompile):
     cudagraphs: bool = False
     """Each compiled block's forward and backward replayed as CUDA graphs (torch.compile
     mode="reduce-overhead"): no host launch work per kernel. Needs compile.enable; the layer must
-    have no host sync (dropless on one EP rank or with moe.exchange = "static", or token drop with
-    pad_to_capacity). At ep > 1 measured slower than compiled alone (docs/moe.md, "What each option
-    costs")."""
+    have no host sync (dropless on one EP rank or with moe.exchange = "static", or
+    moe.token_drop = "drop_and_pad"). At ep > 1 measured slower than compiled alone (docs/moe.md,
+    "What each option costs")."""
 
 
 @dataclass
@@ -211,113 +212,13 @@ def check_ranges(config: JobConfig) -> None:
 
 
 def validate(config: JobConfig) -> None:
-    """Rules that hold for any model and world size; degrees against the world come later."""
+    """Ranges, refused torchtitan keys, moved keys and the rules between keys (common/rules.py):
+    what holds for any model and world size; degrees against the world come later."""
     check_ranges(config)
     if problem := refusal(config):
         raise ConfigError(problem)
-    moe, par, tr = config.moe, config.parallelism, config.training
-    if moe.capacity_factor is None:
-        for key in ("pad_to_capacity", "drop_policy", "drop_scope"):
-            value = getattr(moe, key)
-            if value not in (None, False):
-                raise ConfigError(f"moe.{key} = {value!r} needs moe.capacity_factor (dropless mode drops nothing)")
-    if moe.load_balance in ("none", "aux_free") and moe.aux_loss_coeff:
-        raise ConfigError(
-            f"moe.aux_loss_coeff = {moe.aux_loss_coeff} has no effect with moe.load_balance = '{moe.load_balance}'"
-        )
-    if config.model.hf_config and config.model.flavor != "hf":
-        raise ConfigError(f"model.hf_config is read only with model.flavor = 'hf' (flavor is {config.model.flavor!r})")
-    ac = config.activation_checkpoint
-    if ac.moe_layer_recompute and ac.mode != "none":
-        raise ConfigError(
-            f"activation_checkpoint.moe_layer_recompute with activation_checkpoint.mode = '{ac.mode}': "
-            "choose one; moe_layer_recompute needs mode = 'none'"
-        )
-    opt = config.optimizer
-    if opt.name == "Muon" and (opt.master_weights or opt.early_step_in_backward):
-        key = "master_weights" if opt.master_weights else "early_step_in_backward"
-        raise ConfigError(
-            f"optimizer.name = 'Muon' with optimizer.{key} = true: Muon steps whole matrices after "
-            "backward, in the parameters' dtype; choose one"
-        )
-    if opt.master_weights and tr.dtype != "bfloat16":
-        raise ConfigError(
-            f"optimizer.master_weights = true with training.dtype = '{tr.dtype}': master weights "
-            "are for bf16 model parameters; set training.dtype = 'bfloat16'"
-        )
-    if config.compile.cudagraphs and not config.compile.enable:
-        raise ConfigError("compile.cudagraphs = true needs compile.enable (the graphs are torch.compile's)")
-    if moe.static_ep_exchange:
-        if moe.exchange not in ("auto", "static"):
-            raise ConfigError(
-                f"moe.static_ep_exchange = true with moe.exchange = {moe.exchange!r}: the old key "
-                "moved to moe.exchange; set only moe.exchange"
-            )
-        print('notice: moe.static_ep_exchange moved to moe.exchange; read as moe.exchange = "static"', file=sys.stderr)
-        moe.exchange, moe.static_ep_exchange = "static", False
-    if moe.exchange == "static" and moe.capacity_factor is not None:
-        raise ConfigError(
-            f"moe.exchange = 'static' with moe.capacity_factor = {moe.capacity_factor}: it is for "
-            "dropless routing; token drop has moe.pad_to_capacity for static shapes"
-        )
-    if moe.exchange == "device" and par.expert_tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
-            f"{par.expert_tensor_parallel_degree}: the device exchange covers ep only; use moe.exchange "
-            "= 'exact' or 'static' with etp > 1"
-        )
-    if moe.exchange == "device" and moe.capacity_factor is not None:
-        raise ConfigError(
-            f"moe.exchange = 'device' with moe.capacity_factor = {moe.capacity_factor}: it is for "
-            "dropless routing; token drop has moe.pad_to_capacity for static shapes"
-        )
-    if moe.exchange == "device" and config.compile.cudagraphs:
-        raise ConfigError(
-            "compile.cudagraphs = true with moe.exchange = 'device': CUDA graph trees refuse the "
-            "device exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs"
-        )
-    if moe.exchange == "device" and (moe.overlap_ep_comm or moe.delay_wgrad_compute):
-        key = "overlap_ep_comm" if moe.overlap_ep_comm else "delay_wgrad_compute"
-        raise ConfigError(
-            f"moe.{key} = true with moe.exchange = 'device': not built for the device exchange; choose one"
-        )
-    if moe.stash_rows:
-        if moe.exchange != "static":
-            raise ConfigError(
-                f"moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with "
-                "moe.exchange = 'static' (it stashes that exchange's real rows)"
-            )
-        if ac.mode != "none" or ac.moe_layer_recompute:
-            raise ConfigError(
-                f"moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' "
-                "saved tensors are recomputed, not stashed; choose one"
-            )
-        if config.compile.cudagraphs:
-            raise ConfigError(
-                f"moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the "
-                "experts in eager mode between the layer's graphs, and CUDA graph trees then record the "
-                "graphs again in most steps (the parameters FSDP2 gathers move with the eager experts' "
-                "allocations), slower than compile.enable alone; choose one"
-            )
-    exchange = par.expert_parallel_degree * par.expert_tensor_parallel_degree > 1
-    if config.compile.cudagraphs and exchange and moe.capacity_factor is None and moe.exchange in ("auto", "exact"):
-        raise ConfigError(
-            "compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "
-            "expert_tensor_parallel_degree > 1: the exchange sizes reach the host in every layer "
-            "(a graph per shape); set moe.exchange = 'static'"
-        )
-    if config.moe.expert_fp8 and "bfloat16" not in (tr.dtype, tr.mixed_precision_param):
-        raise ConfigError(
-            f"moe.expert_fp8 = true with training.dtype = '{tr.dtype}' and training.mixed_precision_param = "
-            f"'{tr.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'"
-        )
-    if opt.master_weights and opt.early_step_in_backward:
-        raise ConfigError("optimizer.master_weights = true with optimizer.early_step_in_backward: choose one")
-    if config.checkpoint.initial_load_path and not config.checkpoint.enable:
-        raise ConfigError(
-            f"checkpoint.initial_load_path = {config.checkpoint.initial_load_path!r} needs checkpoint.enable "
-            "(without it nothing would be loaded and training would start from random weights)"
-        )
+    if problem := move_keys(config) or broken_rule(config):
+        raise ConfigError(problem)
 
 
 # the keys only a dry run reads, and what a real run given one would not do

@@ -8,10 +8,14 @@ from typing import Literal
 class MoE:
     """Router and capacity settings. Unset (None) keeps the model flavor's value."""
 
+    token_drop: Literal["dropless", "drop", "drop_and_pad"] | None = None
+    """"dropless": every expert takes all its tokens; "drop": an expert keeps at most its capacity
+    (drop_policy chooses which); "drop_and_pad": as "drop", every expert padded to its capacity
+    (static shapes, no host sync). Unset: "drop" where capacity_factor is set, else "dropless"."""
     capacity_factor: float | None = None
-    """Token-drop capacity factor; unset = dropless. capacity = ceil(tokens * top_k * cf / E)."""
+    """With token drop: capacity = ceil(tokens * top_k * capacity_factor / experts)."""
     pad_to_capacity: bool | None = None
-    """Pad every expert to its capacity (static shapes; needs capacity_factor)."""
+    """Moved: `pad_to_capacity = true` is `token_drop = "drop_and_pad"` (accepted with a notice)."""
     drop_policy: Literal["probs", "position"] | None = None
     """Which tokens an over-full expert keeps: highest probability, or first in order."""
     drop_scope: Literal["sub_sequence", "full_sequence"] | None = None

@@ -15,7 +15,7 @@ from titan_fold.models.layers import rope_cos_sin
 from titan_fold.moe import MoEArgs
 
 # `[moe]` keys that moved to another key (the config reads them into it, with a notice)
-MOVED_MOE_KEYS = ("static_ep_exchange",)
+MOVED_MOE_KEYS = ("static_ep_exchange", "pad_to_capacity")
 
 
 @dataclass
@@ -102,8 +102,13 @@ class TransformerArgs(BaseModelArgs):
             overrides = {
                 f.name: getattr(moe_config, f.name)
                 for f in dataclasses.fields(moe_config)
-                if getattr(moe_config, f.name) is not None and f.name not in MOVED_MOE_KEYS
+                if getattr(moe_config, f.name) is not None and f.name not in (*MOVED_MOE_KEYS, "token_drop")
             }
+            token_drop = getattr(moe_config, "token_drop", None)
+            if token_drop is not None:  # MoEArgs: capacity_factor None = dropless, pad_to_capacity
+                overrides["pad_to_capacity"] = token_drop == "drop_and_pad"
+                if token_drop == "dropless":
+                    overrides["capacity_factor"] = None
             self.moe = dataclasses.replace(self.moe, **overrides)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

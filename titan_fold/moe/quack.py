@@ -151,7 +151,7 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
         return (
             None
             if args.pad_to_capacity
-            else f"moe.capacity_factor = {args.capacity_factor} without moe.pad_to_capacity"
+            else f"moe.token_drop = 'drop' (moe.capacity_factor = {args.capacity_factor}, unpadded)"
         )
     if ep * etp > 1 and resolve(args.exchange, ep, etp) == "exact":
         return (

@@ -1,0 +1,220 @@
+"""The job config's rules between keys, in one table of (condition, message), and the moved
+keys read as their new ones: config.validate applies both before any process starts;
+docs/configuration.md prints them (`python -m titan_fold.common.rules`). Rules that need the
+world size, the model or the machine (degrees, the GPU, files) are checked at launch
+(trainer/preflight.py)."""
+
+import dataclasses
+import re
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+class Rule(NamedTuple):
+    """`broken(config)`: the config breaks the rule; `message`: the error line, `{section.key}`
+    fields filled from the config (str.format)."""
+
+    broken: Callable[[Any], bool]
+    message: str
+
+
+def _muon(c) -> bool:
+    return c.optimizer.name == "Muon"
+
+
+def _dropless(c) -> bool:
+    return c.moe.token_drop == "dropless"
+
+
+def _recompute(c) -> bool:
+    ac = c.activation_checkpoint
+    return ac.mode != "none" or ac.moe_layer_recompute
+
+
+def _device(c) -> bool:
+    return c.moe.exchange == "device"
+
+
+def _over_ranks(c) -> bool:
+    return c.parallelism.expert_parallel_degree * c.parallelism.expert_tensor_parallel_degree > 1
+
+
+RULES = (
+    Rule(
+        lambda c: c.moe.token_drop != "dropless" and c.moe.capacity_factor is None,
+        "moe.token_drop = {moe.token_drop!r} needs moe.capacity_factor (capacity = ceil(tokens * top_k * "
+        "capacity_factor / experts))",
+    ),
+    Rule(
+        lambda c: _dropless(c) and c.moe.drop_policy is not None,
+        "moe.drop_policy = {moe.drop_policy!r} needs moe.capacity_factor (dropless mode drops nothing)",
+    ),
+    Rule(
+        lambda c: _dropless(c) and c.moe.drop_scope is not None,
+        "moe.drop_scope = {moe.drop_scope!r} needs moe.capacity_factor (dropless mode drops nothing)",
+    ),
+    Rule(
+        lambda c: _dropless(c) and c.moe.capacity_factor is not None,
+        "moe.capacity_factor = {moe.capacity_factor} with moe.token_drop = 'dropless': dropless routing "
+        "has no capacity; unset moe.capacity_factor or choose moe.token_drop = 'drop'",
+    ),
+    Rule(
+        lambda c: c.moe.load_balance in ("none", "aux_free") and bool(c.moe.aux_loss_coeff),
+        "moe.aux_loss_coeff = {moe.aux_loss_coeff} has no effect with moe.load_balance = '{moe.load_balance}'",
+    ),
+    Rule(
+        lambda c: bool(c.model.hf_config) and c.model.flavor != "hf",
+        "model.hf_config is read only with model.flavor = 'hf' (flavor is {model.flavor!r})",
+    ),
+    Rule(
+        lambda c: c.activation_checkpoint.moe_layer_recompute and c.activation_checkpoint.mode != "none",
+        "activation_checkpoint.moe_layer_recompute with activation_checkpoint.mode = "
+        "'{activation_checkpoint.mode}': choose one; moe_layer_recompute needs mode = 'none'",
+    ),
+    Rule(
+        lambda c: _muon(c) and c.optimizer.master_weights,
+        "optimizer.name = 'Muon' with optimizer.master_weights = true: Muon steps whole matrices after "
+        "backward, in the parameters' dtype; choose one",
+    ),
+    Rule(
+        lambda c: _muon(c) and c.optimizer.early_step_in_backward,
+        "optimizer.name = 'Muon' with optimizer.early_step_in_backward = true: Muon steps whole matrices "
+        "after backward, in the parameters' dtype; choose one",
+    ),
+    Rule(
+        lambda c: c.optimizer.master_weights and c.training.dtype != "bfloat16",
+        "optimizer.master_weights = true with training.dtype = '{training.dtype}': master weights "
+        "are for bf16 model parameters; set training.dtype = 'bfloat16'",
+    ),
+    Rule(
+        lambda c: c.compile.cudagraphs and not c.compile.enable,
+        "compile.cudagraphs = true needs compile.enable (the graphs are torch.compile's)",
+    ),
+    Rule(
+        lambda c: c.moe.exchange == "static" and not _dropless(c),
+        "moe.exchange = 'static' with moe.capacity_factor = {moe.capacity_factor}: it is for dropless "
+        "routing; token drop has moe.token_drop = 'drop_and_pad' for static shapes",
+    ),
+    Rule(
+        lambda c: _device(c) and c.parallelism.expert_tensor_parallel_degree > 1,
+        "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
+        "{parallelism.expert_tensor_parallel_degree}: the device exchange covers ep only; use moe.exchange "
+        "= 'exact' or 'static' with etp > 1",
+    ),
+    Rule(
+        lambda c: _device(c) and not _dropless(c),
+        "moe.exchange = 'device' with moe.capacity_factor = {moe.capacity_factor}: it is for dropless "
+        "routing; token drop has moe.token_drop = 'drop_and_pad' for static shapes",
+    ),
+    Rule(
+        lambda c: _device(c) and c.compile.cudagraphs,
+        "compile.cudagraphs = true with moe.exchange = 'device': CUDA graph trees refuse the device "
+        "exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs",
+    ),
+    Rule(
+        lambda c: _device(c) and c.moe.overlap_ep_comm,
+        "moe.overlap_ep_comm = true with moe.exchange = 'device': not built for the device exchange; choose one",
+    ),
+    Rule(
+        lambda c: _device(c) and c.moe.delay_wgrad_compute,
+        "moe.delay_wgrad_compute = true with moe.exchange = 'device': not built for the device exchange; choose one",
+    ),
+    Rule(
+        lambda c: c.moe.stash_rows > 0 and c.moe.exchange != "static",
+        "moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with moe.exchange = 'static' "
+        "(it stashes that exchange's real rows)",
+    ),
+    Rule(
+        lambda c: c.moe.stash_rows > 0 and _recompute(c),
+        "moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' saved tensors "
+        "are recomputed, not stashed; choose one",
+    ),
+    Rule(
+        lambda c: c.moe.stash_rows > 0 and c.compile.cudagraphs,
+        "moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the experts in "
+        "eager mode between the layer's graphs, and CUDA graph trees then record the graphs again in "
+        "most steps (the parameters FSDP2 gathers move with the eager experts' allocations), slower "
+        "than compile.enable alone; choose one",
+    ),
+    Rule(
+        lambda c: c.compile.cudagraphs and _over_ranks(c) and _dropless(c) and c.moe.exchange in ("auto", "exact"),
+        "compile.cudagraphs = true with dropless routing over parallelism.expert_parallel_degree x "
+        "expert_tensor_parallel_degree > 1: the exchange sizes reach the host in every layer "
+        "(a graph per shape); set moe.exchange = 'static'",
+    ),
+    Rule(
+        lambda c: c.moe.expert_fp8 and "bfloat16" not in (c.training.dtype, c.training.mixed_precision_param),
+        "moe.expert_fp8 = true with training.dtype = '{training.dtype}' and training.mixed_precision_param = "
+        "'{training.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'",
+    ),
+    Rule(
+        lambda c: c.optimizer.master_weights and c.optimizer.early_step_in_backward,
+        "optimizer.master_weights = true with optimizer.early_step_in_backward: choose one",
+    ),
+    Rule(
+        lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,
+        "checkpoint.initial_load_path = {checkpoint.initial_load_path!r} needs checkpoint.enable "
+        "(without it nothing would be loaded and training would start from random weights)",
+    ),
+)
+
+
+class Moved(NamedTuple):
+    """`[moe]` key `old` = true is read as `new` = `value`, with a one-line notice."""
+
+    old: str
+    new: str
+    value: str
+
+
+MOVED = (
+    Moved("static_ep_exchange", "exchange", "static"),
+    Moved("pad_to_capacity", "token_drop", "drop_and_pad"),
+)
+
+# a moved key's new key, unset: its value when the old key is not set either
+UNSET = {"exchange": "auto", "token_drop": None}
+
+
+def _fields(config) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def move_keys(config) -> str | None:
+    """Read each moved `[moe]` key set to true as its new key (a notice on stderr, the old key
+    reset); -> the error line where both are set apart, else None."""
+    moe = config.moe
+    for old, new, value in MOVED:
+        if not getattr(moe, old):
+            continue
+        if getattr(moe, new) not in (UNSET[new], value):
+            return (
+                f"moe.{old} = true with moe.{new} = {getattr(moe, new)!r}: the old key moved to moe.{new}; "
+                f"set only moe.{new}"
+            )
+        print(f'notice: moe.{old} moved to moe.{new}; read as moe.{new} = "{value}"', file=sys.stderr)
+        setattr(moe, new, value)
+        setattr(moe, old, False)
+    if moe.token_drop is None:  # unset: token drop where a capacity factor is given
+        moe.token_drop = "dropless" if moe.capacity_factor is None else "drop"
+    return None
+
+
+def broken_rule(config) -> str | None:
+    """The first rule the config breaks, as its error line; None if it breaks none."""
+    for rule in RULES:
+        if rule.broken(config):
+            return rule.message.format(**_fields(config))
+    return None
+
+
+def table() -> str:
+    """The rules' messages, `{KEY}` for a value from the config, then the moved keys."""
+    lines = [re.sub(r"\{([\w.]+)(![rs])?\}", r"<\1>", rule.message) for rule in RULES]
+    lines += [f'moe.{m.old} = true  is read as  moe.{m.new} = "{m.value}" (with a notice)' for m in MOVED]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
