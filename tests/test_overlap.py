@@ -514,9 +514,8 @@ def test_refused_with_the_key(args, match):
     from titan_fold.common.config import ConfigError, parse_args
     from titan_fold.trainer.preflight import check_layout
 
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args])
-    with pytest.raises(ConfigError, match=re.escape(match)):
-        check_layout(config, 4)
+    with pytest.raises(ConfigError, match=re.escape(match)):  # parse_args's rules, or the layout's
+        check_layout(parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args]), 4)
 
 
 # (config, world size, overrides): qwen2.toml at pp 1 (dp_shard 32 x tp 2, ep 4 x edp 16) and at

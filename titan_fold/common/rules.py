@@ -40,6 +40,36 @@ def _over_ranks(c) -> bool:
     return c.parallelism.expert_parallel_degree * c.parallelism.expert_tensor_parallel_degree > 1
 
 
+# the pipeline schedules parallel/overlap.py's overlapped_pipeline runs, by their
+# parallelism.pipeline_parallel_schedule names
+OVERLAP_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+def _compiled(c) -> bool:
+    return c.compile.enable and "model" in c.compile.components
+
+
+def _overlap_schedule_missing(c) -> bool:
+    schedule = c.parallelism.pipeline_parallel_schedule.lower()
+    return c.parallelism.pipeline_parallel_degree > 1 and schedule not in [s.lower() for s in OVERLAP_SCHEDULES]
+
+
+def _hides_all_to_all(key: str) -> tuple[Rule, Rule]:
+    """moe.delay_wgrad_compute's and moe.overlap_ep_comm's rules: an all-to-all to hide, no compile."""
+    return (
+        Rule(
+            lambda c: getattr(c.moe, key) and c.parallelism.expert_parallel_degree == 1,
+            f"moe.{key} = true needs parallelism.expert_parallel_degree > 1: it hides the expert "
+            "all-to-all, and ep = 1 has none",
+        ),
+        Rule(
+            lambda c: getattr(c.moe, key) and _compiled(c),
+            f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
+            "outside one compiled graph; choose one",
+        ),
+    )
+
+
 RULES = (
     Rule(
         lambda c: c.moe.token_drop != "dropless" and c.moe.capacity_factor is None,
@@ -151,6 +181,29 @@ RULES = (
     Rule(
         lambda c: c.optimizer.master_weights and c.optimizer.early_step_in_backward,
         "optimizer.master_weights = true with optimizer.early_step_in_backward: choose one",
+    ),
+    *_hides_all_to_all("delay_wgrad_compute"),
+    *_hides_all_to_all("overlap_ep_comm"),
+    Rule(
+        lambda c: c.moe.overlap_ep_comm and _overlap_schedule_missing(c),
+        "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = "
+        "{parallelism.pipeline_parallel_schedule!r}: it pairs the backward and forward of a 1F1B steady "
+        f"state; choose {' or '.join(OVERLAP_SCHEDULES)}",
+    ),
+    Rule(
+        lambda c: c.moe.overlap_ep_comm and c.mtp.num_layers > 0,
+        "moe.overlap_ep_comm = true with mtp.num_layers = {mtp.num_layers}: the overlapped schedule runs "
+        "the main model's blocks only; choose one",
+    ),
+    Rule(
+        lambda c: c.moe.overlap_ep_comm and c.activation_checkpoint.mode != "none",
+        "moe.overlap_ep_comm = true with activation_checkpoint.mode = '{activation_checkpoint.mode}': the "
+        "overlapped pieces are not recomputed; choose one",
+    ),
+    Rule(
+        lambda c: c.moe.overlap_ep_comm and c.activation_checkpoint.moe_layer_recompute,
+        "moe.overlap_ep_comm = true with activation_checkpoint.moe_layer_recompute: the overlapped pieces "
+        "are not recomputed; choose one",
     ),
     Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,

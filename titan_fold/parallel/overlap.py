@@ -328,10 +328,6 @@ class OverlapSchedule:
         return mb.output.detach()
 
 
-# the pipeline schedules overlapped_pipeline runs, by their parallelism.pipeline_parallel_schedule names
-PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B")
-
-
 def one_f_one_b(rank: int, pp: int, n: int) -> list[_Action]:
     """Schedule1F1B's compute actions on one pp rank (stage = rank): pp - rank forwards,
     then a backward and a forward in turn, then the last backwards."""
@@ -453,48 +449,14 @@ def micro_batches(config, layout) -> int:
 
 
 def overlap_problem(config, layout) -> str | None:
-    """Why moe.delay_wgrad_compute / moe.overlap_ep_comm cannot apply to this job, or None."""
-    moe, ac = config.moe, config.activation_checkpoint
-    compiled = config.compile.enable and "model" in config.compile.components
-    for key in ("delay_wgrad_compute", "overlap_ep_comm"):
-        if not getattr(moe, key):
-            continue
-        if layout.ep == 1:
-            return (
-                f"moe.{key} = true needs parallelism.expert_parallel_degree > 1: it hides the expert "
-                "all-to-all, and ep = 1 has none"
-            )
-        if compiled:
-            return (
-                f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
-                "outside one compiled graph; choose one"
-            )
-    if not moe.overlap_ep_comm:
-        return None
-    schedule = config.parallelism.pipeline_parallel_schedule
-    if layout.pp > 1 and schedule.lower() not in [name.lower() for name in PIPELINE_SCHEDULES]:
-        return (
-            f"moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = {schedule!r}: it pairs "
-            f"the backward and forward of a 1F1B steady state; choose {' or '.join(PIPELINE_SCHEDULES)}"
-        )
-    if layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
+    """Why moe.overlap_ep_comm cannot apply with this layout's data parallelism, or None (the
+    rules that need no layout are common/rules.py's)."""
+    if config.moe.overlap_ep_comm and layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
         tr = config.training
         return (
             f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
             f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}"
         )
-    if config.mtp.num_layers > 0:
-        return (
-            f"moe.overlap_ep_comm = true with mtp.num_layers = {config.mtp.num_layers}: the overlapped schedule "
-            "runs the main model's blocks only; choose one"
-        )
-    if ac.mode != "none" or ac.moe_layer_recompute:
-        what = (
-            f"activation_checkpoint.mode = '{ac.mode}'"
-            if ac.mode != "none"
-            else "activation_checkpoint.moe_layer_recompute"
-        )
-        return f"moe.overlap_ep_comm = true with {what}: the overlapped pieces are not recomputed; choose one"
     return None
 
 
