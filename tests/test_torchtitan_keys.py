@@ -57,6 +57,47 @@ def test_read_keys_are_accessed_where_the_table_says():
     assert missing == []
 
 
+def imported(path: str) -> set[str]:
+    """The torchtitan files a file imports (absolute or relative imports), as paths."""
+    with open(path) as f:
+        text = f.read()
+    package = os.path.relpath(os.path.dirname(path), SITE).replace(os.sep, ".")
+    found = set()
+    pattern = r"^[^\S\n]*from (\.*[\w.]*) import (?:\(([^)]*)\)|([^\n]*))"
+    for module, wrapped, line in re.findall(pattern, text, re.M):
+        if module.startswith("."):
+            dots = len(module) - len(module.lstrip("."))
+            module = ".".join([*package.split(".")[: len(package.split(".")) - dots + 1], module.lstrip(".")])
+            module = module.rstrip(".")
+        names = [n.split(" as ")[0].strip() for n in (wrapped or line).split("#")[0].split(",")]
+        found |= {module, *(f"{module}.{n}" for n in names if n)}
+    found.update(re.findall(r"^[^\S\n]*import ([\w.]+)", text, re.M))
+    paths = set()
+    for module in found:
+        if module.startswith("torchtitan"):
+            base = os.path.join(SITE, *module.split("."))
+            paths.update(p for p in (base + ".py", os.path.join(base, "__init__.py")) if os.path.exists(p))
+    return paths
+
+
+def test_torchtitan_files_named_are_reached_from_titan_fold():
+    """A key read by a torchtitan file counts only while titan_fold runs that file: imported by
+    titan_fold, or by a torchtitan module it runs (so a trainer that stops running torchtitan's
+    Trainer must reclassify the keys only torchtitan/train.py reads)."""
+    todo = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "titan_fold")):
+        for name in files:
+            if name.endswith(".py"):
+                todo |= imported(os.path.join(folder, name))
+    reached = set()
+    while todo:
+        path = todo.pop()
+        reached.add(path)
+        todo |= imported(path) - reached
+    named = {where for where in torchtitan_keys.READ if where.startswith("torchtitan/")}
+    assert sorted(w for w in named if os.path.join(SITE, w) not in reached) == []
+
+
 def test_titan_fold_keys_are_read_by_titan_fold():
     ours = sorted(set(keys(JobConfig)) - set(keys(TitanJobConfig)))
     sources = []
