@@ -1,0 +1,100 @@
+"""Each rule of common/rules.py's table is the first one a config breaking it meets, and the
+default config breaks none (the messages themselves: tests/test_config.py)."""
+
+import pytest
+
+from titan_fold.common.config import JobConfig
+from titan_fold.common.rules import RULES, broken_rule, move_keys
+
+EP2 = {"parallelism.expert_parallel_degree": 2}
+OVERLAP = {"moe.overlap_ep_comm": True, **EP2}
+
+# (the keys set on the default config, the start of the broken rule's line)
+CASES = [
+    ({"moe.token_drop": "drop"}, "moe.token_drop = 'drop' needs moe.capacity_factor"),
+    ({"moe.drop_policy": "probs"}, "moe.drop_policy = 'probs' needs"),
+    ({"moe.drop_scope": "full_sequence"}, "moe.drop_scope = 'full_sequence' needs"),
+    ({"moe.capacity_factor": 1.0, "moe.token_drop": "dropless"}, "moe.capacity_factor = 1.0 with"),
+    ({"moe.load_balance": "none", "moe.aux_loss_coeff": 0.1}, "moe.aux_loss_coeff = 0.1 has no effect"),
+    ({"model.hf_config": "config.json"}, "model.hf_config is read only"),
+    ({"activation_checkpoint.moe_layer_recompute": True}, "activation_checkpoint.moe_layer_recompute with"),
+    ({"optimizer.name": "Muon", "optimizer.master_weights": True}, "optimizer.name = 'Muon' with optimizer.master"),
+    (
+        {"optimizer.name": "Muon", "optimizer.early_step_in_backward": True},
+        "optimizer.name = 'Muon' with optimizer.early",
+    ),
+    ({"optimizer.master_weights": True}, "optimizer.master_weights = true with training.dtype = 'float32'"),
+    ({"compile.cudagraphs": True}, "compile.cudagraphs = true needs compile.enable"),
+    ({"moe.exchange": "static", "moe.capacity_factor": 1.0}, "moe.exchange = 'static' with moe.capacity_factor"),
+    ({"moe.exchange": "device", "parallelism.expert_tensor_parallel_degree": 2}, "moe.exchange = 'device' with par"),
+    ({"moe.exchange": "device", "moe.capacity_factor": 1.0}, "moe.exchange = 'device' with moe.capacity_factor"),
+    (
+        {"moe.exchange": "device", "compile.enable": True, "compile.cudagraphs": True},
+        "compile.cudagraphs = true with moe.exchange = 'device'",
+    ),
+    ({"moe.exchange": "device", "moe.overlap_ep_comm": True}, "moe.overlap_ep_comm = true with moe.exchange"),
+    ({"moe.exchange": "device", "moe.delay_wgrad_compute": True}, "moe.delay_wgrad_compute = true with moe.exchange"),
+    ({"moe.stash_rows": 100}, "moe.stash_rows = 100: must be >= 0"),
+    ({"moe.stash_rows": 100, "moe.exchange": "static"}, "moe.stash_rows = 100 with activation checkpointing"),
+    (
+        {
+            "moe.stash_rows": 100,
+            "moe.exchange": "static",
+            "activation_checkpoint.mode": "none",
+            "compile.enable": True,
+            "compile.cudagraphs": True,
+        },
+        "moe.stash_rows = 100 with compile.cudagraphs",
+    ),
+    ({"compile.enable": True, "compile.cudagraphs": True, **EP2}, "compile.cudagraphs = true with dropless routing"),
+    ({"moe.expert_fp8": True, "training.mixed_precision_param": "float32"}, "moe.expert_fp8 = true with"),
+    (
+        {"optimizer.master_weights": True, "optimizer.early_step_in_backward": True, "training.dtype": "bfloat16"},
+        "optimizer.master_weights = true with optimizer.early_step_in_backward",
+    ),
+    ({"moe.delay_wgrad_compute": True}, "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree"),
+    ({"moe.delay_wgrad_compute": True, "compile.enable": True, **EP2}, "moe.delay_wgrad_compute = true with compile"),
+    ({"moe.overlap_ep_comm": True}, "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree"),
+    ({"compile.enable": True, **OVERLAP}, "moe.overlap_ep_comm = true with compile.enable"),
+    (
+        {"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "GPipe", **OVERLAP},
+        "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'",
+    ),
+    ({"mtp.num_layers": 1, **OVERLAP}, "moe.overlap_ep_comm = true with mtp.num_layers = 1"),
+    (OVERLAP, "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'selective'"),
+    (
+        {"activation_checkpoint.mode": "none", "activation_checkpoint.moe_layer_recompute": True, **OVERLAP},
+        "moe.overlap_ep_comm = true with activation_checkpoint.moe_layer_recompute",
+    ),
+    ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
+]
+
+
+def config_with(keys: dict) -> JobConfig:
+    config = JobConfig()
+    for key, value in keys.items():
+        *sections, name = key.split(".")
+        owner = config
+        for section in sections:
+            owner = getattr(owner, section)
+        setattr(owner, name, value)
+    assert move_keys(config) is None
+    return config
+
+
+def first_broken(config: JobConfig) -> int | None:
+    return next((i for i, rule in enumerate(RULES) if rule.broken(config)), None)
+
+
+def test_default_config_breaks_no_rule():
+    assert broken_rule(config_with({})) is None
+
+
+@pytest.mark.parametrize("keys,line", CASES, ids=[line for _, line in CASES])
+def test_rule_met_first(keys, line):
+    assert broken_rule(config_with(keys)).startswith(line)
+
+
+def test_every_rule_has_its_case():
+    met = sorted(first_broken(config_with(keys)) for keys, _ in CASES)
+    assert met == list(range(len(RULES)))
