@@ -72,7 +72,11 @@ def test_missing_file_names_it():
         ('[moe]\nload_balance = "aux_free"\naux_loss_coeff = 0.01\n', "has no effect"),
         ("[parallelism]\nexpert_parallel_degree = 0\n", "parallelism.expert_parallel_degree = 0: must be >= 1"),
         ("[parallelism]\nexpert_data_parallel_degree = 0\n", "parallelism.expert_data_parallel_degree = 0"),
-        ('[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n', "choose one"),
+        (
+            '[activation_checkpoint]\nmode = "full"\nmoe_layer_recompute = true\n',
+            "activation_checkpoint.moe_layer_recompute = true with activation_checkpoint.mode = 'full': the old "
+            "key moved to activation_checkpoint.mode",
+        ),
         ("[moe\n", "not valid TOML"),
         (
             '[moe]\ncapacity_factor = 1.0\nexchange = "static"\n',
@@ -209,6 +213,21 @@ def test_token_drop_reaches_the_model(capsys, args, token_drop, moe_args, notice
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")] == notice
     _, model_args = model_args_from_config(config)
     assert (model_args.moe.capacity_factor, model_args.moe.pad_to_capacity) == moe_args
+
+
+def test_moved_recompute_key_reads_as_mode(capsys):
+    """The old `moe_layer_recompute = true` (with mode = "none") is `mode = "moe_layers"`, with a notice."""
+    config = parse_args(
+        ["--job.config_file", "debug_moe.toml", "--activation_checkpoint.mode", "none"]
+        + ["--activation_checkpoint.moe_layer_recompute"]
+    )
+    ac = config.activation_checkpoint
+    assert ac.mode == "moe_layers" and not ac.moe_layer_recompute
+    notice = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert notice == [
+        "notice: activation_checkpoint.moe_layer_recompute moved to activation_checkpoint.mode; "
+        'read as activation_checkpoint.mode = "moe_layers"'
+    ]
 
 
 @pytest.mark.parametrize("args", [[], ["--compile.enable"]])

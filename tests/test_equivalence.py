@@ -37,7 +37,7 @@ LAYOUTS = {
     # the parallelize issue's layouts (a), (b), (c), (e), (f)
     "a_tp2_cp2_dp2_ep4_etp2": (8, degrees(tp=2, cp=2, ep=4, etp=2)),
     # ... (b) with the MoE layers recomputed in backward: the EP all-to-alls run again
-    "b_tp2_dp4_ep8_moe_recompute": (8, (*degrees(tp=2, ep=8), "--activation_checkpoint.moe_layer_recompute")),
+    "b_tp2_dp4_ep8_moe_recompute": (8, (*degrees(tp=2, ep=8), "--activation_checkpoint.mode", "moe_layers")),
     "c_cp4_dp2_ep2_etp2_edp2": (8, degrees(cp=4, ep=2, etp=2)),
     "e_hsdp2x2_tp2_ep2_etp2_edp2": (8, degrees(tp=2, dp_replicate=2, ep=2, etp=2)),
     "f_tp4_dp2_ep2_edp4": (8, degrees(tp=4, ep=2)),

@@ -303,7 +303,8 @@ TRAINER_RUNS = {
             "--parallelism.expert_parallel_degree",
             "2",
             "--moe.delay_wgrad_compute",
-            "--activation_checkpoint.moe_layer_recompute",
+            "--activation_checkpoint.mode",
+            "moe_layers",
         ),
     ),
     # under the pipeline schedules, which run each stage's backward in one piece

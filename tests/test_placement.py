@@ -173,7 +173,7 @@ DEEPSEEK_NO_Q_LORA = dataclasses.replace(FLAVORS["deepseek_v3"]["debug"], q_lora
 RUNTIME_LAYOUTS = {
     "one_rank": (1, dict(), QWEN, {}),
     "a_tp2_cp2_ep4_etp2": (8, dict(tp=2, cp=2, ep=4, etp=2), QWEN, {}),
-    "b_tp2_ep8_moe_recompute": (8, dict(tp=2, ep=8), QWEN, {"activation_checkpoint.moe_layer_recompute": True}),
+    "b_tp2_ep8_moe_recompute": (8, dict(tp=2, ep=8), QWEN, {"activation_checkpoint.mode": "moe_layers"}),
     "c_cp4_ep2_etp2_edp2": (8, dict(cp=4, ep=2, etp=2), QWEN, {"activation_checkpoint.mode": "none"}),
     "d_pp2_tp2_ep4": (8, dict(pp=2, tp=2, ep=4), QWEN, {}),
     "e_hsdp_tp2_ep2_etp2": (8, dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, etp=2), QWEN, {}),
@@ -272,3 +272,24 @@ def test_pipeline_stages_in_the_plan():
         "output.weight": 1,
     }
     assert [plan[f"layers.{i}.attention.wq.weight"].stage for i in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["none", "moe_layers", "full"])
+def test_recompute_mode_wraps_what_it_names(mode, fake_world):
+    """activation_checkpoint.mode = "moe_layers" checkpoints each MoE layer and nothing else;
+    torchtitan's modes wrap whole blocks; "none" wraps nothing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    fake_world(1)
+    layout = Layout(1)
+    layout.build_mesh("cpu")
+    job_config = JobConfig()
+    job_config.activation_checkpoint.mode = mode
+    with torch.device("meta"):
+        model = Transformer(QWEN)
+    parallelize(model, layout, job_config)
+    blocks = list(model.layers.values())
+    wrapped_blocks = [isinstance(b, CheckpointWrapper) for b in blocks]
+    wrapped_moe = [isinstance(getattr(b, "moe", None), CheckpointWrapper) for b in blocks]
+    assert wrapped_blocks == [mode == "full"] * len(blocks)
+    assert wrapped_moe == [mode == "moe_layers" and b.moe_enabled for b in blocks]

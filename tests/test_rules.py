@@ -17,7 +17,6 @@ CASES = [
     ({"moe.capacity_factor": 1.0, "moe.token_drop": "dropless"}, "moe.capacity_factor = 1.0 with"),
     ({"moe.load_balance": "none", "moe.aux_loss_coeff": 0.1}, "moe.aux_loss_coeff = 0.1 has no effect"),
     ({"model.hf_config": "config.json"}, "model.hf_config is read only"),
-    ({"activation_checkpoint.moe_layer_recompute": True}, "activation_checkpoint.moe_layer_recompute with"),
     ({"optimizer.name": "Muon", "optimizer.master_weights": True}, "optimizer.name = 'Muon' with optimizer.master"),
     (
         {"optimizer.name": "Muon", "optimizer.early_step_in_backward": True},
@@ -62,10 +61,6 @@ CASES = [
     ),
     ({"mtp.num_layers": 1, **OVERLAP}, "moe.overlap_ep_comm = true with mtp.num_layers = 1"),
     (OVERLAP, "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'selective'"),
-    (
-        {"activation_checkpoint.mode": "none", "activation_checkpoint.moe_layer_recompute": True, **OVERLAP},
-        "moe.overlap_ep_comm = true with activation_checkpoint.moe_layer_recompute",
-    ),
     ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
 ]
 

@@ -107,7 +107,7 @@ def test_titan_fold_keys_are_read_by_titan_fold():
                 with open(os.path.join(folder, name)) as f:
                     sources.append(f.read())
     text = "\n".join(sources)
-    moved = {f"moe.{m.old}" for m in MOVED}  # read by rules.move_keys, by name
+    moved = {f"{m.section}.{m.old}" for m in MOVED}  # read by rules.move_keys, by name
     unread = [k for k in ours if k not in moved and not re.search(rf"\.{k.rsplit('.', 1)[1]}\b", text)]
     assert ours and unread == []
 

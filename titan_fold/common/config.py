@@ -72,9 +72,12 @@ class Training(TitanTraining):
 
 @dataclass
 class ActivationCheckpoint(TitanActivationCheckpoint):
+    mode: Literal["selective", "full", "memory_budget", "none", "moe_layers"] = "selective"
+    """What backward recomputes: torchtitan's "selective", "full", "memory_budget" or "none", or
+    "moe_layers": only the MoE layers (router, dispatch, experts, shared expert), as
+    Megatron-Core's --moe-layer-recompute."""
     moe_layer_recompute: bool = False
-    """Recompute only the MoE layers (router, dispatch, experts, shared expert) in backward,
-    as Megatron-Core's --moe-layer-recompute; with mode = "none"."""
+    """Moved: `moe_layer_recompute = true` is `mode = "moe_layers"` (accepted with a notice)."""
 
 
 @dataclass

@@ -27,11 +27,6 @@ def _dropless(c) -> bool:
     return c.moe.token_drop == "dropless"
 
 
-def _recompute(c) -> bool:
-    ac = c.activation_checkpoint
-    return ac.mode != "none" or ac.moe_layer_recompute
-
-
 def _device(c) -> bool:
     return c.moe.exchange == "device"
 
@@ -98,11 +93,6 @@ RULES = (
         "model.hf_config is read only with model.flavor = 'hf' (flavor is {model.flavor!r})",
     ),
     Rule(
-        lambda c: c.activation_checkpoint.moe_layer_recompute and c.activation_checkpoint.mode != "none",
-        "activation_checkpoint.moe_layer_recompute with activation_checkpoint.mode = "
-        "'{activation_checkpoint.mode}': choose one; moe_layer_recompute needs mode = 'none'",
-    ),
-    Rule(
         lambda c: _muon(c) and c.optimizer.master_weights,
         "optimizer.name = 'Muon' with optimizer.master_weights = true: Muon steps whole matrices after "
         "backward, in the parameters' dtype; choose one",
@@ -156,7 +146,7 @@ RULES = (
         "(it stashes that exchange's real rows)",
     ),
     Rule(
-        lambda c: c.moe.stash_rows > 0 and _recompute(c),
+        lambda c: c.moe.stash_rows > 0 and c.activation_checkpoint.mode != "none",
         "moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' saved tensors "
         "are recomputed, not stashed; choose one",
     ),
@@ -201,11 +191,6 @@ RULES = (
         "overlapped pieces are not recomputed; choose one",
     ),
     Rule(
-        lambda c: c.moe.overlap_ep_comm and c.activation_checkpoint.moe_layer_recompute,
-        "moe.overlap_ep_comm = true with activation_checkpoint.moe_layer_recompute: the overlapped pieces "
-        "are not recomputed; choose one",
-    ),
-    Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,
         "checkpoint.initial_load_path = {checkpoint.initial_load_path!r} needs checkpoint.enable "
         "(without it nothing would be loaded and training would start from random weights)",
@@ -214,20 +199,21 @@ RULES = (
 
 
 class Moved(NamedTuple):
-    """`[moe]` key `old` = true is read as `new` = `value`, with a one-line notice."""
+    """`section.old = true` is read as `section.new = value`, with a one-line notice, where
+    `new` is `unset` (the value the old key went with) or `value` already."""
 
+    section: str
     old: str
     new: str
     value: str
+    unset: str | None
 
 
 MOVED = (
-    Moved("static_ep_exchange", "exchange", "static"),
-    Moved("pad_to_capacity", "token_drop", "drop_and_pad"),
+    Moved("moe", "static_ep_exchange", "exchange", "static", "auto"),
+    Moved("moe", "pad_to_capacity", "token_drop", "drop_and_pad", None),
+    Moved("activation_checkpoint", "moe_layer_recompute", "mode", "moe_layers", "none"),
 )
-
-# a moved key's new key, unset: its value when the old key is not set either
-UNSET = {"exchange": "auto", "token_drop": None}
 
 
 def _fields(config) -> dict[str, Any]:
@@ -235,20 +221,19 @@ def _fields(config) -> dict[str, Any]:
 
 
 def move_keys(config) -> str | None:
-    """Read each moved `[moe]` key set to true as its new key (a notice on stderr, the old key
-    reset); -> the error line where both are set apart, else None."""
-    moe = config.moe
-    for old, new, value in MOVED:
-        if not getattr(moe, old):
+    """Read each moved key set to true as its new key (a notice on stderr, the old key reset);
+    -> the error line where both are set apart, else None."""
+    for section, old, new, value, unset in MOVED:
+        owner = getattr(config, section)
+        if not getattr(owner, old):
             continue
-        if getattr(moe, new) not in (UNSET[new], value):
-            return (
-                f"moe.{old} = true with moe.{new} = {getattr(moe, new)!r}: the old key moved to moe.{new}; "
-                f"set only moe.{new}"
-            )
-        print(f'notice: moe.{old} moved to moe.{new}; read as moe.{new} = "{value}"', file=sys.stderr)
-        setattr(moe, new, value)
-        setattr(moe, old, False)
+        old, new, now = f"{section}.{old}", f"{section}.{new}", getattr(owner, new)
+        if now not in (unset, value):
+            return f"{old} = true with {new} = {now!r}: the old key moved to {new}; set only {new}"
+        print(f'notice: {old} moved to {new}; read as {new} = "{value}"', file=sys.stderr)
+        setattr(owner, new.partition(".")[2], value)
+        setattr(owner, old.partition(".")[2], False)
+    moe = config.moe
     if moe.token_drop is None:  # unset: token drop where a capacity factor is given
         moe.token_drop = "dropless" if moe.capacity_factor is None else "drop"
     return None
@@ -265,7 +250,9 @@ def broken_rule(config) -> str | None:
 def table() -> str:
     """The rules' messages, `{KEY}` for a value from the config, then the moved keys."""
     lines = [re.sub(r"\{([\w.]+)(![rs])?\}", r"<\1>", rule.message) for rule in RULES]
-    lines += [f'moe.{m.old} = true  is read as  moe.{m.new} = "{m.value}" (with a notice)' for m in MOVED]
+    lines += [
+        f'{m.section}.{m.old} = true  is read as  {m.section}.{m.new} = "{m.value}" (with a notice)' for m in MOVED
+    ]
     return "\n".join(lines)
 
 

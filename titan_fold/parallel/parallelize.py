@@ -37,13 +37,13 @@ def parallelize(model: nn.Module, layout: Layout, job_config) -> nn.Module:
     apply_moe(model, layout, plan)
     ac = job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if ac.mode != "none":
+    if ac.mode not in ("none", "moe_layers"):
         apply_ac(model, ac, model_compile_enabled=compile_model, base_folder=job_config.job.dump_folder)
         if ac.mode == "selective" and ac.selective_ac_option == "op" and layout.pp > 1 and layout.edp > 1:
             # only where the experts' FSDP unit can become a root in the recompute: elsewhere the
             # extra dispatch mode would cost every eager op a Python call for nothing
             keep_profiler_ranges_out_of_sac(model)
-    if ac.moe_layer_recompute:
+    if ac.mode == "moe_layers":
         apply_moe_recompute(model)
     if compile_model:
         # per block: blocks repeat, so one compiled graph serves all of them
@@ -151,7 +151,7 @@ def apply_moe_recompute(model: nn.Module) -> None:
     for block in model.layers.values():
         if block.moe_enabled:
             block.moe = checkpoint_wrapper(block.moe, preserve_rng_state=False)
-    logger.info("Recomputing the MoE layers in backward (moe_layer_recompute)")
+    logger.info('Recomputing the MoE layers in backward (activation_checkpoint.mode = "moe_layers")')
 
 
 def _plan_fqn(fqn: str) -> str:
