@@ -35,8 +35,10 @@ def check_op(rank):
             m = int(send.sum())
             src = torch.randn(3000, width, generator=g, device="cuda").to(dtype)
             index = torch.randint(0, 3000, (m,), generator=g, device="cuda")
-            got = ep_exchange(src, index, send, torch.arange(cap + 1, device="cuda"), cap, group_name)
-            want = _stand_in(src[index], send, cap, group_name)
+            recv = torch.empty_like(send)  # rows from each source
+            dist.all_to_all_single(recv, send)
+            got = ep_exchange(src, index, send, recv, torch.arange(cap + 1, device="cuda"), cap, group_name)
+            want = _stand_in(src[index], send, recv, cap, group_name)
             V = int(want.abs().sum(1).ne(0).sum())  # rows received (random rows are nonzero)
             rows = torch.cat([torch.arange(V, device="cuda"), torch.tensor([cap], device="cuda")])
             if not torch.equal(got[rows], want[rows]):

@@ -2,6 +2,7 @@
 lines, and every package importing only from itself and the packages below it."""
 
 import ast
+import re
 import textwrap
 from pathlib import Path
 
@@ -151,3 +152,34 @@ def test_a_planted_circle_is_found(tmp_path, kind):
         "relative": ["pkg.b", "pkg.sub.inner"],
     }[kind]
     assert found[0] == expected
+
+
+# the MoE layers run the same code in a real run and a dry run (its counts: dryrun/fake_counts.py)
+BACKEND_CHECK = re.compile(r"get_backend\(|[\"']fake[\"']")
+
+
+def matches(pattern: re.Pattern, root: Path) -> list[str]:
+    """`file:line` of every line under root that the pattern finds."""
+    return [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+
+
+def test_moe_has_no_backend_check():
+    assert matches(BACKEND_CHECK, ROOT / "moe") == []
+
+
+@pytest.mark.parametrize(
+    "pattern, line",
+    [
+        (BACKEND_CHECK, "        self.fake = dist.get_backend() == 'fake'"),
+        (BACKEND_CHECK, '    if dist.get_backend(group) == "fake":'),
+    ],
+)
+def test_a_planted_line_is_found(tmp_path, pattern, line):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(f'"""A module."""\n{line}\n')
+    assert matches(pattern, tmp_path / "pkg") == ["pkg/m.py:2"]

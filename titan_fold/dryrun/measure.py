@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_fold.common.tensors import local
+from titan_fold.dryrun.fake_counts import use_fake_counts
 from titan_fold.dryrun.world import coordinates, init_fake_world
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.pipeline import check_pipeline, format_stages, pipeline
@@ -146,6 +147,7 @@ def build_rank(job_config, layout: Layout, model_args, dtype: torch.dtype = torc
     else:
         all_fqns = [["tok_embeddings", *(f"layers.{i}" for i in range(model_args.n_layers)), "norm", "output"]]
         parts, stages, schedule = [spec.parallelize_fn(model, layout, job_config)], [0], None
+    use_fake_counts(parts)
     return parts, stages, all_fqns, schedule
 
 

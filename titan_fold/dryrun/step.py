@@ -14,6 +14,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import NoColor
 
 from titan_fold.common.tensors import local
+from titan_fold.dryrun.fake_counts import use_fake_counts
 from titan_fold.parallel.mesh import Layout
 from titan_fold.trainer.fold_trainer import FoldTrainer
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, StashOverflow
@@ -112,6 +113,7 @@ class StepTrainer(FoldTrainer):
             state_dict_adapter=None,
         )
         super().__init__(config)
+        use_fake_counts(self.model_parts)
         self.step = 1  # Trainer.train counts the step before it runs it
 
     def init_distributed(self) -> Layout:

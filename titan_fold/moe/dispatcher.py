@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_fold.common.fused import fused
 from titan_fold.common.tensors import cast
 from titan_fold.moe.args import MoEArgs
+from titan_fold.moe.counts import ExchangedCounts, host_rows
 from titan_fold.moe.exchange import Route, exchange, resolve
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
@@ -231,20 +231,6 @@ def _reduce_scatter_v(y: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.
     return parts.view(n, mine, *y.shape[1:]).sum(0, dtype=y.dtype)
 
 
-def _gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    # no gradient: counts and drop decisions
-    n = mesh.size()
-    return funcol.all_to_all_single(x.repeat(n, *[1] * (x.dim() - 1)), None, None, mesh)
-
-
-def _rows(n: int, upper: int | None) -> int:
-    # tell torch.compile what a count from the device may be (an unbacked size)
-    torch._check(n >= 0)
-    if upper is not None:
-        torch._check(n <= upper)
-    return n
-
-
 @dataclass
 class _Splits:
     send: list[int] | None  # rows to each ep rank
@@ -285,12 +271,11 @@ class TokenDispatcher(nn.Module):
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
         # the device exchange's ops name their process group
         self.ep_group_name = ep_mesh.get_group().group_name if ep_mesh is not None else ""
-        # a dry run's fake process group (comm.mode = "fake_backend") issues the collectives but
-        # returns garbage: counts and routing are then taken as if every rank routed like this one
-        self.fake = dist.is_initialized() and dist.get_backend() == "fake"
         # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
         # of each token, rank after rank; None: every rank holds one contiguous chunk
         self.seq_positions = seq_positions
+        # what it learns from the other ranks: by collectives over these groups (moe/counts.py)
+        self.counts = ExchangedCounts()
         # moe.stash_rows: the pools (moe/stash.py) shared by the MoE layers of a model part, or None
         self.stash: Stash | None = None
 
@@ -305,9 +290,7 @@ class TokenDispatcher(nn.Module):
         # full_sequence: decide on the whole sequences exactly as one rank holding them would
         n, L = self.seq_mesh.size(), T // num_seqs
         packed = torch.cat([probs.detach().double(), experts.double()], dim=-1)  # [T, 2k], ids exact in f64
-        full = _gather_even(packed, self.seq_mesh)  # [n * T, 2k], rank-major
-        if self.fake:
-            full = packed.repeat(n, 1)
+        full = self.counts.sequences(self, packed)  # [n * T, 2k], rank-major
         full = full.view(n, num_seqs, L, 2 * k).transpose(0, 1).reshape(num_seqs, n * L, 2 * k)  # by sequence
         pos = None if self.seq_positions is None else self.seq_positions(L).to(full.device)  # [n * L]
         if pos is not None:  # e.g. cp's load-balanced chunks: put each sequence in order
@@ -421,18 +404,18 @@ class TokenDispatcher(nn.Module):
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
         if self.ep * self.etp == 1:
             if dropped and not args.pad_to_capacity:
-                n = _rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
+                n = host_rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
                 x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
             return plan, x_rows, weight_of_row
         E_loc = E // self.ep
         # no read of experts.w13 here: under FSDP2 it is still sharded until experts() runs
         if static:  # every split a fixed block: the counts stay on the device
-            sources = self._source_counts(rows_per_expert, E_loc, x_rows.device, N)
+            sources = self.counts.sources(self, rows_per_expert, N)
             plan.splits, plan.rows_of_source = _Splits(None, None, None), sources.view(self.etp * self.ep, E_loc)
         else:
             plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
         if plan.splits.send is not None:
-            n = _rows(sum(plan.splits.send), x_rows.shape[0])
+            n = host_rows(sum(plan.splits.send), x_rows.shape[0])
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
         return plan, x_rows, weight_of_row
 
@@ -455,7 +438,7 @@ class TokenDispatcher(nn.Module):
         token_of_row = order // k  # [N] rows by destination expert, so by ep rank
         slot = _inverse(order)  # [N] row of each assignment
         send = counts.view(ep, E_loc).sum(1)  # [ep] rows to each ep rank
-        sources = self._source_counts(counts, E_loc, x.device, N).view(ep, E_loc)  # rows from each source
+        sources = self.counts.sources(self, counts, N).view(ep, E_loc)  # rows from each source
         recv = sources.sum(1)  # [ep]
         R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
         cap = max(R, N)
@@ -467,13 +450,16 @@ class TokenDispatcher(nn.Module):
         inv = _inverse(perm)  # [R] arrival row -> sorted position
         perm = torch.where(perm < ends[-1], perm, cap)  # padding reads the exchange's zero row
         g = self.ep_group_name
-        x_sorted = exchange(x, Route(token_of_row, send, perm), Route(inv, recv, slot.view(T, k)), cap, g)  # [R, dim]
-        w_sorted = exchange(probs.flatten(), Route(order, send, perm), Route(inv, recv, slot.view(N, 1)), cap, g)
+        there, back = Route(token_of_row, send, recv, perm), Route(inv, recv, send, slot.view(T, k))
+        x_sorted = exchange(x, there, back, cap, g)  # [R, dim]
+        w_sorted = exchange(
+            probs.flatten(), Route(order, send, recv, perm), Route(inv, recv, send, slot.view(N, 1)), cap, g
+        )
         overlapped = overlap() if overlap is not None else None
         # no masks: the padding rows came in as zeros, their outputs are never sent, and their
         # gradients come back as zeros (the zero row)
         y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
-        y = exchange(y_sorted, Route(inv, recv, slot.view(T, k)), Route(token_of_row, send, perm), cap, g)  # [T, dim]
+        y = exchange(y_sorted, back, there, cap, g)  # [T, dim]
         return y, overlapped
 
     def compute(
@@ -539,22 +525,6 @@ class TokenDispatcher(nn.Module):
         # in the experts' dtype (bf16 under autocast)
         return _Combine.apply(y_rows, plan.token_of_row[:R], slot, plan.k, dropped)
 
-    def _source_counts(self, counts: torch.Tensor, E_loc: int, device: torch.device, rows: int) -> torch.Tensor:
-        """counts [ep*E_loc]: rows this rank sends each expert -> [etp*ep*E_loc] on the device: rows
-        each (etp, ep) source sends each local expert (all-to-all over ep, all-gather over etp)."""
-        ep, etp = self.ep, self.etp
-        recv = funcol.all_to_all_single(counts, None, None, self.ep_mesh) if ep > 1 else counts  # [ep*E_loc]
-        gathered = _gather_even(recv, self.etp_mesh) if etp > 1 else recv  # [etp*ep*E_loc]
-        if self.fake:  # no counts come back
-            gathered = torch.tensor(self._fake_sent(rows, E_loc) * etp, dtype=torch.int64, device=device)
-        return gathered
-
-    def _fake_sent(self, rows: int, E_loc: int) -> list[int]:
-        # a dry run's counts: rows spread evenly over the experts, and every source sends this
-        # rank what this rank sends it (sizes agree both ways)
-        n = self.ep * E_loc
-        return [rows // n + (e < rows % n) for e in range(n)]
-
     def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
         """Exchange counts and bring the split sizes to the host: the layer's one sync.
         rows: this rank's routed rows (the sum of counts without drops).
@@ -565,13 +535,8 @@ class TokenDispatcher(nn.Module):
         if isinstance(counts, int):  # padded: every split is E_loc * C rows
             full = torch.full((etp * ep, E_loc), counts, dtype=torch.int64, device=device)
             return _Splits(None, None, None), full
-        gathered = self._source_counts(counts, E_loc, device, rows)
-        if self.fake:
-            sent = self._fake_sent(rows, E_loc)
-            got = sent * etp
-        else:
-            host = [_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
-            sent, got = host[: ep * E_loc], host[ep * E_loc :]
+        gathered = self.counts.sources(self, counts, rows)
+        sent, got = self.counts.on_host(self, counts, gathered, rows)
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
         me = 0 if etp == 1 else self.etp_mesh.get_local_rank()
         splits = _Splits(

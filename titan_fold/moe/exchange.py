@@ -6,15 +6,16 @@ moves only the real rows, and nothing leaves the device: on a GPU with NVSHMEM, 
 memory's `all_to_all_vdev` reads the sizes on the device; elsewhere (CPU, gloo, the dry run) a
 stand-in with the same contract reads them on the host, so CI tests the code around the op.
 
-One op, `ep_exchange(src, index, send, gather, cap, group_name)`, serves both directions:
+One op, `ep_exchange(src, index, send, recv, gather, cap, group_name)`, serves both directions:
 
     rows    src[index]                     # [sum(send), dim] grouped by destination ep rank
     travel  send[d] rows to ep rank d      # received source after source: V rows, V <= cap
+            recv[s] rows from ep rank s    # the counts the dispatcher exchanged (moe/counts.py)
     read    recv[gather]                   # gather [r]: rows; [T, k]: each token's k rows summed
             (row `cap` of recv is zero: a gather index of cap reads a zero row)
 
 The receive side is a buffer of cap + 1 rows, allocated once: the shapes are static, so the
-layer compiles as one graph and replays as a CUDA graph. A route (index, send, gather) and its
+layer compiles as one graph and replays as a CUDA graph. A route (index, send, recv, gather) and its
 mirror make an autograd pair: the gradient takes the mirror route back.
 """
 
@@ -119,19 +120,16 @@ def _sum_rows(recv: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
     return total.to(recv.dtype)
 
 
-def _stand_in(rows: torch.Tensor, send: torch.Tensor, cap: int, group_name: str) -> torch.Tensor:
+def _stand_in(rows: torch.Tensor, send: torch.Tensor, got: torch.Tensor, cap: int, group_name: str) -> torch.Tensor:
     """all_to_all_vdev's contract over any backend (CPU, gloo, the dry run), and no host read
-    either: rows [m, dim] (send[d] for rank d, in order) -> recv [cap + 1, dim], the V rows
-    received first (source after source), zeros after. Each peer gets a block of cap rows, its
+    either: rows [m, dim] (send[d] for rank d, in order), got [W] (rows from each source) ->
+    recv [cap + 1, dim], the V rows received first (source after source), zeros after. Each peer gets a block of cap rows, its
     rows then zeros (W x cap rows move: a stand-in, not a fast path)."""
     W, m = send.shape[0], rows.shape[0]
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    fake = dist.get_backend(group) == "fake"  # a dry run: nothing comes back
     within = torch.arange(cap, device=rows.device)  # [cap]
     start = send.cumsum(0) - send  # [W] first row for each peer
     idx = torch.where(within < send[:, None], start[:, None] + within, m)  # [W, cap]; m = the zero row
     blocks = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[idx.flatten()]  # [W * cap, dim]
-    got = send if fake else funcol.all_to_all_single(send, None, None, group_name)  # [W] rows from each source
     received = funcol.all_to_all_single(blocks, None, None, group_name)  # [W * cap, dim] by source
     ends = got.cumsum(0)  # [W]
     r = torch.arange(cap + 1, device=rows.device)  # [cap + 1]
@@ -146,10 +144,17 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("titan_fold::ep_exchange", mutates_args=())
 def ep_exchange(
-    src: torch.Tensor, index: torch.Tensor, send: torch.Tensor, gather: torch.Tensor, cap: int, group_name: str
+    src: torch.Tensor,
+    index: torch.Tensor,
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    gather: torch.Tensor,
+    cap: int,
+    group_name: str,
 ) -> torch.Tensor:
     """src [n, dim], index [m] (rows to send, grouped by destination), send [W] (rows to each ep
-    rank, sum <= m) -> recv[gather] (see the module docstring)."""
+    rank, sum <= m), recv [W] (rows from each ep rank; all_to_all_vdev learns them itself) ->
+    recv[gather] (see the module docstring)."""
     width = src.shape[1]
     if src.is_cuda and nvshmem_available():
         slot = _ring(group_name, src.dtype, width, cap, src.device).next()
@@ -157,14 +162,12 @@ def ep_exchange(
         torch.index_select(src, 0, index, out=slot.send[: m * width].view(m, width))
         slot.in_splits.copy_(send * width)
         torch.ops.symm_mem.all_to_all_vdev(slot.send, slot.recv, slot.in_splits, slot.out_splits_offsets, group_name)
-        recv = slot.recv.view(cap + 1, width)
-    else:
-        recv = _stand_in(src[index], _wait(send), cap, group_name)
-    return _read(recv, gather)
+        return _read(slot.recv.view(cap + 1, width), gather)
+    return _read(_stand_in(src[index], _wait(send), _wait(recv), cap, group_name), gather)
 
 
 @ep_exchange.register_fake
-def _(src, index, send, gather, cap, group_name):
+def _(src, index, send, recv, gather, cap, group_name):
     rows = gather.shape[0]
     return src.new_empty(rows, src.shape[1])
 
@@ -176,6 +179,7 @@ class Route:
 
     index: torch.Tensor  # [m]
     send: torch.Tensor  # [ep]
+    recv: torch.Tensor  # [ep] rows from each ep rank
     gather: torch.Tensor  # [r] or [T, k]
 
 
@@ -184,16 +188,20 @@ class _Exchange(torch.autograd.Function):
     are passed one by one (torch.compile traces the function)."""
 
     @staticmethod
-    def forward(ctx, src, index, send, gather, back_index, back_send, back_gather, cap: int, group_name: str):
-        ctx.save_for_backward(back_index, back_send, back_gather)
+    def forward(
+        ctx, src, index, send, recv, gather, back_index, back_send, back_recv, back_gather, cap: int, group_name: str
+    ):
+        ctx.save_for_backward(back_index, back_send, back_recv, back_gather)
         ctx.cap, ctx.group_name = cap, group_name
-        return ep_exchange(src, index, send, gather, cap, group_name)
+        return ep_exchange(src, index, send, recv, gather, cap, group_name)
 
     @staticmethod
     def backward(ctx, grad):
-        back_index, back_send, back_gather = ctx.saved_tensors
-        grad_src = ep_exchange(grad.contiguous(), back_index, back_send, back_gather, ctx.cap, ctx.group_name)
-        return (grad_src,) + (None,) * 8
+        back_index, back_send, back_recv, back_gather = ctx.saved_tensors
+        grad_src = ep_exchange(
+            grad.contiguous(), back_index, back_send, back_recv, back_gather, ctx.cap, ctx.group_name
+        )
+        return (grad_src,) + (None,) * 10
 
 
 def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name: str) -> torch.Tensor:
@@ -204,9 +212,11 @@ def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name:
         src[:, None] if flat else src,
         there.index,
         there.send,
+        there.recv,
         there.gather,
         back.index,
         back.send,
+        back.recv,
         back.gather,
         cap,
         group_name,

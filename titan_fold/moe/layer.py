@@ -44,6 +44,9 @@ class MoE(nn.Module):
         # one rank holding every expert and whole sequences; the parallelize step replaces it
         # by one built for the layout (parallel/experts.py)
         self.dispatcher = TokenDispatcher()
+        # the ranks holding the other parts of this rank's sequences (attention cp x tp), over
+        # which the router's aux-loss statistics are summed; set with the dispatcher
+        self.seq_mesh = None
         # local_tokens / global_tokens of the micro-batch, set by the trainer, so the aux
         # losses' gradients are normalized like the LM loss
         self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
@@ -57,7 +60,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
         tokens = x.reshape(b * s, dim)  # [T, dim]
-        routing = self.router(tokens, s, self.aux_loss_scale, self.dispatcher.seq_mesh)
+        routing = self.router(tokens, s, self.aux_loss_scale, self.seq_mesh)
         shared_y = overlap = None
         if self.shared_expert is not None and self.args.shared_expert_overlap:
             # run while the routed tokens are exchanged (Megatron-Core's shared-expert overlap)

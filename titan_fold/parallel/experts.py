@@ -36,6 +36,11 @@ def dispatcher(layout: Layout) -> TokenDispatcher:
     )
 
 
+def set_dispatcher(moe: MoE, dispatcher: TokenDispatcher) -> None:
+    """The layer's dispatcher, and the router's sequence group: the dispatcher's (one source)."""
+    moe.dispatcher, moe.seq_mesh = dispatcher, dispatcher.seq_mesh
+
+
 def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None:
     """Routed experts as DTensors on the expert mesh where the plan lays them out on ep / etp;
     every MoE layer's dispatcher for this layout (with moe.stash_rows, sharing one Stash); "auto"
@@ -49,7 +54,7 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
         setattr(model.get_submodule(owner_name), name, nn.Parameter(tensor, param.requires_grad))
     stash = None  # moe.stash_rows: one pool for the model part's MoE layers
     for moe in moe_layers(model):
-        moe.dispatcher = dispatcher(layout)
+        set_dispatcher(moe, dispatcher(layout))
         if moe.experts.grouped_gemm == "auto" and varying_rows(moe.args, layout.ep, layout.etp):
             moe.experts.grouped_gemm = "torch"  # QuACK would tune its kernels in every call
         if moe.args.stash_rows:
@@ -92,4 +97,4 @@ def shard_moe(
                 part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names), run_check=False
             )
         setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
-    moe.dispatcher = TokenDispatcher(ep_mesh, etp_mesh, seq_mesh)
+    set_dispatcher(moe, TokenDispatcher(ep_mesh, etp_mesh, seq_mesh))

@@ -222,7 +222,7 @@ def _attention(block, x: torch.Tensor, cos, sin):
     tokens = local(block.ffn_norm(h))  # this rank's tokens, as the MoE takes them under sequence parallel
     b, s, dim = tokens.shape
     tokens = tokens.reshape(b * s, dim)  # [T, dim]
-    routing = moe.router(tokens, s, moe.aux_loss_scale, moe.dispatcher.seq_mesh)
+    routing = moe.router(tokens, s, moe.aux_loss_scale, moe.seq_mesh)
     shared = moe._shared(tokens) if moe.shared_expert is not None else None
     if moe.args.load_balance in ("aux_loss", "seq_aux_loss") or moe.args.z_loss_coeff > 0:
         h = AddAuxLoss.apply(h, routing.loss)  # identity; the aux losses enter backward with h's gradient

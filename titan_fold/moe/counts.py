@@ -1,0 +1,49 @@
+"""What a dispatcher learns from the other ranks before it moves rows: the routing of the
+other parts of its sequences and the row counts of the expert exchange.
+
+`ExchangedCounts` learns them by collectives over the dispatcher's groups. A dispatcher
+holds one as `counts`; whoever builds the layer may hand it another with the same methods
+(the dry run's, whose process group returns no values, keeps the collectives and makes up
+the values: dryrun/fake_counts.py)."""
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """x [n, ...] -> [mesh size * n, ...]: every rank's x, rank-major. No gradient: counts and
+    drop decisions."""
+    n = mesh.size()
+    return funcol.all_to_all_single(x.repeat(n, *[1] * (x.dim() - 1)), None, None, mesh)
+
+
+def host_rows(n: int, upper: int | None) -> int:
+    """A row count read from the device, as torch.compile must know it (an unbacked size)."""
+    torch._check(n >= 0)
+    if upper is not None:
+        torch._check(n <= upper)
+    return n
+
+
+class ExchangedCounts:
+    """The other ranks' routing and row counts, by collectives over the dispatcher's groups.
+    `dispatcher` is the TokenDispatcher asking (its ep / etp / seq meshes and degrees)."""
+
+    def sequences(self, dispatcher, packed: torch.Tensor) -> torch.Tensor:
+        """packed [T, 2k] (probs and expert ids) -> [n * T, 2k]: every seq_mesh rank's, rank-major."""
+        return gather_even(packed, dispatcher.seq_mesh)
+
+    def sources(self, dispatcher, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """counts [ep*E_loc]: rows this rank sends each expert -> [etp*ep*E_loc] on the device: rows
+        each (etp, ep) source sends each local expert (all-to-all over ep, all-gather over etp).
+        rows: this rank's routed rows."""
+        d = dispatcher
+        recv = funcol.all_to_all_single(counts, None, None, d.ep_mesh) if d.ep > 1 else counts  # [ep*E_loc]
+        return gather_even(recv, d.etp_mesh) if d.etp > 1 else recv  # [etp*ep*E_loc]
+
+    def on_host(self, dispatcher, counts: torch.Tensor, gathered: torch.Tensor, rows: int):
+        """counts [ep*E_loc] and gathered [etp*ep*E_loc] (sources) on the host, the layer's one
+        sync -> (rows sent to each expert, rows each source sends each local expert)."""
+        host = [host_rows(c, None) for c in torch.cat([counts, gathered]).tolist()]
+        return host[: counts.numel()], host[counts.numel() :]
