@@ -153,7 +153,7 @@ def test_mixed_precision_in_every_layout(degrees, dtype, autocast):
     import torch
 
     from titan_fold.parallel.mesh import Layout
-    from titan_fold.trainer.torchtitan_adapter import maybe_enable_amp
+    from titan_fold.trainer.world import maybe_enable_amp
 
     layout = Layout(world_size=math.prod(degrees.values()), **degrees)
     amp = maybe_enable_amp(layout, dtype, "cpu")

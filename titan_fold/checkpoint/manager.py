@@ -117,7 +117,7 @@ def saved_position(folder: str, step: int) -> dict[str, int]:
 class FoldCheckpointManager(CheckpointManager):
     """torchtitan's CheckpointManager, checking shapes before DCP reads, and saving the RNG state.
 
-    FoldTrainer builds it where torchtitan's Trainer builds its own (trainer/torchtitan_adapter.py).
+    FoldTrainer builds it (trainer/fold_trainer.py: build_checkpointer).
     """
 
     def __init__(self, *args, **kwargs):

@@ -1,7 +1,7 @@
 """The device this process computes on: "cuda" where a GPU is visible, else "cpu" (gloo).
 
 torchtitan 0.2.2 decides once, at import, and falls back to "cuda" on a machine without a
-GPU; `titan_fold.trainer.torchtitan_adapter` hands this answer to the torchtitan code that reads it.
+GPU; titan_fold's trainer takes this answer instead (`titan_fold.trainer.world`).
 """
 
 import torch

@@ -1,15 +1,15 @@
 """The trainer of a simulated rank: FoldTrainer built as a real run builds it, minus what one step does not use."""
 
+import contextlib
 import copy
 import dataclasses
 import functools
-import os
+import logging
 import types
 
 import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torchtitan.protocols import train_spec as train_spec_module
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import NoColor
 
@@ -18,8 +18,7 @@ from titan_fold.dryrun.fake_counts import use_fake_counts
 from titan_fold.parallel.mesh import Layout
 from titan_fold.trainer.fold_trainer import FoldTrainer
 from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, StashOverflow
-from titan_fold.trainer.torchtitan_adapter import Names
-from titan_fold.trainer.train_spec import register_train_specs
+from titan_fold.trainer.world import World
 
 
 class VerdictFreeGuard(NonFiniteGuard):
@@ -59,16 +58,6 @@ class NoRecords:
         pass
 
 
-class NoGarbageCollection:
-    """The process's garbage collection left as it is (torchtitan's turns it off)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def run(self, step_count: int) -> None:
-        pass
-
-
 @functools.cache
 def init_by_shard(model_cls: type[nn.Module]) -> type[nn.Module]:
     """model_cls whose init_weights runs on each parameter's local shard: each shard gets the
@@ -87,55 +76,55 @@ def init_by_shard(model_cls: type[nn.Module]) -> type[nn.Module]:
 
 
 class StepTrainer(FoldTrainer):
-    """FoldTrainer on a simulated rank of the fake world: its own __init__ (torchtitan's
-    Trainer.__init__ included) builds the model, optimizers, lr schedulers, guard, hooks and
-    train context as in a real run; no tokenizer, dataloader, checkpoint manager or metrics
-    files are built (torchtitan's names for them resolve to nothing here), the model args are
-    the given (shrunk) ones, and under PP the real run's schedule issues the send/recv."""
+    """FoldTrainer on a simulated rank of the fake world, built by FoldTrainer's own __init__
+    through its seams: the World of the given layout on the CPU; the train spec with the given
+    (shrunk) model args and no tokenizer, dataloader, state-dict adapter or metrics files; no
+    checkpoint manager, garbage-collection handler or seeding; the guard's verdict ignored; the
+    MoE layers' counts made up (fake_counts.py). The model, optimizers, lr schedulers, hooks and
+    train context are a real run's; under PP the real run's schedule issues the send/recv."""
 
     guard_class = VerdictFreeGuard
 
     def __init__(self, config, layout: Layout, model_args):
-        register_train_specs()
-        self._layout = layout
-        spec = train_spec_module.get_train_spec(config.model.name)
-        by_shard = config.moe.capacity_factor is None and not model_args.tie_embeddings
+        self._model_args = model_args
+        with quiet():  # a simulated rank says nothing: the dry run's report speaks for it
+            super().__init__(config, world=World(torch.device("cpu:0"), given_layout=layout))
+        use_fake_counts(self.model_parts)
+        self.step = 1  # the loop counts the step before it runs it
+
+    def build_train_spec(self):
+        spec = super().build_train_spec()
+        flavor = self.job_config.model.flavor
+        by_shard = self.job_config.moe.capacity_factor is None and not self._model_args.tie_embeddings
         # the args are final: the `hf` flavor's update_from_config would read its config.json again
-        model_args = copy.copy(model_args)
+        model_args = copy.copy(self._model_args)
         model_args.update_from_config = lambda *args, **kwargs: None
-        self._spec = dataclasses.replace(
+        return dataclasses.replace(
             spec,
-            model_args={config.model.flavor: model_args},
+            model_args={flavor: model_args},
             model_cls=init_by_shard(spec.model_cls) if by_shard else spec.model_cls,
             build_tokenizer_fn=None,
             build_dataloader_fn=None,
             build_metrics_processor_fn=NoRecords,
             state_dict_adapter=None,
         )
-        super().__init__(config)
-        use_fake_counts(self.model_parts)
-        self.step = 1  # Trainer.train counts the step before it runs it
 
-    def init_distributed(self) -> Layout:
-        return self._layout
+    def build_checkpointer(self):
+        return NoRecords()
 
-    def torchtitan_names(self) -> dict:
-        names = super().torchtitan_names()
-        return {
-            **names,
-            "os": Names(os, environ={"LOCAL_RANK": "0"}),
-            "utils": Names(
-                names["utils"],
-                device_type="cpu",
-                device_module=torch.cpu,
-                GarbageCollection=NoGarbageCollection,
-                get_peak_flops=lambda device_name: 0.0,
-            ),
-            # values do not change a dry run's collectives: no seeding (and its warnings per rank)
-            "dist_utils": Names(names["dist_utils"], set_determinism=lambda *args, **kwargs: None),
-            "train_spec_module": Names(train_spec_module, get_train_spec=lambda name: self._spec),
-            "CheckpointManager": NoRecords,
-            "ensure_pp_loss_visible": lambda *args, **kwargs: None,
-            # a simulated rank says nothing: the dry run's report speaks for it
-            "logger": Names(logger, info=lambda *args, **kwargs: None, warning=lambda *args, **kwargs: None),
-        }
+    def build_gc_handler(self):
+        return None  # the process's garbage collection left as it is (torchtitan's turns it off)
+
+    def seed(self) -> None:
+        pass  # values do not change a dry run's collectives
+
+
+@contextlib.contextmanager
+def quiet():
+    """torchtitan's logger (the root logger) says only errors."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

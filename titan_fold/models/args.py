@@ -2,7 +2,7 @@
 
 A flavor (flavors.py) fills every field; the job config then sets the sequence length and
 any `[moe]` value the user chose. Parameter and FLOP counts for MFU live here too, because
-torchtitan's trainer asks the model args for them.
+the trainer asks the model args for them.
 """
 
 import dataclasses

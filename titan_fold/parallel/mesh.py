@@ -6,7 +6,7 @@ fastest, and only pp is common to both. That ordering is Megatron-Core's `RankGe
 order "tp-cp-ep-dp-pp" (first name fastest): the attention generator has ep=1, the expert
 generator cp=1. See docs/layouts.md for worked examples.
 
-`Layout` subclasses torchtitan's `ParallelDims` so torchtitan's Trainer, set_determinism,
+`Layout` subclasses torchtitan's `ParallelDims` so torchtitan's set_determinism,
 optimizer, metrics and checkpoint code accept it; `get_mesh` / `get_optional_mesh` answer
 torchtitan's names ("batch", "loss", "fsdp", "efsdp", ...) and ours ("dp", "dp_cp", ...).
 """

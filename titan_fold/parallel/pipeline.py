@@ -187,7 +187,7 @@ def stage_io(stage: int, num_stages: int, layout: Layout, job_config, model_args
     parallel) leave the last. Dtypes: FSDP2 (any dp or cp) computes in
     mixed_precision_param on the GPU (parallelize.fsdp_compute_dtype), so everything is in that
     dtype; elsewhere the residual stream stays in the parameters' dtype and autocast
-    (torchtitan_adapter.maybe_enable_amp) gives the logits in mixed_precision_param.
+    (trainer/world.py: maybe_enable_amp) gives the logits in mixed_precision_param.
     """
     tr = job_config.training
     params = TORCH_DTYPE_MAP[tr.dtype]

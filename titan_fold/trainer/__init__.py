@@ -1,1 +1,1 @@
-"""The train loop and what only it uses: FoldTrainer on torchtitan's Trainer, its checks, optimizer, metrics, guards."""
+"""The train loop and what only it uses: FoldTrainer on torchtitan's components, its checks, optimizer, metrics, guards."""

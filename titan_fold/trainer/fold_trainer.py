@@ -1,63 +1,74 @@
 """The trainer of `torchrun -m titan_fold.train`: FoldTrainer and the run's main.
 
-FoldTrainer is torchtitan 0.2.2's Trainer with the folded layout as its parallel dims,
-MoE aux losses normalized like the LM loss, and the aux-free router bias updated after
-each optimizer step. Everything that can be checked without a process group (config
-values, degrees against the world size and the model, tokenizer against the vocabulary,
-dataset and checkpoint paths) is checked in `preflight` (preflight.py) before the first collective; then
-the dump folder is locked (lock.py). During training a NaN/Inf loss or gradient norm stops
-or skips the step (guard.py) and signals stop every rank after the same step (signals.py).
+FoldTrainer builds a run from torchtitan's components and runs it, in this order:
+
+    build   World.layout (world.py): process group and both meshes; the train spec
+            (train_spec.py); tokenizer and dataloader (data/); the model on the meta device,
+            split into pipeline stages (parallel/pipeline.py) and parallelized
+            (parallel/parallelize.py), then materialized and initialized; the metrics
+            (metrics.py); optimizers and lr schedulers (muon.py, optimizer.py, torchtitan's
+            lr scheduler); the checkpoint manager (checkpoint/manager.py); the NaN/Inf guard
+            (guard.py) and the step's hooks
+    step    TrainStep.train_step (step.py)
+    loop    FoldTrainer.train: load, then step, save, profile until training.steps, a stop
+            signal (signals.py) or the end of the data
+    exit    main: the exit code of each way a run ends
+
+MoE aux losses are normalized like the LM loss, and the aux-free router bias is updated after
+each optimizer step. Everything that can be checked without a process group (config values,
+degrees against the world size and the model, tokenizer against the vocabulary, dataset and
+checkpoint paths) is checked in `preflight` (preflight.py) before the first collective; then
+the dump folder is locked (lock.py). The dry run builds this same trainer through its seams
+(the World it is given, the build_* methods it overrides: dryrun/step.py).
 """
 
 import contextlib
+import dataclasses
+import importlib
+import json
 import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
-import torch.distributed._functional_collectives as funcol
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.tensor import DTensor
-from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.protocols import train_spec as train_spec_module
+from torchtitan.protocols.model_converter import build_model_converters
+from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
-from torchtitan.train import Trainer
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from titan_fold.checkpoint.manager import FoldCheckpointManager
-from titan_fold.checkpoint.saves import SaveError, maybe_fault
+from titan_fold.checkpoint.saves import SaveError
 from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.common.storage import StorageError, storage_problem
-from titan_fold.common.tensors import to_device
-from titan_fold.models.groups import GROUPS, parameter_group
-from titan_fold.models.mtp import future_tokens, mtp_modules
-from titan_fold.moe import moe_layers, update_expert_bias
+from titan_fold.moe import update_expert_bias
 from titan_fold.moe.layer import moe_stashes
-from titan_fold.moe.wgrad import flush_wgrad
-from titan_fold.parallel.attention import cp_shard
-from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, group_norm_values, group_norms
-from titan_fold.parallel.mesh import Layout
-from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
-from titan_fold.parallel.parallelize import _plan_fqn, cuda_graphs, mark_static_buffers, release_cuda_graphs
-from titan_fold.parallel.pipeline import (
-    check_pipeline,
-    embedding_copies,
-    pipeline_forward_backward,
-    sync_embedding_copies,
-)
+from titan_fold.parallel.overlap import OverlapSchedule
+from titan_fold.parallel.parallelize import cuda_graphs, mark_static_buffers, release_cuda_graphs
+from titan_fold.parallel.pipeline import check_pipeline, sync_embedding_copies
 from titan_fold.trainer.banner import banner as format_banner
-from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep, check_weights
+from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, check_weights
 from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.muon import MuonOptimizersContainer
 from titan_fold.trainer.phases import StepPhases
-from titan_fold.trainer.preflight import layout_from_config, preflight
+from titan_fold.trainer.preflight import preflight
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
-from titan_fold.trainer.torchtitan_adapter import init_distributed, trainer_names, with_names
+from titan_fold.trainer.step import TrainStep
 from titan_fold.trainer.train_spec import register_train_specs
+from titan_fold.trainer.world import World, maybe_enable_amp
 
 
 def lock_dump_folder(folder: str) -> DumpFolderLock:
@@ -85,36 +96,182 @@ def fit_warmup(config: JobConfig) -> None:
         config.lr_scheduler.warmup_steps = steps
 
 
-class FoldTrainer(Trainer):
-    """torchtitan's Trainer; its __init__ and train run as torchtitan wrote them, with the names
-    torchtitan_adapter.py lists resolved to titan_fold's (device, mixed precision, checkpoint
-    manager, timeouts). Its train_step is torchtitan's without waits for the device (_train_step).
+class FoldTrainer(TrainStep, Stateful):
+    """A training run: built in __init__, run by train(), one step at a time (step.py).
 
-    The one builder of a trainer, for real runs and the dry run alike: a dry run's trainer
-    (dryrun/record.py) is this class, with its own `torchtitan_names` (no tokenizer, data,
-    checkpoints or metrics files), `guard_class` and `init_distributed`."""
+    The one builder of a trainer, for real runs and the dry run alike. `world` says where it
+    runs (world.py; default: this process's GPU or CPU and a new process group); the build_*
+    methods build the parts a dry run's trainer leaves out or replaces (dryrun/step.py). Its
+    checkpoint holds `train_state` (this object: step, ntokens_seen) beside the model,
+    optimizer, lr_scheduler and dataloader, under torchtitan's Trainer's keys: checkpoints of
+    either load in the other."""
 
     guard_class = NonFiniteGuard
 
-    def init_distributed(self) -> Layout:
-        world_size = init_distributed(self.job_config.comm, base_folder=self.job_config.job.dump_folder)
-        layout = layout_from_config(self.job_config, world_size)
-        layout.build_mesh()
-        return layout
-
-    def torchtitan_names(self) -> dict:
-        """The names torchtitan's Trainer code sees in place of its module globals."""
-        return trainer_names()
-
-    def _torchtitan(self, method):
-        return with_names(method, **self._names).__get__(self)
-
-    def __init__(self, job_config: JobConfig, stop_signals: StopSignals | None = None):
+    def __init__(self, job_config: JobConfig, stop_signals: StopSignals | None = None, world: World | None = None):
         register_train_specs()
-        self._names = self.torchtitan_names()
-        self._torchtitan(Trainer.__init__)(job_config)
+        self.job_config = job_config
+        self.world = world or World.of_this_process()
+        logger.info(f"Starting job: {job_config.job.description}")
+        if job_config.experimental.custom_import:
+            importlib.import_module(job_config.experimental.custom_import)
+
+        # meshes
+        self.device = self.world.device
+        self.world.enter()
+        self.parallel_dims = layout = self.world.layout(job_config)
+        job_config.maybe_log()
+        batch_degree, batch_rank = (
+            (layout.get_mesh("batch").size(), layout.get_mesh("batch").get_local_rank())
+            if layout.dp_enabled
+            else (1, 0)
+        )
+        self.gc_handler = self.build_gc_handler()
+        self.seed()
+        self.train_spec = spec = self.build_train_spec()
+
+        # data
+        self.tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn is not None else None
+        self.dataloader = (
+            spec.build_dataloader_fn(
+                dp_world_size=batch_degree, dp_rank=batch_rank, tokenizer=self.tokenizer, job_config=job_config
+            )
+            if spec.build_dataloader_fn is not None
+            else None
+        )
+
+        # model, on the meta device
+        self.model_args = model_args = spec.model_args[job_config.model.flavor]
+        model_args.update_from_config(job_config)
+        logger.info(
+            f"Building {job_config.model.name} {job_config.model.flavor} with "
+            f"{json.dumps(dataclasses.asdict(model_args), indent=2, ensure_ascii=False)}"
+        )
+        with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
+            model = spec.model_cls(model_args)
+        model_converters = build_model_converters(job_config, layout)
+        model_converters.convert(model)
+
+        # metrics
+        self.metrics_processor = spec.build_metrics_processor_fn(job_config, layout, model_args)
+        color = self.metrics_processor.color
+        n_params, self.metrics_processor.num_flops_per_token = model_args.get_nparams_and_flops(
+            model, job_config.training.seq_len
+        )
+        logger.info(
+            f"{color.blue}Model {job_config.model.name} {job_config.model.flavor} "
+            f"{color.red}size: {n_params:,} total parameters{color.reset}"
+        )
+        self.loss_fn = spec.build_loss_fn(job_config, parallel_dims=layout)
+        self.gradient_accumulation_steps = accumulation_steps(job_config, batch_degree)
+
+        # parallelize (and split into pipeline stages), then materialize and initialize
+        self.model_parts = self.build_model_parts(model)
+        peak = self.metrics_processor.device_memory_monitor.get_peak_stats()
+        logger.info(
+            f"{self.device.type.upper()} memory usage for model: "
+            f"{peak.max_reserved_gib:.2f}GiB({peak.max_reserved_pct:.2f}%)"
+        )
+
+        # optimizer and lr schedule
+        self.optimizers = spec.build_optimizers_fn(self.model_parts, job_config.optimizer, layout)
+        self.lr_schedulers = spec.build_lr_schedulers_fn(
+            self.optimizers, job_config.lr_scheduler, job_config.training.steps
+        )
+        # e.g. float8's amax and scale of every parameter, in one all-reduce after the step
+        self.optimizers.register_step_post_hook(
+            lambda *args, **kwargs: model_converters.post_optimizer_hook(self.model_parts)
+        )
+        self.metrics_processor.optimizers = self.optimizers
+        self.metrics_processor.model_parts = self.model_parts
+
+        # checkpoint: the train state is set before a load can replace it
+        self.step = 0
+        self.ntokens_seen = 0
+        self.checkpointer = self.build_checkpointer()
+        if isinstance(self.checkpointer, FoldCheckpointManager) and self.checkpointer.enable:
+            # saved beside every checkpoint: what a resume compares (preflight.check_resume)
+            self.checkpointer.settings = run_settings(job_config, self.tokenizer, layout.dp)
+
+        # the step's context: loss parallel under tp, the compute dtype in every layout
+        self.train_context = dist_utils.get_train_context(
+            layout.tp_enabled and not job_config.parallelism.disable_loss_parallel
+        )
+        self.maybe_enable_amp = maybe_enable_amp(layout, job_config.training.mixed_precision_param, self.device.type)
+        self.build_step_hooks(stop_signals)
+        logger.info(
+            f"Trainer is initialized with local batch size {job_config.training.local_batch_size}, "
+            f"global batch size {job_config.training.local_batch_size * batch_degree * self.gradient_accumulation_steps}, "
+            f"gradient accumulation steps {self.gradient_accumulation_steps}, "
+            f"sequence length {job_config.training.seq_len}, total steps {job_config.training.steps} "
+            f"(warmup {job_config.lr_scheduler.warmup_steps})"
+        )
+
+    # ---- the parts a dry run's trainer builds otherwise (dryrun/step.py)
+
+    def build_gc_handler(self) -> utils.GarbageCollection | None:
+        """torchtitan's: automatic garbage collection off, a collection every training.gc_freq steps."""
+        return utils.GarbageCollection(
+            gc_freq=self.job_config.training.gc_freq, debug=self.job_config.training.gc_debug
+        )
+
+    def seed(self) -> None:
+        """debug.seed (or rank 0's) on every rank, distinct per pipeline stage; debug.deterministic."""
+        dist_utils.set_determinism(
+            self.parallel_dims, self.device, self.job_config.debug, distinct_seed_mesh_dims=["pp"]
+        )
+
+    def build_train_spec(self) -> train_spec_module.TrainSpec:
+        return train_spec_module.get_train_spec(self.job_config.model.name)
+
+    def build_checkpointer(self):
+        spec, config = self.train_spec, self.job_config
+        return FoldCheckpointManager(
+            dataloader=self.dataloader,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            checkpoint_config=config.checkpoint,
+            sd_adapter=(
+                spec.state_dict_adapter(self.model_args, config.model.hf_assets_path)
+                if spec.state_dict_adapter
+                else None
+            ),
+            base_folder=config.job.dump_folder,
+        )
+
+    # ---- the build's steps
+
+    def build_model_parts(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The meta model parallelized (under pp: this rank's stages, and the pipeline schedule),
+        then materialized where training.enable_cpu_offload or a seed checkpoint says and
+        initialized. -> the model parts."""
+        config, layout, spec = self.job_config, self.parallel_dims, self.train_spec
+        buffer_device = None
+        init_device = self.device.type
+        if config.checkpoint.create_seed_checkpoint:
+            init_device = "cpu"
+        elif config.training.enable_cpu_offload:
+            init_device, buffer_device = "cpu", torch.device(self.device.type)
+        if layout.pp_enabled:
+            self.pp_schedule, parts, self.pp_has_first_stage, self.pp_has_last_stage = spec.pipelining_fn(
+                model, layout, config, self.device, self.model_args, spec.parallelize_fn, self.loss_fn
+            )
+        else:
+            parts = [spec.parallelize_fn(model, layout, config)]
+        for part in parts:
+            part.to_empty(device=init_device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=buffer_device)
+            part.train()
+        return parts
+
+    def build_step_hooks(self, stop_signals: StopSignals | None) -> None:
+        """The guard, the optimizer's hooks and what the step reads besides the model."""
+        config = self.job_config
         # NaN/Inf in the loss or gradient norm: stop or skip with the weights untouched (guard.py)
-        self.guard = self.guard_class(job_config.training.nonfinite, self.device)
+        self.guard = self.guard_class(config.training.nonfinite, self.device)
         self.guard.watch(self.optimizers)
         # a logged step's values reach the host beside the guard's verdict (host_copies.py): the
         # MoE statistics queued here, before the optimizer's kernels; the loss and the gradient
@@ -122,7 +279,7 @@ class FoldTrainer(Trainer):
         self.optimizers.register_step_pre_hook(
             lambda *args, **kwargs: self.metrics_processor.stage(self.guard.copies.copy) if self._logs() else None
         )
-        self.cudagraphs = cuda_graphs(job_config)
+        self.cudagraphs = cuda_graphs(config)
         if self.cudagraphs:
             mark_static_buffers(self.model_parts)
         # moe.stash_rows: the stashes' overflow is checked there too
@@ -141,11 +298,8 @@ class FoldTrainer(Trainer):
         )
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = None
-        if isinstance(self.checkpointer, FoldCheckpointManager) and self.checkpointer.enable:
-            # saved beside every checkpoint: what a resume compares (preflight.check_resume)
-            self.checkpointer.settings = run_settings(job_config, self.tokenizer, self.parallel_dims.dp)
         if self.model_args.moe.load_balance == "aux_free":
-            # the expert load of every token this stage routed
+            # the router bias follows the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
             group = stage_mesh.get_group() if stage_mesh is not None else None
 
@@ -157,10 +311,10 @@ class FoldTrainer(Trainer):
             self.optimizers.register_step_post_hook(
                 lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
             )
-        # metrics.group_grad_norms: a logged step's norms per parameter group (_group_norms)
+        # metrics.group_grad_norms: a logged step's norms per parameter group (step.py)
         self.group_grad_norms = None
         # metrics.step_phases: host and GPU time per phase of each logged step (phases.py)
-        self.phases = StepPhases(self.device) if job_config.metrics.step_phases else None
+        self.phases = StepPhases(self.device) if config.metrics.step_phases else None
         if self.phases is not None:
             self._mark_phases(self.phases)
 
@@ -184,89 +338,39 @@ class FoldTrainer(Trainer):
         split = self.optimizers.split() if isinstance(self.optimizers, MuonOptimizersContainer) else None
         return format_banner(self.parallel_dims, self.model_args, self.model_parts, self.job_config, stages, split)
 
-    def post_dataloading_process(self, input_dict, labels):
-        # torchtitan's version would apply torch's context_parallel; ours shards the batch
-        inputs = input_dict["input"]
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        extra_kwargs = {}
-        layout = self.parallel_dims
-        future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
-        if layout.cp > 1:
-            # load-balanced causal split; the model needs the global positions for RoPE
-            inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
-            if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
-                future = future.index_select(1, extra_kwargs["positions"])
-        if future is not None:
-            extra_kwargs["future_tokens"] = future
-        return inputs, labels, extra_inputs, extra_kwargs
-
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        if self.phases is not None:
-            self.phases.mark(self._forward_phase)
-        loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
-        self.guard.observe_loss(loss)
-        if self.phases is not None:
-            self.phases.mark("data")  # the next micro-batch to the device
-        # the step (_train_step) reads the loss with .item() after the optimizer step, except
-        # under dp or cp, where it reduces the device value over the ranks first
-        return loss if self.parallel_dims.dp_cp_enabled or not self._logs() else self.guard.copies.copy(loss)
-
-    def _logs(self) -> bool:
-        return self.metrics_processor.should_log(self.step)
-
-    def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
-        for mtp in mtp_modules(self.model_parts):
-            # a token sum like the LM loss: one scale for every micro-batch of the step
-            mtp.loss_scale = (1.0 / torch.as_tensor(global_valid_tokens, dtype=torch.float32)).to(mtp.loss_scale.device)
-        if self.parallel_dims.pp_enabled:
-            loss = pipeline_forward_backward(
-                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
-        elif self.overlap is not None:
-            loss = overlap_forward_backward(
-                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
-        else:
-            # aux losses are token means over this micro-batch's sequences (the router gathers
-            # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
-            # by the global token count. `labels` is still the whole micro-batch here.
-            scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
-            for moe in moe_layers(self.model_parts):
-                moe.aux_loss_scale.fill_(scale)
-            loss = super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
-        flush_wgrad(self.model_parts)  # weight gradients still queued (moe.delay_wgrad_compute)
-        maybe_fault(self.step)  # tests: a rank killed in the middle of a step
-        return loss
-
-    def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
-        """The step's clipping (_train_step, as torchtitan's clip_grad_norm_): gradients on two
-        meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
-        handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
-        takes the first stage's gradient too and is left out of the norm (counted once)."""
-        if self.phases is not None:
-            self.phases.mark("clip")
-        copies = []
-        if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
-            sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "grads")
-            copies = embedding_copies(self.model_parts)
-        skip = {id(p) for p in copies}
-        parameters = [p for p in parameters if id(p) not in skip]
-        if self.job_config.metrics.group_grad_norms and self._logs():  # before the clip scales them
-            self.group_grad_norms = self.guard.copies.copy(
-                self._group_norms((name, p.grad) for name, p in self._named_parameters() if p.grad is not None)
-            )
-        norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
-        if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
-            torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
-        self.guard.observe_grad_norm(norm)
-        return self.guard.copies.copy(norm) if self._logs() else norm  # read with .item() at a logged step
+    # ---- the loop
 
     @record
-    def train(self):
+    def train(self) -> None:
+        """From the last checkpoint (if any) to training.steps: step, save, profile. A stop
+        signal or NaN/Inf stop raises (signals.py, guard.py); the end of the data ends the loop."""
+        config = self.job_config
         self.metrics_processor.begin()
-        self._torchtitan(Trainer.train)()
+        self.checkpointer.load(step=config.checkpoint.load_step)
+        logger.info(f"Training starts at step {self.step + 1}")
+        profiling = dict(global_step=self.step, base_folder=config.job.dump_folder)
+        with (
+            maybe_enable_profiling(config.profiling, **profiling) as torch_profiler,
+            maybe_enable_memory_snapshot(config.profiling, **profiling) as memory_profiler,
+        ):
+            data_iterator = self.batch_generator(self.dataloader)
+            while self.should_continue_training():
+                self.step += 1
+                self.gc_handler.run(self.step)
+                try:
+                    self.train_step(data_iterator)
+                except DataloaderExhaustedError:
+                    logger.warning("Ran out of data; last step was canceled.")
+                    break
+                self.checkpointer.save(self.step, last_step=self.step == config.training.steps)
+                for profiler in (torch_profiler, memory_profiler):
+                    if profiler:
+                        profiler.step()
+                if self.step == 1:  # compiled and warmed up: later collectives fail sooner
+                    timeout = timedelta(seconds=config.comm.train_timeout_seconds)
+                    self.world.set_pg_timeouts(timeout, self.parallel_dims)
+        if torch.distributed.get_rank() == 0:
+            logger.info("Training completed")
         last = last_complete_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
         checkpoint = os.path.join(self.checkpointer.folder, last) if last else None
         saved = self.checkpointer.last_saved if self.checkpointer.enable else None
@@ -274,133 +378,21 @@ class FoldTrainer(Trainer):
             checkpoint = self.checkpointer.describe_save(*saved)
         self.metrics_processor.summary(checkpoint)
 
-    def train_step(self, data_iterator):
-        self.guard.step = self.step
-        if self.phases is not None and self.metrics_processor.should_log(self.step):
-            self.phases.start()
-        if self.cudagraphs:
-            # CUDA graph trees take this, and only this, for the start of a step. Left to guess,
-            # they start one at any torch.compile call outside their graphs (a fused() kernel in
-            # eager code between compiled blocks) and free graph outputs that backward still needs.
-            torch.compiler.cudagraph_mark_step_begin()
-        try:
-            self._train_step(data_iterator)
-        except SkippedStep as e:
-            logger.warning(
-                f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
-                f"{self.guard.skipped} skipped so far)"
-            )
-            if self.metrics_processor.jsonl:
-                self.metrics_processor.jsonl.write(
-                    {"step": self.step, "skipped": e.what, "skipped_steps": self.guard.skipped}
-                )
-
-    def _train_step(self, data_iterator):
-        """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
-        update is queued. torchtitan moves the batches and their token count with blocking copies
-        and sums the count over the batch ranks on the host, and under dp or cp reads the logged
-        loss's reductions over the ranks on the host after the update is queued: each waits for
-        the work queued before it (the step before's or this step's update), and the device then
-        idles while the host queues the next kernels. Here the count is summed on the device,
-        every copy to the device is queued behind the work there (common/tensors.py: to_device),
-        and the logged values reach the host by copies queued before the update (_logged_values)."""
-        self.optimizers.zero_grad()
-        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        layout = self.parallel_dims
-        # the micro-batches stay on the host until their turn; their tokens are counted there
-        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
-        local_valid_tokens = to_device(
-            torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device
-        )
-        global_valid_tokens = local_valid_tokens.float()
-        if layout.dp_enabled:
-            global_valid_tokens = funcol.all_reduce(local_valid_tokens, "sum", layout.get_mesh("batch")).float()
-        losses = []
-        for input_dict, labels in microbatches:
-            input_dict = {
-                k: to_device(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()
-            }
-            loss = self.forward_backward_step(
-                input_dict=input_dict, labels=to_device(labels, self.device), global_valid_tokens=global_valid_tokens
-            )
-            losses.append(loss.detach())
-        grad_norm = self.clip_grad_norm(
-            [p for m in self.model_parts for p in m.parameters()],
-            self.job_config.training.max_norm,
-            foreach=True,
-            pp_mesh=layout.get_optional_mesh("pp"),
-            ep_enabled=layout.ep_enabled,
-        )
-        logs = self.metrics_processor.should_log(self.step)
-        read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
-        self.checkpointer.maybe_wait_for_staging()
-        before = self._weights() if logs and self.group_grad_norms is not None else None
-        self.optimizers.step()
-        self.lr_schedulers.step()
-        if logs:  # the guard's wait, once the update was queued, has brought the values
-            avg_loss, max_loss, ntokens_seen = read()
-            extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
-            if before is not None:
-                extra.update(self._group_norm_metrics(before))
-            self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
-
-    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters by their names in the model (without the wrappers of compile and
-        activation checkpointing), less the MTP layers' embedding copy under pp (counted on the
-        first stage, as in the gradient norm)."""
-        skip = {id(p) for p in embedding_copies(self.model_parts)}
-        return [
-            (_plan_fqn(name), p)
-            for part in self.model_parts
-            for name, p in part.named_parameters()
-            if id(p) not in skip
-        ]
-
-    def _group_norms(self, tensors) -> torch.Tensor:
-        return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
-
-    def _weights(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
-        """Each parameter with a copy of its weights, before the optimizer step."""
-        return [(name, p, p.detach().clone()) for name, p in self._named_parameters()]
-
-    def _group_norm_metrics(self, before) -> dict[str, dict[str, float]]:
-        """metrics.group_grad_norms: each group's gradient norm (before clipping) and the norm of
-        its update (the weights after the optimizer step less those before)."""
-        updates = self._group_norms((name, p.detach() - weights) for name, p, weights in before)
-        grads, self.group_grad_norms = self.group_grad_norms, None
-        return {
-            "group_grad_norms": group_norm_values(grads, GROUPS),
-            "group_update_norms": group_norm_values(updates.cpu(), GROUPS),
-        }
-
-    def _logged_values(
-        self, losses: list[torch.Tensor], global_valid_tokens: torch.Tensor, local_valid_tokens: torch.Tensor
-    ) -> Callable[[], tuple[float, float, int]]:
-        """A logged step's loss (summed over its micro-batches and every rank's tokens), the largest
-        of the ranks' own mean losses and the tokens seen, as torchtitan logs them: under dp or cp
-        reduced over the ranks on the device and copied to the host here, before the update is
-        queued. Returns their reader, for after the guard's wait."""
-        mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
-        if mesh is None:
-
-            def read():  # the losses are host copies already (forward_backward_step)
-                loss = torch.stack(losses).sum().item()
-                return loss, loss, self.ntokens_seen
-
-            return read
-        loss = torch.stack(losses).sum()
-        if isinstance(loss, DTensor):  # loss parallel under tp
-            loss = loss.full_tensor()
-        seen = to_device(torch.tensor(self.ntokens_seen, dtype=torch.int64), self.device)
-        copies = [
-            self.guard.copies.copy(v)
-            for v in (
-                funcol.all_reduce(loss, "sum", mesh),
-                funcol.all_reduce(loss * global_valid_tokens / local_valid_tokens, "max", mesh),
-                funcol.all_reduce(seen, "sum", mesh),
-            )
-        ]
-        return lambda: (copies[0].item(), copies[1].item(), int(copies[2].item()))
+    def batch_generator(self, batches: Iterable) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """The dataloader's (input_dict, labels), left on the host, counted as they come: the
+        tokens seen, the tokens since the last logged step, the time each took to load. A step
+        the data runs out in raises DataloaderExhaustedError: it is not run."""
+        batches = iter(batches)
+        while True:
+            begin = time.perf_counter()
+            try:
+                input_dict, labels = next(batches)
+            except StopIteration as e:
+                raise DataloaderExhaustedError() from e
+            self.ntokens_seen += labels.numel()
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            self.metrics_processor.data_loading_times.append(time.perf_counter() - begin)
+            yield input_dict, labels
 
     def should_continue_training(self) -> bool:
         """Called before every step; also where a stop request is agreed on by every rank."""
@@ -409,7 +401,7 @@ class FoldTrainer(Trainer):
             self.check_loaded_weights()
             if self.metrics_processor.jsonl:
                 self.metrics_processor.jsonl.start(self.step)
-        if not super().should_continue_training():
+        if self.step >= self.job_config.training.steps:
             return False
         kind = self.stop_signals.agreed(self.device)
         if kind:
@@ -427,6 +419,27 @@ class FoldTrainer(Trainer):
         else:
             where = "the initial weights"
         check_weights(self.model_parts, where)
+
+    # ---- the checkpoint's train_state, and the end
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"]
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics_processor.close()
+
+
+def accumulation_steps(job_config: JobConfig, batch_degree: int) -> int:
+    """Micro-batches per step: training.global_batch_size (-1: one micro-batch per batch rank)
+    over local_batch_size x the batch ranks (preflight checked that it divides)."""
+    per_micro_batch = job_config.training.local_batch_size * batch_degree
+    global_batch = job_config.training.global_batch_size
+    return global_batch // per_micro_batch if global_batch > 0 else 1
 
 
 def checkpoint_folder(config: JobConfig) -> str:

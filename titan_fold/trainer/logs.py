@@ -26,17 +26,12 @@ _NOISE = [
     (rf"HF assets path {_TITAN_DEFAULT_ASSETS} does not exist!$", False),
     (rf"model\.safetensors\.index\.json not found at hf_assets_path: {_TITAN_DEFAULT_ASSETS}/", False),
     # the model-arguments dump (40 lines); the flavor name and parameter count follow in one line
-    (r"Building \S+ \S+with \{", False),
-    # titan_fold all-reduces the loss over pp: every rank reports it
-    (r"\S*Pipeline Parallel loss is not visible", False),
+    (r"Building \S+ \S+ with \{", False),
     # an NCCL variable that torchrun sets and gloo ignores
     (r"ENV\[TORCH_NCCL_ASYNC_ERROR_HANDLING\] = \S+ will be overridden", True),
     # no peak FLOPS on the CPU: MFU is not computed there (metrics.jsonl's mfu is null)
     (r"Error running lspci", True),
     (r"Peak flops undefined for: cpu", True),
-    (r"Peak FLOPS used for computing MFU", True),
-    # torchtitan's Trainer.train sleeps here; titan_fold's main waits at a barrier instead
-    (r"Sleeping 2 seconds for other ranks to complete", False),
     # garbage collection timings (training.gc_freq; the checkpointer's own collections)
     (r"\[GC\] ", False),
     # a save's four lines; FoldCheckpointManager.save says in one line what was saved where

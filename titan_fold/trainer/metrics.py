@@ -19,11 +19,19 @@ import os
 import resource
 import sys
 import time
+from datetime import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import DeviceMemoryMonitor, MetricsProcessor
+from torchtitan.components.metrics import (
+    BaseLogger,
+    DeviceMemoryMonitor,
+    LoggerContainer,
+    MetricsProcessor,
+    TensorBoardLogger,
+    WandBLogger,
+)
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
@@ -32,7 +40,6 @@ from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
 from titan_fold.trainer.expert_load import ExpertLoad
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.phases import phases_text
-from titan_fold.trainer.torchtitan_adapter import with_names
 
 GIB = 1024**3
 
@@ -60,9 +67,11 @@ class _Peak:
 
 
 def _memory_monitor():
-    # torchtitan's builds a CUDA monitor whatever the machine
+    """torchtitan's monitor of the current GPU, or the host's peak RSS."""
     if torch.cuda.is_available():
-        return DeviceMemoryMonitor(f"cuda:{torch.cuda.current_device()}")
+        monitor = DeviceMemoryMonitor(f"cuda:{torch.cuda.current_device()}")
+        logger.info(f"CUDA capacity: {monitor.device_name} with {monitor.device_capacity_gib:.2f}GiB memory")
+        return monitor
     return HostMemoryMonitor()
 
 
@@ -78,15 +87,50 @@ def _hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _metric_logger(job_config, parallel_dims, tag: str | None):
+    """TensorBoard and W&B as metrics.enable_tensorboard / enable_wandb ask, on the rank that
+    holds the loss (the first of the last pipeline stage; every rank with save_for_all_ranks),
+    in job.dump_folder / metrics.save_tb_folder / the start time."""
+    m = job_config.metrics
+    last_stage = parallel_dims.pp_enabled and job_config.parallelism.pipeline_parallel_schedule != "ZBVZeroBubble"
+    loss_rank = parallel_dims.world_size // parallel_dims.pp * (parallel_dims.pp - 1) if last_stage else 0
+    if not (m.enable_tensorboard or m.enable_wandb) or not (m.save_for_all_ranks or dist.get_rank() == loss_rank):
+        return BaseLogger()
+    folder = os.path.join(job_config.job.dump_folder, m.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M"))
+    if job_config.fault_tolerance.enable:
+        folder = os.path.join(folder, f"replica_{job_config.fault_tolerance.replica_id}")
+    if m.save_for_all_ranks:
+        folder = os.path.join(folder, f"rank_{dist.get_rank()}")
+    loggers = LoggerContainer()
+    if m.enable_wandb:
+        try:
+            loggers.add_logger(WandBLogger(folder, job_config, tag))
+        except Exception as e:  # a run goes on without W&B (as torchtitan's)
+            logger.error(f"Failed to create WandB logger: {e}")
+    if m.enable_tensorboard:
+        loggers.add_logger(TensorBoardLogger(folder, tag))
+    return loggers
+
+
 class FoldMetricsProcessor(MetricsProcessor):
+    """torchtitan's MetricsProcessor, built here: its memory monitor works on the CPU too, and
+    no peak flops are made up where there is no GPU."""
+
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
-        # torchtitan's __init__ with a memory monitor that works on the CPU too (torchtitan_adapter.py)
-        with_names(MetricsProcessor.__init__, build_device_memory_monitor=_memory_monitor)(
-            self, job_config, parallel_dims, tag
-        )
-        if not torch.cuda.is_available():
-            self.gpu_peak_flops = float("nan")
-        # torchtitan's Trainer colours its lines with this too; escape codes only on a terminal
+        self.logger = _metric_logger(job_config, parallel_dims, tag)
+        self.parallel_dims = parallel_dims
+        self.job_config = job_config
+        self.device_memory_monitor = _memory_monitor()
+        self.device_memory_monitor.reset_peak_stats()
+        name = self.device_memory_monitor.device_name
+        self.gpu_peak_flops = utils.get_peak_flops(name) if torch.cuda.is_available() else float("nan")
+        self.ntokens_since_last_log = 0
+        self.data_loading_times: list[float] = []
+        self.time_last_log = time.perf_counter()
+        # set by the trainer once built
+        self.num_flops_per_token = -1
+        self.optimizers = self.lr_schedulers = self.model_parts = None
+        # the trainer colours its lines with this too; escape codes only on a terminal
         colour = sys.stdout.isatty() and not job_config.metrics.disable_color_printing
         self.color = utils.Color() if colour else utils.NoColor()
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -105,7 +149,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.time_start = self.time_last_log = time.perf_counter()
 
     def should_log(self, step: int) -> bool:
-        # torchtitan's Trainer asks this at every step: the first call tells where this run
+        # the trainer asks this at every step: the first call tells where this run
         # started (after a resume, not at step 1); that step is logged as step 1 is
         if self._last_logged_step is None:
             self._last_logged_step = self._first_step = step - 1

@@ -1,4 +1,4 @@
-"""The TrainSpecs torchtitan's Trainer builds from: one per model family.
+"""The TrainSpecs FoldTrainer builds from: one per model family.
 
 `[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral" or "deepseek_v3"), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
@@ -24,7 +24,7 @@ from titan_fold.trainer.muon import build_optimizers
 class FlavorCopies(Mapping):
     """A family's flavors, plus `hf`, that hand out copies.
 
-    torchtitan's Trainer calls update_from_config on the args it looks up; a copy keeps
+    FoldTrainer calls update_from_config on the args it looks up; a copy keeps
     one job's `[moe]` overrides out of the next job started in the same process. The `hf`
     entry is filled from `[model] hf_config` by that same update_from_config.
     """

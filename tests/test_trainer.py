@@ -1,7 +1,7 @@
-"""FoldTrainer runs torchtitan's Trainer code without changing torchtitan's modules, so two
-trainers built one after the other in one process (as tests and notebooks do) each run as
-if alone: the second reproduces the first's losses and gradient norms step for step. Its own
-train step logs what torchtitan's does, and on a GPU waits for the device nowhere."""
+"""FoldTrainer builds and runs a run from torchtitan's components without changing torchtitan's
+modules, so two trainers built one after the other in one process (as tests and notebooks do)
+each run as if alone: the second reproduces the first's losses and gradient norms step for
+step. Its own train step logs what torchtitan's does, and on a GPU waits for the device nowhere."""
 
 import gc
 import os
@@ -19,9 +19,8 @@ from torchtitan.train import Trainer
 
 from titan_fold.common.config import parse_args
 from titan_fold.trainer.fold_trainer import FoldTrainer
-from titan_fold.trainer.torchtitan_adapter import Names
 
-# the module attributes titan_fold used to assign (torchtitan_adapter.py lists why they matter)
+# the module attributes titan_fold once assigned, each to change what torchtitan's code did
 WATCHED = [
     (tt_utils, "device_type"),
     (tt_utils, "device_module"),
@@ -99,21 +98,24 @@ def test_second_trainer_sees_none_of_the_first(one_rank, tmp_path):
 
 
 class TorchtitanStep(FoldTrainer):
-    """FoldTrainer running torchtitan's own Trainer.train_step (clipping through FoldTrainer's)."""
-
-    def torchtitan_names(self) -> dict:
-        names = super().torchtitan_names()
-        clip = Names(names["dist_utils"], clip_grad_norm_=lambda *args, **kwargs: self.clip_grad_norm(*args, **kwargs))
-        return {**names, "dist_utils": clip}
+    """FoldTrainer running torchtitan 0.2.2's own Trainer.train_step on itself (it reads only
+    attributes FoldTrainer has, and calls its forward_backward_step)."""
 
     def _train_step(self, data_iterator):
-        self._torchtitan(Trainer.train_step)(data_iterator)
+        Trainer.train_step(self, data_iterator)
 
 
-def test_train_step_logs_what_torchtitans_does(one_rank, tmp_path):
+def test_train_step_logs_what_torchtitans_does(one_rank, tmp_path, monkeypatch):
     """FoldTrainer's step, which waits for the device nowhere, against torchtitan's: the same
-    losses, gradient norms and token counts, step for step, with two micro-batches a step."""
-    ours, theirs = train(tmp_path / "ours"), train(tmp_path / "theirs", TorchtitanStep)
+    losses, gradient norms and token counts, step for step, with two micro-batches a step.
+    torchtitan's step clips with FoldTrainer's clipping for this comparison (the one name it
+    calls that is not a method), so that both apply the same clip coefficient the same way."""
+    ours = train(tmp_path / "ours")
+    trainers = []
+    monkeypatch.setattr(
+        tt_dist_utils, "clip_grad_norm_", lambda *args, **kwargs: trainers[0].clip_grad_norm(*args, **kwargs)
+    )
+    theirs = train(tmp_path / "theirs", lambda config: trainers.append(TorchtitanStep(config)) or trainers[0])
     assert len(ours) == len(theirs) == 3
     for a, b in zip(ours, theirs):
         keys = ("loss", "max_loss", "grad_norm", "lr", "n_tokens_seen")

@@ -1,0 +1,272 @@
+"""One training step of FoldTrainer: micro-batches to the device, forward and backward,
+gradient clipping, the NaN/Inf guard's verdict, the optimizer and lr-schedule steps, the
+logged values.
+
+TrainStep holds the step's methods; FoldTrainer (fold_trainer.py) builds what they use (the
+attributes annotated below) and runs them in its loop. Nothing in a step waits for the device
+before the update is queued (_train_step).
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
+
+from titan_fold.checkpoint.saves import maybe_fault
+from titan_fold.common.tensors import to_device
+from titan_fold.models.groups import GROUPS, parameter_group
+from titan_fold.models.mtp import future_tokens, mtp_modules
+from titan_fold.moe import moe_layers
+from titan_fold.moe.wgrad import flush_wgrad
+from titan_fold.parallel.attention import cp_shard
+from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, group_norm_values, group_norms
+from titan_fold.parallel.mesh import Layout
+from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
+from titan_fold.parallel.parallelize import _plan_fqn
+from titan_fold.parallel.pipeline import embedding_copies, pipeline_forward_backward, sync_embedding_copies
+from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
+from titan_fold.trainer.phases import StepPhases
+
+
+class TrainStep:
+    """The step's methods, over what FoldTrainer built."""
+
+    job_config: object
+    parallel_dims: Layout
+    device: torch.device
+    model_args: object
+    model_parts: list[torch.nn.Module]
+    loss_fn: Callable
+    optimizers: object
+    lr_schedulers: object
+    checkpointer: object
+    metrics_processor: object
+    guard: NonFiniteGuard
+    train_context: Callable
+    maybe_enable_amp: object
+    gradient_accumulation_steps: int
+    overlap: OverlapSchedule | None
+    phases: StepPhases | None
+    cudagraphs: bool
+    step: int
+    ntokens_seen: int
+
+    def post_dataloading_process(self, input_dict, labels):
+        # torchtitan's version would apply torch's context_parallel; ours shards the batch
+        inputs = input_dict["input"]
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        extra_kwargs = {}
+        layout = self.parallel_dims
+        future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
+        if layout.cp > 1:
+            # load-balanced causal split; the model needs the global positions for RoPE
+            inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
+            if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
+                future = future.index_select(1, extra_kwargs["positions"])
+        if future is not None:
+            extra_kwargs["future_tokens"] = future
+        return inputs, labels, extra_inputs, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if self.phases is not None:
+            self.phases.mark(self._forward_phase)
+        loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        self.guard.observe_loss(loss)
+        if self.phases is not None:
+            self.phases.mark("data")  # the next micro-batch to the device
+        # the step (_train_step) reads the loss with .item() after the optimizer step, except
+        # under dp or cp, where it reduces the device value over the ranks first
+        return loss if self.parallel_dims.dp_cp_enabled or not self._logs() else self.guard.copies.copy(loss)
+
+    def _logs(self) -> bool:
+        return self.metrics_processor.should_log(self.step)
+
+    def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
+        for mtp in mtp_modules(self.model_parts):
+            # a token sum like the LM loss: one scale for every micro-batch of the step
+            mtp.loss_scale = (1.0 / torch.as_tensor(global_valid_tokens, dtype=torch.float32)).to(mtp.loss_scale.device)
+        if self.parallel_dims.pp_enabled:
+            loss = pipeline_forward_backward(
+                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        elif self.overlap is not None:
+            loss = overlap_forward_backward(
+                self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        else:
+            # aux losses are token means over this micro-batch's sequences (the router gathers
+            # their statistics over cp x tp); weigh them like the LM loss, whose sum is divided
+            # by the global token count. `labels` is still the whole micro-batch here.
+            scale = (labels != IGNORE_INDEX).sum() / global_valid_tokens
+            for moe in moe_layers(self.model_parts):
+                moe.aux_loss_scale.fill_(scale)
+            loss = self._one_part_forward_backward(input_dict, labels, global_valid_tokens)
+        flush_wgrad(self.model_parts)  # weight gradients still queued (moe.delay_wgrad_compute)
+        maybe_fault(self.step)  # tests: a rank killed in the middle of a step
+        return loss
+
+    def _one_part_forward_backward(self, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        """The one model part's forward and backward: the loss summed over this micro-batch's
+        tokens and divided by the step's (global_valid_tokens) -> that loss."""
+        inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
+        with self.train_context():  # loss parallel under tp: the backward too
+            with self.maybe_enable_amp:
+                pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                loss = self.loss_fn(pred, labels) / global_valid_tokens
+            del pred  # the logits, the largest activation, freed before backward
+            loss.backward()
+        return loss
+
+    def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
+        """The step's clipping (_train_step, as torchtitan's clip_grad_norm_): gradients on two
+        meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
+        handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
+        takes the first stage's gradient too and is left out of the norm (counted once)."""
+        if self.phases is not None:
+            self.phases.mark("clip")
+        copies = []
+        if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
+            sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "grads")
+            copies = embedding_copies(self.model_parts)
+        skip = {id(p) for p in copies}
+        parameters = [p for p in parameters if id(p) not in skip]
+        if self.job_config.metrics.group_grad_norms and self._logs():  # before the clip scales them
+            self.group_grad_norms = self.guard.copies.copy(
+                self._group_norms((name, p.grad) for name, p in self._named_parameters() if p.grad is not None)
+            )
+        norm = clip_grad_norm_(parameters, *args, optimizers=self.optimizers.optimizers, **kwargs)
+        if copies and not all(divides_by_grad_scale(o) for o in self.optimizers.optimizers):
+            torch.nn.utils.clip_grads_with_norm_(copies, args[0] if args else kwargs["max_norm"], norm)
+        self.guard.observe_grad_norm(norm)
+        return self.guard.copies.copy(norm) if self._logs() else norm  # read with .item() at a logged step
+
+    def train_step(self, data_iterator):
+        self.guard.step = self.step
+        if self.phases is not None and self.metrics_processor.should_log(self.step):
+            self.phases.start()
+        if self.cudagraphs:
+            # CUDA graph trees take this, and only this, for the start of a step. Left to guess,
+            # they start one at any torch.compile call outside their graphs (a fused() kernel in
+            # eager code between compiled blocks) and free graph outputs that backward still needs.
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            self._train_step(data_iterator)
+        except SkippedStep as e:
+            logger.warning(
+                f"step {self.step}: {e.what}: step skipped (training.nonfinite = 'skip'; "
+                f"{self.guard.skipped} skipped so far)"
+            )
+            if self.metrics_processor.jsonl:
+                self.metrics_processor.jsonl.write(
+                    {"step": self.step, "skipped": e.what, "skipped_steps": self.guard.skipped}
+                )
+
+    def _train_step(self, data_iterator):
+        """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
+        update is queued. torchtitan moves the batches and their token count with blocking copies
+        and sums the count over the batch ranks on the host, and under dp or cp reads the logged
+        loss's reductions over the ranks on the host after the update is queued: each waits for
+        the work queued before it (the step before's or this step's update), and the device then
+        idles while the host queues the next kernels. Here the count is summed on the device,
+        every copy to the device is queued behind the work there (common/tensors.py: to_device),
+        and the logged values reach the host by copies queued before the update (_logged_values)."""
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        layout = self.parallel_dims
+        # the micro-batches stay on the host until their turn; their tokens are counted there
+        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        local_valid_tokens = to_device(
+            torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device
+        )
+        global_valid_tokens = local_valid_tokens.float()
+        if layout.dp_enabled:
+            global_valid_tokens = funcol.all_reduce(local_valid_tokens, "sum", layout.get_mesh("batch")).float()
+        losses = []
+        for input_dict, labels in microbatches:
+            input_dict = {
+                k: to_device(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()
+            }
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=to_device(labels, self.device), global_valid_tokens=global_valid_tokens
+            )
+            losses.append(loss.detach())
+        grad_norm = self.clip_grad_norm(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=layout.get_optional_mesh("pp"),
+            ep_enabled=layout.ep_enabled,
+        )
+        logs = self.metrics_processor.should_log(self.step)
+        read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
+        self.checkpointer.maybe_wait_for_staging()
+        before = self._weights() if logs and self.group_grad_norms is not None else None
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        if logs:  # the guard's wait, once the update was queued, has brought the values
+            avg_loss, max_loss, ntokens_seen = read()
+            extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
+            if before is not None:
+                extra.update(self._group_norm_metrics(before))
+            self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters by their names in the model (without the wrappers of compile and
+        activation checkpointing), less the MTP layers' embedding copy under pp (counted on the
+        first stage, as in the gradient norm)."""
+        skip = {id(p) for p in embedding_copies(self.model_parts)}
+        return [
+            (_plan_fqn(name), p)
+            for part in self.model_parts
+            for name, p in part.named_parameters()
+            if id(p) not in skip
+        ]
+
+    def _group_norms(self, tensors) -> torch.Tensor:
+        return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
+
+    def _weights(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+        """Each parameter with a copy of its weights, before the optimizer step."""
+        return [(name, p, p.detach().clone()) for name, p in self._named_parameters()]
+
+    def _group_norm_metrics(self, before) -> dict[str, dict[str, float]]:
+        """metrics.group_grad_norms: each group's gradient norm (before clipping) and the norm of
+        its update (the weights after the optimizer step less those before)."""
+        updates = self._group_norms((name, p.detach() - weights) for name, p, weights in before)
+        grads, self.group_grad_norms = self.group_grad_norms, None
+        return {
+            "group_grad_norms": group_norm_values(grads, GROUPS),
+            "group_update_norms": group_norm_values(updates.cpu(), GROUPS),
+        }
+
+    def _logged_values(
+        self, losses: list[torch.Tensor], global_valid_tokens: torch.Tensor, local_valid_tokens: torch.Tensor
+    ) -> Callable[[], tuple[float, float, int]]:
+        """A logged step's loss (summed over its micro-batches and every rank's tokens), the largest
+        of the ranks' own mean losses and the tokens seen, as torchtitan logs them: under dp or cp
+        reduced over the ranks on the device and copied to the host here, before the update is
+        queued. Returns their reader, for after the guard's wait."""
+        mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
+        if mesh is None:
+
+            def read():  # the losses are host copies already (forward_backward_step)
+                loss = torch.stack(losses).sum().item()
+                return loss, loss, self.ntokens_seen
+
+            return read
+        loss = torch.stack(losses).sum()
+        if isinstance(loss, DTensor):  # loss parallel under tp
+            loss = loss.full_tensor()
+        seen = to_device(torch.tensor(self.ntokens_seen, dtype=torch.int64), self.device)
+        copies = [
+            self.guard.copies.copy(v)
+            for v in (
+                funcol.all_reduce(loss, "sum", mesh),
+                funcol.all_reduce(loss * global_valid_tokens / local_valid_tokens, "max", mesh),
+                funcol.all_reduce(seen, "sum", mesh),
+            )
+        ]
+        return lambda: (copies[0].item(), copies[1].item(), int(copies[2].item()))
