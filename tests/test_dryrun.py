@@ -389,3 +389,40 @@ def test_broken_pipeline_exchange_is_caught(fault, monkeypatch):
     else:
         short = (hidden[0], hidden[1] - 1, hidden[2])
         assert f"send [({short}, 'float32')]" in div["rank_issued"] and "pipelining/" in div["rank_issued"]
+
+
+def test_simulated_ranks_take_the_fake_counts():
+    """A fake process group returns no values: every MoE layer of a simulated rank's trainer
+    learns the other ranks' counts from dryrun/fake_counts.py, which takes every rank to route
+    as this one does: rows spread evenly over the experts, as many back from each source."""
+    import contextlib
+
+    from titan_fold.moe import moe_layers
+
+    c = config(
+        "debug_moe.toml",
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--parallelism.expert_tensor_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "1",
+    )
+    _, args, _ = dryrun.check_config(c, 8)
+    E, rows = args.moe.num_experts, 3 * args.moe.num_experts + 2
+    even = [rows // E + (e < rows % E) for e in range(E)]
+    layers = []
+
+    @contextlib.contextmanager
+    def watch(trainer, layout, rank):
+        for moe in moe_layers(trainer.model_parts):
+            d = moe.dispatcher
+            counts = torch.zeros(E, dtype=torch.int64)
+            counts[0] = rows  # what this rank routed; the others' are made up
+            assert d.counts.sources(d, counts, rows).tolist() == even * 2
+            assert d.counts.on_host(d, counts, torch.zeros(2 * E, dtype=torch.int64), rows) == (even, even * 2)
+            layers.append(rank)
+        yield
+
+    dryrun.record_collectives(c, 8, args, ranks=[0, 7], watch=watch)
+    assert sorted(set(layers)) == [0, 7]  # both ranks' MoE layers checked
