@@ -97,17 +97,6 @@ def test_second_trainer_sees_none_of_the_first(one_rank, tmp_path):
     assert [getattr(owner, name) for owner, name in WATCHED] == before
 
 
-def test_validation_is_refused_before_the_build():
-    """torchtitan's validator is not part of titan_fold's train spec: one line naming the key,
-    before any process group or model is built."""
-    from titan_fold.common.values import ConfigError
-
-    config = parse_args(["--job.config_file", "debug_moe.toml", "--validation.enable"])
-    with pytest.raises(ConfigError, match=r"^validation\.enable: "):
-        FoldTrainer(config)
-    assert not dist.is_initialized()
-
-
 class TorchtitanStep(FoldTrainer):
     """FoldTrainer running torchtitan 0.2.2's own Trainer.train_step on itself (it reads only
     attributes FoldTrainer has, and calls its forward_backward_step)."""

@@ -53,7 +53,6 @@ from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.common.storage import StorageError, storage_problem
-from titan_fold.common.values import ConfigError
 from titan_fold.moe import update_expert_bias
 from titan_fold.moe.layer import moe_stashes
 from titan_fold.parallel.overlap import OverlapSchedule
@@ -110,8 +109,6 @@ class FoldTrainer(TrainStep, Stateful):
     guard_class = NonFiniteGuard
 
     def __init__(self, job_config: JobConfig, stop_signals: StopSignals | None = None, world: World | None = None):
-        if job_config.validation.enable:  # torchtitan's Trainer would fail an assert here
-            raise ConfigError("validation.enable: titan_fold's trainer has no validation loop; leave it off")
         register_train_specs()
         self.job_config = job_config
         self.world = world or World.of_this_process()
