@@ -117,6 +117,7 @@ SET = {
     "parallelism.expert_parallel_comm_backend": ["deepep"],
     "parallelism.enable_async_tensor_parallel": [],
     "parallelism.context_parallel_rotate_method": ["alltoall"],
+    "parallelism.context_parallel_load_balancer": ["ptrr"],
     "training.enable_cpu_offload": [],
     "validation.enable": [],
     "memory_estimation.enable": [],

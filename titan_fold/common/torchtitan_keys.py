@@ -14,15 +14,6 @@ READ: dict[str, tuple[str, ...]] = {
         "experimental.custom_args_module",
         "model.tokenizer_path",
     ),
-    "torchtitan/train.py": (
-        "job.description",
-        "checkpoint.create_seed_checkpoint",
-        "comm.train_timeout_seconds",
-        "experimental.custom_import",
-        "training.gc_debug",
-        "parallelism.context_parallel_load_balancer",
-        "fault_tolerance.enable",
-    ),
     "torchtitan/tools/profiling.py": (
         "profiling.enable_profiling",
         "profiling.save_traces_folder",
@@ -37,6 +28,7 @@ READ: dict[str, tuple[str, ...]] = {
         "metrics.enable_wandb",
     ),
     "titan_fold/trainer/metrics.py": (
+        "fault_tolerance.enable",
         "metrics.log_freq",
         "metrics.enable_tensorboard",
         "metrics.disable_color_printing",
@@ -87,7 +79,15 @@ READ: dict[str, tuple[str, ...]] = {
         "parallelism.expert_parallel_degree",
         "parallelism.expert_tensor_parallel_degree",
     ),
-    "titan_fold/trainer/fold_trainer.py": ("training.max_norm", "training.steps"),
+    "titan_fold/trainer/fold_trainer.py": (
+        "training.steps",
+        "job.description",
+        "checkpoint.create_seed_checkpoint",
+        "comm.train_timeout_seconds",
+        "experimental.custom_import",
+        "training.gc_debug",
+    ),
+    "titan_fold/trainer/step.py": ("training.max_norm",),
     "titan_fold/parallel/parallelize.py": (
         "training.dtype",
         "training.mixed_precision_param",
@@ -193,6 +193,11 @@ REFUSED = (
         "parallelism.context_parallel_rotate_method",
         "allgather",
         "titan_fold's context parallelism all-gathers K and V (docs/parallelize.md)",
+    ),
+    Refused(
+        "parallelism.context_parallel_load_balancer",
+        "headtail",
+        "titan_fold's context parallelism splits each sequence head-tail (docs/parallelize.md)",
     ),
     Refused(
         "training.enable_cpu_offload",

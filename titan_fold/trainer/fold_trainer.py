@@ -35,6 +35,9 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
+
+# registers torchtitan's float8 and mx model converters (model.converters), as its train.py does
+import torchtitan.components.quantization  # noqa: F401
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.dataloader import DataloaderExhaustedError
