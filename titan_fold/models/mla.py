@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from titan_fold.models.documents import DocumentMask
 from titan_fold.models.layers import apply_rope_qk, trunc_normal_
 from titan_fold.models.transformer import CausalSelfAttention
 
@@ -118,7 +119,9 @@ class MLAttention(nn.Module):
         self.q_scale = args.softmax_scale() * math.sqrt(self.qk_head_dim)
         self.inner_attention = CausalSelfAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         # -1: the heads this rank holds (all of them without tensor parallelism)
@@ -132,7 +135,9 @@ class MLAttention(nn.Module):
         q_rope, k_rope = apply_rope_qk(q_rope, k_rope, cos, sin)
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # [b, s, heads, nope + rope]
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, v_dim]
+        out = self.inner_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask
+        )  # [b, heads, s, v_dim]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def init_weights(self, init_std: float, out_std: float):

@@ -18,6 +18,7 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_fold.models.args import TransformerArgs
+from titan_fold.models.documents import DocumentMask, document_mask, document_positions, masked_attention
 from titan_fold.models.layers import apply_rope_qk, trunc_normal_
 from titan_fold.models.mtp import MultiTokenPrediction
 from titan_fold.moe import FeedForward, MoE
@@ -25,13 +26,18 @@ from titan_fold.moe.router import AddAuxLoss
 
 
 class CausalSelfAttention(nn.Module):
-    """softmax(q k^T / sqrt(head_dim) + causal mask) v on [b, heads, s, head_dim] tensors.
+    """softmax(q k^T / sqrt(head_dim) + causal mask) v on [b, heads, s, head_dim] tensors;
+    with a document mask (models/documents.py), causal within each packed document.
 
     Its own module so context parallelism can swap in a version that gathers K/V over
     the cp ranks and masks by global position; q, k, v arrive after RoPE.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        if mask is not None:
+            return masked_attention(q, k, v, mask)
         # enable_gqa: SDPA broadcasts each K/V head to its group of query heads without a copy
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -49,14 +55,18 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.inner_attention = CausalSelfAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: the heads this rank holds (all of them without tensor parallelism)
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope_qk(q, k, cos, sin, self.q_norm, self.k_norm)
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, head_dim]
+        out = self.inner_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask
+        )  # [b, heads, s, head_dim]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def init_weights(self, init_std: float, out_std: float):
@@ -86,8 +96,12 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), cos, sin, mask=mask
+        )  # a keyword: the tp plan lays out the positional inputs
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -158,7 +172,11 @@ class Transformer(ModelProtocol):
         return self.rope_cos[positions], self.rope_sin[positions]
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, future_tokens: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        future_tokens: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
@@ -167,12 +185,19 @@ class Transformer(ModelProtocol):
         future_tokens: [b, s, mtp_layers + 1] int64, the tokens 1 .. mtp_layers + 1 positions
         after each input token (IGNORE_INDEX past the end), for Multi-Token Prediction; its
         loss enters backward through the logits (AddAuxLoss), its value goes to metrics.
+        document_ids: [b, s] int64, the packed document of each token (training.document_masking):
+        attention stays within a document and positions restart at each one (models/documents.py).
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
         h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # [b, s, dim]
+        mask = None
+        if document_ids is not None:
+            if positions is not None or future_tokens is not None:
+                raise ValueError("document_ids: no global positions (cp) or future tokens (MTP) with packed documents")
+            positions, mask = document_positions(document_ids), document_mask(document_ids)
         cos, sin = self.rope(h.shape[1], positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         out = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return out

@@ -154,7 +154,9 @@ class ContextParallelAttention(nn.Module):
         # read once, outside forward: plain ints for torch.compile
         self.cp, self.cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is not None:
+            raise NotImplementedError("context parallelism over packed documents (training.document_masking)")
         cp, rank = self.cp, self.cp_rank
         b, h, s_local, d = q.shape
         c = s_local // 2
