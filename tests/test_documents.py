@@ -4,10 +4,13 @@ with YaRN (DeepSeek-V3)."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torchtitan.components.loss import IGNORE_INDEX
 
+from titan_fold.data.dataset import Corpus, TokenWindows
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.documents import document_mask, document_positions
 
@@ -65,3 +68,31 @@ def test_packed_equals_each_document_alone(name):
         want = sum(grads[n] for grads in alone_grads if n in grads)
         # the q/k norms' weight gradients are summed over tokens in float32 (layers.py), in another order
         torch.testing.assert_close(p.grad, want, rtol=1e-6, atol=1e-8, msg=n)
+
+
+class Docs(Corpus):
+    fingerprint = "test"
+
+    def __init__(self, docs):
+        self.docs = [np.asarray(d, dtype=np.int64) for d in docs]
+
+    def __len__(self):
+        return len(self.docs)
+
+    def tokens(self, i):
+        return self.docs[i]
+
+
+def test_text_windows_carry_documents_and_no_label_across_a_boundary():
+    # stream 10 11 12 | 20 21 | 30 31 32 33 | (again) ..., windows of 6 + 1 tokens
+    windows = TokenWindows(Docs([[10, 11, 12], [20, 21], [30, 31, 32, 33]]), seq_len=6, document_masking=True)
+    x, labels = windows[0]
+    assert x["input"].tolist() == [10, 11, 12, 20, 21, 30]
+    assert x["document_ids"].tolist() == [0, 0, 0, 1, 1, 2]
+    assert labels.tolist() == [11, 12, IGNORE_INDEX, 21, IGNORE_INDEX, 31]
+    x, labels = windows[1]  # the third document's rest, then the first one again
+    assert x["input"].tolist() == [32, 33, 10, 11, 12, 20]
+    assert x["document_ids"].tolist() == [0, 0, 1, 1, 1, 2]
+    assert labels.tolist() == [33, IGNORE_INDEX, 11, 12, IGNORE_INDEX, 21]
+    plain = TokenWindows(Docs([[10, 11, 12], [20, 21], [30, 31, 32, 33]]), seq_len=6)[0]
+    assert list(plain[0]) == ["input"] and plain[1].tolist() == [11, 12, 20, 21, 30, 31]

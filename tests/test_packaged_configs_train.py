@@ -1,6 +1,6 @@
 """Every packaged config trains on the CPU, shrunk: its own keys, but a tiny model of its family
 (the dry run's shrunk_config: the same experts, top-k and heads, few layers, tiny widths, as an
-HF config.json under --model.flavor hf), its degrees above 1 at 2 on gloo ranks with dp and edp
+HF config.json under --model.flavor hf; chat SFT configs keep CHAT_SEQ_LEN), its degrees above 1 at 2 on gloo ranks with dp and edp
 at 2 (pp > 1 with experts over edp > 1 and selective_ac_option "op", as qwen2.toml), the
 byte-level tokenizer, compile off, a short sequence and batch, STEPS steps."""
 
@@ -19,6 +19,7 @@ from titan_fold.models.hf_config import hf_config
 from titan_fold.trainer.preflight import model_args_from_config
 
 STEPS = 2
+CHAT_SEQ_LEN = 256
 # the degrees a shrunk run keeps above 1 (at 2), in this order, while each side's product is at most 4
 ATTENTION = (
     "pipeline_parallel_degree",
@@ -52,6 +53,9 @@ def shrunk_run(name: str, folder) -> tuple[int, list[str]]:
     _, model_args = model_args_from_config(config)
     small, args = shrunk_config(config, model_args, ranks)
     exported = copy.deepcopy(args)
+    if config.training.dataset_format == "chat":
+        # whole conversations, ChatML bytes: the dry run's few tokens would hold no assistant turn
+        small.training.seq_len = exported.max_seq_len = CHAT_SEQ_LEN
     if config.model.name == "deepseek_v3":  # its config.json says sigmoid; --moe.score_func keeps the flavor's
         exported.moe = dataclasses.replace(exported.moe, score_func="sigmoid")
     (folder / "config.json").write_text(json.dumps(hf_config(config.model.name, exported)))

@@ -64,7 +64,21 @@ class Parallelism(TitanParallelism):
 @dataclass
 class Training(TitanTraining):
     dataset: str = "stdlib"
-    """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF datasets."""
+    """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF
+    datasets (a local .jsonl file with dataset_format = "chat"); "chat_example": the embedded
+    example conversations (dataset_format = "chat")."""
+    dataset_format: Literal["text", "chat"] = "text"
+    """"text": documents (a "text" column) concatenated into one stream cut into seq_len windows;
+    "chat": conversations, one jsonl record `{"messages": [{"role", "content"}, ...]}` each, rendered
+    with the tokenizer folder's chat template, loss on the assistant turns only, whole
+    conversations packed into samples of seq_len tokens (docs/running.md)."""
+    document_masking: bool | None = None
+    """Attention within each document of a sample only, positions restarting at each, no loss on
+    the token that crosses a boundary. None = on for dataset_format = "chat", off for "text"."""
+    long_documents: Literal["truncate", "refuse"] = "truncate"
+    """dataset_format = "chat": a conversation longer than seq_len tokens is cut to seq_len
+    ("truncate", counted in the log and the run summary) or stops the run before training,
+    naming the record ("refuse")."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: "stop" the run at that step (exit 3, nothing
     saved from it), or "skip" the step (no optimizer step, counted in metrics.jsonl)."""
@@ -214,6 +228,27 @@ def check_ranges(config: JobConfig) -> None:
             raise ConfigError(f"{key} = {value!r}: must be {rule}")
 
 
+def documents_masked(training: Training) -> bool:
+    """training.document_masking as set, or its default for the dataset format."""
+    masking = training.document_masking
+    return training.dataset_format == "chat" if masking is None else masking
+
+
+def _check_document_masking(config: JobConfig) -> None:
+    if not documents_masked(config.training):
+        return
+    for key, value, off, why in (
+        ("parallelism.context_parallel_degree", config.parallelism.context_parallel_degree, 1, "cp"),
+        ("mtp.num_layers", config.mtp.num_layers, 0, "Multi-Token Prediction"),
+        ("moe.overlap_ep_comm", config.moe.overlap_ep_comm, False, "the overlapped micro-batch schedule"),
+    ):
+        if value != off:
+            raise ConfigError(
+                f"training.document_masking with {key} = {value}: {why} does not take packed documents yet; "
+                "set training.document_masking = false"
+            )
+
+
 def validate(config: JobConfig) -> None:
     """Ranges, refused torchtitan keys, moved keys and the rules between keys (common/rules.py):
     what holds for any model and world size; degrees against the world come later."""
@@ -222,6 +257,7 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(problem)
     if problem := move_keys(config) or broken_rule(config):
         raise ConfigError(problem)
+    _check_document_masking(config)
 
 
 # the keys only a dry run reads, and what a real run given one would not do

@@ -15,9 +15,14 @@ from torch.utils.data import Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.config import documents_masked
+from titan_fold.data.chat import chat_template, read_conversations, text_encoder, tokenize_conversation
 from titan_fold.data.dataset import DataError, HFTextCorpus, StdlibCorpus, TokenWindows
+from titan_fold.data.packing import PackedDocuments
 
-DATASETS = ("stdlib", "hf")
+DATASETS = ("stdlib", "hf", "chat_example")
+# the embedded example conversations (training.dataset = "chat_example")
+CHAT_EXAMPLE = os.path.join(os.path.dirname(__file__), "chat_example.jsonl")
 # local file suffix -> datasets' builder
 _FILE_BUILDERS = {
     ".txt": "text",
@@ -45,19 +50,21 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def collate(samples):
-    """[({"input": [s]}, [s])] * b -> ({"input": [b, s]}, [b, s])"""
-    return {"input": torch.stack([x["input"] for x, _ in samples])}, torch.stack([y for _, y in samples])
+    """[({"input": [s], ...}, [s])] * b -> ({"input": [b, s], ...}, [b, s])"""
+    return {k: torch.stack([x[k] for x, _ in samples]) for k in samples[0][0]}, torch.stack([y for _, y in samples])
 
 
 class FoldDataLoader(ParallelAwareDataloader):
-    """torchtitan's stateful dataloader over TokenWindows with the global-index sampler.
+    """torchtitan's stateful dataloader over TokenWindows (or PackedDocuments) with the global-index sampler.
 
     state_dict holds only layout-free keys (the global count of sequences consumed, seq_len,
     the corpus fingerprint): unlike torchtitan's per-dp-rank keys, every rank of any new
     layout finds them in a DCP checkpoint, so the dp degree and local batch may change.
     """
 
-    def __init__(self, dataset: TokenWindows, dp_rank: int, dp_world_size: int, local_batch_size: int, **kwargs):
+    def __init__(
+        self, dataset: TokenWindows | PackedDocuments, dp_rank: int, dp_world_size: int, local_batch_size: int, **kwargs
+    ):
         self._batches = GlobalBatchSampler(dp_rank, dp_world_size, local_batch_size)
         self.consumed_sequences = 0
         super().__init__(dataset, dp_rank, dp_world_size, batch_sampler=self._batches, collate_fn=collate, **kwargs)
@@ -74,7 +81,7 @@ class FoldDataLoader(ParallelAwareDataloader):
         return {
             "consumed_sequences": self.consumed_sequences,
             "seq_len": self.dataset.seq_len,
-            "dataset": self.dataset.corpus.fingerprint,
+            "dataset": self.dataset.fingerprint,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -89,9 +96,9 @@ class FoldDataLoader(ParallelAwareDataloader):
                 f"training.seq_len = {self.dataset.seq_len} but the checkpoint was taken with seq_len "
                 f"{state_dict['seq_len']}: sequence indices would point elsewhere in the stream"
             )
-        if state_dict["dataset"] != self.dataset.corpus.fingerprint:
+        if state_dict["dataset"] != self.dataset.fingerprint:
             logger.warning(
-                f"dataloader: checkpoint read {state_dict['dataset']}, now reading {self.dataset.corpus.fingerprint}"
+                f"dataloader: checkpoint read {state_dict['dataset']}, now reading {self.dataset.fingerprint}"
             )
         self.consumed_sequences = int(state_dict["consumed_sequences"])
 
@@ -157,16 +164,26 @@ def _check_dataset_settings(tr) -> bool:
     path that exists, is readable and is not empty; -> whether the path is local."""
     if tr.dataset not in DATASETS:
         raise DataError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
-    if tr.dataset == "stdlib":
+    embedded = {"stdlib": "text", "chat_example": "chat"}
+    if tr.dataset in embedded:
+        if tr.dataset_format != embedded[tr.dataset]:
+            raise DataError(
+                f"training.dataset = '{tr.dataset}' holds {embedded[tr.dataset]} data; set "
+                f"training.dataset_format = '{embedded[tr.dataset]}' (or training.dataset = 'hf' with a path)"
+            )
         if tr.dataset_path:
             raise DataError(
-                f"training.dataset_path = '{tr.dataset_path}' is set but training.dataset = 'stdlib' reads "
-                "the Python standard library; use training.dataset = 'hf' to read the path"
+                f"training.dataset_path = '{tr.dataset_path}' is set but training.dataset = '{tr.dataset}' reads "
+                "embedded data; use training.dataset = 'hf' to read the path"
             )
         return False
     path = tr.dataset_path
     if not path:
         raise DataError("training.dataset = 'hf' needs training.dataset_path (a local file, folder or HF hub name)")
+    if tr.dataset_format == "chat" and not (os.path.isfile(path) and path.lower().endswith(".jsonl")):
+        raise DataError(
+            f"training.dataset_format = 'chat': training.dataset_path = '{path}' must be a local .jsonl file"
+        )
     if os.path.isfile(path):
         suffix = os.path.splitext(path)[1].lower()
         if suffix not in _FILE_BUILDERS:
@@ -189,24 +206,60 @@ def _check_dataset_settings(tr) -> bool:
     return False
 
 
-def check_dataset(job_config) -> str | None:
-    """The dataset settings, and a local dataset opened with text in every record; -> a Hub
-    name, which build_dataset alone reads (a dry run's machine may not reach the Hub)."""
+def _chat_path(tr) -> str:
+    return CHAT_EXAMPLE if tr.dataset == "chat_example" else tr.dataset_path
+
+
+def check_dataset(job_config, tokenizer=None) -> str | None:
+    """The dataset settings, and a local dataset opened with text in every record (chat: every
+    record checked, and the tokenizer's chat template found); -> a Hub name, which
+    build_dataset alone reads (a dry run's machine may not reach the Hub)."""
     tr = job_config.training
-    if _check_dataset_settings(tr):
+    local = _check_dataset_settings(tr)
+    if tr.dataset_format == "chat":
+        read_conversations(_chat_path(tr))
+        if tokenizer is not None:
+            chat_template(tokenizer, job_config.model.hf_assets_path)
+        return None
+    if local:
         open_text_dataset(tr.dataset_path)
         return None
     return tr.dataset_path if tr.dataset == "hf" else None
 
 
-def build_dataset(tokenizer, job_config) -> TokenWindows:
+def build_chat_dataset(tokenizer, job_config) -> PackedDocuments:
+    """Every conversation rendered, tokenized and packed (packing.py) before training starts."""
+    tr = job_config.training
+    path = _chat_path(tr)
+    template, encode = chat_template(tokenizer, job_config.model.hf_assets_path), text_encoder(tokenizer)
+    documents = []
+    for i, messages in enumerate(read_conversations(path)):
+        try:
+            documents.append(tokenize_conversation(template, encode, messages))
+        except DataError as e:
+            raise DataError(f"training.dataset_path = '{path}': record {i}: {e}") from None
+    name = "chat_example" if tr.dataset == "chat_example" else f"training.dataset_path = '{path}'"
+    packed = PackedDocuments(documents, tr.seq_len, tr.long_documents, name, documents_masked(tr))
+    if not packed.trained_tokens:
+        raise DataError(f"{name}: no assistant token within the first training.seq_len = {tr.seq_len} of any record")
+    cut = f"; {packed.truncated} longer than seq_len {tr.seq_len} cut to it" if packed.truncated else ""
+    logger.info(
+        f"dataset {path}: {len(documents):,} conversations in {len(packed.packs):,} samples of {tr.seq_len} "
+        f"tokens, {packed.trained_tokens:,} trained (assistant) tokens per epoch{cut}"
+    )
+    return packed
+
+
+def build_dataset(tokenizer, job_config) -> TokenWindows | PackedDocuments:
     tr = job_config.training
     _check_dataset_settings(tr)
+    if tr.dataset_format == "chat":
+        return build_chat_dataset(tokenizer, job_config)
     if tr.dataset == "stdlib":
         corpus = StdlibCorpus(tokenizer)
     else:
         corpus = HFTextCorpus(open_text_dataset(tr.dataset_path), tokenizer, fingerprint=f"hf:{tr.dataset_path}")
-    windows = TokenWindows(corpus, tr.seq_len)
+    windows = TokenWindows(corpus, tr.seq_len, document_masking=documents_masked(tr))
     epoch = f"{windows.total_tokens:,} tokens per epoch" if windows.total_tokens else "epoch length found while reading"
     name = "stdlib (the Python standard library's sources)" if tr.dataset == "stdlib" else tr.dataset_path
     logger.info(f"dataset {name}: {len(corpus):,} documents, {epoch}")
@@ -214,7 +267,8 @@ def build_dataset(tokenizer, job_config) -> TokenWindows:
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FoldDataLoader:
-    """torchtitan TrainSpec.build_dataloader_fn: yields ({"input": [b, s]}, labels [b, s])."""
+    """torchtitan TrainSpec.build_dataloader_fn: yields ({"input": [b, s]}, labels [b, s]), with
+    document masking also "document_ids": [b, s]."""
     tr = job_config.training
     b = tr.local_batch_size
     if not 0 <= dp_rank < dp_world_size:

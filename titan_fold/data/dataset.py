@@ -6,6 +6,10 @@ Sequence g is the window of seq_len+1 tokens starting at g*(seq_len+1) (input = 
 labels = w[1:]). A sequence is one integer, whatever the parallel layout: the sampler in
 dataloader.py decides which integers a dp rank reads.
 
+With document masking (training.document_masking) an item also carries each token's document
+(document_ids: a number per piece of a document in the window) and no label on the token that
+crosses into the next document.
+
 Lengths are found lazily: the stream only tokenizes documents up to the furthest position
 asked for (a byte-level corpus knows its lengths from file sizes and reads nothing it skips).
 """
@@ -19,6 +23,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_fold.common.errors import UserError
 from titan_fold.data.tokenizer import ByteTokenizer
@@ -48,6 +53,14 @@ def stdlib_files(root: str) -> list[tuple[str, int]]:
                 if size > 0:
                     files.append((os.path.relpath(path, root).replace(os.sep, "/"), size))
     return sorted(files)
+
+
+def labels_within_documents(ids: torch.Tensor, trained: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """[s] labels: the next token where it is trained and in the same document, else IGNORE_INDEX."""
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    keep = trained[1:] & (document_ids[1:] == document_ids[:-1])
+    labels[:-1] = torch.where(keep, ids[1:], IGNORE_INDEX)
+    return labels
 
 
 class Corpus(ABC):
@@ -124,12 +137,14 @@ class HFTextCorpus(Corpus):
 class TokenWindows(Dataset):
     """Map-style dataset over all non-negative integers: item g is sequence g of the stream.
 
-    Returns ({"input": [seq_len]}, labels [seq_len]) int64.
+    Returns ({"input": [seq_len]}, labels [seq_len]) int64, with document_masking also
+    "document_ids": [seq_len].
     """
 
-    def __init__(self, corpus: Corpus, seq_len: int, cache_docs: int = 64):
+    def __init__(self, corpus: Corpus, seq_len: int, cache_docs: int = 64, document_masking: bool = False):
         self.corpus = corpus
         self.seq_len = seq_len
+        self.document_masking = document_masking
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cache_docs = cache_docs
         lengths = corpus.lengths()
@@ -170,8 +185,13 @@ class TokenWindows(Dataset):
         """L, the tokens of one epoch, once known (at start for byte-level stdlib)."""
         return self._total
 
-    def window(self, g: int) -> torch.Tensor:
-        """[seq_len + 1] int64: stream positions [g*(seq_len+1), (g+1)*(seq_len+1))."""
+    @property
+    def fingerprint(self) -> str:
+        return self.corpus.fingerprint
+
+    def window(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[seq_len + 1] int64: stream positions [g*(seq_len+1), (g+1)*(seq_len+1)), and the
+        index [seq_len + 1] of the document piece each comes from (0, 1, ... in the window)."""
         if g < 0:
             raise IndexError(f"sequence index {g} < 0")
         n = self.seq_len + 1
@@ -181,8 +201,12 @@ class TokenWindows(Dataset):
             part = self._doc(i)[off : off + n]
             parts.append(part)
             pos, n = pos + len(part), n - len(part)
-        return torch.from_numpy(np.concatenate(parts))
+        pieces = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([len(p) for p in parts]))
+        return torch.from_numpy(np.concatenate(parts)), pieces
 
     def __getitem__(self, g: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        w = self.window(g)
-        return {"input": w[:-1]}, w[1:]
+        w, pieces = self.window(g)
+        if not self.document_masking:
+            return {"input": w[:-1]}, w[1:]
+        labels = labels_within_documents(w, torch.ones_like(w, dtype=torch.bool), pieces)
+        return {"input": w[:-1], "document_ids": pieces[:-1]}, labels[:-1]

@@ -380,6 +380,10 @@ class FoldTrainer(TrainStep, Stateful):
         if saved and saved[0] == self.step:  # this run's last save (an HF export has no DCP metadata)
             checkpoint = self.checkpointer.describe_save(*saved)
         self.metrics_processor.summary(checkpoint)
+        if truncated := getattr(self.dataloader.dataset, "truncated", 0):
+            logger.info(
+                f"  data: {truncated} documents longer than training.seq_len were cut to it (training.long_documents)"
+            )
 
     def batch_generator(self, batches: Iterable) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """The dataloader's (input_dict, labels), left on the host, counted as they come: the

@@ -57,8 +57,10 @@ class TrainStep:
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
         inputs = input_dict["input"]
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        extra_inputs = {k: v for k, v in input_dict.items() if k not in ("input", "document_ids")}
         extra_kwargs = {}
+        if "document_ids" in input_dict:  # every pipeline stage masks attention by document
+            extra_kwargs["document_ids"] = input_dict["document_ids"]
         layout = self.parallel_dims
         future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
         if layout.cp > 1:

@@ -1,0 +1,203 @@
+"""Chat SFT data (training.dataset_format = "chat"): the rendering against transformers'
+apply_chat_template on a tokenizer folder built here, labels on the assistant turns only and
+within one document, packing, the masked tokens' zero gradient, and bad data refused in one
+line naming the file and the record."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torchtitan.protocols.train_spec import get_train_spec
+
+from titan_fold.common.config import parse_args
+from titan_fold.data.chat import chat_template, text_encoder, tokenize_conversation
+from titan_fold.data.dataloader import CHAT_EXAMPLE, build_dataset, check_dataset
+from titan_fold.data.dataset import DataError
+from titan_fold.data.tokenizer import ByteTokenizer, build_tokenizer
+from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.mtp import IGNORE_INDEX
+from titan_fold.trainer.train_spec import register_train_specs
+
+# a ChatML template with a default system turn, as Qwen's (written for this test)
+TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CONVERSATION = [
+    {"role": "user", "content": "What is 7 times 8?"},
+    {"role": "assistant", "content": "56."},
+    {"role": "user", "content": "And 56 minus 6?"},
+    {"role": "assistant", "content": "It is 50."},
+]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny BPE tokenizer.json trained on the example conversations, with the ChatML markers
+    as special tokens, and a tokenizer_config.json with TEMPLATE."""
+    folder = tmp_path_factory.mktemp("tok")
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    with open(CHAT_EXAMPLE) as f:
+        texts = [m["content"] for line in f for m in json.loads(line)["messages"]]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "bos_token": None,
+        "pad_token": "<|endoftext|>",
+        "chat_template": TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def job(tmp_path, *overrides, folder=""):
+    return parse_args(
+        [
+            "--job.config_file",
+            "debug_sft.toml",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--model.hf_assets_path",
+            str(folder),
+            *overrides,
+        ]
+    )
+
+
+def test_rendering_matches_transformers(hf_folder):
+    reference = transformers.AutoTokenizer.from_pretrained(str(hf_folder))
+    config = parse_args(["--job.config_file", "debug_sft.toml", "--model.hf_assets_path", str(hf_folder)])
+    tokenizer = build_tokenizer(config)
+    template = chat_template(tokenizer, str(hf_folder))
+    for messages in (CONVERSATION, [{"role": "system", "content": "Hi."}, *CONVERSATION[:2]]):
+        assert template.render(messages) == reference.apply_chat_template(messages, tokenize=False)
+        ids, trained = tokenize_conversation(template, text_encoder(tokenizer), messages)
+        want = reference.apply_chat_template(messages, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert ids.tolist() == list(want)
+        # trained: exactly each assistant turn's content and its end marker
+        spans, run = [], []
+        for i, t in zip(ids.tolist(), trained.tolist()):
+            if t:
+                run.append(i)
+            elif run:
+                spans.append(reference.decode(run))
+                run = []
+        spans += [reference.decode(run)] if run else []
+        assert spans == [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+
+
+def test_packed_labels_only_on_assistant_tokens_within_a_document(tmp_path):
+    ds = build_dataset(ByteTokenizer(), job(tmp_path))
+    with open(CHAT_EXAMPLE) as f:
+        conversations = [json.loads(line)["messages"] for line in f]
+    answers = [m["content"] + "<|im_end|>\n" for c in conversations for m in c if m["role"] == "assistant"]
+    got, samples = [], {len(pack) for pack in ds.packs}
+    assert max(samples) > 1, "packing put one conversation per sample"
+    for g in range(len(ds.packs)):
+        x, labels = ds[g]
+        ids, docs = x["input"], x["document_ids"]
+        # a label is the next token of the same document
+        keep = labels != IGNORE_INDEX
+        assert torch.equal(labels[keep], ids[1:][keep[:-1]]) and not keep[-1]
+        assert (docs[:-1][keep[:-1]] == docs[1:][keep[:-1]]).all()
+        run = []
+        for i, k in enumerate(keep.tolist()):
+            if k:
+                run.append(int(labels[i]))
+            elif run:
+                got.append(bytes(run).decode())
+                run = []
+    # the first token of each answer follows the header: trained too (the label of the header's last token)
+    assert got == answers
+    # epochs repeat: sample len(packs) is sample 0
+    assert torch.equal(ds[len(ds.packs)][1], ds[0][1])
+
+
+def test_masked_tokens_give_exactly_zero_gradient(tmp_path):
+    """Through the trainer's loss (its train spec's loss_fn), on a packed sample of the data."""
+    config = job(tmp_path)
+    ds = build_dataset(ByteTokenizer(), config)
+    register_train_specs()
+    loss_fn = get_train_spec("qwen3_moe").build_loss_fn(config)
+    x, labels = ds[0]
+    args = FLAVORS["qwen3_moe"]["debug"]
+    args = dataclasses.replace(args, n_layers=1, moe=dataclasses.replace(args.moe, load_balance="none"))
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    # targets at masked positions changed to random tokens: the gradients stay bit-identical
+    masked = labels == IGNORE_INDEX
+    assert masked.any() and not masked.all()
+    grads = []
+    for loss in ("trainer", "reference"):
+        model.zero_grad()
+        logits = model(x["input"][None], document_ids=x["document_ids"][None])
+        logits.retain_grad()
+        if loss == "trainer":
+            loss_fn(logits, labels[None]).backward()
+            # the masked tokens' logits get exactly nothing, every trained token's get something
+            assert logits.grad[0][masked].abs().max() == 0
+            assert logits.grad[0][~masked].abs().amax(-1).min() > 0
+        else:  # the trained tokens' logits alone: the masked ones never enter the loss
+            F.cross_entropy(logits[0][~masked], labels[~masked], reduction="sum").backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def write(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"text": "x"}, r"record 1 \(line 2\): no 'messages' \(found \['text'\]\)"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},
+            r"record 1 \(line 2\): message 0 has unknown role 'robot'",
+        ),
+        ("{not json", r"record 1 \(line 2\): not JSON"),
+        ({"messages": [{"role": "user", "content": "x"}]}, r"record 1 \(line 2\): no assistant message"),
+    ],
+)
+def test_bad_records_refused_naming_file_and_record(tmp_path, bad, message):
+    path = write(tmp_path / "chat.jsonl", [GOOD, bad])
+    config = job(tmp_path, "--training.dataset", "hf", "--training.dataset_path", str(path))
+    with pytest.raises(DataError, match=f"^training.dataset_path = '{path}': {message}"):
+        check_dataset(config)
+
+
+def test_template_missing_refused(tmp_path, hf_folder):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text((hf_folder / "tokenizer.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    config = job(tmp_path, folder=folder)
+    with pytest.raises(DataError, match=f"model.hf_assets_path = '{folder}' has no chat template"):
+        check_dataset(config, build_tokenizer(config))
+
+
+def test_long_documents_truncated_or_refused(tmp_path):
+    long = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 300}]}
+    path = write(tmp_path / "chat.jsonl", [GOOD, long, GOOD])
+    args = ["--training.dataset", "hf", "--training.dataset_path", str(path), "--training.seq_len", "96"]
+    ds = build_dataset(ByteTokenizer(), job(tmp_path, *args))
+    assert ds.truncated == 1 and len(ds.documents[1][0]) == 96
+    with pytest.raises(DataError, match=rf"'{path}': record 1 is \d+ tokens, longer than training.seq_len = 96"):
+        build_dataset(ByteTokenizer(), job(tmp_path, *args, "--training.long_documents", "refuse"))
