@@ -28,6 +28,7 @@ WORLD = {
     "debug_moe.toml": 2,
     "debug_qwen3_moe.toml": 2,
     "debug_sft.toml": 2,
+    "sft_qwen3_30b_a3b.toml": 8,
     "qwen3_30b_a3b.toml": 8,
     "qwen2.toml": 64,
     "mixtral_8x22b.toml": 128,

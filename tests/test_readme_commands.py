@@ -45,7 +45,7 @@ NOT_RUN = [
     (r"^python -m pytest", "the test suite itself (.ci/run)"),
     (r"--nnodes ([2-9]|\d\d)", "several nodes"),
     (
-        r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
+        r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|sft_qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
         "a full-size model: GPUs",
     ),
     (r"^python (bench/|-m bench (?!--help))", "GPU benchmark runs"),
@@ -53,7 +53,10 @@ NOT_RUN = [
         r"^python -m bench\.report --write",
         "rewrites docs/benchmarks.md (tests/test_bench.py checks that it holds the report)",
     ),
-    (r"outputs/(qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))/", "needs the GPU run above"),
+    (
+        r"outputs/(qwen3_30b_a3b|sft_qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))/",
+        "needs the GPU run above",
+    ),
     (
         r"pipeline_parallel_degree 2 .*selective_ac_option op",
         "this layout trains in tests/test_pipeline.py (pp2_edp2_1F1B_op_sac, against the one-rank run)",
