@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import torchrun, train_from_seed
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -201,3 +202,35 @@ def test_long_documents_truncated_or_refused(tmp_path):
     assert ds.truncated == 1 and len(ds.documents[1][0]) == 96
     with pytest.raises(DataError, match=rf"'{path}': record 1 is \d+ tokens, longer than training.seq_len = 96"):
         build_dataset(ByteTokenizer(), job(tmp_path, *args, "--training.long_documents", "refuse"))
+
+
+def test_loss_is_a_mean_over_every_trained_token_of_the_step(tmp_path):
+    """One step of debug_sft on 1 rank (one micro-batch of 8 samples) and on 2 ranks (2 micro-
+    batches of 2 each): the samples hold different numbers of assistant tokens, so a mean per
+    micro-batch or per rank would give another loss; the trainer's sum over the global token
+    count gives the same one."""
+    ds = build_dataset(ByteTokenizer(), job(tmp_path))
+    counts = [int((ds[g][1] != IGNORE_INDEX).sum()) for g in range(8)]
+    assert len({sum(counts[i : i + 2]) for i in range(0, 8, 2)}) > 1, counts
+    # the same initial weights in both layouts: a seed checkpoint (FSDP's init draws other numbers)
+    torchrun(
+        1,
+        "--job.dump_folder",
+        str(tmp_path / "seed"),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        config="debug_sft.toml",
+    )
+    losses = []
+    for ranks, local in ((1, 8), (2, 2)):
+        metrics = train_from_seed(
+            tmp_path / f"r{ranks}",
+            ranks,
+            str(tmp_path / "seed" / "checkpoint" / "step-0"),
+            1,
+            "--training.local_batch_size",
+            str(local),
+            config="debug_sft.toml",
+        )
+        losses.append(metrics[0]["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=0), losses
