@@ -99,9 +99,8 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
     ) -> torch.Tensor:
-        h = x + self.attention(
-            self.attention_norm(x), cos, sin, mask=mask
-        )  # a keyword: the tp plan lays out the positional inputs
+        # mask as a keyword: the tp plan lays out the positional inputs only
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
