@@ -14,7 +14,7 @@ from conftest import torchrun, train_from_seed
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtitan.protocols.train_spec import get_train_spec
 
-from titan_fold.common.config import parse_args
+from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.data.chat import chat_template, text_encoder, tokenize_conversation
 from titan_fold.data.dataloader import CHAT_EXAMPLE, build_dataset, check_dataset
 from titan_fold.data.dataset import DataError
@@ -234,3 +234,18 @@ def test_loss_is_a_mean_over_every_trained_token_of_the_step(tmp_path):
         )
         losses.append(metrics[0]["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=0), losses
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("--parallelism.context_parallel_degree", "2"),
+        ("--mtp.num_layers", "1"),
+        ("--moe.overlap_ep_comm", None),
+    ],
+)
+def test_what_packed_documents_do_not_take_is_refused(tmp_path, key, value):
+    with pytest.raises(
+        ConfigError, match=f"training.document_masking with {key[2:]} = .*set training.document_masking = false"
+    ):
+        job(tmp_path, key, *([value] if value else []))
