@@ -48,7 +48,12 @@ def hf_folder(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     with open(CHAT_EXAMPLE) as f:
         texts = [m["content"] for line in f for m in json.loads(line)["messages"]]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False))
+    # every byte in the alphabet: decoding is lossless
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer)
     tok.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -75,18 +80,39 @@ def job(tmp_path, *overrides, folder=""):
     )
 
 
-def test_rendering_matches_transformers(hf_folder):
-    reference = transformers.AutoTokenizer.from_pretrained(str(hf_folder))
-    config = parse_args(["--job.config_file", "debug_sft.toml", "--model.hf_assets_path", str(hf_folder)])
+# as TEMPLATE, but the assistant turns after the last user turn open with an empty thinking
+# block (Qwen3's rule): a conversation's beginning renders otherwise once later turns follow
+THINK_TEMPLATE = (
+    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['role'] == 'assistant' and loop.index0 > ns.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["chatml", "think"])
+def test_rendering_matches_transformers(hf_folder, tmp_path, template):
+    folder = hf_folder
+    if template == "think":
+        folder = tmp_path / "think"
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text((hf_folder / "tokenizer.json").read_text())
+        config = json.loads((hf_folder / "tokenizer_config.json").read_text()) | {"chat_template": THINK_TEMPLATE}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder))
+    config = parse_args(["--job.config_file", "debug_sft.toml", "--model.hf_assets_path", str(folder)])
     tokenizer = build_tokenizer(config)
-    template = chat_template(tokenizer, str(hf_folder))
+    template = chat_template(tokenizer, str(folder))
     for messages in (CONVERSATION, [{"role": "system", "content": "Hi."}, *CONVERSATION[:2]]):
-        assert template.render(messages) == reference.apply_chat_template(messages, tokenize=False)
+        text = reference.apply_chat_template(messages, tokenize=False)
+        assert template.render(messages) == text
         ids, trained = tokenize_conversation(template, text_encoder(tokenizer), messages)
         want = reference.apply_chat_template(messages, tokenize=True)
         want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
         assert ids.tolist() == list(want)
-        # trained: exactly each assistant turn's content and its end marker
+        # trained: exactly each assistant turn's text after its header, through its end marker
         spans, run = [], []
         for i, t in zip(ids.tolist(), trained.tolist()):
             if t:
@@ -95,7 +121,10 @@ def test_rendering_matches_transformers(hf_folder):
                 spans.append(reference.decode(run))
                 run = []
         spans += [reference.decode(run)] if run else []
-        assert spans == [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+        answers = [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+        if "<think>" in text:  # the last answer's thinking block is the model's to write
+            answers[-1] = "<think>\n\n</think>\n\n" + answers[-1]
+        assert spans == answers
 
 
 def test_packed_labels_only_on_assistant_tokens_within_a_document(tmp_path):

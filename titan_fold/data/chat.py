@@ -9,7 +9,9 @@ eos_token). The byte-level tokenizer has no folder: it renders BYTE_TEMPLATE (Ch
 
 The loss mask comes from rendering prefixes: the text up to each assistant turn with the
 generation prompt, then with that turn. What the turn adds (its content and end-of-turn
-marker) is trained on; the rest (system, user turns, role headers) is not. Each piece is
+marker) is trained on; the rest (system, user turns, role headers) is not. A template that
+renders the last turn otherwise (Qwen3's empty thinking block) is followed in the full text
+through the turn's content and the end marker after it. Each piece is
 tokenized on its own, without added special tokens, as apply_chat_template tokenizes the text.
 """
 
@@ -94,27 +96,41 @@ def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     return lambda text: tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def _assistant_end(full: str, prefix: str, alone: str, content: str) -> int | None:
+    """Where an assistant turn ends in the full rendering `full`, which holds `prefix` (the text
+    before the turn) first: where `alone` (the conversation rendered up to this turn) ends when
+    full holds it, else after the turn's content and the end marker `alone` writes after it
+    (templates that render the last turn otherwise, as Qwen3's empty thinking block)."""
+    if full.startswith(alone):
+        return len(alone)
+    at, end = alone.rfind(content), full.find(content, len(prefix))
+    if at < len(prefix) or end < 0:
+        return None
+    marker = alone[at + len(content) :]
+    end += len(content)
+    return end + len(marker) if full.startswith(marker, end) else None
+
+
 def render_pieces(template: ChatTemplate, messages: list[dict]) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, trained) pieces: trained = an assistant turn's own text."""
-    pieces, done = [], ""
-
-    def extend(text: str, trained: bool) -> None:
-        nonlocal done
-        if not text.startswith(done):
-            raise DataError(
-                "the chat template renders a conversation's beginning differently once later turns "
-                "follow: the assistant turns cannot be found for the loss mask"
-            )
-        if len(text) > len(done):
-            pieces.append((text[len(done) :], trained))
-        done = text
-
+    full = template.render(messages)
+    pieces, done = [], 0
     for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            extend(template.render(messages[:i], add_generation_prompt=True), False)
-            extend(template.render(messages[: i + 1]), True)
-    extend(template.render(messages), False)
-    return pieces
+        if message["role"] != "assistant":
+            continue
+        prefix = template.render(messages[:i], add_generation_prompt=True)
+        end = None
+        if full.startswith(prefix) and len(prefix) >= done:
+            end = _assistant_end(full, prefix, template.render(messages[: i + 1]), message["content"])
+        if end is None:
+            raise DataError(
+                f"the chat template renders the text before message {i} (assistant) otherwise once later "
+                "turns follow: its tokens cannot be found for the loss mask"
+            )
+        pieces += [(full[done : len(prefix)], False), (full[len(prefix) : end], True)]
+        done = end
+    pieces.append((full[done:], False))
+    return [(text, trained) for text, trained in pieces if text]
 
 
 def tokenize_conversation(template: ChatTemplate, encode, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
