@@ -279,7 +279,7 @@ SUITES = {
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone (torch's and QuACK's, rows per expert drawn and equal), the gradient norm, the fp32 master step, row movement, "
         "the router's choice of k (aten's topk, a sort's head, argmax passes) and the grouping's sort, "
-        "attention per SDPA backend, the host time per call of the eager path's generated kernels",
+        "attention per SDPA backend, packed documents' attention against causal, the host time per call of the eager path's generated kernels",
         # QuACK compiles and tunes its kernels for every width: the coarse shapes' take minutes on a fresh machine
         [
             Step("grouped_gemm", "grouped_gemm", ["--shapes", f"{FINE},{COARSE}", "--impl", "torch,quack"], 900),
@@ -289,6 +289,7 @@ SUITES = {
             # three shapes, each eager, compiled and with the token count dynamic: about 30 compilations
             Step("routing", "routing", [], 360),
             Step("attention", "attention", [], 120),
+            Step("documents", "documents", [], 300),
             Step("launch", "launch", [], 120),
         ],
     ),

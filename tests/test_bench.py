@@ -1600,3 +1600,12 @@ def test_curves_smooth_and_plot(tmp_path):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):
         curves.main([str(path), "--out", str(tmp_path / "d.png"), "--smooth", "0"])
+
+
+def test_documents_smoke(tmp_path):
+    from bench import documents
+
+    rows = documents.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
+    assert [(r["family"], r["seq_len"]) for r in rows] == [("qwen3_moe", 128), ("deepseek_v3", 128)]
+    for r in rows:
+        assert r["documents"] > 1 and r["max_rel_err_vs_each_document"] < 1e-5, r

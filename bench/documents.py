@@ -1,0 +1,95 @@
+"""Per-document attention of packed samples (training.document_masking) against the causal
+attention of one stream, forward + backward at the trainer proxies' shapes.
+
+    python bench/documents.py                 # GPU, bf16, 8K / 32K / 64K tokens per sample
+    python bench/documents.py --smoke         # CPU, the debug flavors (for tests)
+
+Each sample packs documents of lengths drawn log-uniformly between 64 tokens and the whole
+sample (a few long, many short). "causal" is the models' call without documents (SDPA,
+is_causal); "documents" is theirs with document_ids (models/documents.py: FlexAttention with a
+block mask on CUDA, the block mask's build included in the time; an explicit mask elsewhere).
+The masked output is checked against each document's causal attention alone (max error over
+the reference's largest value), so a fast wrong kernel shows. Times are medians of CUDA-event
+pairs; "ratio" is documents' time over causal's.
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.attention import PROXIES, SMOKE, attention_shape  # noqa: E402
+from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
+from titan_fold.models.documents import document_mask, masked_attention  # noqa: E402
+
+
+def document_ids(seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """[seq_len] int64: documents of log-uniform lengths in [64, seq_len], the last cut to fit."""
+    lengths, total = [], 0
+    low, high = torch.log(torch.tensor(64.0)), torch.log(torch.tensor(float(seq_len)))
+    while total < seq_len:
+        n = int(torch.exp(low + (high - low) * torch.rand((), generator=generator)))
+        lengths.append(min(n, seq_len - total))
+        total += lengths[-1]
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def main(argv=None) -> dict:
+    p = script_parser(__doc__, "documents", 3, 20, "CPU, the debug flavors in float32, 128 tokens (for tests)")
+    p.add_argument("--seq-lens", default="8192,32768,65536")
+    a = p.parse_args(argv)
+    proxies, dtype, seq_lens = PROXIES, torch.bfloat16, [int(s) for s in a.seq_lens.split(",")]
+    if a.smoke:
+        a.device, a.warmup, a.iters, proxies, dtype, seq_lens = "cpu", 1, 2, SMOKE, torch.float32, [128]
+    device = torch.device(a.device)
+    rows = []
+    for family, proxy, _ in proxies:
+        shape = attention_shape(family, proxy)
+        h, hk, dqk, dv = shape["heads"], shape["kv_heads"], shape["qk_dim"], shape["v_dim"]
+        for s in seq_lens:
+            gen = torch.Generator().manual_seed(0)
+            ids = document_ids(s, gen).to(device)[None]  # [1, s]
+            q, k, v, grad = (
+                torch.randn(1, n, s, d, generator=gen).to(device, dtype)
+                for n, d in ((h, dqk), (hk, dqk), (hk, dv), (h, dv))
+            )
+
+            def call(masked: bool):
+                x = [t.detach().requires_grad_() for t in (q, k, v)]
+                if masked:
+                    out = masked_attention(*x, document_mask(ids))
+                else:
+                    out = F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=h != hk)
+                out.backward(grad)
+                return out.detach()
+
+            got = call(True).float()
+            starts = torch.nonzero(torch.diff(ids[0], prepend=ids[0, :1] - 1)).flatten().tolist() + [s]
+            errors = []
+            for lo, hi in zip(starts[:-1], starts[1:]):
+                ref = F.scaled_dot_product_attention(
+                    *(t[:, :, lo:hi].float() for t in (q, k, v)), is_causal=True, enable_gqa=h != hk
+                )
+                errors.append(float((got[:, :, lo:hi] - ref).abs().max() / ref.abs().max()))
+            row = {"family": family, "proxy": proxy, "seq_len": s, "documents": len(starts) - 1, **shape}
+            row["max_rel_err_vs_each_document"] = max(errors)
+            for way, masked in (("causal", False), ("documents", True)):
+                row[f"{way}_ms"] = median(time_ms(lambda masked=masked: call(masked), a.warmup, a.iters, device))
+            row["ratio"] = row["documents_ms"] / row["causal_ms"]
+            rows.append(row)
+            print(
+                f"[documents] {family} {proxy} s={s} ({row['documents']} documents): causal {row['causal_ms']:.3f} ms, "
+                f"documents {row['documents_ms']:.3f} ms (x{row['ratio']:.2f}), "
+                f"max rel err {row['max_rel_err_vs_each_document']:.1e}",
+                flush=True,
+            )
+    figures = {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
+    write_result(a.name, figures, a.out_dir)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
