@@ -233,15 +233,17 @@ def test_long_documents_truncated_or_refused(tmp_path):
         build_dataset(ByteTokenizer(), job(tmp_path, *args, "--training.long_documents", "refuse"))
 
 
-def test_loss_is_a_mean_over_every_trained_token_of_the_step(tmp_path):
-    """One step of debug_sft on 1 rank (one micro-batch of 8 samples) and on 2 ranks (2 micro-
-    batches of 2 each): the samples hold different numbers of assistant tokens, so a mean per
-    micro-batch or per rank would give another loss; the trainer's sum over the global token
-    count gives the same one."""
+def test_step_loss_is_a_token_mean_and_matches_one_rank(tmp_path):
+    """One step of debug_sft from one seed checkpoint on 1 rank (one micro-batch of 8 samples),
+    on dp 2 (2 micro-batches of 2 each) and on pp 2 (1F1B). The samples hold different numbers
+    of assistant tokens, so a mean per micro-batch or per rank would give another loss than the
+    trainer's sum over the global token count. Under pp the last stage masks attention by
+    document too: the loss and gradient norm without document masking are farther off than the
+    tolerance."""
     ds = build_dataset(ByteTokenizer(), job(tmp_path))
     counts = [int((ds[g][1] != IGNORE_INDEX).sum()) for g in range(8)]
     assert len({sum(counts[i : i + 2]) for i in range(0, 8, 2)}) > 1, counts
-    # the same initial weights in both layouts: a seed checkpoint (FSDP's init draws other numbers)
+    # the same initial weights in every layout: a seed checkpoint (FSDP's init draws other numbers)
     torchrun(
         1,
         "--job.dump_folder",
@@ -250,19 +252,24 @@ def test_loss_is_a_mean_over_every_trained_token_of_the_step(tmp_path):
         "--checkpoint.create_seed_checkpoint",
         config="debug_sft.toml",
     )
-    losses = []
-    for ranks, local in ((1, 8), (2, 2)):
-        metrics = train_from_seed(
-            tmp_path / f"r{ranks}",
-            ranks,
-            str(tmp_path / "seed" / "checkpoint" / "step-0"),
-            1,
-            "--training.local_batch_size",
-            str(local),
-            config="debug_sft.toml",
-        )
-        losses.append(metrics[0]["loss"])
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=0), losses
+    # no aux or z loss: they are means over each micro-batch, which pp splits further
+    plain = ["--moe.load_balance", "none", "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0"]
+    pp2 = [*plain, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]
+    pp2 += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+    runs = {
+        "one": (1, [*plain, "--training.local_batch_size", "8"]),
+        "dp2": (2, [*plain, "--training.local_batch_size", "2"]),
+        "pp2": (2, pp2),
+        "pp2_unmasked": (2, [*pp2, "--training.document_masking", "False"]),
+    }
+    got = {}
+    for name, (ranks, args) in runs.items():
+        seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
+        metrics = train_from_seed(tmp_path / name, ranks, seed, 1, *args, config="debug_sft.toml")
+        got[name] = metrics[0]["loss"], metrics[0]["grad_norm"]
+    for name in ("dp2", "pp2"):
+        assert got[name] == pytest.approx(got["one"], rel=2e-6, abs=0), got
+    assert got["pp2_unmasked"] != pytest.approx(got["one"], rel=2e-5, abs=0), got
 
 
 @pytest.mark.parametrize(
