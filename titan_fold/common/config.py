@@ -228,27 +228,6 @@ def check_ranges(config: JobConfig) -> None:
             raise ConfigError(f"{key} = {value!r}: must be {rule}")
 
 
-def documents_masked(training: Training) -> bool:
-    """training.document_masking as set, or its default for the dataset format."""
-    masking = training.document_masking
-    return training.dataset_format == "chat" if masking is None else masking
-
-
-def _check_document_masking(config: JobConfig) -> None:
-    if not documents_masked(config.training):
-        return
-    for key, value, off, why in (
-        ("parallelism.context_parallel_degree", config.parallelism.context_parallel_degree, 1, "cp"),
-        ("mtp.num_layers", config.mtp.num_layers, 0, "Multi-Token Prediction"),
-        ("moe.overlap_ep_comm", config.moe.overlap_ep_comm, False, "the overlapped micro-batch schedule"),
-    ):
-        if value != off:
-            raise ConfigError(
-                f"training.document_masking with {key} = {value}: {why} does not take packed documents yet; "
-                "set training.document_masking = false"
-            )
-
-
 def validate(config: JobConfig) -> None:
     """Ranges, refused torchtitan keys, moved keys and the rules between keys (common/rules.py):
     what holds for any model and world size; degrees against the world come later."""
@@ -257,7 +236,6 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(problem)
     if problem := move_keys(config) or broken_rule(config):
         raise ConfigError(problem)
-    _check_document_masking(config)
 
 
 # the keys only a dry run reads, and what a real run given one would not do

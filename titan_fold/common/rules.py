@@ -31,6 +31,17 @@ def _device(c) -> bool:
     return c.moe.exchange == "device"
 
 
+def documents_masked(training) -> bool:
+    """training.document_masking as set, or its default for the dataset format (on for chat)."""
+    masking = training.document_masking
+    return training.dataset_format == "chat" if masking is None else masking
+
+
+def _value(c, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(c, section), name)
+
+
 def _over_ranks(c) -> bool:
     return c.parallelism.expert_parallel_degree * c.parallelism.expert_tensor_parallel_degree > 1
 
@@ -171,6 +182,18 @@ RULES = (
     Rule(
         lambda c: c.optimizer.master_weights and c.optimizer.early_step_in_backward,
         "optimizer.master_weights = true with optimizer.early_step_in_backward: choose one",
+    ),
+    *(
+        Rule(
+            lambda c, key=key, off=off: documents_masked(c.training) and _value(c, key) != off,
+            f"training.document_masking with {key} = {{{key}}}: {why} does not take packed documents yet; "
+            "set training.document_masking = false",
+        )
+        for key, off, why in (
+            ("parallelism.context_parallel_degree", 1, "cp"),
+            ("mtp.num_layers", 0, "Multi-Token Prediction"),
+            ("moe.overlap_ep_comm", False, "the overlapped micro-batch schedule"),
+        )
     ),
     *_hides_all_to_all("delay_wgrad_compute"),
     *_hides_all_to_all("overlap_ep_comm"),

@@ -15,7 +15,7 @@ from torch.utils.data import Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from titan_fold.common.config import documents_masked
+from titan_fold.common.rules import documents_masked
 from titan_fold.data.chat import chat_template, read_conversations, text_encoder, tokenize_conversation
 from titan_fold.data.dataset import DataError, HFTextCorpus, StdlibCorpus, TokenWindows
 from titan_fold.data.packing import PackedDocuments
