@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
         )
         gqa = h != hk
 
-        def call(backends):
+        def call(backends, q=q, k=k, v=v, grad=grad, gqa=gqa):  # this shape's inputs
             x = [t.detach().requires_grad_() for t in (q, k, v)]
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=gqa)
@@ -93,9 +93,9 @@ def main(argv=None) -> dict:
                 print(f"[attention] {family} {proxy} {way}: {rows[-1]['error']}", flush=True)
                 continue
             row["max_rel_err_vs_fp32_math"] = max(
-                float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)
+                float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref, strict=True)
             )
-            row["ms"] = median(time_ms(lambda: call(backends), a.warmup, a.iters, device))
+            row["ms"] = median(time_ms(lambda backends=backends: call(backends), a.warmup, a.iters, device))
             row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
             rows.append(row)
             print(

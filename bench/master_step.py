@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
 
     def master_step():
         coefs = adam_coefficients([t[-1] for t in tensors], scalars, 0.9, 0.95, 0.1)
-        for (weight, grad, master, exp_avg, exp_avg_sq, _), coef in zip(tensors, coefs):
+        for (weight, grad, master, exp_avg, exp_avg_sq, _), coef in zip(tensors, coefs, strict=True):
             adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, 0.9, 0.95, 1e-8, 0.1, True)
 
     rows = [_row("master_step", median(time_ms(master_step, a.warmup, a.iters, device)), BYTES_PER_PARAMETER * numel)]
@@ -111,7 +111,7 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
 
     def one_pass_step():
         coefs = adam_coefficients([t[-1] for t in ours], scalars, *betas, weight_decay)
-        for (weight, grad, exp_avg, exp_avg_sq, _), coef in zip(ours, coefs):
+        for (weight, grad, exp_avg, exp_avg_sq, _), coef in zip(ours, coefs, strict=True):
             adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef, *betas, eps, weight_decay, True)
 
     torch_adamw = torch.optim.AdamW(theirs, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
@@ -119,12 +119,12 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
     one_pass_step()
     torch_adamw.step()
     max_ulps, off, total = 0.0, 0, 0
-    for (weight, _, exp_avg, exp_avg_sq, _), p in zip(ours, theirs):
+    for (weight, _, exp_avg, exp_avg_sq, _), p in zip(ours, theirs, strict=True):
         state = torch_adamw.state[p]
         # a weight's ulp at |weight| + lr: a weight the step brings near 0 is the difference of two
         # terms of about lr, whose fp32 roundings (op order, x / 2 against x * 0.5) show there
         for x, ref, size in ((weight, p, lr), (exp_avg, state["exp_avg"], 0.0), (exp_avg_sq, state["exp_avg_sq"], 0.0)):
-            for xs, rs in zip(x.split(1 << 26), ref.split(1 << 26)):  # float32 copies of a chunk at a time
+            for xs, rs in zip(x.split(1 << 26), ref.split(1 << 26), strict=True):  # float32 copies of a chunk at a time
                 rs = rs.float()
                 ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(
                     torch.floor(torch.log2((rs.abs() + size).clamp(min=torch.finfo(torch.bfloat16).tiny)))

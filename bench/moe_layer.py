@@ -357,7 +357,7 @@ def bench_config(
             torch._dynamo.reset()
             fn = torch.compile(layer) if compiled == "compiled" or compiled is True else layer
 
-            def step():
+            def step(fn=fn):
                 x.grad = None
                 layer.zero_grad(set_to_none=True)
                 fn(x).backward(grad)

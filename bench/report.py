@@ -511,7 +511,7 @@ def loss_curve_table(rec: dict) -> list[str]:
             continue
         ref = rows[0]["losses"]
         for r in rows:
-            step = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)), default=None)
+            step = max((abs(a - b) / abs(b) for a, b in zip(r["losses"], ref, strict=True)), default=None)
             curve, level = _curve_differences(r["losses"], ref)
             out.append(
                 f"| {name} | {r['case']} | {len(r['losses'])} | {_f(r['loss_first'], 3)} -> {_f(r['loss_last'], 3)} | "
@@ -571,7 +571,7 @@ def _path_pairs(name: str, rows: list[dict]) -> list[str]:
 
 
 def _mean_curve(runs: list[list[float]]) -> list[float]:
-    return [sum(step) / len(runs) for step in zip(*runs)]
+    return [sum(step) / len(runs) for step in zip(*runs, strict=True)]
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float | None]:

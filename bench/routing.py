@@ -123,7 +123,7 @@ def bench_shape(name, device, compiled, warmup, iters) -> dict:
         sort = wrap(lambda t: torch.sort(t, stable=True).indices)
         assert torch.equal(sort(narrow), order), f"the sort of {dtype} keys gave another order"
         row[f"grouping_sort_{str(dtype).removeprefix('torch.')}_us"] = _timed_us(
-            lambda: sort(narrow), device, warmup, iters
+            lambda sort=sort, narrow=narrow: sort(narrow), device, warmup, iters
         )
     grouped = wrap(lambda t: group_by(t, E + 1))
     row["group_by_us"] = _timed_us(lambda: grouped(key), device, warmup, iters)
@@ -151,7 +151,7 @@ def bench_route(name, device, warmup, iters) -> dict:
         chosen[way] = forward()[1]
         if device.type == "cuda":
             (probs, _), row[f"route_{way}_forward_kernels"] = _kernels(forward, device)
-            _, row[f"route_{way}_backward_kernels"] = _kernels(lambda: probs.backward(upstream), device)
+            _, row[f"route_{way}_backward_kernels"] = _kernels(lambda probs=probs: probs.backward(upstream), device)
         # not captured: in eager mode the router runs so, its host time included
         row[f"route_{way}_us"] = 1e3 * median(time_ms(lambda: forward()[0].backward(upstream), warmup, iters, device))
     assert all(torch.equal(c, chosen["compiled"]) for c in chosen.values()), "the router's ways chose other experts"

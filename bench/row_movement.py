@@ -101,7 +101,7 @@ def bench_shape(name, device, dtype, warmup, iters) -> dict:
         else:  # same sums in another order: bf16 rounding apart
             torch.testing.assert_close(y.detach().float(), ref[0], atol=0.1, rtol=0.02)
             torch.testing.assert_close(gx.float(), ref[1], atol=0.1, rtol=0.02)
-        results[f"{way}_ms"] = median(time_ms(lambda: fwd_bwd(x, gy), warmup, iters, device))
+        results[f"{way}_ms"] = median(time_ms(lambda fwd_bwd=fwd_bwd: fwd_bwd(x, gy), warmup, iters, device))
     base = results["indexing_ms"]
     for way in ("embedding_bag", "gather_sum", "dispatcher"):
         results[f"{way}_speedup"] = base / results[f"{way}_ms"]

@@ -181,7 +181,7 @@ def generate(text: str, workers: int) -> str:
     spans = blocks(lines)
     todo = [c for first, end in spans for c in commands(lines[first:end])]
     with ThreadPoolExecutor(workers) as pool:
-        results = dict(zip(todo, pool.map(run, todo)))
+        results = dict(zip(todo, pool.map(run, todo), strict=True))
     for first, end in reversed(spans):
         quoted = "\n\n".join(results[c] for c in commands(lines[first:end]))
         lines[first:end] = quoted.split("\n")

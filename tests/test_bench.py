@@ -1357,6 +1357,7 @@ def test_grouped_gemm_report_table(tmp_path):
         for (m, op), t in zip(
             [(m, op) for m in ("up", "down") for op in ("fwd", "dgrad", "wgrad")],
             (447.2, 352.1, 397.6, 440.3, 475.3, 448.3),
+            strict=True,
         )
     }
     row = {

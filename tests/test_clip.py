@@ -34,10 +34,10 @@ def test_fused_optimizer_clips_like_the_multiply(scale):
     norm = clip_grad_norm_(list(ours.parameters()), max_norm, optimizers=[opt])
     torch.testing.assert_close(norm, ref_norm)
     # the gradients are left alone; the optimizer divides by grad_scale as it reads them
-    assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads_before))
+    assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads_before, strict=True))
     assert opt.grad_scale.item() == pytest.approx(max(1.0, (ref_norm.item() + 1e-6) / max_norm), rel=1e-6)
     opt.step()
-    for p, r in zip(ours.parameters(), reference.parameters()):
+    for p, r in zip(ours.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
@@ -48,7 +48,7 @@ def test_other_optimizers_get_clipped_gradients():
     opt = torch.optim.AdamW(ours.parameters(), lr=0.1, foreach=True)  # no grad_scale support
     clip_grad_norm_(list(ours.parameters()), max_norm, optimizers=[opt])
     assert not hasattr(opt, "grad_scale")
-    for p, r in zip(ours.parameters(), reference.parameters()):
+    for p, r in zip(ours.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad)
 
 

@@ -353,7 +353,7 @@ def test_group_limited_routing_against_a_loop():
         chosen = sorted(allowed, key=lambda e: -biased[e].item())[:3]
         assert sorted(routing.experts[t].tolist()) == sorted(chosen)
         want = {e: scores[t, e].item() / sum(scores[t, c].item() for c in chosen) * 2.5 for e in chosen}
-        for e, p in zip(routing.experts[t].tolist(), routing.probs[t].tolist()):
+        for e, p in zip(routing.experts[t].tolist(), routing.probs[t].tolist(), strict=True):
             assert abs(p - want[e]) < 1e-12
 
 

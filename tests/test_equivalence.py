@@ -80,7 +80,7 @@ def test_layout_matches_one_rank(name, one_rank_reference, tmp_path, seed_checkp
     folded = run(tmp_path, nproc, args, seed_checkpoint)
     assert_same(one_rank_reference, folded, name)
     cp = int(args[args.index("--parallelism.context_parallel_degree") + 1])
-    for ref, got in zip(one_rank_reference, folded):
+    for ref, got in zip(one_rank_reference, folded, strict=True):
         # the logged values reduced over the dp x cp ranks as torchtitan reduces them: the tokens
         # every rank saw (each cp rank counts its whole sequences), the largest rank's mean loss
         # (under cp torchtitan divides a rank's share of the loss by its whole sequences' tokens)

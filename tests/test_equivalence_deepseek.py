@@ -70,7 +70,7 @@ def test_deepseek_layout_matches_one_rank(name, reference, tmp_path, seed):
     assert reference[0]["mtp_loss"] > 1.0
     assert {"mtp", "dense_ffn", "routed_experts"} <= set(reference[0]["group_grad_norms"])
     assert_matches_one_rank(reference, folded, name)
-    for ref, got in zip(reference, folded):
+    for ref, got in zip(reference, folded, strict=True):
         assert got["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-2 if "cp" in name else 1e-4), (
             name,
             ref["step"],

@@ -83,7 +83,7 @@ def test_grouped_linear_and_grads_against_float64(device):
     close(x.grad, _grouped(_ref_quant(gd), wt, sizes), out_tol["rtol"])
     close(x.grad, _grouped(gd, wd.transpose(1, 2), sizes), 0.2)
     # weight gradient: unquantized, g_e.T @ x_e
-    ref_w = torch.stack([ge.T @ xe for ge, xe in zip(gd.split(sizes), xd.split(sizes))])
+    ref_w = torch.stack([ge.T @ xe for ge, xe in zip(gd.split(sizes), xd.split(sizes), strict=True)])
     close(w.grad.flatten(0, 1), ref_w.flatten(0, 1), 2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 

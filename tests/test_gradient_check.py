@@ -4,6 +4,8 @@ the paper's 1024-rank layouts; and bugs that train silently wrong, each planted 
 the code path it lives in, reported by parameter name (and gone once the plant is removed).
 Packaged configs at their world sizes: tests/test_dryrun_match.py (the same recorded step)."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -258,6 +260,10 @@ def test_replicated_parameter_counted_tp_times_in_the_norm(monkeypatch):
     assert all(len(ps) == 1 and ps[0].startswith("norm counts each piece 2 times") for ps in found.values())
 
 
+def _all_reduce(g, group):
+    dist.all_reduce(g, group=group)
+
+
 def _plant_in_expert_fsdp(monkeypatch, plant):
     """apply_fsdp as shipped, then `plant(experts unit, layout)` on every MoE layer's experts."""
     from titan_fold.moe import moe_layers
@@ -290,7 +296,7 @@ def test_extra_reduction(monkeypatch):
     _plant_in_expert_fsdp(
         monkeypatch,
         lambda unit, layout: unit.set_all_reduce_hook(
-            lambda g, group=layout.get_mesh("ep").get_group(): dist.all_reduce(g, group=group)
+            functools.partial(_all_reduce, group=layout.get_mesh("ep").get_group())
         ),
     )
     found = bad(run("debug_moe.toml", 8, *TP2_EP4))
@@ -316,7 +322,7 @@ def test_reduced_over_tp_where_ep_equals_tp(monkeypatch):
     _plant_in_expert_fsdp(
         monkeypatch,
         lambda unit, layout: unit.set_all_reduce_hook(
-            lambda g, group=layout.get_mesh("tp").get_group(): dist.all_reduce(g, group=group)
+            functools.partial(_all_reduce, group=layout.get_mesh("tp").get_group())
         ),
     )
     found = bad(

@@ -125,7 +125,7 @@ def test_rope_qk_equals_apply_rope_forward_and_backward(per_batch, dtype, device
     torch.autograd.backward(out, [gq.to(device), gk.to(device)])
 
     tol = {} if device == "cpu" else {"rtol": torch.finfo(dtype).eps, "atol": 1e-6}
-    for a, r in [*zip(out, out_ref), (x[0].grad, ref[0].grad), (x[1].grad, ref[1].grad)]:
+    for a, r in [*zip(out, out_ref, strict=True), (x[0].grad, ref[0].grad), (x[1].grad, ref[1].grad)]:
         assert a.dtype == dtype and a.shape == r.shape
         if tol:
             torch.testing.assert_close(a, r, **tol)
@@ -150,7 +150,7 @@ def test_norm_rope_qk_equals_float64(dtype, device):
     def run(path, dtype, device):
         norms = [nn.RMSNorm(d, eps=1e-6).to(device, dtype) for _ in range(2)]
         with torch.no_grad():
-            for norm, w in zip(norms, weights):
+            for norm, w in zip(norms, weights, strict=True):
                 norm.weight.copy_(w)
         x = [t.to(device, dtype).requires_grad_() for t in (q, k)]
         table = torch.float64 if dtype == torch.float64 else torch.float32  # the RoPE table's dtype
@@ -158,14 +158,14 @@ def test_norm_rope_qk_equals_float64(dtype, device):
         if path == "fused":
             out = apply_rope_qk(*x, c, s_, *norms)
         else:
-            out = [apply_rope(norm(t), c, s_) for norm, t in zip(norms, x)]
+            out = [apply_rope(norm(t), c, s_) for norm, t in zip(norms, x, strict=True)]
         torch.autograd.backward(out, [g.to(device, dtype) for g in (gq, gk)])
         return [t.double().cpu() for t in (*out, x[0].grad, x[1].grad, norms[0].weight.grad, norms[1].weight.grad)]
 
     want = run("ops", torch.float64, "cpu")
     got, ops = run("fused", dtype, device), run("ops", dtype, device)
     eps = torch.finfo(dtype).eps
-    for g, o, w in zip(got, ops, want):
+    for g, o, w in zip(got, ops, want, strict=True):
         scale = w.abs().max().item()
         assert (g - w).abs().max() <= (o - w).abs().max() + 4 * eps * scale, ((g - w).abs().max(), (o - w).abs().max())
         torch.testing.assert_close(g, w, rtol=0, atol=(1e-5 if dtype == torch.float32 else 4e-2) * scale)
@@ -184,7 +184,7 @@ def test_norm_rope_qk_calls_hooked_norms():
         norm.register_forward_pre_hook(lambda module, args: calls.append(module))
     hooked_out = apply_rope_qk(q, k, cos, sin, *norms)
     assert calls == norms
-    for a, b in zip(hooked_out, fused_out):
+    for a, b in zip(hooked_out, fused_out, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -356,7 +356,7 @@ def test_moe_layer_recompute():
         for m in model.modules():
             if isinstance(m, MoE):
                 # a pre-hook: the recompute stops as soon as it has the saved tensors it needs
-                m.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+                m.register_forward_pre_hook(lambda *_, n=n: n.__setitem__(0, n[0] + 1))
         model(tokens).square().mean().backward()
         calls.append(n[0])
         grads.append({k.replace("_checkpoint_wrapped_module.", ""): p.grad for k, p in model.named_parameters()})

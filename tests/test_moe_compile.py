@@ -52,7 +52,7 @@ def test_fullgraph_compile(capacity_factor, pad, dtype):
     )  # bf16: fused kernels round less
     torch.testing.assert_close(y_c, y_e, **tol)
     torch.testing.assert_close(gx_c, gx_e, **tol)
-    for a, b in zip(g_c, g_e):
+    for a, b in zip(g_c, g_e, strict=True):
         torch.testing.assert_close(a, b, **tol)
     with torch._dynamo.config.patch(error_on_recompile=True):
         _fwd_bwd(compiled, torch.randn_like(x) * 3)

@@ -90,7 +90,9 @@ def test_fused_router_equals_op_by_op_router(device, score_func, load_balance, n
     want = reference_routing(router, x, 20)
     torch.testing.assert_close(got.experts, want[1])
     for a, b in zip(
-        (got.probs, got.loss, got.balance_loss, got.tokens_per_expert), (want[0], want[2], want[3], want[4])
+        (got.probs, got.loss, got.balance_loss, got.tokens_per_expert),
+        (want[0], want[2], want[3], want[4]),
+        strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     imbalance = want[4].max() / want[4].mean()
@@ -164,8 +166,8 @@ def fused_route_against_route_whole(device: str):
         assert torch.equal(got[1], want[1]), case
         if tied:
             assert_ties_decide(base, args, want[1], case)
-        for a, b in zip((got[0], *got[2:], grads[0]), (want[0], *want[2:], grads[1])):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
+        for a, b in zip((got[0], *got[2:], grads[0]), (want[0], *want[2:], grads[1]), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case}: {m}")
 
 
 def test_fused_route_equals_route_whole_in_the_triton_interpreter():
@@ -245,7 +247,7 @@ def test_route_is_one_graph():
     for fn, extra in ((route, (2, args)), (route_whole, (20, args, torch.tensor(0.5)))):
         compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
         got, want = compiled(logits, torch.zeros(8), *extra), fn(logits, torch.zeros(8), *extra)
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b)
 
 
@@ -394,11 +396,11 @@ def _grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, a_idx):
     a, b = a.double(), b.double()
     if cu_seqlens_k is not None:
         bounds = cu_seqlens_k.tolist()
-        out = torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(bounds, bounds[1:])])
+        out = torch.stack([a[:, s:e] @ b[s:e] for s, e in itertools.pairwise(bounds)])
     else:
         rows = a if a_idx is None else a[a_idx.long()]
         bounds = cu_seqlens_m.tolist()
-        out = torch.cat([rows[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+        out = torch.cat([rows[s:e] @ b[i] for i, (s, e) in enumerate(itertools.pairwise(bounds))])
     return out
 
 
@@ -530,7 +532,7 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
             return qm.quack_experts(x, offs, w13, w2, p[order], prob_before_w2, qm.Gather(rows, slot, k, _sum_rows))
         return qm.quack_experts(_Dispatch.apply(x, rows, slot, k, False), offs, w13, w2, p[order], prob_before_w2)
 
-    for got, exp, name in zip(grads(ours), want, ("y", "dx", "dp", "dw13", "dw2")):
+    for got, exp, name in zip(grads(ours), want, ("y", "dx", "dp", "dw13", "dw2"), strict=True):
         assert torch.allclose(got.double(), exp, rtol=1e-5, atol=1e-6), name
     # forward: w13 with the SwiGLU in its epilogue, w2; backward: the gated dgrad, w2's weight
     # gradient, w13's input and weight gradients
@@ -874,7 +876,7 @@ def test_quack_configs_chosen_once_per_signature_from_the_sweep(monkeypatch):
     assert all(c.cluster_n == 1 for c in space)
     assert cap != 9 or {replace(c, cluster_m=1) for c in space} <= set(space)
     again = qm._up_forward(x, rows, offs, w13, p)  # the signature's config, no new sweep
-    assert len(qm._CONFIGS) == 2 and all(torch.equal(a, b) for a, b in zip(again, (ab, h)))
+    assert len(qm._CONFIGS) == 2 and all(torch.equal(a, b) for a, b in zip(again, (ab, h), strict=True))
     ab_q, h_q = torch.empty_like(ab), torch.empty_like(h)
     qm._up_launch(x, w13.mT, ab_q, h_q, offs, rows, p)  # QuACK's frontends tune their own configs
     dab_q, h2_q, dp_q = qm._dgated_launch(dy, w2, ab, p, offs)
@@ -908,7 +910,7 @@ def test_quack_layer_matches_torch_layer(compiled):
         y = run(x)
         y.float().square().sum().backward()
         outs[choice] = [y, x.grad] + [p.grad for p in moe.parameters()]
-    for a, b in zip(outs["quack"], outs["torch"]):
+    for a, b in zip(outs["quack"], outs["torch"], strict=True):
         assert _rel(a, b) < 2e-2
 
 

@@ -225,7 +225,7 @@ def hand_balance(logits, top_k, score_func="softmax"):
     chosen = [sorted(range(E), key=lambda e: -scores[t][e])[:top_k] for t in range(T)]
     f = [sum(c.count(e) for c in chosen) / (T * top_k) for e in range(E)]
     P = [sum(dist[t][e] for t in range(T)) / T for e in range(E)]
-    return E * sum(fe * pe for fe, pe in zip(f, P))
+    return E * sum(fe * pe for fe, pe in zip(f, P, strict=True))
 
 
 @pytest.mark.parametrize("score_func,top_k", [("softmax", 1), ("softmax", 2), ("sigmoid", 2)])
@@ -422,7 +422,7 @@ def test_fused_kernels_match_float64(device, rows):
     y = swiglu(*x)
     y.backward(gy.to(device, torch.bfloat16).view(1, rows, 96))
     assert y.shape == (1, rows, 96)
-    for got, exp in [(y, torch.nn.functional.silu(a) * b)] + [(t.grad, r.grad) for t, r in zip(x, ref)]:
+    for got, exp in [(y, torch.nn.functional.silu(a) * b)] + [(t.grad, r.grad) for t, r in zip(x, ref, strict=True)]:
         check(got, exp)
 
     k, dim = 4, 64

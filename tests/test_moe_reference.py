@@ -16,7 +16,7 @@ def route_token(logits_t, args, bias):
     scores = logits_t.softmax(-1) if args.score_func == "softmax" else logits_t.sigmoid()
     choice = [float(v) for v in scores.detach()]
     if args.load_balance == "aux_free":
-        choice = [c + float(b) for c, b in zip(choice, bias)]
+        choice = [c + float(b) for c, b in zip(choice, bias, strict=True)]
     chosen = sorted(range(len(choice)), key=lambda e: -choice[e])[: args.top_k]
     probs = [scores[e] for e in chosen]
     if args.norm_topk_prob:

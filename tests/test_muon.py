@@ -69,8 +69,8 @@ def test_matrices_step_as_torch_muon(nesterov, lr_adjust):
     ours, ref = copies([(24, 24), (16, 40), (40, 16)])
     before = [p.detach().clone() for p in ours]
     named = [(f"layers.0.attention.w{i}.weight", p) for i, p in enumerate(ours)]
-    steps(list(zip(ours, ref)), [muon(named, nesterov, lr_adjust), torch_muon(ref, nesterov, lr_adjust)])
-    for p, r, p0 in zip(ours, ref, before):
+    steps(list(zip(ours, ref, strict=True)), [muon(named, nesterov, lr_adjust), torch_muon(ref, nesterov, lr_adjust)])
+    for p, r, p0 in zip(ours, ref, before, strict=True):
         assert torch.equal(p, r) and not torch.equal(p, p0)
 
 
@@ -94,7 +94,7 @@ def test_each_expert_matrix_steps_as_torch_muon():
         ref.step()
     got = [w13.detach()[e, 0::2] for e in range(experts)] + [w13.detach()[e, 1::2] for e in range(experts)]
     got += [w2.detach()[e] for e in range(experts)]
-    for g, want, w0 in zip(got, [*gate, *up, *down], before):
+    for g, want, w0 in zip(got, [*gate, *up, *down], before, strict=True):
         # both in bf16, ours batched (baddbmm), torch one matrix at a time (addmm)
         change, want_change = g - w0, want.detach() - w0
         assert (change - want_change).norm() < 1e-3 * want_change.norm()
@@ -112,8 +112,8 @@ def test_other_parameters_step_as_torch_adamw():
     adamw = torch.optim.AdamW(
         ref, lr=SETTINGS["lr"], betas=SETTINGS["betas"], eps=SETTINGS["eps"], weight_decay=SETTINGS["weight_decay"]
     )
-    steps(list(zip(ours, ref)), [opt, adamw])
-    for p, r in zip(ours, ref):
+    steps(list(zip(ours, ref, strict=True)), [opt, adamw])
+    for p, r in zip(ours, ref, strict=True):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 

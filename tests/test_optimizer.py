@@ -93,11 +93,11 @@ def test_master_update_matches_float64(name, implementation, device):
         history.append(grads)
         opt.zero_grad()
         bf16_opt.zero_grad()
-        for p, q, g in zip(model.parameters(), bf16_model.parameters(), grads):
+        for p, q, g in zip(model.parameters(), bf16_model.parameters(), grads, strict=True):
             p.grad, q.grad = g.to(device), g.to(device)
         opt.step()
         bf16_opt.step()
-    for i, (p, q, m) in enumerate(zip(model.parameters(), bf16_model.parameters(), opt.masters[0])):
+    for i, (p, q, m) in enumerate(zip(model.parameters(), bf16_model.parameters(), opt.masters[0], strict=True)):
         ref, _, _ = adam_float64(start[i].cpu(), [h[i] for h in history], decoupled=name == "AdamW")
         p, q, m = p.detach().cpu(), q.detach().cpu(), m.cpu()
         moved = (ref - start[i].cpu().double()).norm()
@@ -119,7 +119,7 @@ def clipped_steps(model, opt, first, steps):
     grads_by_step, scales = [], []
     for step in range(first, first + steps):
         opt.zero_grad()
-        for p, g in zip(model.parameters(), grads_for(model, step)):
+        for p, g in zip(model.parameters(), grads_for(model, step), strict=True):
             p.grad = (g * (0.01 if step % 2 else 1.0)).to(p.device, p.dtype)
         clip_grad_norm_(list(model.parameters()), MAX_NORM, optimizers=opt.optimizers)
         for o in opt.optimizers:
@@ -161,7 +161,7 @@ def test_one_pass_update_matches_float64(name, dtype, device):
         store = torch.float64 if dtype == torch.float32 else dtype
         ref = adam_float64(start[i], [g[i] for g in grads], name == "AdamW", LRS, scales, store)
         assert (ref[0] - start[i].double()).norm() > 0.05 * ref[0].norm()  # the weights moved
-        for r, x in zip(ref, (p, state["exp_avg"], state["exp_avg_sq"])):
+        for r, x in zip(ref, (p, state["exp_avg"], state["exp_avg_sq"]), strict=True):
             assert x.dtype == dtype
             x = x.detach().cpu().double()
             if dtype == torch.float32:
@@ -186,18 +186,18 @@ def test_adam_update_steps_every_element_once(rows, extra, device):
     gen = torch.Generator().manual_seed(n)
     tensors = [torch.randn(n, generator=gen) for _ in range(4)] + [torch.rand(n, generator=gen)]
     dtypes = (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32)
-    got = [t.to(device, dtype, copy=True) for t, dtype in zip(tensors, dtypes)]
+    got = [t.to(device, dtype, copy=True) for t, dtype in zip(tensors, dtypes, strict=True)]
     flat = [t.clone() for t in got]
     coef = torch.tensor([1e-3, 0.5, 0.99, 0.5])
     adam_update(*got, coef.to(device), *BETAS, EPS, WD, True)
     if device == "cpu" or not n:
         _adam_step(*flat, coef.to(device), *BETAS, EPS, WD, True)
-        assert all(torch.equal(g, f) for g, f in zip(got, flat))
+        assert all(torch.equal(g, f) for g, f in zip(got, flat, strict=True))
     else:
         fused(_adam_step)(*flat, coef.to(device), *BETAS, EPS, WD, True)
-        ref = [t.to(dtype) for t, dtype in zip(tensors, dtypes)]
+        ref = [t.to(dtype) for t, dtype in zip(tensors, dtypes, strict=True)]
         _adam_step(*ref, coef, *BETAS, EPS, WD, True)
-        for g, f, r, dtype in zip(got, flat, ref, dtypes):
+        for g, f, r, dtype in zip(got, flat, ref, dtypes, strict=True):
             r = r.double()
             bound = (f.double().cpu() - r).abs().max() + torch.finfo(dtype).eps * r.abs().max()
             assert (g.double().cpu() - r).abs().max() <= bound
@@ -271,7 +271,7 @@ def test_guard_keeps_the_weights_of_a_nonfinite_step(policy, implementation, mas
             grads = grads_for(model, 2 if step == "nan" else step)
             if step == "nan":
                 grads[1][3] = float("nan")
-            for p, g in zip(model.parameters(), grads):
+            for p, g in zip(model.parameters(), grads, strict=True):
                 p.grad = g
             norm = torch.stack([g.float().norm() for g in grads]).norm()
             guard.observe_loss(torch.tensor(1.0))
@@ -324,7 +324,7 @@ def test_lr_schedulers_see_the_step(master_weights):
         warnings.simplefilter("error")  # "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
         opt.step()
         schedulers.step()
-    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("writer, reader", [("torch", "ours"), ("ours", "torch"), ("ours", "ours")])
@@ -368,7 +368,7 @@ def test_checkpoint_interop_with_torch_fused_adamw(writer, reader):
             assert value == loaded[key], key
     clipped_steps(model, opt, 3, 2)
     clipped_steps(resumed_model, resumed, 3, 2)
-    for a, b in zip(states(model, opt), states(resumed_model, resumed)):
+    for a, b in zip(states(model, opt), states(resumed_model, resumed), strict=True):
         if writer == reader or a.dtype == torch.float32:  # the step counts
             assert torch.equal(a, b)
         else:
@@ -380,7 +380,7 @@ def test_state_dict_round_trip_and_resume():
     model = make_model()
     opt = build(model)
     for step in range(3):
-        for p, g in zip(model.parameters(), grads_for(model, step)):
+        for p, g in zip(model.parameters(), grads_for(model, step), strict=True):
             p.grad = g
         opt.step()
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()}
@@ -397,13 +397,13 @@ def test_state_dict_round_trip_and_resume():
     resumed = build(resumed_model)
     assert resumed.state_dict()["state.0.weight.step"] == 0  # states exist before any step
     resumed.load_state_dict(state)
-    for a, b in zip(model.parameters(), resumed_model.parameters()):
+    for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(a, b)
     for o, model_ in ((opt, model), (resumed, resumed_model)):
-        for p, g in zip(model_.parameters(), grads_for(model_, 3)):
+        for p, g in zip(model_.parameters(), grads_for(model_, 3), strict=True):
             p.grad = g
         o.step()
-    for a, b in zip(opt.masters[0], resumed.masters[0]):
+    for a, b in zip(opt.masters[0], resumed.masters[0], strict=True):
         assert torch.equal(a, b)
 
 
@@ -412,13 +412,13 @@ def test_model_only_load_after_build_reaches_the_masters():
     model = make_model()
     opt = build(model)
     with torch.no_grad():
-        for p, q in zip(model.parameters(), make_model(seed=2).parameters()):
+        for p, q in zip(model.parameters(), make_model(seed=2).parameters(), strict=True):
             p.copy_(q)
     loaded = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()  # zero gradients: only the decay moves the weights
-    for m, w in zip(opt.masters[0], loaded):
+    for m, w in zip(opt.masters[0], loaded, strict=True):
         assert torch.allclose(m, w.float() * (1 - LR * WD), rtol=1e-6, atol=0)
 
 
@@ -564,7 +564,7 @@ def test_fsdp2_masters_on_both_meshes_match_one_rank(sharded_runs, seed_checkpoi
         assert len(metadata[f"optimizer.state.{name}.{MASTER_KEY}"].chunks) == 4, name
 
     assert [m["step"] for m in one] == [m["step"] for m in sharded] == list(range(1, SHARDED_STEPS + 1))
-    for ref, got in zip(one, sharded):
+    for ref, got in zip(one, sharded, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["step"]
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2**-6), ref["step"]
 

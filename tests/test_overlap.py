@@ -15,6 +15,8 @@ naming the key; the dry runs of qwen2.toml (64 ranks, pp 1 and pp 2) and mixtral
 """
 
 import dataclasses
+import functools
+import itertools
 import re
 
 import pytest
@@ -134,7 +136,7 @@ def worker(rank, port, out_dir):
     start_rank(rank, port, WORLD)
     failures = []
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
-        failures += run_checks([("", lambda: case(ep_mesh, etp_mesh, ep))], f"ep={ep} etp={etp}")
+        failures += run_checks([("", functools.partial(case, ep_mesh, etp_mesh, ep))], f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
 
 
@@ -210,7 +212,9 @@ def pipeline_run(pp_mesh, ep_mesh, schedule_name, overlap, delay):
         )
     flush_wgrad(parts)
     grads = {
-        f"stage{st.stage_index}.{n}": p.grad for st, part in zip(stages, parts) for n, p in part.named_parameters()
+        f"stage{st.stage_index}.{n}": p.grad
+        for st, part in zip(stages, parts, strict=True)
+        for n, p in part.named_parameters()
     }
     order = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("overlap:")]
     return losses, grads, order
@@ -222,7 +226,7 @@ def interleaved(order) -> bool:
     steps = [(m.group(1), m.group(2), name) for name in order if (m := pattern.match(name))]
     return any(
         a[1] == "backward" and a[2].endswith("a2a") and b[1] == "forward" and b[0] != a[0]
-        for a, b in zip(steps, steps[1:])
+        for a, b in itertools.pairwise(steps)
     )
 
 

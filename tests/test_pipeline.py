@@ -128,7 +128,7 @@ def test_stage_models_chain_to_the_whole_model():
     whole = {n for n, _ in model.named_parameters()}
     held = [{n for n, _ in p.named_parameters()} for p in parts]
     assert set().union(*held) == whole and sum(map(len, held)) == len(whole)
-    for names, f in zip(held, fqns):
+    for names, f in zip(held, fqns, strict=True):
         assert names == {n for n in whole if any(n.startswith(m + ".") for m in f)}
     tokens = torch.randint(0, model.args.vocab_size, (2, 16))
     h = tokens

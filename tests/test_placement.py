@@ -84,7 +84,7 @@ def test_issue_layouts(name):
     for fqn, placed in plan.items():
         if ".moe.experts." in fqn:
             placements, shape, _ = EXPERTS[_suffix(fqn, EXPERTS)]
-            by_dim = dict(zip(("ep", "etp"), placements))
+            by_dim = dict(zip(("ep", "etp"), placements, strict=True))
             assert placed.mesh == "expert", fqn
             assert placed.dims == expert_dims, fqn
             assert placed.placements == tuple(by_dim[d] for d in expert_dims), fqn
@@ -99,7 +99,7 @@ def test_issue_layouts(name):
         assert placed.shape == shape, fqn
         # the local piece: each Shard'ed tensor dim divided by the degree of its mesh dim
         local = list(shape)
-        for dim, p in zip(placed.dims, placed.placements):
+        for dim, p in zip(placed.dims, placed.placements, strict=True):
             if isinstance(p, Shard):
                 local[p.dim] //= getattr(layout, dim)
         assert placed.local_shape(layout) == tuple(local), fqn

@@ -18,6 +18,7 @@ The device exchange's NVSHMEM op itself: tests/gpu_device_exchange.py on 2 GPUs.
 """
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -288,9 +289,9 @@ def check_stash(ep_mesh):
         overflow = None
 
     # all collectives done: now compare
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"stash on vs off\n{m}")
-    for a, b in zip(got_compiled, want):
+    for a, b in zip(got_compiled, want, strict=True):
         torch.testing.assert_close(a, b, msg=lambda m: f"compiled, stash on vs eager, off\n{m}")
     assert held[0] == real and held[1] > 0, f"pool rows in use, stashed tensors {held}; real rows {real}"
     assert held_compiled == held, f"compiled: pool rows in use, stashed tensors {held_compiled}; eager {held}"
@@ -308,20 +309,20 @@ def worker(rank, port, out_dir):
     start_rank(rank, port, WORLD)
     failures = []
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
-        checks = [(c[0], lambda c=c: check_case(c, ep_mesh, etp_mesh)) for c in CASES]
+        checks = [(c[0], partial(check_case, c, ep_mesh, etp_mesh)) for c in CASES]
         if etp == 1:  # the device exchange covers ep only
             checks += [
-                (f"device {c[0]}", lambda c=c: check_case(c, ep_mesh, etp_mesh, "device"))
+                (f"device {c[0]}", partial(check_case, c, ep_mesh, etp_mesh, "device"))
                 for c in CASES
                 if "delay_wgrad_compute" not in c[1]
             ]
-        checks.append(("no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh)))
+        checks.append(("no host sync", partial(check_no_host_sync, ep_mesh, etp_mesh)))
         if etp == 1:
-            checks.append(("device: no host sync", lambda: check_no_host_sync(ep_mesh, etp_mesh, "device")))
+            checks.append(("device: no host sync", partial(check_no_host_sync, ep_mesh, etp_mesh, "device")))
         if (ep, etp) == (2, 1):
-            checks.append(("compiles static", lambda: check_compiles_static(ep_mesh, etp_mesh)))
-            checks.append(("compiles device", lambda: check_compiles_static(ep_mesh, etp_mesh, "device")))
-            checks.append(("stash", lambda: check_stash(ep_mesh)))
+            checks.append(("compiles static", partial(check_compiles_static, ep_mesh, etp_mesh)))
+            checks.append(("compiles device", partial(check_compiles_static, ep_mesh, etp_mesh, "device")))
+            checks.append(("stash", partial(check_stash, ep_mesh)))
         failures += run_checks(checks, f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
 
@@ -364,7 +365,7 @@ def test_stash_gives_back_the_real_rows_of_every_dtype():
             z = _Saves.apply(x, torch.ones(R, 3).to(dtype), [])
         assert int(stash.offset) == 8 and stash.outstanding == 3
         (y.sum() + z.sum()).backward()
-        for got, want in zip(seen[::-1], saved):
+        for got, want in zip(seen[::-1], saved, strict=True):
             assert got.dtype == dtype and got.shape == want.shape
             assert torch.equal(got[:4].view(torch.uint8), want[:4].view(torch.uint8)), dtype  # bit for bit
             assert not got[4:].view(torch.uint8).any(), dtype

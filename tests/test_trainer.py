@@ -91,7 +91,7 @@ def test_second_trainer_sees_none_of_the_first(one_rank, tmp_path):
     assert [getattr(owner, name) for owner, name in WATCHED] == before  # torchtitan as it was
     second = train(tmp_path / "second")
     assert len(first) == len(second) == 3
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         # clipping applied with the second trainer's own optimizers, on its own parameters
         assert (b["loss"], b["grad_norm"]) == (a["loss"], a["grad_norm"]), a["step"]
     assert [getattr(owner, name) for owner, name in WATCHED] == before
@@ -117,7 +117,7 @@ def test_train_step_logs_what_torchtitans_does(one_rank, tmp_path, monkeypatch):
     )
     theirs = train(tmp_path / "theirs", lambda config: trainers.append(TorchtitanStep(config)) or trainers[0])
     assert len(ours) == len(theirs) == 3
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         keys = ("loss", "max_loss", "grad_norm", "lr", "n_tokens_seen")
         assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
 

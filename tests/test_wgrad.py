@@ -7,6 +7,8 @@ ep 2 x etp 2; with token dropping and padding, with the layer recomputed in back
 The queue really holds the weight gradients: left unflushed, they are missing.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,12 +109,12 @@ def worker(rank, port, out_dir):
     failures = []
     for ep, etp, mesh, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [
-            (c[0], lambda c=c: check_case(c, mesh, ep_mesh, etp_mesh))
+            (c[0], partial(check_case, c, mesh, ep_mesh, etp_mesh))
             for c in CASES
             if not (c[3] and WORLD // (ep * etp) == 1)
         ]
-        checks.append(("unflushed", lambda: check_unflushed(mesh, ep_mesh, etp_mesh)))
-        checks.append(("order", lambda: check_order(mesh, ep_mesh, etp_mesh)))
+        checks.append(("unflushed", partial(check_unflushed, mesh, ep_mesh, etp_mesh)))
+        checks.append(("order", partial(check_order, mesh, ep_mesh, etp_mesh)))
         failures += run_checks(checks, f"ep={ep} etp={etp}")
     end_rank_checks(out_dir, rank, failures)
 
@@ -146,5 +148,5 @@ def test_experts_split_equals_joint_backward(fp8, counts):
             assert len(experts.wgrad) == 2 and all(w.grad is None for w in experts.parameters())
             experts.wgrad.flush()
         results.append((x.grad, p.grad, *(w.grad for w in experts.parameters())))
-    for ref, got in zip(*results):
+    for ref, got in zip(*results, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

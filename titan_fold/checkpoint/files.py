@@ -238,7 +238,7 @@ def save_hf_folder(
         except OSError as e:
             failed = e
     try:
-        for name, keys in zip(names, shards):
+        for name, keys in zip(names, shards, strict=True):
             tensors = {}
             for k in keys:
                 t = hf_state_dict[k]
@@ -257,7 +257,7 @@ def save_hf_folder(
                 json.dump({**config, "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
             if len(shards) > 1:
                 total = sum(t.numel() * t.dtype.itemsize for t in hf_state_dict.values())
-                weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
+                weight_map = {k: name for name, keys in zip(names, shards, strict=True) for k in keys}
                 with open(os.path.join(tmp, HF_INDEX), "w") as f:
                     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             if os.path.isdir(folder):

@@ -207,13 +207,13 @@ class GradientTracer(TorchDispatchMode):
         if op in ("_reduce_scatter_base_", "_allgather_base_"):
             return [(args[0], args[1])]
         if op == "reduce_scatter_tensor_coalesced_":
-            return list(zip(args[0], args[1]))
+            return list(zip(args[0], args[1], strict=True))
         if op in ("all_reduce_", "all_reduce_coalesced_"):
             return [(t, t.clone()) for t in tree_leaves(args[0])]
         if op in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
             return [(out, args[0])]
         if op in ("all_reduce_coalesced", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced"):
-            return list(zip(out, args[0]))
+            return list(zip(out, args[0], strict=True))
         return []  # all-to-all, broadcast, ...: recorded, values left as the fake group leaves them
 
 
@@ -311,7 +311,7 @@ class GradientWatch:
                 counts = self._probe(args, kwargs, snapshot, p, local_p, pieces)
             else:
                 counts = dict.fromkeys(local_p, 1.0)
-        for fqn, param in self.params:
+        for fqn, _ in self.params:
             self.result.params[fqn] = self._judge(fqn, found[fqn], counts.get(fqn))
         return total
 
@@ -514,7 +514,7 @@ def format_gradients(rep: dict, limit: int = 20) -> list[str]:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for m in rep["mismatches"][:limit]:
         lines.append(f"  MISMATCH {m['parameter']} on rank {m['rank']}: {m['problem']}")
     if len(rep["mismatches"]) > limit:

@@ -72,7 +72,7 @@ def fake_step(model_parts: list[nn.Module], stages: list, layout: Layout, job_co
     compute_dtype = getattr(torch, tr.mixed_precision_param)
     kept = peak = unsharded = 0
     with FakeTensorMode(allow_non_fake_inputs=True):
-        for part, stage in zip(model_parts, stages):
+        for part, _ in zip(model_parts, stages, strict=True):  # one stage per part
             part.to_empty(device="cpu")  # values do not matter: shapes only (no init_weights)
             first, last = part.embeds_tokens, part.output is not None
             if first:

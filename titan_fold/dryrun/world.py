@@ -62,7 +62,7 @@ class SharedShardingDecisions:
             self.known[op_schema] = (op_schema, out)
             return out
         then, out = hit
-        meshes = {id(a): b for a, b in zip(_meshes(then), _meshes(op_schema)) if a is not b}
+        meshes = {id(a): b for a, b in zip(_meshes(then), _meshes(op_schema), strict=True) if a is not b}
         return _rebind(out, meshes) if meshes else out
 
     @staticmethod
@@ -114,6 +114,6 @@ def positions(layout: Layout) -> list[int]:
 
 
 def coordinates(layout: Layout) -> dict:
-    att = dict(zip(ATTENTION_DIMS, layout.attention.get_coordinate()))
-    exp = dict(zip(EXPERT_DIMS, layout.expert.get_coordinate()))
+    att = dict(zip(ATTENTION_DIMS, layout.attention.get_coordinate(), strict=True))
+    exp = dict(zip(EXPERT_DIMS, layout.expert.get_coordinate(), strict=True))
     return {"attention": att, "expert": exp}

@@ -149,7 +149,7 @@ class MoEStateDictAdapter(StateDictAdapter):
                     self._expert_layout[key] = (value.device_mesh, value.placements)
                     value = value.full_tensor()  # [E, ...] on every rank
                 # w13's halves are strided views, made contiguous below
-                parts = dict(zip(("w1", "w3"), split_gate_up(value))) if name == "w13" else {"w2": value}
+                parts = dict(zip(("w1", "w3"), split_gate_up(value), strict=True)) if name == "w13" else {"w2": value}
                 for ours, stacked in parts.items():
                     for e in range(stacked.shape[0]):
                         hf[f"model.layers.{i}.{self.moe_prefix}.experts.{e}.{self.expert_names[ours]}"] = stacked[

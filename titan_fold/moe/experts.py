@@ -183,7 +183,7 @@ def _swiglu_loop(x, counts, w13, w2, p, prob_before_w2):
     padding = x.shape[0] - sum(sizes)  # rows past the last group: zeros, not computed
     xs, ps = x.split(sizes + [padding]), p.split(sizes + [padding])
     ys = [
-        _apply(xs[e] @ w13[e].T, ps[e], lambda h: h @ w2[e].T, prob_before_w2)  # [n_e, dim]
+        _apply(xs[e] @ w13[e].T, ps[e], lambda h, w=w2[e]: h @ w.T, prob_before_w2)  # [n_e, dim]
         for e in range(len(sizes))
     ]
     return torch.cat(ys + [x.new_zeros(padding, w2.shape[1])])

@@ -269,7 +269,7 @@ def _fastest(candidates: list, run: Callable, time_ms: Callable) -> object:
     timing every candidate in turn (a clock that drifts over the rounds moves them alike)."""
     times = [[] for _ in candidates]
     for _ in range(_ROUNDS):
-        for c, t in zip(candidates, times):
+        for c, t in zip(candidates, times, strict=True):
             t.append(time_ms(lambda c=c: run(c)))
     medians = [sorted(t)[len(t) // 2] for t in times]
     return candidates[medians.index(min(medians))]

@@ -109,7 +109,7 @@ def _summed_by_kernel(g: torch.Tensor, norm_type: float) -> bool:
 def full_norm(norm: DTensor, norm_type: float) -> torch.Tensor:
     """The value of a DTensor of norms, partial on some mesh dims: one all-reduce over those
     dims together (DTensor's full_tensor would issue one per dim, e.g. over edp then ep)."""
-    partial = [name for name, p in zip(norm.device_mesh.mesh_dim_names, norm.placements) if p.is_partial()]
+    partial = [name for name, p in zip(norm.device_mesh.mesh_dim_names, norm.placements, strict=True) if p.is_partial()]
     if len(partial) < 2:
         return norm.full_tensor()
     group = norm.device_mesh[tuple(partial)]._flatten().get_group()

@@ -68,7 +68,7 @@ def expert_slice(
     """This rank's slice (a view) of a full stacked expert weight experts.<name>, as the
     plan places it: w13 [E, 2 * ffn, dim] -> [E/ep, 2 * ffn/etp, dim]; w2 -> [E/ep, dim, ffn/etp]."""
     meshes = {d: m for d, m in (("ep", ep_mesh), ("etp", etp_mesh)) if m is not None}
-    for (d, mesh), placement in zip(meshes.items(), expert_placements(name, meshes)):
+    for (d, mesh), placement in zip(meshes.items(), expert_placements(name, meshes), strict=True):
         if w.shape[placement.dim] % mesh.size():
             raise ValueError(
                 f"experts.{name}: dim {placement.dim} of {tuple(w.shape)} does not split {d} = {mesh.size()} ways"

@@ -238,7 +238,7 @@ class Layout(ParallelDims):
 
         def build(names):
             sizes = tuple(getattr(self, n) for n in names)
-            fake = {n: "fake" for n, s in zip(names, sizes) if s == 1}
+            fake = {n: "fake" for n, s in zip(names, sizes, strict=True) if s == 1}
             return init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=fake or None)
 
         self._attention = build(ATTENTION_DIMS)

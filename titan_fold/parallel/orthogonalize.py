@@ -244,7 +244,7 @@ class Orthogonalizer:
     ) -> list[torch.Tensor]:
         """updates: each parameter's local update (placed as the parameter) -> its local
         orthogonalized update in `dtype`; orthogonalize: [n, A, B] -> [n, A, B] in `dtype`."""
-        local_of = {id(e): u for e, u in zip(self.entries, updates)}
+        local_of = {id(e): u for e, u in zip(self.entries, updates, strict=True)}
         out = {}
         units = [(e, u) for e in self.plain for u in range(e.units)]
         whole = {(id(e), u): local_of[id(e)][u] if e.stacked else local_of[id(e)] for e, u in units}

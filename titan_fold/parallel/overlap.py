@@ -90,7 +90,7 @@ class Piece:
     def backward(self, grads: list) -> list:
         pairs = [
             (o, _wait(g))
-            for o, g in zip(self.outputs, grads)
+            for o, g in zip(self.outputs, grads, strict=True)
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
         if pairs:
@@ -186,7 +186,7 @@ class MicroBatch:
                 pending_wgrad = None
             with self._label(f"backward {piece.name}"):
                 in_grads = piece.backward([grads.pop(id(o), None) for o in piece.outputs])
-            for source, g in zip(piece.sources, in_grads):
+            for source, g in zip(piece.sources, in_grads, strict=True):
                 if g is not None:
                     grads[id(source)] = g if id(source) not in grads else _wait(grads[id(source)]) + _wait(g)
             self.pieces[i] = piece.name  # its activations and gradients go now, not at the end
@@ -369,7 +369,7 @@ def overlapped_pipeline(cls: type, stages: list, n_microbatches: int, loss_fn, p
         order = {r: one_f_one_b(r, pp, n_microbatches) for r in range(pp)}
     schedule.pipeline_order = {r: pair_steady_state(actions) for r, actions in order.items()}
     schedule._prepare_schedule_with_comms(schedule.pipeline_order)
-    run = StagePieces(schedule, dict(zip((s.stage_index for s in stages), pre_forward)))
+    run = StagePieces(schedule, dict(zip((s.stage_index for s in stages), pre_forward, strict=True)))
     for kind in (FORWARD, FULL_BACKWARD, OVERLAP_F_B):
         schedule.register_custom_function(kind, run)
     return schedule

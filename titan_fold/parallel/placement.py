@@ -273,7 +273,7 @@ _EXPERT_RULES = {
 
 def expert_placements(name: str, dims) -> tuple[Placement, ...]:
     """Placements of the stacked experts.<name> (w13, w2) on mesh dims among "ep", "etp"."""
-    by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[name][:2]))
+    by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[name][:2], strict=True))
     return tuple(by_dim[d] for d in dims)
 
 
@@ -295,7 +295,7 @@ class Placed:
     def local_shape(self, layout: Layout) -> tuple[int, ...]:
         """Shape of this rank's piece after the model-parallel placements (before FSDP)."""
         shape = list(self.shape)
-        for dim, placement in zip(self.dims, self.placements):
+        for dim, placement in zip(self.dims, self.placements, strict=True):
             if isinstance(placement, Shard):
                 shape[placement.dim] = -(-shape[placement.dim] // layout.size(dim))
         return tuple(shape)
@@ -308,7 +308,7 @@ class Placed:
             return self.dims, self.placements
         split = math.prod(
             layout.size(d)
-            for d, p in zip(self.dims, self.placements)
+            for d, p in zip(self.dims, self.placements, strict=True)
             if isinstance(p, Shard) and p.dim == self.fsdp_dim
         )
         shard = _StridedShard(self.fsdp_dim, split_factor=split) if split > 1 else Shard(self.fsdp_dim)
@@ -398,7 +398,9 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
     for (name, placed), ids in folded.items():
         if "{}" in name:
             name = name.format(layer_ranges(ids))
-        placements = ", ".join(f"{d}:{_fmt_placement(p)}" for d, p in zip(placed.dims, placed.placements)) or "-"
+        placements = (
+            ", ".join(f"{d}:{_fmt_placement(p)}" for d, p in zip(placed.dims, placed.placements, strict=True)) or "-"
+        )
         fsdp = "-"
         if placed.fsdp_mesh:
             fsdp = f"shard dim {placed.fsdp_dim} over {placed.fsdp_mesh[-1]}"
@@ -420,4 +422,4 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
     keep = [i for i in range(len(rows[0])) if not (i == 5 and layout is None) and not (i == 7 and not staged)]
     rows = [[r[i] for i in keep] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

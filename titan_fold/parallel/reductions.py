@@ -24,7 +24,6 @@ dims that make it, the vocabulary the dry run's gradient check (dryrun/gradients
 import itertools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch.distributed.tensor import Shard
@@ -46,7 +45,7 @@ class Expected:
 def expected(placed: Placed, layout: Layout) -> Expected:
     """The reductions `placed`'s parameter needs under `layout` (see the module docstring)."""
     big = [d for d in (EXPERT_DIMS if placed.mesh == EXPERT else ATTENTION_DIMS) if layout.size(d) > 1]
-    sharded = {d for d, p in zip(placed.dims, placed.placements) if isinstance(p, Shard)}
+    sharded = {d for d, p in zip(placed.dims, placed.placements, strict=True) if isinstance(p, Shard)}
     if placed.fsdp_mesh:
         sharded.update(_FSDP_DIMS[placed.fsdp_mesh[-1]])
     if placed.mesh == EXPERT:
@@ -72,25 +71,31 @@ class Groups:
             "expert": (EXPERT_DIMS, torch.arange(self.world).reshape([layout.size(d) for d in EXPERT_DIMS])),
         }
         self.big = {m: tuple(d for d in dims if layout.size(d) > 1) for m, (dims, _) in self.meshes.items()}
+        # per instance (one per check), bounded by meshes x dim subsets and ranks
+        self._label_cache: dict[tuple[str, tuple[str, ...]], torch.Tensor] = {}
+        self._name_cache: dict[tuple[int, str], dict[frozenset[int], tuple[str, tuple[str, ...]]]] = {}
 
-    @lru_cache(maxsize=None)  # one Groups per check: bounded by meshes x dim subsets
     def _labels(self, mesh: str, dims: tuple[str, ...]) -> torch.Tensor:
         """[world] the id of each rank's group over dims."""
+        if (mesh, dims) in self._label_cache:
+            return self._label_cache[mesh, dims]
         names, ranks = self.meshes[mesh]
         keep = [names.index(d) for d in dims]
         rest = [i for i in range(ranks.ndim) if i not in keep]
         rows = ranks.permute(*rest, *keep).reshape(-1, math.prod(ranks.shape[i] for i in keep))
         labels = torch.empty(self.world, dtype=torch.int64)
         labels[rows] = torch.arange(rows.shape[0])[:, None]
+        self._label_cache[mesh, dims] = labels
         return labels
 
     def group(self, rank: int, mesh: str, dims: tuple[str, ...]) -> frozenset[int]:
         labels = self._labels(mesh, tuple(dims))
         return frozenset((labels == labels[rank]).nonzero().flatten().tolist())
 
-    @lru_cache(maxsize=None)
     def _names(self, rank: int, first: str = "attention") -> dict[frozenset[int], tuple[str, tuple[str, ...]]]:
-        out: dict = {}
+        if (rank, first) in self._name_cache:
+            return self._name_cache[rank, first]
+        out: dict = self._name_cache.setdefault((rank, first), {})
         for mesh in sorted(self.meshes, key=lambda m: m != first):  # `first`'s names first, fewest dims first
             for k in range(len(self.big[mesh]) + 1):
                 for dims in itertools.combinations(self.big[mesh], k):

@@ -304,7 +304,7 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
             # experts outside FSDP cast their own weights; autograd keeps each forward's copy
             unsharded += expert_local * A * flight
 
-        def acts(worst, rc=m.recompute):
+        def acts(worst, rc=m.recompute, flight=flight):
             per_mb = sum(layers[k] * activation_bytes(sizes, m, work, k, rc, worst) for k in layers)
             if rc == "full":  # one block is recomputed at a time and holds all its tensors
                 per_mb += activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst)

@@ -108,12 +108,12 @@ def table(rep: dict, gpus_per_node: int | None = None) -> str:
     lines += ["", "per rank: group number of each dim (index in the json lists; * = crosses a node)"]
     header = ["rank"] + (["node"] if gpus_per_node else []) + [f"{m[:3]}.{n}" for m, n in dims]
     widths = [max(len(h), 5) for h in header]
-    lines.append("  ".join(h.rjust(wd) for h, wd in zip(header, widths)))
+    lines.append("  ".join(h.rjust(wd) for h, wd in zip(header, widths, strict=True)))
     index = {d: _group_index(gs, w) for d, gs in groups.items()}
     for r in range(w):
         row = [str(r)] + ([str(r // gpus_per_node)] if gpus_per_node else [])
         row += [f"{index[d][r]}{'*' if index[d][r] in crossing[d] else ''}" for d in dims]
-        lines.append("  ".join(c.rjust(wd) for c, wd in zip(row, widths)))
+        lines.append("  ".join(c.rjust(wd) for c, wd in zip(row, widths, strict=True)))
     return "\n".join(lines) + "\n"
 
 
