@@ -192,7 +192,7 @@ def _dtype_name(tensors) -> str:
     for t in tensors:
         if t.dtype.is_floating_point:
             weights[t.dtype] = weights.get(t.dtype, 0) + t.numel() * t.dtype.itemsize
-    return str(max(weights, key=weights.get) if weights else torch.float32).removeprefix("torch.")
+    return str(max(weights, key=weights.__getitem__) if weights else torch.float32).removeprefix("torch.")
 
 
 def save_hf_folder(

@@ -10,7 +10,7 @@ on the CPU, and inside an enclosing torch.compile (which fuses it there), fn run
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-_COMPILED = {}
+_COMPILED: dict = {}
 
 
 def fused(fn):

@@ -10,7 +10,7 @@ class Range(typing.NamedTuple):
 
     key: str
     rule: str
-    ok: typing.Callable[[float], bool]
+    ok: typing.Callable[[typing.Any], bool]  # the key's value: a number, or a string or list for a few
 
 
 def _at_least(low: float) -> typing.Callable[[float], bool]:

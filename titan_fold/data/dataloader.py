@@ -255,6 +255,7 @@ def build_dataset(tokenizer, job_config) -> TokenWindows | PackedDocuments:
     _check_dataset_settings(tr)
     if tr.dataset_format == "chat":
         return build_chat_dataset(tokenizer, job_config)
+    corpus: StdlibCorpus | HFTextCorpus
     if tr.dataset == "stdlib":
         corpus = StdlibCorpus(tokenizer)
     else:

@@ -119,7 +119,7 @@ class GradientTracer(TorchDispatchMode):
         self.phase: str | None = "grad"
         self.recording = True
         # (phase, fqn) -> [(op, group ranks, reducing)]
-        self.events: dict[tuple[str, str], list[tuple[str, tuple[int, ...], bool]]] = defaultdict(list)
+        self.events: dict[tuple[str | None, str], list[tuple[str, tuple[int, ...], bool]]] = defaultdict(list)
 
     def tag(self, t: torch.Tensor, names) -> None:
         local = _local(t)
@@ -232,7 +232,7 @@ class GradientWatch:
         self.fires: dict[str, int] = defaultdict(int)
         self.constants: dict[str, float] = {}  # the value each gradient was given, in its dtype
         self.hooked: set[int] = set()
-        self.handles = []
+        self.handles: list = []
         self.result = RankResult(rank)
         self.names = {id(m): _plan_fqn(name) for part in trainer.model_parts for name, m in part.named_modules()}
         self.params = [(_plan_fqn(fqn), p) for part in trainer.model_parts for fqn, p in part.named_parameters()]

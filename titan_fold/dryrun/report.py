@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from typing import Any
 
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
@@ -23,7 +24,7 @@ from titan_fold.planning.accounting import GIB
 from titan_fold.trainer.preflight import model_args_from_config, preflight
 
 
-def check_config(job_config, world_size: int) -> tuple[Layout, object, list[str]]:
+def check_config(job_config, world_size: int) -> tuple[Layout, Any, list[str]]:
     """Every check of a real run's preflight (preflight.CHECKS), failing as the real run fails;
     a tokenizer folder missing on this machine and a Hub dataset are warnings (the cluster has them)."""
 

@@ -31,8 +31,9 @@ def _forget_dtensor_decisions() -> None:
         getattr(prop, "_propagate_tensor_meta_cached", None),
         getattr(_redistribute, "_gen_transform_infos", None),
     ):
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
     if hasattr(_redistribute, "clear_redistribute_planner_cache"):
         _redistribute.clear_redistribute_planner_cache()
     if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's

@@ -26,7 +26,7 @@ class TransformerArgs(BaseModelArgs):
     n_kv_heads: int = 2  # grouped-query attention: n_heads // n_kv_heads query heads share one K/V head
     # None = dim // n_heads, filled in at construction: dataclasses.replace(args, dim=...) keeps
     # the old value, so pass head_dim=None with a new dim or n_heads
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]  # an int once __post_init__ has run
     vocab_size: int = 512
     norm_eps: float = 1e-6
     rope_theta: float = 1e6

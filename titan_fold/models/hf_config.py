@@ -448,7 +448,7 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
         }
     need(moe.score_func == "softmax", f"routes with softmax scores, the model has {moe.score_func!r}")
     dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
-    config = {
+    config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[family]],
         "model_type": family,
         **_sizes(args),

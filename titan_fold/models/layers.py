@@ -47,7 +47,10 @@ def apply_rope_qk(
     for every key head). Op by op that is a cast, a concatenation and fp32 products per tensor,
     and the norms' own passes, each through memory; on plain tensors outside torch.compile
     (which fuses these itself) forward and backward are each one fused() call over both."""
-    norms = () if q_norm is None else (q_norm, k_norm)
+    norms: tuple[nn.RMSNorm, ...] = ()
+    if q_norm is not None:
+        assert k_norm is not None, "q_norm and k_norm come together"
+        norms = (q_norm, k_norm)
     if (
         torch.compiler.is_compiling()
         or type(q) is not torch.Tensor
@@ -57,12 +60,12 @@ def apply_rope_qk(
         or any(norm.weight is None or isinstance(norm.weight, DTensor) or _hooked(norm) for norm in norms)
     ):
         if norms:
-            q, k = q_norm(q), k_norm(k)
+            q, k = norms[0](q), norms[1](k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if not norms:
         return _RopeQK.apply(q, k, cos, sin)
     eps = [torch.finfo(q.dtype).eps if norm.eps is None else norm.eps for norm in norms]
-    return _NormRopeQK.apply(q, k, q_norm.weight, k_norm.weight, cos, sin, *eps)
+    return _NormRopeQK.apply(q, k, norms[0].weight, norms[1].weight, cos, sin, *eps)
 
 
 def _hooked(module: nn.Module) -> bool:

@@ -15,6 +15,7 @@ calls) for the `mtp_loss` metric (mtp_stats_values, mtp_stats_from).
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ IGNORE_INDEX = -100  # torchtitan's, for labels past the end of a sequence
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, layer_id: int, args, block: Callable[[int, object], nn.Module]):
+    def __init__(self, layer_id: int, args, block: Callable[[int, Any], nn.Module]):
         super().__init__()
         self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -48,7 +49,7 @@ class TokenCrossEntropy(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, args, block: Callable[[int, object], nn.Module]):
+    def __init__(self, args, block: Callable[[int, Any], nn.Module]):
         """block(layer_id, args): the model's transformer block."""
         super().__init__()
         self.args = args

@@ -79,6 +79,7 @@ class Attention(nn.Module):
             nn.init.zeros_(self.wo.bias)
         if self.q_norm is not None:
             self.q_norm.reset_parameters()
+            assert self.k_norm is not None  # built with q_norm
             self.k_norm.reset_parameters()
 
 
@@ -118,6 +119,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(ModelProtocol):
+    rope_cos: torch.Tensor  # [max_seq_len, rotated dims], a buffer
+    rope_sin: torch.Tensor
+
     def __init__(self, args: TransformerArgs):
         super().__init__(args)
         self.args = args

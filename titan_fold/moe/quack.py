@@ -114,7 +114,7 @@ def quack_problem(device_index: int | None = None) -> str | None:
     return _PROBLEMS[device_index]
 
 
-_PROBLEMS = {}
+_PROBLEMS: dict = {}
 
 
 def _problem(device_index: int | None) -> str | None:
@@ -267,7 +267,7 @@ def _choose(tuner, args: tuple, kwargs: dict | None = None):
 def _fastest(candidates: list, run: Callable, time_ms: Callable) -> object:
     """The candidate c whose run(c) has the least median time_ms over _ROUNDS rounds, each round
     timing every candidate in turn (a clock that drifts over the rounds moves them alike)."""
-    times = [[] for _ in candidates]
+    times: list[list[float]] = [[] for _ in candidates]
     for _ in range(_ROUNDS):
         for c, t in zip(candidates, times, strict=True):
             t.append(time_ms(lambda c=c: run(c)))
@@ -404,6 +404,7 @@ _PLANS: dict[tuple, tuple] = {}
 def _signature(*operands: torch.Tensor | None) -> tuple:
     """The key of a launch chosen once per call signature: the first operand's device, then each
     operand's dtype, shape and strides (None where an operand is absent)."""
+    assert operands[0] is not None, "the first operand is always given"
     return (operands[0].device, *(t if t is None else (t.dtype, t.shape, t.stride()) for t in operands))
 
 

@@ -122,7 +122,7 @@ def route_whole(
     return probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, None)
 
 
-_COMPILED = {}
+_COMPILED: dict = {}
 
 
 def _compiled_on(device: torch.device, fn):

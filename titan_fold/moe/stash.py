@@ -105,6 +105,7 @@ class Stash:
     def _release(self) -> None:
         self.outstanding -= 1
         if self.outstanding == 0:
+            assert self.offset is not None  # set by the first save
             self.offset.zero_()
 
 

@@ -61,7 +61,7 @@ def defer_weight_grad(
     grad: torch.Tensor,
     x: torch.Tensor,
     offs: torch.Tensor,
-    weight_grad: Callable = None,
+    weight_grad: Callable | None = None,
 ) -> None:
     """Queue dW = grad^T x per group, sent into w's autograd graph (w is the forward's weight
     operand); weight_grad(grad, x, offs) -> [E, N, K] computes it (default: torch's GEMMs)."""

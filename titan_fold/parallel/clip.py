@@ -71,7 +71,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: 
     norm (get_total_norm) returns bf16 for bf16 gradients, and is slower (bench/grad_norm.py).
     The 2-norm of the large plain CUDA gradients comes from one Triton launch of partial sums of
     squares per dtype instead (sum_squares.py), which reads them at the memory's rate."""
-    large, small = defaultdict(list), []  # large: by dtype
+    large: defaultdict[torch.dtype, list] = defaultdict(list)  # by dtype
+    small: list = []
     for g in grads:
         (large[g.dtype] if _summed_by_kernel(g, norm_type) else small).append(g)
     norms = []

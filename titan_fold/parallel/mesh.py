@@ -75,7 +75,7 @@ class Layout(ParallelDims):
         self.world_size = world_size
         self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp = pp, dp_replicate, dp_shard, cp, tp
         self.ep, self.etp, self.edp = ep, etp, edp
-        self._meshes = {}
+        self._meshes: dict[str, DeviceMesh] = {}
         self._world_mesh = None
         self._attention: DeviceMesh | None = None
         self._expert: DeviceMesh | None = None
@@ -326,6 +326,7 @@ class Layout(ParallelDims):
             sizes = (self.dp_replicate, self.edp // self.dp_replicate)
             return self._meshes["edp"]._unflatten(0, sizes, ("dp_replicate", "efsdp"))
         for mesh in (self._attention, self._expert):
+            assert mesh is not None, "build_mesh() first"
             dims = mesh.mesh_dim_names
             expanded = [d for n in names for d in (FLATTENED[n][1] if n in FLATTENED else (n,))]
             if not set(expanded) <= set(dims):

@@ -137,7 +137,7 @@ class MicroBatch:
         self.loss_fn, self.positions = loss_fn, positions
         self.pieces: list = []  # forward order
         self.wgrad: dict[int, WgradQueue] = {}  # experts piece index -> its layer's weight-gradient queue
-        self.output = None
+        self.output: torch.Tensor | None = None
         self.input_grad = None  # after backward: the gradient of hidden-state inputs
 
     def forward(self) -> Iterator[None]:
@@ -325,6 +325,7 @@ class OverlapSchedule:
             self.pending, self.done = None, 0
         else:
             self.pending = mb
+        assert mb.output is not None  # set by its forward
         return mb.output.detach()
 
 
@@ -344,7 +345,7 @@ def pair_steady_state(actions: list) -> list:
     """Each backward directly followed by a forward on one rank -> one OVERLAP_F_B of the two.
     A backward comes after its own micro-batch's forward, so the forward it pairs with is
     another micro-batch's (or another stage's)."""
-    out = []
+    out: list = []
     for a in actions:
         b = out[-1] if out else None
         if a is not None and a.computation_type == FORWARD and b is not None and b.computation_type == FULL_BACKWARD:
@@ -390,7 +391,8 @@ class StagePieces:
             prepare(stage.submod)
 
     def __call__(self, action, ctx) -> None:
-        forward = backward = iter(())
+        forward: Iterator[None] = iter(())
+        backward: Iterator[None] = iter(())
         for a in action.sub_actions or (action,):
             if a.computation_type == FORWARD:
                 forward = self.forward(a.stage_index, a.microbatch_index, ctx)

@@ -281,7 +281,7 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
         extra_kwargs["positions"] = positions.expand(inputs.shape[0], -1)  # [local_batch, s/cp]
     schedule.token_loss.scale = 1.0 / global_valid_tokens
     last = trainer.pp_has_last_stage
-    losses = [] if last else None
+    losses: list | None = [] if last else None
     with trainer.train_context(), trainer.maybe_enable_amp:
         inputs = (inputs,) if trainer.pp_has_first_stage else ()
         extra = extra_inputs if trainer.pp_has_first_stage else {}

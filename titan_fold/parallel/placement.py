@@ -339,7 +339,7 @@ def placement_plan(
     plan = {}
     for fqn, param in model.named_parameters():
         owner, name = fqn.rsplit(".", 1)
-        top = re.match(r"layers\.\d+|[^.]+", fqn).group(0)  # the module a pipeline stage lists
+        top = re.findall(r"layers\.\d+|[^.]+", fqn)[0]  # the module a pipeline stage lists
         stage = stage_of.get(top, 0)
         if owner.endswith(".experts"):
             ep_place, etp_place, width = _EXPERT_RULES[name]
@@ -385,7 +385,8 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
         folded.setdefault(key, []).append(int(m.group(1)) if m else -1)
 
     def layer_ranges(ids: list[int]) -> str:
-        ids, runs = sorted(ids), []
+        ids = sorted(ids)
+        runs: list[list[int]] = []
         for i in ids:
             if runs and i == runs[-1][1] + 1:
                 runs[-1][1] = i
@@ -394,7 +395,7 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
         return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
     staged = any(placed.stage for placed in plan.values())
-    rows = [("parameter", "mesh", "placements", "tp_style", "shape", "local", "fsdp", "stage")]
+    rows: list[tuple[str, ...]] = [("parameter", "mesh", "placements", "tp_style", "shape", "local", "fsdp", "stage")]
     for (name, placed), ids in folded.items():
         if "{}" in name:
             name = name.format(layer_ranges(ids))
@@ -420,6 +421,6 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
             )
         )
     keep = [i for i in range(len(rows[0])) if not (i == 5 and layout is None) and not (i == 7 and not staged)]
-    rows = [[r[i] for i in keep] for r in rows]
+    rows = [tuple(r[i] for i in keep) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

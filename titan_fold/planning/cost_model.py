@@ -477,7 +477,7 @@ def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[in
 
 
 @functools.lru_cache(maxsize=4096)
-def node_stats(m: Mapping, gpus_per_node: int, legacy: bool = False) -> dict[str, tuple[int, int, float]]:
+def node_stats(m: Mapping, gpus_per_node: int, legacy: bool = False) -> dict[str, tuple[int, float, int]]:
     """{dim: (groups crossing a node boundary, worst share of peers off-node, groups)}; m.recompute ignored."""
     return {name: (*_node_stats(gs, gpus_per_node), len(gs)) for name, gs in group_membership(m, legacy).items()}
 
@@ -588,7 +588,7 @@ def estimate(
     costs.update({f"{n} comm": c.seconds for n, c in comm.items() if not c.overlapped})
     if waits:
         costs["exchange host waits"] = mb * waits
-    est.dominant = max(costs, key=costs.get)
+    est.dominant = max(costs, key=costs.__getitem__)
     cross = [f"{n}({c.crossing}/{c.groups})" for n, c in comm.items() if c.crossing]
     est.reasons = [
         f"dominant: {est.dominant} {costs[est.dominant]:.2f}s of {step:.2f}s",

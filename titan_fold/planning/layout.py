@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         layout = build_layout(args, model_args)
         stages = None
         if args.placements and layout.pp > 1:
+            assert model_args is not None  # --placements needs --model (checked above)
             stages = stage_fqns(
                 Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp
             )

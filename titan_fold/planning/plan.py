@@ -157,24 +157,24 @@ def run(args: argparse.Namespace) -> int:
     fixed = parse_degrees("--fix", args.fix)
     try:
         family, flavor = resolve_flavor(args.model)
-    except ValueError as e:
-        raise PlanError(f"--model: {e}") from None
+    except ValueError as err:
+        raise PlanError(f"--model: {err}") from None
     sizes = model_sizes(FLAVORS[family][flavor], args.seq_len, f"{family}/{flavor}")
 
     if args.min_gpus:
         wanted = parse_degrees("--min-gpus", args.min_gpus)
         progress = _Progress(" ".join(args.min_gpus), MIN_GPUS_BUDGET_S)
-        result = {}
+        fewest = {}
         for folded in (True, False):
             found = min_gpus(sizes, args.seq_len, wanted, folded, progress=progress)
-            result["folded" if folded else "legacy"] = (
+            fewest["folded" if folded else "legacy"] = (
                 {"gpus": found[0], "mapping": found[1].short()} if found else None
             )
         if args.format == "json":
-            print(json.dumps(result))
+            print(json.dumps(fewest))
         else:
             want = " ".join(args.min_gpus)
-            for k, v in result.items():
+            for k, v in fewest.items():
                 print(f"{k:<7} {want}: " + (f"{v['gpus']} GPUs  ({v['mapping']})" if v else "none up to 4096 GPUs"))
         return 0
 
