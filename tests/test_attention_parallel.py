@@ -16,10 +16,13 @@ import os
 import tempfile
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from launcher import run_ranks, start_rank
+
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 WORLD = 8
 B, S = 2, 32

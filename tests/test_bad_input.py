@@ -271,6 +271,7 @@ def test_bad_dataset_is_one_line_in_both_runs(tmp_path, name, pattern):
     assert not (tmp_path / "real").exists()  # refused before the dump folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hub", "no_tokens"])
 def test_dataset_found_bad_by_a_real_run_is_one_line(tmp_path, name):
     """A Hub name is read as the data loader is built; a text file of empty lines found empty

@@ -1459,6 +1459,7 @@ def test_launch_smoke(tmp_path):
     assert len(lines) == 2 + len(figures["rows"]) and all(line.endswith("| 2.00 |") for line in lines[2:])
 
 
+@pytest.mark.slow
 def test_dry_run_smoke(tmp_path):
     """bench/dry_run.py on debug_moe.toml at 2 ranks: the dry run without and with the collective
     check, each in a fresh process whose CPU time holds the dry run's own; a table row each."""

@@ -13,6 +13,8 @@ from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import parse_args
 from titan_fold.trainer.preflight import CHECKS, model_args_from_config
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 NPROC = 2
 
 

@@ -116,6 +116,7 @@ def same_biases(resumed, ref) -> None:
         assert torch.equal(got[k], want[k]), (k, got[k], want[k])
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_every_state(run_a):
     folder, _ = run_a
     step3 = str(folder / "checkpoint" / "step-3")
@@ -142,16 +143,19 @@ def test_checkpoint_holds_every_state(run_a):
     assert state["layers.0.moe.router.expert_bias"].abs().sum() > 0  # aux-free biases moved
 
 
+@pytest.mark.slow
 def test_layouts_agree_uninterrupted(run_a, run_one):
     close(run_a[1], run_one[1], range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_resume_two_ranks_ep2_on_one_rank(run_a, run_one, tmp_path):
     got = resume(tmp_path, run_a[0] / "checkpoint" / "step-3", 1)
     close(got, run_one[1], (4, 5, 6))
     same_biases(tmp_path, run_one[0])
 
 
+@pytest.mark.slow
 def test_resume_two_ranks_ep2_on_pipeline_pp2_edp2(run_a, run_one, tmp_path):
     # 4 pipeline micro-batches of one sequence per rank and step
     got = resume(
@@ -167,6 +171,7 @@ def test_resume_two_ranks_ep2_on_pipeline_pp2_edp2(run_a, run_one, tmp_path):
     same_biases(tmp_path, run_one[0])
 
 
+@pytest.mark.slow
 def test_resume_one_rank_on_four_ranks_tp2_ep2_etp2(run_one, tmp_path):
     got = resume(
         tmp_path,
@@ -182,6 +187,7 @@ def test_resume_one_rank_on_four_ranks_tp2_ep2_etp2(run_one, tmp_path):
     same_biases(tmp_path, run_one[0])
 
 
+@pytest.mark.slow
 def test_resume_two_ranks_dp2_ep2_on_cp2_etp2(run_a, run_one, tmp_path):
     got = resume(
         tmp_path,
@@ -196,6 +202,7 @@ def test_resume_two_ranks_dp2_ep2_on_cp2_etp2(run_a, run_one, tmp_path):
     same_biases(tmp_path, run_one[0])
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_from_last_complete_checkpoint(run_a, seed_checkpoint, tmp_path):
     """Rank 1 dies (SIGKILL) inside step 5 under torchrun --max-restarts.
 
@@ -259,6 +266,7 @@ def test_killed_rank_restarts_from_last_complete_checkpoint(run_a, seed_checkpoi
 # ---------------------------------------------------------------- no launch
 
 
+@pytest.mark.slow
 def test_find_load_step_skips_incomplete(seed_checkpoint, tmp_path):
     from torchtitan.components.checkpoint import CheckpointManager
 
@@ -273,6 +281,7 @@ def test_find_load_step_skips_incomplete(seed_checkpoint, tmp_path):
     assert complete(str(tmp_path / "step-3")) and not complete(str(tmp_path / "step-7"))
 
 
+@pytest.mark.slow
 def test_mismatched_checkpoint_fails_clearly(seed_checkpoint):
     md = read_metadata(seed_checkpoint).state_dict_metadata
     good = {k: torch.empty(m.size) for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
@@ -307,6 +316,7 @@ def test_checkpoint_with_gate_and_up_apart_names_the_way_out(tmp_path):
         validate_against(str(tmp_path / "step-1"), want)
 
 
+@pytest.mark.slow
 def test_truncated_data_file_fails_before_loading(seed_checkpoint, tmp_path):
     bad = tmp_path / "step-0"
     shutil.copytree(seed_checkpoint, bad)
@@ -326,6 +336,7 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.slow
 def test_metadata_is_unpickled_with_an_allow_list(seed_checkpoint, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(seed_checkpoint, bad)
@@ -357,6 +368,7 @@ def test_non_tensor_entries_must_load_weights_only(tmp_path):
         check_bytes_entries(str(tmp_path / "bad"), read_metadata(str(tmp_path / "bad")))
 
 
+@pytest.mark.slow
 def test_checkpoint_records_the_runs_settings(run_a):
     folder, _ = run_a
     with open(folder / "checkpoint" / "step-3" / SETTINGS_FILE) as f:
@@ -370,6 +382,7 @@ def test_checkpoint_records_the_runs_settings(run_a):
     assert saved["training.steps"] == STEPS and saved["optimizer.lr"] == 3e-3
 
 
+@pytest.mark.slow
 def test_resume_with_another_seq_len_is_one_line_before_any_work(run_a, tmp_path):
     os.makedirs(tmp_path / "checkpoint")
     shutil.copytree(run_a[0] / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
@@ -394,6 +407,7 @@ def test_resume_with_another_seq_len_is_one_line_before_any_work(run_a, tmp_path
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]  # nothing written, the lock not taken
 
 
+@pytest.mark.slow
 def test_resume_names_what_changes_and_keeps_layout_changes_silent(run_a, tmp_path):
     from titan_fold.common.config import parse_args
     from titan_fold.data import build_tokenizer
@@ -470,6 +484,7 @@ def four_steps(tmp_path_factory):
     return records(folder)
 
 
+@pytest.mark.slow
 def test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint(four_steps, tmp_path):
     """`--checkpoint.enable --training.steps 2`, then the same with 4: the last save of the first
     run holds the weights only (checkpoint.last_save_model_only, the default). The second run
@@ -492,6 +507,7 @@ def test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint(fou
     assert complete(str(tmp_path / "checkpoint" / "step-4"))
 
 
+@pytest.mark.slow
 def test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step(four_steps, tmp_path):
     """Full checkpoints: 2 steps extended to 4 are the 4-step run bit for bit (the first run's
     schedule would give step 3 an lr of 0); resumed with another optimizer.lr, step 3 runs

@@ -103,6 +103,7 @@ print("programs", parts.numel())
 """
 
 
+@pytest.mark.slow
 def test_sum_squares_kernel_in_the_triton_interpreter():
     """The gradient norm's kernel (sum_squares.py) run by Triton's interpreter on the CPU: five
     tensors of one dtype (the binary search over a padded table of eight), each program's

@@ -200,6 +200,7 @@ def test_paper_long_context_case_prefers_a_folded_mapping():
     assert again.step_s == best.step_s
 
 
+@pytest.mark.slow
 def test_cli_json_and_written_config_parse(tmp_path):
     cfg = tmp_path / "plan.toml"
     out = python_m(

@@ -10,11 +10,14 @@ reference on the group's whole sequences and keeps its slice.
 
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 from launcher import end_rank_checks, fork_ranks, free_port, rank_failures, start_rank
 from test_moe_layer import DIM, make_layer
 from test_moe_reference import reference_moe
+
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 WORLD = 8
 B, S_LOC = 2, 6  # sequences per rank, tokens of each sequence on this rank

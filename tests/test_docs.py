@@ -12,6 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "docs"))
 import gen  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 
 @pytest.mark.parametrize("doc", gen.DOCS)
 def test_quoted_output_is_current(doc):

@@ -103,6 +103,7 @@ def test_every_packaged_config_has_a_world_size():
     assert sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")) == sorted(WORLD)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WORLD))
 def test_packaged_config_dry_runs(name):
     """Every rank position of the config at its world size: built and counted (the
@@ -131,6 +132,7 @@ def test_packaged_config_dry_runs(name):
     print(f"{name}: {time.process_time() - start:.1f} CPU s")
 
 
+@pytest.mark.slow
 def test_fake_float32_experts_keep_what_real_ones_keep():
     """float32 experts under fake tensors (the debug configs' dry run) run one GEMM chain over
     every row, as fake grouped GEMMs take bf16 only and the per-expert chains need the row
@@ -154,6 +156,7 @@ def test_fake_float32_experts_keep_what_real_ones_keep():
     assert fake == real - 4 * len(counts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", sorted(PAPER_1024))
 def test_paper_1024_rank_layouts(label):
     name, overrides = PAPER_1024[label]
@@ -170,6 +173,7 @@ def test_paper_1024_rank_layouts(label):
     ) * args.dim * args.moe.moe_ffn_dim // (c.parallelism.expert_tensor_parallel_degree * report["expert_mesh"]["edp"])
 
 
+@pytest.mark.slow
 def test_local_shapes_partition_the_model():
     """On every rank of a pure FSDP x (ep 4, etp 2) world the local parameters are pieces of
     the model: their numels over all ranks add up to the model's parameter count."""
@@ -189,6 +193,7 @@ def test_local_shapes_partition_the_model():
     assert total == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_fake_backend_command(tmp_path, monkeypatch, capsys):
     """The command of the issue, as torchtitan documents the dry run (NGPU, one process)."""
     from titan_fold.train import main
@@ -225,6 +230,7 @@ def test_fake_backend_command(tmp_path, monkeypatch, capsys):
     assert "every member of every group issues the same sequence" in text
 
 
+@pytest.mark.slow
 def test_progress_per_phase_on_stderr(tmp_path):
     """A line per phase on stderr (the collective phase's with the ranks recorded so far); the
     report alone on stdout."""
@@ -267,6 +273,7 @@ def test_local_tensor_mode_is_refused(monkeypatch, capsys):
     assert "local_tensor" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_mismatched_dispatcher_is_caught(monkeypatch):
     """A dispatcher that skips the counts' all-gather over etp on one rank: the check names
     the etp group, the rank and the call site."""
@@ -319,6 +326,7 @@ def test_banner():
     assert f"params {4 * numel / 2**30:.2f} GiB" in text
 
 
+@pytest.mark.slow
 def test_doc_excerpt_is_current():
     doc = (ROOT / "docs" / "dryrun.md").read_text()
     assert dryrun.excerpt_block(dryrun.doc_excerpt()) in doc, "run: python -m titan_fold.dryrun --update-docs"
@@ -341,6 +349,7 @@ PP2 = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", sorted(PP2))
 def test_pipeline_exchange_is_matched(schedule):
     """The real schedule runs on the fake process group; every send has its recv."""
@@ -361,6 +370,7 @@ def test_pipeline_exchange_is_matched(schedule):
         assert sum(call["shapes"] == hidden for call in sends) == 2 * (stages - 1) * micro
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["other shape", "skipped send"])
 def test_broken_pipeline_exchange_is_caught(fault, monkeypatch):
     """Rank 1 (stage 0) sends its activations one token short, or not at all: the check names

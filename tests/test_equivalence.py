@@ -10,6 +10,8 @@ The one-rank run accumulates 8 micro-batches per step.
 import pytest
 from conftest import assert_matches_one_rank, train_from_seed
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 STEPS = 5
 BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
 

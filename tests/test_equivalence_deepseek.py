@@ -15,6 +15,8 @@ import pytest
 from conftest import assert_matches_one_rank, torchrun, train_from_seed
 from test_equivalence import BATCH, STEPS, degrees
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 CONFIG = "debug_deepseek_v3.toml"
 MTP = ("--mtp.num_layers", "1")
 PP2 = (

@@ -18,6 +18,8 @@ from conftest import python_m, read_metrics, torchrun
 
 import titan_fold
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 STEPS = 6  # logged: 1, 5 (log_freq) and 6 (the last)
 TEST_EXTRAS = ["transformers", "matplotlib", "pytest", "xdist"]  # pyproject.toml's [test] extra
 NOISE = [

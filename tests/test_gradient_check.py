@@ -103,6 +103,7 @@ def test_groups_agree_with_the_layout_tool():
 # ---------------------------------------------------------------- the paper's layouts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", sorted(PAPER_1024))
 def test_paper_1024_rank_layouts_gradients(label):
     """The first and the last rank of the first and the last pipeline stage."""
@@ -134,6 +135,7 @@ TP2_EP4 = (
 )
 
 
+@pytest.mark.slow
 def test_unplanted_layouts_match():
     """The layouts the plants below run in, as shipped: every parameter matches."""
     assert not run("debug_moe.toml", 8, *TP2_EP4, ranks=[0, 7])["mismatches"]
@@ -154,6 +156,7 @@ def test_unplanted_layouts_match():
     )["mismatches"]
 
 
+@pytest.mark.slow
 def test_rowwise_bias_is_whole_on_every_tp_rank():
     """wo with a bias (Qwen3's attention_bias): replicated on tp like the norms, but added after
     wo's reduction: its gradient is whole on each tp rank, the plan sums it over dp only."""
@@ -172,6 +175,7 @@ def test_rowwise_bias_is_whole_on_every_tp_rank():
     assert rows == {("dp_shard", "dp_shard")}
 
 
+@pytest.mark.slow
 def test_router_never_summed_over_tp(monkeypatch):
     """TokenwiseReplicate declaring each tp rank's token rows replicated: DTensor then sees a
     complete router gradient on every tp rank and nothing sums it over tp."""
@@ -189,6 +193,7 @@ def test_router_never_summed_over_tp(monkeypatch):
     assert all("gradient summed over dp_shard, the plan says dp_shard x tp" in p for ps in found.values() for p in ps)
 
 
+@pytest.mark.slow
 def test_norm_never_summed_over_tp(monkeypatch):
     """Without FSDP (tp 2 on 2 ranks) the partial gradients of the norms are made whole by
     `_grads_like_params`; a copy that takes the local sum for the whole one."""
@@ -226,6 +231,7 @@ def test_norm_never_summed_over_tp(monkeypatch):
     assert not any("wq" in fqn or "experts" in fqn for fqn in found)  # sharded on tp: nothing to sum
 
 
+@pytest.mark.slow
 def test_replicated_parameter_counted_tp_times_in_the_norm(monkeypatch):
     """A copy of clip.total_norm that sums every rank's local norm over every dim of the
     gradients' mesh, replicated dims included."""
@@ -281,6 +287,7 @@ def _plant_in_expert_fsdp(monkeypatch, plant):
 EXPERTS = {f"layers.{i}.moe.experts.{w}" for i in (0, 1) for w in ("w13", "w2")}
 
 
+@pytest.mark.slow
 def test_skipped_reduce_scatter(monkeypatch):
     """The experts' FSDP unit left out of gradient sync: no reduce-scatter over edp."""
     _plant_in_expert_fsdp(monkeypatch, lambda unit, layout: unit.set_requires_gradient_sync(False))
@@ -290,6 +297,7 @@ def test_skipped_reduce_scatter(monkeypatch):
     assert "gradient summed over none, the plan says edp" in found["layers.0.moe.experts.w13"]
 
 
+@pytest.mark.slow
 def test_extra_reduction(monkeypatch):
     """Expert gradients also all-reduced over ep after FSDP's reduce-scatter (as if ep
     were data parallel)."""
@@ -304,6 +312,7 @@ def test_extra_reduction(monkeypatch):
     assert found["layers.1.moe.experts.w2"] == ["gradient summed over edp x ep, the plan says edp"]
 
 
+@pytest.mark.slow
 def test_divided_by_the_wrong_degree(monkeypatch):
     """Expert gradients divided by ep (FSDP's divide factor) though the loss is already a
     mean over every token of the step."""
@@ -316,6 +325,7 @@ def test_divided_by_the_wrong_degree(monkeypatch):
     ]
 
 
+@pytest.mark.slow
 def test_reduced_over_tp_where_ep_equals_tp(monkeypatch):
     """ep = tp = 2 with etp 2: the expert gradients summed over the tp group, which has ep's
     size but other ranks (the etp group here): named by its dims, not passed for its size."""
@@ -343,6 +353,7 @@ def test_reduced_over_tp_where_ep_equals_tp(monkeypatch):
     assert found["layers.0.moe.experts.w13"] == ["gradient summed over edp x etp, the plan says edp"]
 
 
+@pytest.mark.slow
 def test_one_parameter_listed_twice_for_the_norm(monkeypatch):
     """mixtral_8x22b.toml at 128 ranks, a rank of the last stage: the trainer hands the clip
     the final norm's weight twice. One parameter among the stage's, named alone."""
@@ -363,6 +374,7 @@ def test_one_parameter_listed_twice_for_the_norm(monkeypatch):
     }
 
 
+@pytest.mark.slow
 def test_command_prints_the_table_and_exits_1_on_a_mismatch(tmp_path, monkeypatch, capsys):
     """`--comm.check_gradients` on the dry run (without the collective check: one rank per
     position): the table and exit 0; with the experts divided by ep, their lines and exit 1."""

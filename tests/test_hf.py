@@ -20,6 +20,8 @@ from titan_fold.hf import main
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS, HFConfigError, HFKeyError, args_from_hf_config, hf_config
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 HF_CLASSES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

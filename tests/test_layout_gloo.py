@@ -1,11 +1,14 @@
 """One real 8-rank gloo launch: both meshes of several layouts, collectives on every named group."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from launcher import run_ranks, start_rank
 from test_layout import reference
 
 from titan_fold.parallel.mesh import Layout
+
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 WORLD = 8
 # (world, pp, dp_replicate, dp_shard, cp, tp, ep, etp)

@@ -170,6 +170,7 @@ def fused_route_against_route_whole(device: str):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case}: {m}")
 
 
+@pytest.mark.slow
 def test_fused_route_equals_route_whole_in_the_triton_interpreter():
     """The Triton kernels' logic on the CPU: Triton's interpreter runs them (TRITON_INTERPRET=1, set
     before Triton is imported: a process of its own)."""

@@ -32,6 +32,8 @@ from titan_fold.models.groups import uses_muon
 from titan_fold.parallel.orthogonalize import Orthogonalizer
 from titan_fold.trainer.muon import Muon
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 WORLD = 4
 SHAPES = {
     "layers.0.attention.wq.weight": (24, 16),

@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 from mutations import MUTATIONS, ROOT, Mutation, mutate, read_record, run
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 
 def test_record_covers_every_mutation_as_it_is():
     names = [m.name for m in MUTATIONS]

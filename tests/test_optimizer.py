@@ -22,6 +22,8 @@ from titan_fold.trainer.optimizer import (
     build_optimizers,
 )
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 
 

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from conftest import assert_matches_one_rank, train_from_seed
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 WORLD = 4
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp)
 MICRO_BATCHES = 3

@@ -18,6 +18,8 @@ from titan_fold.dryrun import shrunk_config
 from titan_fold.models.hf_config import hf_config
 from titan_fold.trainer.preflight import model_args_from_config
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 STEPS = 2
 CHAT_SEQ_LEN = 256
 # the degrees a shrunk run keeps above 1 (at 2), in this order, while each side's product is at most 4

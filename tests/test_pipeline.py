@@ -16,6 +16,8 @@ from titan_fold.moe import MoE
 from titan_fold.parallel.mesh import LayoutError
 from titan_fold.parallel.pipeline import StageHooks, TokenNormalizedLoss, stage_fqns, stage_model
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 EMB, HEAD = ["tok_embeddings"], ["norm", "output"]
 
 

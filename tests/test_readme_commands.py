@@ -32,6 +32,8 @@ except ModuleNotFoundError:  # Python 3.10
 import pytest
 from conftest import forked
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2  # per trainer command; one that resumes a checkpoint trains 2 more
 PROGRAMS = re.compile(r"^(\$ )?([A-Z_]+=\S+ )*(torchrun|python3?) ")

@@ -29,6 +29,8 @@ from titan_fold.trainer.lock import DumpFolderLock, LockedError
 from titan_fold.trainer.metrics_file import MetricsFile, read_records
 from titan_fold.trainer.preflight import preflight
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 SMALL = ("--training.local_batch_size", "1", "--training.seq_len", "32", "--metrics.log_freq", "1")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")
 

@@ -20,12 +20,15 @@ The device exchange's NVSHMEM op itself: tests/gpu_device_exchange.py on 2 GPUs.
 import copy
 from functools import partial
 
+import pytest
 import torch
 import torch.distributed as dist
 from conftest import forked
 from host_sync import HostSync, no_host_sync
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 from test_moe_layer import DIM, make_layer
+
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 WORLD = 4
 FFN = 16  # 16-byte aligned rows of each etp shard in fp32: the grouped GEMMs run

@@ -15,6 +15,8 @@ from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.parallel.mesh import LayoutError
 from titan_fold.trainer.preflight import preflight
 
+pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
+
 STEPS = 20
 
 
