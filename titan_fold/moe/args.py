@@ -41,7 +41,7 @@ class MoEArgs:
     aux_free_bias_update_rate: float = 1e-3
 
     # multiply the routing probability into the activation before w2, so the router's
-    # gradient needs no saved expert output (seeds/003, section 3); False = after w2
+    # gradient needs no saved expert output (as Megatron-Core does); False = after w2
     prob_before_w2: bool = True
     # routed experts' forward and input-gradient GEMMs in rowwise-scaled FP8 (moe/fp8.py)
     expert_fp8: bool = False

@@ -188,7 +188,7 @@ def _op(name: str):
     """fn registered as the custom op titan_fold::<name>, returned as a function that records
     that op where it is traced (torch.compile, fake or functional tensors: an opaque call with
     the shapes register_fake gives) and runs fn itself on plain tensors in eager code, where the
-    dispatcher's round trip would add about 20 us a call (bench/launch.py) in a layer whose
+    dispatcher's round trip would add host time to every call (bench/launch.py) in a layer whose
     eager forward is host-bound."""
 
     def wrap(fn):
@@ -294,8 +294,8 @@ def _tuner(launch, epilogue: str, gather_A: bool, cap: int):
     configs for GPUs of compute capability major `cap`. On sm90 a gathered left operand adds each
     config's 1x1-cluster twin: gathering rules out clusters along N and QuACK's sm90 space has no
     1x1 cluster, so all its configs cover each expert's rows in blocks of two tiles along M, half a
-    block empty an expert on average (at 512 rows an expert, Qwen3-30B-A3B, a twin ran faster on an
-    H200; at 1024, G8T8, the clusters). None for a QuACK without that interface (its frontend tunes)."""
+    block empty an expert on average (which wins depends on the rows per expert: bench/results/).
+    None for a QuACK without that interface (its frontend tunes)."""
     try:
         from quack.autotuner import AutotuneConfig, Autotuner
         from quack.gemm_config import config_supports, get_all_configs

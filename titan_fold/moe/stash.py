@@ -1,4 +1,4 @@
-"""Paged stashing (`moe.stash_rows`; seeds/003, section 5): under the static exchange the experts'
+"""Paged stashing (`moe.stash_rows`; Megatron-Core's, docs/moe.md): under the static exchange the experts'
 saved activations keep only their valid rows, packed into one pool shared by the MoE layers.
 
 With `moe.exchange = "static"` the experts of every layer get R worst-case rows of which V are

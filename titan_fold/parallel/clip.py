@@ -6,7 +6,7 @@ computed on its own (a DTensor reduction over that mesh), the p-th powers are su
 pipeline stages are summed over pp. The result equals the one-rank norm.
 
 Applying the clip: torch's clip multiplies every gradient by max_norm / norm, one more
-pass over all gradients (18 ms of a 147 ms step on one H200, docs/benchmarks.md). When
+pass over all gradients (its cost: bench/grad_norm.py's record, docs/benchmarks.md). When
 the trainer hands its optimizers over and every one is a fused Adam / AdamW, the
 multiply is left to them instead: a fused Adam divides each gradient by its
 `grad_scale` attribute (the hook GradScaler uses) as it reads it, so setting

@@ -1,12 +1,11 @@
 """The sum of squares of many large CUDA tensors in one Triton launch, for the gradient norm.
 
-One torch.linalg.vector_norm per gradient reads the Qwen3-30B-A3B proxy's bf16 gradients at
-2.4 TB/s on an H100 and 3.1 on an H200, one launch per gradient; this kernel reads them at 2.9
-and 3.8 (bench/grad_norm.py), the memory's rate. One launch covers every tensor of a dtype:
+One torch.linalg.vector_norm per gradient is one launch per gradient, below the memory's rate;
+this kernel reads them near it (the rates: bench/grad_norm.py's record). One launch covers every tensor of a dtype:
 each program sums the squares of CHUNK consecutive elements of one tensor in float32 (16-byte
 loads) into one partial, and finds its tensor by a binary search of the tensors' first
-programs. Short programs read faster than long ones (on an H100, 3.0 TB/s at 16,384 elements
-against 2.7-2.9 at 65,536). The tensors are addressed as element offsets from the
+programs. Short programs read faster than long ones (bench/grad_norm.py records the rates
+per CHUNK). The tensors are addressed as element offsets from the
 first one's pointer, so the kernel reads them where they are. The caller sums the partials in
 a fixed order: the result is the same in every run.
 

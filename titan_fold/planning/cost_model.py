@@ -51,12 +51,12 @@ class Cluster:
     intra_node_gbps: float = 450.0  # GB/s per GPU, one direction (NVLink 4 on H100)
     inter_node_gbps: float = 50.0  # GB/s per GPU (400 Gb/s InfiniBand per GPU)
     tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM)
-    # achieved / peak: GEMMs reach ~0.6-0.8 of peak at these shapes (docs/benchmarks.md: 588-641 TFLOP/s
-    # grouped, 797 dense on H200); the rest of the step (norms, softmax, permutes) is slower
+    # achieved / peak: measured GEMM rates at these shapes are the record (bench/results/, tables in
+    # docs/benchmarks.md); the rest of the step (norms, softmax, permutes) runs further below peak
     compute_efficiency: float = 0.6
     # GEMMs with few rows run below compute_efficiency: factor (t / (t + half)) / (1024 / (1024 + half)),
     # capped at 1, for t rows (tokens of a dense GEMM, routed rows of one expert); 1024 rows per
-    # expert is where 588 TFLOP/s grouped was measured on H200 (about 0.6 of peak, docs/benchmarks.md)
+    # expert is the shape whose grouped-GEMM rate compute_efficiency stands for (bench/results/)
     gemm_half_rows: float = 128.0
     comm_efficiency: float = 0.7  # NCCL bus bandwidth / link bandwidth at tens of MiB
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
