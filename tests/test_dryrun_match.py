@@ -23,6 +23,7 @@ def no_process_group():
 
 # deepseek_v3_671b.toml's 1024 ranks x 256 pipeline micro-batches take too long here: its dry
 # run (memory of every stage) is tests/test_dryrun.py's
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(n for n in WORLD if WORLD[n] <= 128))
 def test_packaged_config_collectives_match(name):
     """Every rank of the real world size records its own step; all members of every group
