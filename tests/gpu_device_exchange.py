@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_moe_layer import DIM, make_layer  # noqa: E402
+from helpers import DIM, make_layer  # noqa: E402
 
 from titan_fold.moe import MoEArgs  # noqa: E402
 from titan_fold.moe.exchange import nvshmem_available  # noqa: E402

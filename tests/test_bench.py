@@ -1227,7 +1227,7 @@ def test_grouped_gemm_quack_calls(tmp_path, monkeypatch):
     stand-ins for QuACK on the CPU (tests/test_moe_fast_paths.py): up fwd is the gathering GEMM
     with the SwiGLU epilogue, down dgrad gemm_dgated, the other four plain grouped GEMMs (varlen-K
     for the wgrads); each figure is its FLOPs over its ms."""
-    from test_moe_fast_paths import _stand_in_quack, _stand_in_up_epilogue
+    from helpers import _stand_in_quack, _stand_in_up_epilogue
 
     import titan_fold.moe.quack as qm
     from bench import grouped_gemm

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import _chunk_sums
 
 from titan_fold.parallel.clip import clip_grad_norm_
 
@@ -75,22 +76,9 @@ def test_total_norm_refuses_nonfinite_when_asked():
         total_norm(grads, 2.0, error_if_nonfinite=True)
 
 
-def _chunk_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """float64 sums of squares of each CHUNK elements of each tensor in turn: what
-    sum_squares.partials returns, one per program."""
-    from titan_fold.parallel import sum_squares
-
-    chunk = sum_squares.CHUNK
-    return (
-        torch.cat([torch.nn.functional.pad(t.double(), (0, -t.numel() % chunk)).view(-1, chunk) for t in tensors])
-        .square()
-        .sum(1)
-    )
-
-
 _INTERPRETED = """
 import torch
-from test_clip import _chunk_sums
+from helpers import _chunk_sums
 from titan_fold.parallel import sum_squares
 
 g = torch.Generator().manual_seed(0)
@@ -111,7 +99,7 @@ def test_sum_squares_kernel_in_the_triton_interpreter():
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))  # the script imports _chunk_sums from this file
+    here = os.path.dirname(os.path.abspath(__file__))  # the script imports _chunk_sums from helpers.py here
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", _INTERPRETED],

@@ -13,9 +13,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import DIM, make_layer, reference_moe
 from launcher import end_rank_checks, fork_ranks, free_port, rank_failures, start_rank
-from test_moe_layer import DIM, make_layer
-from test_moe_reference import reference_moe
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import python_m
+from helpers import PAPER_1024, WORLD, config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_fold import dryrun
-from titan_fold.common.config import parse_args
 from titan_fold.common.tensors import local
 from titan_fold.common.values import PACKAGED_CONFIGS
 from titan_fold.dryrun.measure import LiveBytes, _dry_config
@@ -23,80 +23,13 @@ from titan_fold.trainer.banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 # world size each packaged config is written for (a new config must be added here)
-WORLD = {
-    "debug_moe.toml": 2,
-    "debug_qwen3_moe.toml": 2,
-    "debug_sft.toml": 2,
-    "sft_qwen3_30b_a3b.toml": 8,
-    "qwen3_30b_a3b.toml": 8,
-    "qwen2.toml": 64,
-    "mixtral_8x22b.toml": 128,
-    "mixtral_8x22b_g8t8.toml": 128,
-    "debug_deepseek_v3.toml": 2,
-    "deepseek_v3_16b.toml": 8,
-    "deepseek_v3_671b.toml": 1024,
-}
-# the paper's 1024-GPU layouts: Table 5's folded Mixtral-8x22B at 128K (cp8 tp8 ep8 pp8 etp1,
-# global batch 128), its unfolded MCore row (cp16 tp4 ep8 pp8, etp = tp), and the packaged
-# 4K mappings scaled to 1024 GPUs (Table 4's strong scaling, global batch 1024)
-PAPER_1024 = {
-    "mixtral folded 128K": (
-        "mixtral_8x22b.toml",
-        [
-            "--training.seq_len",
-            "131072",
-            "--model.max_seq_len",
-            "131072",
-            "--training.global_batch_size",
-            "128",
-            "--parallelism.context_parallel_degree",
-            "8",
-            "--parallelism.tensor_parallel_degree",
-            "8",
-            "--parallelism.expert_parallel_degree",
-            "8",
-            "--parallelism.pipeline_parallel_degree",
-            "8",
-            "--parallelism.expert_tensor_parallel_degree",
-            "1",
-        ],
-    ),
-    "mixtral mcore 128K": (
-        "mixtral_8x22b.toml",
-        [
-            "--training.seq_len",
-            "131072",
-            "--model.max_seq_len",
-            "131072",
-            "--training.global_batch_size",
-            "128",
-            "--parallelism.context_parallel_degree",
-            "16",
-            "--parallelism.tensor_parallel_degree",
-            "4",
-            "--parallelism.expert_parallel_degree",
-            "8",
-            "--parallelism.pipeline_parallel_degree",
-            "8",
-            "--parallelism.expert_tensor_parallel_degree",
-            "4",
-        ],
-    ),
-    "qwen2 4K": ("qwen2.toml", ["--training.global_batch_size", "1024"]),
-    "mixtral g8t8 4K": ("mixtral_8x22b_g8t8.toml", ["--training.global_batch_size", "1024"]),
-}
-
-
 @pytest.fixture(autouse=True)
 def no_process_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def config(name, *overrides):
-    return parse_args(["--job.config_file", name, *overrides])
 
 
 def test_every_packaged_config_has_a_world_size():

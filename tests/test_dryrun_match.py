@@ -5,7 +5,7 @@ checks, and pytest-xdist (`--dist loadfile`) runs them beside the rest."""
 
 import pytest
 import torch.distributed as dist
-from test_dryrun import WORLD, config
+from helpers import WORLD, config
 
 from titan_fold import dryrun
 

@@ -9,27 +9,9 @@ The one-rank run accumulates 8 micro-batches per step.
 
 import pytest
 from conftest import assert_matches_one_rank, train_from_seed
+from helpers import BATCH, STEPS, degrees
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
-
-STEPS = 5
-BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
-
-
-def degrees(tp=1, cp=1, dp_replicate=1, ep=1, etp=1) -> tuple[str, ...]:
-    return (
-        "--parallelism.tensor_parallel_degree",
-        str(tp),
-        "--parallelism.context_parallel_degree",
-        str(cp),
-        "--parallelism.data_parallel_replicate_degree",
-        str(dp_replicate),
-        "--parallelism.expert_parallel_degree",
-        str(ep),
-        "--parallelism.expert_tensor_parallel_degree",
-        str(etp),
-    )
-
 
 LAYOUTS = {
     # attention dp 4; experts ep 2 x etp 1 x edp 2, exchanged with the sizes on the device

@@ -13,7 +13,7 @@ position of a sequence has none), so there it agrees to 1e-2 only.
 
 import pytest
 from conftest import assert_matches_one_rank, torchrun, train_from_seed
-from test_equivalence import BATCH, STEPS, degrees
+from helpers import BATCH, STEPS, degrees
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from test_dryrun import PAPER_1024, config
+from helpers import PAPER_1024, config
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_fold import dryrun

@@ -6,64 +6,13 @@ import time
 import pytest
 import torch.distributed as dist
 from conftest import python_m
+from helpers import reference
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_fold import layout as layout_command
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.planning import layout as layout_cli
 from titan_fold.planning.options import layout_parser
-
-# ---- independent reference: Megatron-Core's RankGenerator from its definition ----
-# A rank's coordinates come from its index with the first name of the order fastest
-# (order tp-cp-ep-dp-pp; dp split as dp_shard (fast) x dp_replicate for our HSDP names).
-# The groups of a set of names are the ranks that differ only in those names; inside a
-# group, ranks are ordered by their index over those names (first name fastest).
-
-ORDER = ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")
-
-
-def megatron_groups(world: int, sizes: dict[str, int], names: set[str]) -> list[list[int]]:
-    assert set(names) <= set(ORDER)
-    groups: dict[tuple, list[tuple[int, int]]] = {}
-    for rank in range(world):
-        rest, coords = rank, {}
-        for n in ORDER:
-            rest, coords[n] = divmod(rest, sizes.get(n, 1))
-        assert rest == 0
-        key = tuple(coords[n] for n in ORDER if n not in names)
-        inner, stride = 0, 1
-        for n in ORDER:
-            if n in names:
-                inner += coords[n] * stride
-                stride *= sizes.get(n, 1)
-        groups.setdefault(key, []).append((inner, rank))
-    out = [[r for _, r in sorted(g)] for g in groups.values()]
-    return sorted(out, key=lambda g: g[0])
-
-
-def reference(world, pp, dpr, dps, cp, tp, ep, etp) -> dict[str, list[list[int]]]:
-    """Every named group of both meshes: attention generator has ep=1, expert generator cp=1."""
-    att = dict(tp=tp, cp=cp, ep=1, dp_shard=dps, dp_replicate=dpr, pp=pp)
-    edp = world // (pp * ep * etp)
-    exp = dict(tp=etp, cp=1, ep=ep, dp_shard=edp, dp_replicate=1, pp=pp)
-    dp = {"dp_shard", "dp_replicate"}
-    return {
-        "pp": megatron_groups(world, att, {"pp"}),
-        "dp_replicate": megatron_groups(world, att, {"dp_replicate"}),
-        "dp_shard": megatron_groups(world, att, {"dp_shard"}),
-        "cp": megatron_groups(world, att, {"cp"}),
-        "tp": megatron_groups(world, att, {"tp"}),
-        "dp": megatron_groups(world, att, dp),
-        "dp_shard_cp": megatron_groups(world, att, {"dp_shard", "cp"}),
-        "dp_cp": megatron_groups(world, att, dp | {"cp"}),
-        "cp_tp": megatron_groups(world, att, {"cp", "tp"}),
-        "stage": megatron_groups(world, att, dp | {"cp", "tp"}),
-        "expert.pp": megatron_groups(world, exp, {"pp"}),
-        "edp": megatron_groups(world, exp, {"dp_shard"}),
-        "ep": megatron_groups(world, exp, {"ep"}),
-        "etp": megatron_groups(world, exp, {"tp"}),
-        "ep_etp": megatron_groups(world, exp, {"ep", "tp"}),
-    }
 
 
 def test_reference_matches_paper_figure_2():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import reference
 from launcher import run_ranks, start_rank
-from test_layout import reference
 
 from titan_fold.parallel.mesh import Layout
 

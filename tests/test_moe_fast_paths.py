@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import _grouped_product, _stand_in_quack, _stand_in_up_epilogue
 from host_sync import HostSync, no_host_sync
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
@@ -389,101 +390,6 @@ def test_quack_only_where_the_row_count_is_fixed():
         apply_moe(layer, _Layout(), {n: Placed(EXPERT, (), (), tuple(p.shape)) for n, p in layer.named_parameters()})
         assert layer.experts.grouped_gemm == want, (exchange, layer.experts.grouped_gemm)
     assert varying_rows(MoEArgs(), 1, 1) is None and varying_rows(MoEArgs(), 1, 2) is not None
-
-
-def _grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, a_idx):
-    """float64 a @ b per group: rows of a (a[a_idx] where given) by cu_seqlens_m, b [E, k, n];
-    or the contraction by cu_seqlens_k, a [m, R], b [R, n] -> [E, m, n]."""
-    a, b = a.double(), b.double()
-    if cu_seqlens_k is not None:
-        bounds = cu_seqlens_k.tolist()
-        out = torch.stack([a[:, s:e] @ b[s:e] for s, e in itertools.pairwise(bounds)])
-    else:
-        rows = a if a_idx is None else a[a_idx.long()]
-        bounds = cu_seqlens_m.tolist()
-        out = torch.cat([rows[s:e] @ b[i] for i, (s, e) in enumerate(itertools.pairwise(bounds))])
-    return out
-
-
-def _stand_in_quack(calls):
-    """QuACK's interface as moe/quack.py calls it, each call computed in float64 and recorded in
-    calls: gemm_tuned / gemm_tuned.fn / _gemm_execute (a plain grouped GEMM: tuned, its config
-    pinned, or replayed) and gemm_dgated (its config pinned, if any, recorded beside the call),
-    whose epilogue, per QuACK's documentation, takes acc = A @ B per group and the preact's (gate,
-    up) pairs and returns pack(dgate, dup) of SwiGLU's backward of acc * scale, the SwiGLU times
-    scale, and the row sum of SwiGLU x acc."""
-    from types import SimpleNamespace
-
-    def launch(kind, a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan):
-        assert c is None
-        calls.append((kind, plan))
-        out.copy_(_grouped_product(a, b, cu_seqlens_m, cu_seqlens_k, A_idx))
-
-    class GemmTuned:  # QuACK's autotuned gemm: its config chosen at a signature's first call
-        best_config = SimpleNamespace(kwargs={"config": "its pick"})  # no sweep here: no configs_timings
-
-        def __call__(self, a, b, out, c, **kw):
-            return self.fn(a, b, out, c, config=None, kind="tuned", **kw)
-
-        @staticmethod
-        def fn(a, b, out, c, *, cu_seqlens_m, cu_seqlens_k=None, A_idx=None, dynamic_scheduler, config, kind="pinned"):
-            assert dynamic_scheduler and (config is None) == (kind == "tuned")
-            plan = (config or f"config {len(calls)}", 1, True, object())
-            launch(kind, a, b, out, c, cu_seqlens_m, cu_seqlens_k, A_idx, plan)
-            return plan
-
-    def gemm_execute(
-        a, b, out, c, *, cu_seqlens_m, cu_seqlens_k, A_idx, config, split_k, dynamic_scheduler, dispatch_plan, **fixed
-    ):
-        assert fixed["rounding_mode"] == "RN" and fixed["split_k_mode"] == "SERIAL" and fixed["beta"] == 1.0
-        launch(
-            "replay",
-            a,
-            b,
-            out,
-            c,
-            cu_seqlens_m,
-            cu_seqlens_k,
-            A_idx,
-            (config, split_k, dynamic_scheduler, dispatch_plan),
-        )
-
-    def gemm_dgated(a, b, preact, *, activation, colvec_scale, colvec_reduce, cu_seqlens_m, config, dynamic_scheduler):
-        assert activation == "swiglu" and colvec_reduce and dynamic_scheduler
-        calls.append(("dgated", config))
-        acc = _grouped_product(a, b, cu_seqlens_m, None, None)  # [R, ffn]
-        s = colvec_scale.double()[:, None]
-        gate, up = preact.double()[:, 0::2], preact.double()[:, 1::2]
-        sig = torch.sigmoid(gate)
-        out = gate * sig * up
-        dout = acc * s
-        dgate, dup = dout * up * sig * (1 + gate * (1 - sig)), dout * gate * sig
-        dpre = torch.stack((dgate, dup), -1).flatten(-2)
-        return dpre.to(preact.dtype), (out * s).to(preact.dtype), (out * acc).sum(-1).float()
-
-    return SimpleNamespace(
-        gemm_tuned=GemmTuned(),
-        _gemm_execute=gemm_execute,
-        gemm_dgated=gemm_dgated,
-        RoundingMode=SimpleNamespace(RN="RN"),
-        SplitKMode=SimpleNamespace(SERIAL="SERIAL"),
-    )
-
-
-def _stand_in_up_epilogue(calls):
-    """moe/quack_epilogue.py's GEMM as moe/quack.py calls it, in float64 and recorded in calls:
-    acc = A @ B per group of rows (A's rows A[A_idx] where given), D = acc (its (gate, up) pairs
-    adjacent), postact = silu(gate) * up * p; the config pinned, if any, recorded beside the call."""
-
-    def up(a, b, c, *, out, cu_seqlens_m, A_idx, p, config, dynamic_scheduler):
-        assert c is None and dynamic_scheduler and set(out) == {"D", "postact"}
-        calls.append(("gated", config))
-        acc = _grouped_product(a, b, cu_seqlens_m, None, A_idx)  # [R, 2 * ffn]
-        gate, up = acc[:, 0::2], acc[:, 1::2]
-        out["D"].copy_(acc)
-        out["postact"].copy_(gate * torch.sigmoid(gate) * up * p.double()[:, None])
-
-    return up
 
 
 @pytest.mark.parametrize("prob_before_w2", [True, False])

@@ -5,24 +5,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import DIM, FFN, make_layer, reference_moe
 from host_sync import no_host_sync
-from test_moe_reference import reference_moe
 
 from titan_fold.moe import MoE, MoEArgs, moe_stats, moe_stats_from, moe_stats_values, update_expert_bias
-
-DIM, FFN = 16, 12  # 16-byte aligned rows in fp32: the grouped-GEMM path runs
-
-
-def make_layer(args, dtype, seed=0, skew=0.0):
-    torch.manual_seed(seed)
-    moe = MoE(DIM, args)
-    moe.init_weights(0.3)
-    with torch.no_grad():
-        moe.router.gate.weight.normal_(0, 0.5)
-        if skew:  # expert 0 wins most tokens, expert 1 the rest: others get nothing
-            moe.router.gate.weight[0] += skew
-            moe.router.gate.weight[1] += skew / 2
-    return moe.to(dtype)
 
 
 def make_input(dtype, b=2, s=12, seed=1, skew=0.0):

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import assert_matches_one_rank, torchrun, train_from_seed
+from helpers import BATCH, degrees
 from launcher import end_rank_checks, fork_ranks, run_checks, start_rank
-from test_equivalence import BATCH, degrees
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard

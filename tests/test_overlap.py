@@ -552,7 +552,7 @@ def test_dry_run_collectives_match_with_overlap(name):
     """Every rank's overlapped step (two micro-batches without pp; under pp, a steady state of
     pairs on every pp rank) issues what the other members of each of its groups issue, and
     every pipeline send meets its recv."""
-    from test_dryrun import config
+    from helpers import config
 
     from titan_fold import dryrun
 

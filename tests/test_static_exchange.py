@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import forked
+from helpers import DIM, make_layer
 from host_sync import HostSync, no_host_sync
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
-from test_moe_layer import DIM, make_layer
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 

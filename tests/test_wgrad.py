@@ -12,8 +12,8 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import DIM, make_layer
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
-from test_moe_layer import DIM, make_layer
 
 WORLD = 4
 FFN = 16  # 16-byte aligned rows of each etp shard in fp32: the grouped GEMMs run
