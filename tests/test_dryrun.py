@@ -128,7 +128,7 @@ def test_local_shapes_partition_the_model():
 
 @pytest.mark.slow
 def test_fake_backend_command(tmp_path, monkeypatch, capsys):
-    """The command of the issue, as torchtitan documents the dry run (NGPU, one process)."""
+    """The fake-backend command as torchtitan documents the dry run (NGPU, one process)."""
     from titan_fold.train import main
 
     monkeypatch.setenv("NGPU", "8")

@@ -18,7 +18,7 @@ LAYOUTS = {
     "dp4_ep2_edp2": (4, (*degrees(ep=2), "--moe.exchange", "device")),
     # attention dp 8; experts ep 4 x etp 2 x edp 1: EP and ETP fold over data-parallel ranks
     "dp8_ep4_etp2": (8, degrees(ep=4, etp=2)),
-    # the parallelize issue's layouts (a), (b), (c), (e), (f)
+    # 8-rank layouts (a), (b), (c), (e), (f) of tests/test_placement.py
     "a_tp2_cp2_dp2_ep4_etp2": (8, degrees(tp=2, cp=2, ep=4, etp=2)),
     # ... (b) with the MoE layers recomputed in backward: the EP all-to-alls run again
     "b_tp2_dp4_ep8_moe_recompute": (8, (*degrees(tp=2, ep=8), "--activation_checkpoint.mode", "moe_layers")),

@@ -194,7 +194,7 @@ LAYOUTS = {
         "1F1B",
     ),
     "pp2_GPipe": (2, ("--training.local_batch_size", "4"), "GPipe"),
-    # the parallelize issue's layout (d): attention pp2 tp2 dp2, experts pp2 ep4 etp1 (tp folded into ep)
+    # layout (d) of tests/test_placement.py: attention pp2 tp2 dp2, experts pp2 ep4 etp1 (tp folded into ep)
     "d_pp2_tp2_dp2_ep4_1F1B": (
         8,
         (

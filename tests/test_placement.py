@@ -1,4 +1,4 @@
-"""The placement plan: written out by hand for the issue's 8-rank layouts (a)-(f), and, layout
+"""The placement plan: written out by hand for six 8-rank layouts (a)-(f), and, layout
 by layout, checked against what the parallelize step really builds.
 
 The hand-written tables are the independent reference for the plan; the runtime tests build
