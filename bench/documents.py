@@ -13,6 +13,7 @@ the reference's largest value), so a fast wrong kernel shows. Times are medians 
 pairs; "ratio" is documents' time over causal's.
 """
 
+import itertools
 import os
 import sys
 
@@ -57,19 +58,19 @@ def main(argv=None) -> dict:
                 for n, d in ((h, dqk), (hk, dqk), (hk, dv), (h, dv))
             )
 
-            def call(masked: bool):
-                x = [t.detach().requires_grad_() for t in (q, k, v)]
+            def call(masked: bool, qkv=(q, k, v), ids=ids, grad=grad, gqa=h != hk):
+                x = [t.detach().requires_grad_() for t in qkv]
                 if masked:
                     out = masked_attention(*x, document_mask(ids))
                 else:
-                    out = F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=h != hk)
+                    out = F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=gqa)
                 out.backward(grad)
                 return out.detach()
 
             got = call(True).float()
             starts = torch.nonzero(torch.diff(ids[0], prepend=ids[0, :1] - 1)).flatten().tolist() + [s]
             errors = []
-            for lo, hi in zip(starts[:-1], starts[1:]):
+            for lo, hi in itertools.pairwise(starts):
                 ref = F.scaled_dot_product_attention(
                     *(t[:, :, lo:hi].float() for t in (q, k, v)), is_causal=True, enable_gqa=h != hk
                 )

@@ -114,7 +114,7 @@ def test_rendering_matches_transformers(hf_folder, tmp_path, template):
         assert ids.tolist() == list(want)
         # trained: exactly each assistant turn's text after its header, through its end marker
         spans, run = [], []
-        for i, t in zip(ids.tolist(), trained.tolist()):
+        for i, t in zip(ids.tolist(), trained.tolist(), strict=True):
             if t:
                 run.append(i)
             elif run:
@@ -182,7 +182,7 @@ def test_masked_tokens_give_exactly_zero_gradient(tmp_path):
         else:  # the trained tokens' logits alone: the masked ones never enter the loss
             F.cross_entropy(logits[0][~masked], labels[~masked], reduction="sum").backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 

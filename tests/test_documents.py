@@ -50,7 +50,7 @@ def check_packed_equals_alone(name: str, device: str, dtype: torch.dtype, rtol: 
     targets = [torch.randint(0, args.vocab_size, (n,), generator=g).to(device) for n in LENGTHS]
 
     alone_logits, alone_grads = [], []
-    for doc, target in zip(docs, targets):
+    for doc, target in zip(docs, targets, strict=True):
         model.zero_grad()
         logits = model(doc[None])[0]
         F.cross_entropy(logits, target, reduction="sum").backward()

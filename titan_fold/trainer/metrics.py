@@ -179,7 +179,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             dist.all_reduce(both)
             values, have = both[: len(keys)].cpu(), both[len(keys) :].cpu()
             values = values / have
-        return {k: (None if v != v else float(v)) for k, v in zip(keys, values.tolist())}
+        return {k: (None if v != v else float(v)) for k, v in zip(keys, values.tolist(), strict=True)}
 
     def log(
         self,

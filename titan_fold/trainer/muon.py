@@ -96,7 +96,7 @@ class Muon(torch.optim.Optimizer):
         states = [_state(self, p) for p in live]
         scalars = torch.tensor([group["lr"], 1.0], dtype=torch.float32, device=local(live[0]).device)
         coefs = adam_coefficients([s["step"] for s in states], scalars, beta1, beta2, group["weight_decay"])
-        for p, state, coef in zip(live, states, coefs):
+        for p, state, coef in zip(live, states, coefs, strict=True):
             adam_update(
                 local(p).view(-1),
                 local(_placed_like(p.grad, p)).reshape(-1),
@@ -138,7 +138,7 @@ class Muon(torch.optim.Optimizer):
         def orthogonalize(stack: torch.Tensor) -> torch.Tensor:  # [n, A, B] -> the same, orthogonalized
             return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], NS_EPS, dtype)
 
-        for p, out in zip(params, self._orthogonalizer(updates, orthogonalize, dtype)):
+        for p, out in zip(params, self._orthogonalizer(updates, orthogonalize, dtype), strict=True):
             if p.grad is None:
                 continue
             scale = update_scale(matrix_shape(self.names[id(p)], p.shape), group["lr_adjust"])

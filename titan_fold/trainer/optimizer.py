@@ -89,7 +89,7 @@ class AdamOptimizersContainer(OptimizersContainer):
         """Each torch optimizer's step becomes `_update` of it (an instance attribute): the
         container's step (torchtitan's, which runs its hooks once) calls them, and torch's LR
         schedulers, which wrap each optimizer's step to see that it ran, wrap this one."""
-        for opt, params in zip(self.optimizers, self.params):
+        for opt, params in zip(self.optimizers, self.params, strict=True):
             # [lr, 1 / grad_scale] on the device: set without a host sync, and a new learning
             # rate needs no new compile
             scalars = torch.zeros(2, dtype=torch.float32, device=local(params[0]).device)
@@ -119,14 +119,14 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
         # the NaN/Inf guard's verdict (trainer/guard.py), as torch's fused Adam takes it: nonzero
         # leaves the weights, moments and step counts as they were
         found_inf = getattr(opt, "found_inf", None)
-        live = [(p, optimized) for p, optimized in zip(params, group["params"]) if p.grad is not None]
+        live = [(p, optimized) for p, optimized in zip(params, group["params"], strict=True) if p.grad is not None]
         if not live:
             return
         states = [_state(opt, optimized) for _, optimized in live]
         coefs = adam_coefficients(
             [state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"], found_inf
         )
-        for (p, optimized), state, coef in zip(live, states, coefs):
+        for (p, optimized), state, coef in zip(live, states, coefs, strict=True):
             master = None if optimized is p else local(optimized).view(-1)
             adam_update(
                 local(p).view(-1),
@@ -178,7 +178,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
                 p.grad = None
 
     def zero_grad(self, *args, **kwargs) -> None:
-        for params, opt in zip(self.params, self.optimizers):
+        for params, opt in zip(self.params, self.optimizers, strict=True):
             for p in params:
                 p.grad = None
             opt.zero_grad(*args, **kwargs)
@@ -186,14 +186,14 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
     @staticmethod
     @torch.no_grad()
     def _copy(dst_parts, src_parts) -> None:
-        for dst, src in zip(dst_parts, src_parts):
+        for dst, src in zip(dst_parts, src_parts, strict=True):
             torch._foreach_copy_([local(t) for t in dst], [local(t) for t in src])
 
     def state_dict(self) -> dict[str, Any]:
         out = {}
-        for names, masters, opt in zip(self.names, self.masters, self.optimizers):
+        for names, masters, opt in zip(self.names, self.masters, self.optimizers, strict=True):
             hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-            for name, m in zip(names, masters):
+            for name, m in zip(names, masters, strict=True):
                 out[f"state.{name}.{MASTER_KEY}"] = m
                 for key, value in _state(opt, m).items():
                     out[f"state.{name}.{key}"] = value
@@ -203,8 +203,8 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for names, masters, opt in zip(self.names, self.masters, self.optimizers):
-            for name, m in zip(names, masters):
+        for names, masters, opt in zip(self.names, self.masters, self.optimizers, strict=True):
+            for name, m in zip(names, masters, strict=True):
                 for key, target in [(MASTER_KEY, m), *_state(opt, m).items()]:
                     value = state_dict[f"state.{name}.{key}"]
                     if value is not target:

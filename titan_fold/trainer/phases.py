@@ -21,6 +21,7 @@ The phases, each summed over the step's micro-batches:
   rest      what follows until the step is logged: learning-rate schedule, the loss's reduction
 """
 
+import itertools
 import time
 
 import torch
@@ -57,7 +58,7 @@ class StepPhases:
         if self.events:
             marks[-1][2].synchronize()  # the one wait the option adds: for the step's last kernels
         phases = {}
-        for (phase, t0, e0), (_, t1, e1) in zip(marks, marks[1:]):
+        for (phase, t0, e0), (_, t1, e1) in itertools.pairwise(marks):
             p = phases.setdefault(phase, {"host_ms": 0.0, "gpu_ms": 0.0 if self.events else None})
             p["host_ms"] += 1e3 * (t1 - t0)
             if self.events:

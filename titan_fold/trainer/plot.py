@@ -76,11 +76,11 @@ def plot(paths: list[str], out: str) -> str:
     plt = _pyplot()
     runs = {run_label(p, paths): read_run(p) for p in paths}
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
-    for ax, (key, title, log_scale) in zip(axes.flat, PANELS):
+    for ax, (key, title, log_scale) in zip(axes.flat, PANELS, strict=True):
         for label, records in runs.items():
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
-                steps, values = zip(*points)
+                steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, marker="." if len(points) < 30 else None, label=label)
         ax.set_title(title)
         if log_scale:
