@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import re
+from typing import Any
 
 import torch
 from torchtitan.protocols.train_spec import get_train_spec
@@ -60,9 +61,9 @@ class Checked:
     config: JobConfig
     world_size: int
     layout: Layout | None = None
-    spec: object = None
-    model_args: object = None
-    tokenizer: object = None  # None: not built (a dry run on a machine without the folder)
+    spec: Any = None
+    model_args: Any = None
+    tokenizer: Any = None  # None: not built (a dry run on a machine without the folder)
     not_checked: list[str] | None = None  # a dry run's lines on what only the cluster can check (preflight)
 
 

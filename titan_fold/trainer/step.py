@@ -8,6 +8,7 @@ before the update is queued (_train_step).
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -34,19 +35,19 @@ from titan_fold.trainer.phases import StepPhases
 class TrainStep:
     """The step's methods, over what FoldTrainer built."""
 
-    job_config: object
+    job_config: Any
     parallel_dims: Layout
     device: torch.device
-    model_args: object
+    model_args: Any
     model_parts: list[torch.nn.Module]
     loss_fn: Callable
-    optimizers: object
-    lr_schedulers: object
-    checkpointer: object
-    metrics_processor: object
+    optimizers: Any
+    lr_schedulers: Any
+    checkpointer: Any
+    metrics_processor: Any
     guard: NonFiniteGuard
     train_context: Callable
-    maybe_enable_amp: object
+    maybe_enable_amp: Any
     gradient_accumulation_steps: int
     overlap: OverlapSchedule | None
     phases: StepPhases | None
