@@ -184,14 +184,13 @@ class Route:
 
 
 class _Exchange(torch.autograd.Function):
-    """src -> ep_exchange over one route; the gradient returns over the mirror route. Tensors
-    are passed one by one (torch.compile traces the function)."""
+    """src -> ep_exchange over one route; the gradient returns over the mirror route, which sends
+    what this one receives and receives what it sends. Tensors are passed one by one and each
+    once (torch.compile traces the function and refuses a tensor given twice)."""
 
     @staticmethod
-    def forward(
-        ctx, src, index, send, recv, gather, back_index, back_send, back_recv, back_gather, cap: int, group_name: str
-    ):
-        ctx.save_for_backward(back_index, back_send, back_recv, back_gather)
+    def forward(ctx, src, index, send, recv, gather, back_index, back_gather, cap: int, group_name: str):
+        ctx.save_for_backward(back_index, recv, send, back_gather)
         ctx.cap, ctx.group_name = cap, group_name
         return ep_exchange(src, index, send, recv, gather, cap, group_name)
 
@@ -201,12 +200,13 @@ class _Exchange(torch.autograd.Function):
         grad_src = ep_exchange(
             grad.contiguous(), back_index, back_send, back_recv, back_gather, ctx.cap, ctx.group_name
         )
-        return (grad_src,) + (None,) * 10
+        return (grad_src,) + (None,) * 8
 
 
 def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name: str) -> torch.Tensor:
-    """src [n, dim] or [n] -> the rows `there` reads ([r, dim] or [r]); the gradient goes `back`.
-    cap: the most rows either direction receives."""
+    """src [n, dim] or [n] -> the rows `there` reads ([r, dim] or [r]); the gradient goes `back`,
+    the mirror route (its send and recv are there's recv and send). cap: the most rows either
+    direction receives."""
     flat = src.dim() == 1
     out = _Exchange.apply(
         src[:, None] if flat else src,
@@ -215,8 +215,6 @@ def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name:
         there.recv,
         there.gather,
         back.index,
-        back.send,
-        back.recv,
         back.gather,
         cap,
         group_name,
