@@ -48,15 +48,14 @@ def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
             shape = tuple(local(p).shape)
             n = math.prod(shape)
             numel += n
-            muon = optimizer == "Muon" and uses_muon(
-                fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), p
-            )
+            # the model's own name, without the wrappers of activation checkpointing and compile
+            plain = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            muon = optimizer == "Muon" and uses_muon(plain, p)
             muon_numel += n if muon else 0
             state_numel += n * (MUON_STATES if muon else states)
             k = kinds.setdefault(param_kind(fqn), {"numel": 0, "shapes": {}})
             k["numel"] += n
-            name = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            name = name.split(".", 2)[-1] if name.startswith("layers.") else name
+            name = plain.split(".", 2)[-1] if plain.startswith("layers.") else plain
             k["shapes"].setdefault(name, shape)
     return {
         "numel": numel,
