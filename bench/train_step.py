@@ -11,7 +11,7 @@
     (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
     batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
     by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static / _device moe.exchange, _muon optimizer.name = "Muon",
-    _overlap moe.overlap_ep_comm, _delaywgrad moe.delay_wgrad_compute,
+    _overlap moe.overlap_ep_comm, _delaywgrad moe.delay_wgrad_compute, _docs training.document_masking,
     _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs, _phases metrics.step_phases)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
@@ -93,7 +93,8 @@ def parse_case(case: str) -> tuple[str, dict]:
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
     quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), overlap (moe.overlap_ep_comm),
-    delaywgrad (moe.delay_wgrad_compute), stash<N>
+    delaywgrad (moe.delay_wgrad_compute), docs (training.document_masking: attention within each
+    packed document), stash<N>
     (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
     same configuration once more, under a name of its own: the run-to-run spread in one call)."""
     base = next(
@@ -121,6 +122,7 @@ def parse_case(case: str) -> tuple[str, dict]:
         "muon": False,
         "overlap": False,
         "delaywgrad": False,
+        "docs": False,
         "stash": 0,
         "phases": False,
         "rerun": False,
@@ -138,6 +140,7 @@ def parse_case(case: str) -> tuple[str, dict]:
             "muon",
             "overlap",
             "delaywgrad",
+            "docs",
         ):
             mods[mod] = True
         elif mod in ("static", "device"):
@@ -237,6 +240,8 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--moe.overlap_ep_comm"]
     if mods["delaywgrad"]:
         args += ["--moe.delay_wgrad_compute"]
+    if mods["docs"]:
+        args += ["--training.document_masking"]
     if mods["stash"]:
         args += ["--moe.stash_rows", str(mods["stash"])]
     if mods["load_balance"]:
