@@ -219,6 +219,8 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         "--parallelism.expert_data_parallel_degree",
         str(degrees["edp"]),
     ]
+    if a.seq_len > 32768:  # past the proxies' RoPE tables (Qwen3: 40,960 positions)
+        args += ["--model.max_seq_len", str(a.seq_len)]
     if mods["compiled"]:
         args.append("--compile.enable")
     if mods["bf16params"] or mods["masters"]:
@@ -241,7 +243,7 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
     if mods["delaywgrad"]:
         args += ["--moe.delay_wgrad_compute"]
     if mods["docs"]:
-        args += ["--training.document_masking"]
+        args += ["--training.document_masking", "True"]
     if mods["stash"]:
         args += ["--moe.stash_rows", str(mods["stash"])]
     if mods["load_balance"]:

@@ -164,7 +164,9 @@ def check_cli(args: list[str], field: Callable[[str], Any], keys: Callable[[], l
                 )
             continue
         if len(values) != 1 and not _takes_list(hint):
-            raise ConfigError(f"--{key}: needs one value ({_type_name(hint)}), got {len(values)}")
+            # a bool that may be unset is spelled as tyro parses it, not as TOML writes it
+            kind = "True, False or None" if bool in typing.get_args(hint) else _type_name(hint)
+            raise ConfigError(f"--{key}: needs one value ({kind}), got {len(values)}")
         if _takes_list(hint):
             element = next(
                 typing.get_args(a)[0] for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is list
