@@ -108,3 +108,25 @@ def test_text_windows_carry_documents_and_no_label_across_a_boundary():
     assert labels.tolist() == [33, IGNORE_INDEX, 11, 12, IGNORE_INDEX, 21]
     plain = TokenWindows(Docs([[10, 11, 12], [20, 21], [30, 31, 32, 33]]), seq_len=6)[0]
     assert list(plain[0]) == ["input"] and plain[1].tolist() == [11, 12, 20, 21, 30, 31]
+
+
+def _block_sets(mask, full: bool) -> list[list[set[int]]]:
+    """Each q block's kv blocks of a BlockMask, as sets: the partial ones, or the full ones."""
+    num, index = (mask.full_kv_num_blocks, mask.full_kv_indices) if full else (mask.kv_num_blocks, mask.kv_indices)
+    return [[set(index[b, 0, q, : num[b, 0, q]].tolist()) for q in range(num.shape[-1])] for b in range(num.shape[0])]
+
+
+@pytest.mark.parametrize("lengths", [[16] * 16, [3, 40, 1, 100, 112], [256], [1] * 40 + [216]])
+def test_block_mask_from_documents_equals_flex_evaluating_every_pair(lengths):
+    """flex_block_mask reads each block's first and last document; create_block_mask evaluates the
+    mask at every (q, kv) pair: the partial and full kv blocks of every q block agree."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from titan_fold.models.documents import _mask_mod, flex_block_mask
+
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ids = torch.stack([ids, ids.flip(0).neg() + ids.max()])  # [2, 256]: a second row, documents reversed
+    got = flex_block_mask(ids, block=16)
+    want = create_block_mask(_mask_mod(ids), 2, None, 256, 256, device="cpu", BLOCK_SIZE=16)
+    for full in (False, True):
+        assert _block_sets(got, full) == _block_sets(want, full)

@@ -19,6 +19,7 @@ except ImportError:  # no FlexAttention in this build: the explicit mask everywh
 DocumentMask = torch.Tensor  # bool [b, 1, s, s] (True: attend), or a FlexAttention BlockMask
 
 _compiled_flex = None
+_BLOCK = 128  # FlexAttention's default block: a kv block is skipped, computed whole or masked
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -36,15 +37,52 @@ def _uses_flex(document_ids: torch.Tensor) -> bool:
     return document_ids.is_cuda and flex_attention is not None
 
 
+def _mask_mod(document_ids: torch.Tensor):
+    """FlexAttention's mask_mod: a query sees the keys of its own document up to itself."""
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        return (document_ids[batch, q_idx] == document_ids[batch, kv_idx]) & (kv_idx <= q_idx)
+
+    return mask_mod
+
+
+def _block_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """flags [b, n, n] bool -> (count [b, 1, n], indices [b, 1, n, n]) int32: the kv blocks set in
+    each q block's row, listed first (FlexAttention reads only the first `count`)."""
+    order = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True)
+    return flags.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+
+def flex_block_mask(document_ids: torch.Tensor, block: int = _BLOCK) -> "BlockMask":
+    """The FlexAttention BlockMask of document_ids [b, s] (non-decreasing along s, as packing
+    numbers documents; s a multiple of block), built from each block's first and last document:
+    O((s / block)^2) work, where create_block_mask evaluates the mask at every (q, kv) pair."""
+    b, s = document_ids.shape
+    n = s // block
+    ids = document_ids.view(b, n, block)
+    first, last = ids[..., 0], ids[..., -1]  # [b, n]
+    q = torch.arange(n, device=document_ids.device)
+    before = (q[None, :] < q[:, None])[None]  # [1, n_q, n_kv]: the kv block precedes the q block
+    # ids do not decrease, so a kv block before the q block shares a document with it iff its last
+    # document is the q block's first, and every pair attends iff its first is the q block's last
+    shares = before & (last[:, None, :] == first[:, :, None])
+    full = shares & (first[:, None, :] == last[:, :, None])
+    partial = (shares & ~full) | torch.eye(n, dtype=torch.bool, device=document_ids.device)[None]
+    kv_num, kv_index = _block_lists(partial)
+    full_num, full_index = _block_lists(full)
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block, mask_mod=_mask_mod(document_ids)
+    )
+
+
 def document_mask(document_ids: torch.Tensor) -> DocumentMask:
     """The attention mask of the packed samples document_ids [b, s]: causal within each document."""
     b, s = document_ids.shape
     if _uses_flex(document_ids):
-
-        def mask_mod(batch, head, q_idx, kv_idx):
-            return (document_ids[batch, q_idx] == document_ids[batch, kv_idx]) & (kv_idx <= q_idx)
-
-        return create_block_mask(mask_mod, b, None, s, s, device=document_ids.device)
+        if s % _BLOCK == 0:
+            return flex_block_mask(document_ids)
+        return create_block_mask(_mask_mod(document_ids), b, None, s, s, device=document_ids.device)
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
     same = document_ids[:, :, None] == document_ids[:, None, :]  # [b, s, s]
     return (same & causal).unsqueeze(1)
