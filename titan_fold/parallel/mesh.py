@@ -14,6 +14,7 @@ torchtitan's names ("batch", "loss", "fsdp", "efsdp", ...) and ours ("dp", "dp_c
 import math
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -361,6 +362,12 @@ class Layout(ParallelDims):
 
     # ---- whole-world group lists (for the layout tool and tests) ----
 
+    def root_ranks(self, mesh: str) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """([*degrees] global ranks, dim names) of the "attention" or "expert" root mesh: the
+        whole world, as the root mesh tensor holds it."""
+        root = self.attention if mesh == "attention" else self.expert
+        return root.mesh, tuple(root.mesh_dim_names)
+
     def groups(self, name: str, mesh: str | None = None) -> list[list[int]]:
         """Every group of one (possibly flattened) dim over the whole world, from the mesh tensor.
 
@@ -368,6 +375,10 @@ class Layout(ParallelDims):
         `mesh` picks the mesh for "pp" (both hold it; default attention). Read off the root mesh
         tensor, so it needs no process group per group.
         """
+        return self.group_rows(name, mesh).tolist()
+
+    def group_rows(self, name: str, mesh: str | None = None) -> torch.Tensor:
+        """groups() as a tensor [groups, group size]."""
         name = ALIASES.get(name, name)
         if name in FLATTENED:
             mesh, dims = FLATTENED[name][0], FLATTENED[name][1]
@@ -377,9 +388,8 @@ class Layout(ParallelDims):
             mesh, dims = "attention", (name,)
         else:
             raise ValueError(f"Invalid mesh dim: '{name}'. Valid: {self.mesh_names()}")
-        root = self.attention if mesh == "attention" else self.expert
-        full = root.mesh  # [*degrees] global ranks: a root mesh tensor is the whole world
-        keep = [root.mesh_dim_names.index(d) for d in dims]
+        full, names = self.root_ranks(mesh)
+        keep = [names.index(d) for d in dims]
         rest = [i for i in range(full.ndim) if i not in keep]
         rows = full.permute(*rest, *keep).reshape(-1, math.prod(full.shape[i] for i in keep))
-        return sorted(rows.tolist(), key=lambda g: g[0])
+        return rows[rows[:, 0].argsort()]

@@ -27,11 +27,9 @@ simplifications (docs/planning.md lists them again):
 
 import functools
 import math
-from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout
 from titan_fold.planning.sizes import ModelSizes
@@ -130,23 +128,17 @@ class Mapping:
 
 
 class _GroupLayout(Layout):
-    """The trainer's Layout whose meshes are built without process groups.
+    """The trainer's Layout, its group membership read without building a DeviceMesh.
 
     `Layout.groups` reads group membership off the root mesh tensors; init_device_mesh lays
-    those out as arange(world).reshape(degrees). Here the same DeviceMesh objects are made
-    with _init_backend=False, so thousands of candidates cost milliseconds, not a fake
-    process group each (tests compare both on several layouts).
+    those out as arange(world).reshape(degrees), so here the same tensors are made directly:
+    thousands of candidates cost milliseconds, not a mesh each (tests compare both on several
+    layouts).
     """
 
-    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
-        def build(names):
-            shape = tuple(getattr(self, n) for n in names)
-            return DeviceMesh(
-                "cpu", torch.arange(self.world_size).reshape(shape), mesh_dim_names=names, _init_backend=False, _rank=0
-            )
-
-        self._attention, self._expert = build(ATTENTION_DIMS), build(EXPERT_DIMS)
-        return self._attention
+    def root_ranks(self, mesh: str) -> tuple[torch.Tensor, tuple[str, ...]]:
+        names = ATTENTION_DIMS if mesh == "attention" else EXPERT_DIMS
+        return torch.arange(self.world_size).reshape(tuple(getattr(self, n) for n in names)), names
 
 
 # ---------------------------------------------------------------- memory
@@ -432,32 +424,31 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
     return out
 
 
-def _node_stats(groups: list[list[int]], gpus_per_node: int) -> tuple[int, float]:
-    crossing, worst = 0, 0.0
-    for g in groups:
-        if min(g) // gpus_per_node == max(g) // gpus_per_node:
-            continue
-        crossing += 1
-        per_node = Counter(r // gpus_per_node for r in g)
-        # ordered pairs of members on different nodes, over all ordered pairs
-        off = (len(g) ** 2 - sum(c * c for c in per_node.values())) / (len(g) * (len(g) - 1))
-        worst = max(worst, off)
-    return crossing, worst
+def _node_stats(groups: torch.Tensor, gpus_per_node: int) -> tuple[int, float]:
+    """groups [groups, size] -> (groups spanning more than one node, the largest share of a
+    group's ordered member pairs that sit on different nodes)."""
+    nodes = groups // gpus_per_node
+    size = nodes.shape[1]
+    crossing = int((nodes.amin(1) != nodes.amax(1)).sum())
+    if not crossing:
+        return 0, 0.0
+    same = (nodes[:, :, None] == nodes[:, None, :]).sum((1, 2))  # [groups] ordered pairs on one node
+    return crossing, float(((size * size - same) / (size * (size - 1))).max())
 
 
-def _product(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
-    """Groups spanning two dims of one row-major mesh: rank offsets along the dims add up."""
-    of_a = {r: g for g in a for r in g}
-    out = {}
-    for g in b:
-        for r in g:
-            members = sorted({x + y - r for x in of_a[r] for y in g})
-            out[members[0]] = members
-    return sorted(out.values())
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Groups spanning two dims of one row-major mesh, from each dim's groups [groups, size]: a
+    rank's group is every sum of a member of its a-group and a member of its b-group, less itself."""
+    of_a, of_b = torch.empty(a.numel(), a.shape[1], dtype=a.dtype), torch.empty(b.numel(), b.shape[1], dtype=b.dtype)
+    of_a[a] = a[:, None, :].expand(-1, a.shape[1], -1)  # [rank, |a|]: the rank's a-group
+    of_b[b] = b[:, None, :].expand(-1, b.shape[1], -1)
+    rank = torch.arange(a.numel())[:, None, None]
+    members = (of_a[:, :, None] + of_b[:, None, :] - rank).flatten(1).sort(1).values  # [rank, |a| |b|]
+    return torch.unique(members, dim=0)
 
 
-def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[int]]]:
-    """Every group of each communicating dim, from the trainer's Layout.
+def group_rows(m: Mapping, legacy: bool = False) -> dict[str, torch.Tensor]:
+    """Every group of each communicating dim, from the trainer's Layout: {dim: [groups, size]}.
 
     legacy=True: Megatron-Core's order without folding (tp-cp-ep-dp-pp, EP inside DP, expert
     TP = TP). Its expert groups are the attention mesh's groups of a Layout whose dp is split
@@ -466,20 +457,25 @@ def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[in
     """
     lay = m.layout()
     names = ("tp", "cp", "dp_shard_cp", "dp_replicate", "ep", "etp", "edp")
-    out = {k: lay.groups(k, "expert" if k in ("ep", "etp", "edp") else "attention") for k in names}
-    out["pp"] = lay.groups("pp")
+    out = {k: lay.group_rows(k, "expert" if k in ("ep", "etp", "edp") else "attention") for k in names}
+    out["pp"] = lay.group_rows("pp")
     if legacy:
         old = Mapping(m.pp, m.dp // m.ep, m.ep, m.cp, m.tp, 1, 1, m.world // m.pp).layout()
-        out["ep"] = old.groups("dp_shard")
-        out["etp"] = old.groups("tp")
-        out["edp"] = _product(old.groups("dp_replicate"), old.groups("cp"))
+        out["ep"] = old.group_rows("dp_shard")
+        out["etp"] = old.group_rows("tp")
+        out["edp"] = _product(old.group_rows("dp_replicate"), old.group_rows("cp"))
     return out
+
+
+def group_membership(m: Mapping, legacy: bool = False) -> dict[str, list[list[int]]]:
+    """group_rows as lists of global ranks."""
+    return {k: v.tolist() for k, v in group_rows(m, legacy).items()}
 
 
 @functools.lru_cache(maxsize=4096)
 def node_stats(m: Mapping, gpus_per_node: int, legacy: bool = False) -> dict[str, tuple[int, float, int]]:
     """{dim: (groups crossing a node boundary, worst share of peers off-node, groups)}; m.recompute ignored."""
-    return {name: (*_node_stats(gs, gpus_per_node), len(gs)) for name, gs in group_membership(m, legacy).items()}
+    return {name: (*_node_stats(gs, gpus_per_node), len(gs)) for name, gs in group_rows(m, legacy).items()}
 
 
 # ---------------------------------------------------------------- step time
