@@ -8,6 +8,8 @@ kernels skip the blocks that cross documents; elsewhere (the CPU) an explicit bo
 [b, 1, s, s] for scaled_dot_product_attention's math path.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +20,6 @@ except ImportError:  # no FlexAttention in this build: the explicit mask everywh
 
 DocumentMask = torch.Tensor  # bool [b, 1, s, s] (True: attend), or a FlexAttention BlockMask
 
-_compiled_flex = None
 _BLOCK = 128  # FlexAttention's default block: a kv block is skipped, computed whole or masked
 
 
@@ -31,6 +32,12 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     # the index of the latest document start at or before each token
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - first
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process, for calls outside a compiled region."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _uses_flex(document_ids: torch.Tensor) -> bool:
@@ -90,12 +97,11 @@ def document_mask(document_ids: torch.Tensor) -> DocumentMask:
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
     """Attention of q [b, heads, s, d] over k [b, kv_heads, s, d], v [b, kv_heads, s, d_v] under mask."""
-    global _compiled_flex
     if BlockMask is not None and isinstance(mask, BlockMask):
-        if _compiled_flex is None:
-            # compiled once per process: FlexAttention's eager path materializes the scores
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        # inside a compiled block dynamo lowers flex_attention itself; eager calls take the
+        # compiled kernel (FlexAttention's eager path materializes the scores)
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+        return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[1] != k.shape[1]:
         # GQA: SDPA with an explicit mask does not take enable_gqa on every backend
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
