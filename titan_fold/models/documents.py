@@ -6,6 +6,11 @@ the positions (RoPE restarts at 0 in every document) and the attention mask (a q
 keys of its own document up to itself). On CUDA the mask is a FlexAttention BlockMask, whose
 kernels skip the blocks that cross documents; elsewhere (the CPU) an explicit boolean mask
 [b, 1, s, s] for scaled_dot_product_attention's math path.
+
+Under context parallelism (parallel/cp_documents.py) a rank holds blocks of a packed sample in
+an order of their own: `document_attention` then takes the whole sample's document ids and
+token indices in the cp ranks' order and gives this rank's queries their positions and their
+mask over every rank's keys [b, 1, s/cp, s], keys in the order the cp ranks gather them.
 """
 
 import functools
@@ -44,55 +49,110 @@ def _uses_flex(document_ids: torch.Tensor) -> bool:
     return document_ids.is_cuda and flex_attention is not None
 
 
-def _mask_mod(document_ids: torch.Tensor):
-    """FlexAttention's mask_mod: a query sees the keys of its own document up to itself."""
+def _mask_mod(document_ids: torch.Tensor, order: torch.Tensor | None = None, q0: int = 0):
+    """FlexAttention's mask_mod: a query sees the keys of its own document up to itself. order:
+    each token's index in its sample (None: the tokens in the sample's order); q0: the first
+    query's place among the tokens."""
+    if order is None:
 
-    def mask_mod(batch, head, q_idx, kv_idx):
-        return (document_ids[batch, q_idx] == document_ids[batch, kv_idx]) & (kv_idx <= q_idx)
+        def mask_mod(batch, head, q_idx, kv_idx):
+            q = q0 + q_idx
+            return (document_ids[batch, q] == document_ids[batch, kv_idx]) & (kv_idx <= q)
+
+    else:
+
+        def mask_mod(batch, head, q_idx, kv_idx):
+            q = q0 + q_idx
+            same = document_ids[batch, q] == document_ids[batch, kv_idx]
+            return same & (order[batch, kv_idx] <= order[batch, q])
 
     return mask_mod
 
 
 def _block_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """flags [b, n, n] bool -> (count [b, 1, n], indices [b, 1, n, n]) int32: the kv blocks set in
-    each q block's row, listed first (FlexAttention reads only the first `count`)."""
+    """flags [b, n_q, n_kv] bool -> (count [b, 1, n_q], indices [b, 1, n_q, n_kv]) int32: the kv
+    blocks set in each q block's row, listed first (FlexAttention reads only the first `count`)."""
     order = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True)
     return flags.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
 
-def flex_block_mask(document_ids: torch.Tensor, block: int = _BLOCK) -> "BlockMask":
-    """The FlexAttention BlockMask of document_ids [b, s] (non-decreasing along s, as packing
-    numbers documents; s a multiple of block), built from each block's first and last document:
-    O((s / block)^2) work, where create_block_mask evaluates the mask at every (q, kv) pair."""
+def flex_block_mask(
+    document_ids: torch.Tensor, block: int = _BLOCK, order: torch.Tensor | None = None, queries: slice | None = None
+) -> "BlockMask":
+    """The FlexAttention BlockMask of document_ids [b, s] (s and the queries' count multiples of
+    block), built from each block's smallest and largest document and sample index: O((s /
+    block)^2) work, where create_block_mask evaluates the mask at every (q, kv) pair.
+
+    order [b, s]: each token's index in its sample (None: the sample's order); queries: the
+    tokens whose rows the mask has (every token by default). A kv block is skipped where no
+    pair can attend (no document in common, or every key after every query), full where one
+    document holds both blocks and every key comes before every query, else masked by
+    mask_mod. Packing numbers documents in non-decreasing order, so in the sample's order these
+    are exactly the blocks create_block_mask finds (tests/test_documents.py).
+    """
     b, s = document_ids.shape
-    n = s // block
-    ids = document_ids.view(b, n, block)
-    first, last = ids[..., 0], ids[..., -1]  # [b, n]
-    q = torch.arange(n, device=document_ids.device)
-    before = (q[None, :] < q[:, None])[None]  # [1, n_q, n_kv]: the kv block precedes the q block
-    # ids do not decrease, so a kv block before the q block shares a document with it iff its last
-    # document is the q block's first, and every pair attends iff its first is the q block's last
-    shares = before & (last[:, None, :] == first[:, :, None])
-    full = shares & (first[:, None, :] == last[:, :, None])
-    partial = (shares & ~full) | torch.eye(n, dtype=torch.bool, device=document_ids.device)[None]
-    kv_num, kv_index = _block_lists(partial)
-    full_num, full_index = _block_lists(full)
+    queries = queries or slice(0, s)
+    mask_mod = _mask_mod(document_ids, order, queries.start)
+    if order is None:
+        order = torch.arange(s, device=document_ids.device).expand(b, s)
 
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block, mask_mod=_mask_mod(document_ids)
-    )
+    def bounds(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [b, n, block] -> [b, n] twice
+        return x.amin(-1), x.amax(-1)
+
+    kv_ids, kv_index = (x.view(b, s // block, block) for x in (document_ids, order))
+    q_ids, q_index = (x[:, queries].view(b, -1, block) for x in (document_ids, order))
+    (kv_first, kv_last), (q_first, q_last) = bounds(kv_ids), bounds(q_ids)
+    (kv_lo, kv_hi), (q_lo, q_hi) = bounds(kv_index), bounds(q_index)
+    # [b, n_q, n_kv]: a document in common, and a key not after a query
+    shares = (kv_first[:, None, :] <= q_last[:, :, None]) & (q_first[:, :, None] <= kv_last[:, None, :])
+    some = shares & (kv_lo[:, None, :] <= q_hi[:, :, None])
+    one = (kv_first == kv_last)[:, None, :] & (q_first == q_last)[:, :, None]
+    full = some & one & (kv_first[:, None, :] == q_first[:, :, None]) & (kv_hi[:, None, :] <= q_lo[:, :, None])
+    kv_num, kv_indices = _block_lists(some & ~full)
+    full_num, full_indices = _block_lists(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=block, mask_mod=mask_mod)
 
 
-def document_mask(document_ids: torch.Tensor) -> DocumentMask:
-    """The attention mask of the packed samples document_ids [b, s]: causal within each document."""
+def document_mask(
+    document_ids: torch.Tensor, order: torch.Tensor | None = None, queries: slice | None = None
+) -> DocumentMask:
+    """The attention mask of the packed samples document_ids [b, s]: causal within each document.
+
+    order [b, s]: each token's index in its packed sample, where the tokens come in another
+    order than the sample's (cp); None: in the sample's. queries: the tokens whose rows the mask
+    has (this cp rank's), every token by default; the keys are always all s tokens.
+    """
     b, s = document_ids.shape
+    queries = queries or slice(0, s)
+    q0, q_len = queries.start, queries.stop - queries.start
     if _uses_flex(document_ids):
-        if s % _BLOCK == 0:
-            return flex_block_mask(document_ids)
-        return create_block_mask(_mask_mod(document_ids), b, None, s, s, device=document_ids.device)
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # [b, s, s]
+        if s % _BLOCK == 0 and q_len % _BLOCK == 0:
+            return flex_block_mask(document_ids, order=order, queries=queries)
+        return create_block_mask(_mask_mod(document_ids, order, q0), b, None, q_len, s, device=document_ids.device)
+    if order is None:
+        order = torch.arange(s, device=document_ids.device).expand(b, s)
+    same = document_ids[:, queries, None] == document_ids[:, None, :]  # [b, q_len, s]
+    causal = order[:, None, :] <= order[:, queries, None]  # [b, q_len, s]
     return (same & causal).unsqueeze(1)
+
+
+def document_attention(
+    document_ids: torch.Tensor, order: torch.Tensor | None = None, part: int = 0, parts: int = 1
+) -> tuple[torch.Tensor, DocumentMask]:
+    """(positions [b, s/parts], mask) of the queries of part `part` of `parts` equal parts:
+    each token's position within its document (RoPE) and the mask over all s keys.
+
+    document_ids [b, s] and order [b, s] (each token's index in its packed sample, None: in the
+    sample's order) list every part's tokens, part after part, as the cp ranks gather them.
+    """
+    if order is None:
+        return document_positions(document_ids), document_mask(document_ids)
+    b, s = document_ids.shape
+    in_sample = torch.empty_like(document_ids).scatter_(1, order, document_ids)  # [b, s], the sample's order
+    positions = document_positions(in_sample).gather(1, order)  # [b, s], the parts' order
+    n = s // parts
+    queries = slice(part * n, (part + 1) * n)
+    return positions[:, queries], document_mask(document_ids, order, queries)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:

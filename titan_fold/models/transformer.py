@@ -18,7 +18,7 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_fold.models.args import TransformerArgs
-from titan_fold.models.documents import DocumentMask, document_mask, document_positions, masked_attention
+from titan_fold.models.documents import DocumentMask, document_attention, masked_attention
 from titan_fold.models.layers import apply_rope_qk, trunc_normal_
 from titan_fold.models.mtp import MultiTokenPrediction
 from titan_fold.moe import FeedForward, MoE
@@ -135,6 +135,8 @@ class Transformer(ModelProtocol):
         # forward's first input: token ids; False on a later pipeline stage, which gets hidden
         # states (its tok_embeddings, if any, is the MTP layers' copy of the first stage's)
         self.embeds_tokens = True
+        # (this rank's part, parts) of a packed sample's queries: (cp rank, cp) after apply_cp
+        self.query_part = (0, 1)
         # non-persistent: recomputed by init_weights, never saved in checkpoints
         cos, sin = args.rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -184,20 +186,22 @@ class Transformer(ModelProtocol):
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
         positions: global positions of these tokens, [s] or [b, s] int64, for context
-        parallelism where a rank holds non-contiguous chunks; None = 0 .. s-1.
+        parallelism where a rank holds non-contiguous chunks; None = 0 .. s-1. With
+        document_ids under cp: [b, cp * s], each token's index in its packed sample.
         future_tokens: [b, s, mtp_layers + 1] int64, the tokens 1 .. mtp_layers + 1 positions
         after each input token (IGNORE_INDEX past the end), for Multi-Token Prediction; its
         loss enters backward through the logits (AddAuxLoss), its value goes to metrics.
         document_ids: [b, s] int64, the packed document of each token (training.document_masking):
         attention stays within a document and positions restart at each one (models/documents.py).
+        Under cp [b, cp * s]: every cp rank's tokens, rank after rank (parallel/cp_documents.py).
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
         h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # [b, s, dim]
         mask = None
         if document_ids is not None:
-            if positions is not None or future_tokens is not None:
-                raise ValueError("document_ids: no global positions (cp) or future tokens (MTP) with packed documents")
-            positions, mask = document_positions(document_ids), document_mask(document_ids)
+            if future_tokens is not None:
+                raise ValueError("document_ids: no future tokens (MTP) with packed documents")
+            positions, mask = document_attention(document_ids, positions, *self.query_part)
         cos, sin = self.rope(h.shape[1], positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)

@@ -3,6 +3,7 @@
     apply_tp(model, tp_mesh, loss_parallel)   the DTensor styles of placement.tp_plan
     apply_cp(model, cp_mesh)                  inner attention over K/V gathered across cp
     cp_shard(tokens, labels, cp_mesh)         the load-balanced split the trainer feeds the model
+                                              (packed documents: parallel/cp_documents.py)
 
 Both apply_* work on a model built on the meta device (before `to_empty()` + `init_weights()`)
 and come before FSDP2. Data flow of one block on a rank, with sequence parallelism:
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_fold.common.tensors import local
+from titan_fold.models.documents import DocumentMask, masked_attention
 from titan_fold.parallel.placement import tp_plan
 
 # ---------------------------------------------------------------- tensor / sequence parallel
@@ -146,6 +148,10 @@ class ContextParallelAttention(nn.Module):
     only, before any GQA repeat) with an autograd collective, whose backward reduce-scatters
     their gradients. Each query chunk g then attends to the key prefix of chunks 0..g with a
     lower-right causal mask: the masked-out future chunks are never computed.
+
+    With a document mask (packed documents, parallel/cp_documents.py) q holds this rank's
+    blocks of the sample in their own order: K and V are gathered in the cp ranks' order, which
+    the mask's keys follow, and attended to under it.
     """
 
     def __init__(self, cp_mesh: DeviceMesh):
@@ -154,9 +160,17 @@ class ContextParallelAttention(nn.Module):
         # read once, outside forward: plain ints for torch.compile
         self.cp, self.cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, kv_heads, s/cp, d] -> [s, b, kv_heads, d]: every cp rank's, rank after rank."""
+        # sequence first: the collective gathers dim 0 without an extra concat copy
+        return _all_gather(x.permute(2, 0, 1, 3).contiguous(), gather_dim=0, group=self.cp_mesh)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         if mask is not None:
-            raise NotImplementedError("context parallelism over packed documents (training.document_masking)")
+            k_all, v_all = (self._gather(x).permute(1, 2, 0, 3) for x in (k, v))  # [b, kv_heads, s, d]
+            return masked_attention(q, k_all, v_all, mask)
         cp, rank = self.cp, self.cp_rank
         b, h, s_local, d = q.shape
         c = s_local // 2
@@ -165,10 +179,8 @@ class ContextParallelAttention(nn.Module):
         index = torch.tensor(order, device=q.device)
 
         def gather(x: torch.Tensor) -> torch.Tensor:
-            # sequence first: the collective gathers dim 0 without an extra concat copy
-            x = _all_gather(x.permute(2, 0, 1, 3).contiguous(), gather_dim=0, group=self.cp_mesh)
             # [cp * 2c, b, kv_heads, head_dim] in rank order (rank j: chunks j, 2cp-1-j)
-            x = x.unflatten(0, (2 * cp, c)).index_select(0, index).flatten(0, 1)
+            x = self._gather(x).unflatten(0, (2 * cp, c)).index_select(0, index).flatten(0, 1)
             return x.permute(1, 2, 0, 3)  # [b, kv_heads, s, head_dim], global order
 
         k_all, v_all = gather(k), gather(v)
@@ -193,8 +205,10 @@ class ContextParallelAttention(nn.Module):
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Swap every block's inner attention for the context-parallel one (no parameters).
 
-    The trainer must feed `cp_shard`'s tokens and pass its positions to the model. Composes
-    with apply_tp in either order: the inner attention sees local tensors of this tp rank's heads.
+    The trainer must feed `cp_shard`'s tokens and pass its positions to the model (packed
+    documents: `cp_documents.cp_shard_documents`). Composes with apply_tp in either order: the
+    inner attention sees local tensors of this tp rank's heads.
     """
+    model.query_part = (cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.transformer_blocks():
         block.attention.inner_attention = ContextParallelAttention(cp_mesh)

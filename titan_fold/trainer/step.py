@@ -24,12 +24,16 @@ from titan_fold.moe import moe_layers
 from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, group_norm_values, group_norms
+from titan_fold.parallel.cp_documents import cp_order, cp_shard_documents
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
 from titan_fold.parallel.parallelize import _plan_fqn
 from titan_fold.parallel.pipeline import embedding_copies, pipeline_forward_backward, sync_embedding_copies
 from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
 from titan_fold.trainer.phases import StepPhases
+
+# the batch's key for the packed samples' order under cp, dealt on the host (_train_step)
+CP_ORDER = "cp_order"
 
 
 class TrainStep:
@@ -58,13 +62,17 @@ class TrainStep:
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
         inputs = input_dict["input"]
-        extra_inputs = {k: v for k, v in input_dict.items() if k not in ("input", "document_ids")}
+        extra_inputs = {k: v for k, v in input_dict.items() if k not in ("input", "document_ids", CP_ORDER)}
         extra_kwargs = {}
         if "document_ids" in input_dict:  # every pipeline stage masks attention by document
             extra_kwargs["document_ids"] = input_dict["document_ids"]
         layout = self.parallel_dims
         future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
-        if layout.cp > 1:
+        if CP_ORDER in input_dict:  # packed documents: blocks dealt by their work (cp_documents.py)
+            inputs, labels, extra_kwargs["document_ids"], extra_kwargs["positions"] = cp_shard_documents(
+                inputs, labels, input_dict["document_ids"], input_dict[CP_ORDER], layout.attention["cp"]
+            )
+        elif layout.cp > 1:
             # load-balanced causal split; the model needs the global positions for RoPE
             inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
             if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
@@ -181,6 +189,10 @@ class TrainStep:
         layout = self.parallel_dims
         # the micro-batches stay on the host until their turn; their tokens are counted there
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        if layout.cp > 1:
+            for input_dict, _ in microbatches:
+                if "document_ids" in input_dict:  # read on the host: no wait for the device
+                    input_dict[CP_ORDER] = cp_order(input_dict["document_ids"], layout.cp)
         local_valid_tokens = to_device(
             torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device
         )
