@@ -275,7 +275,6 @@ def test_step_loss_is_a_token_mean_and_matches_one_rank(tmp_path):
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("--parallelism.context_parallel_degree", "2"),
         ("--mtp.num_layers", "1"),
         ("--moe.overlap_ep_comm", None),
     ],

@@ -51,14 +51,20 @@ CASES = [
         {"optimizer.master_weights": True, "optimizer.early_step_in_backward": True, "training.dtype": "bfloat16"},
         "optimizer.master_weights = true with optimizer.early_step_in_backward",
     ),
-    (
-        {"training.document_masking": True, "parallelism.context_parallel_degree": 2},
-        "training.document_masking with parallelism.context_parallel_degree = 2",
-    ),
     ({"training.dataset_format": "chat", "mtp.num_layers": 1}, "training.document_masking with mtp.num_layers = 1"),
     (
         {"training.document_masking": True, "moe.overlap_ep_comm": True},
         "training.document_masking with moe.overlap_ep_comm = True",
+    ),
+    (
+        {
+            "training.dataset_format": "chat",
+            "parallelism.context_parallel_degree": 2,
+            "moe.token_drop": "drop",
+            "moe.capacity_factor": 1.0,
+            "moe.drop_scope": "full_sequence",
+        },
+        "moe.drop_scope = 'full_sequence' with training.document_masking under parallelism.context_parallel_degree = 2",
     ),
     ({"moe.delay_wgrad_compute": True}, "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree"),
     ({"moe.delay_wgrad_compute": True, "compile.enable": True, **EP2}, "moe.delay_wgrad_compute = true with compile"),

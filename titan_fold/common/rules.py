@@ -190,10 +190,20 @@ RULES = (
             "set training.document_masking = false",
         )
         for key, off, why in (
-            ("parallelism.context_parallel_degree", 1, "cp"),
             ("mtp.num_layers", 0, "Multi-Token Prediction"),
             ("moe.overlap_ep_comm", False, "the overlapped micro-batch schedule"),
         )
+    ),
+    Rule(
+        lambda c: (
+            documents_masked(c.training)
+            and c.parallelism.context_parallel_degree > 1
+            and c.moe.drop_scope == "full_sequence"
+        ),
+        "moe.drop_scope = 'full_sequence' with training.document_masking under "
+        "parallelism.context_parallel_degree = {parallelism.context_parallel_degree}: the drop decision "
+        "reads each sequence in the two-chunk cp order, and packed documents are dealt in blocks of "
+        "their own; set moe.drop_scope = 'sub_sequence' or training.document_masking = false",
     ),
     *_hides_all_to_all("delay_wgrad_compute"),
     *_hides_all_to_all("overlap_ep_comm"),
