@@ -1,0 +1,164 @@
+"""Context parallelism over packed documents (parallel/cp_documents.py): the deal of blocks
+against its bound and an exhaustive search, each part's positions and mask against the one-rank
+ones, and every cp layout (cp2, cp4, cp2 x tp2, cp2 x ep2, cp2 with pp2) against one rank on
+packed chat samples of very different lengths, for Qwen3-MoE and DeepSeek-V3 (MLA)."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import assert_matches_one_rank, torchrun, train_from_seed
+
+from titan_fold.models.documents import document_attention, document_mask, document_positions
+from titan_fold.parallel.attention import cp_positions
+from titan_fold.parallel.cp_documents import block_work, blocks_per_rank, cp_order, deal_blocks
+
+
+def packed(lengths: list[int]) -> torch.Tensor:
+    """[1, sum(lengths)] document ids of documents of these lengths, packed in turn."""
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+
+
+def rank_work(document_ids: torch.Tensor, order: torch.Tensor, cp: int) -> list[int]:
+    """Each cp rank's (query, key) pairs under the one-rank mask, counted from the mask itself."""
+    pairs = document_mask(document_ids)[0, 0].sum(1)  # [s]: keys each query sees
+    n = order.shape[1] // cp
+    return [int(pairs[order[0, r * n : (r + 1) * n]].sum()) for r in range(cp)]
+
+
+# very different lengths: a long document beside short ones, then padding-like tails
+SAMPLES = [
+    [200, 20, 9, 27],
+    [7, 3, 240, 6],
+    [256],
+    [1] * 16 + [240],
+    [60, 60, 60, 60, 16],
+]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("lengths", SAMPLES)
+def test_deal_is_a_permutation_of_equal_parts_within_its_bound(lengths, cp):
+    ids = packed(lengths)
+    s = ids.shape[1]
+    order = cp_order(ids, cp)
+    assert sorted(order[0].tolist()) == list(range(s))  # every token once
+    blocks = cp * blocks_per_rank(s, cp)
+    work = block_work(ids, blocks)[0]
+    loads = rank_work(ids, order, cp)
+    assert sum(loads) == int(work.sum())
+    # the bound the module docstring proves
+    assert max(loads) - min(loads) <= int(work.max() - work.min()), (loads, work.tolist())
+
+
+def test_deal_beats_the_two_chunk_split():
+    """A long document, then short ones: the two-chunk split gives the long one's end to the
+    middle chunks' ranks, the short ones' little work to the last chunk's."""
+    ids = packed([1536] + [8] * 64)
+    for cp in (2, 4):
+        chunks = torch.cat([cp_positions(r, cp, 2048) for r in range(cp)])[None]
+        dealt = rank_work(ids, cp_order(ids, cp), cp)
+        assert max(dealt) < 0.9 * max(rank_work(ids, chunks, cp)), cp
+
+
+def test_one_document_in_two_blocks_per_rank_is_the_two_chunk_split():
+    ids = packed([16])
+    assert blocks_per_rank(16, 2) == 2
+    assert cp_order(ids, 2).view(2, 2, 4)[:, :, 0].tolist() == [[0, 12], [4, 8]]
+
+
+def test_deal_against_an_exhaustive_search():
+    """Small samples: the work per block from the mask itself, and the deal's heaviest rank
+    against the best of every split into equal parts, within the bound's margin."""
+    for lengths in ([5, 11], [1, 1, 14], [3, 3, 3, 7], [9, 2, 5]):
+        ids = packed(lengths)
+        work = block_work(ids, 8)[0]
+        pairs = document_mask(ids)[0, 0].sum(1).view(8, 2).sum(1)
+        assert work.tolist() == pairs.tolist()
+        for cp in (2, 4):
+            dealt = deal_blocks(work, cp)
+            assert sorted(b for rank in dealt for b in rank) == list(range(8))
+            assert {len(rank) for rank in dealt} == {8 // cp}
+            best = min(max(int(work[list(part)].sum()) for part in parts) for parts in equal_parts(list(range(8)), cp))
+            heaviest = max(int(work[rank].sum()) for rank in dealt)
+            assert best <= heaviest <= best + int(work.max() - work.min()), (lengths, cp, best, heaviest)
+
+
+def equal_parts(items: list[int], n: int):
+    """Every split of items into n parts of equal size (as sets, part order ignored)."""
+    if n == 1:
+        yield [items]
+        return
+    first, rest = items[0], items[1:]
+    for others in itertools.combinations(rest, len(items) // n - 1):
+        left = [i for i in rest if i not in others]
+        for parts in equal_parts(left, n - 1):
+            yield [[first, *others], *parts]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_part_has_the_one_rank_positions_and_mask(cp):
+    ids = torch.cat([packed([20, 3, 9]), packed([1, 31])])  # [2, 32]: two samples, dealt apart
+    order = cp_order(ids, cp)
+    assert not torch.equal(order[0], order[1])
+    full_positions, full_mask = document_positions(ids), document_mask(ids)  # [2, 32], [2, 1, 32, 32]
+    cp_ids = ids.gather(1, order)
+    n = 32 // cp
+    for part in range(cp):
+        positions, mask = document_attention(cp_ids, order, part, cp)
+        rows = order[:, part * n : (part + 1) * n]
+        assert torch.equal(positions, full_positions.gather(1, rows))
+        want = torch.stack([full_mask[i, 0][rows[i]][:, order[i]] for i in range(2)])[:, None]
+        assert torch.equal(mask, want)
+
+
+# --- every cp layout against one rank, through the trainer
+
+# no balance losses: means over a pipeline micro-batch, which pp splits further than the others
+PLAIN = ("--moe.load_balance", "none", "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0")
+BATCH = ("--training.local_batch_size", "4", "--training.global_batch_size", "8")
+CP2 = ("--parallelism.context_parallel_degree", "2")
+LAYOUTS = {
+    "cp2": (2, CP2),
+    "cp4": (4, ("--parallelism.context_parallel_degree", "4")),
+    "cp2_tp2": (4, (*CP2, "--parallelism.tensor_parallel_degree", "2")),
+    "cp2_ep2": (2, (*CP2, "--parallelism.expert_parallel_degree", "2")),
+    "cp2_pp2": (
+        4,
+        (*CP2, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+    ),
+}
+MODELS = {
+    "qwen3_moe": ("--model.name", "qwen3_moe"),
+    # MLA with YaRN (the debug flavor's rope)
+    "deepseek_v3": ("--model.name", "deepseek_v3"),
+}
+STEPS = 2
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def reference(request, tmp_path_factory):
+    """(model args, seed checkpoint, the one-rank run) of one model on debug_sft's packed chats."""
+    model = MODELS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    torchrun(
+        1,
+        "--job.dump_folder",
+        str(root / "seed"),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        *model,
+        config="debug_sft.toml",
+    )
+    seed = str(root / "seed" / "checkpoint" / "step-0")
+    args = (*model, *PLAIN, *BATCH)
+    return args, seed, train_from_seed(root / "one", 1, seed, STEPS, *args, config="debug_sft.toml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_one_rank(layout, reference, tmp_path):
+    args, seed, one = reference
+    nproc, degrees = LAYOUTS[layout]
+    got = train_from_seed(tmp_path, nproc, seed, STEPS, *args, *degrees, config="debug_sft.toml")
+    assert_matches_one_rank(one, got, layout, keys=("loss", "grad_norm"))
