@@ -300,6 +300,9 @@ def test_train_step_summary_and_plans():
     assert "--moe.overlap_ep_comm" not in args and "--moe.delay_wgrad_compute" not in args
     _, args = train_step.case_plan("dp2_ep2_compiled_static_stash4096", A)
     assert get("--moe.exchange") == "static" and get("--moe.stash_rows") == "4096"
+    nproc, args = train_step.case_plan("cp2_ep2_docs", A)
+    assert nproc == 2 and get("--training.document_masking") == "True"
+    assert get("--parallelism.context_parallel_degree") == "2" and get("--parallelism.expert_parallel_degree") == "2"
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
@@ -319,6 +322,8 @@ def test_train_step_summary_and_plans():
             "dp2_ep2_bf16params_static_stash4096",
             "dp2_ep2_bf16params_compiled_static_cudagraphs",
             "1gpu_bf16params_auxfree_phases",
+            "1gpu_docs",
+            "cp2_ep2_docs",
             *bench_main.FOLDING_CASES.split(","),
             *bench_main.OPTION_CASES.split(","),
             *bench_main.MUON_CURVES.split(","),
