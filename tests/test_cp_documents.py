@@ -3,11 +3,15 @@ against its bound and an exhaustive search, each part's positions and mask again
 ones, and every cp layout (cp2, cp4, cp2 x tp2, cp2 x ep2, cp2 with pp2) against one rank on
 packed chat samples of very different lengths, for Qwen3-MoE and DeepSeek-V3 (MLA)."""
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from conftest import assert_matches_one_rank, torchrun, train_from_seed
+from launcher import end_rank_checks, fork_ranks, run_checks, start_rank
 
 from titan_fold.models.documents import document_attention, document_mask, document_positions
 from titan_fold.parallel.attention import cp_positions
@@ -110,6 +114,117 @@ def test_each_part_has_the_one_rank_positions_and_mask(cp):
         assert torch.equal(positions, full_positions.gather(1, rows))
         want = torch.stack([full_mask[i, 0][rows[i]][:, order[i]] for i in range(2)])[:, None]
         assert torch.equal(mask, want)
+
+
+# --- every gradient under cp and cp x tp against one rank, on 4 gloo ranks
+
+WORLD = 4
+# (cp, tp); ranks beyond cp x tp are replicas fed the same batch
+MODEL_LAYOUTS = [(2, 1), (4, 1), (2, 2)]
+# two samples [2, 64], documents of very different lengths, each sample dealt on its own
+DOCUMENTS = [[40, 3, 1, 20], [5, 59]]
+
+
+def tiny(name: str):
+    from titan_fold.models import FLAVORS
+
+    args = FLAVORS[name]["debug"]
+    # no balance losses: means over a rank's tokens; two layers (DeepSeek-V3: a dense one first)
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, load_balance="none"), n_layers=2)
+
+
+def packed_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    # the trainer's: a sum over the tokens / the global token count
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / tokens
+
+
+def check_model_layout(args, reference, batch, cp: int, tp: int) -> None:
+    """The folded model's loss and every parameter's gradient, summed over the ranks that hold
+    different tokens, against the one-rank model's."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from titan_fold.models import Transformer
+    from titan_fold.parallel.attention import apply_cp, apply_tp
+    from titan_fold.parallel.cp_documents import cp_shard_documents
+    from titan_fold.parallel.mesh import Layout
+
+    tokens, labels, document_ids = batch
+    layout = Layout(WORLD, tp=tp, cp=cp)
+    layout.build_mesh("cpu")
+    tp_mesh, cp_mesh = layout.attention["tp"], layout.attention["cp"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    if tp > 1:
+        apply_tp(model, tp_mesh, loss_parallel=False, sequence_parallel=True)
+    apply_cp(model, cp_mesh)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    full = reference.state_dict()
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                p.to_local().copy_(
+                    distribute_tensor(full[name], p.device_mesh, p.placements, src_data_rank=None).to_local()
+                )
+            else:
+                p.copy_(full[name])
+    order = cp_order(document_ids, cp)
+    local_tokens, local_labels, ids, positions = cp_shard_documents(tokens, labels, document_ids, order, cp_mesh)
+    loss = packed_loss(model(local_tokens, positions, document_ids=ids), local_labels, labels.numel())
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp_mesh.get_group())
+    torch.testing.assert_close(total, reference.loss, rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):  # reduced over tp already
+            local = g.to_local().clone()
+            dist.all_reduce(local, group=cp_mesh.get_group())
+            replicated = all(isinstance(q, Replicate) for q in g.placements)
+            got = local if replicated else DTensor.from_local(local, g.device_mesh, g.placements).full_tensor()
+        else:  # the experts: partial over the ranks holding other tokens, tp (sequence parallel) and cp
+            got = g.clone()
+            for group in (tp_mesh, cp_mesh) if tp > 1 else (cp_mesh,):
+                dist.all_reduce(got, group=group.get_group())
+        want = reference.grads[name]
+        assert (got - want).norm() <= 1e-5 * want.norm(), (name, ((got - want).norm() / want.norm()).item())
+
+
+def model_worker(rank, port, out_dir, names):
+    start_rank(rank, port, WORLD)
+    from titan_fold.models import Transformer
+
+    failures = []
+    for name in names:
+        args = tiny(name)
+        torch.manual_seed(0)
+        reference = Transformer(args)
+        reference.init_weights()
+        document_ids = torch.cat([packed(lengths) for lengths in DOCUMENTS])  # [2, 64]
+        tokens = torch.randint(0, args.vocab_size, document_ids.shape)
+        labels = torch.randint(0, args.vocab_size, document_ids.shape)
+        loss = packed_loss(reference(tokens, document_ids=document_ids), labels, labels.numel())
+        loss.backward()
+        reference.loss = loss.detach()
+        reference.grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        batch = tokens, labels, document_ids
+        failures += run_checks(
+            [
+                (
+                    f"cp{cp} tp{tp}",
+                    lambda cp=cp, tp=tp, a=args, r=reference, b=batch: check_model_layout(a, r, b, cp, tp),
+                )
+                for cp, tp in MODEL_LAYOUTS
+            ],
+            name,
+        )
+    end_rank_checks(out_dir, rank, failures)
+
+
+@pytest.mark.slow
+def test_every_gradient_under_cp_and_tp_is_one_ranks(tmp_path):
+    failures = fork_ranks(model_worker, WORLD, tmp_path, sorted(MODELS))
+    assert not failures, "\n".join(failures)[:20000]
 
 
 # --- every cp layout against one rank, through the trainer
