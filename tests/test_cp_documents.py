@@ -116,6 +116,42 @@ def test_each_part_has_the_one_rank_positions_and_mask(cp):
         assert torch.equal(mask, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: FlexAttention's block mask runs on CUDA")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_part_attends_as_one_rank_with_flex_on_gpu(cp):
+    """Each part's queries under its FlexAttention block mask [s/cp, s] over the keys in the cp
+    ranks' order (models/documents.py: masked_attention), against SDPA's math under the one-rank
+    explicit mask: outputs, and the gradients of q, k and v summed over the parts."""
+    from titan_fold.models.documents import masked_attention
+
+    ids = torch.cat([packed([700, 3, 61, 260]), packed([17, 1007])]).cuda()  # [2, 1024]
+    order = cp_order(ids.cpu(), cp).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 1024, 64, device="cuda", generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=g, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(2, 4, 1024, 64, device="cuda", generator=g)
+    mask = document_mask(ids.cpu()).cuda()  # the explicit one-rank mask [2, 1, 1024, 1024]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = masked_attention(q, k, v, mask)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+
+    def in_order(x, index):  # [b, heads, s, d] -> the tokens of index [b, n], in its order
+        return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+    cp_ids, n = ids.gather(1, order), 1024 // cp
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for part in range(cp):
+        rows = order[:, part * n : (part + 1) * n]
+        _, block_mask = document_attention(cp_ids, order, part, cp)
+        assert type(block_mask).__name__ == "BlockMask"
+        out = masked_attention(in_order(q, rows), in_order(k, order), in_order(v, order), block_mask)
+        torch.testing.assert_close(out, in_order(want, rows), rtol=1e-4, atol=1e-5)
+        for total, grad in zip(grads, torch.autograd.grad(out, (q, k, v), in_order(upstream, rows)), strict=True):
+            total += grad
+    for name, total, wanted in zip("qkv", grads, want_grads, strict=True):
+        torch.testing.assert_close(total, wanted, rtol=1e-3, atol=1e-5, msg=name)
+
+
 # --- every gradient under cp and cp x tp against one rank, on 4 gloo ranks
 
 WORLD = 4
