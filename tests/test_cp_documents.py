@@ -116,6 +116,41 @@ def test_each_part_has_the_one_rank_positions_and_mask(cp):
         assert torch.equal(mask, want)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_parts_block_mask_holds_every_attending_pair(cp):
+    """The FlexAttention BlockMask of each part, built from its blocks' bounds on the host
+    (models/documents.py: flex_block_mask, block 16 here): every pair that attends lies in a kv
+    block it lists, every pair of a full block attends, its mask_mod is the explicit mask, and
+    with the dealt blocks a multiple of the tile no listed block is wholly masked."""
+    from titan_fold.models.documents import _mask_mod, flex_block_mask
+
+    # [2, 512]: dealt blocks of 128 (cp2) or 64 (cp4) tokens, whole 16-token tiles
+    ids = torch.cat([packed([300, 3, 61, 148]), packed([17, 495])])
+    order = cp_order(ids, cp)
+    cp_ids, n = ids.gather(1, order), 512 // cp
+    for part in range(cp):
+        queries = slice(part * n, (part + 1) * n)
+        want = document_mask(cp_ids, order, queries)[:, 0]  # [2, n, 512], the explicit mask
+        got = flex_block_mask(cp_ids, 16, order, queries)
+        mod = _mask_mod(cp_ids, order, queries.start)
+        b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(n), torch.arange(512), indexing="ij")
+        assert torch.equal(mod(b, None, q, kv), want)
+        tiles = want.view(2, n // 16, 16, 32, 16).transpose(2, 3)  # [2, q tiles, kv tiles, 16, 16]
+        listed = {(i, j, k) for i, j, k in itertools.product(range(2), range(n // 16), range(32))}
+        partial = {
+            t for t in listed if t[2] in set(got.kv_indices[t[0], 0, t[1], : got.kv_num_blocks[t[0], 0, t[1]]].tolist())
+        }
+        full = {
+            t
+            for t in listed
+            if t[2] in set(got.full_kv_indices[t[0], 0, t[1], : got.full_kv_num_blocks[t[0], 0, t[1]]].tolist())
+        }
+        assert not partial & full
+        for t in listed:
+            assert (t in partial or t in full) == bool(tiles[t].any()), (part, t)
+            assert t not in full or bool(tiles[t].all()), (part, t)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: FlexAttention's block mask runs on CUDA")
 @pytest.mark.parametrize("cp", [2, 4])
 def test_each_part_attends_as_one_rank_with_flex_on_gpu(cp):
