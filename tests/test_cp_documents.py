@@ -348,3 +348,23 @@ def test_layout_matches_one_rank(layout, reference, tmp_path):
     nproc, degrees = LAYOUTS[layout]
     got = train_from_seed(tmp_path, nproc, seed, STEPS, *args, *degrees, config="debug_sft.toml")
     assert_matches_one_rank(one, got, layout, keys=("loss", "grad_norm"))
+
+
+@pytest.mark.slow
+def test_balance_losses_under_cp_tp_match_one_rank(tmp_path):
+    """debug_sft's own aux and z losses (Qwen3-MoE): the router's statistics, gathered over cp x
+    tp, see each packed sample whole whatever blocks the ranks hold."""
+    torchrun(
+        1,
+        "--job.dump_folder",
+        str(tmp_path / "seed"),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        config="debug_sft.toml",
+    )
+    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
+    one = train_from_seed(tmp_path / "one", 1, seed, STEPS, *BATCH, config="debug_sft.toml")
+    _, degrees = LAYOUTS["cp2_tp2"]
+    got = train_from_seed(tmp_path / "cp2_tp2", 4, seed, STEPS, *BATCH, *degrees, config="debug_sft.toml")
+    assert one[0]["moe_aux_loss"] > 0
+    assert_matches_one_rank(one, got, "cp2_tp2 with balance losses")
