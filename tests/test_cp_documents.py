@@ -1,7 +1,8 @@
 """Context parallelism over packed documents (parallel/cp_documents.py): the deal of blocks
-against its bound and an exhaustive search, each part's positions and mask against the one-rank
-ones, and every cp layout (cp2, cp4, cp2 x tp2, cp2 x ep2, cp2 with pp2) against one rank on
-packed chat samples of very different lengths, for Qwen3-MoE and DeepSeek-V3 (MLA)."""
+against its bound and an exhaustive search; each part's positions, mask and FlexAttention block
+mask against the one-rank ones; every gradient at cp2, cp4 and cp2 x tp2 on gloo ranks; and
+every cp layout (cp2, cp4, cp2 x tp2, cp2 x ep2, cp2 with pp2) through the trainer against one
+rank on packed chat samples of very different lengths, for Qwen3-MoE and DeepSeek-V3 (MLA)."""
 
 import dataclasses
 import itertools
