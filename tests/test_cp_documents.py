@@ -320,50 +320,64 @@ MODELS = {
     # MLA with YaRN (the debug flavor's rope)
     "deepseek_v3": ("--model.name", "deepseek_v3"),
 }
+# DeepSeek-V3 through the trainer where the gloo check above does not reach (ep, pp)
+CASES = [("qwen3_moe", layout) for layout in sorted(LAYOUTS)] + [("deepseek_v3", "cp2_ep2"), ("deepseek_v3", "cp2_pp2")]
 STEPS = 2
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def reference(request, tmp_path_factory):
-    """(model args, seed checkpoint, the one-rank run) of one model on debug_sft's packed chats."""
-    model = MODELS[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    torchrun(
-        1,
-        "--job.dump_folder",
-        str(root / "seed"),
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        *model,
-        config="debug_sft.toml",
-    )
-    seed = str(root / "seed" / "checkpoint" / "step-0")
-    args = (*model, *PLAIN, *BATCH)
-    return args, seed, train_from_seed(root / "one", 1, seed, STEPS, *args, config="debug_sft.toml")
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    """model -> a seed checkpoint of it for debug_sft, made once on one rank."""
+    made = {}
+
+    def seed(name: str) -> str:
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            torchrun(
+                1,
+                "--job.dump_folder",
+                str(root),
+                "--checkpoint.enable",
+                "--checkpoint.create_seed_checkpoint",
+                *MODELS[name],
+                config="debug_sft.toml",
+            )
+            made[name] = str(root / "checkpoint" / "step-0")
+        return made[name]
+
+    return seed
+
+
+@pytest.fixture(scope="module")
+def one_rank(seeds, tmp_path_factory):
+    """model -> its one-rank run on debug_sft's packed chats without balance losses."""
+    runs = {}
+
+    def run(name: str) -> list[dict]:
+        if name not in runs:
+            folder = tmp_path_factory.mktemp(f"{name}_one")
+            runs[name] = train_from_seed(
+                folder, 1, seeds(name), STEPS, *MODELS[name], *PLAIN, *BATCH, config="debug_sft.toml"
+            )
+        return runs[name]
+
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_one_rank(layout, reference, tmp_path):
-    args, seed, one = reference
+@pytest.mark.parametrize("name, layout", CASES)
+def test_layout_matches_one_rank(name, layout, seeds, one_rank, tmp_path):
     nproc, degrees = LAYOUTS[layout]
-    got = train_from_seed(tmp_path, nproc, seed, STEPS, *args, *degrees, config="debug_sft.toml")
-    assert_matches_one_rank(one, got, layout, keys=("loss", "grad_norm"))
+    args = (*MODELS[name], *PLAIN, *BATCH, *degrees)
+    got = train_from_seed(tmp_path, nproc, seeds(name), STEPS, *args, config="debug_sft.toml")
+    assert_matches_one_rank(one_rank(name), got, layout, keys=("loss", "grad_norm"))
 
 
 @pytest.mark.slow
-def test_balance_losses_under_cp_tp_match_one_rank(tmp_path):
+def test_balance_losses_under_cp_tp_match_one_rank(seeds, tmp_path):
     """debug_sft's own aux and z losses (Qwen3-MoE): the router's statistics, gathered over cp x
     tp, see each packed sample whole whatever blocks the ranks hold."""
-    torchrun(
-        1,
-        "--job.dump_folder",
-        str(tmp_path / "seed"),
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        config="debug_sft.toml",
-    )
-    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
+    seed = seeds("qwen3_moe")
     one = train_from_seed(tmp_path / "one", 1, seed, STEPS, *BATCH, config="debug_sft.toml")
     _, degrees = LAYOUTS["cp2_tp2"]
     got = train_from_seed(tmp_path / "cp2_tp2", 4, seed, STEPS, *BATCH, *degrees, config="debug_sft.toml")
