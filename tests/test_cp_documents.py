@@ -1,8 +1,9 @@
 """Context parallelism over packed documents (parallel/cp_documents.py): the deal of blocks
 against its bound and an exhaustive search; each part's positions, mask and FlexAttention block
-mask against the one-rank ones; every gradient at cp2, cp4 and cp2 x tp2 on gloo ranks; and
-every cp layout (cp2, cp4, cp2 x tp2, cp2 x ep2, cp2 with pp2) through the trainer against one
-rank on packed chat samples of very different lengths, for Qwen3-MoE and DeepSeek-V3 (MLA)."""
+mask against the one-rank ones; every gradient of Qwen3-MoE and DeepSeek-V3 (MLA) at cp2, cp4
+and cp2 x tp2 on gloo ranks; and through the trainer against one rank on packed chat samples of
+very different lengths, Qwen3-MoE at every cp layout (cp2, cp4, cp2 x tp2, cp2 x ep2, cp2 with
+pp2) and DeepSeek-V3 at cp2 x ep2 and cp2 with pp2."""
 
 import dataclasses
 import itertools
