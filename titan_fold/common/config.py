@@ -11,11 +11,11 @@ import dataclasses
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:
     import tomli as tomllib
 
 from torchtitan.config import ConfigManager
@@ -208,9 +208,9 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
             check_value(name, hints[key], value)
 
 
-def _field(cls: type, dotted: str):
+def _field(cls: type, dotted: str) -> Any:
     """The type hint of `section.key` (nested sections allowed), or None."""
-    hint = cls
+    hint: Any = cls
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(hint):
             return None

@@ -42,6 +42,11 @@ def _value(c, key: str):
     return getattr(getattr(c, section), name)
 
 
+def _masked_with(key: str, off: object) -> Callable[[Any], bool]:
+    """Broken when packed documents are masked and `key` is not `off`."""
+    return lambda c: documents_masked(c.training) and _value(c, key) != off
+
+
 def _over_ranks(c) -> bool:
     return c.parallelism.expert_parallel_degree * c.parallelism.expert_tensor_parallel_degree > 1
 
@@ -185,7 +190,7 @@ RULES = (
     ),
     *(
         Rule(
-            lambda c, key=key, off=off: documents_masked(c.training) and _value(c, key) != off,
+            _masked_with(key, off),
             f"training.document_masking with {key} = {{{key}}}: {why} does not take packed documents yet; "
             "set training.document_masking = false",
         )

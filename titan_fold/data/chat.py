@@ -163,7 +163,7 @@ def check_record(record, where: str) -> list[dict]:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """Every record of the jsonl file at path, checked (check_record); records count from 0."""
-    conversations = []
+    conversations: list[list[dict]] = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():

@@ -14,6 +14,7 @@ mask over every rank's keys [b, 1, s/cp, s], keys in the order the cp ranks gath
 """
 
 import functools
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ try:
 except ImportError:  # no FlexAttention in this build: the explicit mask everywhere
     BlockMask = create_block_mask = flex_attention = None
 
-DocumentMask = torch.Tensor  # bool [b, 1, s, s] (True: attend), or a FlexAttention BlockMask
+DocumentMask: TypeAlias = torch.Tensor  # bool [b, 1, s, s] (True: attend), or a FlexAttention BlockMask
 
 _BLOCK = 128  # FlexAttention's default block: a kv block is skipped, computed whole or masked
 

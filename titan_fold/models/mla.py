@@ -102,11 +102,14 @@ class MLAttention(nn.Module):
         self.qk_head_dim = self.nope_dim + self.rope_dim
         self.interleaved = args.rope_interleave
         heads = args.n_heads
+        # the query's projection: one matrix, or (q_lora_rank) down to a latent and up
+        self.wq: nn.Linear | None = None
+        self.wq_a: nn.Linear | None = None
+        self.q_a_norm: nn.RMSNorm | None = None
+        self.wq_b: nn.Linear | None = None
         if args.q_lora_rank is None:
             self.wq = nn.Linear(args.dim, heads * self.qk_head_dim, bias=False)
-            self.wq_a = self.q_a_norm = self.wq_b = None
         else:
-            self.wq = None
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
             self.q_a_norm = nn.RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, heads * self.qk_head_dim, bias=False)
@@ -123,7 +126,11 @@ class MLAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        if self.wq is not None:
+            q = self.wq(x)
+        else:
+            assert self.wq_a is not None and self.q_a_norm is not None and self.wq_b is not None  # q_lora_rank
+            q = self.wq_b(self.q_a_norm(self.wq_a(x)))
         # -1: the heads this rank holds (all of them without tensor parallelism)
         q = q.view(b, s, -1, self.qk_head_dim)  # [b, s, heads, nope + rope]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)

@@ -104,7 +104,7 @@ def plan(
     bounds.sort(key=lambda e: e.step_s)
 
     def best_of(cands, k, legacy):
-        exact = []
+        exact: list[Estimate] = []
         for lb in cands:
             if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
                 break
