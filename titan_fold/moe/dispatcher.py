@@ -42,8 +42,9 @@ from titan_fold.moe.quack import Gather
 from titan_fold.moe.stash import Stash
 
 
-def capacity(num_tokens: int, args: MoEArgs) -> int:
-    return math.ceil(num_tokens * args.top_k * args.capacity_factor / args.num_experts)
+def capacity(num_tokens: int, factor: float, args: MoEArgs) -> int:
+    """The most assignments an expert keeps of num_tokens * top_k, at capacity factor `factor`."""
+    return math.ceil(num_tokens * args.top_k * factor / args.num_experts)
 
 
 def group_by(key: torch.Tensor, num_groups: int, positions: bool = True):
@@ -281,14 +282,15 @@ class TokenDispatcher(nn.Module):
 
     def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
         """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
-        if args.capacity_factor is None:
+        factor, seq_mesh = args.capacity_factor, self.seq_mesh
+        if factor is None:
             return None, None
         T, k = experts.shape
-        if args.drop_scope == "sub_sequence" or _size(self.seq_mesh) == 1:
-            cap = capacity(T, args)
+        if args.drop_scope == "sub_sequence" or seq_mesh is None or seq_mesh.size() == 1:
+            cap = capacity(T, factor, args)
             return capacity_keep(probs, experts, args.num_experts, cap, args.drop_policy), cap
         # full_sequence: decide on the whole sequences exactly as one rank holding them would
-        n, L = self.seq_mesh.size(), T // num_seqs
+        n, L = seq_mesh.size(), T // num_seqs
         packed = torch.cat([probs.detach().double(), experts.double()], dim=-1)  # [T, 2k], ids exact in f64
         full = self.counts.sequences(self, packed)  # [n * T, 2k], rank-major
         full = full.view(n, num_seqs, L, 2 * k).transpose(0, 1).reshape(num_seqs, n * L, 2 * k)  # by sequence
@@ -296,12 +298,12 @@ class TokenDispatcher(nn.Module):
         if pos is not None:  # e.g. cp's load-balanced chunks: put each sequence in order
             full = full.index_select(1, torch.argsort(pos))
         full = full.reshape(num_seqs * n * L, 2 * k)
-        cap = capacity(n * T, args)
+        cap = capacity(n * T, factor, args)
         keep = capacity_keep(full[:, :k], full[:, k:].long(), args.num_experts, cap, args.drop_policy)
         keep = keep.view(num_seqs, n * L, k)
         if pos is not None:
             keep = keep.index_select(1, pos)  # back to rank-major
-        mine = keep.view(num_seqs, n, L, k)[:, self.seq_mesh.get_local_rank()]
+        mine = keep.view(num_seqs, n, L, k)[:, seq_mesh.get_local_rank()]
         return mine.reshape(T, k), cap
 
     def forward(
@@ -340,12 +342,14 @@ class TokenDispatcher(nn.Module):
         else:
             wgrad = experts.wgrad
             flush = wgrad.flush if wgrad is not None and wgrad.flush_in_dispatch else None
+            sp = plan.splits
+            assert sp is not None  # permute sets the splits whenever ep x etp > 1
             # backward: the experts' weight gradients run while the tokens' gradients travel
-            x_in = _a2a(x_rows, plan.splits.recv, plan.splits.send, self.ep_mesh, then=flush)
-            w_in = _a2a(w_rows, plan.splits.recv, plan.splits.send, self.ep_mesh)
+            x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh, then=flush)
+            w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)
             overlapped = overlap() if overlap is not None else None
             y_in = self.compute(x_in, w_in, plan, experts, args)
-            y_rows = _a2a(y_in, plan.splits.send, plan.splits.recv, self.ep_mesh)  # [sum(send), dim]
+            y_rows = _a2a(y_in, sp.send, sp.recv, self.ep_mesh)  # [sum(send), dim]
         return self.unpermute(y_rows, plan), plan.keep, overlapped
 
     def permute(
@@ -468,6 +472,7 @@ class TokenDispatcher(nn.Module):
         """Rows that arrived over ep -> the experts' output rows, summed over etp, to send back.
         x_in [sum(recv), dim], w_in [sum(recv)], by (ep source, expert)."""
         sp, rows_of_source = plan.splits, plan.rows_of_source
+        assert sp is not None and rows_of_source is not None  # permute sets both when ep x etp > 1
         x_all = _all_gather_v(x_in, sp.gather, self.etp_mesh)  # [R_all, dim], by (etp, ep source, expert)
         w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
 
@@ -538,7 +543,7 @@ class TokenDispatcher(nn.Module):
         gathered = self.counts.sources(self, counts, rows)
         sent, got = self.counts.on_host(self, counts, gathered, rows)
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
-        me = 0 if etp == 1 else self.etp_mesh.get_local_rank()
+        me = 0 if self.etp_mesh is None else self.etp_mesh.get_local_rank()
         splits = _Splits(
             send=[block(sent, d) for d in range(ep)],
             recv=[block(got, me * ep + s) for s in range(ep)],

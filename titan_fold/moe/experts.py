@@ -23,7 +23,7 @@ from titan_fold.common.tensors import local
 from titan_fold.moe.fp8 import fp8_grouped_linear
 from titan_fold.moe.quack import Gather, offsets, quack_experts, use_quack
 from titan_fold.moe.swiglu import swiglu_pairs
-from titan_fold.moe.wgrad import flush_at_input, split_grouped_linear
+from titan_fold.moe.wgrad import WgradQueue, flush_at_input, split_grouped_linear
 
 ExpertPath = Literal["split_wgrad", "fp8", "padded", "quack", "torch", "loop"]
 
@@ -50,7 +50,7 @@ class GroupedExperts(nn.Module):
         self.fp8 = fp8  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
         self.grouped_gemm = grouped_gemm  # "torch" | "quack" | "auto" (moe/quack.py)
         # a WgradQueue: weight gradients computed apart from input gradients (moe/wgrad.py)
-        self.wgrad = None
+        self.wgrad: WgradQueue | None = None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim))  # gate, up rows alternating
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
 

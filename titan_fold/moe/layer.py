@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.dispatcher import TokenDispatcher
@@ -46,7 +47,7 @@ class MoE(nn.Module):
         self.dispatcher = TokenDispatcher()
         # the ranks holding the other parts of this rank's sequences (attention cp x tp), over
         # which the router's aux-loss statistics are summed; set with the dispatcher
-        self.seq_mesh = None
+        self.seq_mesh: DeviceMesh | None = None
         # local_tokens / global_tokens of the micro-batch, set by the trainer, so the aux
         # losses' gradients are normalized like the LM loss
         self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
@@ -80,6 +81,7 @@ class MoE(nn.Module):
         return y.view(b, s, dim)
 
     def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.shared_expert is not None  # called only with a shared expert
         shared = self.shared_expert(tokens)  # [T, dim]
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared

@@ -41,6 +41,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -184,14 +185,22 @@ def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     return problem is None
 
 
-def _op(name: str):
+class _EagerOp(Protocol):
+    """What _op makes of a function: called like it, and the custom op's register_fake."""
+
+    register_fake: Callable[..., Any]
+
+    def __call__(self, *args: Any) -> Any: ...
+
+
+def _op(name: str) -> Callable[[Callable[..., Any]], _EagerOp]:
     """fn registered as the custom op titan_fold::<name>, returned as a function that records
     that op where it is traced (torch.compile, fake or functional tensors: an opaque call with
     the shapes register_fake gives) and runs fn itself on plain tensors in eager code, where the
     dispatcher's round trip would add host time to every call (bench/launch.py) in a layer whose
     eager forward is host-bound."""
 
-    def wrap(fn):
+    def wrap(fn: Callable[..., Any]) -> _EagerOp:
         op = torch.library.custom_op(f"titan_fold::{name}", fn, mutates_args=(), device_types="cuda")
 
         def call(*args):
@@ -199,8 +208,10 @@ def _op(name: str):
                 return op(*args)
             return fn(*args)
 
-        call.register_fake = op.register_fake
-        return call
+        # a function with an attribute, which mypy cannot type otherwise
+        eager = cast(_EagerOp, call)
+        eager.register_fake = op.register_fake
+        return eager
 
     return wrap
 

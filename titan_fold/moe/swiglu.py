@@ -93,7 +93,8 @@ def _pairs_forward(ab):
 
 def _pairs_backward(g, ab):
     a, b, dtype = _unpack(ab)
-    return _pack(*_swiglu_math(a, b, None, g, dtype)[:2], ab.dtype == torch.int32)
+    grad_a, grad_b, _ = _swiglu_math(a, b, None, g, dtype)
+    return _pack(grad_a, grad_b, ab.dtype == torch.int32)
 
 
 def _pairs_prob_forward(ab, p):
