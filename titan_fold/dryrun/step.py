@@ -69,10 +69,9 @@ def init_by_shard(model_cls: type[nn.Module]) -> type[nn.Module]:
     def init_weights(self, *args, **kwargs):
         shards = {name: local(p) for name, p in self.named_parameters()}
         with _reparametrize_module(self, shards):
-            super(by_shard, self).init_weights(*args, **kwargs)
+            model_cls.init_weights(self, *args, **kwargs)
 
-    by_shard = type(model_cls.__name__, (model_cls,), {"init_weights": init_weights})
-    return by_shard
+    return type(model_cls.__name__, (model_cls,), {"init_weights": init_weights})
 
 
 class StepTrainer(FoldTrainer):

@@ -62,7 +62,7 @@ class ExpertLoad:
         if self.names is None:  # the model's MoE layers, from every pipeline stage: once
             names = [list(mine)]
             if dist.is_initialized() and dist.get_world_size() > 1:
-                names = [None] * dist.get_world_size()
+                names = [[] for _ in range(dist.get_world_size())]  # all_gather_object fills it
                 dist.all_gather_object(names, list(mine))
             self.names = sorted({n for ns in names for n in ns}, key=_layer_key)
         if not self.names:
@@ -81,15 +81,15 @@ class ExpertLoad:
         if self.file is None:
             return None
         counts = table.cpu()
-        self._write(step, counts)
+        self._write(self.file, self.names, step, counts)
         return summary(self.names, counts, self.ep)
 
-    def _write(self, step: int, counts: torch.Tensor) -> None:
+    def _write(self, file: str, names: list[str], step: int, counts: torch.Tensor) -> None:
         rows = [[round(c) for c in row] for row in counts.tolist()]
-        with open(self.file, "a") as f:
-            f.write(json.dumps({"step": step, "layers": self.names, "counts": rows}) + "\n")
+        with open(file, "a") as f:
+            f.write(json.dumps({"step": step, "layers": names, "counts": rows}) + "\n")
         if self.writer is not None:
-            for name, row in zip(self.names, counts, strict=True):
+            for name, row in zip(names, counts, strict=True):
                 self.writer.add_histogram(f"expert_load/{name}", row, step)
             self.writer.flush()
 
@@ -103,7 +103,7 @@ def _device(mine: dict) -> torch.device:
 def summary(names: list[str], counts: torch.Tensor, ep: int) -> dict:
     """counts [layers, E] -> {layer: {max_over_mean, ep_max_over_mean, hottest}}: the busiest
     expert's and the busiest ep rank's load over their means (1 = balanced), the hottest ids."""
-    out = {}
+    out: dict[str, dict | None] = {}
     for name, row in zip(names, counts, strict=True):
         if row.sum() == 0:  # the layer did not run in the interval
             out[name] = None

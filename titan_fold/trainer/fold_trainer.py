@@ -300,7 +300,7 @@ class FoldTrainer(TrainStep, Stateful):
             else None
         )
         self.stop_signals = stop_signals or StopSignals()
-        self.start_step = None
+        self.start_step: int | None = None
         if self.model_args.moe.load_balance == "aux_free":
             # the router bias follows the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -348,6 +348,8 @@ class FoldTrainer(TrainStep, Stateful):
         """From the last checkpoint (if any) to training.steps: step, save, profile. A stop
         signal or NaN/Inf stop raises (signals.py, guard.py); the end of the data ends the loop."""
         config = self.job_config
+        # built for every run but a dry run, which does not train (dryrun/step.py)
+        assert self.dataloader is not None and self.gc_handler is not None
         self.metrics_processor.begin()
         self.checkpointer.load(step=config.checkpoint.load_step)
         logger.info(f"Training starts at step {self.step + 1}")
@@ -498,12 +500,14 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         clean = True
         return 0
     except SaveError as e:  # raised on every rank (checkpoint/manager.py)
+        assert config is not None  # this and the next two come from a trainer: the config was parsed
         report(StorageError(f"{e}; {last_checkpoint_text(config)}"))
         return e.exit_code
     except UserError as e:
         report(e)  # one line, also in torchrun's error file in place of the traceback
         return e.exit_code
     except NonFiniteError as e:
+        assert config is not None
         clean = True  # every rank raised it at the same step
         say(
             f"error: {e}; stopped before the optimizer step, nothing saved from it; {last_checkpoint_text(config)} "
@@ -511,12 +515,13 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         )
         return e.exit_code
     except StopRequested as e:
+        assert config is not None
         clean = True
         what = "interrupted" if e.exit_code == 130 else f"stopped by {stop_signals.name or 'a signal'}"
         say(f"{what} at step {e.step}; {last_checkpoint_text(config)}")
         return e.exit_code
     except Exception:
-        problem = storage_problem(config.job.dump_folder) if lock is not None else None
+        problem = storage_problem(config.job.dump_folder) if config is not None and lock is not None else None
         if problem is None:
             raise
         report(StorageError(problem))

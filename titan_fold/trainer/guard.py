@@ -35,6 +35,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from titan_fold.checkpoint.manager import CheckpointError
 from titan_fold.common.config import ConfigError
 from titan_fold.common.tensors import local
+from titan_fold.moe.stash import Stash
 from titan_fold.parallel.clip import divides_by_grad_scale
 from titan_fold.trainer.host_copies import HostCopies
 from titan_fold.trainer.optimizer import AdamOptimizersContainer
@@ -85,9 +86,10 @@ class NonFiniteGuard:
         self.skipped = 0
         self._loss_code = None
         self._grad_norm = None
-        self.stashes = []  # the model's MoE stashes (moe/stash.py), read at every check
+        self.stashes: list[Stash] = []  # the model's MoE stashes (moe/stash.py), read at every check
         self.stash_rows = 0  # moe.stash_rows, for the message
-        self.optimizers = []  # the torch optimizers handed the verdict as found_inf (`watch`)
+        # the torch optimizers handed the verdict as found_inf (`watch`)
+        self.optimizers: list[torch.optim.Optimizer] = []
         # the verdict's codes on their way to the host, beside the trainer's logged values; the
         # post-hook waits for them all
         self.copies = HostCopies()
@@ -173,7 +175,7 @@ def check_weights(model_parts, where: str) -> None:
         if bad:
             break
     if dist.is_initialized() and dist.get_world_size() > 1:
-        names = [None] * dist.get_world_size()
+        names = [""] * dist.get_world_size()  # all_gather_object fills it
         dist.all_gather_object(names, bad)
         bad = next((n for n in names if n), "")
     if bad:

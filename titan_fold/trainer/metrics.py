@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import (
     BaseLogger,
     DeviceMemoryMonitor,
@@ -32,6 +33,7 @@ from torchtitan.components.metrics import (
     TensorBoardLogger,
     WandBLogger,
 )
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
@@ -39,7 +41,7 @@ from titan_fold.models.mtp import mtp_stats_from, mtp_stats_values
 from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
 from titan_fold.trainer.expert_load import ExpertLoad
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
-from titan_fold.trainer.phases import phases_text
+from titan_fold.trainer.phases import StepPhases, phases_text
 
 GIB = 1024**3
 
@@ -129,7 +131,9 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.time_last_log = time.perf_counter()
         # set by the trainer once built
         self.num_flops_per_token = -1
-        self.optimizers = self.lr_schedulers = self.model_parts = None
+        self.optimizers: OptimizersContainer | None = None
+        self.lr_schedulers: LRSchedulersContainer | None = None
+        self.model_parts: list[torch.nn.Module] | None = None
         # the trainer colours its lines with this too; escape codes only on a terminal
         colour = sys.stdout.isatty() and not job_config.metrics.disable_color_printing
         self.color = utils.Color() if colour else utils.NoColor()
@@ -137,8 +141,9 @@ class FoldMetricsProcessor(MetricsProcessor):
         # rank 0's metrics.jsonl; FoldTrainer starts it once it knows the resumed step
         self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
         self.history: list[dict[str, Any]] = []  # per logged step, for summary()
-        self.phases = None  # metrics.step_phases: the trainer's StepPhases (phases.py)
-        self._staged = None  # a logged step's MoE and MTP statistics on their way to the host (stage)
+        self.phases: StepPhases | None = None  # metrics.step_phases: the trainer's StepPhases (phases.py)
+        # a logged step's MoE and MTP statistics on their way to the host (stage)
+        self._staged: tuple[Any, ...] | None = None
         self._expert_load: ExpertLoad | None = None  # metrics.expert_load, made at the first logged step
         self._last_logged_step: int | None = None
         self._first_step = 0  # the step this run started after (0, or the resumed checkpoint's)

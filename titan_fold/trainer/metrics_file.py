@@ -86,6 +86,7 @@ class MetricsFile:
     def write(self, record: dict) -> None:
         if self.fd is None:
             self.start(0)
+        assert self.fd is not None  # start opened it
         line = encode({"run": self.run_id, **record}).encode()
         try:
             written = os.write(self.fd, line)

@@ -81,7 +81,7 @@ class Muon(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
         )
         super().__init__(groups, defaults)
-        self._orthogonalizer = None
+        self._orthogonalizer: Orthogonalizer | None = None
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -23,8 +23,14 @@ The phases, each summed over the step's micro-batches:
 
 import itertools
 import time
+from typing import TypedDict
 
 import torch
+
+
+class PhaseTimes(TypedDict):
+    host_ms: float
+    gpu_ms: float | None  # None without CUDA
 
 
 class StepPhases:
@@ -48,25 +54,26 @@ class StepPhases:
             event.record()
         self.marks.append((phase, time.perf_counter(), event))
 
-    def finish(self) -> dict[str, dict[str, float | None]] | None:
+    def finish(self) -> dict[str, PhaseTimes] | None:
         """Ends the started step's last phase -> {phase: {"host_ms", "gpu_ms"}} in the order the
         phases first ran (gpu_ms None without CUDA), or None where no step was started."""
         if self.marks is None:
             return None
         self.mark("")
         marks, self.marks = self.marks, None
-        if self.events:
-            marks[-1][2].synchronize()  # the one wait the option adds: for the step's last kernels
-        phases = {}
+        last = marks[-1][2]
+        if last is not None:
+            last.synchronize()  # the one wait the option adds: for the step's last kernels
+        host: dict[str, float] = {}
+        gpu: dict[str, float] = {}
         for (phase, t0, e0), (_, t1, e1) in itertools.pairwise(marks):
-            p = phases.setdefault(phase, {"host_ms": 0.0, "gpu_ms": 0.0 if self.events else None})
-            p["host_ms"] += 1e3 * (t1 - t0)
-            if self.events:
-                p["gpu_ms"] += e0.elapsed_time(e1)
-        return phases
+            host[phase] = host.get(phase, 0.0) + 1e3 * (t1 - t0)
+            if e0 is not None and e1 is not None:
+                gpu[phase] = gpu.get(phase, 0.0) + e0.elapsed_time(e1)
+        return {phase: {"host_ms": ms, "gpu_ms": gpu.get(phase)} for phase, ms in host.items()}
 
 
-def phases_text(phases: dict[str, dict[str, float | None]]) -> str:
+def phases_text(phases: dict[str, PhaseTimes]) -> str:
     """The step line's part: `phases ms host/GPU data H/G forward H/G ...` (host only without CUDA)."""
 
     def ms(v: float) -> str:

@@ -72,8 +72,13 @@ def _check_layout(c: Checked) -> None:
     c.spec, c.model_args = model_args_from_config(c.config)
 
 
+def _layout(c: Checked) -> Layout:
+    assert c.layout is not None, "the layout check runs first (CHECKS)"
+    return c.layout
+
+
 def _check_batch(c: Checked) -> None:
-    tr, dp = c.config.training, c.layout.dp
+    tr, dp = c.config.training, _layout(c).dp
     if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * dp):
         raise ConfigError(
             f"training.global_batch_size = {tr.global_batch_size} must be a multiple of training.local_batch_size "
@@ -91,13 +96,13 @@ def _check_tokenizer(c: Checked) -> None:
 
 
 def _check_experts(c: Checked) -> None:
-    config, moe = c.config, c.model_args.moe
+    config, moe, layout = c.config, c.model_args.moe, _layout(c)
     if moe.expert_fp8:
-        check_expert_fp8(config, c.model_args, c.layout)
+        check_expert_fp8(config, c.model_args, layout)
     # a dry run plans for the real GPUs, where QuACK may be installed
     if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
         raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")
-    if moe.grouped_gemm == "quack" and (varying := varying_rows(moe, c.layout.ep, c.layout.etp)):
+    if moe.grouped_gemm == "quack" and (varying := varying_rows(moe, layout.ep, layout.etp)):
         raise ConfigError(
             f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
             "layer and step, and QuACK tunes its kernels for each new count; set "
@@ -128,7 +133,7 @@ def _check_resume(c: Checked) -> None:
     # the checkpoint a resume loads was saved with these settings (checkpoint/manager.py)
     if c.tokenizer is None:
         return
-    for line in check_resume(c.config, run_settings(c.config, c.tokenizer, c.layout.dp)):
+    for line in check_resume(c.config, run_settings(c.config, c.tokenizer, _layout(c).dp)):
         if is_first_rank():
             logger.warning(line)
 
@@ -158,11 +163,12 @@ def preflight(config: JobConfig, world_size: int, not_checked: list[str] | None 
             if name != "tokenizer" or not_checked is None:
                 raise
             not_checked.append(f"not checked here: {e}")
-    return checked.layout
+    return _layout(checked)
 
 
 def check_expert_fp8(config: JobConfig, model_args, layout: Layout) -> None:
     # a dry run plans for the real GPUs: only the shape rule applies on its host
+    capability: tuple[int, int] | None
     if config.comm.mode == "fake_backend":
         capability = (9, 0)
     else:

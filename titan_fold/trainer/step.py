@@ -55,6 +55,7 @@ class TrainStep:
     gradient_accumulation_steps: int
     overlap: OverlapSchedule | None
     phases: StepPhases | None
+    _forward_phase: str  # the phase a micro-batch's forward starts (phases.py), set with phases
     cudagraphs: bool
     step: int
     ntokens_seen: int
@@ -221,7 +222,7 @@ class TrainStep:
         before = self._weights() if logs and self.group_grad_norms is not None else None
         self.optimizers.step()
         self.lr_schedulers.step()
-        if logs:  # the guard's wait, once the update was queued, has brought the values
+        if read is not None:  # logged: the guard's wait, once the update was queued, has brought the values
             avg_loss, max_loss, ntokens_seen = read()
             extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
             if before is not None:
