@@ -9,6 +9,7 @@ reference on the group's whole sequences and keeps its slice.
 """
 
 import traceback
+from dataclasses import KW_ONLY, dataclass
 
 import pytest
 import torch
@@ -24,19 +25,51 @@ FFN = 16  # divisible by etp 4, 16-byte aligned shards in fp32
 
 LAYOUTS = [(4, 1), (2, 2), (1, 4), (4, 2)]  # (ep, etp); edp = 8 / (ep * etp)
 
-# (top_k, num_experts, capacity_factor, drop_policy, skew, pad, seq_n, dtype, prob_before_w2)
-# seq_n > 1: full-sequence dropping over groups of seq_n consecutive ranks
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    _: KW_ONLY
+    top_k: int
+    num_experts: int = 8
+    capacity_factor: float | None = None  # None: dropless
+    drop_policy: str = "probs"
+    skew: float = 0.0
+    pad: bool = False
+    seq_n: int = 1  # > 1: full-sequence dropping over groups of seq_n consecutive ranks
+    dtype: torch.dtype = torch.float64
+    prob_before_w2: bool = True
+
+
 CASES = [
-    (1, 8, None, "probs", 0.3, False, 1, torch.float64, True),
-    (2, 8, None, "probs", 0.0, False, 1, torch.float64, False),
-    (8, 16, None, "probs", 0.3, False, 1, torch.float64, True),
-    (2, 8, None, "probs", 0.3, False, 1, torch.float32, True),
-    (2, 8, 1.0, "probs", 0.0, False, 1, torch.float64, True),
-    (1, 8, 1.25, "position", 0.3, False, 1, torch.float32, True),
-    (2, 8, 1.0, "probs", 0.3, True, 1, torch.float64, True),
-    (8, 16, 0.5, "position", 0.3, True, 1, torch.float64, False),
-    (2, 8, 1.0, "probs", 0.3, False, 2, torch.float64, True),
-    (2, 8, 0.75, "position", 0.0, True, 4, torch.float64, True),
+    Case("top1_dropless_skew", top_k=1, skew=0.3),
+    Case("top2_dropless_prob_after_w2", top_k=2, prob_before_w2=False),
+    Case("top8_of_16_dropless_skew", top_k=8, num_experts=16, skew=0.3),
+    Case("top2_dropless_fp32", top_k=2, skew=0.3, dtype=torch.float32),
+    Case("top2_drop", top_k=2, capacity_factor=1.0),
+    Case(
+        "top1_drop_position_fp32", top_k=1, capacity_factor=1.25, drop_policy="position", skew=0.3, dtype=torch.float32
+    ),
+    Case("top2_drop_padded", top_k=2, capacity_factor=1.0, skew=0.3, pad=True),
+    Case(
+        "top8_of_16_drop_position_padded_prob_after_w2",
+        top_k=8,
+        num_experts=16,
+        capacity_factor=0.5,
+        drop_policy="position",
+        skew=0.3,
+        pad=True,
+        prob_before_w2=False,
+    ),
+    Case("top2_drop_full_sequence_2", top_k=2, capacity_factor=1.0, skew=0.3, seq_n=2),
+    Case(
+        "top2_drop_position_padded_full_sequence_4",
+        top_k=2,
+        capacity_factor=0.75,
+        drop_policy="position",
+        pad=True,
+        seq_n=4,
+    ),
 ]
 
 
@@ -45,29 +78,29 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
     from titan_fold.moe import MoEArgs
     from titan_fold.parallel.experts import expert_slice, shard_moe
 
-    top_k, E, cf, policy, skew, pad, n, dtype, before = case
+    top_k, n, dtype, cf = case.top_k, case.seq_n, case.dtype, case.capacity_factor
     rank = dist.get_rank()
     args = MoEArgs(
-        num_experts=E,
+        num_experts=case.num_experts,
         top_k=top_k,
         moe_ffn_dim=FFN,
         capacity_factor=cf,
-        drop_policy=policy,
-        pad_to_capacity=pad,
+        drop_policy=case.drop_policy,
+        pad_to_capacity=case.pad,
         drop_scope="full_sequence" if n > 1 else "sub_sequence",
         load_balance="none",
-        prob_before_w2=before,
+        prob_before_w2=case.prob_before_w2,
     )
 
     # the sequences of this rank's group, [B, n * S_LOC, DIM]; this rank holds chunk i of each
     group, i = rank // n, rank % n
     gen = torch.Generator().manual_seed(1000 * case_id + group)
     X = torch.randn(B, n * S_LOC, DIM, generator=gen, dtype=torch.float64)
-    X = X.abs() + 0.5 if skew else X
+    X = X.abs() + 0.5 if case.skew else X
     U = torch.randn(B, n * S_LOC, DIM, generator=gen, dtype=torch.float64)  # upstream gradient
     mine = slice(i * S_LOC, (i + 1) * S_LOC)
 
-    moe = make_layer(args, dtype, seed=case_id, skew=skew)
+    moe = make_layer(args, dtype, seed=case_id, skew=case.skew)
     full = {k: v.detach().double().clone().requires_grad_() for k, v in moe.named_parameters()}
     moe.to(device)
     # odd cases: expert weights as DTensors on the (ep, etp) mesh, even: plain local slices
@@ -198,12 +231,12 @@ def worker(rank, port, out_dir, world=WORLD, layouts=LAYOUTS, device_type="cpu")
         except AssertionError:
             failures.append(f"ep={ep} etp={etp}:\n{traceback.format_exc()}")
         for case_id, case in enumerate(CASES):
-            if case[6] not in seq_meshes and case[6] > 1:
+            if case.seq_n not in seq_meshes and case.seq_n > 1:
                 continue
             try:
                 run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, mesh["ep", "etp"], device)
             except AssertionError:
-                failures.append(f"ep={ep} etp={etp} case {case}:\n{traceback.format_exc()}")
+                failures.append(f"ep={ep} etp={etp} case {case.id}:\n{traceback.format_exc()}")
     end_rank_checks(out_dir, rank, failures)
 
 
