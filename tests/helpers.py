@@ -5,6 +5,7 @@ test file."""
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,25 @@ def megatron_groups(world: int, sizes: dict[str, int], names: set[str]) -> list[
         groups.setdefault(key, []).append((inner, rank))
     out = [[r for _, r in sorted(g)] for g in groups.values()]
     return sorted(out, key=lambda g: g[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Degrees:
+    """A layout's degrees: `reference(**asdict(d))`'s arguments; str(d) is its test id."""
+
+    world: int
+    pp: int
+    dpr: int  # dp_replicate
+    dps: int  # dp_shard
+    cp: int
+    tp: int
+    ep: int
+    etp: int
+
+    def __str__(self) -> str:
+        return (
+            f"w{self.world}_pp{self.pp}_dpr{self.dpr}_dps{self.dps}_cp{self.cp}_tp{self.tp}_ep{self.ep}_etp{self.etp}"
+        )
 
 
 def reference(world, pp, dpr, dps, cp, tp, ep, etp) -> dict[str, list[list[int]]]:

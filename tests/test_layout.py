@@ -2,11 +2,12 @@
 
 import json
 import time
+from dataclasses import asdict
 
 import pytest
 import torch.distributed as dist
 from conftest import python_m
-from helpers import reference
+from helpers import Degrees, reference
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_fold import layout as layout_command
@@ -24,24 +25,23 @@ def test_reference_matches_paper_figure_2():
     assert ref["dp"] == [[0, 2], [1, 3]]
 
 
-# (world, pp, dp_replicate, dp_shard, cp, tp, ep, etp)
 CONFIGS = [
-    (1, 1, 1, 1, 1, 1, 1, 1),
-    (4, 1, 1, 2, 1, 2, 2, 2),  # paper Figure 2
-    (8, 1, 1, 1, 8, 1, 8, 1),  # CP8 x EP8 folded on 8 GPUs
-    (16, 1, 1, 2, 2, 4, 8, 1),  # EP(8) > dp(2)
-    (16, 1, 1, 4, 1, 4, 16, 1),  # EP over the whole world
-    (16, 1, 2, 4, 1, 2, 2, 4),  # ETP(4) > TP(2), dp_replicate
-    (16, 1, 1, 2, 1, 8, 4, 1),  # ETP(1) < TP(8)
-    (16, 1, 2, 2, 1, 4, 16, 1),  # EP spans dp_replicate
-    (32, 1, 2, 2, 2, 4, 4, 2),  # everything > 1 but pp
-    (64, 2, 2, 4, 2, 2, 2, 2),  # the paper's listing degrees (with dp split)
-    (64, 4, 1, 4, 1, 4, 4, 1),  # pp > 1
-    (128, 2, 1, 4, 4, 4, 16, 2),  # pp, CP x TP attention, EP x ETP = 32 spans dp
-    (256, 8, 2, 4, 2, 2, 8, 1),
-    (1024, 4, 2, 8, 2, 8, 64, 2),
-    (1024, 8, 1, 64, 1, 2, 8, 1),  # Mixtral-8x22B-like folding at 1024 GPUs
-    (1024, 1, 4, 16, 4, 4, 256, 4),  # EP x ETP = world
+    Degrees(world=1, pp=1, dpr=1, dps=1, cp=1, tp=1, ep=1, etp=1),
+    Degrees(world=4, pp=1, dpr=1, dps=2, cp=1, tp=2, ep=2, etp=2),  # paper Figure 2
+    Degrees(world=8, pp=1, dpr=1, dps=1, cp=8, tp=1, ep=8, etp=1),  # CP8 x EP8 folded on 8 GPUs
+    Degrees(world=16, pp=1, dpr=1, dps=2, cp=2, tp=4, ep=8, etp=1),  # EP(8) > dp(2)
+    Degrees(world=16, pp=1, dpr=1, dps=4, cp=1, tp=4, ep=16, etp=1),  # EP over the whole world
+    Degrees(world=16, pp=1, dpr=2, dps=4, cp=1, tp=2, ep=2, etp=4),  # ETP(4) > TP(2), dp_replicate
+    Degrees(world=16, pp=1, dpr=1, dps=2, cp=1, tp=8, ep=4, etp=1),  # ETP(1) < TP(8)
+    Degrees(world=16, pp=1, dpr=2, dps=2, cp=1, tp=4, ep=16, etp=1),  # EP spans dp_replicate
+    Degrees(world=32, pp=1, dpr=2, dps=2, cp=2, tp=4, ep=4, etp=2),  # everything > 1 but pp
+    Degrees(world=64, pp=2, dpr=2, dps=4, cp=2, tp=2, ep=2, etp=2),  # the paper's listing degrees (with dp split)
+    Degrees(world=64, pp=4, dpr=1, dps=4, cp=1, tp=4, ep=4, etp=1),  # pp > 1
+    Degrees(world=128, pp=2, dpr=1, dps=4, cp=4, tp=4, ep=16, etp=2),  # pp, CP x TP attention, EP x ETP = 32 spans dp
+    Degrees(world=256, pp=8, dpr=2, dps=4, cp=2, tp=2, ep=8, etp=1),
+    Degrees(world=1024, pp=4, dpr=2, dps=8, cp=2, tp=8, ep=64, etp=2),
+    Degrees(world=1024, pp=8, dpr=1, dps=64, cp=1, tp=2, ep=8, etp=1),  # Mixtral-8x22B-like folding at 1024 GPUs
+    Degrees(world=1024, pp=1, dpr=4, dps=16, cp=4, tp=4, ep=256, etp=4),  # EP x ETP = world
 ]
 
 
@@ -57,14 +57,16 @@ def fake_world():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "w{}_pp{}_dpr{}_dps{}_cp{}_tp{}_ep{}_etp{}".format(*c))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_groups_match_megatron(cfg, fake_world):
-    world, pp, dpr, dps, cp, tp, ep, etp = cfg
-    ref = reference(*cfg)
-    for rank in sorted({0, world // 3, world - 1}):
-        fake_world(world, rank)
-        layout = Layout(world, pp=pp, dp_replicate=dpr, cp=cp, tp=tp, ep=ep, etp=etp)  # dp_shard, edp derived
-        assert (layout.dp_shard, layout.edp) == (dps, world // (pp * ep * etp))
+    c = cfg
+    ref = reference(**asdict(c))
+    for rank in sorted({0, c.world // 3, c.world - 1}):
+        fake_world(c.world, rank)
+        layout = Layout(
+            c.world, pp=c.pp, dp_replicate=c.dpr, cp=c.cp, tp=c.tp, ep=c.ep, etp=c.etp
+        )  # dp_shard, edp derived
+        assert (layout.dp_shard, layout.edp) == (c.dps, c.world // (c.pp * c.ep * c.etp))
         layout.build_mesh("cpu")
         assert layout.attention.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         assert layout.expert.mesh_dim_names == ("pp", "edp", "ep", "etp")
@@ -220,18 +222,18 @@ FIGURE_2 = {
 }
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[1:12:2])
+@pytest.mark.parametrize("cfg", CONFIGS[1:12:2], ids=str)
 def test_json_report_shape(cfg, fake_world):
-    world, pp, dpr, dps, cp, tp, ep, etp = cfg
-    fake_world(world)
+    c = cfg
+    fake_world(c.world)
     args = layout_parser().parse_args(
-        f"--world-size {world} --pp {pp} --dp-replicate {dpr} --cp {cp} --tp {tp} --ep {ep} --etp {etp}".split()
+        f"--world-size {c.world} --pp {c.pp} --dp-replicate {c.dpr} --cp {c.cp} --tp {c.tp} --ep {c.ep} --etp {c.etp}".split()
     )
     rep = json.loads(json.dumps(layout_cli.report(layout_cli.build_layout(args))))
-    ref = reference(*cfg)
-    assert list(rep) == ["world_size", "attention", "expert"] and rep["world_size"] == world
-    assert rep["attention"]["degrees"] == dict(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp)
-    assert rep["expert"]["degrees"] == dict(pp=pp, edp=world // (pp * ep * etp), ep=ep, etp=etp)
+    ref = reference(**asdict(c))
+    assert list(rep) == ["world_size", "attention", "expert"] and rep["world_size"] == c.world
+    assert rep["attention"]["degrees"] == dict(pp=c.pp, dp_replicate=c.dpr, dp_shard=c.dps, cp=c.cp, tp=c.tp)
+    assert rep["expert"]["degrees"] == dict(pp=c.pp, edp=c.world // (c.pp * c.ep * c.etp), ep=c.ep, etp=c.etp)
     assert rep["attention"]["groups"] == {n: ref[n] for n in ("pp", "dp", "cp", "tp", "dp_cp")}
     assert rep["expert"]["groups"] == {
         "pp": ref["expert.pp"],

@@ -1,9 +1,11 @@
 """One real 8-rank gloo launch: both meshes of several layouts, collectives on every named group."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import reference
+from helpers import Degrees, reference
 from launcher import run_ranks, start_rank
 
 from titan_fold.parallel.mesh import Layout
@@ -11,13 +13,12 @@ from titan_fold.parallel.mesh import Layout
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 WORLD = 8
-# (world, pp, dp_replicate, dp_shard, cp, tp, ep, etp)
 LAYOUTS = [
-    (8, 2, 1, 2, 1, 2, 4, 1),  # pp, EP(4) > dp(2)
-    (8, 1, 2, 1, 2, 2, 2, 4),  # ETP(4) > TP(2), dp_replicate
-    (8, 1, 2, 2, 2, 1, 8, 1),  # EP spans dp_replicate, dp x cp
-    (8, 1, 1, 1, 8, 1, 8, 1),  # CP8 x EP8 folded
-    (8, 1, 1, 2, 1, 4, 2, 2),  # ETP(2) < TP(4)
+    Degrees(world=8, pp=2, dpr=1, dps=2, cp=1, tp=2, ep=4, etp=1),  # pp, EP(4) > dp(2)
+    Degrees(world=8, pp=1, dpr=2, dps=1, cp=2, tp=2, ep=2, etp=4),  # ETP(4) > TP(2), dp_replicate
+    Degrees(world=8, pp=1, dpr=2, dps=2, cp=2, tp=1, ep=8, etp=1),  # EP spans dp_replicate, dp x cp
+    Degrees(world=8, pp=1, dpr=1, dps=1, cp=8, tp=1, ep=8, etp=1),  # CP8 x EP8 folded
+    Degrees(world=8, pp=1, dpr=1, dps=2, cp=1, tp=4, ep=2, etp=2),  # ETP(2) < TP(4)
 ]
 
 
@@ -37,19 +38,18 @@ def _check(mesh, expected: list[int], what: str):
 def _worker(rank: int, port: int, out_dir: str):
     start_rank(rank, port, WORLD)
     checked = 0
-    for cfg in LAYOUTS:
-        world, pp, dpr, dps, cp, tp, ep, etp = cfg
-        layout = Layout(world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, etp=etp)
+    for c in LAYOUTS:
+        layout = Layout(c.world, pp=c.pp, dp_replicate=c.dpr, dp_shard=c.dps, cp=c.cp, tp=c.tp, ep=c.ep, etp=c.etp)
         layout.build_mesh("cpu")  # a CPU gloo world, also on a GPU machine
-        ref = reference(*cfg)
+        ref = reference(**asdict(c))
         mine = {name: next(g for g in groups if rank in g) for name, groups in ref.items()}
         for name, mesh in layout._meshes.items():  # every named 1-D group, degree 1 (fake) included
-            _check(mesh, mine[name], f"{cfg} {name}")
+            _check(mesh, mine[name], f"{c} {name}")
             checked += 1
-        _check(layout.expert["pp"], mine["expert.pp"], f"{cfg} expert.pp")
+        _check(layout.expert["pp"], mine["expert.pp"], f"{c} expert.pp")
         # multi-dim meshes torchtitan asks for: each dim's group is right
         multi = [(["dp_replicate", "fsdp"], ["dp_replicate", "dp_shard_cp"]), (["ep", "etp"], ["ep", "etp"])]
-        if (dps * cp * tp) % (ep * etp) == 0:
+        if (c.dps * c.cp * c.tp) % (c.ep * c.etp) == 0:
             multi.append((["dp_replicate", "efsdp"], ["dp_replicate", None]))
         for names, dims in multi:
             mesh = layout.get_optional_mesh(names)
@@ -62,7 +62,7 @@ def _worker(rank: int, port: int, out_dir: str):
                     expected = [r for r in mine["edp"] if next(g for g in ref["dp_replicate"] if r in g) == rep]
                 else:
                     expected = mine[dim]
-                _check(sub, expected, f"{cfg} {names}[{i}]")
+                _check(sub, expected, f"{c} {names}[{i}]")
                 checked += 1
     assert checked >= 60, checked
     dist.barrier()
