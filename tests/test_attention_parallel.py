@@ -27,19 +27,37 @@ pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 WORLD = 8
 B, S = 2, 32
 RTOL = 1e-5
-# (tp, cp, sequence_parallel, loss_parallel, fsdp, stages); the rest of the 8 ranks are
-# dp-like replicas fed the same batch. fsdp: FSDP2 over dp_shard x cp on top (as parallelize
-# does), whose summed gradients are then dp_shard x the one-rank ones. stages 2: the model
-# cut into two pipeline stages (run back to back here) that hand each other plain tensors.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """The rest of the 8 ranks (WORLD / (tp * cp)) are dp-like replicas fed the same batch."""
+
+    tp: int
+    cp: int
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    # FSDP2 over dp_shard x cp on top (as parallelize does), whose summed gradients are then
+    # dp_shard x the one-rank ones
+    fsdp: bool = False
+    # 2: the model cut into two pipeline stages (run back to back here) that hand each other
+    # plain tensors
+    stages: int = 1
+
+    def __str__(self) -> str:
+        name = f"tp{self.tp} cp{self.cp} sp={self.sequence_parallel} loss_parallel={self.loss_parallel}"
+        return name + (" fsdp" if self.fsdp else "") + (" 2 stages" if self.stages > 1 else "")
+
+
 CASES = [
-    (2, 1, True, True, False, 1),
-    (4, 1, True, False, False, 1),
-    (2, 1, False, False, False, 1),
-    (1, 2, True, False, False, 1),
-    (1, 4, True, False, False, 1),
-    (2, 2, True, True, False, 1),
-    (2, 2, True, True, True, 1),
-    (2, 2, True, True, False, 2),
+    Case(tp=2, cp=1, loss_parallel=True),
+    Case(tp=4, cp=1),
+    Case(tp=2, cp=1, sequence_parallel=False),
+    Case(tp=1, cp=2),
+    Case(tp=1, cp=4),
+    Case(tp=2, cp=2, loss_parallel=True),
+    Case(tp=2, cp=2, loss_parallel=True, fsdp=True),
+    Case(tp=2, cp=2, loss_parallel=True, stages=2),
 ]
 
 
@@ -97,7 +115,7 @@ def _stages(model, n: int):
     return [first, last]
 
 
-def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
+def _run_case(args, ref, tokens, labels, case: Case, report):
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -106,11 +124,12 @@ def _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report):
     from titan_fold.parallel.mesh import Layout
     from titan_fold.parallel.placement import placement_plan
 
+    tp, cp, sp, lp, fsdp = case.tp, case.cp, case.sequence_parallel, case.loss_parallel, case.fsdp
     layout = Layout(WORLD, tp=tp, cp=cp)
     layout.build_mesh("cpu")
     tp_mesh, cp_mesh = layout.attention["tp"], layout.attention["cp"]
     with torch.device("meta"):
-        parts = _stages(Transformer(args), stages)
+        parts = _stages(Transformer(args), case.stages)
     for model in parts:
         if tp > 1:
             apply_tp(model, tp_mesh, loss_parallel=lp, sequence_parallel=sp)
@@ -219,16 +238,15 @@ def _worker(rank: int, port: int, out_dir: str):
         loss.backward()
         ref.loss = loss.item()
         ref.grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
-        for tp, cp, sp, lp, fsdp, stages in CASES:
-            case = f"{flavor} tp{tp} cp{cp} sp={sp} loss_parallel={lp}" + (" fsdp" if fsdp else "")
-            case += " 2 stages" if stages > 1 else ""
+        for c in CASES:
+            case = f"{flavor} {c}"
 
             def report(what, err, tol, case=case):
                 results.append((case, what, err, tol))
 
             t = time.time()
             try:
-                _run_case(args, ref, tokens, labels, tp, cp, sp, lp, fsdp, stages, report)
+                _run_case(args, ref, tokens, labels, c, report)
             except Exception as e:  # keep the other ranks' collectives in step: report, stop
                 results.append((case, f"exception {type(e).__name__}: {e}", float("inf"), 0.0))
                 raise

@@ -18,6 +18,7 @@ The device exchange's NVSHMEM op itself: tests/gpu_device_exchange.py on 2 GPUs.
 """
 
 import copy
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 
 import pytest
@@ -34,13 +35,23 @@ WORLD = 4
 FFN = 16  # 16-byte aligned rows of each etp shard in fp32: the grouped GEMMs run
 B_LOC, S_LOC = 2, 6  # sequences and tokens per sequence on each rank
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp); edp = 4 / (ep * etp)
-# (name, MoEArgs overrides, skew: experts 0 and 1 win every token, dtype)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    _: KW_ONLY
+    overrides: dict = field(default_factory=dict)  # MoEArgs overrides
+    skew: float = 0.0  # > 0: experts 0 and 1 win every token
+    dtype: torch.dtype = torch.float32
+
+
 CASES = [
-    ("random", dict(shared_ffn_dim=FFN), 0.0, torch.float32),
-    ("all_to_first_rank", {}, 3.0, torch.float32),
-    ("top4_prob_after_w2", dict(top_k=4, prob_before_w2=False), 0.0, torch.float32),
-    ("all_to_first_rank_loop", {}, 3.0, torch.float64),
-    ("delay_wgrad", dict(delay_wgrad_compute=True), 3.0, torch.float32),
+    Case("random", overrides=dict(shared_ffn_dim=FFN)),
+    Case("all_to_first_rank", skew=3.0),
+    Case("top4_prob_after_w2", overrides=dict(top_k=4, prob_before_w2=False)),
+    Case("all_to_first_rank_loop", skew=3.0, dtype=torch.float64),
+    Case("delay_wgrad", overrides=dict(delay_wgrad_compute=True), skew=3.0),
 ]
 
 
@@ -97,11 +108,11 @@ def step(moe, x, upstream):
     return y.detach(), x.grad, {n: p.grad for n, p in moe.named_parameters()}
 
 
-def check_case(case, ep_mesh, etp_mesh, mode="static"):
+def check_case(case: Case, ep_mesh, etp_mesh, mode="static"):
     from titan_fold.moe import MoEArgs
     from titan_fold.parallel.experts import expert_slice, shard_moe
 
-    name, overrides, skew, dtype = case
+    name, overrides, skew, dtype = case.name, case.overrides, case.skew, case.dtype
     args = MoEArgs(**{"num_experts": 8, "top_k": 2, "moe_ffn_dim": FFN, "load_balance": "none", **overrides})
     one_rank = make_layer(args, dtype, seed=len(name), skew=skew)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -312,12 +323,12 @@ def worker(rank, port, out_dir):
     start_rank(rank, port, WORLD)
     failures = []
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
-        checks = [(c[0], partial(check_case, c, ep_mesh, etp_mesh)) for c in CASES]
+        checks = [(c.name, partial(check_case, c, ep_mesh, etp_mesh)) for c in CASES]
         if etp == 1:  # the device exchange covers ep only
             checks += [
-                (f"device {c[0]}", partial(check_case, c, ep_mesh, etp_mesh, "device"))
+                (f"device {c.name}", partial(check_case, c, ep_mesh, etp_mesh, "device"))
                 for c in CASES
-                if "delay_wgrad_compute" not in c[1]
+                if "delay_wgrad_compute" not in c.overrides
             ]
         checks.append(("no host sync", partial(check_no_host_sync, ep_mesh, etp_mesh)))
         if etp == 1:

@@ -7,6 +7,7 @@ ep 2 x etp 2; with token dropping and padding, with the layer recomputed in back
 The queue really holds the weight gradients: left unflushed, they are missing.
 """
 
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 
 import pytest
@@ -18,14 +19,25 @@ from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, sta
 WORLD = 4
 FFN = 16  # 16-byte aligned rows of each etp shard in fp32: the grouped GEMMs run
 LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (ep, etp); edp = 4 / (ep * etp)
-# (name, MoEArgs overrides, recompute, fsdp over edp, micro-batches)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    _: KW_ONLY
+    layer_args: dict = field(default_factory=dict)  # MoEArgs overrides
+    recompute: bool = False
+    fsdp: bool = False  # FSDP2 over edp
+    microbatches: int = 1
+
+
 CASES = [
-    ("dropless", {}, False, False, 1),
-    ("drop_padded", dict(capacity_factor=1.0, pad_to_capacity=True), False, False, 1),
-    ("shared_expert_prob_after_w2", dict(shared_ffn_dim=FFN, prob_before_w2=False), False, False, 1),
-    ("recompute", {}, True, False, 1),
-    ("fsdp_edp", {}, False, True, 1),
-    ("two_microbatches", dict(top_k=1), False, False, 2),
+    Case("dropless"),
+    Case("drop_padded", layer_args=dict(capacity_factor=1.0, pad_to_capacity=True)),
+    Case("shared_expert_prob_after_w2", layer_args=dict(shared_ffn_dim=FFN, prob_before_w2=False)),
+    Case("recompute", recompute=True),
+    Case("fsdp_edp", fsdp=True),
+    Case("two_microbatches", layer_args=dict(top_k=1), microbatches=2),
 ]
 
 
@@ -68,10 +80,10 @@ def run(layer_args, delay, mesh, ep_mesh, etp_mesh, recompute, fsdp, microbatche
     return torch.cat(outs), torch.cat(x_grads), grads
 
 
-def check_case(case, mesh, ep_mesh, etp_mesh):
-    name, layer_args, recompute, fsdp, microbatches = case
-    ref = run(layer_args, False, mesh, ep_mesh, etp_mesh, recompute, fsdp, microbatches)
-    got = run(layer_args, True, mesh, ep_mesh, etp_mesh, recompute, fsdp, microbatches)
+def check_case(case: Case, mesh, ep_mesh, etp_mesh):
+    name = case.name
+    ref = run(case.layer_args, False, mesh, ep_mesh, etp_mesh, case.recompute, case.fsdp, case.microbatches)
+    got = run(case.layer_args, True, mesh, ep_mesh, etp_mesh, case.recompute, case.fsdp, case.microbatches)
     tol = dict(rtol=1e-5, atol=1e-6)  # fp32: the padded path sums in another order (bmm)
     torch.testing.assert_close(got[0], ref[0], **tol, msg=f"{name}: output")
     torch.testing.assert_close(got[1], ref[1], **tol, msg=f"{name}: input grad")
@@ -109,9 +121,9 @@ def worker(rank, port, out_dir):
     failures = []
     for ep, etp, mesh, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [
-            (c[0], partial(check_case, c, mesh, ep_mesh, etp_mesh))
+            (c.name, partial(check_case, c, mesh, ep_mesh, etp_mesh))
             for c in CASES
-            if not (c[3] and WORLD // (ep * etp) == 1)
+            if not (c.fsdp and WORLD // (ep * etp) == 1)
         ]
         checks.append(("unflushed", partial(check_unflushed, mesh, ep_mesh, etp_mesh)))
         checks.append(("order", partial(check_order, mesh, ep_mesh, etp_mesh)))
