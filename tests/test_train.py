@@ -111,6 +111,8 @@ def test_two_ranks_match_one_rank(runs):
         (["--model.flavor", "huge"], 1, ConfigError, "model.flavor = 'huge'"),
         (["--model.name", "gpt"], 1, ConfigError, "model.name = 'gpt'"),
         (["--moe.top_k", "64"], 1, ConfigError, "moe.top_k = 64"),
+        # 12 is a multiple of the local batch (4) but not of 4 x dp 2 (dp_shard takes the world)
+        (["--training.global_batch_size", "12"], 2, ConfigError, "local_batch_size x dp degree = 4 x 2"),
     ],
 )
 def test_preflight_rejects_before_any_process_group(args, world, error, message):
