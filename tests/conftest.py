@@ -50,6 +50,7 @@ def pytest_configure(config):
 # waiting out the other's last long file.
 LONGEST_FIRST = [
     "test_dryrun.py",
+    "test_dryrun_match.py",
     "test_overlap.py",
     "test_readme_commands.py",
     "test_equivalence.py",
@@ -62,6 +63,7 @@ LONGEST_FIRST = [
     "test_first_hour.py",
     "test_packaged_configs_train.py",
     "test_pipeline.py",
+    "test_cp_documents.py",
     "test_gradient_check.py",
     "test_attention_parallel.py",
     "test_both_runs_check.py",
