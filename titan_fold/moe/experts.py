@@ -176,8 +176,8 @@ def _swiglu_split_wgrad(experts, x, counts, w13, w2, p, prob_before_w2):
 def _swiglu_loop(x, counts, w13, w2, p, prob_before_w2):
     # fallback (float64 tests, no _grouped_mm): one GEMM chain per expert
     if is_fake(x):
-        # the dry run's fake step (dryrun/measure.py) has no rows per expert on the host: one
-        # chain over every row keeps for backward what the chains of any split keep
+        # fake tensors carry no rows per expert to read on the host: one chain over every row
+        # keeps for backward what the chains of any split keep
         return _apply(x @ w13[0].T, p, lambda h: h @ w2[0].T, prob_before_w2)  # [R, dim]
     sizes = counts.tolist()
     padding = x.shape[0] - sum(sizes)  # rows past the last group: zeros, not computed
