@@ -237,8 +237,8 @@ def adam_coefficients(
 
 # Elements per row of the [rows, ROW] view `adam_update` steps a parameter's bulk through: a
 # multiple of the largest block of a generated elementwise kernel (4096), so its kernel knows its
-# size to be a multiple of its block and runs without bounds checks, about 8% faster than one
-# for any size (on an H100, 2.85 against 2.64 TB/s).
+# size to be a multiple of its block and runs without bounds checks, faster than one for any size
+# (the `kernels` suite's master step, bench/results/kernels_*.json).
 ROW = 1 << 16
 
 
