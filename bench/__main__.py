@@ -115,7 +115,7 @@ QUACK_CASES = ",".join(
     )
 )
 # seconds for a titan_fold trainer step of eager and compiled cases where QuACK is installed: on a fresh machine
-# its kernels compile in the first case, which takes the Qwen3-30B-A3B proxy's step past 200 s on an H100
+# its kernels compile in the first case, which takes the Qwen3-30B-A3B proxy's first step minutes
 QUACK_COLD = 420
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
