@@ -240,7 +240,8 @@ def _up_launch(x, w13t, ab, h, offs, rows, p, config=None):
 # space once, one after the other, on a card whose clock falls as it nears its power limit during
 # the sweep, so configs within a few percent of each other swap ranks from one sweep to the next
 # (the `kernels` suite's grouped GEMM tunings, bench/results/kernels_*.json). Its _TOP fastest
-# configs are timed again on the call's own operands, in _ROUNDS rounds that each time every one in turn, and the least median is kept.
+# configs are timed again on the call's own operands, in _ROUNDS rounds that each time every one
+# in turn, and the least median is kept.
 _TOP, _ROUNDS = 4, 3
 _CONFIGS: dict[tuple, object] = {}
 
