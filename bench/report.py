@@ -5,7 +5,9 @@ prints the fine-grained MoE goals (GOALS) with the latest and the best recorded 
 each GPU, then, per suite and machine, the tables of each file holding the latest figures of some step,
 and where the suite ran twice there, the latest run's figures beside the run before's (each within
 3% or not); after the loss-curve suite's records, every recorded run of each of its steps pooled
-over records and machines. `--write` puts them into docs/benchmarks.md between its two REPORT markers.
+over records and machines. `--write` puts them into docs/benchmarks/results.md, and the goals, the
+MFU counts and a list of each suite's latest record (summary()) into docs/benchmarks.md, each
+between its two REPORT markers.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import statistics
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 DOC = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
+FULL = os.path.join(os.path.dirname(HERE), "docs", "benchmarks", "results.md")  # every record's tables
 BEGIN, END = "<!-- REPORT BEGIN: python -m bench.report --write -->", "<!-- REPORT END -->"
 SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "loss-curve", "kernels", "2gpu")
 TOLERANCE = 0.03  # a rerun of a suite on the same kind of machine reproduces each figure within this share
@@ -35,6 +38,7 @@ def records(results: str) -> dict[tuple, list[dict]]:
             rec = json.load(f)
         if "suite" not in rec:
             continue
+        rec["_file"] = os.path.join("bench", "results", os.path.basename(path))
         by_key.setdefault((rec["suite"], rec["env"]["device"], rec["env"]["device_count"]), []).append(rec)
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
     return {
@@ -978,15 +982,33 @@ TABLES = (
 )
 
 
-def report(results: str = RESULTS) -> str:
-    text = []
+def summary(results: str = RESULTS) -> str:
+    """docs/benchmarks.md's tables: the goals, the MFU counts and the latest record of each suite
+    on each machine (report() holds every record's tables)."""
     groups = records(results)
+    text = _headline(groups)
+    rows = ["| suite | machine | latest run | record |", "|---|---|---|---|"]
+    for (suite, device, count), recs in groups.items():
+        machine = f"{count} x {device}" if count else device
+        rows.append(f"| `{suite}` | {machine} | {recs[0]['date_utc'][:16]} | `{recs[0]['_file']}` |")
+    text += ["### The latest record of each suite on each machine", ""] + rows + [""]
+    return "\n".join(text)
+
+
+def _headline(groups: dict) -> list[str]:
+    text = []
     goals = goals_table(groups)
     if goals:
         text += ["### Fine-grained MoE goals: the latest and the best recorded figure on each GPU", ""] + goals + [""]
     counts = flop_count_table(groups)
     if counts:
         text += ["### MFU: titan_fold's FLOP count and torchtitan 0.2.2's, per proxy", ""] + counts + [""]
+    return text
+
+
+def report(results: str = RESULTS) -> str:
+    groups = records(results)
+    text = _headline(groups)
     loss_curves = [key for key in groups if key[0] == "loss-curve"]
     for key, recs in groups.items():
         for rec in _shown(recs):
@@ -1047,20 +1069,28 @@ def _record_text(rec: dict) -> list[str]:
     return text
 
 
-def write_doc(results: str = RESULTS, doc: str = DOC) -> None:
+def _replace_block(doc: str, tables: str) -> None:
     with open(doc) as f:
         text = f.read()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    tables = report(results)  # before the file is opened for writing: a failing record leaves the doc as it was
     with open(doc, "w") as f:
         f.write(head + BEGIN + "\n\n" + tables + "\n" + END + tail)
+
+
+def write_doc(results: str = RESULTS, doc: str = DOC, full: str = FULL) -> None:
+    # both texts before either file is opened for writing: a failing record leaves the docs as they were
+    short, tables = summary(results), report(results)
+    _replace_block(doc, short)
+    _replace_block(full, tables)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     p.add_argument("--results", default=RESULTS)
-    p.add_argument("--write", action="store_true", help=f"replace the tables in {os.path.relpath(DOC)}")
+    p.add_argument(
+        "--write", action="store_true", help=f"replace the tables in {os.path.relpath(DOC)} and {os.path.relpath(FULL)}"
+    )
     a = p.parse_args()
     if a.write:
         write_doc(a.results)

@@ -1171,13 +1171,21 @@ def test_rank_share_router_moves_the_asked_share(share):
 
 
 def test_benchmarks_doc_quotes_the_report():
-    """docs/benchmarks.md's Results tables are `python -m bench.report`'s output over bench/results,
-    as it prints it today (no hand-copied figures)."""
+    """docs/benchmarks.md's Results tables are `python -m bench.report`'s summary over
+    bench/results and docs/benchmarks/results.md holds its full report, as it prints them today
+    (no hand-copied figures); the summary lists every suite's latest record by its file."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "benchmarks.md")) as f:
-        doc = f.read()
-    tables = report.report(os.path.join(root, "bench", "results")).strip()
-    assert tables and tables in doc, "docs/benchmarks.md: run `python -m bench.report --write`"
+    results = os.path.join(root, "bench", "results")
+    for page, tables in (
+        ("benchmarks.md", report.summary(results).strip()),
+        (os.path.join("benchmarks", "results.md"), report.report(results).strip()),
+    ):
+        with open(os.path.join(root, "docs", page)) as f:
+            doc = f.read()
+        assert tables and tables in doc, f"docs/{page}: run `python -m bench.report --write`"
+    for recs in report.records(results).values():
+        assert os.path.exists(os.path.join(root, recs[0]["_file"]))
+        assert f"`{recs[0]['_file']}`" in report.summary(results)
 
 
 def test_grouped_gemm_smoke(tmp_path):
