@@ -1,6 +1,7 @@
 """The search over folded mappings: every valid degree set, the fewest GPUs for given degrees, the ranking by
 estimated step time, and the job config of a chosen mapping."""
 
+import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -109,8 +110,7 @@ def plan(
             if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
                 break
             e = estimate(sizes, lb.mapping, work, cluster, True, legacy, lb.memory)
-            exact.append(e)
-            exact.sort(key=lambda e: (e.step_s, -e.headroom_gib))
+            bisect.insort(exact, e, key=lambda e: (e.step_s, -e.headroom_gib))  # after equal keys, as a stable sort
         return exact[:k]
 
     legacy = best_of([b for b in bounds if not b.mapping.folded], 1, True)
