@@ -37,6 +37,6 @@ for name, m in MAPPINGS.items():
         f"{other / GIB:6.1f} {mem.total / GIB:6.1f} {'+' + format(after_w2 / GIB, '.1f'):>13}"
     )
 print(
-    f"Megatron-Core (seeds/003): 199.5 GB = {199.5e9 / GIB:.1f} GiB per GPU, activations ~131 GB = "
+    f"Megatron-Core, reported: 199.5 GB = {199.5e9 / GIB:.1f} GiB per GPU, activations ~131 GB = "
     f"{131e9 / GIB:.1f} GiB, memory-efficient permutation saves ~26.3 GB = {26.3e9 / GIB:.1f} GiB"
 )
