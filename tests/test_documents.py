@@ -12,7 +12,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_fold.data.dataset import Corpus, TokenWindows
 from titan_fold.models import FLAVORS, Transformer
-from titan_fold.models.documents import document_mask, document_positions
+from titan_fold.models.documents import document_mask, document_positions, one_document
 
 LENGTHS = [5, 17, 2, 8]  # very different lengths, one of two tokens
 
@@ -38,6 +38,21 @@ def test_positions_and_mask_of_a_packed_row():
         [0, 0, 0, 1, 1, 0],
         [0, 0, 0, 0, 0, 1],
     ]
+
+
+def test_a_batch_of_one_document_samples_is_the_causal_stream():
+    # the step drops such a batch's document_ids (trainer/step.py) for the faster causal kernel:
+    # exact only where every sample is one document, each then starting at position 0
+    assert one_document(torch.tensor([[3, 3, 3], [0, 0, 0]]))
+    assert not one_document(torch.tensor([[3, 3, 3], [0, 0, 1]]))
+    assert not one_document(torch.tensor([[0, 1, 1], [2, 2, 2]]))
+    args = dataclasses.replace(FLAVORS["qwen3_moe"]["debug"], n_layers=2)
+    model = build(args).double()
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens, document_ids=torch.full((2, 16), 7)), model(tokens), rtol=0, atol=1e-12
+        )
 
 
 def check_packed_equals_alone(name: str, device: str, dtype: torch.dtype, rtol: float, atol: float, grad_tol):

@@ -40,6 +40,14 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def one_document(document_ids: torch.Tensor) -> bool:
+    """True where every sample of document_ids [b, s] holds one document (or a piece of one):
+    its mask is then the causal mask and its positions 0 .. s-1, so the stream's causal kernel
+    (cuDNN or flash on CUDA) serves it, faster than FlexAttention on the same mask, without
+    context parallelism (trainer/step.py). Read on the host, before the batch moves to the device."""
+    return bool((document_ids == document_ids[:, :1]).all())
+
+
 @functools.cache
 def _compiled_flex():
     """flex_attention compiled once per process, for calls outside a compiled region."""

@@ -18,6 +18,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.saves import maybe_fault
 from titan_fold.common.tensors import to_device
+from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers
@@ -190,10 +191,15 @@ class TrainStep:
         layout = self.parallel_dims
         # the micro-batches stay on the host until their turn; their tokens are counted there
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
-        if layout.cp > 1:
-            for input_dict, _ in microbatches:
-                if "document_ids" in input_dict:  # read on the host: no wait for the device
-                    input_dict[CP_ORDER] = cp_order(input_dict["document_ids"], layout.cp)
+        for input_dict, _ in microbatches:  # read on the host: no wait for the device
+            if "document_ids" not in input_dict:
+                continue
+            if layout.cp > 1:
+                input_dict[CP_ORDER] = cp_order(input_dict["document_ids"], layout.cp)
+            elif one_document(input_dict["document_ids"]):
+                # the causal mask, where the stream's kernel is the faster (under cp the
+                # stream's split attention is the slower one: docs/benchmarks.md)
+                del input_dict["document_ids"]
         local_valid_tokens = to_device(
             torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum(), self.device
         )
