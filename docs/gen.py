@@ -82,6 +82,11 @@ def import_from_root() -> None:
         sys.path.insert(0, ROOT)  # as PYTHONPATH for the commands bash runs
 
 
+# command modules that import torch and the models inside main() only (their --help stays
+# fast): the parent imports those once, and each forked command starts with them loaded
+HEAVY = {"titan_fold.plan": ("titan_fold.planning.plan",), "titan_fold.layout": ("titan_fold.planning.layout",)}
+
+
 def fork_module(argv: list[str]) -> tuple[int, str]:
     """`python -m MODULE ARGS` in a child forked from this process, which imported MODULE
     once (no interpreter start and torch import per command); -> exit code, stdout + stderr.
@@ -90,7 +95,8 @@ def fork_module(argv: list[str]) -> tuple[int, str]:
     import_from_root()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         with FORK_LOCK:
-            importlib.import_module(argv[0])
+            for module in (argv[0], *HEAVY.get(argv[0], ())):
+                importlib.import_module(module)
             pid = os.fork()
         if pid == 0:
             code = 1

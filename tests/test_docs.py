@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 @pytest.mark.parametrize("doc", gen.DOCS)
 def test_quoted_output_is_current(doc):
-    # planning.md's 20 planner searches: about a CPU minute, each forked from one import (gen.fork_module)
+    # planning.md's 20 planner searches, each forked from one import of the planner (gen.fork_module)
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "docs", "gen.py"), "--check", doc],
         capture_output=True,
