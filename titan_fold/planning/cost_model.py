@@ -280,6 +280,13 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
         sizes.head_params / m.tp,
     )
 
+    # the same few (kind, recompute, worst) cases recur across the stages below
+    known: dict[tuple, float] = {}
+
+    def block_bytes(kind: str, rc: str, worst: bool) -> float:
+        key = (kind, rc, worst)
+        return known[key] if key in known else known.setdefault(key, activation_bytes(sizes, m, work, *key))
+
     stages = []
     for first, last in ((True, m.pp == 1), (False, True)) if m.pp > 1 else ((True, True),):
         dense = dense_local(first, last)
@@ -297,15 +304,13 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
             unsharded += expert_local * A * flight
 
         def acts(worst, rc=m.recompute, flight=flight):
-            per_mb = sum(layers[k] * activation_bytes(sizes, m, work, k, rc, worst) for k in layers)
+            per_mb = sum(layers[k] * block_bytes(k, rc, worst) for k in layers)
             if rc == "full":  # one block is recomputed at a time and holds all its tensors
-                per_mb += activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst)
+                per_mb += block_bytes("moe" if layers["moe"] else "dense", "none", worst)
             return per_mb * flight * work.micro_batch
 
         def grads_of_block(worst):
-            return (
-                activation_bytes(sizes, m, work, "moe" if layers["moe"] else "dense", "none", worst) * work.micro_batch
-            )
+            return block_bytes("moe" if layers["moe"] else "dense", "none", worst) * work.micro_batch
 
         T = work.seq_len / (m.cp * m.tp)
         disp = (
@@ -323,17 +328,18 @@ def memory(sizes: ModelSizes, m: Mapping, work: Workload) -> Memory:
         optimizer = sharded * 2 * FP32 - muon * FP32
         unsharded += 2 * muon * A
         base = sharded * (FP32 + FP32) + optimizer + unsharded + logits
+        activations, backward = acts(False), grads_of_block(False)
         stages.append(
             Memory(
                 params=sharded * FP32,
                 grads=sharded * FP32,
                 optimizer=optimizer,
                 unsharded=unsharded,
-                activations=acts(False),
-                backward=grads_of_block(False),
+                activations=activations,
+                backward=backward,
                 dispatcher=disp,
                 logits=logits,
-                total=base + acts(False) + grads_of_block(False) + disp,
+                total=base + activations + backward + disp,
                 total_worst_dropless=base + acts(True) + grads_of_block(True) + disp_worst,
             )
         )
@@ -442,9 +448,9 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     of_a, of_b = torch.empty(a.numel(), a.shape[1], dtype=a.dtype), torch.empty(b.numel(), b.shape[1], dtype=b.dtype)
     of_a[a] = a[:, None, :].expand(-1, a.shape[1], -1)  # [rank, |a|]: the rank's a-group
     of_b[b] = b[:, None, :].expand(-1, b.shape[1], -1)
-    rank = torch.arange(a.numel())[:, None, None]
-    members = (of_a[:, :, None] + of_b[:, None, :] - rank).flatten(1).sort(1).values  # [rank, |a| |b|]
-    return torch.unique(members, dim=0)
+    rank = torch.arange(a.numel())
+    members = (of_a[:, :, None] + of_b[:, None, :] - rank[:, None, None]).flatten(1).sort(1).values  # [rank, |a| |b|]
+    return members[members[:, 0] == rank]  # each group once, from its smallest rank: in row order
 
 
 def group_rows(m: Mapping, legacy: bool = False) -> dict[str, torch.Tensor]:
