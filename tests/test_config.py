@@ -95,8 +95,8 @@ def test_missing_file_names_it():
             "moe.exchange = 'device' with moe.capacity_factor = 1.0",
         ),
         (
-            '[moe]\nexchange = "device"\n[parallelism]\nexpert_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n',
-            "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = 2: the device exchange covers ep only",
+            '[moe]\nexchange = "device"\n[parallelism]\nexpert_tensor_parallel_degree = 2\n',
+            "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = 2 and expert_parallel_degree = 1",
         ),
         (
             '[moe]\nexchange = "device"\noverlap_ep_comm = true\n',

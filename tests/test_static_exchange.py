@@ -5,7 +5,7 @@ over gloo, which is also sync-free).
 
 On 4 gloo ranks in fp32 (one case float64: the per-expert loop): each gives the exact
 dispatcher's output, input gradient and every parameter gradient (router gate, expert
-weights), and the one-rank layer's, over ep 2 (edp 2), ep 4 and (static only) ep 2 x etp 2;
+weights), and the one-rank layer's, over ep 2 (edp 2), ep 4 and ep 2 x etp 2;
 with every token routed to the first ep rank's experts (each rank's block for that peer full:
 the worst case), with the routing weight after w2, with the weight gradients split off
 (delay_wgrad_compute, static only); the experts' outputs and input gradients on the padding rows
@@ -324,15 +324,13 @@ def worker(rank, port, out_dir):
     failures = []
     for ep, etp, _, ep_mesh, etp_mesh in expert_meshes(LAYOUTS, WORLD):
         checks = [(c.name, partial(check_case, c, ep_mesh, etp_mesh)) for c in CASES]
-        if etp == 1:  # the device exchange covers ep only
-            checks += [
-                (f"device {c.name}", partial(check_case, c, ep_mesh, etp_mesh, "device"))
-                for c in CASES
-                if "delay_wgrad_compute" not in c.overrides
-            ]
+        checks += [
+            (f"device {c.name}", partial(check_case, c, ep_mesh, etp_mesh, "device"))
+            for c in CASES
+            if "delay_wgrad_compute" not in c.overrides
+        ]
         checks.append(("no host sync", partial(check_no_host_sync, ep_mesh, etp_mesh)))
-        if etp == 1:
-            checks.append(("device: no host sync", partial(check_no_host_sync, ep_mesh, etp_mesh, "device")))
+        checks.append(("device: no host sync", partial(check_no_host_sync, ep_mesh, etp_mesh, "device")))
         if (ep, etp) == (2, 1):
             checks.append(("compiles static", partial(check_compiles_static, ep_mesh, etp_mesh)))
             checks.append(("compiles device", partial(check_compiles_static, ep_mesh, etp_mesh, "device")))

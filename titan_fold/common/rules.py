@@ -133,10 +133,12 @@ RULES = (
         "routing; token drop has moe.token_drop = 'drop_and_pad' for static shapes",
     ),
     Rule(
-        lambda c: _device(c) and c.parallelism.expert_tensor_parallel_degree > 1,
+        lambda c: (
+            _device(c) and c.parallelism.expert_parallel_degree == 1 and c.parallelism.expert_tensor_parallel_degree > 1
+        ),
         "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
-        "{parallelism.expert_tensor_parallel_degree}: the device exchange covers ep only; use moe.exchange "
-        "= 'exact' or 'static' with etp > 1",
+        "{parallelism.expert_tensor_parallel_degree} and expert_parallel_degree = 1: the device exchange "
+        "starts with the ep all-to-all; use moe.exchange = 'exact' or 'static' without ep",
     ),
     Rule(
         lambda c: _device(c) and not _dropless(c),

@@ -272,6 +272,7 @@ class TokenDispatcher(nn.Module):
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
         # the device exchange's ops name their process group
         self.ep_group_name = ep_mesh.get_group().group_name if ep_mesh is not None else ""
+        self.etp_group_name = etp_mesh.get_group().group_name if etp_mesh is not None else ""
         # local tokens per sequence -> [seq_mesh size * that] position in the whole sequence
         # of each token, rank after rank; None: every rank holds one contiguous chunk
         self.seq_positions = seq_positions
@@ -432,9 +433,9 @@ class TokenDispatcher(nn.Module):
         args: MoEArgs,
         overlap=None,
     ):
-        """Dropless over ep with the split sizes on the device (moe.exchange = "device",
-        moe/exchange.py): rows arrive already grouped by local expert, in a buffer of the most
-        rows this rank can receive, real rows first; no host sync. -> (y [T, dim], overlap())."""
+        """Dropless over ep (and etp) with the split sizes on the device (moe.exchange =
+        "device", moe/exchange.py): rows arrive already grouped by local expert, in a buffer of
+        the most rows this rank can receive, real rows first; no host sync. -> (y [T, dim], overlap())."""
         T, k = experts_idx.shape
         E, N, ep = args.num_experts, T * k, self.ep
         E_loc = E // ep
@@ -442,7 +443,9 @@ class TokenDispatcher(nn.Module):
         token_of_row = order // k  # [N] rows by destination expert, so by ep rank
         slot = _inverse(order)  # [N] row of each assignment
         send = counts.view(ep, E_loc).sum(1)  # [ep] rows to each ep rank
-        sources = self.counts.sources(self, counts, N).view(ep, E_loc)  # rows from each source
+        # [etp, ep, E_loc]: rows each (etp, ep) source sends each local expert
+        every = self.counts.sources(self, counts, N).view(self.etp, ep, E_loc)
+        sources = every[0 if self.etp_mesh is None else self.etp_mesh.get_local_rank()]  # [ep, E_loc] this rank's
         recv = sources.sum(1)  # [ep]
         R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
         cap = max(R, N)
@@ -462,9 +465,45 @@ class TokenDispatcher(nn.Module):
         overlapped = overlap() if overlap is not None else None
         # no masks: the padding rows came in as zeros, their outputs are never sent, and their
         # gradients come back as zeros (the zero row)
-        y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
+        if self.etp > 1:
+            y_sorted = self._device_etp(x_sorted, w_sorted, every.sum(1), experts, args)
+        else:
+            y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
         y = exchange(y_sorted, back, there, cap, g)  # [T, dim]
         return y, overlapped
+
+    def _device_etp(self, x_sorted, w_sorted, per_rank, experts: GroupedExperts, args: MoEArgs):
+        """The device exchange's etp part: x_sorted [R, dim], w_sorted [R] (this rank's arrivals
+        by local expert, real rows first), per_rank [etp, E_loc] (each etp rank's rows per local
+        expert) -> the experts' output rows [R, dim], summed over etp. The all-gather-v and the
+        reduce-scatter-v are the exchange's op over the etp group (each rank's real rows to every
+        peer, the partial outputs back and summed), into buffers of etp x R rows."""
+        assert self.etp_mesh is not None  # etp > 1
+        etp, R = self.etp, x_sorted.shape[0]
+        dev, cap = x_sorted.device, etp * R
+        rows = per_rank.sum(1)  # [etp] real rows of each etp rank
+        me = rows[self.etp_mesh.get_local_rank()]
+        starts = rows.cumsum(0) - rows  # [etp] where each source's rows land
+        # arrival rows of the gathered buffer: source after source, each by expert; padding last
+        r = torch.arange(cap, device=dev)
+        source = torch.searchsorted(rows.cumsum(0), r, right=True).clamp(max=etp - 1)  # [cap]
+        within = (r - starts[source]).unsqueeze(1)  # [cap, 1]
+        expert_of_row = torch.searchsorted(per_rank.cumsum(1)[source], within, right=True)[:, 0]
+        expert_of_row = torch.where(r < rows.sum(), expert_of_row, per_rank.shape[1])  # E_loc = padding
+        perm = torch.sort(expert_of_row, stable=True).indices  # [cap] grouped position -> arrival row
+        inv = _inverse(perm)  # [cap] arrival row -> grouped position
+        perm = torch.where(perm < rows.sum(), perm, cap)  # padding reads the zero row
+        spread = torch.arange(cap, device=dev) % me.clamp(min=1)  # [cap] rows 0 .. me-1 for every peer
+        peers = torch.arange(etp, device=dev)
+        mine = (peers * me)[None, :] + torch.arange(R, device=dev)[:, None]  # [R, etp] my row from each peer
+        mine = torch.where(torch.arange(R, device=dev)[:, None] < me, mine, cap)
+        g = self.etp_group_name
+        same = me.expand(etp).contiguous()
+        gather, scatter = Route(spread, same, rows, perm), Route(inv, rows, same, mine)
+        x_grouped = exchange(x_sorted, gather, scatter, cap, g)  # [etp * R, dim] by expert
+        w_grouped = exchange(w_sorted, gather, scatter, cap, g)
+        y_grouped = experts(x_grouped, per_rank.sum(0), w_grouped, args.prob_before_w2)
+        return exchange(y_grouped, scatter, gather, cap, g)  # [R, dim] summed over etp
 
     def compute(
         self, x_in: torch.Tensor, w_in: torch.Tensor, plan: "Plan", experts: GroupedExperts, args: MoEArgs
