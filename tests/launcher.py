@@ -7,7 +7,7 @@ pulls in inductor, datasets, pandas) and titan_fold before it trains: an 8-rank 
 burns a minute on imports. Here one zygote process imports the trainer once per test
 session and forks the ranks of each launch from that state (it never ran an op or made a
 process group). Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), fresh RNG
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, an error file), fresh RNG
 seeds, the launch's extra environment and working folder, and runs the command's own
 module as `python -m` runs it (as `__main__`, `sys.argv` as `-m` sets it). As with torchrun,
 the first rank that fails stops the others; the launch returns every rank's exit code. A
@@ -31,10 +31,12 @@ import inspect
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -143,6 +145,9 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             TORCHELASTIC_RESTART_COUNT="0",
+            # torchrun's layout <attempt folder>/<local rank>/error.json: the first rank to fail
+            # with a UserError prints its line (common/errors.py), before the others are stopped
+            TORCHELASTIC_ERROR_FILE=os.path.join(request["attempt"], str(rank), "error.json"),
         )
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
@@ -179,6 +184,9 @@ def _launch(request: dict) -> list[int]:
     """Fork the ranks of one launch and wait for them; -> exit codes (-N: killed by signal N)."""
     nproc, port = request["nproc"], free_port()
     ranks = max(nproc, 1)
+    request = {**request, "attempt": tempfile.mkdtemp(prefix="attempt_")}
+    for rank in range(nproc):
+        os.mkdir(os.path.join(request["attempt"], str(rank)))
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
@@ -211,6 +219,7 @@ def _launch(request: dict) -> list[int]:
             _signal([p for p in pids if p not in codes], signal.SIGKILL)
             deadline = stop_at = float("inf")
         time.sleep(0.05)
+    shutil.rmtree(request["attempt"], ignore_errors=True)
     return [codes[p] for p in pids]
 
 
