@@ -211,6 +211,19 @@ class _AllToAllThen(torch.autograd.Function):
         return _wait(grad_x), None, None, None, None
 
 
+def _by_expert(blocks: torch.Tensor, rows: int, zero_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [S, E_loc]: rows that arrived from each source for each local expert, source after
+    source and by expert within a source, in a buffer of `rows` rows (padding after the real ones)
+    -> (perm [rows]: the arrival row of each position grouped by local expert, sources in order
+    within an expert, padding last reading `zero_row`; inv [rows]: each arrival row's position)."""
+    S, E_loc = blocks.shape
+    ends = blocks.flatten().cumsum(0)  # [S * E_loc]
+    chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=True)  # [rows]
+    expert_of_row = torch.where(chunk < S * E_loc, chunk % E_loc, E_loc)  # E_loc = padding
+    perm = torch.sort(expert_of_row, stable=True).indices  # [rows] grouped position -> arrival row
+    return torch.where(perm < ends[-1], perm, zero_row), _inverse(perm)
+
+
 def _all_gather_v(x: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.Tensor:
     """[n_me, ...] -> [sum(sizes), ...], rank order; sizes None = all equal."""
     if mesh is None:
@@ -449,13 +462,7 @@ class TokenDispatcher(nn.Module):
         recv = sources.sum(1)  # [ep]
         R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
         cap = max(R, N)
-        # arrival rows: source after source, by expert within a source; rows past the V real ones pad
-        ends = sources.flatten().cumsum(0)  # [ep * E_loc]
-        chunk = torch.searchsorted(ends, torch.arange(R, device=x.device), right=True)  # [R]
-        expert_of_row = torch.where(chunk < ep * E_loc, chunk % E_loc, E_loc)  # E_loc = padding
-        perm = torch.sort(expert_of_row, stable=True).indices  # [R] sorted position -> arrival row
-        inv = _inverse(perm)  # [R] arrival row -> sorted position
-        perm = torch.where(perm < ends[-1], perm, cap)  # padding reads the exchange's zero row
+        perm, inv = _by_expert(sources, R, cap)
         g = self.ep_group_name
         there, back = Route(token_of_row, send, recv, perm), Route(inv, recv, send, slot.view(T, k))
         x_sorted = exchange(x, there, back, cap, g)  # [R, dim]
@@ -483,20 +490,12 @@ class TokenDispatcher(nn.Module):
         dev, cap = x_sorted.device, etp * R
         rows = per_rank.sum(1)  # [etp] real rows of each etp rank
         me = rows[self.etp_mesh.get_local_rank()]
-        starts = rows.cumsum(0) - rows  # [etp] where each source's rows land
-        # arrival rows of the gathered buffer: source after source, each by expert; padding last
-        r = torch.arange(cap, device=dev)
-        source = torch.searchsorted(rows.cumsum(0), r, right=True).clamp(max=etp - 1)  # [cap]
-        within = (r - starts[source]).unsqueeze(1)  # [cap, 1]
-        expert_of_row = torch.searchsorted(per_rank.cumsum(1)[source], within, right=True)[:, 0]
-        expert_of_row = torch.where(r < rows.sum(), expert_of_row, per_rank.shape[1])  # E_loc = padding
-        perm = torch.sort(expert_of_row, stable=True).indices  # [cap] grouped position -> arrival row
-        inv = _inverse(perm)  # [cap] arrival row -> grouped position
-        perm = torch.where(perm < rows.sum(), perm, cap)  # padding reads the zero row
+        # each etp rank's real rows are by expert: the gathered buffer is (etp rank, expert) blocks
+        perm, inv = _by_expert(per_rank, cap, cap)
         spread = torch.arange(cap, device=dev) % me.clamp(min=1)  # [cap] rows 0 .. me-1 for every peer
-        peers = torch.arange(etp, device=dev)
-        mine = (peers * me)[None, :] + torch.arange(R, device=dev)[:, None]  # [R, etp] my row from each peer
-        mine = torch.where(torch.arange(R, device=dev)[:, None] < me, mine, cap)
+        local = torch.arange(R, device=dev)[:, None]  # [R, 1]
+        mine = torch.arange(etp, device=dev)[None, :] * me + local  # [R, etp] my row from each peer
+        mine = torch.where(local < me, mine, cap)
         g = self.etp_group_name
         same = me.expand(etp).contiguous()
         gather, scatter = Route(spread, same, rows, perm), Route(inv, rows, same, mine)
