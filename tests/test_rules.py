@@ -33,6 +33,15 @@ CASES = [
     ),
     ({"moe.exchange": "device", "moe.overlap_ep_comm": True}, "moe.overlap_ep_comm = true with moe.exchange"),
     ({"moe.exchange": "device", "moe.delay_wgrad_compute": True}, "moe.delay_wgrad_compute = true with moe.exchange"),
+    ({"moe.hot_expert_replicas": 2, "moe.exchange": "static"}, "moe.hot_expert_replicas = 2 with moe.exchange ="),
+    ({"moe.hot_expert_replicas": 2, "moe.capacity_factor": 1.0}, "moe.hot_expert_replicas = 2 with moe.capacity"),
+    ({"moe.hot_expert_replicas": 2, **OVERLAP}, "moe.hot_expert_replicas = 2 with moe.overlap_ep_comm"),
+    ({"moe.hot_expert_replicas": 2, "moe.delay_wgrad_compute": True}, "moe.hot_expert_replicas = 2 with moe.delay"),
+    ({"moe.hot_expert_replicas": 2, "moe.expert_fp8": True}, "moe.hot_expert_replicas = 2 with moe.expert_fp8"),
+    (
+        {"moe.hot_expert_replicas": 2, "compile.enable": True, "compile.cudagraphs": True},
+        "moe.hot_expert_replicas = 2 with compile.cudagraphs",
+    ),
     ({"moe.stash_rows": 100}, "moe.stash_rows = 100: must be >= 0"),
     ({"moe.stash_rows": 100, "moe.exchange": "static"}, "moe.stash_rows = 100 with activation checkpointing"),
     (

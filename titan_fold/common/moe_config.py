@@ -66,6 +66,10 @@ class MoE:
     slower than it on the 2-GPU runs (docs/moe.md, "What each option costs"). No effect with ep = etp = 1."""
     static_ep_exchange: bool = False
     """Moved: `static_ep_exchange = true` is `exchange = "static"` (accepted with a notice)."""
+    hot_expert_replicas: int = 0
+    """Copies of hot experts: every ep rank runs a copy of the layer call's R busiest experts, whose
+    rows a planner on the device spreads over the ep ranks (docs/moe.md); 0 = off. Copies are not
+    parameters: never in the optimizer or a checkpoint. Dropless with the exact exchange only."""
     stash_rows: int = 0
     """With static_ep_exchange: the tensors the routed experts save for backward keep only their
     real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers

@@ -108,6 +108,7 @@ RANGES = (
     Range("moe.aux_loss_coeff", ">= 0", _at_least(0)),
     Range("moe.z_loss_coeff", ">= 0", _at_least(0)),
     Range("moe.stash_rows", ">= 0", _at_least(0)),
+    Range("moe.hot_expert_replicas", ">= 0", _at_least(0)),
     Range("mtp.num_layers", ">= 0", _at_least(0)),
     Range("mtp.loss_scaling_factor", ">= 0", _at_least(0)),
 )

@@ -51,6 +51,14 @@ def _over_ranks(c) -> bool:
     return c.parallelism.expert_parallel_degree * c.parallelism.expert_tensor_parallel_degree > 1
 
 
+def _with_copies(key: str, on: Callable[[Any], bool], why: str) -> Rule:
+    """A rule refusing moe.hot_expert_replicas with `key` (as written in the message) where `on`."""
+    return Rule(
+        lambda c: c.moe.hot_expert_replicas > 0 and on(c),
+        f"moe.hot_expert_replicas = {{moe.hot_expert_replicas}} with {key}: {why}",
+    )
+
+
 # the pipeline schedules parallel/overlap.py's overlapped_pipeline runs, by their
 # parallelism.pipeline_parallel_schedule names
 OVERLAP_SCHEDULES = ("1F1B", "Interleaved1F1B")
@@ -157,6 +165,33 @@ RULES = (
     Rule(
         lambda c: _device(c) and c.moe.delay_wgrad_compute,
         "moe.delay_wgrad_compute = true with moe.exchange = 'device': not built for the device exchange; choose one",
+    ),
+    *(
+        _with_copies(key, on, why)
+        for key, on, why in (
+            (
+                "moe.exchange = '{moe.exchange}'",
+                lambda c: c.moe.exchange in ("static", "device"),
+                "the copies are planned for the exact exchange; set moe.exchange = 'exact' or 'auto'",
+            ),
+            (
+                "moe.capacity_factor = {moe.capacity_factor}",
+                lambda c: not _dropless(c),
+                "copies are for dropless routing (a capacity is per expert, and a copy would split it); choose one",
+            ),
+            ("moe.overlap_ep_comm = true", lambda c: c.moe.overlap_ep_comm, "not built for the overlap; choose one"),
+            (
+                "moe.delay_wgrad_compute = true",
+                lambda c: c.moe.delay_wgrad_compute,
+                "not built for the delayed weight gradients; choose one",
+            ),
+            ("moe.expert_fp8 = true", lambda c: c.moe.expert_fp8, "not built for FP8 experts; choose one"),
+            (
+                "compile.cudagraphs = true",
+                lambda c: c.compile.cudagraphs,
+                "the copies need the exact exchange, whose sizes reach the host (a graph per shape); choose one",
+            ),
+        )
     ),
     Rule(
         lambda c: c.moe.stash_rows > 0 and c.moe.exchange != "static",

@@ -23,6 +23,24 @@ class FakeCounts(ExchangedCounts):
         sent = _even(rows, counts.numel())
         return torch.tensor(sent * dispatcher.etp, dtype=torch.int64, device=counts.device)
 
+    def everywhere(self, dispatcher, counts: torch.Tensor) -> torch.Tensor:
+        super().everywhere(dispatcher, counts)
+        return counts.repeat(dispatcher.etp * dispatcher.ep, 1)
+
+    # the gradient check's view of copies of hot experts (dryrun/copies.py): called with the
+    # weight's name, the alias of the weights the copies are read from, the copies and the rows
+    # of the nominees this rank holds; None: not watched
+    on_copies = None
+
+    def copies(self, dispatcher, w: torch.Tensor, nominees: torch.Tensor, name: str) -> torch.Tensor:
+        held = w.view_as(w)  # its own autograd node: its gradient is the copies' share of w's
+        out = super().copies(dispatcher, held, nominees, name)
+        if self.on_copies is not None:
+            first = dispatcher.ep_mesh.get_local_rank() * w.shape[0]  # this rank's first expert id
+            rows = nominees[(nominees >= first) & (nominees < first + w.shape[0])] - first
+            self.on_copies(name, held, out, rows)
+        return out
+
     def on_host(self, dispatcher, counts: torch.Tensor, gathered: torch.Tensor, rows: int):
         sent = _even(rows, counts.numel())
         return sent, sent * dispatcher.etp

@@ -61,6 +61,8 @@ class MoEArgs:
     # with exchange = "static": the experts' saved activations keep only their real rows, in one
     # pool of this many rows shared by the layers (moe/stash.py); 0 = off
     stash_rows: int = 0
+    # every ep rank runs copies of the call's this many busiest experts (moe/replicas.py); 0 = off
+    hot_expert_replicas: int = 0
 
     def routing_problem(self) -> str | None:
         """Why the group-limited routing settings cannot route, naming the `[moe]` key; None if they can."""

@@ -1,5 +1,6 @@
 """What a dispatcher learns from the other ranks before it moves rows: the routing of the
-other parts of its sequences and the row counts of the expert exchange.
+other parts of its sequences, the row counts of the expert exchange, and with copies of hot
+experts (moe/replicas.py) every source's counts and the copies' weights.
 
 `ExchangedCounts` learns them by collectives over the dispatcher's groups. A dispatcher
 holds one as `counts`; whoever builds the layer may hand it another with the same methods
@@ -9,6 +10,8 @@ the values: dryrun/fake_counts.py)."""
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+
+from titan_fold.moe.replicas import copies_of
 
 
 def gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -41,6 +44,20 @@ class ExchangedCounts:
         d = dispatcher
         recv = funcol.all_to_all_single(counts, None, None, d.ep_mesh) if d.ep > 1 else counts  # [ep*E_loc]
         return gather_even(recv, d.etp_mesh) if d.etp > 1 else recv  # [etp*ep*E_loc]
+
+    def everywhere(self, dispatcher, counts: torch.Tensor) -> torch.Tensor:
+        """counts [E]: rows this rank sends each logical expert -> [etp * ep, E]: every source's,
+        etp-rank-major (moe.hot_expert_replicas plans from them)."""
+        d = dispatcher
+        every = gather_even(counts, d.ep_mesh)  # [ep * E]
+        every = gather_even(every, d.etp_mesh) if d.etp > 1 else every
+        return every.view(-1, counts.numel())
+
+    def copies(self, dispatcher, w: torch.Tensor, nominees: torch.Tensor, name: str) -> torch.Tensor:
+        """moe.hot_expert_replicas: w [E_loc, ...] this rank's experts' weight `name` (w13, w2),
+        nominees [R] -> [R, ...] the nominees' weights from their home ranks (autograd: the
+        copies' gradients go home summed over ep)."""
+        return copies_of(w, nominees, dispatcher.ep_mesh)
 
     def on_host(self, dispatcher, counts: torch.Tensor, gathered: torch.Tensor, rows: int):
         """counts [ep*E_loc] and gathered [etp*ep*E_loc] (sources) on the host, the layer's one

@@ -39,6 +39,7 @@ from titan_fold.moe.counts import ExchangedCounts, host_rows
 from titan_fold.moe.exchange import Route, exchange, resolve
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
+from titan_fold.moe.replicas import plan_copies
 from titan_fold.moe.stash import Stash
 
 
@@ -264,6 +265,8 @@ class Plan:
     splits: _Splits | None = None  # with an exchange: sizes of its collectives
     rows_of_source: torch.Tensor | None = None  # [etp*ep, E_loc] rows each source sends each local expert
     padding: bool = False  # static exchange: each source's block ends in rows that carry nothing
+    # moe.hot_expert_replicas: (local experts' weight [E_loc, ...], its name) -> with the copies [P_loc, ...]
+    copies: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
 
 class TokenDispatcher(nn.Module):
@@ -346,9 +349,13 @@ class TokenDispatcher(nn.Module):
         if resolve(args.exchange, self.ep, self.etp) == "device":
             y, overlapped = self._device_forward(x, probs, experts_idx, experts, args, overlap)
             return y, None, overlapped
+        copies = None
+        if args.hot_expert_replicas and self.ep > 1:
+            experts_idx, args, copies = plan_copies(self, experts_idx, args)
         # one rank, dropless: experts that can read each row from x in place get x itself
         fused_gather = self.ep * self.etp == 1 and args.capacity_factor is None and experts.fuses_gather(x)
         plan, x_rows, w_rows = self.permute(x, probs, experts_idx, args, num_seqs, gather_rows=not fused_gather)
+        plan.copies = copies
         if self.ep * self.etp == 1:
             gather = Gather(plan.token_of_row, plan.slot, plan.k, _sum_rows) if fused_gather else None
             y_rows = experts(x_rows, plan.rows_per_expert, w_rows, args.prob_before_w2, gather)
@@ -533,7 +540,7 @@ class TokenDispatcher(nn.Module):
         if plan.padding:
             y_sorted = self._padded_experts(x_sorted, w_sorted, local_counts, experts, args)
         else:
-            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
+            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2, copies=plan.copies)
         y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
         return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
 

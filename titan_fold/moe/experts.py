@@ -11,6 +11,7 @@ elementwise over ffn, so each etp rank computes a partial w2 product that the
 dispatcher sums (reduce-scatter). The weights may be plain tensors or DTensors.
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -65,6 +66,7 @@ class GroupedExperts(nn.Module):
         probs: torch.Tensor,
         prob_before_w2: bool,
         gather: Gather | None = None,
+        copies: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [R, dim] rows grouped by local expert; probs [R] routing weight of each row.
         With gather (only where fuses_gather(x)): x [T, dim] tokens, row i reads x[gather.rows[i]].
@@ -74,11 +76,15 @@ class GroupedExperts(nn.Module):
         group are padding, never computed: torch._grouped_mm and QuACK leave their outputs
         and input gradients uninitialized, so a caller that passes such rows masks both
         (the dispatcher's static exchange).
+        copies (moe.hot_expert_replicas): (w [E_local, ...], its name) -> [E_local + copies, ...],
+        the weights of the copies this rank runs appended; counts then cover the copies too.
         Returns [R, dim], already multiplied by probs. With etp > 1 it is a partial sum.
         """
         dtype = compute_dtype(x)
         x = x.to(dtype)
         w13, w2 = (local(w).to(dtype) for w in (self.w13, self.w2))
+        if copies is not None:
+            w13, w2 = copies(w13, "w13"), copies(w2, "w2")
         p = probs.unsqueeze(-1)  # [R, 1], float32 (the router's)
         path = self.path(x, counts, gather, w2.shape[2])
         if path == "split_wgrad":

@@ -291,6 +291,9 @@ class Placed:
     fsdp_mesh: tuple[str, ...] = ()
     fsdp_dim: int = 0  # tensor dim FSDP2 shards
     stage: int = 0  # pipeline stage holding it
+    # moe.hot_expert_replicas: the dims over which copies of it run, their gradients summed into
+    # its own before FSDP's reduction (ep; moe/replicas.py); () without copies
+    copies_grad: tuple[str, ...] = ()
 
     def local_shape(self, layout: Layout) -> tuple[int, ...]:
         """Shape of this rank's piece after the model-parallel placements (before FSDP)."""
@@ -352,6 +355,7 @@ def placement_plan(
                 fsdp_mesh=("edp",) if layout.edp > 1 else (),
                 fsdp_dim=width if experts_per_rank < layout.edp else 0,
                 stage=stage,
+                copies_grad=("ep",) if model_args.moe.hot_expert_replicas and layout.ep > 1 else (),
             )
             continue
         style = styles.get(owner)
@@ -395,7 +399,10 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
         return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
     staged = any(placed.stage for placed in plan.values())
-    rows: list[tuple[str, ...]] = [("parameter", "mesh", "placements", "tp_style", "shape", "local", "fsdp", "stage")]
+    copied = any(placed.copies_grad for placed in plan.values())
+    rows: list[tuple[str, ...]] = [
+        ("parameter", "mesh", "placements", "tp_style", "shape", "local", "fsdp", "stage", "copies' gradients")
+    ]
     for (name, placed), ids in folded.items():
         if "{}" in name:
             name = name.format(layer_ranges(ids))
@@ -418,9 +425,11 @@ def format_plan(plan: dict[str, Placed], layout: Layout | None = None) -> str:
                 local,
                 fsdp,
                 str(placed.stage),
+                f"summed over {' x '.join(placed.copies_grad)}" if placed.copies_grad else "-",
             )
         )
-    keep = [i for i in range(len(rows[0])) if not (i == 5 and layout is None) and not (i == 7 and not staged)]
+    hidden = {5: layout is None, 7: not staged, 8: not copied}
+    keep = [i for i in range(len(rows[0])) if not hidden.get(i)]
     rows = [tuple(r[i] for i in keep) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

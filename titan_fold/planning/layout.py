@@ -9,6 +9,7 @@ a node boundary with --gpus-per-node), png (rank grid by node, like the paper's 
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -168,10 +169,16 @@ def run(args: argparse.Namespace) -> int:
     if args.placements and args.model is None:
         print("--placements needs --model", file=sys.stderr)
         return 2
+    if args.hot_expert_replicas < 0:
+        print(f"--hot-expert-replicas {args.hot_expert_replicas}: must be >= 0", file=sys.stderr)
+        return 2
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise UserError(f"--out {args.out}: the folder {os.path.dirname(os.path.abspath(args.out))} does not exist")
     try:
         model_args = _model_args(args.model) if args.model else None
+        if model_args is not None and args.hot_expert_replicas:
+            moe = dataclasses.replace(model_args.moe, hot_expert_replicas=args.hot_expert_replicas)
+            model_args = dataclasses.replace(model_args, moe=moe)
         layout = build_layout(args, model_args)
         stages = None
         if args.placements and layout.pp > 1:

@@ -36,6 +36,13 @@ def layout_parser() -> argparse.ArgumentParser:
         default="1F1B",
         help="with --placements and --pp > 1: the schedule whose default stage split is printed",
     )
+    p.add_argument(
+        "--hot-expert-replicas",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --placements: copies of hot experts (moe.hot_expert_replicas), whose gradients the plan shows",
+    )
     return p
 
 

@@ -198,6 +198,11 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     moe = model_args.moe
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k = {moe.top_k}: larger than the model's {moe.num_experts} experts")
+    if moe.hot_expert_replicas > moe.num_experts:
+        raise ConfigError(
+            f"moe.hot_expert_replicas = {moe.hot_expert_replicas}: more copies than the model's "
+            f"{moe.num_experts} experts"
+        )
     if problem := moe.routing_problem():
         raise ConfigError(problem)
     try:
