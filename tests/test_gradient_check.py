@@ -402,3 +402,84 @@ def test_command_prints_the_table_and_exits_1_on_a_mismatch(tmp_path, monkeypatc
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "MISMATCH layers.0.moe.experts.w13 on rank 7: gradient scaled by 1/4 besides its sum over edp" in out
+
+
+# ---------------------------------------------------------------- copies of hot experts
+COPIES = (
+    "--parallelism.expert_parallel_degree",
+    "2",
+    "--moe.hot_expert_replicas",
+    "2",
+    "--training.local_batch_size",
+    "2",
+)
+COPIED = {f"layers.{i}.moe.experts.{w} copies" for i in (0, 1) for w in ("w13", "w2")}
+
+
+def _plant_in_copies(monkeypatch, change):
+    """The copies' backward with its gradient for the home weights changed by `change`."""
+    from titan_fold.moe import replicas
+
+    backward = replicas._Copies.backward
+
+    def planted(ctx, grad):
+        grad_w, *rest = backward(ctx, grad)
+        return (change(grad_w), *rest)
+
+    monkeypatch.setattr(replicas._Copies, "backward", staticmethod(planted))
+
+
+@pytest.mark.slow
+def test_copies_gradients_go_home_once_over_ep():
+    rep = run("debug_moe.toml", 4, *COPIES, ranks=(0, 1))
+    assert not rep["mismatches"]
+    rows = [r for r in rep["table"] if r["kind"] == "expert copies"]
+    assert len(rows) == 1 and rows[0]["grad_recorded"] == "ep" and rows[0]["ranks"] == 2
+    assert {f"{p.split(' ')[0]}" for p in rows[0]["params"]} == {"moe.experts.w13", "moe.experts.w2"}
+
+
+@pytest.mark.slow
+def test_copies_gradient_dropped(monkeypatch):
+    _plant_in_copies(monkeypatch, lambda g: None)
+    found = bad(run("debug_moe.toml", 4, *COPIES, ranks=(0, 1)))
+    assert set(found) == COPIED
+    assert (
+        "copies' gradient reached the home expert 0 time(s) in 1 backward pass(es)"
+        in found["layers.0.moe.experts.w13 copies"]
+    )
+
+
+@pytest.mark.slow
+def test_copies_gradient_counted_twice(monkeypatch):
+    _plant_in_copies(monkeypatch, lambda g: 2 * g)
+    found = bad(run("debug_moe.toml", 4, *COPIES, ranks=(0, 1)))
+    assert set(found) <= COPIED and found
+    assert all(p == ["copies' gradient reached the home expert x 2 (plan: once)"] for p in found.values()), found
+
+
+@pytest.mark.slow
+def test_copies_the_layer_never_made(monkeypatch):
+    """The plan gives the expert weights copies, but the layer routes without them."""
+    from titan_fold.moe import dispatcher
+
+    monkeypatch.setattr(dispatcher, "plan_copies", lambda d, experts_idx, args: (experts_idx, args, None))
+    found = bad(run("debug_moe.toml", 4, *COPIES, ranks=(0,)))
+    assert set(found) == COPIED
+    assert found["layers.1.moe.experts.w2 copies"][0] == "the plan has copies summed over ep, the layer made none"
+
+
+def test_the_placement_plan_gives_expert_weights_copies():
+    """`python -m titan_fold.layout --placements --hot-expert-replicas R`: the routed experts'
+    weights, and only they, have copies whose gradients are summed over ep; none at ep 1."""
+    c = config("debug_moe.toml", *COPIES)
+    _, args, _ = dryrun.check_config(c, 4)
+    plan = placement.placement_plan(args, layout_from_config(c, 4))
+    routed = {
+        f"layers.{i}.moe.experts.{w}" for i in range(args.n_layers) if args.is_moe_layer(i) for w in ("w13", "w2")
+    }
+    assert routed and {fqn for fqn, p in plan.items() if p.copies_grad} == routed
+    assert all(p.copies_grad == ("ep",) for p in plan.values() if p.copies_grad)
+    assert "copies' gradients" in placement.format_plan(plan) and "summed over ep" in placement.format_plan(plan)
+    one = config("debug_moe.toml", "--moe.hot_expert_replicas", "2")
+    _, args1, _ = dryrun.check_config(one, 1)
+    assert not any(p.copies_grad for p in placement.placement_plan(args1, layout_from_config(one, 1)).values())

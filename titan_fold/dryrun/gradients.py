@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from titan_fold.dryrun.copies import CopyGradients
 from titan_fold.dryrun.record import record_collectives, shrunk_config
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.parallelize import _plan_fqn
@@ -236,12 +237,14 @@ class GradientWatch:
         self.result = RankResult(rank)
         self.names = {id(m): _plan_fqn(name) for part in trainer.model_parts for name, m in part.named_modules()}
         self.params = [(_plan_fqn(fqn), p) for part in trainer.model_parts for fqn, p in part.named_parameters()]
+        self.copies = CopyGradients(self.tracer, layout, groups, rank, constant_of, plan)  # moe.hot_expert_replicas
 
     def __enter__(self):
         for part in self.trainer.model_parts:
             for module in part.modules():
                 if module._parameters:
                     self.handles.append(module.register_forward_pre_hook(self._hook_leaves))
+        self.copies.install(self.trainer.model_parts, self.names, [fqn for fqn, _ in self.params])
         self.clip = self.trainer.clip_grad_norm
         self.trainer.clip_grad_norm = self._clip
         self.tracer.__enter__()
@@ -313,6 +316,7 @@ class GradientWatch:
                 counts = dict.fromkeys(local_p, 1.0)
         for fqn, _ in self.params:
             self.result.params[fqn] = self._judge(fqn, found[fqn], counts.get(fqn))
+        self.result.params.update(self.copies.judge())
         return total
 
     def _probe(self, args, kwargs, snapshot, p, local_p, pieces) -> dict[str, float]:
