@@ -99,6 +99,15 @@ OPTION_CASES = ",".join(
         "_compiled_device",
     )
 )
+# copies of hot experts (moe.hot_expert_replicas): a quarter of the experts drawn for half the
+# picks (skewed), without copies and with 8 or 16 per layer, beside every expert alike (the
+# balanced ideal) without and with 16: what the copies recover, and what they cost when balanced
+REPLICA_CASES = ",".join(
+    DP2_EP2 + "_compiled" + m
+    for m in ("_skew", "_skew_replicas8", "_skew_replicas16", "_uniform", "_uniform_replicas16", "_skew_rerun")
+)
+# a real run's routing (aux-free balancing) from the first step, without and with copies
+REPLICA_RUN = f"{DP2_EP2}_compiled,{DP2_EP2}_compiled_replicas16"
 # Muon beside fused AdamW, each step's phases timed: one GPU over 200 steps (the loss curves,
 # `python -m bench.curves`), then dp2 x ep2
 MUON_CURVES = "1gpu_bf16params_auxfree_compiled_phases,1gpu_bf16params_auxfree_compiled_phases_muon"
@@ -279,7 +288,8 @@ SUITES = {
     "kernels": Suite(
         "1 GPU: the routed grouped GEMMs alone (torch's and QuACK's, rows per expert drawn and equal), the gradient norm, the fp32 master step, row movement, "
         "the router's choice of k (aten's topk, a sort's head, argmax passes) and the grouping's sort, "
-        "attention per SDPA backend, packed documents' attention against causal, the host time per call of the eager path's generated kernels",
+        "attention per SDPA backend, packed documents' attention against causal, the planner of copies of hot experts, "
+        "the host time per call of the eager path's generated kernels",
         # QuACK compiles and tunes its kernels for every width: the coarse shapes' take minutes on a fresh machine
         [
             Step("grouped_gemm", "grouped_gemm", ["--shapes", f"{FINE},{COARSE}", "--impl", "torch,quack"], 900),
@@ -289,6 +299,7 @@ SUITES = {
             # three shapes, each eager, compiled and with the token count dynamic: about 30 compilations
             Step("routing", "routing", [], 360),
             Step("attention", "attention", [], 120),
+            Step("replicas", "replicas", [], 240),
             Step("documents", "documents", [], 300),
             Step("launch", "launch", [], 120),
         ],
@@ -350,6 +361,18 @@ SUITES = {
                 "train_step",
                 [*QWEN3, "--cases", OPTION_CASES, "--steps", "10", "--warmup-steps", "4", "--case-timeout", "110"],
                 900,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_replicas",
+                "train_step",
+                [*QWEN3, "--cases", REPLICA_CASES, "--steps", "12", "--warmup-steps", "4", "--case-timeout", "150"],
+                900,
+            ),
+            Step(
+                "qwen3_30b_a3b_l12_dp2_ep2_replicas_200",
+                "train_step",
+                [*QWEN3, "--cases", REPLICA_RUN, "--steps", "200", "--warmup-steps", "10", "--case-timeout", "400"],
+                840,
             ),
             Step(
                 "qwen3_30b_a3b_l12_muon_200",

@@ -94,7 +94,8 @@ def parse_case(case: str) -> tuple[str, dict]:
     experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
     quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), overlap (moe.overlap_ep_comm),
     delaywgrad (moe.delay_wgrad_compute), docs (training.document_masking: attention within each
-    packed document), stash<N>
+    packed document), skew / uniform (each token's experts drawn from a fixed load:
+    bench/forced_routing.py), replicas<N> (moe.hot_expert_replicas = N), stash<N>
     (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
     same configuration once more, under a name of its own: the run-to-run spread in one call)."""
     base = next(
@@ -124,6 +125,8 @@ def parse_case(case: str) -> tuple[str, dict]:
         "delaywgrad": False,
         "docs": False,
         "stash": 0,
+        "replicas": 0,
+        "routing": None,
         "phases": False,
         "rerun": False,
     }
@@ -145,6 +148,8 @@ def parse_case(case: str) -> tuple[str, dict]:
             mods[mod] = True
         elif mod in ("static", "device"):
             mods["exchange"] = mod
+        elif mod in ("skew", "uniform"):
+            mods["routing"] = mod
         elif mod in ("torchgemm", "quack"):
             mods["grouped_gemm"] = "torch" if mod == "torchgemm" else "quack"
         elif mod in LOAD_BALANCE:
@@ -155,6 +160,8 @@ def parse_case(case: str) -> tuple[str, dict]:
             mods["accum"] = int(mod[2:])
         elif mod[:5] == "stash" and mod[5:].isdigit():
             mods["stash"] = int(mod[5:])
+        elif mod[:8] == "replicas" and mod[8:].isdigit():
+            mods["replicas"] = int(mod[8:])
         elif mod != "eager":
             raise ValueError(f"case {case!r}: unknown modifier {mod!r}")
     return base, mods
@@ -246,6 +253,8 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--training.document_masking", "True"]
     if mods["stash"]:
         args += ["--moe.stash_rows", str(mods["stash"])]
+    if mods["replicas"]:
+        args += ["--moe.hot_expert_replicas", str(mods["replicas"])]
     if mods["load_balance"]:
         args += ["--moe.load_balance", mods["load_balance"]]
         if mods["load_balance"] in ("aux_free", "none"):
@@ -344,7 +353,9 @@ def run_case(case: str, a) -> dict:
     for stale in ("metrics.jsonl", "expert_path.json") if not a.rebuild else ():
         if os.path.exists(os.path.join(dump, stale)):
             os.remove(os.path.join(dump, stale))
-    worker = ["bench/train_step.py", "--worker", "--family", a.family, "--proxy", a.proxy, "--"]
+    routing = parse_case(case)[1]["routing"]
+    worker = ["bench/train_step.py", "--worker", "--family", a.family, "--proxy", a.proxy]
+    worker += ["--forced-routing", routing, "--"] if routing else ["--"]
     launch = (
         ["--nproc_per_node", str(nproc), "--master_port", str(a.port)]
         + worker
@@ -413,16 +424,18 @@ def finish_row(tag: str, row: dict, log_path: str) -> dict:
     return row
 
 
-def worker(argv: list[str], family: str, proxy: str) -> None:
-    """Runs under torchrun: register the proxy flavor, count the expert path, train. SIGUSR1
-    writes every thread's Python stack to the log (where a case that outlived its time hung)."""
+def worker(argv: list[str], family: str, proxy: str, routing: str | None) -> None:
+    """Runs under torchrun: register the proxy flavor, count the expert path, force the routing
+    (skew / uniform cases), train. SIGUSR1 writes every thread's Python stack to the log (where a
+    case that outlived its time hung)."""
     import faulthandler
 
+    from bench.forced_routing import forced_routing
     from titan_fold.train import main as train_main
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     register_proxy(family, proxy)
-    with counting_expert_paths() as paths:
+    with counting_expert_paths() as paths, forced_routing(routing):
         try:
             code = train_main(argv)  # an exit code (an error, NaN stop, signal) is not an exception
         finally:
@@ -487,6 +500,7 @@ def parse(argv=None):
     p.add_argument("--out-dir", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, debug-width proxy, 4 steps (tests)")
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--forced-routing", choices=("skew", "uniform"), default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--rebuild",
         action="store_true",
@@ -504,7 +518,7 @@ def main(argv=None) -> dict:
     if "--worker" in argv:
         split = argv.index("--")
         a, _ = parse(argv[:split])
-        worker(argv[split + 1 :], a.family, a.proxy)
+        worker(argv[split + 1 :], a.family, a.proxy, a.forced_routing)
         return {}
     a, _ = parse(argv)
     from bench.common import command_line, write_result

@@ -303,6 +303,8 @@ def test_train_step_summary_and_plans():
     nproc, args = train_step.case_plan("cp2_ep2_docs", A)
     assert nproc == 2 and get("--training.document_masking") == "True"
     assert get("--parallelism.context_parallel_degree") == "2" and get("--parallelism.expert_parallel_degree") == "2"
+    _, args = train_step.case_plan("dp2_ep2_compiled_skew_replicas16", A)
+    assert get("--moe.hot_expert_replicas") == "16" and train_step.parse_case("dp2_ep2_skew")[1]["routing"] == "skew"
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
@@ -328,6 +330,8 @@ def test_train_step_summary_and_plans():
             *bench_main.OPTION_CASES.split(","),
             *bench_main.MUON_CURVES.split(","),
             *bench_main.MUON_DP2_EP2.split(","),
+            *bench_main.REPLICA_CASES.split(","),
+            *bench_main.REPLICA_RUN.split(","),
         ]:
             nproc, args = train_step.case_plan(case, A)
             preflight(parse_args(args), nproc)
@@ -1624,3 +1628,49 @@ def test_documents_smoke(tmp_path):
     assert [(r["family"], r["seq_len"]) for r in rows] == [("qwen3_moe", 128), ("deepseek_v3", 128)]
     for r in rows:
         assert r["documents"] > 1 and r["max_rel_err_vs_each_document"] < 1e-5, r
+
+
+def test_forced_routing_draws_the_chosen_load():
+    """bench/forced_routing.py: under `skew` a quarter of the experts takes about half the picks,
+    under `uniform` every expert about its share; each token's picks are distinct, the router's
+    gate still gets its gradient, and leaving restores the router."""
+    from helpers import DIM, make_layer
+
+    from bench.forced_routing import forced_routing
+    from titan_fold.moe import MoEArgs
+    from titan_fold.moe.router import Router
+
+    args = MoEArgs(num_experts=64, top_k=4, moe_ffn_dim=8, load_balance="none")
+    moe = make_layer(args, torch.float32)
+    x = torch.randn(4, 512, DIM)
+    original = Router.forward
+    for kind, hot_share in (("skew", 0.5), ("uniform", 0.25)):
+        torch.manual_seed(0)
+        with forced_routing(kind):
+            routing = moe.router(x.flatten(0, 1), 512)
+            moe(x).sum().backward()
+        picks = routing.experts
+        assert all(len(set(row)) == 4 for row in picks.tolist())
+        share = float((picks < 16).float().mean())
+        assert abs(share - hot_share) < 0.03, (kind, share)
+        assert routing.tokens_per_expert.sum() == picks.numel()
+        assert moe.router.gate.weight.grad is not None and moe.router.gate.weight.grad.abs().sum() > 0
+        moe.zero_grad()
+    assert Router.forward is original
+
+
+def test_replica_planner_smoke(tmp_path):
+    """bench/replicas.py end to end on the CPU: under the skew the plan cuts the largest rank's
+    rows to the mean (the water level at this size), under uniform routing it never adds any."""
+    from bench import replicas
+
+    rows = replicas.main(["--smoke", "--out-dir", str(tmp_path)])["rows"]
+    assert {(r["load"], r["mode"]) for r in rows} == {
+        (lo, m) for lo in ("skew", "uniform") for m in ("eager", "compiled")
+    }
+    for r in rows:
+        assert r["ms"] > 0 and r["largest_rank_rows_planned"] <= r["largest_rank_rows_without"]
+        if r["load"] == "skew":
+            assert r["largest_rank_rows_without"] > 1.2 * r["mean_rank_rows"]
+            assert r["largest_rank_rows_planned"] == r["mean_rank_rows"]
+    assert (tmp_path / "replicas.json").exists()
