@@ -64,3 +64,19 @@ def test_summary_names_the_busiest_expert_and_ep_rank():
     got = summary(["layers.0", "layers.1"], counts, ep=2)
     assert got["layers.1"] is None  # the layer did not run
     assert got["layers.0"] == {"max_over_mean": 4.0, "ep_max_over_mean": 1.5, "hottest": [4, 5, 0]}
+
+
+def test_layers_are_named_without_the_compile_and_checkpoint_wrappers():
+    """A compiled block's MoE sits under `_orig_mod`, a recomputed one under
+    `_checkpoint_wrapped_module`: the layer is still `layers.N` in the counts and the summary."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from titan_fold.models import FLAVORS, Transformer
+    from titan_fold.trainer.expert_load import _moe_modules
+
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["qwen2_moe"]["debug"])
+    model.layers.register_module("0", torch.compile(model.layers["0"]))
+    model.layers.register_module("1", checkpoint_wrapper(model.layers["1"]))
+    names = sorted(_moe_modules([model]))
+    assert names == sorted(f"layers.{i}" for i in range(len(model.layers))), names

@@ -20,18 +20,20 @@ import torch
 import torch.distributed as dist
 
 from titan_fold.moe.layer import MoE
+from titan_fold.parallel.parallelize import _plan_fqn
 from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE
 
 HOTTEST = 3
 
 
 def _moe_modules(model_parts) -> dict[str, MoE]:
-    """{layer name (the module path before ".moe"): its MoE} of this rank's model parts."""
+    """{layer name (the module path before ".moe", without the wrappers of compile and activation
+    checkpointing): its MoE} of this rank's model parts."""
     found = {}
     for part in model_parts:
         for name, module in part.named_modules():
             if isinstance(module, MoE):
-                found[name.removesuffix(".moe")] = module
+                found[_plan_fqn(name).removesuffix(".moe")] = module
     return found
 
 
