@@ -95,7 +95,8 @@ def parse_case(case: str) -> tuple[str, dict]:
     quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), overlap (moe.overlap_ep_comm),
     delaywgrad (moe.delay_wgrad_compute), docs (training.document_masking: attention within each
     packed document), skew / uniform (each token's experts drawn from a fixed load:
-    bench/forced_routing.py), replicas<N> (moe.hot_expert_replicas = N), stash<N>
+    bench/forced_routing.py), replicas<N> (moe.hot_expert_replicas = N), expertload (metrics.expert_load:
+    each layer's tokens per expert, expert_load.jsonl in the run folder), stash<N>
     (moe.stash_rows = N), phases (metrics.step_phases: host and GPU time per phase of each step), rerun (the
     same configuration once more, under a name of its own: the run-to-run spread in one call)."""
     base = next(
@@ -127,6 +128,7 @@ def parse_case(case: str) -> tuple[str, dict]:
         "stash": 0,
         "replicas": 0,
         "routing": None,
+        "expertload": False,
         "phases": False,
         "rerun": False,
     }
@@ -144,6 +146,7 @@ def parse_case(case: str) -> tuple[str, dict]:
             "overlap",
             "delaywgrad",
             "docs",
+            "expertload",
         ):
             mods[mod] = True
         elif mod in ("static", "device"):
@@ -261,6 +264,8 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
             args += ["--moe.aux_loss_coeff", "0"]  # the config's coefficient would be refused as unused
     if mods["phases"]:
         args += ["--metrics.step_phases"]
+    if mods["expertload"]:
+        args += ["--metrics.expert_load"]
     if mods["profile"]:  # torchtitan's profiler traces step 10 (summarised by trace_summary.py)
         args += ["--profiling.enable_profiling", "--profiling.profile_freq", "10"]
     return nproc, args

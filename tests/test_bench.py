@@ -305,6 +305,7 @@ def test_train_step_summary_and_plans():
     assert get("--parallelism.context_parallel_degree") == "2" and get("--parallelism.expert_parallel_degree") == "2"
     _, args = train_step.case_plan("dp2_ep2_compiled_skew_replicas16", A)
     assert get("--moe.hot_expert_replicas") == "16" and train_step.parse_case("dp2_ep2_skew")[1]["routing"] == "skew"
+    assert "--metrics.expert_load" in train_step.case_plan("1gpu_expertload", A)[1]
     nproc, args = train_step.case_plan("pp2", A)
     assert nproc == 2 and get("--parallelism.pipeline_parallel_degree") == "2"
     assert get("--parallelism.data_parallel_shard_degree") == "1" and get("--training.global_batch_size") == "2"
