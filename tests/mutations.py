@@ -253,6 +253,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return parts.view(n, mine, *y.shape[1:]).mean(0, dtype=y.dtype)\n",
         ("tests/test_dispatcher.py::test_dispatcher_matches_reference",),
     ),
+    Mutation(
+        "copy_gradient_dropped",
+        "the copies of hot experts give their home experts no gradient",
+        "titan_fold/moe/replicas.py",
+        "        return summed.new_zeros(ctx.shape).index_add(0, rows, summed), None, None, None\n",
+        "        return None, None, None, None\n",
+        (
+            "tests/test_hot_replicas.py::test_replicas_match_reference",
+            "tests/test_hot_replicas_train.py::test_pp2_ep2_with_copies_matches_one_rank",
+        ),
+    ),
+    Mutation(
+        "copy_gradient_twice",
+        "the copies' gradients added to their home experts twice",
+        "titan_fold/moe/replicas.py",
+        "        return summed.new_zeros(ctx.shape).index_add(0, rows, summed), None, None, None\n",
+        "        return summed.new_zeros(ctx.shape).index_add(0, rows, 2 * summed), None, None, None\n",
+        (
+            "tests/test_hot_replicas.py::test_replicas_match_reference",
+            "tests/test_hot_replicas_train.py::test_pp2_ep2_with_copies_matches_one_rank",
+        ),
+    ),
 )
 
 
