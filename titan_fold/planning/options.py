@@ -108,4 +108,19 @@ def plan_parser() -> argparse.ArgumentParser:
         metavar="DIM=N",
         help="fewest GPUs with these degrees (e.g. cp=8 ep=8), folded vs legacy",
     )
+    p.add_argument(
+        "--load-profile",
+        default=None,
+        metavar="FILE",
+        help="a run's expert_load.jsonl (--metrics.expert_load): estimate with its last record's "
+        "load per ep rank (contiguous expert blocks) instead of a balanced router",
+    )
+    p.add_argument(
+        "--hot-expert-replicas",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --load-profile: also estimate the shown mappings with R copies of the busiest "
+        "experts per layer (moe.hot_expert_replicas)",
+    )
     return p

@@ -11,6 +11,7 @@ GPUs that hold those degrees with and without folding.
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -20,7 +21,8 @@ from dataclasses import asdict
 from titan_fold.common.errors import UserError
 from titan_fold.models import FLAVORS
 from titan_fold.planning.cost_model import GIB, Cluster, Estimate, Workload, estimate
-from titan_fold.planning.search import enumerate_mappings, job_toml, min_gpus, plan
+from titan_fold.planning.load import LoadProfile, copies_comm, imbalance, read_profile
+from titan_fold.planning.search import at, enumerate_mappings, job_toml, min_gpus, plan
 from titan_fold.planning.sizes import model_sizes, resolve_flavor
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "edp")
@@ -130,7 +132,9 @@ def _as_dict(e: Estimate) -> dict:
     }
 
 
-def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, recompute) -> list[tuple[str, Estimate]]:
+def given_mappings(
+    specs: list[str], sizes, work: Workload, cluster: Cluster, recompute, by_ep=None
+) -> list[tuple[str, Estimate]]:
     """Estimates of user-named mappings: (label, estimate), the fastest recompute choice that fits."""
     out = []
     for spec in specs:
@@ -143,11 +147,39 @@ def given_mappings(specs: list[str], sizes, work: Workload, cluster: Cluster, re
             raise PlanError(f"--mapping {spec}: not a valid mapping on {cluster.gpus} GPUs")
         for legacy in (False, True) if not found[0].folded else (False,):
             ests = [
-                estimate(sizes, m, work, cluster, True, legacy)
+                estimate(sizes, m, at(work, m, by_ep), cluster, True, legacy)
                 for m in (dataclasses.replace(found[0], recompute=rc) for rc in recompute)
             ]
             fit = [e for e in ests if e.fits] or [min(ests, key=lambda e: e.memory.total)]
             out.append(("lgcy" if legacy else "given", min(fit, key=lambda e: e.step_s)))
+    return out
+
+
+def measured_load(
+    profile: LoadProfile, R: int, shown: list[tuple[int | str, Estimate]], sizes, work: Workload, cluster: Cluster
+) -> list[dict]:
+    """--load-profile: for each shown mapping (its table label, its estimate under the profile's
+    imbalance), the imbalance and step time without and with R hot-expert copies. With copies:
+    the estimate at the copies' imbalance, plus their all-reduces (load.copies_comm) in every
+    pipeline slot of the step."""
+    out = []
+    for label, e in shown:
+        m = e.mapping
+        even = imbalance(profile.counts, m.ep, R)
+        copies = estimate(sizes, m, dataclasses.replace(work, dropless_imbalance=even), cluster, True, e.legacy_groups)
+        comm = copies_comm(sizes, m, work, cluster, copies, R)
+        out.append(
+            {
+                "label": label,
+                "mapping": asdict(m),
+                "ep": m.ep,
+                "imbalance": imbalance(profile.counts, m.ep, 0),
+                "imbalance_copies": even,
+                "step_s": e.step_s,
+                "copies_comm_s_per_microbatch": comm,
+                "step_s_copies": copies.step_s + (work.microbatches(m.dp) + m.pp - 1) * comm,
+            }
+        )
     return out
 
 
@@ -160,6 +192,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise PlanError(f"--model: {err}") from None
     sizes = model_sizes(FLAVORS[family][flavor], args.seq_len, f"{family}/{flavor}")
+    profile, by_ep = None, None
+    R = args.hot_expert_replicas
+    if not 0 <= R <= sizes.num_experts:
+        raise PlanError(f"--hot-expert-replicas {R}: must be in [0, {sizes.num_experts}] (the model's experts)")
+    if R and not args.load_profile:
+        raise PlanError(f"--hot-expert-replicas {R}: needs --load-profile (the load the copies even out)")
+    if args.load_profile:
+        try:
+            profile = read_profile(args.load_profile, sizes.num_experts, sizes.n_moe_layers)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+        counts = profile.counts
+        by_ep = functools.cache(lambda ep: imbalance(counts, ep, 0))
 
     if args.min_gpus:
         wanted = parse_degrees("--min-gpus", args.min_gpus)
@@ -191,26 +236,35 @@ def run(args: argparse.Namespace) -> int:
         reserve_gib=args.reserve_gib,
     )
     work = Workload(args.seq_len, args.global_batch, args.capacity_factor, optimizer=args.optimizer)
-    result = plan(sizes, work, cluster, args.top, tuple(args.recompute), fixed)
+    result = plan(sizes, work, cluster, args.top, tuple(args.recompute), fixed, by_ep)
     best, legacy = (result.ranked[0] if result.ranked else None), result.best_legacy
-    given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute))
+    given = given_mappings(args.mapping, sizes, work, cluster, tuple(args.recompute), by_ep)
+    shown: list[tuple[int | str, Estimate]] = [
+        *enumerate(result.ranked, 1),
+        *([("lgcy", legacy)] if legacy else []),
+        *given,
+    ]
+    loads = measured_load(profile, R, shown, sizes, work, cluster) if profile else None
 
     if args.format == "json":
-        print(
-            json.dumps(
-                {
-                    "model": sizes.name,
-                    "cluster": asdict(cluster),
-                    "workload": asdict(work),
-                    "candidates": result.candidates,
-                    "rejected": result.rejected,
-                    "ranked": [_as_dict(e) for e in result.ranked],
-                    "best_legacy": _as_dict(legacy) if legacy else None,
-                    "given": [{"label": label, **_as_dict(e)} for label, e in given],
-                },
-                indent=1,
-            )
-        )
+        report = {
+            "model": sizes.name,
+            "cluster": asdict(cluster),
+            "workload": asdict(work),
+            "candidates": result.candidates,
+            "rejected": result.rejected,
+            "ranked": [_as_dict(e) for e in result.ranked],
+            "best_legacy": _as_dict(legacy) if legacy else None,
+            "given": [{"label": label, **_as_dict(e)} for label, e in given],
+        }
+        if profile and loads is not None:
+            report["load_profile"] = {
+                "file": profile.path,
+                "step": profile.step,
+                "hot_expert_replicas": R,
+                "mappings": loads,
+            }
+        print(json.dumps(report, indent=1))
     else:
         nodes = -(-args.gpus // args.gpus_per_node)
         print(
@@ -245,6 +299,17 @@ def run(args: argparse.Namespace) -> int:
             print("given mappings ('lgcy': legacy group order):")
             for label, e in given:
                 print(_row(label, e))
+        if profile and loads is not None:
+            print(
+                f"measured load ({profile.path}, step {profile.step}): busiest ep rank's routed rows / mean, "
+                f"and step time, without / with {R} hot-expert replicas"
+            )
+            print(f"{'rank':>5}  {'ep':>3}  {'imbalance':>9} {'copies':>7}  {'step s':>10} {'copies':>10}")
+            for r in loads:
+                print(
+                    f"{r['label']:>5}  {r['ep']:>3}  {r['imbalance']:>9.3f} {r['imbalance_copies']:>7.3f}"
+                    f"  {r['step_s']:>10.4g} {r['step_s_copies']:>10.4g}"
+                )
     if args.placements and best:
         from titan_fold.parallel.placement import format_plan, placement_plan
 

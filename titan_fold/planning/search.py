@@ -3,6 +3,7 @@ estimated step time, and the job config of a chosen mapping."""
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from titan_fold.parallel.mesh import Layout, LayoutError, divisors
@@ -68,6 +69,11 @@ class Plan:
     rejected: dict  # reason -> count
 
 
+def at(work: Workload, m: Mapping, imbalance: Callable[[int], float] | None) -> Workload:
+    """The workload of mapping m: its dropless imbalance from `imbalance(m.ep)` when given."""
+    return work if imbalance is None else replace(work, dropless_imbalance=imbalance(m.ep))
+
+
 def plan(
     sizes: ModelSizes,
     work: Workload,
@@ -75,6 +81,7 @@ def plan(
     top: int = 5,
     recompute: tuple = RECOMPUTE,
     fixed: dict | None = None,
+    imbalance: Callable[[int], float] | None = None,
 ) -> Plan:
     """Rank every valid mapping (with the `fixed` degrees) by estimated step time.
 
@@ -83,6 +90,8 @@ def plan(
     Branch and bound: the estimate with every group inside a node is a lower bound (inter-node
     links are the slower ones), so candidates are evaluated with their real group membership
     in order of that bound until the bound exceeds the K-th best time found.
+
+    imbalance(ep): each mapping's `Workload.dropless_imbalance` (a measured load profile), if given.
     """
     rejected = {"global batch % dp != 0": 0, "pp > n_layers": 0, "out of memory": 0}
     capacity = (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
@@ -97,11 +106,11 @@ def plan(
             continue
         for rc in recompute:
             m = replace(d, recompute=rc)
-            mem = memory(sizes, m, work)
+            mem = memory(sizes, m, at(work, m, imbalance))
             if mem.total > capacity:
                 rejected["out of memory"] += 1
                 continue
-            bounds.append(estimate(sizes, m, work, cluster, groups=False, mem=mem))
+            bounds.append(estimate(sizes, m, at(work, m, imbalance), cluster, groups=False, mem=mem))
     bounds.sort(key=lambda e: e.step_s)
 
     def best_of(cands, k, legacy):
@@ -109,7 +118,7 @@ def plan(
         for lb in cands:
             if len(exact) >= k and lb.step_s > exact[k - 1].step_s:
                 break
-            e = estimate(sizes, lb.mapping, work, cluster, True, legacy, lb.memory)
+            e = estimate(sizes, lb.mapping, at(work, lb.mapping, imbalance), cluster, True, legacy, lb.memory)
             bisect.insort(exact, e, key=lambda e: (e.step_s, -e.headroom_gib))  # after equal keys, as a stable sort
         return exact[:k]
 
