@@ -77,9 +77,11 @@ def rank_loads(counts: list[int], ep: int, R: int) -> list[int]:
     if R == 0:
         return load.tolist()
     nominees = nominate(totals, R)  # [R]
-    cap_ends = water_fill(totals, nominees, ep)  # [ep]
+    moving = totals[nominees]  # [R]
+    # the fill may leave room past the last nominee row: the stream of rows ends at their sum
+    cap_ends = water_fill(totals, nominees, ep).clamp(max=moving.sum())  # [ep]
     E_loc = totals.numel() // ep
-    base = load - torch.zeros_like(load).index_add(0, nominees // E_loc, totals[nominees])  # [ep]
+    base = load - torch.zeros_like(load).index_add(0, nominees // E_loc, moving)  # [ep]
     return (base + cap_ends.diff(prepend=cap_ends.new_zeros(1))).tolist()
 
 
