@@ -117,7 +117,16 @@ def test_plan_with_a_skewed_profile(tmp_path):
         measured = estimate(sizes, m, replace(work, dropless_imbalance=_by_hand(SKEWED, 4)), cluster)
         assert row["step_s"] == ranked["step_s"] == pytest.approx(measured.step_s, rel=1e-9)
         assert row["imbalance_copies"] < row["imbalance"]
-        assert row["copies_comm_s_per_microbatch"] > 0
+        # forward all-reduce of R experts' bf16 weights (etp shard), backward one of their
+        # gradients, per MoE layer; a ring sends 2 (ep - 1) / ep of the buffer
+        passes = 3 if m.recompute == "full" else 2
+        sent = LAYERS * passes * 2 * (m.ep - 1) / m.ep * R * sizes.expert_params_per_layer / E / m.etp * 2
+        gbps = cluster.inter_node_gbps if ranked["comm"]["ep"]["crossing"] else cluster.intra_node_gbps
+        comm = sent / (gbps * 1e9 * cluster.comm_efficiency)
+        assert row["copies_comm_s_per_microbatch"] == pytest.approx(comm, rel=1e-9)
+        even = estimate(sizes, m, replace(work, dropless_imbalance=row["imbalance_copies"]), cluster)
+        slots = work.global_batch // m.dp + m.pp - 1
+        assert row["step_s_copies"] == pytest.approx(even.step_s + slots * comm, rel=1e-9)
         assert row["step_s_copies"] < row["step_s"], row
 
 
@@ -152,6 +161,11 @@ def _cases():
             json.dumps({"step": 1, "layers": ["a"] * (LAYERS + 1), "counts": [[10] * E] * (LAYERS + 1)}),
             [],
             f"--load-profile {{path}}: {LAYERS + 1} layers, the model has {LAYERS} MoE layers",
+        ),
+        "no rows": (
+            json.dumps({"step": 1, "layers": ["a", "b", "c", "d"], "counts": [[0] * E, *good[1:]]}),
+            [],
+            "--load-profile {path}: a routed no rows",
         ),
         "negative R": (
             json.dumps({"step": 1, "layers": ["a"] * LAYERS, "counts": good}),
