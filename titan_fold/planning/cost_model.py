@@ -69,8 +69,7 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step
     capacity_factor: float | None = None  # None: dropless
-    # dropless: routed rows per rank relative to a perfectly balanced router (1.0); the
-    # worst case (every token of the EP group to one rank) is reported separately
+    # dropless: the busiest ep rank's routed rows over a balanced router's (1.0; planning/load.py)
     dropless_imbalance: float = 1.0
     compute_bytes: int = BF16  # activations, gathered parameters, communication (4: fp32 CPU runs)
     micro_batch: int = 1  # sequences per micro-batch (the planner searches 1 only)
@@ -555,7 +554,8 @@ def estimate(
     flops_rate = cluster.tflops * 1e12 * cluster.compute_efficiency
     mb = work.microbatches(m.dp)
     rank_tokens = work.micro_batch * work.seq_len / (m.cp * m.tp)  # per rank and micro-batch
-    compute = rank_tokens * (dense / gemm(dense_rows) + routed / gemm(expert_rows)) / flops_rate
+    busiest = work.dropless_imbalance if work.capacity_factor is None else 1.0  # the slowest ep rank's share
+    compute = rank_tokens * (dense / gemm(dense_rows) + routed * busiest / gemm(expert_rows)) / flops_rate
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped) / mb
     waits = 4 * layers["moe"] * cluster.exchange_latency_s if m.ep * m.etp > 1 else 0.0
     exposed += waits
