@@ -367,3 +367,28 @@ def reference_moe(x, gate, w13, w2, args, bias=None, chunks=1, full_tokens=None)
                 y_t = y_t + expert_ffn(x[t], w13, w2, e, probs[t][j], args.prob_before_w2)
         rows.append(y_t)
     return torch.stack(rows), kept, chosen
+
+
+# --- a trainer run whose checkpoints resume exactly (tests/test_checkpoint.py and the copies'
+# resume in tests/test_hot_replicas_train.py): micro-batches of one sequence (aux statistics see
+# the same tokens in every layout), aux-free routing (the router biases are state), every step
+# logged, a checkpoint at step 3 with its optimizer state
+def checkpointed_run(steps: int) -> tuple[str, ...]:
+    return (
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "8",
+        "--moe.load_balance",
+        "aux_free",
+        "--moe.aux_loss_coeff",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        "--training.steps",
+        str(steps),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.no-last_save_model_only",
+    )

@@ -32,6 +32,7 @@ import sys
 import pytest
 import torch
 from conftest import forked, read_metrics, torchrun
+from helpers import checkpointed_run
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from titan_fold.checkpoint.files import validate_against
@@ -40,24 +41,7 @@ from titan_fold.checkpoint.settings import check_resume, run_settings
 from titan_fold.checkpoint.trusted import read_metadata
 
 STEPS = 6
-COMMON = (
-    "--training.local_batch_size",
-    "1",
-    "--training.global_batch_size",
-    "8",
-    "--moe.load_balance",
-    "aux_free",
-    "--moe.aux_loss_coeff",
-    "0",
-    "--metrics.log_freq",
-    "1",
-    "--training.steps",
-    str(STEPS),
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "3",
-    "--checkpoint.no-last_save_model_only",
-)
+COMMON = checkpointed_run(STEPS)
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_matches_one_rank, read_metrics, torchrun
+from helpers import checkpointed_run
 
 from titan_fold.checkpoint.trusted import read_metadata
 
@@ -24,26 +25,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 SKEW = [0.3, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # the debug model's 8 experts
-COMMON = (
-    "--training.local_batch_size",
-    "1",
-    "--training.global_batch_size",
-    "8",
-    "--moe.load_balance",
-    "aux_free",
-    "--moe.aux_loss_coeff",
-    "0",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.group_grad_norms",
-    "--metrics.expert_load",
-    "--training.steps",
-    str(STEPS),
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "3",
-    "--checkpoint.no-last_save_model_only",
-)
+COMMON = (*checkpointed_run(STEPS), "--metrics.group_grad_norms", "--metrics.expert_load")
 COPIES = ("--moe.hot_expert_replicas", "2")
 # no aux loss: its statistics are not compared here (aux_free), the group norms and losses are
 KEYS = ("loss", "grad_norm")
