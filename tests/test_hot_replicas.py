@@ -1,6 +1,6 @@
 """moe.hot_expert_replicas: the planner against an exhaustive oracle, and the MoE layer with
 copies of hot experts against the float64 per-token reference on 4 gloo ranks (ep4, ep2 x etp2,
-ep2 x edp2, and that compiled), under a forced skew and with every token sent to one expert.
+and ep2 x edp2 compiled), under a forced skew and with every token sent to one expert.
 The trainer's runs: tests/test_hot_replicas_train.py."""
 
 import itertools
@@ -98,8 +98,11 @@ def worker(rank, port, out_dir):
 
     failures = []
     # (ep, etp, copies R, compiled); edp = 4 / (ep x etp)
-    foldings = [(4, 1, 1, False), (2, 2, 2, False), (2, 1, 2, False), (2, 1, 2, True)]
+    # (ep2 runs eager in the trainer's tests: tests/test_hot_replicas_train.py)
+    foldings = [(4, 1, 1, False), (2, 2, 2, False), (2, 1, 2, True)]
     for (ep, etp, R, compiled), (case_id, (name, top_k, skew)) in itertools.product(foldings, enumerate(CASES)):
+        if compiled and name != "skew":  # one compilation: the tracing is the same for both loads
+            continue
         mesh = init_device_mesh("cpu", (WORLD // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp"))
         try:
             run_case(case_id, top_k, skew, R, compiled, mesh["ep"], mesh["etp"] if etp > 1 else None, mesh["ep", "etp"])
