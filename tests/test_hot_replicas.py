@@ -135,3 +135,14 @@ def test_layout_shows_the_copies_and_refuses_a_negative_count():
     assert experts and all(line.endswith("summed over ep") for line in experts)
     refused = python_m("titan_fold.layout", *args, "-1")
     assert refused.returncode == 2 and refused.stderr.strip() == "--hot-expert-replicas -1: must be >= 0"
+
+
+def test_more_copies_than_experts_is_one_line_before_any_work():
+    from helpers import config
+
+    from titan_fold.common.values import ConfigError
+    from titan_fold.trainer.preflight import preflight
+
+    c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "2", "--moe.hot_expert_replicas", "9")
+    with pytest.raises(ConfigError, match=r"^moe.hot_expert_replicas = 9: more copies than the model's 8 experts$"):
+        preflight(c, 2)
