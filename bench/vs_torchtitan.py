@@ -45,7 +45,10 @@ sys.path.insert(0, REPO)
 
 from bench.train_step import finish_row, parse_case, read_jsonl, run_group, summarize  # noqa: E402
 
-SPEC_NAME = "qwen3_titan_fold_bench"
+
+def spec_name(family: str, proxy: str) -> str:
+    """The TrainSpec registered for torchtitan's model at a proxy's widths."""
+    return f"titan_fold_bench_{family}_{proxy}"
 
 
 def qwen3_args(family: str, proxy: str, seq_len: int):
@@ -144,7 +147,7 @@ def register(family: str, proxy: str, seq_len: int) -> None:
     else:
         spec, args = get_train_spec("qwen3"), qwen3_args(family, proxy, seq_len)
     register_train_spec(
-        SPEC_NAME,
+        spec_name(family, proxy),
         dataclasses.replace(
             spec,
             model_args={proxy: args},
@@ -237,9 +240,10 @@ def _unprofiled(case: str) -> tuple:
     return base, {**mods, "profile": False}
 
 
-def run_case(case: str, a) -> dict:
-    """case: bench/train_step.py's grammar on the bases torchtitan has: 1gpu, dp2_ep2 (its
-    FSDP2 over 2 ranks with its expert parallelism borrowing them)."""
+def torchtitan_args(case: str, a) -> tuple[int, list[str]]:
+    """case -> (ranks, torchtitan's command-line keys): what the worker's trainer is given.
+    case: bench/train_step.py's grammar on the bases torchtitan has: 1gpu, dp2_ep2 (its FSDP2
+    over 2 ranks with its expert parallelism borrowing them)."""
     base, mods = parse_case(case)
     if base not in ("1gpu", "dp2_ep2"):
         raise ValueError(f"case {case!r}: torchtitan runs 1gpu or dp2_ep2")
@@ -247,13 +251,9 @@ def run_case(case: str, a) -> dict:
         raise ValueError(f"case {case!r}: torchtitan's side runs bf16 experts and its aux-free bias")
     nproc = 1 if base == "1gpu" else 2
     batch = mods["batch"] or a.local_batch
-    dump = os.path.join(a.work_dir, f"torchtitan_{case}")
-    os.makedirs(dump, exist_ok=True)
-    if os.path.exists(os.path.join(dump, "metrics.jsonl")):
-        os.remove(os.path.join(dump, "metrics.jsonl"))
     train_args = [
         "--model.name",
-        SPEC_NAME,
+        spec_name(a.family, a.proxy),
         "--model.flavor",
         a.proxy,
         "--training.dataset",
@@ -278,7 +278,7 @@ def run_case(case: str, a) -> dict:
         "--activation_checkpoint.mode",
         "none",
         "--job.dump_folder",
-        dump,
+        os.path.join(a.work_dir, f"torchtitan_{case}"),
     ]
     if nproc == 2:
         train_args += ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
@@ -287,6 +287,15 @@ def run_case(case: str, a) -> dict:
     if mods["bf16params"]:
         # bf16 parameters, no autocast: like titan_fold's *_bf16params cases
         train_args += ["--training.dtype", "bfloat16"]
+    return nproc, train_args
+
+
+def run_case(case: str, a) -> dict:
+    nproc, train_args = torchtitan_args(case, a)
+    dump = os.path.join(a.work_dir, f"torchtitan_{case}")
+    os.makedirs(dump, exist_ok=True)
+    if os.path.exists(os.path.join(dump, "metrics.jsonl")):
+        os.remove(os.path.join(dump, "metrics.jsonl"))
     launch = [
         "--nproc_per_node",
         str(nproc),
@@ -319,8 +328,7 @@ def run_case(case: str, a) -> dict:
     return finish_row("vs_torchtitan", row, log_path)
 
 
-def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="1gpu_eager,1gpu_compiled")
     p.add_argument("--family", default="qwen2_moe")
@@ -342,6 +350,12 @@ def main(argv=None) -> dict:
     p.add_argument("--name", default="vs_torchtitan")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--worker", action="store_true")
+    return p
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     if "--worker" in argv:
         split = argv.index("--")
         a = p.parse_args(argv[:split])

@@ -440,6 +440,64 @@ def test_torchtitan_qwen3_is_our_qwen3(base):
             FLAVORS["qwen3_moe"].pop(base, None)
 
 
+class _HistcInFloat(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.histc and not args[0].is_floating_point():
+            return torch.histc(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_torchtitan_side_two_steps_at_the_debug_size(tmp_path, family):
+    """The torchtitan side of bench/vs_torchtitan.py as its worker's Trainer builds it, short of
+    the GPU its Trainer requires: the case's own command-line keys parsed by torchtitan's
+    ConfigManager, the registered TrainSpec's tokenizer and dataloader (titan_fold's, given
+    torchtitan's config), its Qwen3 MoE or DeepSeek-V3 at our debug widths, its loss, two AdamW steps. The loss
+    is finite and the second step's batch is the next slice of the token stream. Its router
+    counts tokens with torch.histc on int64, which only CUDA implements: here a function mode
+    counts them in float32 (exact below 2**24 tokens), and the experts take its for-loop path."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    proxy = "debug-L2"
+    a = vs_torchtitan.parser().parse_args(
+        ["--family", family, "--proxy", proxy, "--seq-len", "64", "--steps", "2", "--work-dir", str(tmp_path)]
+    )
+    try:
+        nproc, keys = vs_torchtitan.torchtitan_args("1gpu_eager_b2", a)
+        vs_torchtitan.register(a.family, a.proxy, a.seq_len)
+        config = ConfigManager().parse_args(keys)
+        spec = get_train_spec(vs_torchtitan.spec_name(family, proxy))
+        tokenizer = spec.build_tokenizer_fn(config)
+        loader = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=config)
+        model_args = spec.model_args[proxy]
+        model_args.update_from_config(config)
+        model_args.moe_args.use_grouped_mm = False  # its grouped GEMM path pads rows with a Triton kernel
+        torch.manual_seed(0)
+        model = spec.model_cls(model_args)
+        with torch.no_grad():  # as its Trainer initialises
+            model.init_weights(buffer_device=torch.device("cpu"))
+        loss_fn = spec.build_loss_fn(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
+        batches, losses = iter(loader), []
+        inputs = []
+        for _ in range(config.training.steps):
+            batch, labels = next(batches)
+            assert batch["input"].shape == labels.shape == (2, 64)
+            inputs.append(batch["input"])
+            with _HistcInFloat():
+                loss = loss_fn(model(batch["input"]), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        FLAVORS[family].pop(proxy, None)
+    assert nproc == 1 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert not torch.equal(inputs[0], inputs[1])
+
+
 def test_torchtitan_deepseek_v3_has_our_widths():
     """torchtitan's deepseek_v3 at the 16B proxy's widths and ours: the same parameter count,
     expert and shared-expert widths and layer kinds (its wkv_a is our wkv_a and wk_rope fused)."""

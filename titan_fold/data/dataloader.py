@@ -8,13 +8,14 @@ The checkpointed state is that one global count, so a run may resume with anothe
 """
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 from torch.utils.data import Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.config import Training
 from titan_fold.common.rules import documents_masked
 from titan_fold.data.chat import chat_template, read_conversations, text_encoder, tokenize_conversation
 from titan_fold.data.dataset import DataError, HFTextCorpus, StdlibCorpus, TokenWindows
@@ -159,6 +160,15 @@ def open_text_dataset(path: str, column: str = "text"):
     return ds
 
 
+def training_settings(job_config) -> Training:
+    """job_config.training with titan_fold's defaults for the keys a torchtitan config lacks
+    (bench/vs_torchtitan.py plugs this dataloader into torchtitan's own trainer and config)."""
+    tr = job_config.training
+    if isinstance(tr, Training):
+        return tr
+    return Training(**{f.name: getattr(tr, f.name) for f in fields(Training) if hasattr(tr, f.name)})
+
+
 def _check_dataset_settings(tr) -> bool:
     """What can be known without reading the dataset: the name, the path's use, and a local
     path that exists, is readable and is not empty; -> whether the path is local."""
@@ -214,7 +224,7 @@ def check_dataset(job_config, tokenizer=None) -> str | None:
     """The dataset settings, and a local dataset opened with text in every record (chat: every
     record checked, and the tokenizer's chat template found); -> a Hub name, which
     build_dataset alone reads (a dry run's machine may not reach the Hub)."""
-    tr = job_config.training
+    tr = training_settings(job_config)
     local = _check_dataset_settings(tr)
     if tr.dataset_format == "chat":
         read_conversations(_chat_path(tr))
@@ -229,7 +239,7 @@ def check_dataset(job_config, tokenizer=None) -> str | None:
 
 def build_chat_dataset(tokenizer, job_config) -> PackedDocuments:
     """Every conversation rendered, tokenized and packed (packing.py) before training starts."""
-    tr = job_config.training
+    tr = training_settings(job_config)
     path = _chat_path(tr)
     template, encode = chat_template(tokenizer, job_config.model.hf_assets_path), text_encoder(tokenizer)
     documents = []
@@ -251,7 +261,7 @@ def build_chat_dataset(tokenizer, job_config) -> PackedDocuments:
 
 
 def build_dataset(tokenizer, job_config) -> TokenWindows | PackedDocuments:
-    tr = job_config.training
+    tr = training_settings(job_config)
     _check_dataset_settings(tr)
     if tr.dataset_format == "chat":
         return build_chat_dataset(tokenizer, job_config)
@@ -270,7 +280,7 @@ def build_dataset(tokenizer, job_config) -> TokenWindows | PackedDocuments:
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FoldDataLoader:
     """torchtitan TrainSpec.build_dataloader_fn: yields ({"input": [b, s]}, labels [b, s]), with
     document masking also "document_ids": [b, s]."""
-    tr = job_config.training
+    tr = training_settings(job_config)
     b = tr.local_batch_size
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} outside dp degree {dp_world_size}")
