@@ -138,14 +138,16 @@ def deepseek_v3_args(proxy: str, seq_len: int):
 
 
 def register(family: str, proxy: str, seq_len: int) -> None:
-    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+    from torchtitan.models import deepseek_v3, qwen3
+    from torchtitan.protocols.train_spec import register_train_spec
 
     from titan_fold.data import build_dataloader, build_tokenizer
 
-    if family == "deepseek_v3":  # torchtitan's own deepseek_v3 family
-        spec, args = get_train_spec("deepseek_v3"), deepseek_v3_args(proxy, seq_len)
+    # torchtitan's own families' specs (titan_fold registers specs under its family names too)
+    if family == "deepseek_v3":
+        spec, args = deepseek_v3.get_train_spec(), deepseek_v3_args(proxy, seq_len)
     else:
-        spec, args = get_train_spec("qwen3"), qwen3_args(family, proxy, seq_len)
+        spec, args = qwen3.get_train_spec(), qwen3_args(family, proxy, seq_len)
     register_train_spec(
         spec_name(family, proxy),
         dataclasses.replace(
