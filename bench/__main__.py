@@ -126,6 +126,15 @@ QUACK_CASES = ",".join(
 # seconds for a titan_fold trainer step of eager and compiled cases where QuACK is installed: on a fresh machine
 # its kernels compile in the first case, which takes the Qwen3-30B-A3B proxy's first step minutes
 QUACK_COLD = 420
+# (step, family, proxy, routings): one EP rank's experts (train_step.register_proxy's -E); with top-8 of
+# EP16's 8 experts every token takes them all, so natural and uniform routing are one
+FULL_DEPTH = [
+    ("qwen3_30b_a3b_ep8", "qwen3_moe", "30B-A3B-E16", ("uniform", None)),
+    ("qwen3_30b_a3b_ep16", "qwen3_moe", "30B-A3B-E8", ("uniform",)),
+    ("deepseek_v3_16b_ep8", "deepseek_v3", "16B-E8", (None, "uniform")),
+]
+# each step is 16 micro-batches of 2: few steps, the first two left out
+FULL_DEPTH_STEPS = ["--steps", "6", "--warmup-steps", "2"]
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
 
@@ -283,6 +292,31 @@ SUITES = {
                 560,
             )
             for balance, suffix in (("auxfree", ""), ("auxloss", "_auxloss"))
+        ],
+    ),
+    "full-depth": Suite(
+        "1 GPU: the work one GPU does in the published EP runs, at full depth: Qwen3-30B-A3B's 48 layers "
+        "with one EP8 rank's 16 experts and one EP16 rank's 8, DeepSeek-V3-16B's 27 layers with one EP8 "
+        "rank's 8; 32 sequences of 4096 tokens per step (Megatron-Bridge's 512 over 16 GPUs), routing "
+        "forced uniform (_uniform) and natural; TFLOP/s in Megatron's, titan_fold's and torchtitan's "
+        "counts in bench.report's table 'comparable with published runs'",
+        [
+            Step(
+                f"{name}_{routing or 'natural'}",
+                "train_step",
+                [
+                    "--family",
+                    family,
+                    "--proxy",
+                    proxy,
+                    "--cases",
+                    f"1gpu_bf16params_auxfree_compiled{'_' + routing if routing else ''}_b2_ga16",
+                    *FULL_DEPTH_STEPS,
+                ],
+                560,
+            )
+            for name, family, proxy, routings in FULL_DEPTH
+            for routing in routings
         ],
     ),
     "kernels": Suite(

@@ -58,17 +58,30 @@ FOLDINGS = {
 
 
 def register_proxy(family: str, proxy: str) -> None:
-    """FLAVORS[family][proxy] = the base flavor with fewer layers (and a 32K vocabulary)."""
+    """FLAVORS[family][proxy] for proxy "<base>[-L<n>][-E<m>]": the base flavor with n layers and a
+    32K vocabulary (-L), and with m routed experts (-E: the experts one EP rank holds, each token
+    still routed to top_k of them, so that at balanced load the rank's expert rows per token are
+    the full model's). A bare base flavor is left as it is."""
     from titan_fold.models import FLAVORS
 
-    base, _, layers = proxy.rpartition("-L")
-    if not base or not layers.isdigit():
-        raise ValueError(f"proxy flavor {proxy!r}: expected '<base flavor>-L<layers>'")
+    base, changes = proxy, {}
+    for key, field in (("-E", "experts"), ("-L", "layers")):
+        head, _, value = base.rpartition(key)
+        if head and value.isdigit():
+            base, changes[field] = head, int(value)
     if (family, base) == ("qwen3_moe", "57B-A14B"):
         FLAVORS[family][base] = _qwen3_at_qwen2_widths()
+    if base not in FLAVORS[family] or (proxy != base and not changes):
+        raise ValueError(f"proxy flavor {proxy!r}: expected '<base flavor>[-L<layers>][-E<experts>]'")
     args = FLAVORS[family][base]
-    vocab = args.vocab_size if base == "debug" else 32768
-    FLAVORS[family][proxy] = dataclasses.replace(args, n_layers=int(layers), vocab_size=vocab)
+    if "layers" in changes:
+        vocab = args.vocab_size if base == "debug" else 32768
+        args = dataclasses.replace(args, n_layers=changes["layers"], vocab_size=vocab)
+    if "experts" in changes:
+        if changes["experts"] < args.moe.top_k:
+            raise ValueError(f"proxy flavor {proxy!r}: fewer experts than top_k = {args.moe.top_k}")
+        args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, num_experts=changes["experts"]))
+    FLAVORS[family][proxy] = args
 
 
 def _qwen3_at_qwen2_widths():
