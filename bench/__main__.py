@@ -133,7 +133,7 @@ FULL_DEPTH = [
     ("qwen3_30b_a3b_ep16", "qwen3_moe", "30B-A3B-E8", ("uniform",)),
     ("deepseek_v3_16b_ep8", "deepseek_v3", "16B-E8", (None, "uniform")),
 ]
-# each step is 16 micro-batches of 2: few steps, the first two left out
+# micro-batches of 2 and 4 sequences; each step is 32 sequences: few steps, the first two left out
 FULL_DEPTH_STEPS = ["--steps", "6", "--warmup-steps", "2"]
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
 TIMING = ["--warmup", "10", "--iters", "50"]
@@ -310,7 +310,10 @@ SUITES = {
                     "--proxy",
                     proxy,
                     "--cases",
-                    f"1gpu_bf16params_auxfree_compiled{'_' + routing if routing else ''}_b2_ga16",
+                    ",".join(
+                        f"1gpu_bf16params_auxfree_compiled{'_' + routing if routing else ''}_{batch}"
+                        for batch in ("b2_ga16", "b4_ga8")
+                    ),
                     *FULL_DEPTH_STEPS,
                 ],
                 560,
