@@ -22,7 +22,7 @@ RESULTS = os.path.join(HERE, "results")
 DOC = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 FULL = os.path.join(os.path.dirname(HERE), "docs", "benchmarks", "results.md")  # every record's tables
 BEGIN, END = "<!-- REPORT BEGIN: python -m bench.report --write -->", "<!-- REPORT END -->"
-SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "loss-curve", "kernels", "2gpu")
+SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "full-depth", "loss-curve", "kernels", "2gpu")
 TOLERANCE = 0.03  # a rerun of a suite on the same kind of machine reproduces each figure within this share
 
 
@@ -325,6 +325,75 @@ def flop_count_table(groups: dict[tuple, list[dict]]) -> list[str]:
             f"{100 * (theirs / ours - 1):+.1f}% |"
         )
     return out if proxies else []
+
+
+# full-depth steps (bench/__main__.py FULL_DEPTH) -> (model, the whole model's flavor, what one GPU runs,
+# published runs of that mapping: (who and where, routing, TFLOP/s per GPU in Megatron's count, tokens/s per GPU))
+PUBLISHED = {
+    "qwen3_30b_a3b_ep8": (
+        "Qwen3-30B-A3B",
+        "30B-A3B",
+        "48 layers, 16 of 128 experts (one EP8 rank)",
+        [("NeMo AutoModel, 8 x H100, EP8", "forced balanced", 277, None)],
+    ),
+    "qwen3_30b_a3b_ep16": (
+        "Qwen3-30B-A3B",
+        "30B-A3B",
+        "48 layers, 8 of 128 experts (one EP16 rank)",
+        [("Megatron-Bridge (PR #5123), 16 x H100, EP16, HybridEP, CUDA graphs", "forced balanced", 299, 13000)],
+    ),
+    "deepseek_v3_16b_ep8": (
+        "DeepSeek-V3-16B",
+        "16B",
+        "27 layers, 8 of 64 experts (one EP8 rank); vocabulary 102,400 (Moonlight's 163,840)",
+        [("Moonlight-16B-A3B, 16 x H100, EP8", "natural", 387, None)],
+    ),
+}
+DIFFERS = (
+    "one GPU runs one EP rank's work: no all-to-all, no gradient reduction over data-parallel ranks, no "
+    "pipeline; the H200 has the H100 SXM's 989 TFLOP/s bf16 peak with 1.4x its memory bandwidth and 141 GB; "
+    "bf16 weights and optimizer states (the published runs keep fp32 main weights, sharded). TFLOP/s count "
+    "the whole model's FLOPs per token (bench/flops.py) at the tokens/s measured"
+)
+
+
+def published_table(groups: dict[tuple, list[dict]]) -> list[str]:
+    """The full-depth suite's latest row of each step and case on each GPU, then the published runs of
+    the same model and EP degree: tokens/s per GPU and TFLOP/s per GPU in Megatron's FLOP count (the
+    published figures'), titan_fold's and torchtitan's (bench/flops.py), of the whole model per token."""
+    from bench import flops
+
+    rows = {}
+    for (suite, device, count), recs in groups.items():
+        if suite != "full-depth" or count != 1:
+            continue
+        for rec in reversed(recs):  # oldest first: a later record's row replaces an earlier one's
+            for step, fig in rec["figures"].items():
+                for row in (fig or {}).get("rows", []):
+                    if row.get("tokens_per_sec_per_gpu"):
+                        name, routing = step.rsplit("_", 1)
+                        rows.setdefault(name, {})[(device, routing, row["case"])] = (fig, row, rec)
+    out = [
+        "| model | one GPU runs | routing | run | micro-batch x micro-batches | tokens/s per GPU | "
+        "TFLOP/s per GPU: Megatron's count | titan_fold's count | torchtitan's count | record |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for name, (model, flavor, runs, theirs) in PUBLISHED.items():
+        for (device, routing, case), (fig, row, rec) in sorted(rows.get(name, {}).items()):
+            counts = flops.counts(fig["family"], flavor, fig["seq_len"])
+            tps = row["tokens_per_sec_per_gpu"]
+            batch = case.rsplit("_b", 1)[1].replace("_ga", " x ")
+            tflops = " | ".join(_f(tps * counts[k] / 1e12, 0) for k in ("megatron", "titan_fold", "torchtitan"))
+            out.append(
+                f"| {model} | {runs} | {routing} | titan_fold, 1 x {device} | {batch} | {_f(tps, 0)} | {tflops} | "
+                f"`{rec['_file']}` |"
+            )
+        if name in rows:
+            for who, routing, tflops_published, tps in theirs:
+                out.append(
+                    f"| {model} | {runs} | {routing} | published: {who} | | {_f(tps, 0)} | {tflops_published} | | | |"
+                )
+    return out if rows else []
 
 
 def expert_path(row: dict) -> str:
@@ -1000,6 +1069,9 @@ def _headline(groups: dict) -> list[str]:
     goals = goals_table(groups)
     if goals:
         text += ["### Fine-grained MoE goals: the latest and the best recorded figure on each GPU", ""] + goals + [""]
+    comparable = published_table(groups)
+    if comparable:
+        text += ["### Comparable with published runs", "", f"What differs: {DIFFERS}.", ""] + comparable + [""]
     counts = flop_count_table(groups)
     if counts:
         text += ["### MFU: titan_fold's FLOP count and torchtitan 0.2.2's, per proxy", ""] + counts + [""]

@@ -1733,3 +1733,32 @@ def test_replica_planner_smoke(tmp_path):
             assert r["largest_rank_rows_without"] > 1.2 * r["mean_rank_rows"]
             assert r["largest_rank_rows_planned"] == r["mean_rank_rows"]
     assert (tmp_path / "replicas.json").exists()
+
+
+def test_comparable_table_counts_the_whole_model_per_token(tmp_path):
+    """The full-depth suite's rows beside the published runs: TFLOP/s per GPU is tokens/s x the whole
+    model's FLOPs per token in each count (Megatron's ~23 GFLOP for Qwen3-30B-A3B), the latest
+    record's row replaces an earlier one's, and a published row follows the step it compares with."""
+    from bench import flops
+
+    fig = {"family": "qwen3_moe", "proxy_flavor": "30B-A3B-E16", "seq_len": 4096}
+    row = {"case": "1gpu_bf16params_auxfree_compiled_uniform_b2_ga16", "tokens_per_sec_per_gpu": 10000.0}
+    _suite_file(
+        tmp_path, "full-depth", {"qwen3_30b_a3b_ep8_uniform": {**fig, "rows": [row]}}, date="2026-12-01T10:00:00Z"
+    )
+    later = dict(row, tokens_per_sec_per_gpu=20000.0)
+    _suite_file(
+        tmp_path, "full-depth", {"qwen3_30b_a3b_ep8_uniform": {**fig, "rows": [later]}}, date="2026-12-02T10:00:00Z"
+    )
+    table = report.published_table(report.records(str(tmp_path)))
+    counts = flops.counts("qwen3_moe", "30B-A3B", 4096)
+    ours = [line for line in table if "titan_fold, 1 x" in line]
+    assert len(ours) == 1 and "| uniform |" in ours[0] and "| 2 x 16 |" in ours[0]
+    cells = [c.strip() for c in ours[0].split("|")]
+    assert cells[6:10] == [
+        "20,000",
+        *(f"{20000 * counts[k] / 1e12:,.0f}" for k in ("megatron", "titan_fold", "torchtitan")),
+    ]
+    assert cells[7] == "460"  # 20,000 tokens/s x 23.0 GFLOP
+    assert "published: NeMo AutoModel, 8 x H100, EP8" in table[table.index(ours[0]) + 1]
+    assert "EP16" not in "".join(table)  # no published row without a measured row of its mapping
