@@ -10,7 +10,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.files import check_initial_hf_load
-from titan_fold.checkpoint.settings import check_resume, run_settings
+from titan_fold.checkpoint.settings import check_resume, check_resume_step, run_settings
 from titan_fold.common.config import ConfigError, JobConfig
 from titan_fold.common.errors import is_first_rank
 from titan_fold.common.values import no_config_file
@@ -130,6 +130,7 @@ def _check_paths(c: Checked) -> None:
 
 
 def _check_resume(c: Checked) -> None:
+    check_resume_step(c.config)
     # the checkpoint a resume loads was saved with these settings (checkpoint/manager.py)
     if c.tokenizer is None:
         return
