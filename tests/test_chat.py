@@ -213,6 +213,18 @@ def test_bad_records_refused_naming_file_and_record(tmp_path, bad, message):
         check_dataset(config)
 
 
+def test_invalid_utf8_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "ok"}]}\n'
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n\n" + bad)
+    config = job(tmp_path, "--training.dataset", "hf", "--training.dataset_path", str(path))
+    with pytest.raises(
+        DataError,
+        match=rf"^training.dataset_path = '{path}': record 1 \(line 3\): not UTF-8 \(byte 0xe9 at column 47\)$",
+    ):
+        check_dataset(config)
+
+
 def test_template_missing_refused(tmp_path, hf_folder):
     folder = tmp_path / "tok"
     folder.mkdir()
