@@ -6,6 +6,7 @@ the same step on NaN with nothing saved from it, a NaN checkpoint is refused, SI
 and exits 143, Ctrl-C exits 130 with one line, a second trainer into a used folder fails.
 """
 
+import errno
 import json
 import math
 import os
@@ -18,10 +19,12 @@ import time
 import pytest
 import torch
 from conftest import forked, python_m
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 from titan_fold.checkpoint.files import read_model_tensors
 from titan_fold.checkpoint.manager import complete
+from titan_fold.checkpoint.saves import SaveError, failing_save
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.common.storage import StorageError, storage_problem
 from titan_fold.trainer.fold_trainer import lock_dump_folder
@@ -209,8 +212,11 @@ def test_preflight_empty_dataset_and_dump_folder(tmp_path):
     with pytest.raises(Exception, match="the file is empty"):
         preflight(config, 1)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(StorageError, match=r"job.dump_folder: cannot create .*file/run: Not a directory"):
+    with pytest.raises(StorageError) as raised:  # a fault after preflight: the same words
         lock_dump_folder(str(tmp_path / "file" / "run"))
+    assert str(raised.value) == (
+        f"job.dump_folder: cannot write {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a file, not a folder"
+    )
     assert (
         storage_problem(str(tmp_path / "gone"))
         == f"cannot write {tmp_path / 'gone'}: the folder does not exist (any more)"
@@ -285,9 +291,38 @@ def test_lock_holder_stale_and_release(tmp_path):
     taker.release()
 
 
+@pytest.mark.parametrize(
+    "code, cause",
+    [
+        pytest.param(errno.ENOSPC, "no space left on the device", id="enospc"),
+        pytest.param(errno.EDQUOT, "the disk quota is exceeded", id="edquot"),
+        pytest.param(errno.EFBIG, "a file larger than the file system allows", id="efbig"),
+        pytest.param(errno.EACCES, "no write permission", id="eacces"),
+        pytest.param(errno.EROFS, "a read-only file system", id="erofs"),
+        pytest.param(errno.ENOENT, "the folder does not exist (any more)", id="enoent"),
+    ],
+)
+def test_a_failed_save_names_its_errno(tmp_path, code, cause):
+    """The cause comes from the write's own errno, not from a look at the folder afterwards
+    (which found the step folder, never created, missing for every fault); a DCP failure of
+    several ranks is named by the lowest rank's error, so every rank, holding the same
+    failures, says the same line whichever rank failed first."""
+    step = str(tmp_path / "checkpoint" / "step-4")
+    with pytest.raises(SaveError) as raised, failing_save(step):
+        raise OSError(code, os.strerror(code), os.path.join(step, "__0_0.distcp"))
+    assert str(raised.value) == f"cannot save {step}: {cause}"
+    other = OSError(errno.EIO, os.strerror(errno.EIO), step)
+    for failures in ({1: other, 0: OSError(code, "", step)}, {0: OSError(code, "", step), 1: other}):
+        with pytest.raises(SaveError) as raised, failing_save(step):
+            raise CheckpointException("save failed", {r: (e, None) for r, e in failures.items()})
+        assert str(raised.value) == f"cannot save {step}: {cause}"
+
+
 def test_metrics_file_in_missing_folder_is_one_line(tmp_path):
     m = MetricsFile(str(tmp_path / "gone"))
-    with pytest.raises(StorageError, match=r"cannot write .*gone/metrics.jsonl: No such file or directory"):
+    with pytest.raises(
+        StorageError, match=r"cannot write .*gone/metrics.jsonl: the folder does not exist \(any more\)$"
+    ):
         m.start(0)
 
 
@@ -582,8 +617,9 @@ def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "fault, rank, cause",
     [
-        ("enospc", 1, "No space left on device"),
-        ("permission", 0, "Permission denied"),
+        ("enospc", 1, "no space left on the device"),
+        ("permission", 0, "no write permission"),
+        ("efbig", 0, "a file larger than the file system allows"),
         ("vanished", 1, "the folder does not exist (any more)"),
     ],
 )
