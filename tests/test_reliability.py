@@ -318,6 +318,57 @@ def test_a_failed_save_names_its_errno(tmp_path, code, cause):
         assert str(raised.value) == f"cannot save {step}: {cause}"
 
 
+def test_dump_and_checkpoint_folders_are_checked_before_any_work(tmp_path, monkeypatch):
+    """Preflight, on every rank alike: a folder under a regular file, or where this user may
+    not write, is one line naming the key, the folder and the cause; nothing is created."""
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (("--job.dump_folder", str(tmp_path / "file" / "run")), "job.dump_folder", tmp_path / "file" / "run"),
+        (
+            ("--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "--checkpoint.folder", "../file/ckpt"),
+            "checkpoint.folder",
+            tmp_path / "run" / ".." / "file" / "ckpt",
+        ),
+    ]
+    for args, key, folder in cases:
+        config = parse_args(["--job.config_file", "debug_moe.toml", *args])
+        with pytest.raises(StorageError) as raised:
+            preflight(config, 2)
+        assert str(raised.value) == f"{key}: cannot write {folder}: {tmp_path / 'file'} is a file, not a folder"
+    # root writes anywhere: the check asks os.access, here as a user without write permission would
+    (tmp_path / "shared").mkdir()
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: writable(p, mode) and os.path.basename(p) != "shared")
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path / "shared" / "run")])
+    with pytest.raises(StorageError) as raised:
+        preflight(config, 2)
+    assert str(raised.value) == (
+        f"job.dump_folder: cannot write {tmp_path / 'shared' / 'run'}: no write permission in {tmp_path / 'shared'}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "shared"]
+
+
+@pytest.mark.parametrize(
+    "nproc, dump, checkpoint, key, folder",
+    [
+        pytest.param(2, "file/run", None, "job.dump_folder", "file/run", id="dump-folder"),
+        pytest.param(1, "run", "../file/ckpt", "checkpoint.folder", "run/../file/ckpt", id="checkpoint-folder"),
+    ],
+)
+def test_a_folder_under_a_file_is_one_line_before_step_1(tmp_path, nproc, dump, checkpoint, key, folder):
+    """The real command: every rank refuses it alike before any work, so one line whichever
+    rank reports first, and no step runs (a checkpoint folder found bad at the first save lost
+    the steps before it)."""
+    (tmp_path / "file").write_text("x")
+    extra = ("--checkpoint.enable", "--checkpoint.folder", checkpoint) if checkpoint else ()
+    codes, _, err = forked(nproc, "titan_fold.train", *trainer_args(tmp_path / dump, "--training.steps", "2", *extra))
+    lines = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert codes == [2] * nproc and lines == [
+        f"error: {key}: cannot write {tmp_path / folder}: {tmp_path / 'file'} is a file, not a folder"
+    ], (codes, err[-3000:])
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing made
+
+
 def test_metrics_file_in_missing_folder_is_one_line(tmp_path):
     m = MetricsFile(str(tmp_path / "gone"))
     with pytest.raises(
