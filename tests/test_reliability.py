@@ -125,11 +125,12 @@ def test_toml_values_are_typed(tmp_path, toml, message):
         (["--training.steps", "4.7"], r"--training.steps 4.7: must be an integer"),
         (["--optimizer.lr", "fast"], r"--optimizer.lr fast: must be a finite number"),
         (["--moe.capacity_factor", "nan"], r"moe.capacity_factor = nan: must be a finite number"),
-        (["--checkpoint.enable", "false"], r"checkpoint.enable is a flag"),
+        (["--checkpoint.enable", "yes"], r"--checkpoint.enable yes: must be true or false \(or alone: true\)"),
         (["--moe.drop_policy", "x"], r"--moe.drop_policy x: must be one of \['probs', 'position'\]"),
         (["--training.stepz", "3"], r"--training.stepz: unknown option"),
         (["--training.steps"], r"--training.steps: needs one value"),
-        (["--moe.norm_topk_prob", "true"], r"--moe.norm_topk_prob true: must be True, False or None"),
+        (["--moe.norm_topk_prob", "on"], r"--moe.norm_topk_prob on: must be true, false or none \(or alone: true\)"),
+        (["--moe.norm_topk_prob", "true", "false"], r"--moe.norm_topk_prob: needs one value \(true, false or none\)"),
     ],
 )
 def test_cli_values_are_typed(args, message):
@@ -154,10 +155,36 @@ def test_cli_accepts_what_it_should():
     )
     assert math.isinf(config.training.max_norm) and not config.checkpoint.enable
     assert config.lr_scheduler.total_steps is None and config.optimizer.lr == 1e-4
-    # keys that may be unset (bool | None) take True, False or None
-    for text, value in (("True", True), ("False", False), ("None", None)):
-        config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.norm_topk_prob", text])
-        assert config.moe.norm_topk_prob is value
+
+
+@pytest.mark.parametrize(
+    "text, value", [("true", True), ("TRUE", True), ("True", True), ("false", False), ("FaLsE", False)]
+)
+def test_cli_bools_as_toml_writes_them(text, value):
+    """true / false in any case, as TOML and configuration.md write them, for every bool key:
+    a flag (`--checkpoint.enable`, tyro's `--checkpoint.no-enable`) and a key that may be unset
+    (bool | None, which also takes none); a bool alone means true. The fast path that checks
+    the arguments before torch's import (train.py) accepts the same."""
+    from titan_fold.train import usage_problem
+
+    for args in (
+        ["--moe.norm_topk_prob", text, "--training.document_masking", text, "--checkpoint.enable", text],
+        [f"--moe.norm_topk_prob={text}", f"--training.document_masking={text}", f"--checkpoint.enable={text}"],
+    ):
+        args = ["--job.config_file", "debug_moe.toml", *args]
+        assert usage_problem(args) is None
+        config = parse_args(args)
+        assert config.moe.norm_topk_prob is value and config.training.document_masking is value
+        assert config.checkpoint.enable is value
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--checkpoint.enable", "--checkpoint.no-enable", text])
+    assert config.checkpoint.enable is not value
+    # alone: true, also before another key
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.document_masking", "--moe.norm_topk_prob"])
+    assert config.training.document_masking is True and config.moe.norm_topk_prob is True
+    for text in ("none", "None", "NONE"):
+        assert (
+            parse_args(["--job.config_file", "debug_moe.toml", "--moe.norm_topk_prob", text]).moe.norm_topk_prob is None
+        )
 
 
 # ---------------------------------------------------------------- preflight
