@@ -204,6 +204,10 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
         ),
         ("{not json", r"record 1 \(line 2\): not JSON"),
         ({"messages": [{"role": "user", "content": "x"}]}, r"record 1 \(line 2\): no assistant message"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " \n"}]},
+            r"record 1 \(line 2\): message 1 \(assistant\) is empty, nothing to train on",
+        ),
     ],
 )
 def test_bad_records_refused_naming_file_and_record(tmp_path, bad, message):

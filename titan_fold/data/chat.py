@@ -156,6 +156,9 @@ def check_record(record, where: str) -> list[dict]:
             raise DataError(f"{where}: message {j} must be {{'role': ..., 'content': a string}}")
         if m["role"] not in ROLES:
             raise DataError(f"{where}: message {j} has unknown role {m['role']!r} (roles: {list(ROLES)})")
+        if m["role"] == "assistant" and not m["content"].strip():
+            # it would teach the model to answer with its end-of-turn marker alone
+            raise DataError(f"{where}: message {j} (assistant) is empty, nothing to train on")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message, nothing to train on")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
