@@ -422,6 +422,11 @@ def run_cli(module, args, capsys):
         (["--capacity-factor", "nan"], "--capacity-factor nan: must be > 0"),
         (["--gpus", "0"], "--gpus 0: must be >= 1"),
         (["--gpus-per-node", "0"], "--gpus-per-node 0: must be >= 1"),
+        (["--gpus", "60"], "--gpus 60: must be whole nodes of --gpus-per-node 8 (56 or 64), or one node at most"),
+        (
+            ["--gpus", "6", "--gpus-per-node", "4"],
+            "--gpus 6: must be whole nodes of --gpus-per-node 4 (4 or 8), or one node at most",
+        ),
         (["--fix", "ep"], "--fix ep: write DIM=N"),
         (["--fix", "ep=x"], "--fix ep=x: write DIM=N"),
         (["--min-gpus", "foo=2"], "--min-gpus foo=2: unknown dim 'foo'"),
