@@ -8,22 +8,19 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 from titan_fold.common.errors import UserError
 from titan_fold.common.hints import did_you_mean, option_names, unknown_option
+from titan_fold.common.packaged_configs import PACKAGED_CONFIGS, names
 
 
 class ConfigError(UserError, ValueError):
     """A job config value breaks a rule; the message names the key and the rule."""
 
 
-PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
-
-
 def packaged_configs() -> str:
-    return ", ".join(sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))
+    return ", ".join(names())
 
 
 def resolve_config_file(path: str) -> str:
