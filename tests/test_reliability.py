@@ -345,6 +345,25 @@ def test_a_failed_save_names_its_errno(tmp_path, code, cause):
         assert str(raised.value) == f"cannot save {step}: {cause}"
 
 
+def test_a_failed_save_places_its_cause(tmp_path, monkeypatch):
+    """The folders say where the fault is: the checkpoint folder made unwritable while the run
+    goes on (as a user without write permission sees it; root writes anywhere), or a part of
+    the path that is a file."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    step = str(folder / "step-4")
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: writable(p, mode) and p != str(folder))
+    with pytest.raises(SaveError) as raised, failing_save(step):  # what os.makedirs(step) raises then
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), step)
+    assert str(raised.value) == f"cannot save {step}: no write permission in {folder}"
+    (tmp_path / "file").write_text("x")
+    step = str(tmp_path / "file" / "step-4")
+    with pytest.raises(SaveError) as raised, failing_save(step):
+        os.makedirs(step)
+    assert str(raised.value) == f"cannot save {step}: {tmp_path / 'file'} is a file, not a folder"
+
+
 def test_dump_and_checkpoint_folders_are_checked_before_any_work(tmp_path, monkeypatch):
     """Preflight, on every rank alike: a folder under a regular file, or where this user may
     not write, is one line naming the key, the folder and the cause; nothing is created."""
