@@ -57,8 +57,8 @@ class SaveFault:
     """A value saved beside the states that fails the save while this rank writes its file:
     DCP pickles non-tensor values with the file open. "enospc", "efbig" and "permission" raise
     what a full disk, a file over the file system's size limit or a folder without write
-    permission raise there (a test cannot fill the disk, and root writes anywhere); "vanished" removes the step folder, and DCP's next write there
-    fails by itself."""
+    permission raise there (a test cannot fill the disk, and root writes anywhere); "vanished"
+    removes the step folder, and DCP's next write there fails by itself."""
 
     def __init__(self, kind: str, folder: str):
         self.kind, self.folder = kind, folder

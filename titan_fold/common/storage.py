@@ -61,12 +61,12 @@ def folder_problem(folder: str, made: bool = False) -> str | None:
     return None
 
 
-def write_cause(folder: str, error: OSError | None = None, made: bool = False) -> str | None:
+def write_cause(folder: str, error: OSError | None) -> str | None:
     """Why a write into `folder` failed with `error`: its errno's cause, placed by the folders
     where they show it; for an error without a known errno (DCP's `unexpected pos 704 vs 598`
     on a full disk) what the folders show, else its own words; None: nothing points at storage."""
     code = error.errno if error is not None else None
-    shown = folder_problem(folder, made)
+    shown = folder_problem(folder)
     if shown and code in PLACED:
         return shown
     if code in CAUSES:

@@ -15,6 +15,7 @@ from titan_fold.common.errors import UserError
 from titan_fold.common.pyplot import pyplot
 from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE, METRICS_FILE
 
+COMMAND = "python -m titan_fold.plot"
 PANELS = [
     ("loss", "loss", False),
     ("grad_norm", "gradient norm", True),
@@ -63,7 +64,7 @@ def run_label(path: str, paths: list[str]) -> str:
 
 
 def plot(paths: list[str], out: str) -> str:
-    plt = pyplot("python -m titan_fold.plot")
+    plt = pyplot(COMMAND)
     runs = {run_label(p, paths): read_run(p) for p in paths}
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
     for ax, (key, title, log_scale) in zip(axes.flat, PANELS, strict=True):
@@ -92,7 +93,7 @@ def read_load(path: str) -> list[dict]:
 
 
 def plot_load(path: str, out: str, panels: int = 4) -> str:
-    plt = pyplot("python -m titan_fold.plot")
+    plt = pyplot(COMMAND)
     records = read_load(path)
     picked = [records[round(i * (len(records) - 1) / max(1, panels - 1))] for i in range(min(panels, len(records)))]
     picked = list({r["step"]: r for r in picked}.values())
