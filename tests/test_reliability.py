@@ -364,6 +364,31 @@ def test_a_failed_save_places_its_cause(tmp_path, monkeypatch):
     assert str(raised.value) == f"cannot save {step}: {tmp_path / 'file'} is a file, not a folder"
 
 
+def test_a_read_only_or_full_file_system_is_named(tmp_path, monkeypatch):
+    """What statvfs says of the folder where a run's folder would be made: read-only, or under
+    16 MiB free; a file system that keeps no such numbers is judged by permission alone."""
+    from types import SimpleNamespace
+
+    from titan_fold.common.storage import folder_problem
+
+    def statvfs(flag: int, free_blocks: int):
+        return lambda path: SimpleNamespace(f_flag=flag, f_bavail=free_blocks, f_frsize=4096)
+
+    run = str(tmp_path / "run")
+    monkeypatch.setattr(os, "statvfs", statvfs(os.ST_RDONLY, 10**6))
+    assert folder_problem(run) == f"{tmp_path} is on a read-only file system"
+    monkeypatch.setattr(os, "statvfs", statvfs(0, 1))
+    assert folder_problem(run) == "no space left on the device (4096 bytes free)"
+    monkeypatch.setattr(os, "statvfs", statvfs(0, 10**6))
+    assert folder_problem(run) is None
+
+    def unsupported(path):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), path)
+
+    monkeypatch.setattr(os, "statvfs", unsupported)
+    assert folder_problem(run) is None
+
+
 def test_dump_and_checkpoint_folders_are_checked_before_any_work(tmp_path, monkeypatch):
     """Preflight, on every rank alike: a folder under a regular file, or where this user may
     not write, is one line naming the key, the folder and the cause; nothing is created."""

@@ -51,12 +51,15 @@ def folder_problem(folder: str, made: bool = False) -> str | None:
         return f"{at} is a file, not a folder"
     if made and at != os.path.abspath(folder):
         return CAUSES[errno.ENOENT]
-    st = os.statvfs(at)
-    if st.f_flag & os.ST_RDONLY:
+    try:
+        st: os.statvfs_result | None = os.statvfs(at)
+    except OSError:  # a file system that keeps no such numbers: judged by permission alone
+        st = None
+    if st is not None and st.f_flag & os.ST_RDONLY:
         return f"{at} is on {CAUSES[errno.EROFS]}"
     if not os.access(at, os.W_OK | os.X_OK):
         return f"{CAUSES[errno.EACCES]} in {at}"
-    if st.f_bavail * st.f_frsize < LOW_SPACE:
+    if st is not None and st.f_bavail * st.f_frsize < LOW_SPACE:
         return f"{CAUSES[errno.ENOSPC]} ({st.f_bavail * st.f_frsize} bytes free)"
     return None
 
