@@ -1,4 +1,4 @@
-"""Regenerate the command output quoted in docs/*.md, and titan_fold/train_help.txt:
+"""Regenerate the command output quoted in README.md and docs/*.md, and titan_fold/train_help.txt:
 `python docs/gen.py [FILE ...]`.
 
 A quoted run is a fenced code block right after a `<!-- gen -->` line. Its `$ ` lines (a
@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [
+    "README.md",
     "docs/configuration.md",
     "docs/dryrun.md",
     "docs/layouts.md",

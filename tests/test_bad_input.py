@@ -8,6 +8,7 @@ import dataclasses
 import json
 import operator
 import re
+import shutil
 import typing
 from pathlib import Path
 
@@ -330,3 +331,34 @@ def test_hub_dataset_is_a_warning_in_a_dry_run(tmp_path):
         "not checked here: training.dataset_path = 'no-owner/no-such-dataset': a Hub dataset, read by a real run "
         "as it builds its data loader"
     ) in out + err
+
+
+@pytest.mark.slow
+def test_resume_with_fewer_steps_than_the_checkpoint_is_one_line(tmp_path):
+    """training.steps counts the run's steps from its start (torchtitan's and Megatron-LM's
+    rule): a checkpoint at step 2 resumed with training.steps 1 leaves nothing to train and
+    lies past the end of the lr schedule, refused before any work; the planted bug this
+    catches is the schedule evaluated past its end (an AssertionError on every rank)."""
+    small = ("--training.local_batch_size", "1", "--training.global_batch_size", "-1", "--training.seq_len", "32")
+    args = ("--job.config_file", "debug_moe.toml", "--checkpoint.enable", *small)
+    (code,), _, err = forked(
+        1,
+        "titan_fold.train",
+        *args,
+        "--job.dump_folder",
+        str(tmp_path / "real"),
+        "--training.steps",
+        "2",
+        "--checkpoint.interval",
+        "2",
+    )
+    assert code == 0, err[-3000:]
+    shutil.copytree(tmp_path / "real", tmp_path / "dry")
+    runs = both_runs(tmp_path, *args)  # --training.steps 1
+    step = re.escape(str(tmp_path / "FOLDER" / "checkpoint" / "step-2"))
+    for (code, err), folder in zip(runs, ("real", "dry"), strict=True):
+        assert_one_line(
+            [(code, err)],
+            rf"error: training.steps = 1, but {step.replace('FOLDER', folder)} is at step 2: .*"
+            r"--training.steps 3 or more to train on, or another job.dump_folder to start afresh",
+        )

@@ -19,12 +19,13 @@ NPROC = 2
 
 
 def resume_with_other_seq_len(folder) -> tuple[str, ...]:
-    """A step-5 checkpoint folder saved with training.seq_len 64 (this run: the config's 128)."""
-    args = ("--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.load_step", "5")
+    """A step-1 checkpoint folder saved with training.seq_len 64 (this run: the config's 128),
+    resumed by a run of 1 step (a checkpoint past training.steps is refused for that)."""
+    args = ("--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.load_step", "1")
     config = parse_args(["--job.config_file", "debug_moe.toml", *args])
     tokenizer = model_args_from_config(config)[0].build_tokenizer_fn(config)
     settings = run_settings(config, tokenizer, NPROC) | {"training.seq_len": 64}
-    step = folder / "checkpoint" / "step-5"
+    step = folder / "checkpoint" / "step-1"
     step.mkdir(parents=True)
     (step / SETTINGS_FILE).write_text(json.dumps(settings))
     return args

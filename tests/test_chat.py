@@ -204,12 +204,28 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
         ),
         ("{not json", r"record 1 \(line 2\): not JSON"),
         ({"messages": [{"role": "user", "content": "x"}]}, r"record 1 \(line 2\): no assistant message"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " \n"}]},
+            r"record 1 \(line 2\): message 1 \(assistant\) is empty, nothing to train on",
+        ),
     ],
 )
 def test_bad_records_refused_naming_file_and_record(tmp_path, bad, message):
     path = write(tmp_path / "chat.jsonl", [GOOD, bad])
     config = job(tmp_path, "--training.dataset", "hf", "--training.dataset_path", str(path))
     with pytest.raises(DataError, match=f"^training.dataset_path = '{path}': {message}"):
+        check_dataset(config)
+
+
+def test_invalid_utf8_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "ok"}]}\n'
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n\n" + bad)
+    config = job(tmp_path, "--training.dataset", "hf", "--training.dataset_path", str(path))
+    with pytest.raises(
+        DataError,
+        match=rf"^training.dataset_path = '{path}': record 1 \(line 3\): not UTF-8 \(byte 0xe9 at column 47\)$",
+    ):
         check_dataset(config)
 
 

@@ -29,6 +29,24 @@ def test_quoted_output_is_current(doc):
     )
 
 
+@pytest.mark.parametrize(
+    "doc, command",
+    [
+        ("README.md", "python -m titan_fold.common.packaged_configs --names"),
+        ("docs/running.md", "python -m titan_fold.common.packaged_configs"),
+    ],
+)
+def test_packaged_configs_are_listed_from_the_folder(doc, command):
+    """The packaged-config lists quote the folder through a generated block (its output checked
+    by test_quoted_output_is_current): a config added to titan_fold/train_configs/ is listed."""
+    from titan_fold.common.packaged_configs import names
+
+    with open(os.path.join(ROOT, doc)) as f:
+        text = f.read()
+    assert doc in gen.DOCS and f"{gen.MARKER}\n```\n$ {command}\n" in text
+    assert names() and all(name in text for name in names())
+
+
 def test_generator_replaces_only_the_output():
     text = "\n".join(
         [

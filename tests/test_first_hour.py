@@ -216,6 +216,35 @@ def test_plot_missing_run_is_one_line(tmp_path):
     assert "no metrics.jsonl" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "command, args",
+    [
+        pytest.param("titan_fold.plot", ["RUN"], id="plot"),
+        pytest.param(
+            "titan_fold.layout", ["--world-size", "4", "--ep", "2", "--format", "png", "--out", "OUT"], id="layout"
+        ),
+    ],
+)
+def test_png_without_matplotlib_is_one_line(tmp_path, monkeypatch, capsys, command, args):
+    """README's install leaves out the plot extra: both commands that draw say so in one line,
+    before any work (nothing written), with how to install it."""
+    import importlib
+
+    from titan_fold.common.errors import run_command
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"run": "a", "step": 1, "loss": 1.0}) + "\n")
+    args = [str(tmp_path / "run") if a == "RUN" else str(tmp_path / "l.png") if a == "OUT" else a for a in args]
+    module = importlib.import_module(command)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+    with pytest.raises(SystemExit) as exit:
+        run_command(lambda: module.main(args))
+    what = "python -m titan_fold.plot" if command == "titan_fold.plot" else "python -m titan_fold.layout --format png"
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == f'error: {what} needs matplotlib: pip install -e ".[plot]"\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_bad_degree_under_torchrun_is_one_line(tmp_path):
     result = launch(2, "--job.dump_folder", str(tmp_path / "run"), "--parallelism.expert_parallel_degree", "3")
     assert result.returncode != 0

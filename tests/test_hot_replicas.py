@@ -121,7 +121,8 @@ def test_the_key_reaches_the_layers():
 
     from titan_fold.trainer.preflight import model_args_from_config
 
-    _, args = model_args_from_config(config("debug_moe.toml", "--moe.hot_expert_replicas", "3"))
+    ep2 = ("--parallelism.expert_parallel_degree", "2")
+    _, args = model_args_from_config(config("debug_moe.toml", *ep2, "--moe.hot_expert_replicas", "3"))
     assert args.moe.hot_expert_replicas == 3
 
 
@@ -146,3 +147,24 @@ def test_more_copies_than_experts_is_one_line_before_any_work():
     c = config("debug_moe.toml", "--parallelism.expert_parallel_degree", "2", "--moe.hot_expert_replicas", "9")
     with pytest.raises(ConfigError, match=r"^moe.hot_expert_replicas = 9: more copies than the model's 8 experts$"):
         preflight(c, 2)
+
+
+def test_the_banner_says_the_copies_are_on():
+    """A real run's start says the copies are on (moe.hot_expert_replicas > 0, so ep > 1: the
+    rule refuses them at ep 1) and how many experts each rank runs; nothing without them."""
+    import torch
+    from helpers import config
+
+    from titan_fold.trainer.banner import banner
+    from titan_fold.trainer.preflight import model_args_from_config, preflight
+
+    line = (
+        "  copies of hot experts (moe.hot_expert_replicas): the 2 busiest experts of each layer call, "
+        "spread over the ep ranks; 4 + 2 physical experts per rank"
+    )
+    ep2 = ("--parallelism.expert_parallel_degree", "2")
+    for copies, shown in (("2", [line]), ("0", [])):
+        c = config("debug_moe.toml", *ep2, "--moe.hot_expert_replicas", copies)
+        layout = preflight(c, 2)
+        text = banner(layout, model_args_from_config(c)[1], [torch.nn.Linear(4, 4)], c)
+        assert [x for x in text.splitlines() if "copies" in x] == shown, text

@@ -6,6 +6,7 @@ the same step on NaN with nothing saved from it, a NaN checkpoint is refused, SI
 and exits 143, Ctrl-C exits 130 with one line, a second trainer into a used folder fails.
 """
 
+import errno
 import json
 import math
 import os
@@ -18,10 +19,12 @@ import time
 import pytest
 import torch
 from conftest import forked, python_m
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 from titan_fold.checkpoint.files import read_model_tensors
 from titan_fold.checkpoint.manager import complete
+from titan_fold.checkpoint.saves import SaveError, failing_save
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.common.storage import StorageError, storage_problem
 from titan_fold.trainer.fold_trainer import lock_dump_folder
@@ -122,11 +125,12 @@ def test_toml_values_are_typed(tmp_path, toml, message):
         (["--training.steps", "4.7"], r"--training.steps 4.7: must be an integer"),
         (["--optimizer.lr", "fast"], r"--optimizer.lr fast: must be a finite number"),
         (["--moe.capacity_factor", "nan"], r"moe.capacity_factor = nan: must be a finite number"),
-        (["--checkpoint.enable", "false"], r"checkpoint.enable is a flag"),
+        (["--checkpoint.enable", "yes"], r"--checkpoint.enable yes: must be true or false \(or alone: true\)"),
         (["--moe.drop_policy", "x"], r"--moe.drop_policy x: must be one of \['probs', 'position'\]"),
         (["--training.stepz", "3"], r"--training.stepz: unknown option"),
         (["--training.steps"], r"--training.steps: needs one value"),
-        (["--moe.norm_topk_prob", "true"], r"--moe.norm_topk_prob true: must be True, False or None"),
+        (["--moe.norm_topk_prob", "on"], r"--moe.norm_topk_prob on: must be true, false or none \(or alone: true\)"),
+        (["--moe.norm_topk_prob", "true", "false"], r"--moe.norm_topk_prob: needs one value \(true, false or none\)"),
     ],
 )
 def test_cli_values_are_typed(args, message):
@@ -151,10 +155,36 @@ def test_cli_accepts_what_it_should():
     )
     assert math.isinf(config.training.max_norm) and not config.checkpoint.enable
     assert config.lr_scheduler.total_steps is None and config.optimizer.lr == 1e-4
-    # keys that may be unset (bool | None) take True, False or None
-    for text, value in (("True", True), ("False", False), ("None", None)):
-        config = parse_args(["--job.config_file", "debug_moe.toml", "--moe.norm_topk_prob", text])
-        assert config.moe.norm_topk_prob is value
+
+
+@pytest.mark.parametrize(
+    "text, value", [("true", True), ("TRUE", True), ("True", True), ("false", False), ("FaLsE", False)]
+)
+def test_cli_bools_as_toml_writes_them(text, value):
+    """true / false in any case, as TOML and configuration.md write them, for every bool key:
+    a flag (`--checkpoint.enable`, tyro's `--checkpoint.no-enable`) and a key that may be unset
+    (bool | None, which also takes none); a bool alone means true. The fast path that checks
+    the arguments before torch's import (train.py) accepts the same."""
+    from titan_fold.train import usage_problem
+
+    for args in (
+        ["--moe.norm_topk_prob", text, "--training.document_masking", text, "--checkpoint.enable", text],
+        [f"--moe.norm_topk_prob={text}", f"--training.document_masking={text}", f"--checkpoint.enable={text}"],
+    ):
+        args = ["--job.config_file", "debug_moe.toml", *args]
+        assert usage_problem(args) is None
+        config = parse_args(args)
+        assert config.moe.norm_topk_prob is value and config.training.document_masking is value
+        assert config.checkpoint.enable is value
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--checkpoint.enable", "--checkpoint.no-enable", text])
+    assert config.checkpoint.enable is not value
+    # alone: true, also before another key
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--training.document_masking", "--moe.norm_topk_prob"])
+    assert config.training.document_masking is True and config.moe.norm_topk_prob is True
+    for text in ("none", "None", "NONE"):
+        assert (
+            parse_args(["--job.config_file", "debug_moe.toml", "--moe.norm_topk_prob", text]).moe.norm_topk_prob is None
+        )
 
 
 # ---------------------------------------------------------------- preflight
@@ -209,8 +239,11 @@ def test_preflight_empty_dataset_and_dump_folder(tmp_path):
     with pytest.raises(Exception, match="the file is empty"):
         preflight(config, 1)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(StorageError, match=r"job.dump_folder: cannot create .*file/run: Not a directory"):
+    with pytest.raises(StorageError) as raised:  # a fault after preflight: the same words
         lock_dump_folder(str(tmp_path / "file" / "run"))
+    assert str(raised.value) == (
+        f"job.dump_folder: cannot write {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a file, not a folder"
+    )
     assert (
         storage_problem(str(tmp_path / "gone"))
         == f"cannot write {tmp_path / 'gone'}: the folder does not exist (any more)"
@@ -285,9 +318,133 @@ def test_lock_holder_stale_and_release(tmp_path):
     taker.release()
 
 
+@pytest.mark.parametrize(
+    "code, cause",
+    [
+        pytest.param(errno.ENOSPC, "no space left on the device", id="enospc"),
+        pytest.param(errno.EDQUOT, "the disk quota is exceeded", id="edquot"),
+        pytest.param(errno.EFBIG, "a file larger than the file system allows", id="efbig"),
+        pytest.param(errno.EACCES, "no write permission", id="eacces"),
+        pytest.param(errno.EROFS, "a read-only file system", id="erofs"),
+        pytest.param(errno.ENOENT, "the folder does not exist (any more)", id="enoent"),
+    ],
+)
+def test_a_failed_save_names_its_errno(tmp_path, code, cause):
+    """The cause comes from the write's own errno, not from a look at the folder afterwards
+    (which found the step folder, never created, missing for every fault); a DCP failure of
+    several ranks is named by the lowest rank's error, so every rank, holding the same
+    failures, says the same line whichever rank failed first."""
+    step = str(tmp_path / "checkpoint" / "step-4")
+    with pytest.raises(SaveError) as raised, failing_save(step):
+        raise OSError(code, os.strerror(code), os.path.join(step, "__0_0.distcp"))
+    assert str(raised.value) == f"cannot save {step}: {cause}"
+    other = OSError(errno.EIO, os.strerror(errno.EIO), step)
+    for failures in ({1: other, 0: OSError(code, "", step)}, {0: OSError(code, "", step), 1: other}):
+        with pytest.raises(SaveError) as raised, failing_save(step):
+            raise CheckpointException("save failed", {r: (e, None) for r, e in failures.items()})
+        assert str(raised.value) == f"cannot save {step}: {cause}"
+
+
+def test_a_failed_save_places_its_cause(tmp_path, monkeypatch):
+    """The folders say where the fault is: the checkpoint folder made unwritable while the run
+    goes on (as a user without write permission sees it; root writes anywhere), or a part of
+    the path that is a file."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    step = str(folder / "step-4")
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: writable(p, mode) and p != str(folder))
+    with pytest.raises(SaveError) as raised, failing_save(step):  # what os.makedirs(step) raises then
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), step)
+    assert str(raised.value) == f"cannot save {step}: no write permission in {folder}"
+    (tmp_path / "file").write_text("x")
+    step = str(tmp_path / "file" / "step-4")
+    with pytest.raises(SaveError) as raised, failing_save(step):
+        os.makedirs(step)
+    assert str(raised.value) == f"cannot save {step}: {tmp_path / 'file'} is a file, not a folder"
+
+
+def test_a_read_only_or_full_file_system_is_named(tmp_path, monkeypatch):
+    """What statvfs says of the folder where a run's folder would be made: read-only, or under
+    16 MiB free; a file system that keeps no such numbers is judged by permission alone."""
+    from types import SimpleNamespace
+
+    from titan_fold.common.storage import folder_problem
+
+    def statvfs(flag: int, free_blocks: int):
+        return lambda path: SimpleNamespace(f_flag=flag, f_bavail=free_blocks, f_frsize=4096)
+
+    run = str(tmp_path / "run")
+    monkeypatch.setattr(os, "statvfs", statvfs(os.ST_RDONLY, 10**6))
+    assert folder_problem(run) == f"{tmp_path} is on a read-only file system"
+    monkeypatch.setattr(os, "statvfs", statvfs(0, 1))
+    assert folder_problem(run) == "no space left on the device (4096 bytes free)"
+    monkeypatch.setattr(os, "statvfs", statvfs(0, 10**6))
+    assert folder_problem(run) is None
+
+    def unsupported(path):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), path)
+
+    monkeypatch.setattr(os, "statvfs", unsupported)
+    assert folder_problem(run) is None
+
+
+def test_dump_and_checkpoint_folders_are_checked_before_any_work(tmp_path, monkeypatch):
+    """Preflight, on every rank alike: a folder under a regular file, or where this user may
+    not write, is one line naming the key, the folder and the cause; nothing is created."""
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (("--job.dump_folder", str(tmp_path / "file" / "run")), "job.dump_folder", tmp_path / "file" / "run"),
+        (
+            ("--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "--checkpoint.folder", "../file/ckpt"),
+            "checkpoint.folder",
+            tmp_path / "run" / ".." / "file" / "ckpt",
+        ),
+    ]
+    for args, key, folder in cases:
+        config = parse_args(["--job.config_file", "debug_moe.toml", *args])
+        with pytest.raises(StorageError) as raised:
+            preflight(config, 2)
+        assert str(raised.value) == f"{key}: cannot write {folder}: {tmp_path / 'file'} is a file, not a folder"
+    # root writes anywhere: the check asks os.access, here as a user without write permission would
+    (tmp_path / "shared").mkdir()
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: writable(p, mode) and os.path.basename(p) != "shared")
+    config = parse_args(["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path / "shared" / "run")])
+    with pytest.raises(StorageError) as raised:
+        preflight(config, 2)
+    assert str(raised.value) == (
+        f"job.dump_folder: cannot write {tmp_path / 'shared' / 'run'}: no write permission in {tmp_path / 'shared'}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "shared"]
+
+
+@pytest.mark.parametrize(
+    "nproc, dump, checkpoint, key, folder",
+    [
+        pytest.param(2, "file/run", None, "job.dump_folder", "file/run", id="dump-folder"),
+        pytest.param(1, "run", "../file/ckpt", "checkpoint.folder", "run/../file/ckpt", id="checkpoint-folder"),
+    ],
+)
+def test_a_folder_under_a_file_is_one_line_before_step_1(tmp_path, nproc, dump, checkpoint, key, folder):
+    """The real command: every rank refuses it alike before any work, so one line whichever
+    rank reports first, and no step runs (a checkpoint folder found bad at the first save lost
+    the steps before it)."""
+    (tmp_path / "file").write_text("x")
+    extra = ("--checkpoint.enable", "--checkpoint.folder", checkpoint) if checkpoint else ()
+    codes, _, err = forked(nproc, "titan_fold.train", *trainer_args(tmp_path / dump, "--training.steps", "2", *extra))
+    lines = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert codes == [2] * nproc and lines == [
+        f"error: {key}: cannot write {tmp_path / folder}: {tmp_path / 'file'} is a file, not a folder"
+    ], (codes, err[-3000:])
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing made
+
+
 def test_metrics_file_in_missing_folder_is_one_line(tmp_path):
     m = MetricsFile(str(tmp_path / "gone"))
-    with pytest.raises(StorageError, match=r"cannot write .*gone/metrics.jsonl: No such file or directory"):
+    with pytest.raises(
+        StorageError, match=r"cannot write .*gone/metrics.jsonl: the folder does not exist \(any more\)$"
+    ):
         m.start(0)
 
 
@@ -309,6 +466,11 @@ def run_cli(module, args, capsys):
         (["--capacity-factor", "nan"], "--capacity-factor nan: must be > 0"),
         (["--gpus", "0"], "--gpus 0: must be >= 1"),
         (["--gpus-per-node", "0"], "--gpus-per-node 0: must be >= 1"),
+        (["--gpus", "60"], "--gpus 60: must be whole nodes of --gpus-per-node 8 (56 or 64), or one node at most"),
+        (
+            ["--gpus", "6", "--gpus-per-node", "4"],
+            "--gpus 6: must be whole nodes of --gpus-per-node 4 (4 or 8), or one node at most",
+        ),
         (["--fix", "ep"], "--fix ep: write DIM=N"),
         (["--fix", "ep=x"], "--fix ep=x: write DIM=N"),
         (["--min-gpus", "foo=2"], "--min-gpus foo=2: unknown dim 'foo'"),
@@ -582,8 +744,9 @@ def test_plan_min_gpus_search_is_bounded(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "fault, rank, cause",
     [
-        ("enospc", 1, "No space left on device"),
-        ("permission", 0, "Permission denied"),
+        ("enospc", 1, "no space left on the device"),
+        ("permission", 0, "no write permission"),
+        ("efbig", 0, "a file larger than the file system allows"),
         ("vanished", 1, "the folder does not exist (any more)"),
     ],
 )

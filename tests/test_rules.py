@@ -42,6 +42,7 @@ CASES = [
         {"moe.hot_expert_replicas": 2, "compile.enable": True, "compile.cudagraphs": True},
         "moe.hot_expert_replicas = 2 with compile.cudagraphs",
     ),
+    ({"moe.hot_expert_replicas": 2}, "moe.hot_expert_replicas = 2 needs parallelism.expert_parallel_degree > 1"),
     ({"moe.stash_rows": 100}, "moe.stash_rows = 100: must be >= 0"),
     ({"moe.stash_rows": 100, "moe.exchange": "static"}, "moe.stash_rows = 100 with activation checkpointing"),
     (

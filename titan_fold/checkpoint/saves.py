@@ -6,8 +6,8 @@ TITAN_FOLD_FAULT_RANK, default 0) injects TITAN_FOLD_FAULT_KIND into that rank a
 the first torchrun attempt only (TORCHELASTIC_RESTART_COUNT == 0). "kill" (the default) kills
 the rank with SIGKILL in the middle of step k (after forward / backward, before the optimizer
 step), so `torchrun --max-restarts 1` resumes (`maybe_fault`, called by
-FoldTrainer.forward_backward_step). "enospc", "permission" and "vanished" fail the save of
-step k inside DCP's writes of that rank (`SaveFault`).
+FoldTrainer.forward_backward_step). "enospc", "efbig", "permission" and "vanished" fail the
+save of step k inside DCP's writes of that rank (`SaveFault`).
 """
 
 import contextlib
@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_fold.common.errors import UserError
-from titan_fold.common.storage import StorageError, folder_problem
+from titan_fold.common.storage import StorageError, write_cause
 
 # ---------------------------------------------------------------- faults (tests)
 
@@ -55,10 +55,10 @@ def maybe_fault(step: int) -> None:
 
 class SaveFault:
     """A value saved beside the states that fails the save while this rank writes its file:
-    DCP pickles non-tensor values with the file open. "enospc" and "permission" raise what a
-    full disk or a folder without write permission raise there (a test cannot fill the disk,
-    and root writes anywhere); "vanished" removes the step folder, and DCP's next write there
-    fails by itself."""
+    DCP pickles non-tensor values with the file open. "enospc", "efbig" and "permission" raise
+    what a full disk, a file over the file system's size limit or a folder without write
+    permission raise there (a test cannot fill the disk, and root writes anywhere); "vanished"
+    removes the step folder, and DCP's next write there fails by itself."""
 
     def __init__(self, kind: str, folder: str):
         self.kind, self.folder = kind, folder
@@ -67,7 +67,7 @@ class SaveFault:
         if self.kind == "vanished":
             shutil.rmtree(self.folder)
             return (int, (0,))
-        code = {"enospc": errno.ENOSPC, "permission": errno.EACCES}[self.kind]
+        code = {"enospc": errno.ENOSPC, "efbig": errno.EFBIG, "permission": errno.EACCES}[self.kind]
         raise OSError(code, os.strerror(code), os.path.join(self.folder, "__fault"))
 
 
@@ -118,8 +118,7 @@ def failing_save(checkpoint_id: str):
     except (Exception, CheckpointException) as e:
         if isinstance(e, UserError):
             raise
-        found = _os_error(e)
-        cause = folder_problem(checkpoint_id) or (found.strerror or str(found) if found is not None else None)
+        cause = write_cause(checkpoint_id, _os_error(e))
         if cause is None:
             raise
         raise SaveError(f"cannot save {checkpoint_id}: {cause}") from None

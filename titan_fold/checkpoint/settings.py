@@ -80,6 +80,22 @@ def resume_folder(config) -> str | None:
     return os.path.join(folder, f"step-{step}") if step > 0 else None
 
 
+def check_resume_step(config) -> None:
+    """training.steps counts the run's steps from its start, the resumed ones included, as
+    torchtitan's training.steps and Megatron-LM's --train-iters do: a resume whose checkpoint
+    is past it has nothing left to train, and its lr schedule ends before that step."""
+    folder = resume_folder(config)
+    if folder is None:
+        return
+    step, steps = int(os.path.basename(folder).removeprefix("step-")), config.training.steps
+    if step > steps:
+        raise CheckpointError(
+            f"training.steps = {steps}, but {folder} is at step {step}: training.steps counts every step of the "
+            f"run, the resumed ones included, so nothing is left to train; give --training.steps {step + 1} or "
+            f"more to train on, or another job.dump_folder to start afresh"
+        )
+
+
 def check_resume(config, settings: dict[str, Any]) -> list[str]:
     """Compare this run's settings with those of the checkpoint it resumes: a FIXED one that
     differs is a CheckpointError naming the key and the checkpoint's value; -> one line per

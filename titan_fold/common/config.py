@@ -40,6 +40,7 @@ from titan_fold.common.values import (
     _resolve_config_arg,
     check_cli,
     check_value,
+    tyro_args,
 )
 
 
@@ -278,7 +279,7 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
             raise ConfigError(f"job.config_file: {path} cannot be read ({e.strerror})") from None
         _check_toml(table, JobConfig)
     named = check_cli(args, lambda key: _field(JobConfig, key), lambda: _keys(JobConfig))
-    config = ConfigManager(JobConfig).parse_args(args)
+    config = ConfigManager(JobConfig).parse_args(tyro_args(args, lambda key: _field(JobConfig, key)))
     validate(config)
     check_dry_run_keys(config, named)
     return config

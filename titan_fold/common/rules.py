@@ -194,6 +194,11 @@ RULES = (
         )
     ),
     Rule(
+        lambda c: c.moe.hot_expert_replicas > 0 and c.parallelism.expert_parallel_degree == 1,
+        "moe.hot_expert_replicas = {moe.hot_expert_replicas} needs parallelism.expert_parallel_degree > 1: the "
+        "copies spread the busiest experts' rows over the ep ranks, and ep = 1 has one",
+    ),
+    Rule(
         lambda c: c.moe.stash_rows > 0 and c.moe.exchange != "static",
         "moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with moe.exchange = 'static' "
         "(it stashes that exchange's real rows)",

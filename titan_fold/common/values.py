@@ -8,22 +8,19 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 from titan_fold.common.errors import UserError
 from titan_fold.common.hints import did_you_mean, option_names, unknown_option
+from titan_fold.common.packaged_configs import PACKAGED_CONFIGS, names
 
 
 class ConfigError(UserError, ValueError):
     """A job config value breaks a rule; the message names the key and the rule."""
 
 
-PACKAGED_CONFIGS = Path(__file__).parent.parent / "train_configs"
-
-
 def packaged_configs() -> str:
-    return ", ".join(sorted(p.name for p in PACKAGED_CONFIGS.glob("*.toml")))
+    return ", ".join(names())
 
 
 def resolve_config_file(path: str) -> str:
@@ -134,39 +131,56 @@ def _parse_cli_value(name: str, hint, text: str):
                 return float(text)
             except ValueError:
                 pass
-        elif a is bool and text in ("True", "False"):
-            # a key that may be unset takes a value, spelled as tyro parses it
-            return text == "True"
         elif a is str or typing.get_origin(a) is list:
             return text
-    if bool in candidates:
-        raise ConfigError(f"--{name} {text}: must be True, False or None")
     raise ConfigError(f"--{name} {text}: must be {_type_name(hint)}{did_you_mean(text, _choices(hint), repr)}")
+
+
+# a bool on the command line, in any case: as TOML writes it; `none` unsets a key that may be unset
+BOOL_WORDS = {"true": True, "false": False, "none": None}
+
+
+def _bool_key(name: str, field: Callable[[str], Any]) -> tuple[str, bool, bool] | None:
+    """A bool key as named on the command line: (its `section.key`, whether it may be unset,
+    whether the name negates it: tyro's `--section.no-key`), or None for any other key."""
+    hint = field(name)
+    if hint is bool or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType) and set(typing.get_args(hint)) == {bool, type(None)}
+    ):
+        return name, hint is not bool, False
+    section, _, last = name.rpartition(".")
+    if hint is None and last.startswith("no_") and field(f"{section}.{last[3:]}") is bool:
+        return f"{section}.{last[3:]}", False, True
+    return None
+
+
+def _bool_words(may_be_unset: bool) -> str:
+    return "true, false or none" if may_be_unset else "true or false"
 
 
 def check_cli(args: list[str], field: Callable[[str], Any], keys: Callable[[], list[str]]) -> set[str]:
     """Every `--section.key [value]` names a field and its value has the field's type, so a
     bad override is one line here instead of tyro's box (or a coercion); -> the keys named.
-    field(key): the key's type hint or None; keys(): every key, for the hint."""
+    A bool takes true / false in any case (none where it may be unset), or stands alone for
+    true (`tyro_args` spells it for tyro). field(key): the key's type hint or None; keys():
+    every key, for the hint."""
     named = set()
     for key, name, values in option_names(args):
-        section, _, last = name.rpartition(".")
+        if (found := _bool_key(name, field)) is not None:
+            name, may_be_unset, _ = found
+            named.add(name)
+            if len(values) > 1:
+                raise ConfigError(f"--{key}: needs one value ({_bool_words(may_be_unset)}), got {len(values)}")
+            word = values[0].lower() if values else "true"
+            if word not in BOOL_WORDS or (BOOL_WORDS[word] is None and not may_be_unset):
+                raise ConfigError(f"--{key} {values[0]}: must be {_bool_words(may_be_unset)} (or alone: true)")
+            continue
         hint = field(name)
-        if hint is None and last.startswith("no_") and field(f"{section}.{last[3:]}") is bool:
-            hint, name = bool, f"{section}.{last[3:]}"
         if hint is None:
             raise ConfigError(unknown_option(key, name, keys()))
         named.add(name)
-        if hint is bool:
-            if values:
-                raise ConfigError(
-                    f"--{key} {' '.join(values)}: {name} is a flag, write --{section}.{last} or --{section}.no-{last}"
-                )
-            continue
         if len(values) != 1 and not _takes_list(hint):
-            # a bool that may be unset is spelled as tyro parses it, not as TOML writes it
-            kind = "True, False or None" if bool in typing.get_args(hint) else _type_name(hint)
-            raise ConfigError(f"--{key}: needs one value ({kind}), got {len(values)}")
+            raise ConfigError(f"--{key}: needs one value ({_type_name(hint)}), got {len(values)}")
         if _takes_list(hint):
             element = next(
                 typing.get_args(a)[0] for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is list
@@ -175,6 +189,32 @@ def check_cli(args: list[str], field: Callable[[str], Any], keys: Callable[[], l
         for v in values:
             check_value(name, hint, _parse_cli_value(name, hint, v))
     return named
+
+
+def tyro_args(args: list[str], field: Callable[[str], Any]) -> list[str]:
+    """`args` (checked by check_cli) as tyro reads them: a bool key becomes tyro's flag
+    (`--section.key` or `--section.no-key`) and a key that may be unset `--section.key
+    True|False|None`, whatever case its value was written in or whether it stood alone."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        key, eq, text = arg[2:].partition("=")
+        found = _bool_key(key.replace("-", "_"), field) if arg.startswith("--") else None
+        if found is None:
+            out.append(arg)
+            continue
+        name, may_be_unset, negated = found
+        if not eq and i < len(args) and not args[i].startswith("--"):
+            text, eq = args[i], "="
+            i += 1
+        value = BOOL_WORDS[text.lower()] if eq else True
+        if may_be_unset:
+            out += [f"--{name}", str(value)]
+        else:
+            section, _, last = name.rpartition(".")
+            out.append(f"--{section}.{last}" if value != negated else f"--{section}.no-{last}")
+    return out
 
 
 def hint_text(hint) -> str:

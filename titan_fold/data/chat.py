@@ -156,6 +156,9 @@ def check_record(record, where: str) -> list[dict]:
             raise DataError(f"{where}: message {j} must be {{'role': ..., 'content': a string}}")
         if m["role"] not in ROLES:
             raise DataError(f"{where}: message {j} has unknown role {m['role']!r} (roles: {list(ROLES)})")
+        if m["role"] == "assistant" and not m["content"].strip():
+            # it would teach the model to answer with its end-of-turn marker alone
+            raise DataError(f"{where}: message {j} (assistant) is empty, nothing to train on")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message, nothing to train on")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -164,11 +167,15 @@ def check_record(record, where: str) -> list[dict]:
 def read_conversations(path: str) -> list[list[dict]]:
     """Every record of the jsonl file at path, checked (check_record); records count from 0."""
     conversations: list[list[dict]] = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded line by line: a bad byte is named by its line
+        for line_number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             where = f"training.dataset_path = '{path}': record {len(conversations)} (line {line_number})"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

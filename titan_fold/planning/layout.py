@@ -18,12 +18,14 @@ import torch.distributed as dist
 
 from titan_fold.common.config import Parallelism
 from titan_fold.common.errors import UserError
+from titan_fold.common.pyplot import pyplot
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.pipeline import format_stages, stage_fqns
 from titan_fold.parallel.placement import format_plan, placement_plan
 
 ATTENTION_GROUPS = ("pp", "dp", "cp", "tp", "dp_cp")
 EXPERT_GROUPS = ("pp", "edp", "ep", "etp", "ep_etp")
+PNG_COMMAND = "python -m titan_fold.layout --format png"
 
 
 def _model_args(spec: str):
@@ -119,11 +121,9 @@ def table(rep: dict, gpus_per_node: int | None = None) -> str:
 
 
 def png(rep: dict, out: str, gpus_per_node: int | None = None) -> None:
-    import matplotlib  # lazily: only the png format needs it (test extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot(PNG_COMMAND)
 
     w = rep["world_size"]
     per_node = gpus_per_node or min(w, 8)
@@ -172,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     if args.hot_expert_replicas < 0:
         print(f"--hot-expert-replicas {args.hot_expert_replicas}: must be >= 0", file=sys.stderr)
         return 2
+    if args.format == "png":
+        pyplot(PNG_COMMAND)  # the plot extra, before any work
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise UserError(f"--out {args.out}: the folder {os.path.dirname(os.path.abspath(args.out))} does not exist")
     try:

@@ -54,6 +54,14 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "top"):
         if getattr(args, name) < 1:
             raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    gpus, per_node = args.gpus, args.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        # the cost model places rank r on node r // gpus_per_node: every node but a single one is full
+        whole = gpus - gpus % per_node
+        raise PlanError(
+            f"--gpus {gpus}: must be whole nodes of --gpus-per-node {per_node} ({whole} or {whole + per_node}), "
+            "or one node at most"
+        )
     for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "tflops", "gemm_half_rows"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):

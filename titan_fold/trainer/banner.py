@@ -1,4 +1,5 @@
-"""The lines a real run prints once at start: both meshes, experts per rank, stages, memory per rank."""
+"""The lines a real run prints once at start: both meshes, experts per rank (and copies of hot
+experts), stages, memory per rank."""
 
 import torch.nn as nn
 
@@ -26,19 +27,26 @@ def banner(
     num_stages: int = 1,
     optimizer_split: str | None = None,
 ) -> str:
-    """What a real run prints once at start (rank 0): both meshes, experts per rank,
-    pipeline stages and this rank's parameter/gradient/optimizer memory, as the dry run counts it;
-    with Muon, which parameters take which update (MuonOptimizersContainer.split)."""
+    """What a real run prints once at start (rank 0): both meshes, experts per rank (and the
+    copies of hot experts, when on), pipeline stages and this rank's parameter/gradient/optimizer
+    memory, as the dry run counts it; with Muon, which parameters take which update
+    (MuonOptimizersContainer.split)."""
     att = " x ".join(f"{k} {v}" for k, v in layout.degrees("attention").items())
     exp = " x ".join(f"{k} {v}" for k, v in layout.degrees("expert").items())
+    home, copies = model_args.moe.num_experts // layout.ep, model_args.moe.hot_expert_replicas
     return "\n".join(
         [
             f"titan_fold: {job_config.model.name}/{job_config.model.flavor} on {layout.world_size} "
             + ("rank" if layout.world_size == 1 else "ranks"),
             f"  attention mesh (pp, dp_replicate, dp_shard, cp, tp): {att}",
-            (
-                f"  expert mesh (pp, edp, ep, etp): {exp}; {model_args.moe.num_experts // layout.ep} of "
-                f"{model_args.moe.num_experts} experts per rank"
+            f"  expert mesh (pp, edp, ep, etp): {exp}; {home} of {model_args.moe.num_experts} experts per rank",
+            *(
+                [
+                    f"  copies of hot experts (moe.hot_expert_replicas): the {copies} busiest experts of each "
+                    f"layer call, spread over the ep ranks; {home} + {copies} physical experts per rank"
+                ]
+                if copies
+                else []
             ),
             f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
             f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",

@@ -55,7 +55,7 @@ from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
-from titan_fold.common.storage import StorageError, storage_problem
+from titan_fold.common.storage import StorageError, storage_problem, write_cause
 from titan_fold.moe import update_expert_bias
 from titan_fold.moe.layer import moe_stashes
 from titan_fold.parallel.overlap import OverlapSchedule
@@ -75,15 +75,13 @@ from titan_fold.trainer.world import World, maybe_enable_amp
 
 
 def lock_dump_folder(folder: str) -> DumpFolderLock:
-    """Create the dump folder (a missing parent, a read-only or full disk: one line) and lock it."""
+    """Create the dump folder (checked by preflight; a fault since: one line) and lock it."""
     lock = DumpFolderLock(folder)
     if is_first_rank():
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
-            raise StorageError(f"job.dump_folder: cannot create {folder}: {e.strerror or e}") from None
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise StorageError(f"job.dump_folder: {folder} is not writable")
+            raise StorageError(f"job.dump_folder: cannot write {folder}: {write_cause(folder, e)}") from None
         lock.acquire()
     else:
         lock.check()

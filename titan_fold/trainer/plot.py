@@ -12,8 +12,10 @@ import json
 import os
 
 from titan_fold.common.errors import UserError
+from titan_fold.common.pyplot import pyplot
 from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE, METRICS_FILE
 
+COMMAND = "python -m titan_fold.plot"
 PANELS = [
     ("loss", "loss", False),
     ("grad_norm", "gradient norm", True),
@@ -61,19 +63,8 @@ def run_label(path: str, paths: list[str]) -> str:
     return path
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        raise PlotError('python -m titan_fold.plot needs matplotlib: pip install -e ".[plot]"') from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot(paths: list[str], out: str) -> str:
-    plt = _pyplot()
+    plt = pyplot(COMMAND)
     runs = {run_label(p, paths): read_run(p) for p in paths}
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
     for ax, (key, title, log_scale) in zip(axes.flat, PANELS, strict=True):
@@ -102,7 +93,7 @@ def read_load(path: str) -> list[dict]:
 
 
 def plot_load(path: str, out: str, panels: int = 4) -> str:
-    plt = _pyplot()
+    plt = pyplot(COMMAND)
     records = read_load(path)
     picked = [records[round(i * (len(records) - 1) / max(1, panels - 1))] for i in range(min(panels, len(records)))]
     picked = list({r["step"]: r for r in picked}.values())

@@ -10,9 +10,10 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.files import check_initial_hf_load
-from titan_fold.checkpoint.settings import check_resume, run_settings
+from titan_fold.checkpoint.settings import check_resume, check_resume_step, run_settings
 from titan_fold.common.config import ConfigError, JobConfig
 from titan_fold.common.errors import is_first_rank
+from titan_fold.common.storage import StorageError, folder_problem
 from titan_fold.common.values import no_config_file
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
@@ -120,6 +121,7 @@ def _check_paths(c: Checked) -> None:
             "run as it builds its data loader"
         )
     ckpt = config.checkpoint
+    _check_folders(c)
     if ckpt.initial_load_path and not os.path.exists(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = '{ckpt.initial_load_path}' does not exist")
     if ckpt.create_seed_checkpoint:
@@ -129,7 +131,31 @@ def _check_paths(c: Checked) -> None:
             raise ConfigError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
 
 
+def _check_folders(c: Checked) -> None:
+    """The folders the run writes, judged where they would be made: every rank looks alike and
+    says the same line. A dry run writes only its report (comm.dry_run_json, else into
+    job.dump_folder); the run's folders may be the cluster's, so it notes the others."""
+    config = c.config
+    folders = {"job.dump_folder": config.job.dump_folder}
+    if config.checkpoint.enable:
+        folders["checkpoint.folder"] = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    written = set(folders)
+    if c.not_checked is not None:
+        report = config.comm.dry_run_json
+        if report:
+            folders["comm.dry_run_json"] = os.path.dirname(os.path.abspath(report))
+        written = {"comm.dry_run_json" if report else "job.dump_folder"}
+    for key, folder in folders.items():
+        if problem := folder_problem(folder):
+            line = f"{key}: cannot write {folder}: {problem}"
+            if key in written:
+                raise StorageError(line)
+            assert c.not_checked is not None  # only a dry run leaves a folder unwritten
+            c.not_checked.append(f"not checked here: {line}")
+
+
 def _check_resume(c: Checked) -> None:
+    check_resume_step(c.config)
     # the checkpoint a resume loads was saved with these settings (checkpoint/manager.py)
     if c.tokenizer is None:
         return
