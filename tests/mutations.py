@@ -275,6 +275,18 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_hot_replicas_train.py::test_pp2_ep2_with_copies_matches_one_rank",
         ),
     ),
+    Mutation(
+        "neighbours_ignore_given_degrees",
+        "a refusal's valid neighbours chosen without the other degrees as given (dp_shard, edp, ...)",
+        "titan_fold/parallel/mesh.py",
+        "fits(self.world_size, self._given | others | {name: d}, sizes)",
+        "fits(self.world_size, others | {name: d}, sizes)",
+        tuple(
+            f"tests/test_layout.py::test_every_proposed_neighbour_passes_or_moves_to_a_later_check[{case}]"
+            for case in ("qwen3_30b_at_2", "dp_shard_given")
+        ),
+        fast=True,
+    ),
 )
 
 
