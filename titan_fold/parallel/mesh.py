@@ -13,6 +13,7 @@ torchtitan's names ("batch", "loss", "fsdp", "efsdp", ...) and ours ("dp", "dp_c
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -425,7 +426,7 @@ def model_sizes(model_args, seq_len: int | None = None) -> dict:
     )
 
 
-def fits(world_size: int, degrees: dict[str, int], sizes: dict | None = None) -> bool:
+def fits(world_size: int, degrees: dict[str, Any], sizes: dict | None = None) -> bool:
     """Whether `degrees` (Layout's keywords) form both meshes of world_size ranks and pass
     `validate(**sizes)`: the test a proposed neighbour passes."""
     try:
