@@ -276,6 +276,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "ranks_print_their_line_under_the_launcher",
+        "under python -m titan_fold.run the ranks print their refusal too (the launcher prints it)",
+        "titan_fold/common/errors.py",
+        "            return  # the launcher prints the first failing rank's line\n",
+        "            pass\n",
+        tuple(
+            f"tests/test_run.py::test_refusal_is_one_line_exit_2_whichever_rank_fails_first[{case}]"
+            for case in ("rank_1_fails_first", "rank_0_fails_first")
+        ),
+    ),
+    Mutation(
+        "launcher_ignores_when_ranks_failed",
+        "the launcher's first failing rank taken in the agent's order, not by the ranks' clocks",
+        "titan_fold/run.py",
+        'failures[r].error_file_data.get("time_ns", 0)',
+        "0",
+        tuple(
+            f"tests/test_run.py::test_first_failure[{case}]" for case in ("earlier_line", "earlier_line_found_later")
+        ),
+        fast=True,
+    ),
+    Mutation(
         "neighbours_ignore_given_degrees",
         "a refusal's valid neighbours chosen without the other degrees as given (dp_shard, edp, ...)",
         "titan_fold/parallel/mesh.py",
