@@ -486,7 +486,10 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
         fit_warmup(config)
         if "LOCAL_RANK" not in os.environ:
-            raise UserError("start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ...")
+            raise UserError(
+                "start the trainer with its launcher: python -m titan_fold.run --nproc_per_node N ... "
+                "(or torchrun --nproc_per_node N -m titan_fold.train ...)"
+            )
         # last of the checks, so a rejected run leaves no folder behind
         lock = lock_dump_folder(config.job.dump_folder)
         trainer = FoldTrainer(config, stop_signals)
