@@ -298,6 +298,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "shrink_drops_the_folding",
+        "--debug.shrink sets every degree to 1 instead of keeping the folding's shape where it fits",
+        "titan_fold/trainer/shrink.py",
+        "(d for d in divisors(world_size) if d <= wanted[key])",
+        "(d for d in divisors(world_size) if d <= 1)",
+        tuple(
+            f"tests/test_shrink.py::test_shrunk_config_keeps_the_folding_where_it_fits[{case}]"
+            for case in ("qwen3_30b_a3b.toml-2", "mixtral_8x22b.toml-2")
+        ),
+        fast=True,
+    ),
+    Mutation(
         "neighbours_ignore_given_degrees",
         "a refusal's valid neighbours chosen without the other degrees as given (dp_shard, edp, ...)",
         "titan_fold/parallel/mesh.py",

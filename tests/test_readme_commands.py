@@ -51,7 +51,7 @@ NOT_RUN = [
     (r"^python -m pytest", "the test suite itself (.ci/run)"),
     (r"--nnodes ([2-9]|\d\d)", "several nodes"),
     (
-        r"(^|\s)(torchrun|python -m titan_fold\.run) .*--job\.config_file "
+        r"^(?!.*--debug\.shrink)(.*\s)?(torchrun|python -m titan_fold\.run) .*--job\.config_file "
         r"(qwen3_30b_a3b|sft_qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
         "a full-size model: GPUs",
     ),

@@ -68,6 +68,7 @@ from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.muon import MuonOptimizersContainer
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.preflight import preflight
+from titan_fold.trainer.shrink import shrink
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
 from titan_fold.trainer.step import TrainStep
 from titan_fold.trainer.train_spec import register_train_specs
@@ -478,6 +479,10 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
     trainer, lock, config, clean = None, None, None, False
     try:
         config = parse_args(args)
+        if config.debug.shrink:  # before every check: they check the small run
+            ranks = os.environ.get("NGPU" if config.comm.mode == "fake_backend" else "WORLD_SIZE", "1")
+            for line in shrink(config, int(ranks)):
+                say(line)
         if config.comm.mode != "default":
             # torchtitan's dry run (NGPU fake ranks in one process): titan_fold's own (dryrun/)
             if dry_run is None:
