@@ -25,7 +25,7 @@ import signal
 import sys
 
 from titan_fold import train
-from titan_fold.common.errors import LAUNCHER_ENV, UserError
+from titan_fold.common.errors import LAUNCHER_ENV, UserError, run_command
 
 PROG = "python -m titan_fold.run"
 USAGE = (
@@ -34,8 +34,9 @@ USAGE = (
     "torchrun starts them (its options: python -m torch.distributed.run --help). On a failure:\n"
     "the first failing rank's line, once; exit code 2 for bad input. The trainer's options:\n\n"
 )
-# what a rank's exit code says without a line of ours: these the rank has said itself
-SAID_BY_THE_RANK = {2: "bad input", 3: "NaN/Inf stop", 130: "Ctrl-C", 143: "SIGTERM/SIGUSR1"}
+# the exit codes whose line the rank prints itself: bad input (without the launcher), NaN/Inf
+# stop, Ctrl-C, SIGTERM/SIGUSR1
+SAID_BY_THE_RANK = (2, 3, 130, 143)
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -125,6 +126,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from titan_fold.common.errors import run_command
-
     run_command(lambda: main(sys.argv[1:]))
