@@ -275,6 +275,52 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_hot_replicas_train.py::test_pp2_ep2_with_copies_matches_one_rank",
         ),
     ),
+    Mutation(
+        "ranks_print_their_line_under_the_launcher",
+        "under python -m titan_fold.run the ranks print their refusal too (the launcher prints it)",
+        "titan_fold/common/errors.py",
+        "            return  # the launcher prints the first failing rank's line\n",
+        "            pass\n",
+        tuple(
+            f"tests/test_run.py::test_refusal_is_one_line_exit_2_whichever_rank_fails_first[{case}]"
+            for case in ("rank_1_fails_first", "rank_0_fails_first")
+        ),
+    ),
+    Mutation(
+        "launcher_ignores_when_ranks_failed",
+        "the launcher's first failing rank taken in the agent's order, not by the ranks' clocks",
+        "titan_fold/run.py",
+        'failures[r].error_file_data.get("time_ns", 0)',
+        "0",
+        tuple(
+            f"tests/test_run.py::test_first_failure[{case}]" for case in ("earlier_line", "earlier_line_found_later")
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "shrink_drops_the_folding",
+        "--debug.shrink sets every degree to 1 instead of keeping the folding's shape where it fits",
+        "titan_fold/trainer/shrink.py",
+        "(d for d in divisors(world_size) if d <= wanted[key])",
+        "(d for d in divisors(world_size) if d <= 1)",
+        tuple(
+            f"tests/test_shrink.py::test_shrunk_config_keeps_the_folding_where_it_fits[{case}]"
+            for case in ("qwen3_30b_a3b.toml-2", "mixtral_8x22b.toml-2")
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "neighbours_ignore_given_degrees",
+        "a refusal's valid neighbours chosen without the other degrees as given (dp_shard, edp, ...)",
+        "titan_fold/parallel/mesh.py",
+        "fits(self.world_size, self._given | others | {name: d}, sizes)",
+        "fits(self.world_size, others | {name: d}, sizes)",
+        tuple(
+            f"tests/test_layout.py::test_every_proposed_neighbour_passes_or_moves_to_a_later_check[{case}]"
+            for case in ("qwen3_30b_at_2", "dp_shard_given")
+        ),
+        fast=True,
+    ),
 )
 
 

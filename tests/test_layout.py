@@ -1,6 +1,7 @@
 """Layout tests on the fake process group, against an independent Megatron-Core reference."""
 
 import json
+import re
 import time
 from dataclasses import asdict
 
@@ -157,7 +158,7 @@ def test_efsdp_kept_with_ep_even_at_size_1(fake_world):
         (dict(world_size=8, pp=3), ["pp(3) must divide world_size(8)", "valid pp: 2, 4, 8"]),
         (dict(world_size=8, tp=0), ["tp must be an integer >= 1, got 0"]),
         (dict(world_size=8, dp_shard=0), ["dp_shard must be -1 (derived) or an integer >= 1, got 0"]),
-        (dict(world_size=12, dp_replicate=8), ["dp_replicate(8)", "tp in {none}", "dp_replicate in {4, 6, 12}"]),
+        (dict(world_size=12, dp_replicate=8), ["dp_replicate(8)", "valid neighbours: dp_replicate in {4, 6, 12}"]),
     ],
 )
 def test_degree_errors(kwargs, pieces):
@@ -323,3 +324,84 @@ def test_cli_placements_print_the_plan(capsys):
     assert "supported are" in capsys.readouterr().err
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# refused layouts (config file, world size, overrides): each neighbour a refusal proposes, applied
+# alone, passes the run's layout check (preflight's first) or is refused by a later part of it
+# (the other mesh, then the model's sizes), never by the same one; following the hints always
+# ends in a layout that passes
+REFUSED = [
+    pytest.param("qwen3_30b_a3b.toml", 2, [], id="qwen3_30b_at_2"),  # dp_shard 2 x cp 4, ep 8 x edp 1 given
+    pytest.param("qwen3_30b_a3b.toml", 4, [], id="qwen3_30b_at_4"),
+    pytest.param("qwen3_30b_a3b.toml", 8, ["--parallelism.context_parallel_degree", "2"], id="qwen3_30b_cp2_at_8"),
+    pytest.param("qwen2.toml", 12, [], id="qwen2_at_12"),
+    pytest.param("mixtral_8x22b.toml", 32, [], id="mixtral_at_32"),
+    pytest.param(
+        "debug_moe.toml",
+        16,
+        ["--parallelism.data_parallel_shard_degree", "3", "--parallelism.tensor_parallel_degree", "2"],
+        id="dp_shard_given",
+    ),
+    pytest.param("debug_moe.toml", 16, ["--parallelism.expert_parallel_degree", "3"], id="ep3"),
+    pytest.param(
+        "debug_moe.toml",
+        8,
+        ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_data_parallel_degree", "2"],
+        id="edp_given",
+    ),
+    pytest.param("debug_moe.toml", 8, ["--parallelism.tensor_parallel_degree", "8"], id="tp_past_kv_heads"),
+    pytest.param(
+        "debug_moe.toml",
+        8,
+        ["--parallelism.pipeline_parallel_degree", "3", "--parallelism.tensor_parallel_degree", "2"],
+        id="pp3",
+    ),
+    pytest.param(
+        "debug_moe.toml",
+        24,
+        ["--parallelism.expert_parallel_degree", "3", "--parallelism.expert_tensor_parallel_degree", "2"],
+        id="ep3_etp2_at_24",
+    ),
+]
+
+
+def proposed_neighbours(message: str) -> list[tuple[str, int]]:
+    """(degree name, value) of every neighbour a LayoutError's line proposes."""
+    found = [(name, int(v)) for name, v in re.findall(r"\b(dp_shard)=(\d+) \(or -1", message)]
+    found += [("edp", -1)] if "edp=-1 derives it" in message else []
+    for name, values in re.findall(r"\b(\w+) in \{([\d, ]+)\}", message):
+        found += [(name, int(v)) for v in values.split(", ")]
+    for name, values in re.findall(r"\bvalid (\w+)(?: \([^)]*\))?: ([\d, ]+\d)", message):
+        found += [(name, int(v)) for v in values.split(", ")]
+    return found
+
+
+def _refused_check(message: str) -> str:
+    """The check a refusal names (`attention mesh`, `num_experts(8) % ep`, ...), its numbers left out."""
+    rule = message.split("): ", 1)[1]  # past "--key value, ... (world size N)"
+    return re.sub(r"\(-?\d+\)|\d+", "", rule.split(";")[0].split(" = ")[0])
+
+
+@pytest.mark.parametrize("config_file, world, overrides", REFUSED)
+def test_every_proposed_neighbour_passes_or_moves_to_a_later_check(config_file, world, overrides):
+    from titan_fold.common.config import parse_args
+    from titan_fold.trainer.preflight import CHECKS, CONFIG_KEYS, Checked
+
+    def check(extra: list[str]) -> None:
+        dict(CHECKS)["layout"](Checked(parse_args(["--job.config_file", config_file, *overrides, *extra]), world))
+
+    def follow(extra: list[str], refused: list[str]) -> int:
+        """Check with extra; a refusal: each neighbour it proposes followed in turn; -> layouts that passed."""
+        try:
+            check(extra)
+            return 1
+        except LayoutError as e:
+            chain = [*refused, str(e)]
+            assert _refused_check(str(e)) not in map(_refused_check, refused), "\n".join(chain)
+            neighbours = proposed_neighbours(str(e))
+            assert neighbours, "\n".join(chain)  # a refusal proposes at least one neighbour
+            return sum(follow([*extra, f"--{CONFIG_KEYS[n]}", str(v)], chain) for n, v in neighbours)
+
+    with pytest.raises(LayoutError):
+        check([])
+    assert follow([], []) >= 1

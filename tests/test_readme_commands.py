@@ -6,8 +6,10 @@ changed is tested as it reads. Each runs in a fresh working folder per file (the
 commands of one file share it, in order: the seed checkpoint a later command loads, the
 run a plot reads), with only `--training.steps` added to the trainer's commands. Trainer
 ranks and the tools are forked from one process that imported torch once
-(tests/launcher.py): `torchrun --nproc_per_node N` becomes N forked ranks with torchrun's
-environment, `NGPU=N python -m titan_fold.train ...` one process with NGPU set. A command
+(tests/launcher.py): `python -m titan_fold.run --nproc_per_node N` (or `torchrun
+--nproc_per_node N -m titan_fold.train`) becomes N forked ranks with torchrun's environment
+(the launcher itself, and its output on a failure, are tested by tests/test_run.py),
+`NGPU=N python -m titan_fold.train ...` one process with NGPU set. A command
 that resumes an earlier one's checkpoint trains 2 steps past it.
 
 Not run here, by rule (`NOT_RUN`), each with its reason: the install lines (CI's .ci/run
@@ -32,6 +34,8 @@ except ModuleNotFoundError:  # Python 3.10
 import pytest
 from conftest import forked
 
+from titan_fold.run import split_args
+
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +51,8 @@ NOT_RUN = [
     (r"^python -m pytest", "the test suite itself (.ci/run)"),
     (r"--nnodes ([2-9]|\d\d)", "several nodes"),
     (
-        r"(^|\s)torchrun .*--job\.config_file (qwen3_30b_a3b|sft_qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
+        r"^(?!.*--debug\.shrink)(.*\s)?(torchrun|python -m titan_fold\.run) .*--job\.config_file "
+        r"(qwen3_30b_a3b|sft_qwen3_30b_a3b|qwen2|mixtral_8x22b\w*|deepseek_v3_(16b|671b))\.toml",
         "a full-size model: GPUs",
     ),
     (r"^python (bench/|-m bench (?!--help))", "GPU benchmark runs"),
@@ -152,16 +157,13 @@ def run(command: str) -> tuple[int, str]:
     while re.match(r"^[A-Z_]+=", words[0]):
         key, value = words.pop(0).split("=", 1)
         env[key] = value
-    if words[0] == "torchrun":
-        args = words[1:]
-        nproc = 1
-        while args and args[0] != "-m":
-            option = args.pop(0)
-            if option.startswith("--nproc_per_node"):
-                nproc = int(option.split("=", 1)[1] if "=" in option else args.pop(0))
-            elif "=" not in option and option not in ("--standalone",) and args and not args[0].startswith("-"):
-                args.pop(0)  # another torchrun option's value
-        module, args = args[1], args[2:]
+    if words[0] == "torchrun" or words[:3] == ["python", "-m", "titan_fold.run"]:
+        if words[0] == "torchrun":
+            at = words.index("-m")
+            options, module, args = words[1:at], words[at + 1], words[at + 2 :]
+        else:
+            (options, args), module = split_args(words[3:]), "titan_fold.train"
+        nproc = int(_option(options, "--nproc_per_node") or _option(options, "--nproc-per-node") or 1)
         codes, out, err = forked(nproc, module, *args, "--training.steps", str(training_steps(args)), env=env)
     else:
         assert words[0] in ("python", "python3"), command

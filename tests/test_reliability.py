@@ -260,7 +260,8 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
     r = one_process(tmp_path / "run")  # a good config, but no torchrun
     assert r.returncode == 2 and worker_lines(r.stderr, "error:") == [
-        "error: start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ..."
+        "error: start the trainer with its launcher: python -m titan_fold.run --nproc_per_node N ... "
+        "(or torchrun --nproc_per_node N -m titan_fold.train ...)"
     ], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 

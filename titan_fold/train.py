@@ -1,6 +1,7 @@
 """The training command: trains (trainer/), or dry-runs the job at NGPU ranks on one CPU with `--comm.mode fake_backend` (dryrun/).
 
-torchrun --nproc_per_node N -m titan_fold.train --job.config_file FILE.toml [--section.key value ...]
+python -m titan_fold.run --nproc_per_node N --job.config_file FILE.toml [--section.key value ...]
+starts it on each rank (run.py), as `torchrun --nproc_per_node N -m titan_fold.train ...` does.
 """
 
 import contextlib

@@ -148,6 +148,11 @@ class Debug(TitanDebug):
     seed: int | None = 0
     """Base RNG seed (weights, data-independent randomness). A fixed default, so the same command
     gives the same losses; pass another value to vary the run."""
+    shrink: bool = False
+    """Try the config small: its family's debug model, a short sequence and batch, a few steps in
+    fp32, no compile, recompute or checkpoint, the degrees fitted to the ranks launched (keeping
+    the folding's shape where it fits), into `<dump_folder>_shrunk`; the changes are printed
+    (docs/running.md)."""
 
 
 @dataclass

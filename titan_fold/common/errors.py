@@ -9,7 +9,9 @@ Under torchrun every rank runs the same checks and fails the same way. The first
 node to fail prints the line (rank 0 may be stopped by torchrun before it gets there), and
 the line also goes into torchrun's error file, so torchrun's own failure summary, which it
 prints after any worker exits non-zero, shows that line as the root cause instead of a
-Python traceback. That summary cannot be avoided from inside a worker.
+Python traceback. That summary cannot be avoided from inside a worker. Under
+`python -m titan_fold.run` (run.py) the ranks only fill their error file, and the launcher
+prints the first failing rank's line, without a summary.
 """
 
 import json
@@ -21,6 +23,8 @@ from typing import NoReturn
 
 # torchrun (torch.distributed.elastic) gives each worker an error file to fill when it fails
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# set by `python -m titan_fold.run` for its ranks: it prints the first failing rank's line itself
+LAUNCHER_ENV = "TITAN_FOLD_LAUNCHER"
 
 
 class UserError(Exception):
@@ -51,9 +55,15 @@ def _first_to_report() -> bool:
 
 
 def _write_error_file(error: UserError) -> None:
-    """The error in torchrun's error-file format, with the one line in place of a traceback."""
+    """The error in torchrun's error-file format, with the one line in place of a traceback;
+    "line" and "time_ns" (when it failed, finer than torchrun's seconds) for run.py."""
     line = f"{type(error).__name__}: {error}"
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    now = time.time_ns()
+    data = {
+        "message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(now // 10**9)}},
+        "line": f"error: {error}",
+        "time_ns": now,
+    }
     with open(os.environ[ERROR_FILE_ENV], "w") as f:
         json.dump(data, f)
 
@@ -61,6 +71,8 @@ def _write_error_file(error: UserError) -> None:
 def report(error: UserError) -> None:
     if os.environ.get(ERROR_FILE_ENV):
         _write_error_file(error)
+        if os.environ.get(LAUNCHER_ENV):
+            return  # the launcher prints the first failing rank's line
     if _first_to_report():
         print(f"error: {error}", file=sys.stderr, flush=True)
 

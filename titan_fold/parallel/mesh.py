@@ -13,6 +13,7 @@ torchtitan's names ("batch", "loss", "fsdp", "efsdp", ...) and ours ("dp", "dp_c
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -20,7 +21,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 
 from titan_fold.common.errors import UserError
 
-__all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED", "divisors"]
+__all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED", "divisors", "fits", "model_sizes"]
 
 ATTENTION_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
@@ -72,8 +73,16 @@ class Layout(ParallelDims):
         ep: int = 1,
         etp: int = 1,
         edp: int = -1,
+        model: dict | None = None,
+        hints: bool = True,
     ):
+        """model: the sizes `validate` will be given (num_experts=, n_heads=, ...), so that the
+        neighbours a refusal proposes pass those checks too; hints False: refusals propose none
+        (how the neighbours are tried, and a search that only counts the layouts that fit)."""
         self.world_size = world_size
+        # the degrees as given (dp_shard and edp are derived in place): what a neighbour changes one of
+        self._given = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp, edp=edp)
+        self._model, self._hints = model or {}, hints
         self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp = pp, dp_replicate, dp_shard, cp, tp
         self.ep, self.etp, self.edp = ep, etp, edp
         self._meshes: dict[str, DeviceMesh] = {}
@@ -100,7 +109,7 @@ class Layout(ParallelDims):
 
         pp, dpr, cp, tp, ep, etp = self.pp, self.dp_replicate, self.cp, self.tp, self.ep, self.etp
         if w % pp:
-            raise LayoutError(f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(_nearest(pp, divisors(w)))}")
+            raise LayoutError(f"pp({pp}) must divide world_size({w}); valid pp: {_fmt(self._neighbours('pp'))}")
         per_stage = w // pp
 
         # attention: pp * dp_replicate * dp_shard * cp * tp == world_size
@@ -125,38 +134,53 @@ class Layout(ParallelDims):
             if per_stage % (ep * etp):
                 raise LayoutError(
                     f"expert mesh: ep({ep}) * etp({etp}) = {ep * etp} must divide world_size / pp = "
-                    f"{w} / {pp} = {per_stage} so that edp can be derived; " + self._expert_neighbours(per_stage)
+                    f"{w} / {pp} = {per_stage} so that edp can be derived; " + self._expert_neighbours()
                 )
             self.edp = per_stage // (ep * etp)
         if pp * self.edp * ep * etp != w:
             hint = (
                 f"edp=-1 derives it ({per_stage // (ep * etp)})"
                 if per_stage % (ep * etp) == 0
-                else self._expert_neighbours(per_stage)
+                else self._expert_neighbours()
             )
             raise LayoutError(
                 f"expert mesh: pp({pp}) * edp({self.edp}) * ep({ep}) * etp({etp}) = "
                 f"{pp * self.edp * ep * etp} != world_size({w}); {hint}"
             )
 
+    def _neighbours(self, name: str, sizes: dict | None = None) -> list[int]:
+        """The values of degree `name` nearest the given one that pass the check refusing it,
+        the other degrees as given: its mesh (the other mesh's degrees left out: a refusal
+        of that one, if any, comes next with its own neighbours) with the model's sizes
+        (those at build), or, `sizes` given, both meshes and these sizes."""
+        if not self._hints:
+            return []
+        if sizes is not None:  # a model check: both meshes have formed
+            others = {}
+        elif name in ("ep", "etp", "edp"):
+            others = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1)
+        else:
+            others = dict(ep=1, etp=1, edp=-1)
+        sizes = self._model if sizes is None else sizes
+        valid = [d for d in divisors(self.world_size) if fits(self.world_size, self._given | others | {name: d}, sizes)]
+        return _nearest(self._given[name], valid)
+
     def _attention_neighbours(self, per_stage: int) -> str:
         dpr, cp, tp = self.dp_replicate, self.cp, self.tp
         hints = []
         if per_stage % (dpr * cp * tp) == 0:
             hints.append(f"dp_shard={per_stage // (dpr * cp * tp)} (or -1 to derive it)")
-        for name, others in (("tp", dpr * cp), ("cp", dpr * tp), ("dp_replicate", cp * tp)):
-            valid = [d for d in divisors(per_stage) if per_stage % (d * others) == 0]
-            hints.append(f"{name} in {{{_fmt(_nearest(getattr(self, name), valid))}}}")
-        return "valid neighbours: " + "; ".join(hints)
+        for name in ("tp", "cp", "dp_replicate"):
+            if valid := self._neighbours(name):
+                hints.append(f"{name} in {{{_fmt(valid)}}}")
+        return "valid neighbours: " + ("; ".join(hints) or "none with one degree changed")
 
-    def _expert_neighbours(self, per_stage: int) -> str:
-        ep, etp = self.ep, self.etp
-        valid_ep = [d for d in divisors(per_stage) if per_stage % (d * etp) == 0]
-        valid_etp = [d for d in divisors(per_stage) if per_stage % (ep * d) == 0]
-        return (
-            f"valid neighbours: ep in {{{_fmt(_nearest(ep, valid_ep))}}} (with etp={etp}); "
-            f"etp in {{{_fmt(_nearest(etp, valid_etp))}}} (with ep={ep})"
-        )
+    def _expert_neighbours(self) -> str:
+        hints = []
+        for name, other in (("ep", "etp"), ("etp", "ep")):
+            if valid := self._neighbours(name):
+                hints.append(f"{name} in {{{_fmt(valid)}}} (with {other}={getattr(self, other)})")
+        return "valid neighbours: " + ("; ".join(hints) or "none with one degree changed")
 
     def validate(
         self,
@@ -168,28 +192,31 @@ class Layout(ParallelDims):
         sequence_parallel: bool = True,
     ) -> "Layout":
         """Check the degrees against the model's sizes; None skips a check. Returns self."""
-        per_stage = self.world_size // self.pp
         ep, etp, tp, cp = self.ep, self.etp, self.tp, self.cp
+        sizes = dict(
+            num_experts=num_experts,
+            moe_ffn_dim=moe_ffn_dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            seq_len=seq_len,
+            sequence_parallel=sequence_parallel,
+        )
         if num_experts is not None and num_experts % ep:
-            valid = [d for d in divisors(num_experts) if per_stage % (d * etp) == 0]
             raise LayoutError(
                 f"num_experts({num_experts}) % ep({ep}) = {num_experts % ep} != 0: every EP rank holds "
                 f"num_experts / ep experts; valid ep (dividing {num_experts} and world_size / pp / etp): "
-                f"{_fmt(_nearest(ep, valid))}"
+                f"{_fmt(self._neighbours('ep', sizes))}"
             )
         if moe_ffn_dim is not None and moe_ffn_dim % etp:
-            valid = [d for d in divisors(per_stage // math.gcd(per_stage, ep)) if moe_ffn_dim % d == 0]
             raise LayoutError(
                 f"moe_ffn_dim({moe_ffn_dim}) % etp({etp}) = {moe_ffn_dim % etp} != 0: ETP shards the "
-                f"expert ffn width; valid etp: {_fmt(_nearest(etp, valid))}"
+                f"expert ffn width; valid etp: {_fmt(self._neighbours('etp', sizes))}"
             )
-        tp_room = per_stage // math.gcd(per_stage, self.dp_replicate * cp)
         for what, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads is not None and heads % tp:
-                valid = [d for d in divisors(tp_room) if heads % d == 0 and (n_heads or heads) % d == 0]
                 raise LayoutError(
                     f"{what}({heads}) % tp({tp}) = {heads % tp} != 0: TP shards attention heads; "
-                    f"valid tp: {_fmt(_nearest(tp, valid))}"
+                    f"valid tp: {_fmt(self._neighbours('tp', sizes))}"
                 )
         if seq_len is not None:
             need = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel and tp > 1 else 1)
@@ -208,14 +235,7 @@ class Layout(ParallelDims):
 
     def validate_model(self, model_args, seq_len: int | None = None) -> "Layout":
         """`validate` against a model's sizes (a TransformerArgs); None skips the sequence check."""
-        moe = model_args.moe
-        return self.validate(
-            num_experts=moe.num_experts,
-            moe_ffn_dim=moe.moe_ffn_dim,
-            n_heads=model_args.n_heads,
-            n_kv_heads=model_args.n_kv_heads,
-            seq_len=seq_len,
-        )
+        return self.validate(**model_sizes(model_args, seq_len))
 
     # ---- meshes ----
 
@@ -393,3 +413,24 @@ class Layout(ParallelDims):
         rest = [i for i in range(full.ndim) if i not in keep]
         rows = full.permute(*rest, *keep).reshape(-1, math.prod(full.shape[i] for i in keep))
         return rows[rows[:, 0].argsort()]
+
+
+def model_sizes(model_args, seq_len: int | None = None) -> dict:
+    """A model's sizes (a TransformerArgs) as `validate`'s keywords; None skips the sequence check."""
+    return dict(
+        num_experts=model_args.moe.num_experts,
+        moe_ffn_dim=model_args.moe.moe_ffn_dim,
+        n_heads=model_args.n_heads,
+        n_kv_heads=model_args.n_kv_heads,
+        seq_len=seq_len,
+    )
+
+
+def fits(world_size: int, degrees: dict[str, Any], sizes: dict | None = None) -> bool:
+    """Whether `degrees` (Layout's keywords) form both meshes of world_size ranks and pass
+    `validate(**sizes)`: the test a proposed neighbour passes."""
+    try:
+        Layout(world_size, **degrees, hints=False).validate(**(sizes or {}))
+    except LayoutError:
+        return False
+    return True

@@ -36,7 +36,17 @@ def enumerate_mappings(world: int, sizes: ModelSizes, seq_len: int, fixed: dict 
                             if not (ok("ep", ep) and ok("etp", etp)):
                                 continue
                             try:
-                                lay = Layout(world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, etp=etp)
+                                lay = Layout(
+                                    world,
+                                    pp=pp,
+                                    dp_replicate=dpr,
+                                    dp_shard=dps,
+                                    cp=cp,
+                                    tp=tp,
+                                    ep=ep,
+                                    etp=etp,
+                                    hints=False,
+                                )
                                 lay.validate_model(sizes.args, seq_len)
                             except LayoutError:
                                 continue

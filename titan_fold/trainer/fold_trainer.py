@@ -68,6 +68,7 @@ from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.muon import MuonOptimizersContainer
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.preflight import preflight
+from titan_fold.trainer.shrink import shrink
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
 from titan_fold.trainer.step import TrainStep
 from titan_fold.trainer.train_spec import register_train_specs
@@ -476,6 +477,10 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
     trainer, lock, config, clean = None, None, None, False
     try:
         config = parse_args(args)
+        if config.debug.shrink:  # before every check: they check the small run
+            ranks = os.environ.get("NGPU" if config.comm.mode == "fake_backend" else "WORLD_SIZE", "1")
+            for line in shrink(config, int(ranks)):
+                say(line)
         if config.comm.mode != "default":
             # torchtitan's dry run (NGPU fake ranks in one process): titan_fold's own (dryrun/)
             if dry_run is None:
@@ -484,7 +489,10 @@ def main(args: list[str] | None = None, dry_run: Callable[[JobConfig], int] | No
         preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
         fit_warmup(config)
         if "LOCAL_RANK" not in os.environ:
-            raise UserError("start the trainer with torchrun: torchrun --nproc_per_node N -m titan_fold.train ...")
+            raise UserError(
+                "start the trainer with its launcher: python -m titan_fold.run --nproc_per_node N ... "
+                "(or torchrun --nproc_per_node N -m titan_fold.train ...)"
+            )
         # last of the checks, so a rejected run leaves no folder behind
         lock = lock_dump_folder(config.job.dump_folder)
         trainer = FoldTrainer(config, stop_signals)

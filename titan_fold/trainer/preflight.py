@@ -19,13 +19,14 @@ from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.moe.quack import quack_problem, varying_rows
-from titan_fold.parallel.mesh import Layout, LayoutError
+from titan_fold.parallel.mesh import Layout, LayoutError, model_sizes
 from titan_fold.parallel.overlap import overlap_problem
 from titan_fold.parallel.pipeline import check_pipeline
 from titan_fold.trainer.train_spec import register_train_specs
 
 
-def layout_from_config(config: JobConfig, world_size: int) -> Layout:
+def layout_from_config(config: JobConfig, world_size: int, model: dict | None = None) -> Layout:
+    """model: the sizes the layout is then validated against (Layout's `model`)."""
     p = config.parallelism
     return Layout(
         world_size=world_size,
@@ -37,6 +38,7 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
         ep=p.expert_parallel_degree,
         etp=p.expert_tensor_parallel_degree,
         edp=p.expert_data_parallel_degree,
+        model=model,
     )
 
 
@@ -232,8 +234,8 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
     if problem := moe.routing_problem():
         raise ConfigError(problem)
     try:
-        layout = layout_from_config(config, world_size)
-        layout.validate_model(model_args, config.training.seq_len)
+        sizes = model_sizes(model_args, config.training.seq_len)
+        layout = layout_from_config(config, world_size, sizes).validate(**sizes)
     except LayoutError as e:
         # the rule speaks of ep, tp, ...; the user typed --parallelism.expert_parallel_degree
         named = dict.fromkeys(re.findall(r"\b(\w+)\((-?\d+)\)", str(e)))
