@@ -1,14 +1,18 @@
 """Planted bugs that the tests must catch: `python -m tests.mutations [NAME ...]`.
 
-Each mutation replaces one piece of text (found exactly once) in a copy of the repository and
-runs the tests named for it there, with the copy first on the import path; the mutation is
-caught when every one of those tests fails (reported FAILED, not a collection error). The
-unmutated suite passes the same tests, so each catch is the bug's doing.
+Each mutation replaces one piece of text (found exactly once) in a copy of the repository. Its
+named tests run first in an unmutated copy (the baseline: each must pass), then with the
+mutation planted; it is caught when every named test fails on a test's assertion about values
+(tests/outcomes/failures.py: an AssertionError raised by test code, assert_close, pytest.approx).
+A crash, another exception, a failing fixture, a collection error or a timeout is not a catch,
+and the runner says which. tests/outcomes/pytest_outcomes.py, a pytest plugin, tells the runner
+what each test failed on, including the exceptions that ended its ranks and subprocesses.
 
-`--record` writes the outcome of the run to tests/data/mutation_results.json with each
-mutation's fingerprint; `--list` prints the list with those outcomes (docs/running.md quotes
-it). tests/test_mutations.py checks that the record covers the list as it is, every
-mutation caught, and runs the ones marked `fast` again in the CPU suite.
+`--record [NAME ...]` writes the outcomes (of all, or of the named ones, the others kept) to
+tests/data/mutation_results.json, each with a fingerprint of the mutation and of its test
+files; `--check` lists the entries that are stale, missing or not caught; `--list` prints the
+list with the recorded outcomes (docs/running.md quotes it). tests/test_mutations.py checks the
+record and the runner itself, and runs the mutations marked `fast` again in the CPU suite.
 """
 
 import argparse
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,10 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "tests" / "data" / "mutation_results.json"
+PLUGIN = ROOT / "tests" / "outcomes"  # pytest_outcomes.py, the plugin; taken from here, never from a mutated copy
 # what a copy leaves out: history, environments, outputs and caches
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv", "outputs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
 )
+MIN_COUNT = 38  # the suite's floor on the number of mutations caught (tests/test_mutations.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +49,13 @@ class Mutation:
     tests: tuple[str, ...]  # pytest node ids that must fail
     fast: bool = False  # run by the CPU suite (tests/test_mutations.py)
 
-    def fingerprint(self) -> str:
-        """Changes with anything that defines the mutation (a record of another one is stale)."""
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+    def fingerprint(self, root: Path = ROOT) -> str:
+        """Changes with the mutation (its file, text and tests) and with its test files' contents."""
+        digest = hashlib.sha256(json.dumps([self.path, self.old, self.new, sorted(self.tests)]).encode())
+        for test_file in sorted({t.split("::")[0] for t in self.tests}):
+            path = root / test_file
+            digest.update(path.read_bytes() if path.exists() else b"missing")
+        return digest.hexdigest()[:16]
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -289,72 +300,146 @@ def mutate(mutation: Mutation, root: Path) -> None:
 
 
 @dataclasses.dataclass
+class Tests:
+    """One pytest run's verdict on each test it was given."""
+
+    verdicts: dict[str, str]  # node id -> "passed" | "assertion: ..." | "crash: ..." | "timeout ..." | ...
+    seconds: dict[str, float]  # node id -> setup + call + teardown
+    output: str  # pytest's
+
+
+def run_tests(root: Path, tests: list[str], timeout: float) -> Tests:
+    """Run `tests` in the repository at `root` with the outcomes plugin; a test pytest did not
+    report is a collection error (or "not run"), and all are a timeout past `timeout` seconds."""
+    with tempfile.TemporaryDirectory(prefix="outcomes_") as tmp:
+        outcomes = Path(tmp, "outcomes.json")
+        paths = [str(root), str(PLUGIN), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "TITAN_FOLD_OUTCOMES": str(outcomes)}
+        command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "pytest_outcomes"]
+        # its own session: a timeout ends pytest, its ranks' zygote and every process the tests started
+        proc = subprocess.Popen(
+            [*command, "-n", "0", *tests],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            return Tests({t: f"timeout: still running after {timeout:.0f} s" for t in tests}, {}, output)
+        report = json.loads(outcomes.read_text()) if outcomes.exists() else {"tests": {}, "collection errors": []}
+    last = output.strip().splitlines()[-1:] or [""]
+    errors = report["collection errors"] or [f"pytest exited {proc.returncode}: {last[0]}"]
+    verdicts = {
+        t: report["tests"][t]["verdict"] if t in report["tests"] else f"collection error: {'; '.join(errors)[:300]}"
+        for t in tests
+    }
+    return Tests(verdicts, {t: v["seconds"] for t, v in report["tests"].items()}, output)
+
+
+@dataclasses.dataclass
 class Outcome:
     mutation: Mutation
-    failed: list[str]  # the named tests that failed
+    verdict: str  # "caught" | "not caught: <why>" | "baseline fails: <why>"
+    verdicts: dict[str, str]  # each named test's with the mutation ({} when it was not planted)
     seconds: float
-    output: str  # pytest's
+    output: str  # pytest's, with the mutation (the baseline's when that failed)
 
     @property
     def caught(self) -> bool:
-        return sorted(self.failed) == sorted(self.mutation.tests)
+        return self.verdict == "caught"
 
 
-def run(mutation: Mutation, workers: int = 0) -> Outcome:
-    """Plant `mutation` in a fresh copy of the repository and run its tests there."""
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"mutation_{mutation.name}_") as tmp:
-        root = Path(tmp, "repo")
-        shutil.copytree(ROOT, root, ignore=IGNORED)
-        mutate(mutation, root)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        # -rf: a line "FAILED <node id> - <message>" per failed test
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-rf",
-                "-p",
-                "no:cacheprovider",
-                "-n",
-                str(workers),
-                *mutation.tests,
-            ],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    output = r.stdout + r.stderr
-    failed = [line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")]
-    return Outcome(mutation, [t for t in mutation.tests if t in failed], time.perf_counter() - start, output)
+def judge(mutation: Mutation, verdicts: dict[str, str]) -> str:
+    """Caught when every named test failed on a test's assertion; else the first reason not."""
+    for test in mutation.tests:
+        if not verdicts[test].startswith("assertion"):
+            why = "passed" if verdicts[test] == "passed" else verdicts[test]
+            return f"not caught: {why} ({test})"
+    return "caught"
 
 
-def write_record(outcomes: list[Outcome], command: list[str]) -> None:
-    import torch
-
-    record = {
-        "command": " ".join(["python -m tests.mutations", *command]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "mutations": {
-            o.mutation.name: {
-                "fingerprint": o.mutation.fingerprint(),
-                "caught": o.caught,
-                "failed": o.failed,
-                "seconds": round(o.seconds, 1),
-            }
-            for o in outcomes
-        },
-    }
-    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+def run(
+    mutations: list[Mutation], root: Path = ROOT, baseline: bool = True, timeout: float | None = None, echo=None
+) -> list[Outcome]:
+    """Each mutation planted in a fresh copy of the repository at `root` and its tests run there,
+    after one baseline run of all their tests in an unmutated copy (`baseline`). A mutation's
+    run times out after `timeout` seconds, by default 300 plus three times its tests' baseline."""
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="mutations_") as tmp:
+        clean: Tests | None = None
+        if baseline:
+            copy = Path(tmp, "baseline")
+            shutil.copytree(root, copy, ignore=IGNORED)
+            named = list(dict.fromkeys(t for m in mutations for t in m.tests))
+            clean = run_tests(copy, named, 3600)
+            shutil.rmtree(copy)
+        for m in mutations:
+            start = time.perf_counter()
+            if clean is not None:
+                failing = [t for t in m.tests if clean.verdicts[t] != "passed"]
+                if failing:
+                    why = f"baseline fails: {clean.verdicts[failing[0]]} ({failing[0]})"
+                    outcomes.append(Outcome(m, why, {}, 0.0, clean.output))
+                    continue
+            limit = timeout or (300 + 3 * sum(clean.seconds.get(t, 0.0) for t in m.tests) if clean else 3600)
+            copy = Path(tmp, m.name)
+            shutil.copytree(root, copy, ignore=IGNORED)
+            try:
+                mutate(m, copy)
+            except ValueError as e:
+                outcomes.append(Outcome(m, f"not caught: not planted: {e}", {}, 0.0, ""))
+                continue
+            got = run_tests(copy, list(m.tests), limit)
+            shutil.rmtree(copy)
+            outcomes.append(Outcome(m, judge(m, got.verdicts), got.verdicts, time.perf_counter() - start, got.output))
+            if echo:
+                echo(outcomes[-1])
+    return outcomes
 
 
 def read_record() -> dict:
-    return json.loads(RECORD.read_text())
+    return json.loads(RECORD.read_text()) if RECORD.exists() else {"mutations": {}}
+
+
+def write_record(outcomes: list[Outcome]) -> None:
+    """The outcomes into the record, the entries of mutations not run kept, of those gone dropped."""
+    import torch
+
+    known = {m.name for m in MUTATIONS}
+    entries = {name: e for name, e in read_record()["mutations"].items() if name in known}
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    for o in outcomes:
+        entries[o.mutation.name] = {
+            "fingerprint": o.mutation.fingerprint(),
+            "verdict": o.verdict,
+            "tests": o.verdicts,
+            "seconds": round(o.seconds, 1),
+            "recorded": f"{date}, torch {torch.__version__}, python {sys.version.split()[0]}",
+        }
+    entries = {m.name: entries[m.name] for m in MUTATIONS if m.name in entries}  # in the list's order
+    caught = sum(e["verdict"] == "caught" for e in entries.values())
+    record = {"caught": caught, "of": len(MUTATIONS), "mutations": entries}
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def problems(record: dict) -> list[str]:
+    """What `--check` reports: each mutation whose entry is missing, stale or not caught."""
+    found = []
+    for m in MUTATIONS:
+        seen = record["mutations"].get(m.name)
+        if seen is None:
+            found.append(f"{m.name}: not recorded")
+        elif seen["fingerprint"] != m.fingerprint():
+            found.append(f"{m.name}: stale (the mutation or its test files changed since it was recorded)")
+        elif seen["verdict"] != "caught":
+            found.append(f"{m.name}: {seen['verdict']}")
+    return found
 
 
 def listing() -> str:
@@ -362,14 +447,14 @@ def listing() -> str:
     record = read_record()
     lines = [
         f"{len(MUTATIONS)} mutations ({sum(m.fast for m in MUTATIONS)} also run by the CPU suite: CI); "
-        f"outcomes as recorded by `{record['command']}` ({record['date']}, torch {record['torch']})"
+        f"{record.get('caught', 0)} caught on a test's assertion, as recorded by `python -m tests.mutations --record`"
     ]
     for m in MUTATIONS:
         seen = record["mutations"].get(m.name)
         if seen is None or seen["fingerprint"] != m.fingerprint():
-            outcome = "not recorded since it last changed"
+            outcome = "not recorded since it or its tests last changed"
         else:
-            outcome = f"caught ({seen['seconds']:.0f} s)" if seen["caught"] else "MISSED"
+            outcome = f"caught ({seen['seconds']:.0f} s)" if seen["verdict"] == "caught" else seen["verdict"]
         lines += [
             "",
             f"{m.name}{'  [CI]' if m.fast else ''}: {m.what}",
@@ -383,39 +468,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="print the list with the recorded outcomes")
+    parser.add_argument(
+        "--check", action="store_true", help="list the entries stale, missing or not caught; exit 1 if any"
+    )
     parser.add_argument("--record", action="store_true", help=f"write the outcomes to {RECORD.relative_to(ROOT)}")
     parser.add_argument("--fast", action="store_true", help="only those the CPU suite runs")
-    parser.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers per mutation")
+    parser.add_argument("--timeout", type=float, help="seconds per mutation (default: 300 + 3 x its baseline)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
     args = parser.parse_args(argv)
     if args.list:
         print(listing())
         return 0
-    if args.record and (args.names or args.fast):
-        parser.error("--record: the record is of the whole list; run it without names or --fast")
+    if args.check:
+        found = problems(read_record())
+        print("\n".join(found) or f"the record is current: {len(MUTATIONS)} mutations, every one caught")
+        return 1 if found else 0
     known = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"no mutation {', '.join(unknown)}; one of {', '.join(known)}")
     chosen = [known[n] for n in args.names] or [m for m in MUTATIONS if m.fast or not args.fast]
-    missed, outcomes = [], []
-    for m in chosen:
-        outcome = run(m, args.workers)
-        outcomes.append(outcome)
-        print(f"{'caught' if outcome.caught else 'MISSED'}  {m.name}  ({outcome.seconds:.0f} s)", flush=True)
+
+    def echo(o: Outcome) -> None:
+        print(f"{o.verdict}  {o.mutation.name}  ({o.seconds:.0f} s)", flush=True)
         if args.verbose:
-            print(outcome.output, flush=True)
-        if not outcome.caught:
-            missed.append(m.name)
-            for test in m.tests:
-                if test not in outcome.failed:
-                    print(f"  did not fail: {test}", flush=True)
+            print(o.output, flush=True)
+
+    outcomes = run(chosen, timeout=args.timeout, echo=echo)
+    for o in outcomes:
+        if o.verdict.startswith("baseline") or o.verdict.startswith("not caught: not planted"):
+            echo(o)
+    missed = [o.mutation.name for o in outcomes if not o.caught]
     print(
         f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught"
-        + (f"; missed: {', '.join(missed)}" if missed else "")
+        + (f"; not caught: {', '.join(missed)}" if missed else "")
     )
     if args.record:
-        write_record(outcomes, argv if argv is not None else sys.argv[1:])
+        write_record(outcomes)
     return 1 if missed else 0
 
 
