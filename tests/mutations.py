@@ -286,6 +286,191 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_hot_replicas_train.py::test_pp2_ep2_with_copies_matches_one_rank",
         ),
     ),
+    Mutation(
+        "muon_newton_schulz_one_step_short",
+        "Muon's Newton-Schulz runs one step fewer than muon_ns_steps",
+        "titan_fold/trainer/muon.py",
+        'return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], NS_EPS, dtype)',
+        'return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"] - 1, NS_EPS, dtype)',
+        (
+            "tests/test_muon.py::test_matrices_step_as_torch_muon[True-match_rms_adamw]",
+            "tests/test_muon.py::test_matrices_step_as_torch_muon[False-original]",
+            "tests/test_muon.py::test_each_expert_matrix_steps_as_torch_muon",
+        ),
+    ),
+    Mutation(
+        "muon_scale_of_the_shorter_side",
+        "Muon's match_rms_adamw scale takes the matrix's shorter side, not its longer",
+        "titan_fold/trainer/muon.py",
+        "return 0.2 * math.sqrt(max(a, b)) if lr_adjust",
+        "return 0.2 * math.sqrt(min(a, b)) if lr_adjust",
+        (
+            "tests/test_muon.py::test_matrices_step_as_torch_muon[True-match_rms_adamw]",
+            "tests/test_muon.py::test_each_expert_matrix_steps_as_torch_muon",
+        ),
+    ),
+    Mutation(
+        "muon_shards_get_the_owners_piece",
+        "sharded Muon: the owner sends every rank its own piece of the orthogonalized matrix",
+        "titan_fold/parallel/orthogonalize.py",
+        "send.append(done[(id(e), u)][e.pieces[r]].reshape(-1))",
+        "send.append(done[(id(e), u)][e.pieces[me]].reshape(-1))",
+        ("tests/test_muon_folding.py::test_one_muon_step_under_each_folding_is_one_ranks",),
+    ),
+    Mutation(
+        "document_mask_crosses_documents",
+        "the packed documents' mask lets a token see the earlier documents (causal only)",
+        "titan_fold/models/documents.py",
+        "    return (same & causal).unsqueeze(1)\n",
+        "    return causal.unsqueeze(1)\n",
+        (
+            "tests/test_documents.py::test_positions_and_mask_of_a_packed_row",
+            "tests/test_documents.py::test_packed_equals_each_document_alone[qwen3_moe]",
+            "tests/test_documents.py::test_packed_equals_each_document_alone[deepseek_v3]",
+        ),
+    ),
+    Mutation(
+        "document_positions_not_restarted",
+        "positions run on across packed documents instead of restarting at 0 in each",
+        "titan_fold/models/documents.py",
+        "    return index - first\n",
+        "    return index\n",
+        (
+            "tests/test_documents.py::test_positions_and_mask_of_a_packed_row",
+            "tests/test_cp_documents.py::test_each_part_has_the_one_rank_positions_and_mask[2]",
+            "tests/test_cp_documents.py::test_each_part_has_the_one_rank_positions_and_mask[4]",
+            "tests/test_cp_documents.py::test_deal_against_an_exhaustive_search",
+        ),
+    ),
+    Mutation(
+        "flex_full_block_across_documents",
+        "the FlexAttention block mask marks full a block pair that only starts in one document",
+        "titan_fold/models/documents.py",
+        "full = some & one & (",
+        "full = some & (",
+        tuple(
+            f"tests/test_documents.py::test_block_mask_from_documents_equals_flex_evaluating_every_pair[lengths{i}]"
+            for i in (1, 3)  # [16] * 16 and [256] have no block of two documents
+        )
+        + tuple(
+            f"tests/test_cp_documents.py::test_each_parts_block_mask_holds_every_attending_pair[{cp}]" for cp in (2, 4)
+        ),
+    ),
+    Mutation(
+        "cp_deal_round_robin",
+        "cp over documents deals the blocks round-robin, not in a snake",
+        "titan_fold/parallel/cp_documents.py",
+        "deal = range(cp) if (round_start // cp) % 2 == 0 else range(cp - 1, -1, -1)",
+        "deal = range(cp)",
+        (
+            "tests/test_cp_documents.py::test_snake_hands_each_rounds_advantage_back",
+            "tests/test_cp_documents.py::test_one_document_in_two_blocks_per_rank_is_the_two_chunk_split",
+        ),
+    ),
+    Mutation(
+        "chat_label_trained_by_its_own_token",
+        "chat SFT: a label is trained when its input token is an answer's, not the label itself",
+        "titan_fold/data/dataset.py",
+        "keep = trained[1:] & (document_ids[1:] == document_ids[:-1])",
+        "keep = trained[:-1] & (document_ids[1:] == document_ids[:-1])",
+        ("tests/test_chat.py::test_packed_labels_only_on_assistant_tokens_within_a_document",),
+    ),
+    Mutation(
+        "chat_prompts_trained",
+        "chat SFT trains on the prompts and masks the answers",
+        "titan_fold/data/chat.py",
+        "pieces += [(full[done : len(prefix)], False), (full[len(prefix) : end], True)]",
+        "pieces += [(full[done : len(prefix)], True), (full[len(prefix) : end], False)]",
+        (
+            "tests/test_chat.py::test_rendering_matches_transformers[chatml]",
+            "tests/test_chat.py::test_rendering_matches_transformers[think]",
+            "tests/test_chat.py::test_packed_labels_only_on_assistant_tokens_within_a_document",
+        ),
+    ),
+    Mutation(
+        "device_exchange_arrivals_off_by_one",
+        "the device exchange groups its arrivals by expert one row off at each block's end",
+        "titan_fold/moe/dispatcher.py",
+        "chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=True)",
+        "chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=False)",
+        ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",),
+    ),
+    Mutation(
+        "copies_water_fill_level_rounded_down",
+        "the copies' water level rounded down: a level that cannot hold every nominee row",
+        "titan_fold/moe/replicas.py",
+        "(movable + base.sort().values.cumsum(0) + k - 1)",
+        "(movable + base.sort().values.cumsum(0))",
+        tuple(
+            f"tests/test_hot_replicas.py::test_planner_matches_oracle[{p}]" for p in ("2-1", "3-1", "2-2", "4-1", "3-2")
+        ),
+    ),
+    Mutation(
+        "copies_water_fill_wrong_home",
+        "the copies' water fill takes each nominee's rows off the wrong rank's load",
+        "titan_fold/moe/replicas.py",
+        "index_add(0, nominees // E_loc, moving)",
+        "index_add(0, nominees % ep, moving)",
+        tuple(
+            f"tests/test_hot_replicas.py::test_planner_matches_oracle[{p}]" for p in ("2-1", "3-1", "2-2", "4-1", "3-2")
+        ),
+    ),
+    Mutation(
+        "copies_nominate_the_coldest",
+        "the copies go to the least loaded experts, not the busiest",
+        "titan_fold/moe/replicas.py",
+        "return totals.topk(R).indices",
+        "return (-totals).topk(R).indices",
+        tuple(
+            f"tests/test_hot_replicas.py::test_planner_matches_oracle[{p}]" for p in ("2-1", "3-1", "2-2", "4-1", "3-2")
+        ),
+    ),
+    Mutation(
+        "aux_free_load_not_reduced",
+        "the aux-free bias follows each rank's own expert load, not the stage's (dp x cp x tp)",
+        "titan_fold/trainer/fold_trainer.py",
+        "group = stage_mesh.get_group() if stage_mesh is not None else None",
+        "group = None",
+        (
+            "tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[cp2]",
+            "tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[tp2]",
+        ),
+    ),
+    Mutation(
+        "dataloader_counts_one_ranks_sequences",
+        "the dataloader's consumed sequences count one dp rank's, not the global batch",
+        "titan_fold/data/dataloader.py",
+        "step = self._batches.local_batch_size * self.dp_world_size",
+        "step = self._batches.local_batch_size",
+        ("tests/test_data.py::test_resume_with_another_dp_degree",),
+    ),
+    Mutation(
+        "dataloader_resumes_from_the_start",
+        "a resumed dataloader starts again at the stream's first sequence",
+        "titan_fold/data/dataloader.py",
+        "self._batches.start = self.consumed_sequences",
+        "self._batches.start = 0",
+        ("tests/test_data.py::test_resume_with_another_dp_degree",),
+    ),
+    Mutation(
+        "lr_resume_step_behind",
+        "a weights-only resume puts the lr schedule one step behind the saved step",
+        "titan_fold/checkpoint/manager.py",
+        "            scheduler.last_epoch = step\n",
+        "            scheduler.last_epoch = step - 1\n",
+        ("tests/test_checkpoint.py::test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint",),
+    ),
+    Mutation(
+        "lr_resume_schedule_one_step_ahead",
+        "a resume sets the lr of the step after the loaded one's next",
+        "titan_fold/checkpoint/manager.py",
+        "lrs = [base * fn(scheduler.last_epoch) for",
+        "lrs = [base * fn(scheduler.last_epoch + 1) for",
+        (
+            "tests/test_checkpoint.py::test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint",
+            "tests/test_checkpoint.py::test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step",
+        ),
+    ),
 )
 
 
@@ -491,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def echo(o: Outcome) -> None:
         print(f"{o.verdict}  {o.mutation.name}  ({o.seconds:.0f} s)", flush=True)
+        if not o.caught:
+            print("".join(f"  {test}: {verdict}\n" for test, verdict in o.verdicts.items()), end="", flush=True)
         if args.verbose:
             print(o.output, flush=True)
 
