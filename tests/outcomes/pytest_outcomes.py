@@ -48,17 +48,18 @@ class Outcomes:
 
     def judge(self, when: str, exc: BaseException | None) -> str:
         what = failures.describe(exc) if exc is not None else "no exception"
-        if when != "call":
-            return f"error in {when}: {what}"
-        if exc is None or not failures.is_test_assertion(exc):
-            return f"crash: {what}"
         started = failures.read_log(self.log, self.log_start)
         # a rank's assertion ends the launch: its peers may then fail in a collective
-        if not any(e["kind"] == "assertion" for e in started):
-            for kind in ("timeout", "crash"):
-                ended = [e for e in started if e["kind"] == kind]
-                if ended:
-                    return f"{kind}: in a process the test started ({' '.join(ended[0]['argv'])}): {ended[0]['what']}"
+        ended = (
+            [] if any(e["kind"] == "assertion" for e in started) else [e for e in started if e["kind"] != "assertion"]
+        )
+        inside = f"in a process the test started ({' '.join(ended[0]['argv'])}): {ended[0]['what']}" if ended else ""
+        if when != "call":
+            return f"error in {when}: {inside or what}"
+        if exc is None or not failures.is_test_assertion(exc):
+            return f"crash: {inside or what}"
+        if ended:
+            return f"{ended[0]['kind']}: {inside}"
         return f"assertion: {what}"
 
     def pytest_collectreport(self, report):
