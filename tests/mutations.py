@@ -614,17 +614,17 @@ def write_record(outcomes: list[Outcome]) -> None:
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def problems(record: dict) -> list[str]:
-    """What `--check` reports: each mutation whose entry is missing, stale or not caught."""
-    found = []
+def problems(record: dict) -> dict[str, str]:
+    """What `--check` reports: each mutation whose entry is missing, stale or not caught -> why."""
+    found = {}
     for m in MUTATIONS:
         seen = record["mutations"].get(m.name)
         if seen is None:
-            found.append(f"{m.name}: not recorded")
+            found[m.name] = "not recorded"
         elif seen["fingerprint"] != m.fingerprint():
-            found.append(f"{m.name}: stale (the mutation or its test files changed since it was recorded)")
+            found[m.name] = "stale (the mutation or its test files changed since it was recorded)"
         elif seen["verdict"] != "caught":
-            found.append(f"{m.name}: {seen['verdict']}")
+            found[m.name] = seen["verdict"]
     return found
 
 
@@ -659,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--record", action="store_true", help=f"write the outcomes to {RECORD.relative_to(ROOT)}")
     parser.add_argument("--fast", action="store_true", help="only those the CPU suite runs")
+    parser.add_argument(
+        "--stale", action="store_true", help="only those --check reports (--record --stale refreshes them)"
+    )
     parser.add_argument("--timeout", type=float, help="seconds per mutation (default: 300 + 3 x its baseline)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
     args = parser.parse_args(argv)
@@ -667,13 +670,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.check:
         found = problems(read_record())
-        print("\n".join(found) or f"the record is current: {len(MUTATIONS)} mutations, every one caught")
+        print("".join(f"{name}: {why}\n" for name, why in found.items()), end="")
+        if not found:
+            print(f"the record is current: {len(MUTATIONS)} mutations, every one caught")
         return 1 if found else 0
     known = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"no mutation {', '.join(unknown)}; one of {', '.join(known)}")
-    chosen = [known[n] for n in args.names] or [m for m in MUTATIONS if m.fast or not args.fast]
+    stale = problems(read_record()) if args.stale else {}
+    chosen = [known[n] for n in args.names] or [
+        m for m in MUTATIONS if (m.fast or not args.fast) and (m.name in stale or not args.stale)
+    ]
+    if not chosen:  # pytest given no test would run the whole suite
+        print("no mutation to run")
+        return 0
 
     def echo(o: Outcome) -> None:
         print(f"{o.verdict}  {o.mutation.name}  ({o.seconds:.0f} s)", flush=True)
