@@ -15,7 +15,7 @@ import pytest
 # other's busy ones; two dry runs side by side took 244 s each that way, 31 s on one thread each
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from launcher import ZYGOTE  # noqa: E402
+from launcher import ZYGOTE, RanksFailed  # noqa: E402
 
 # what the suite needs beyond pytest: the install README gives (pip install -e ".[test]")
 NEEDED = ("torch", "torchtitan", "titan_fold", "transformers")
@@ -138,10 +138,10 @@ def forked(
 def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
     """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`,
     the ranks forked (`forked`); torchrun itself: test_checkpoint.py's fault test and
-    test_reliability.py's signal tests."""
+    test_reliability.py's signal tests. A failed run raises RanksFailed: a crash, not a wrong value."""
     codes, out, err = forked(nproc, "titan_fold.train", "--job.config_file", config, *args)
     if any(codes):
-        raise AssertionError(f"exit codes {codes}\n{out[-3000:]}{err[-6000:]}")
+        raise RanksFailed(f"exit codes {codes}\n{out[-3000:]}{err[-6000:]}")
 
 
 def python_m(module: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

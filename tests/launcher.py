@@ -22,6 +22,11 @@ that need threads a forked child does not have. A trainer's process group left i
 cycles, collected in the child, joins its TCPStore's event-loop thread and waits forever;
 a lock held by another thread at the fork stays held. A launch that outlives its timeout
 has each rank's Python stacks written to its stderr (faulthandler, SIGABRT), then is killed.
+
+A worker's rank that fails a test's assertion (tests/outcomes/failures.py) exits ASSERTION_FAILED;
+run_ranks then raises AssertionError, and RanksFailed for any other failure (an exception, a
+signal, a timeout), so that a crash never passes for a wrong value. Each exception that ends a
+rank, and each timeout, also goes to the failure log the mutation runner reads.
 """
 
 import atexit
@@ -40,7 +45,14 @@ import tempfile
 import time
 import traceback
 
+from outcomes import failures
+
 GRACE_S = 10  # after a failure, SIGTERM the other ranks, then SIGKILL those still alive
+ASSERTION_FAILED = 3  # a worker's exit code when it failed a test's assertion
+
+
+class RanksFailed(Exception):
+    """Ranks that failed other than on a test's assertion: an exception, a signal, a timeout."""
 
 
 def free_port() -> int:
@@ -81,14 +93,16 @@ def start_rank(rank: int, port: int, world: int, backend: str = "gloo") -> None:
 def run_ranks(worker, world: int, out_dir, *args, timeout: float = 900) -> None:
     """worker(rank, port, out_dir, *args) on `world` ranks forked from the zygote, the worker
     imported there from its test module; args travel as JSON (lists stay lists). Raises with
-    the ranks' stderr when one fails or the launch outlives `timeout` seconds."""
+    the ranks' stderr when one fails or the launch outlives `timeout` seconds: AssertionError
+    when a rank failed a test's assertion (its peers may fail after it), RanksFailed otherwise."""
     out_dir = str(out_dir)
     stdout, stderr = os.path.join(out_dir, "ranks.stdout"), os.path.join(out_dir, "ranks.stderr")
     call = [inspect.getmodulename(inspect.getfile(worker)), worker.__name__, [out_dir, *args]]
     codes = ZYGOTE.launch(world, [], stdout, stderr, timeout=timeout, call=call)
     if any(codes):
+        failure = AssertionError if ASSERTION_FAILED in codes else RanksFailed
         with open(stderr, errors="replace") as f:
-            raise AssertionError(
+            raise failure(
                 f"{worker.__name__} on {world} ranks: exit codes {codes} "
                 f"(-{int(signal.SIGABRT)}: still running after {timeout} s)\n{f.read()[-12000:]}"
             )
@@ -111,14 +125,17 @@ def expert_meshes(layouts, world: int):
 
 
 def run_checks(checks, label: str) -> list[str]:
-    """Each (name, check) of checks run; -> "<label> <name>:" and the traceback of each that failed an assertion."""
-    failures = []
+    """Each (name, check) of checks run; -> "<label> <name>:" and the traceback of each that failed
+    a test's assertion (any other exception, an AssertionError of titan_fold's included, ends the rank)."""
+    found = []
     for name, check in checks:
         try:
             check()
-        except AssertionError:
-            failures.append(f"{label} {name}:\n{traceback.format_exc()}")
-    return failures
+        except AssertionError as e:
+            if not failures.is_test_assertion(e):
+                raise
+            found.append(f"{label} {name}:\n{traceback.format_exc()}")
+    return found
 
 
 def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
@@ -174,9 +191,10 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
         return 1
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()
-        return 1
+        failures.note_exception(e)
+        return ASSERTION_FAILED if request["call"] and failures.is_test_assertion(e) else 1
     return 0
 
 
@@ -213,6 +231,7 @@ def _launch(request: dict) -> list[int]:
             continue
         now = time.monotonic()
         if now > deadline:  # the stacks first (faulthandler), then the kill
+            failures.note("timeout", f"ranks still running after {request['timeout']} s")
             _signal([p for p in pids if p not in codes], signal.SIGABRT)
             deadline, stop_at = float("inf"), min(stop_at or float("inf"), now + GRACE_S)
         elif stop_at is not None and now > stop_at:

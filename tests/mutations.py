@@ -1,14 +1,18 @@
 """Planted bugs that the tests must catch: `python -m tests.mutations [NAME ...]`.
 
-Each mutation replaces one piece of text (found exactly once) in a copy of the repository and
-runs the tests named for it there, with the copy first on the import path; the mutation is
-caught when every one of those tests fails (reported FAILED, not a collection error). The
-unmutated suite passes the same tests, so each catch is the bug's doing.
+Each mutation replaces one piece of text (found exactly once) in a copy of the repository. Its
+named tests run first in an unmutated copy (the baseline: each must pass), then with the
+mutation planted; it is caught when every named test fails on a test's assertion about values
+(tests/outcomes/failures.py: an AssertionError raised by test code, assert_close, pytest.approx).
+A crash, another exception, a failing fixture, a collection error or a timeout is not a catch,
+and the runner says which. tests/outcomes/pytest_outcomes.py, a pytest plugin, tells the runner
+what each test failed on, including the exceptions that ended its ranks and subprocesses.
 
-`--record` writes the outcome of the run to tests/data/mutation_results.json with each
-mutation's fingerprint; `--list` prints the list with those outcomes (docs/running.md quotes
-it). tests/test_mutations.py checks that the record covers the list as it is, every
-mutation caught, and runs the ones marked `fast` again in the CPU suite.
+`--record [NAME ...]` writes the outcomes (of all, or of the named ones, the others kept) to
+tests/data/mutation_results.json, each with a fingerprint of the mutation and of its test
+files; `--check` lists the entries that are stale, missing or not caught; `--list` prints the
+list with the recorded outcomes (docs/running.md quotes it). tests/test_mutations.py checks the
+record and the runner itself, and runs the mutations marked `fast` again in the CPU suite.
 """
 
 import argparse
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,10 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "tests" / "data" / "mutation_results.json"
+PLUGIN = ROOT / "tests" / "outcomes"  # pytest_outcomes.py, the plugin; taken from here, never from a mutated copy
 # what a copy leaves out: history, environments, outputs and caches
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv", "outputs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
 )
+MIN_COUNT = 38  # the suite's floor on the number of mutations caught (tests/test_mutations.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +49,13 @@ class Mutation:
     tests: tuple[str, ...]  # pytest node ids that must fail
     fast: bool = False  # run by the CPU suite (tests/test_mutations.py)
 
-    def fingerprint(self) -> str:
-        """Changes with anything that defines the mutation (a record of another one is stale)."""
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+    def fingerprint(self, root: Path = ROOT) -> str:
+        """Changes with the mutation (its file, text and tests) and with its test files' contents."""
+        digest = hashlib.sha256(json.dumps([self.path, self.old, self.new, sorted(self.tests)]).encode())
+        for test_file in sorted({t.split("::")[0] for t in self.tests}):
+            path = root / test_file
+            digest.update(path.read_bytes() if path.exists() else b"missing")
+        return digest.hexdigest()[:16]
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -321,6 +332,192 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         fast=True,
     ),
+    Mutation(
+        "muon_newton_schulz_one_step_short",
+        "Muon's Newton-Schulz runs one step fewer than muon_ns_steps",
+        "titan_fold/trainer/muon.py",
+        'return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], NS_EPS, dtype)',
+        'return newton_schulz(stack, group["ns_coefficients"], group["ns_steps"] - 1, NS_EPS, dtype)',
+        (
+            "tests/test_muon.py::test_matrices_step_as_torch_muon[True-match_rms_adamw]",
+            "tests/test_muon.py::test_matrices_step_as_torch_muon[False-original]",
+            "tests/test_muon.py::test_each_expert_matrix_steps_as_torch_muon",
+        ),
+    ),
+    Mutation(
+        "muon_scale_of_the_shorter_side",
+        "Muon's match_rms_adamw scale takes the matrix's shorter side, not its longer",
+        "titan_fold/trainer/muon.py",
+        "return 0.2 * math.sqrt(max(a, b)) if lr_adjust",
+        "return 0.2 * math.sqrt(min(a, b)) if lr_adjust",
+        (
+            "tests/test_muon.py::test_matrices_step_as_torch_muon[True-match_rms_adamw]",
+            "tests/test_muon.py::test_each_expert_matrix_steps_as_torch_muon",
+        ),
+    ),
+    Mutation(
+        "muon_shards_orthogonalized_alone",
+        "sharded Muon: each rank orthogonalizes its own shard of a matrix, not the whole matrix",
+        "titan_fold/parallel/orthogonalize.py",
+        "out.update(self._exchange(self.mesh_of[key], self.groups[key], entries, local_of, orthogonalize, dtype))",
+        "out.update({id(e): orthogonalize(local_of[id(e)].reshape(local_of[id(e)].shape[:-2].numel(), "
+        "*local_of[id(e)].shape[-2:]).to(dtype)).reshape(local_of[id(e)].shape) for e in entries})",
+        ("tests/test_muon_folding.py::test_one_muon_step_under_each_folding_is_one_ranks",),
+    ),
+    Mutation(
+        "document_mask_crosses_documents",
+        "the packed documents' mask lets a token see the earlier documents (causal only)",
+        "titan_fold/models/documents.py",
+        "    return (same & causal).unsqueeze(1)\n",
+        "    return causal.unsqueeze(1)\n",
+        (
+            "tests/test_documents.py::test_positions_and_mask_of_a_packed_row",
+            "tests/test_documents.py::test_packed_equals_each_document_alone[qwen3_moe]",
+            "tests/test_documents.py::test_packed_equals_each_document_alone[deepseek_v3]",
+        ),
+    ),
+    Mutation(
+        "document_positions_not_restarted",
+        "positions run on across packed documents instead of restarting at 0 in each",
+        "titan_fold/models/documents.py",
+        "    return index - first\n",
+        "    return index\n",
+        (
+            "tests/test_documents.py::test_positions_and_mask_of_a_packed_row",
+            "tests/test_cp_documents.py::test_each_part_has_the_one_rank_positions_and_mask[2]",
+            "tests/test_cp_documents.py::test_each_part_has_the_one_rank_positions_and_mask[4]",
+            "tests/test_cp_documents.py::test_deal_against_an_exhaustive_search",
+        ),
+    ),
+    Mutation(
+        "flex_full_block_across_documents",
+        "the FlexAttention block mask marks full a block pair that only starts in one document",
+        "titan_fold/models/documents.py",
+        "full = some & one & (",
+        "full = some & (",
+        tuple(
+            f"tests/test_documents.py::test_block_mask_from_documents_equals_flex_evaluating_every_pair[lengths{i}]"
+            for i in (1, 3)  # [16] * 16 and [256] have no block of two documents
+        )
+        + tuple(
+            f"tests/test_cp_documents.py::test_each_parts_block_mask_holds_every_attending_pair[{cp}]" for cp in (2, 4)
+        ),
+    ),
+    Mutation(
+        "cp_deal_round_robin",
+        "cp over documents deals the blocks round-robin, not in a snake",
+        "titan_fold/parallel/cp_documents.py",
+        "deal = range(cp) if (round_start // cp) % 2 == 0 else range(cp - 1, -1, -1)",
+        "deal = range(cp)",
+        (
+            "tests/test_cp_documents.py::test_snake_hands_each_rounds_advantage_back",
+            "tests/test_cp_documents.py::test_one_document_in_two_blocks_per_rank_is_the_two_chunk_split",
+        ),
+    ),
+    Mutation(
+        "chat_label_trained_by_its_own_token",
+        "chat SFT: a label is trained when its input token is an answer's, not the label itself",
+        "titan_fold/data/dataset.py",
+        "keep = trained[1:] & (document_ids[1:] == document_ids[:-1])",
+        "keep = trained[:-1] & (document_ids[1:] == document_ids[:-1])",
+        ("tests/test_chat.py::test_packed_labels_only_on_assistant_tokens_within_a_document",),
+    ),
+    Mutation(
+        "chat_prompts_trained",
+        "chat SFT trains on the prompts and masks the answers",
+        "titan_fold/data/chat.py",
+        "pieces += [(full[done : len(prefix)], False), (full[len(prefix) : end], True)]",
+        "pieces += [(full[done : len(prefix)], True), (full[len(prefix) : end], False)]",
+        (
+            "tests/test_chat.py::test_rendering_matches_transformers[chatml]",
+            "tests/test_chat.py::test_rendering_matches_transformers[think]",
+            "tests/test_chat.py::test_packed_labels_only_on_assistant_tokens_within_a_document",
+        ),
+    ),
+    Mutation(
+        "device_exchange_arrivals_off_by_one",
+        "the device exchange groups its arrivals by expert one row off at each block's end",
+        "titan_fold/moe/dispatcher.py",
+        "chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=True)",
+        "chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=False)",
+        ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",),
+    ),
+    Mutation(
+        "copies_water_fill_level_rounded_down",
+        "the copies' water level rounded down: a level that cannot hold every nominee row",
+        "titan_fold/moe/replicas.py",
+        "(movable + base.sort().values.cumsum(0) + k - 1)",
+        "(movable + base.sort().values.cumsum(0))",
+        tuple(
+            f"tests/test_hot_replicas.py::test_planner_matches_oracle[{p}]" for p in ("2-1", "3-1", "2-2", "4-1", "3-2")
+        ),
+    ),
+    Mutation(
+        "copies_water_fill_wrong_home",
+        "the copies' water fill takes each nominee's rows off the wrong rank's load",
+        "titan_fold/moe/replicas.py",
+        "index_add(0, nominees // E_loc, moving)",
+        "index_add(0, nominees % ep, moving)",
+        tuple(
+            f"tests/test_hot_replicas.py::test_planner_matches_oracle[{p}]" for p in ("2-1", "3-1", "2-2", "4-1", "3-2")
+        ),
+    ),
+    Mutation(
+        "copies_nominate_the_coldest",
+        "the copies go to the least loaded experts, not the busiest",
+        "titan_fold/moe/replicas.py",
+        "return totals.topk(R).indices",
+        "return (-totals).topk(R).indices",
+        tuple(
+            f"tests/test_hot_replicas.py::test_planner_matches_oracle[{p}]" for p in ("2-1", "3-1", "2-2", "4-1", "3-2")
+        ),
+    ),
+    Mutation(
+        "aux_free_load_not_reduced",
+        "the aux-free bias follows each rank's own expert load, not the stage's (dp x cp x tp)",
+        "titan_fold/trainer/fold_trainer.py",
+        "group = stage_mesh.get_group() if stage_mesh is not None else None",
+        "group = None",
+        (
+            "tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[cp2]",
+            "tests/test_equivalence_deepseek.py::test_deepseek_layout_matches_one_rank[tp2]",
+        ),
+    ),
+    Mutation(
+        "dataloader_counts_one_ranks_sequences",
+        "the dataloader's consumed sequences count one dp rank's, not the global batch",
+        "titan_fold/data/dataloader.py",
+        "step = self._batches.local_batch_size * self.dp_world_size",
+        "step = self._batches.local_batch_size",
+        ("tests/test_data.py::test_resume_with_another_dp_degree",),
+    ),
+    Mutation(
+        "dataloader_resumes_from_the_start",
+        "a resumed dataloader starts again at the stream's first sequence",
+        "titan_fold/data/dataloader.py",
+        "self._batches.start = self.consumed_sequences",
+        "self._batches.start = 0",
+        ("tests/test_data.py::test_resume_with_another_dp_degree",),
+    ),
+    Mutation(
+        "lr_resume_step_behind",
+        "a weights-only resume puts the lr schedule one step behind the saved step",
+        "titan_fold/checkpoint/manager.py",
+        "            scheduler.last_epoch = step\n",
+        "            scheduler.last_epoch = step - 1\n",
+        ("tests/test_checkpoint.py::test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint",),
+    ),
+    Mutation(
+        "lr_resume_schedule_one_step_ahead",
+        "a resume sets the lr of the step after the loaded one's next",
+        "titan_fold/checkpoint/manager.py",
+        "lrs = [base * fn(scheduler.last_epoch) for",
+        "lrs = [base * fn(scheduler.last_epoch + 1) for",
+        (
+            "tests/test_checkpoint.py::test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint",
+            "tests/test_checkpoint.py::test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step",
+        ),
+    ),
 )
 
 
@@ -335,72 +532,146 @@ def mutate(mutation: Mutation, root: Path) -> None:
 
 
 @dataclasses.dataclass
+class Tests:
+    """One pytest run's verdict on each test it was given."""
+
+    verdicts: dict[str, str]  # node id -> "passed" | "assertion: ..." | "crash: ..." | "timeout ..." | ...
+    seconds: dict[str, float]  # node id -> setup + call + teardown
+    output: str  # pytest's
+
+
+def run_tests(root: Path, tests: list[str], timeout: float) -> Tests:
+    """Run `tests` in the repository at `root` with the outcomes plugin: each test's verdict, a
+    collection error for those pytest did not run, a timeout for all past `timeout` seconds."""
+    with tempfile.TemporaryDirectory(prefix="outcomes_") as tmp:
+        outcomes = Path(tmp, "outcomes.json")
+        paths = [str(root), str(PLUGIN), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "TITAN_FOLD_OUTCOMES": str(outcomes)}
+        command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "pytest_outcomes"]
+        # its own session: a timeout ends pytest, its ranks' zygote and every process the tests started
+        proc = subprocess.Popen(
+            [*command, "-n", "0", *tests],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            return Tests({t: f"timeout: still running after {timeout:.0f} s" for t in tests}, {}, output)
+        report = json.loads(outcomes.read_text()) if outcomes.exists() else {"tests": {}, "collection errors": []}
+    last = output.strip().splitlines()[-1:] or [""]
+    errors = report["collection errors"] or [f"pytest exited {proc.returncode}: {last[0]}"]
+    verdicts = {
+        t: report["tests"][t]["verdict"] if t in report["tests"] else f"collection error: {'; '.join(errors)[:300]}"
+        for t in tests
+    }
+    return Tests(verdicts, {t: v["seconds"] for t, v in report["tests"].items()}, output)
+
+
+@dataclasses.dataclass
 class Outcome:
     mutation: Mutation
-    failed: list[str]  # the named tests that failed
+    verdict: str  # "caught" | "not caught: <why>" | "baseline fails: <why>"
+    verdicts: dict[str, str]  # each named test's with the mutation ({} when it was not planted)
     seconds: float
-    output: str  # pytest's
+    output: str  # pytest's, with the mutation (the baseline's when that failed)
 
     @property
     def caught(self) -> bool:
-        return sorted(self.failed) == sorted(self.mutation.tests)
+        return self.verdict == "caught"
 
 
-def run(mutation: Mutation, workers: int = 0) -> Outcome:
-    """Plant `mutation` in a fresh copy of the repository and run its tests there."""
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"mutation_{mutation.name}_") as tmp:
-        root = Path(tmp, "repo")
-        shutil.copytree(ROOT, root, ignore=IGNORED)
-        mutate(mutation, root)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        # -rf: a line "FAILED <node id> - <message>" per failed test
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-rf",
-                "-p",
-                "no:cacheprovider",
-                "-n",
-                str(workers),
-                *mutation.tests,
-            ],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    output = r.stdout + r.stderr
-    failed = [line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")]
-    return Outcome(mutation, [t for t in mutation.tests if t in failed], time.perf_counter() - start, output)
+def judge(mutation: Mutation, verdicts: dict[str, str]) -> str:
+    """Caught when every named test failed on a test's assertion; else the first reason not."""
+    for test in mutation.tests:
+        if not verdicts[test].startswith("assertion"):
+            return f"not caught: {verdicts[test]} ({test})"
+    return "caught"
 
 
-def write_record(outcomes: list[Outcome], command: list[str]) -> None:
-    import torch
-
-    record = {
-        "command": " ".join(["python -m tests.mutations", *command]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "mutations": {
-            o.mutation.name: {
-                "fingerprint": o.mutation.fingerprint(),
-                "caught": o.caught,
-                "failed": o.failed,
-                "seconds": round(o.seconds, 1),
-            }
-            for o in outcomes
-        },
-    }
-    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+def run(
+    mutations: list[Mutation], root: Path = ROOT, baseline: bool = True, timeout: float | None = None, echo=None
+) -> list[Outcome]:
+    """Each mutation planted in a fresh copy of the repository at `root` and its tests run there,
+    after one baseline run of all their tests in an unmutated copy (`baseline`). A mutation's
+    run times out after `timeout` seconds, by default 300 plus three times its tests' baseline."""
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="mutations_") as tmp:
+        clean: Tests | None = None
+        if baseline:
+            copy = Path(tmp, "baseline")
+            shutil.copytree(root, copy, ignore=IGNORED)
+            named = list(dict.fromkeys(t for m in mutations for t in m.tests))
+            clean = run_tests(copy, named, 3600)
+            shutil.rmtree(copy)
+        for m in mutations:
+            start = time.perf_counter()
+            if clean is not None:
+                failing = [t for t in m.tests if clean.verdicts[t] != "passed"]
+                if failing:
+                    why = f"baseline fails: {clean.verdicts[failing[0]]} ({failing[0]})"
+                    outcomes.append(Outcome(m, why, {}, 0.0, clean.output))
+                    continue
+            limit = timeout or (300 + 3 * sum(clean.seconds.get(t, 0.0) for t in m.tests) if clean else 3600)
+            copy = Path(tmp, m.name)
+            shutil.copytree(root, copy, ignore=IGNORED)
+            try:
+                mutate(m, copy)
+            except ValueError as e:
+                outcomes.append(Outcome(m, f"not caught: not planted: {e}", {}, 0.0, ""))
+                continue
+            got = run_tests(copy, list(m.tests), limit)
+            shutil.rmtree(copy)
+            outcomes.append(Outcome(m, judge(m, got.verdicts), got.verdicts, time.perf_counter() - start, got.output))
+            if echo:
+                echo(outcomes[-1])
+    return outcomes
 
 
 def read_record() -> dict:
-    return json.loads(RECORD.read_text())
+    return json.loads(RECORD.read_text()) if RECORD.exists() else {"mutations": {}}
+
+
+def write_record(outcomes: list[Outcome]) -> None:
+    """The outcomes into the record, the entries of mutations not run kept, of those gone dropped."""
+    import torch
+
+    known = {m.name for m in MUTATIONS}
+    entries = {name: e for name, e in read_record()["mutations"].items() if name in known}
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    for o in outcomes:
+        entries[o.mutation.name] = {
+            "fingerprint": o.mutation.fingerprint(),
+            "verdict": o.verdict,
+            "tests": o.verdicts,
+            "seconds": round(o.seconds, 1),
+            "recorded": f"{date}, torch {torch.__version__}, python {sys.version.split()[0]}",
+        }
+    entries = {m.name: entries[m.name] for m in MUTATIONS if m.name in entries}  # in the list's order
+    fresh = {m.name for m in MUTATIONS if entries.get(m.name, {}).get("fingerprint") == m.fingerprint()}
+    caught = sum(e.get("verdict") == "caught" for name, e in entries.items() if name in fresh)
+    record = {"caught": caught, "of": len(MUTATIONS), "mutations": entries}
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def problems(record: dict) -> dict[str, str]:
+    """What `--check` reports: each mutation whose entry is missing, stale or not caught -> why."""
+    found = {}
+    for m in MUTATIONS:
+        seen = record["mutations"].get(m.name)
+        if seen is None:
+            found[m.name] = "not recorded"
+        elif seen["fingerprint"] != m.fingerprint():
+            found[m.name] = "stale (the mutation or its test files changed since it was recorded)"
+        elif seen["verdict"] != "caught":
+            found[m.name] = seen["verdict"]
+    return found
 
 
 def listing() -> str:
@@ -408,14 +679,14 @@ def listing() -> str:
     record = read_record()
     lines = [
         f"{len(MUTATIONS)} mutations ({sum(m.fast for m in MUTATIONS)} also run by the CPU suite: CI); "
-        f"outcomes as recorded by `{record['command']}` ({record['date']}, torch {record['torch']})"
+        f"{record.get('caught', 0)} caught on a test's assertion, as recorded by `python -m tests.mutations --record`"
     ]
     for m in MUTATIONS:
         seen = record["mutations"].get(m.name)
         if seen is None or seen["fingerprint"] != m.fingerprint():
-            outcome = "not recorded since it last changed"
+            outcome = "not recorded since it or its tests last changed"
         else:
-            outcome = f"caught ({seen['seconds']:.0f} s)" if seen["caught"] else "MISSED"
+            outcome = f"caught ({seen['seconds']:.0f} s)" if seen["verdict"] == "caught" else seen["verdict"]
         lines += [
             "",
             f"{m.name}{'  [CI]' if m.fast else ''}: {m.what}",
@@ -429,39 +700,56 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="print the list with the recorded outcomes")
+    parser.add_argument(
+        "--check", action="store_true", help="list the entries stale, missing or not caught; exit 1 if any"
+    )
     parser.add_argument("--record", action="store_true", help=f"write the outcomes to {RECORD.relative_to(ROOT)}")
     parser.add_argument("--fast", action="store_true", help="only those the CPU suite runs")
-    parser.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers per mutation")
+    parser.add_argument(
+        "--stale", action="store_true", help="only those --check reports (--record --stale refreshes them)"
+    )
+    parser.add_argument("--timeout", type=float, help="seconds per mutation (default: 300 + 3 x its baseline)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
     args = parser.parse_args(argv)
     if args.list:
         print(listing())
         return 0
-    if args.record and (args.names or args.fast):
-        parser.error("--record: the record is of the whole list; run it without names or --fast")
+    if args.check:
+        found = problems(read_record())
+        print("".join(f"{name}: {why}\n" for name, why in found.items()), end="")
+        if not found:
+            print(f"the record is current: {len(MUTATIONS)} mutations, every one caught")
+        return 1 if found else 0
     known = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"no mutation {', '.join(unknown)}; one of {', '.join(known)}")
-    chosen = [known[n] for n in args.names] or [m for m in MUTATIONS if m.fast or not args.fast]
-    missed, outcomes = [], []
-    for m in chosen:
-        outcome = run(m, args.workers)
-        outcomes.append(outcome)
-        print(f"{'caught' if outcome.caught else 'MISSED'}  {m.name}  ({outcome.seconds:.0f} s)", flush=True)
+    stale = problems(read_record()) if args.stale else {}
+    chosen = [known[n] for n in args.names] or [
+        m for m in MUTATIONS if (m.fast or not args.fast) and (m.name in stale or not args.stale)
+    ]
+    if not chosen:  # pytest given no test would run the whole suite
+        print("no mutation to run")
+        return 0
+
+    def echo(o: Outcome) -> None:
+        print(f"{o.verdict}  {o.mutation.name}  ({o.seconds:.0f} s)", flush=True)
+        if not o.caught:
+            print("".join(f"  {test}: {verdict}\n" for test, verdict in o.verdicts.items()), end="", flush=True)
         if args.verbose:
-            print(outcome.output, flush=True)
-        if not outcome.caught:
-            missed.append(m.name)
-            for test in m.tests:
-                if test not in outcome.failed:
-                    print(f"  did not fail: {test}", flush=True)
+            print(o.output, flush=True)
+
+    outcomes = run(chosen, timeout=args.timeout, echo=echo)
+    for o in outcomes:
+        if o.verdict.startswith("baseline") or o.verdict.startswith("not caught: not planted"):
+            echo(o)
+    missed = [o.mutation.name for o in outcomes if not o.caught]
     print(
         f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught"
-        + (f"; missed: {', '.join(missed)}" if missed else "")
+        + (f"; not caught: {', '.join(missed)}" if missed else "")
     )
     if args.record:
-        write_record(outcomes, argv if argv is not None else sys.argv[1:])
+        write_record(outcomes)
     return 1 if missed else 0
 
 

@@ -112,6 +112,7 @@ def test_checkpoint_holds_every_state(run_a):
     for key in ("lr_scheduler.last_epoch", "dataloader.consumed_sequences", "train_state.step"):
         assert isinstance(md[key], BytesStorageMetadata), key
     assert isinstance(md["rng.cpu"], TensorStorageMetadata)
+    assert "layers.0.moe.router.expert_bias" in md, "the aux-free router bias is not in the checkpoint"
     import torch.distributed.checkpoint as dcp
 
     state = {

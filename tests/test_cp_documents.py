@@ -67,6 +67,14 @@ def test_deal_beats_the_two_chunk_split():
         assert max(dealt) < 0.9 * max(rank_work(ids, chunks, cp)), cp
 
 
+def test_snake_hands_each_rounds_advantage_back():
+    """The bound holds for a round-robin deal too (rank 0 first in every round): the snake is
+    better where each round's first rank gains. Works 8 7 6 5 on 2 ranks: 8 + 5 and 7 + 6 (a
+    round-robin deal gives 8 + 6 and 7 + 5); 8 .. 1 on 4 ranks: 8 + 1, 7 + 2, 6 + 3, 5 + 4."""
+    assert deal_blocks(torch.tensor([8, 7, 6, 5]), 2) == [[0, 3], [1, 2]]
+    assert deal_blocks(torch.arange(8, 0, -1), 4) == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
 def test_one_document_in_two_blocks_per_rank_is_the_two_chunk_split():
     ids = packed([16])
     assert blocks_per_rank(16, 2) == 2

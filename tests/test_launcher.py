@@ -1,6 +1,7 @@
 """tests/launcher.py, which most trainer tests launch through: every rank gets its own RANK,
-a failure reaches the test as torchrun reports it, a dead rank does not hang the launch, and
-a hung one is killed at the timeout with its stack on record."""
+a failure reaches the test as torchrun reports it, a dead rank does not hang the launch, a
+hung one is killed at the timeout with its stack on record, and a worker's rank that fails a
+test's assertion is told apart from one that crashes."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import signal
 import time
 
 import pytest
-from launcher import ZYGOTE, run_ranks
+from launcher import ZYGOTE, RanksFailed, run_ranks
 
 
 def launch(tmp_path, nproc, *args, env=None):
@@ -50,6 +51,25 @@ def _hang_on_rank_1(rank, port, out_dir):
         time.sleep(600)  # a rank stuck, as in a lock a forked child inherited held
 
 
+def _fail_on_rank_1(rank, port, out_dir, how):
+    if rank == 1:
+        if how == "assert":
+            assert rank == 0, "a wrong value"
+        raise RuntimeError("a crash")
+
+
+def test_rank_assertion_and_rank_crash_are_told_apart(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    # rank 0 exits 0, unless it is stopped (SIGTERM) once rank 1 has failed
+    with pytest.raises(AssertionError, match=r"exit codes \[(0|-15), 3\]") as failure:
+        run_ranks(_fail_on_rank_1, 2, tmp_path / "a", "assert")
+    assert "a wrong value" in str(failure.value)
+    with pytest.raises(RanksFailed, match=r"exit codes \[(0|-15), 1\]") as crash:
+        run_ranks(_fail_on_rank_1, 2, tmp_path / "b", "crash")
+    assert "RuntimeError: a crash" in str(crash.value)
+
+
 def test_worker_runs_in_ranks_apart_from_this_process(tmp_path):
     run_ranks(_echo, 2, tmp_path, {"ep": [2, 1]})
     got = [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
@@ -60,7 +80,7 @@ def test_worker_runs_in_ranks_apart_from_this_process(tmp_path):
 
 def test_hung_rank_is_killed_with_its_stack(tmp_path):
     start = time.monotonic()
-    with pytest.raises(AssertionError) as failure:
+    with pytest.raises(RanksFailed) as failure:
         run_ranks(_hang_on_rank_1, 2, tmp_path, timeout=3)
     assert time.monotonic() - start < 60
     message = str(failure.value)
