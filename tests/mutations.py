@@ -518,6 +518,27 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_checkpoint.py::test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step",
         ),
     ),
+    Mutation(
+        "megatron_flops_noncausal",
+        "Megatron's FLOP count takes every query against every key (its causal halving dropped)",
+        "bench/flops.py",
+        "q * seq_len / 2 * 2",
+        "q * seq_len * 2",
+        (
+            "tests/test_flops.py::test_megatron_count_of_a_layer_by_hand",
+            "tests/test_flops.py::test_published_per_token_counts",
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "full_depth_proxy_keeps_every_expert",
+        "the full-depth proxy -E<m> keeps all the model's experts instead of one EP rank's m",
+        "bench/train_step.py",
+        'num_experts=changes["experts"]',
+        "num_experts=args.moe.num_experts",
+        ("tests/test_flops.py::test_one_ep_ranks_experts_keep_the_per_token_count",),
+        fast=True,
+    ),
 )
 
 
