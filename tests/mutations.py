@@ -275,6 +275,18 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_hot_replicas_train.py::test_pp2_ep2_with_copies_matches_one_rank",
         ),
     ),
+    Mutation(
+        "document_positions_not_restarted",
+        "packed documents' positions run on across the sample (RoPE sees only their differences)",
+        "titan_fold/models/documents.py",
+        "        return document_positions(document_ids), document_mask(document_ids)\n",
+        "        return torch.arange(document_ids.shape[1]).expand_as(document_ids), document_mask(document_ids)\n",
+        tuple(
+            f"tests/test_documents.py::test_every_layer_gets_positions_that_restart_in_each_document[{name}]"
+            for name in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+        ),
+        fast=True,
+    ),
 )
 
 

@@ -145,3 +145,23 @@ def test_block_mask_from_documents_equals_flex_evaluating_every_pair(lengths):
     want = create_block_mask(_mask_mod(ids), 2, None, 256, 256, device="cpu", BLOCK_SIZE=16)
     for full in (False, True):
         assert _block_sets(got, full) == _block_sets(want, full)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_every_layer_gets_positions_that_restart_in_each_document(name):
+    """RoPE sees only position differences, so packed-equals-alone passes with positions that do
+    not restart; here every attention layer's rotary input (cos, sin) of a packed batch is the
+    table's at each token's place in its own document, counted independently."""
+    args = dataclasses.replace(FLAVORS[name]["debug"], n_layers=2)
+    model = build(args)
+    seen = []
+    for layer in model.layers.values():  # attention(x, cos, sin, mask=...)
+        layer.attention.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[1:3]))
+    rows = [LENGTHS, [1, 30, 1]]  # two samples of 32 tokens, documents cut differently
+    ids = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows])  # [2, 32]
+    want = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])  # [2, 32]
+    with torch.no_grad():
+        model(torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)), document_ids=ids)
+    assert len(seen) == args.n_layers
+    for cos, sin in seen:
+        assert torch.equal(cos, model.rope_cos[want]) and torch.equal(sin, model.rope_sin[want])
