@@ -287,6 +287,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         fast=True,
     ),
+    Mutation(
+        "mfu_full_causal_for_documents",
+        "MFU counts a packed sample's attention as the whole sample's causal square",
+        "titan_fold/trainer/fold_trainer.py",
+        "        lengths = document_lengths(ids) if ids is not None else torch.full(labels.shape[:1], labels.shape[1])\n",
+        "        lengths = torch.full(labels.shape[:1], labels.shape[1])\n",
+        tuple(
+            f"tests/test_documents.py::test_mfu_counts_the_attention_within_each_document[{name}]"
+            for name in ("qwen3_moe", "deepseek_v3")
+        ),
+    ),
+    Mutation(
+        "h100_pcie_given_the_sxm_peak",
+        "an H100 PCIe's MFU divided by the H100 SXM's peak",
+        "titan_fold/trainer/metrics.py",
+        '    "NVIDIA H100 PCIe": 756e12,\n',
+        '    "NVIDIA H100 PCIe": 989e12,\n',
+        ("tests/test_bench.py::test_mfu_peak_comes_from_the_exact_device_name[H100-PCIe]",),
+    ),
 )
 
 

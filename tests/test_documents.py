@@ -165,3 +165,29 @@ def test_every_layer_gets_positions_that_restart_in_each_document(name):
     assert len(seen) == args.n_layers
     for cos, sin in seen:
         assert torch.equal(cos, model.rope_cos[want]) and torch.equal(sin, model.rope_sin[want])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_mfu_counts_the_attention_within_each_document(name):
+    """A packed batch's training FLOPs (the trainer's batch_flops, what MFU divides) count the
+    attention the document mask lets through, not the whole sample's causal square: 12 * layers *
+    heads * head_dim per (query, key) pair the mask keeps, the diagonal at half weight (the count's
+    seq_len / 2 keys per query). Without documents: flops_per_token for every token."""
+    from types import SimpleNamespace
+
+    from titan_fold.trainer.fold_trainer import FoldTrainer
+
+    args = FLAVORS[name]["debug"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    s = 32
+    _, flops_per_token = args.get_nparams_and_flops(model, s)
+    per_pair = 12 * (args.n_layers + args.mtp_layers) * args.n_heads * args.attention_flops_dim()
+    dense = flops_per_token - per_pair * s / 2
+    trainer = SimpleNamespace(dense_flops_per_token=dense, model_args=args)
+    labels = torch.zeros(2, s, dtype=torch.long)
+    ids = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in (LENGTHS, [1, 30, 1])])
+    pairs = int(document_mask(ids).sum()) - ids.numel() / 2  # the diagonal at half weight
+    got = FoldTrainer.batch_flops(trainer, {"document_ids": ids}, labels)
+    assert got == pytest.approx(dense * ids.numel() + per_pair * pairs, rel=1e-12)
+    assert FoldTrainer.batch_flops(trainer, {}, labels) == pytest.approx(flops_per_token * labels.numel(), rel=1e-12)
