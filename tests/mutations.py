@@ -276,6 +276,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "warmup_fit_one_short",
+        "a warm-up longer than the run fitted to one step fewer than the run",
+        "titan_fold/trainer/fold_trainer.py",
+        "        config.lr_scheduler.warmup_steps = steps\n",
+        "        config.lr_scheduler.warmup_steps = max(1, steps - 1)\n",
+        ("tests/test_lr_schedule.py::test_logged_lr_is_the_closed_form_through_a_short_warmup_and_a_resume",),
+    ),
+    Mutation(
+        "resumed_lr_one_step_ahead",
+        "a resumed run's lr taken from its schedule one step past the loaded step",
+        "titan_fold/checkpoint/manager.py",
+        "            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]\n",
+        "            lrs = [base * fn(scheduler.last_epoch + 1) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]\n",
+        ("tests/test_lr_schedule.py::test_logged_lr_is_the_closed_form_through_a_short_warmup_and_a_resume",),
+    ),
+    Mutation(
         "document_positions_not_restarted",
         "packed documents' positions run on across the sample (RoPE sees only their differences)",
         "titan_fold/models/documents.py",
