@@ -322,6 +322,34 @@ MUTATIONS: tuple[Mutation, ...] = (
         '    "NVIDIA H100 PCIe": 989e12,\n',
         ("tests/test_bench.py::test_mfu_peak_comes_from_the_exact_device_name[H100-PCIe]",),
     ),
+    Mutation(
+        "mtp_loss_weight_not_passed",
+        "mtp.loss_scaling_factor never reaches the model (its flavor's 0.1 stays)",
+        "titan_fold/models/args.py",
+        "            self.mtp_layers, self.mtp_loss_scaling_factor = mtp.num_layers, mtp.loss_scaling_factor\n",
+        "            self.mtp_layers = mtp.num_layers\n",
+        (
+            "tests/test_keys_reach.py::test_the_key_changes_what_it_configures[mtp.loss_scaling_factor]",
+            "tests/test_keys_reach.py::test_mtp_loss_weight_scales_the_mtp_layers_gradients",
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "moe_key_not_passed",
+        "moe.routed_scaling_factor left out of the [moe] values the model takes",
+        "titan_fold/models/args.py",
+        'f.name not in (*MOVED_MOE_KEYS, "token_drop")',
+        'f.name not in (*MOVED_MOE_KEYS, "token_drop", "routed_scaling_factor")',
+        ("tests/test_keys_reach.py::test_the_key_changes_what_it_configures[moe.routed_scaling_factor]",),
+    ),
+    Mutation(
+        "muon_ns_steps_not_passed",
+        "optimizer.muon_ns_steps not passed to Muon (always 5 Newton-Schulz steps)",
+        "titan_fold/trainer/muon.py",
+        "        ns_steps=c.muon_ns_steps,\n",
+        "        ns_steps=5,\n",
+        ("tests/test_keys_reach.py::test_the_key_changes_what_it_configures[optimizer.muon_ns_steps]",),
+    ),
 )
 
 
