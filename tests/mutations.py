@@ -350,6 +350,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        ns_steps=5,\n",
         ("tests/test_keys_reach.py::test_the_key_changes_what_it_configures[optimizer.muon_ns_steps]",),
     ),
+    Mutation(
+        "copies_of_the_coldest_experts",
+        "the copies' planner nominates the least loaded experts: the busiest ep rank keeps its rows",
+        "titan_fold/moe/replicas.py",
+        "    return totals.topk(R).indices\n",
+        "    return totals.topk(R, largest=False).indices\n",
+        ("tests/test_hot_replicas_train.py::test_copies_lower_the_busiest_ep_ranks_rows",),
+    ),
 )
 
 
