@@ -358,6 +358,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return totals.topk(R, largest=False).indices\n",
         ("tests/test_hot_replicas_train.py::test_copies_lower_the_busiest_ep_ranks_rows",),
     ),
+    Mutation(
+        "expert_bias_zeroed_on_resume",
+        "the aux-free router bias saved but zeroed once a checkpoint is loaded",
+        "titan_fold/trainer/fold_trainer.py",
+        "        check_weights(self.model_parts, where)\n",
+        "        check_weights(self.model_parts, where)\n"
+        "        from titan_fold.moe import moe_layers\n"
+        "        [m.router.expert_bias.zero_() for m in moe_layers(self.model_parts)]\n",
+        ("tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank",),
+    ),
 )
 
 
