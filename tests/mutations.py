@@ -309,9 +309,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "titan_fold/trainer/fold_trainer.py",
         "        lengths = document_lengths(ids) if ids is not None else torch.full(labels.shape[:1], labels.shape[1])\n",
         "        lengths = torch.full(labels.shape[:1], labels.shape[1])\n",
-        tuple(
-            f"tests/test_documents.py::test_mfu_counts_the_attention_within_each_document[{name}]"
-            for name in ("qwen3_moe", "deepseek_v3")
+        (
+            *(
+                f"tests/test_documents.py::test_mfu_counts_the_attention_within_each_document[{name}]"
+                for name in ("qwen3_moe", "deepseek_v3")
+            ),
+            "tests/test_train.py::test_logged_flops_count_the_attention_within_each_packed_document",
         ),
     ),
     Mutation(
