@@ -284,15 +284,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_lr_schedule.py::test_logged_lr_is_the_closed_form_through_a_short_warmup_and_a_resume",),
     ),
     Mutation(
-        "resumed_lr_one_step_ahead",
-        "a resumed run's lr taken from its schedule one step past the loaded step",
-        "titan_fold/checkpoint/manager.py",
-        "            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]\n",
-        "            lrs = [base * fn(scheduler.last_epoch + 1) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]\n",
-        ("tests/test_lr_schedule.py::test_logged_lr_is_the_closed_form_through_a_short_warmup_and_a_resume",),
-    ),
-    Mutation(
-        "document_positions_not_restarted",
+        "document_attention_positions_run_on",
         "packed documents' positions run on across the sample (RoPE sees only their differences)",
         "titan_fold/models/documents.py",
         "        return document_positions(document_ids), document_mask(document_ids)\n",
