@@ -280,12 +280,3 @@ def moe_layer_flops(
         "shared_gate": gate,
         "total": routed + shared + router + gate,
     }
-
-
-def peak_flops(device_name: str) -> float:
-    """Datasheet dense bf16 peak used for MFU (the same table torchtitan uses)."""
-    if "H100" in device_name or "H200" in device_name:
-        return 989e12
-    if "A100" in device_name:
-        return 312e12
-    return float("nan")

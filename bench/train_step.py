@@ -19,7 +19,7 @@ The proxy has the real layer widths and fewer layers: flavor "<base>-L<n>" is
 FLAVORS[family][base] with n_layers = n and vocab_size = 32768, registered in the worker
 process before titan_fold.train.main runs (the default: qwen2_moe 57B-A14B-L2). Each
 case is one `torchrun` of this file in worker mode; the trainer writes metrics.jsonl
-(per-device tokens/s, MFU on a 989 TFLOP/s peak, peak reserved memory per logged step,
+(per-device tokens/s, MFU on the GPU's dense bf16 peak, peak reserved memory per logged step,
 log_freq 1) and the parent reports medians over the steps after `--warmup-steps`.
 
 Settings: seq 4096, local batch 2, bf16 compute with fp32 master weights

@@ -364,7 +364,8 @@ def main(argv=None) -> dict:
         worker(argv[split + 1 :], a.family, a.proxy)
         return {}
     a = p.parse_args(argv)
-    from bench.common import command_line, env_info, peak_flops, write_result
+    from bench.common import command_line, env_info, write_result
+    from titan_fold.trainer.metrics import peak_flops
 
     fpt = our_flops_per_token(a.family, a.proxy, a.seq_len)
     peak = peak_flops(env_info()["device"])

@@ -392,3 +392,16 @@ def checkpointed_run(steps: int) -> tuple[str, ...]:
         "3",
         "--checkpoint.no-last_save_model_only",
     )
+
+
+def router_biases(checkpoint) -> dict[str, torch.Tensor]:
+    """The aux-free router biases a step folder holds, by key."""
+    import torch.distributed.checkpoint as dcp
+
+    from titan_fold.checkpoint.trusted import read_metadata
+
+    md = read_metadata(str(checkpoint)).state_dict_metadata
+    state = {k: torch.zeros(list(m.size)) for k, m in md.items() if k.endswith("router.expert_bias")}
+    assert state, "no router bias in the checkpoint"
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    return state

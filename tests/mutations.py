@@ -539,6 +539,94 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_flops.py::test_one_ep_ranks_experts_keep_the_per_token_count",),
         fast=True,
     ),
+    Mutation(
+        "warmup_fit_one_short",
+        "a warm-up longer than the run fitted to one step fewer than the run",
+        "titan_fold/trainer/fold_trainer.py",
+        "        config.lr_scheduler.warmup_steps = steps\n",
+        "        config.lr_scheduler.warmup_steps = max(1, steps - 1)\n",
+        ("tests/test_lr_schedule.py::test_logged_lr_is_the_closed_form_through_a_short_warmup_and_a_resume",),
+    ),
+    Mutation(
+        "document_attention_positions_run_on",
+        "packed documents' positions run on across the sample (RoPE sees only their differences)",
+        "titan_fold/models/documents.py",
+        "        return document_positions(document_ids), document_mask(document_ids)\n",
+        "        return torch.arange(document_ids.shape[1]).expand_as(document_ids), document_mask(document_ids)\n",
+        tuple(
+            f"tests/test_documents.py::test_every_layer_gets_positions_that_restart_in_each_document[{name}]"
+            for name in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "mfu_full_causal_for_documents",
+        "MFU counts a packed sample's attention as the whole sample's causal square",
+        "titan_fold/trainer/fold_trainer.py",
+        "        lengths = document_lengths(ids) if ids is not None else torch.full(labels.shape[:1], labels.shape[1])\n",
+        "        lengths = torch.full(labels.shape[:1], labels.shape[1])\n",
+        (
+            *(
+                f"tests/test_documents.py::test_mfu_counts_the_attention_within_each_document[{name}]"
+                for name in ("qwen3_moe", "deepseek_v3")
+            ),
+            "tests/test_train.py::test_logged_flops_count_the_attention_within_each_packed_document",
+        ),
+    ),
+    Mutation(
+        "h100_pcie_given_the_sxm_peak",
+        "an H100 PCIe's MFU divided by the H100 SXM's peak",
+        "titan_fold/trainer/metrics.py",
+        '    "NVIDIA H100 PCIe": 756e12,\n',
+        '    "NVIDIA H100 PCIe": 989e12,\n',
+        ("tests/test_bench.py::test_mfu_peak_comes_from_the_exact_device_name[H100-PCIe]",),
+    ),
+    Mutation(
+        "mtp_loss_weight_not_passed",
+        "mtp.loss_scaling_factor never reaches the model (its flavor's 0.1 stays)",
+        "titan_fold/models/args.py",
+        "            self.mtp_layers, self.mtp_loss_scaling_factor = mtp.num_layers, mtp.loss_scaling_factor\n",
+        "            self.mtp_layers = mtp.num_layers\n",
+        (
+            "tests/test_keys_reach.py::test_the_key_changes_what_it_configures[mtp.loss_scaling_factor]",
+            "tests/test_keys_reach.py::test_mtp_loss_weight_scales_the_mtp_layers_gradients",
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "moe_key_not_passed",
+        "moe.routed_scaling_factor left out of the [moe] values the model takes",
+        "titan_fold/models/args.py",
+        'f.name not in (*MOVED_MOE_KEYS, "token_drop")',
+        'f.name not in (*MOVED_MOE_KEYS, "token_drop", "routed_scaling_factor")',
+        ("tests/test_keys_reach.py::test_the_key_changes_what_it_configures[moe.routed_scaling_factor]",),
+    ),
+    Mutation(
+        "muon_ns_steps_not_passed",
+        "optimizer.muon_ns_steps not passed to Muon (always 5 Newton-Schulz steps)",
+        "titan_fold/trainer/muon.py",
+        "        ns_steps=c.muon_ns_steps,\n",
+        "        ns_steps=5,\n",
+        ("tests/test_keys_reach.py::test_the_key_changes_what_it_configures[optimizer.muon_ns_steps]",),
+    ),
+    Mutation(
+        "copies_of_the_coldest_experts",
+        "the copies' planner nominates the least loaded experts: the busiest ep rank keeps its rows",
+        "titan_fold/moe/replicas.py",
+        "    return totals.topk(R).indices\n",
+        "    return totals.topk(R, largest=False).indices\n",
+        ("tests/test_hot_replicas_train.py::test_copies_lower_the_busiest_ep_ranks_rows",),
+    ),
+    Mutation(
+        "expert_bias_zeroed_on_resume",
+        "the aux-free router bias saved but zeroed once a checkpoint is loaded",
+        "titan_fold/trainer/fold_trainer.py",
+        "        check_weights(self.model_parts, where)\n",
+        "        check_weights(self.model_parts, where)\n"
+        "        from titan_fold.moe import moe_layers\n"
+        "        [m.router.expert_bias.zero_() for m in moe_layers(self.model_parts)]\n",
+        ("tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank",),
+    ),
 )
 
 

@@ -1133,6 +1133,30 @@ def test_suite_narrowed_to_one_shape_runs_only_the_steps_that_hold_it(tmp_path, 
     assert cmd[cmd.index("--shapes") + 1] == "mixtral_8x22b" and cmd[cmd.index("--impl") + 1] == "titan_fold_quack"
 
 
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        # torch.cuda.get_device_name(); dense bf16 (half the datasheets' figures with sparsity)
+        pytest.param("NVIDIA H100 80GB HBM3", 989, id="H100-SXM"),
+        pytest.param("NVIDIA H100 PCIe", 756, id="H100-PCIe"),
+        pytest.param("NVIDIA H100 NVL", 835, id="H100-NVL"),
+        pytest.param("NVIDIA H200", 989, id="H200-SXM"),
+        pytest.param("NVIDIA H200 NVL", 835, id="H200-NVL"),
+        pytest.param("NVIDIA A100-SXM4-80GB", 312, id="A100-SXM4-80GB"),
+        pytest.param("NVIDIA A100-PCIE-40GB", 312, id="A100-PCIe-40GB"),
+        pytest.param("NVIDIA H100", None, id="no-such-name"),
+        pytest.param("cpu", None, id="cpu"),
+    ],
+)
+def test_mfu_peak_comes_from_the_exact_device_name(name, tflops):
+    """The trainer's and the bench's MFU divide by the peak of the GPU's exact name: an H100 PCIe
+    or NVL is not given the SXM's, and a name the table lacks gets no peak (NaN: MFU null)."""
+    from titan_fold.trainer.metrics import peak_flops
+
+    got = peak_flops(name)
+    assert got == tflops * 1e12 if tflops else got != got
+
+
 def test_trace_summary(tmp_path):
     from bench import trace_summary
 

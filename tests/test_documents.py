@@ -145,3 +145,49 @@ def test_block_mask_from_documents_equals_flex_evaluating_every_pair(lengths):
     want = create_block_mask(_mask_mod(ids), 2, None, 256, 256, device="cpu", BLOCK_SIZE=16)
     for full in (False, True):
         assert _block_sets(got, full) == _block_sets(want, full)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_every_layer_gets_positions_that_restart_in_each_document(name):
+    """RoPE sees only position differences, so packed-equals-alone passes with positions that do
+    not restart; here every attention layer's rotary input (cos, sin) of a packed batch is the
+    table's at each token's place in its own document, counted independently."""
+    args = dataclasses.replace(FLAVORS[name]["debug"], n_layers=2)
+    model = build(args)
+    seen = []
+    for layer in model.layers.values():  # attention(x, cos, sin, mask=...)
+        layer.attention.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[1:3]))
+    rows = [LENGTHS, [1, 30, 1]]  # two samples of 32 tokens, documents cut differently
+    ids = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows])  # [2, 32]
+    want = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])  # [2, 32]
+    with torch.no_grad():
+        model(torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)), document_ids=ids)
+    assert len(seen) == args.n_layers
+    for cos, sin in seen:
+        assert torch.equal(cos, model.rope_cos[want]) and torch.equal(sin, model.rope_sin[want])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_mfu_counts_the_attention_within_each_document(name):
+    """A packed batch's training FLOPs (the trainer's batch_flops, what MFU divides) count the
+    attention the document mask lets through, not the whole sample's causal square: 12 * layers *
+    heads * head_dim per (query, key) pair the mask keeps, the diagonal at half weight (the count's
+    seq_len / 2 keys per query). Without documents: flops_per_token for every token."""
+    from types import SimpleNamespace
+
+    from titan_fold.trainer.fold_trainer import FoldTrainer
+
+    args = FLAVORS[name]["debug"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    s = 32
+    _, flops_per_token = args.get_nparams_and_flops(model, s)
+    per_pair = 12 * (args.n_layers + args.mtp_layers) * args.n_heads * args.attention_flops_dim()
+    dense = flops_per_token - per_pair * s / 2
+    trainer = SimpleNamespace(dense_flops_per_token=dense, model_args=args)
+    labels = torch.zeros(2, s, dtype=torch.long)
+    ids = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in (LENGTHS, [1, 30, 1])])
+    pairs = int(document_mask(ids).sum()) - ids.numel() / 2  # the diagonal at half weight
+    got = FoldTrainer.batch_flops(trainer, {"document_ids": ids}, labels)
+    assert got == pytest.approx(dense * ids.numel() + per_pair * pairs, rel=1e-12)
+    assert FoldTrainer.batch_flops(trainer, {}, labels) == pytest.approx(flops_per_token * labels.numel(), rel=1e-12)

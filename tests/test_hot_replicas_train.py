@@ -9,6 +9,9 @@ lasts the run. Runs (fp32, micro-batches of one sequence, as tests/test_checkpoi
     R1 = 1 rank, no copies                                       the reference, 6 steps
     PP = 4 ranks, pp 2 x ep 2, 2 copies per layer                steps 1..6, saves step 3
     DP = 4 ranks, dp 4 x ep 2 x edp 2, 2 copies, from PP's step 3   steps 4..6
+
+and what the copies are for: one step on 2 ranks, dp 2 x ep 2, with and without copies, each
+ep rank's experts counting the rows they run.
 """
 
 import json
@@ -18,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_matches_one_rank, read_metrics, torchrun
 from helpers import checkpointed_run
+from launcher import run_ranks
 
 from titan_fold.checkpoint.trusted import read_metadata
 
@@ -27,6 +31,7 @@ STEPS = 6
 SKEW = [0.3, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # the debug model's 8 experts
 COMMON = (*checkpointed_run(STEPS), "--metrics.group_grad_norms", "--metrics.expert_load")
 COPIES = ("--moe.hot_expert_replicas", "2")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 # no aux loss: its statistics are not compared here (aux_free), the group norms and losses are
 KEYS = ("loss", "grad_norm")
 
@@ -103,3 +108,55 @@ def test_resumed_dp4_ep2_edp2_with_copies_matches_one_rank(reference, pipelined,
     for k in want:
         if k.endswith("router.expert_bias"):
             assert torch.equal(have[k], want[k]), k
+
+
+def count_rows(rank: int, port: int, out_dir: str, *args: str) -> None:
+    """The trainer on this rank with every routed-experts call's rows (home experts and copies)
+    written to out_dir/rows_<rank>.json, in call order."""
+    from titan_fold.moe.experts import GroupedExperts
+    from titan_fold.trainer.fold_trainer import main
+
+    rows, forward = [], GroupedExperts.forward
+
+    def counting(self, x, counts, *rest, **kwargs):
+        assert isinstance(counts, torch.Tensor)  # the exact exchange: rows per physical expert
+        rows.append(int(counts.sum()))
+        return forward(self, x, counts, *rest, **kwargs)
+
+    GroupedExperts.forward = counting  # this forked rank's class only
+    assert main(list(args)) == 0
+    with open(f"{out_dir}/rows_{rank}.json", "w") as f:
+        json.dump(rows, f)
+
+
+def test_copies_lower_the_busiest_ep_ranks_rows(skewed_seed, tmp_path):
+    """The same step (same weights, batch and routing: the logged per-expert loads are equal) on
+    dp 2 x ep 2 with and without 2 copies per layer: in every MoE layer the ep ranks run every
+    routed row once between them, and the busiest rank runs fewer with the copies, at most the
+    level the copies' planner fills to plus one."""
+    got = {}
+    for name, copies in (("without", ()), ("with", COPIES)):
+        folder = tmp_path / name
+        folder.mkdir()
+        args = ("--job.config_file", "debug_moe.toml", *COMMON, "--training.steps", "1", *EP2, *copies)
+        run_ranks(
+            count_rows,
+            2,
+            folder,
+            "--job.dump_folder",
+            str(folder),
+            "--checkpoint.initial_load_path",
+            skewed_seed,
+            *args,
+        )
+        per_rank = [json.loads((folder / f"rows_{r}.json").read_text()) for r in range(2)]
+        got[name] = torch.tensor(per_rank)  # [ep rank, MoE layer call]
+        got[name + " load"] = json.loads((folder / "expert_load.jsonl").read_text().splitlines()[0])["counts"]
+    assert got["with load"] == got["without load"]  # the same routing
+    without, with_copies = got["without"], got["with"]
+    assert without.shape == with_copies.shape and without.shape[1] > 0
+    assert torch.equal(with_copies.sum(0), without.sum(0))  # every row runs once
+    busiest_without, busiest_with = without.max(0).values, with_copies.max(0).values
+    assert (busiest_with < busiest_without).all(), (busiest_with, busiest_without)
+    # both copies' experts (0 and 1) live on rank 0: moved rows can level the two ranks
+    assert (busiest_with <= (with_copies.sum(0) + 1) // 2 + 1).all(), with_copies

@@ -6,10 +6,12 @@ divided by the global token count. So the 2-rank run must reproduce the 1-rank l
 and gradient norms, not just run.
 """
 
+import itertools
 import re
 
 import pytest
-from conftest import assert_matches_one_rank, train_from_seed
+import torch
+from conftest import assert_matches_one_rank, forked, read_metrics, train_from_seed
 
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.parallel.mesh import LayoutError
@@ -96,6 +98,38 @@ def test_loss_falls(runs):
     one, _ = runs
     first, last = one[0]["loss"], sum(m["loss"] for m in one[-3:]) / 3
     assert last < 0.8 * first, (first, last)
+
+
+def test_logged_flops_count_the_attention_within_each_packed_document(tmp_path):
+    """With document masking, the logged tflops over tokens_per_sec (the FLOPs per token MFU
+    divides by) is the step's batch counted here from the dataloader's own documents: 6 *
+    N_active per token and, per document of n tokens, 6 * layers * heads * head_dim * n^2 (its
+    causal square), not the sample's."""
+    from titan_fold.data import build_dataloader, build_tokenizer
+    from titan_fold.models import Transformer
+    from titan_fold.trainer.preflight import model_args_from_config
+
+    # the chat example's conversations, packed (document masking is on for chat data)
+    args = ["--job.config_file", "debug_sft.toml", "--training.local_batch_size", "2"]
+    args += ["--training.global_batch_size", "2", "--training.steps", "2", "--metrics.log_freq", "1"]
+    codes, out, err = forked(1, "titan_fold.train", *args, "--job.dump_folder", str(tmp_path))
+    assert codes == [0], (out + err)[-4000:]
+    config = parse_args(args)
+    _, model_args = model_args_from_config(config)
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
+    active = (
+        total - model.tok_embeddings.weight.numel() - routed * (1 - model_args.moe.top_k / model_args.moe.num_experts)
+    )
+    per_square = 6 * model_args.n_layers * model_args.n_heads * model_args.head_dim
+    batches = build_dataloader(1, 0, build_tokenizer(config), config)
+    for record, (inputs, labels) in zip(read_metrics(tmp_path), batches, strict=False):
+        lengths = [len(list(run)) for row in inputs["document_ids"].tolist() for _, run in itertools.groupby(row)]
+        assert len(lengths) > 2  # packed: more documents than samples
+        want = 6 * active + per_square * sum(n * n for n in lengths) / labels.numel()
+        assert record["tflops"] * 1e12 / record["tokens_per_sec"] == pytest.approx(want, rel=1e-9), record["step"]
 
 
 def test_two_ranks_match_one_rank(runs):

@@ -136,5 +136,11 @@ class TransformerArgs(BaseModelArgs):
         routed = sum(p.numel() for name, p in model.named_parameters() if ".moe.experts." in name)
         embedding = 0 if self.tie_embeddings else model.tok_embeddings.weight.numel()
         active = total - embedding - routed + routed * self.moe.top_k // self.moe.num_experts
-        attention = 6 * (self.n_layers + self.mtp_layers) * self.n_heads * self.attention_flops_dim() * seq_len
-        return total, int(6 * active + attention)
+        return total, int(6 * active + self.attention_flops(seq_len**2) / seq_len)
+
+    def attention_flops(self, sum_squares: int) -> float:
+        """Training FLOPs of causal attention over sequences of lengths n_i, given sum_i n_i^2:
+        6 * n_layers * n_heads * head_dim * sum_i n_i^2 (get_nparams_and_flops' count, n_i / 2
+        keys per query). Packed documents under document masking are the sequences: attention
+        does not cross them."""
+        return 6 * (self.n_layers + self.mtp_layers) * self.n_heads * self.attention_flops_dim() * sum_squares

@@ -40,6 +40,15 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
+    """[documents] int64: the length of every document of document_ids [b, s], sample by sample
+    (a document cut by a sample's end counts in each sample it is in)."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = starts.flatten().nonzero().flatten()  # every sample's first token starts a document
+    return torch.diff(first, append=first.new_tensor([document_ids.numel()]))
+
+
 def one_document(document_ids: torch.Tensor) -> bool:
     """True where every sample of document_ids [b, s] holds one document (or a piece of one):
     its mask is then the causal mask and its positions 0 .. s-1, so the stream's causal kernel

@@ -56,6 +56,7 @@ from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
 from titan_fold.common.storage import StorageError, storage_problem, write_cause
+from titan_fold.models.documents import document_lengths
 from titan_fold.moe import update_expert_bias
 from titan_fold.moe.layer import moe_stashes
 from titan_fold.parallel.overlap import OverlapSchedule
@@ -157,9 +158,10 @@ class FoldTrainer(TrainStep, Stateful):
         # metrics
         self.metrics_processor = spec.build_metrics_processor_fn(job_config, layout, model_args)
         color = self.metrics_processor.color
-        n_params, self.metrics_processor.num_flops_per_token = model_args.get_nparams_and_flops(
-            model, job_config.training.seq_len
-        )
+        seq_len = job_config.training.seq_len
+        n_params, flops_per_token = model_args.get_nparams_and_flops(model, seq_len)
+        # MFU counts each batch's attention as computed (batch_flops): less the full sequence's here
+        self.dense_flops_per_token = flops_per_token - model_args.attention_flops(seq_len**2) / seq_len
         logger.info(
             f"{color.blue}Model {job_config.model.name} {job_config.model.flavor} "
             f"{color.red}size: {n_params:,} total parameters{color.reset}"
@@ -399,8 +401,16 @@ class FoldTrainer(TrainStep, Stateful):
                 raise DataloaderExhaustedError() from e
             self.ntokens_seen += labels.numel()
             self.metrics_processor.ntokens_since_last_log += labels.numel()
+            self.metrics_processor.flops_since_last_log += self.batch_flops(input_dict, labels)
             self.metrics_processor.data_loading_times.append(time.perf_counter() - begin)
             yield input_dict, labels
+
+    def batch_flops(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> float:
+        """The training FLOPs MFU counts for a batch [b, s]: 6 * N_active per token, and causal
+        attention within each packed document (training.document_masking), else over each sample."""
+        ids = input_dict.get("document_ids")
+        lengths = document_lengths(ids) if ids is not None else torch.full(labels.shape[:1], labels.shape[1])
+        return self.dense_flops_per_token * labels.numel() + self.model_args.attention_flops(int((lengths**2).sum()))
 
     def should_continue_training(self) -> bool:
         """Called before every step; also where a stop request is agreed on by every rank."""

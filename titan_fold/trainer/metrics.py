@@ -10,9 +10,10 @@ monitor that also works on the CPU, the JSON-lines file, the step line
 (`mfu` on a GPU only) and `summary()`. The first step of a run (1, or the one after the
 resumed checkpoint), every `metrics.log_freq`-th and the last one are logged.
 
-MFU = flops_per_token * tokens_per_sec / peak_flops, where flops_per_token counts the
-activated parameters (6 * N_active) plus causal attention (see
-`TransformerArgs.get_nparams_and_flops`); null where the peak is unknown (the CPU).
+MFU = flops / seconds / peak_flops, per device. flops counts 6 * N_active per token plus
+causal attention (`TransformerArgs.get_nparams_and_flops`), within each packed document under
+document masking: the attention computed (the trainer's `batch_flops`). peak_flops is the
+dense bf16 peak of the GPU's exact name (PEAK_BF16_FLOPS); null where there is none (the CPU).
 """
 
 import os
@@ -44,6 +45,26 @@ from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.phases import StepPhases, phases_text
 
 GIB = 1024**3
+
+# dense bf16 tensor-core peak (without sparsity), NVIDIA's datasheets, by the exact name that
+# torch.cuda.get_device_name() gives: H100 SXM, PCIe and NVL differ by a quarter, and a name
+# not here has no MFU (null) rather than a neighbour's peak
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+}
+
+
+def peak_flops(device_name: str) -> float:
+    """The dense bf16 peak FLOP/s of the GPU named `device_name`; NaN where the table has no such name."""
+    return PEAK_BF16_FLOPS.get(device_name, float("nan"))
 
 
 class HostMemoryMonitor:
@@ -125,12 +146,12 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.device_memory_monitor = _memory_monitor()
         self.device_memory_monitor.reset_peak_stats()
         name = self.device_memory_monitor.device_name
-        self.gpu_peak_flops = utils.get_peak_flops(name) if torch.cuda.is_available() else float("nan")
+        self.gpu_peak_flops = peak_flops(name)  # NaN on the CPU: no MFU
         self.ntokens_since_last_log = 0
+        self.flops_since_last_log = 0.0  # the batches' training FLOPs (the trainer's batch_flops)
         self.data_loading_times: list[float] = []
         self.time_last_log = time.perf_counter()
         # set by the trainer once built
-        self.num_flops_per_token = -1
         self.optimizers: OptimizersContainer | None = None
         self.lr_schedulers: LRSchedulersContainer | None = None
         self.model_parts: list[torch.nn.Module] | None = None
@@ -200,7 +221,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         steps = max(1, self._steps_since_last_log(step))
         # tokens per second per device, as torchtitan counts them
         tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
-        flops = self.num_flops_per_token * tps
+        flops = self.flops_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
         mfu = 100 * flops / self.gpu_peak_flops
         memory = self.device_memory_monitor.get_peak_stats()
         extra = dict(extra_metrics or {})
@@ -232,9 +253,18 @@ class FoldMetricsProcessor(MetricsProcessor):
         if self.jsonl:
             self.jsonl.write(record)
         self._last_logged_step = step
-        self.history.append({**record, "seconds": time_delta, "steps": steps, "tokens": self.ntokens_since_last_log})
+        self.history.append(
+            {
+                **record,
+                "seconds": time_delta,
+                "steps": steps,
+                "tokens": self.ntokens_since_last_log,
+                "flops": self.flops_since_last_log,
+            }
+        )
         logger.info(self._step_line(record, now))
         self.ntokens_since_last_log = 0
+        self.flops_since_last_log = 0.0
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
@@ -288,7 +318,12 @@ class FoldMetricsProcessor(MetricsProcessor):
         steady = h[1:] or h
         seconds = sum(r["seconds"] for r in steady)
         tps = sum(r["tokens"] for r in steady) / (seconds * self.parallel_dims.non_data_parallel_size)
-        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
+        mfu = (
+            100
+            * sum(r["flops"] for r in steady)
+            / (seconds * self.parallel_dims.non_data_parallel_size)
+            / self.gpu_peak_flops
+        )
         best = min(h, key=lambda r: r["loss"])
         first_step, last_step = h[0]["step"] - h[0]["steps"] + 1, h[-1]["step"]
         lines = [
