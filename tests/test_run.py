@@ -152,3 +152,39 @@ def _line(text: str, time_ns: int) -> dict:
 def test_first_failure(tmp_path, failures, first):
     got = first_failure({r: _failure(tmp_path, r, code, data) for r, (code, data) in failures.items()})
     assert got == first
+
+
+BAD_UTF8_CHAT = (
+    b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}\n'
+    b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "ok"}]}\n'
+)
+
+
+@pytest.mark.slow  # a launch of 2 ranks per case
+@pytest.mark.parametrize("fault", ["chat_not_utf8", "checkpoint_folder_under_a_file", "copies_at_ep1", "bool_value"])
+def test_first_hour_faults_are_one_line_through_the_launcher(tmp_path, fault):
+    """The faults a new user met, as the documented launcher shows them: exactly one `error:`
+    line naming the cause, exit code 2, nothing trained."""
+    run_dir = tmp_path / "run"
+    args = ["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(run_dir), "--training.steps", "2"]
+    if fault == "chat_not_utf8":
+        path = tmp_path / "chat.jsonl"
+        path.write_bytes(BAD_UTF8_CHAT)
+        args[1] = "debug_sft.toml"
+        args += ["--training.dataset", "hf", "--training.dataset_path", str(path)]
+        cause = f"training.dataset_path = '{path}': record 1 (line 2): not UTF-8 (byte 0xe9 at column 47)"
+    elif fault == "checkpoint_folder_under_a_file":
+        (tmp_path / "file").write_text("x")
+        args += ["--checkpoint.enable", "--checkpoint.folder", "../file/ckpt"]
+        cause = f"{tmp_path / 'file'} is a file, not a folder"
+    elif fault == "copies_at_ep1":
+        args += ["--moe.hot_expert_replicas", "1"]
+        cause = "moe.hot_expert_replicas"
+    else:
+        args += ["--training.document_masking", "maybe"]
+        cause = "--training.document_masking"
+    run = launch(tmp_path, *args)
+    lines = run.stderr.splitlines()
+    assert (run.returncode, run.stdout, len(lines)) == (2, "", 1), run.stderr[-4000:]
+    assert lines[0].startswith("error: ") and cause in lines[0], lines[0]
+    assert not (run_dir / "checkpoint").exists() and not (run_dir / "metrics.jsonl").exists()
