@@ -516,6 +516,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             "tests/test_checkpoint.py::test_extending_a_run_with_the_defaults_resumes_its_model_only_checkpoint",
             "tests/test_checkpoint.py::test_a_resumed_run_takes_the_new_lr_schedule_from_its_first_step",
+            "tests/test_lr_schedule.py::test_logged_lr_is_the_closed_form_through_a_short_warmup_and_a_resume",
         ),
     ),
     Mutation(
