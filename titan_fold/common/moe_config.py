@@ -71,7 +71,7 @@ class MoE:
     rows a planner on the device spreads over the ep ranks (docs/moe.md); 0 = off. Copies are not
     parameters: never in the optimizer or a checkpoint. Dropless with the exact exchange only."""
     stash_rows: int = 0
-    """With static_ep_exchange: the tensors the routed experts save for backward keep only their
+    """With exchange = "static": the tensors the routed experts save for backward keep only their
     real rows, packed into one pool of this many rows per saved tensor, shared by the MoE layers
     (paged stashing, docs/moe.md): at least the real rows an ep rank's experts get in all the
     layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
