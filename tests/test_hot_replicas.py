@@ -138,7 +138,12 @@ def test_layout_shows_the_copies_and_refuses_a_negative_count():
     experts = [line for line in shown.stdout.splitlines() if ".moe.experts." in line]
     assert experts and all(line.endswith("summed over ep") for line in experts)
     refused = python_m("titan_fold.layout", *args, "-1")
-    assert refused.returncode == 2 and refused.stderr.strip() == "--hot-expert-replicas -1: must be >= 0"
+    assert refused.returncode == 2 and refused.stderr == "error: --hot-expert-replicas -1: must be >= 0\n"
+    at_ep1 = python_m(
+        "titan_fold.layout", "--world-size", "4", "--model", "qwen2_moe/debug", "--hot-expert-replicas", "2"
+    )
+    assert at_ep1.returncode == 2 and at_ep1.stderr.startswith("error: --hot-expert-replicas 2 needs --ep > 1")
+    assert len(at_ep1.stderr.splitlines()) == 1
 
 
 def test_more_copies_than_experts_is_one_line_before_any_work():

@@ -12,6 +12,7 @@ from helpers import Degrees, reference
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_fold import layout as layout_command
+from titan_fold.common.errors import UserError
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.planning import layout as layout_cli
 from titan_fold.planning.options import layout_parser
@@ -275,8 +276,11 @@ def test_cli_subprocess_json_and_error(capsys):
     out = python_m("titan_fold.layout", "--world-size", "4", "--tp", "2", "--ep", "2", "--etp", "2", "--format", "json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == FIGURE_2
-    assert layout_command.main(["--world-size", "4", "--ep", "3"]) == 2
-    assert "LayoutError: expert mesh: ep(3) * etp(1) = 3 must divide" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"^expert mesh: ep\(3\) \* etp\(1\) = 3 must divide"):
+        layout_command.main(["--world-size", "4", "--ep", "3"])
+    refused = python_m("titan_fold.layout", "--world-size", "4", "--ep", "3")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: expert mesh: ep(3)"), refused.stderr
+    assert len(refused.stderr.splitlines()) == 1
     assert not dist.is_initialized()
 
 
@@ -308,9 +312,10 @@ def test_cli_placements_print_the_plan(capsys):
     assert lines["layers.0-3.attention.wo.weight"][1:4] == ["attention", "tp:Shard(1)", "RowwiseParallel"]
     assert lines["layers.0-3.moe.router.gate.weight"][2] == "tp:Replicate"
     # the model's sizes are checked too: 8 experts do not split 16 ways
-    assert layout_command.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"]) == 2
-    assert "num_experts" in capsys.readouterr().err
-    assert layout_command.main(["--world-size", "8", "--placements"]) == 2
+    with pytest.raises(UserError, match=r"^num_experts\(8\) % ep\(16\)"):
+        layout_command.main(["--world-size", "16", "--ep", "16", "--model", "qwen2_moe/debug"])
+    with pytest.raises(UserError, match="^--placements needs --model$"):
+        layout_command.main(["--world-size", "8", "--placements"])
     # under pp the stages follow the plan: the debug model's 4 blocks, embedding and head
     # counted as one block each
     pp = ["--world-size", "4", "--pp", "2", "--ep", "2", "--model", "qwen2_moe/debug", "--placements"]
@@ -320,8 +325,8 @@ def test_cli_placements_print_the_plan(capsys):
         "stage 0 on pp rank 0: tok_embeddings, layers.0-1\n"
         "stage 1 on pp rank 1: layers.2-3, norm, output\n"
     )
-    assert layout_command.main(pp + ["--pp-schedule", "ZBVZeroBubble"]) == 2
-    assert "supported are" in capsys.readouterr().err
+    with pytest.raises(UserError, match="supported are"):
+        layout_command.main(pp + ["--pp-schedule", "ZBVZeroBubble"])
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -167,11 +167,9 @@ def png(rep: dict, out: str, gpus_per_node: int | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     """`python -m titan_fold.layout`'s work, its options parsed (options.layout_parser)."""
     if args.placements and args.model is None:
-        print("--placements needs --model", file=sys.stderr)
-        return 2
+        raise UserError("--placements needs --model")
     if args.hot_expert_replicas < 0:
-        print(f"--hot-expert-replicas {args.hot_expert_replicas}: must be >= 0", file=sys.stderr)
-        return 2
+        raise UserError(f"--hot-expert-replicas {args.hot_expert_replicas}: must be >= 0")
     if args.format == "png":
         pyplot(PNG_COMMAND)  # the plot extra, before any work
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
@@ -189,8 +187,13 @@ def run(args: argparse.Namespace) -> int:
                 Parallelism(pipeline_parallel_schedule=args.pp_schedule), model_args.n_layers, layout.pp
             )
     except (LayoutError, ValueError) as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
+    if args.hot_expert_replicas and layout.ep == 1:
+        # the trainer's rule (common/rules.py), as this tool's options name it
+        raise UserError(
+            f"--hot-expert-replicas {args.hot_expert_replicas} needs --ep > 1: the copies spread the busiest "
+            "experts' rows over the ep ranks, and ep = 1 has one"
+        )
     if args.placements:
         text = format_plan(placement_plan(model_args, layout, stages), layout) + "\n"
         if stages is not None:
