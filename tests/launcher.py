@@ -47,7 +47,10 @@ import traceback
 
 from outcomes import failures
 
-GRACE_S = 10  # after a failure, SIGTERM the other ranks, then SIGKILL those still alive
+# after a failure the other ranks get SETTLE_S to end on their own (a refusal ends every rank, the
+# slowest of a loaded machine's a little later), then SIGTERM, then SIGKILL GRACE_S after it
+SETTLE_S = 5
+GRACE_S = 10
 ASSERTION_FAILED = 3  # a worker's exit code when it failed a test's assertion
 
 
@@ -220,16 +223,18 @@ def _launch(request: dict) -> list[int]:
                 os._exit(code)
         pids.append(pid)
     codes: dict[int, int] = {}
-    deadline, stop_at = time.monotonic() + request["timeout"], None
+    deadline, term_at, stop_at = time.monotonic() + request["timeout"], None, None
     while len(codes) < ranks:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
             codes[pid] = os.waitstatus_to_exitcode(status)
-            if codes[pid] != 0 and stop_at is None:
-                stop_at = time.monotonic() + GRACE_S
-                _signal([p for p in pids if p not in codes], signal.SIGTERM)
+            if codes[pid] != 0 and term_at is None:
+                term_at = time.monotonic() + SETTLE_S
             continue
         now = time.monotonic()
+        if term_at is not None and now > term_at and stop_at is None:
+            stop_at = now + GRACE_S
+            _signal([p for p in pids if p not in codes], signal.SIGTERM)
         if now > deadline:  # the stacks first (faulthandler), then the kill
             failures.note("timeout", f"ranks still running after {request['timeout']} s")
             _signal([p for p in pids if p not in codes], signal.SIGABRT)
