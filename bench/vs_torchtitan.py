@@ -206,17 +206,13 @@ def worker(argv: list[str], family: str, proxy: str) -> None:
 
 
 def our_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
-    """titan_fold's FLOP count per token for its proxy, built on the meta device."""
-    import torch
-
+    """titan_fold's FLOP count per token for its proxy (bench/flops.py)."""
+    from bench.flops import titan_fold_flops_per_token
     from bench.train_step import register_proxy
-    from titan_fold.models import FLAVORS, Transformer
+    from titan_fold.models import FLAVORS
 
     register_proxy(family, proxy)
-    args = dataclasses.replace(FLAVORS[family][proxy], max_seq_len=seq_len)
-    with torch.device("meta"):
-        model = Transformer(args)
-    return args.get_nparams_and_flops(model, seq_len)[1]
+    return titan_fold_flops_per_token(FLAVORS[family][proxy], seq_len)
 
 
 def torchtitan_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
