@@ -35,7 +35,7 @@ from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
 from titan_fold.moe.router_triton import fused_route_whole  # noqa: E402
 from titan_fold.moe.router_triton import supported as fused_supported  # noqa: E402
 from titan_fold.moe.swiglu import _pairs_prob_forward  # noqa: E402
-from titan_fold.trainer.optimizer import adam_update  # noqa: E402
+from titan_fold.trainer.optimizer import AdamHyper, adam_update  # noqa: E402
 
 
 def calls(device: torch.device) -> dict:
@@ -65,7 +65,7 @@ def calls(device: torch.device) -> dict:
         "q / k norms + RoPE (autograd Function, fused)": lambda: apply_rope_qk(q, kk, cos, sin, *norms),
         "router: choice and losses (compiled with backward)": lambda: route(logits, bias, rows, args, 1.0),
         "Adam step of one parameter (fused)": lambda: adam_update(
-            weight, grad, None, exp_avg, exp_avg_sq, coef, 0.9, 0.95, 1e-8, 0.0, True
+            weight, grad, None, exp_avg, exp_avg_sq, coef, AdamHyper(0.9, 0.95, 1e-8, 0.0, True)
         ),
     }
     if fused_supported(logits, rows):

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
 from bench.grad_norm import parameter_shapes  # noqa: E402
-from titan_fold.trainer.optimizer import adam_coefficients, adam_update  # noqa: E402
+from titan_fold.trainer.optimizer import AdamHyper, adam_coefficients, adam_update  # noqa: E402
 
 BYTES_PER_PARAMETER = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2  # read g, master, m, v; write master, m, v, weight
 BF16_BYTES_PER_PARAMETER = 2 * 7  # read weight, g, m, v; write weight, m, v
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     def master_step():
         coefs = adam_coefficients([t[-1] for t in tensors], scalars, 0.9, 0.95, 0.1)
         for (weight, grad, master, exp_avg, exp_avg_sq, _), coef in zip(tensors, coefs, strict=True):
-            adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, 0.9, 0.95, 1e-8, 0.1, True)
+            adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, AdamHyper(0.9, 0.95, 1e-8, 0.1, True))
 
     rows = [_row("master_step", median(time_ms(master_step, a.warmup, a.iters, device)), BYTES_PER_PARAMETER * numel)]
     tensors.clear()  # the GPU memory back for the bf16 parameters
@@ -112,7 +112,7 @@ def bf16_steps(shapes, device, gen, warmup: int, iters: int) -> tuple[list[dict]
     def one_pass_step():
         coefs = adam_coefficients([t[-1] for t in ours], scalars, *betas, weight_decay)
         for (weight, grad, exp_avg, exp_avg_sq, _), coef in zip(ours, coefs, strict=True):
-            adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef, *betas, eps, weight_decay, True)
+            adam_update(weight, grad, None, exp_avg, exp_avg_sq, coef, AdamHyper(*betas, eps, weight_decay, True))
 
     torch_adamw = torch.optim.AdamW(theirs, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
     torch_adamw.grad_scale = torch.tensor(grad_scale, device=device)  # as parallel/clip.py sets it

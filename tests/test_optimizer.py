@@ -182,7 +182,7 @@ def test_adam_update_steps_every_element_once(rows, extra, device):
     _adam_step run op by op on the CPU than fused(_adam_step) over the flat tensors is, plus one
     rounding. No element missed or stepped twice (either would be off by a whole update)."""
     from titan_fold.common.fused import fused
-    from titan_fold.trainer.optimizer import ROW, _adam_step, adam_update
+    from titan_fold.trainer.optimizer import ROW, AdamHyper, _adam_step, adam_update
 
     n = rows * ROW + extra
     gen = torch.Generator().manual_seed(n)
@@ -191,7 +191,7 @@ def test_adam_update_steps_every_element_once(rows, extra, device):
     got = [t.to(device, dtype, copy=True) for t, dtype in zip(tensors, dtypes, strict=True)]
     flat = [t.clone() for t in got]
     coef = torch.tensor([1e-3, 0.5, 0.99, 0.5])
-    adam_update(*got, coef.to(device), *BETAS, EPS, WD, True)
+    adam_update(*got, coef.to(device), AdamHyper(*BETAS, EPS, WD, True))
     if device == "cpu" or not n:
         _adam_step(*flat, coef.to(device), *BETAS, EPS, WD, True)
         assert all(torch.equal(g, f) for g, f in zip(got, flat, strict=True))

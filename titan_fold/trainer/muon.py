@@ -30,7 +30,7 @@ from titan_fold.common.config import ConfigError
 from titan_fold.common.tensors import local
 from titan_fold.models.groups import matrix_shape, parameter_group, uses_muon
 from titan_fold.parallel.orthogonalize import Orthogonalizer, newton_schulz
-from titan_fold.trainer.optimizer import _fqn, _placed_like, _state, adam_coefficients, adam_update
+from titan_fold.trainer.optimizer import AdamHyper, _fqn, _placed_like, _state, adam_coefficients, step_parameter
 from titan_fold.trainer.optimizer import build_optimizers as build_adam_optimizers
 
 
@@ -96,21 +96,9 @@ class Muon(torch.optim.Optimizer):
         states = [_state(self, p) for p in live]
         scalars = torch.tensor([group["lr"], 1.0], dtype=torch.float32, device=local(live[0]).device)
         coefs = adam_coefficients([s["step"] for s in states], scalars, beta1, beta2, group["weight_decay"])
+        hyper = AdamHyper.of_group(group, decoupled=True)
         for p, state, coef in zip(live, states, coefs, strict=True):
-            adam_update(
-                local(p).view(-1),
-                local(_placed_like(p.grad, p)).reshape(-1),
-                None,
-                local(state["exp_avg"]).view(-1),
-                local(state["exp_avg_sq"]).view(-1),
-                coef,
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
-                True,
-                None,
-            )
+            step_parameter(p, p, state, coef, hyper)
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         params = group["params"]

@@ -37,6 +37,7 @@ layout of `torch.distributed.checkpoint.state_dict` (the keys a run without mast
 plus one).
 """
 
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
@@ -126,22 +127,9 @@ def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: tor
         coefs = adam_coefficients(
             [state["step"] for state in states], scalars, beta1, beta2, group["weight_decay"], found_inf
         )
+        hyper = AdamHyper.of_group(group, decoupled)
         for (p, optimized), state, coef in zip(live, states, coefs, strict=True):
-            master = None if optimized is p else local(optimized).view(-1)
-            adam_update(
-                local(p).view(-1),
-                local(_placed_like(p.grad, p)).reshape(-1),
-                master,
-                local(state["exp_avg"]).view(-1),
-                local(state["exp_avg_sq"]).view(-1),
-                coef,
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
-                decoupled,
-                found_inf,
-            )
+            step_parameter(p, optimized, state, coef, hyper, found_inf)
 
 
 class MasterWeightOptimizersContainer(AdamOptimizersContainer):
@@ -242,37 +230,58 @@ def adam_coefficients(
 ROW = 1 << 16
 
 
-def adam_update(
-    weight,
-    grad,
-    master,
-    exp_avg,
-    exp_avg_sq,
-    coef,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    found_inf=None,
-) -> None:
+@dataclass(frozen=True)
+class AdamHyper:
+    """The constants of one Adam / AdamW update (a param group's betas, eps, weight_decay, and
+    whether the decay is decoupled: AdamW's, or Adam's L2 term added to the gradient)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    @classmethod
+    def of_group(cls, group: dict[str, Any], decoupled: bool) -> "AdamHyper":
+        (beta1, beta2) = group["betas"]
+        return cls(beta1, beta2, group["eps"], group["weight_decay"], decoupled)
+
+
+def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, hyper: AdamHyper, found_inf=None) -> None:
     """`_adam_step` of one parameter's flat [n] tensors (master: [n] or None) through fused():
     the first n // ROW * ROW elements viewed [rows, ROW] where that makes two rows or more
     (fused() runs one row op by op, as any size under 2), the rest as they are."""
     tensors, n = (weight, grad, master, exp_avg, exp_avg_sq), weight.numel()
     bulk = n // ROW * ROW if n >= 2 * ROW else 0
+    h = hyper
     for step, start, stop, shape in ((_fused_adam_rows, 0, bulk, (-1, ROW)), (_fused_adam_step, bulk, n, (-1,))):
         if stop > start:
             step(
                 *(None if t is None else t[start:stop].view(shape) for t in tensors),
                 coef,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                decoupled,
+                h.beta1,
+                h.beta2,
+                h.eps,
+                h.weight_decay,
+                h.decoupled,
                 found_inf,
             )
+
+
+def step_parameter(p, optimized, state: dict[str, Any], coef, hyper: AdamHyper, found_inf=None) -> None:
+    """One Adam update of parameter `p` (plain or DTensor) from its gradient and `state`'s
+    moments; `optimized` is the optimizer's tensor: `p` itself, or p's fp32 master."""
+    master = None if optimized is p else local(optimized).view(-1)
+    adam_update(
+        local(p).view(-1),
+        local(_placed_like(p.grad, p)).reshape(-1),
+        master,
+        local(state["exp_avg"]).view(-1),
+        local(state["exp_avg_sq"]).view(-1),
+        coef,
+        hyper,
+        found_inf,
+    )
 
 
 def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
