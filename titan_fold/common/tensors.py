@@ -1,7 +1,12 @@
 """Tensor helpers every layer of the package uses."""
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+
+# wrapper names (torch.compile, activation checkpointing, FSDP1) that are no part of a
+# parameter's name in the model's state dict
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -24,3 +29,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or t.device == device:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result once it has arrived; any other tensor itself."""
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def model_fqn(name: str) -> str:
+    """A parameter or module name without the wrappers of compile and activation checkpointing:
+    the name the model's state dict and the placement plan know."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)

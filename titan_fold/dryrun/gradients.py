@@ -45,10 +45,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from titan_fold.common.tensors import model_fqn
 from titan_fold.dryrun.copies import CopyGradients
 from titan_fold.dryrun.record import record_collectives, shrunk_config
 from titan_fold.parallel.mesh import Layout
-from titan_fold.parallel.parallelize import _plan_fqn
 from titan_fold.parallel.placement import placement_plan
 from titan_fold.parallel.reductions import Expected, Groups, expected
 from titan_fold.planning.accounting import param_kind
@@ -235,8 +235,8 @@ class GradientWatch:
         self.hooked: set[int] = set()
         self.handles: list = []
         self.result = RankResult(rank)
-        self.names = {id(m): _plan_fqn(name) for part in trainer.model_parts for name, m in part.named_modules()}
-        self.params = [(_plan_fqn(fqn), p) for part in trainer.model_parts for fqn, p in part.named_parameters()]
+        self.names = {id(m): model_fqn(name) for part in trainer.model_parts for name, m in part.named_modules()}
+        self.params = [(model_fqn(fqn), p) for part in trainer.model_parts for fqn, p in part.named_parameters()]
         self.copies = CopyGradients(self.tracer, layout, groups, rank, constant_of, plan)  # moe.hot_expert_replicas
 
     def __enter__(self):

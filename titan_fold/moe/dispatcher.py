@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.common.fused import fused
-from titan_fold.common.tensors import cast
+from titan_fold.common.tensors import cast, waited
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.counts import ExchangedCounts, host_rows
 from titan_fold.moe.exchange import Route, exchange, resolve
@@ -191,10 +191,6 @@ def _a2a(x: torch.Tensor, out_splits, in_splits, mesh: DeviceMesh | None, then: 
     return funcol.all_to_all_single_autograd(x, out_splits, in_splits, mesh)
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 class _AllToAllThen(torch.autograd.Function):
     """all_to_all_single whose backward runs `then()` while the gradients travel; forward
     waits at first use, as the autograd version does (the shared expert runs meanwhile)."""
@@ -209,7 +205,7 @@ class _AllToAllThen(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         grad_x = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.mesh)  # issued
         ctx.then()
-        return _wait(grad_x), None, None, None, None
+        return waited(grad_x), None, None, None, None
 
 
 def _by_expert(blocks: torch.Tensor, rows: int, zero_row: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from titan_fold.common.fused import fused
+from titan_fold.common.tensors import waited
 
 Exchange = Literal["auto", "exact", "static", "device"]
 
@@ -135,11 +136,7 @@ def _stand_in(rows: torch.Tensor, send: torch.Tensor, got: torch.Tensor, cap: in
     r = torch.arange(cap + 1, device=rows.device)  # [cap + 1]
     source = torch.searchsorted(ends, r, right=True).clamp(max=W - 1)  # [cap + 1]
     at = source * cap + (r - (ends - got)[source]).clamp(0, cap - 1)
-    return torch.where((r < ends[-1])[:, None], _wait(received)[at], 0)
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    return torch.where((r < ends[-1])[:, None], waited(received)[at], 0)
 
 
 @torch.library.custom_op("titan_fold::ep_exchange", mutates_args=())
@@ -163,7 +160,7 @@ def ep_exchange(
         slot.in_splits.copy_(send * width)
         torch.ops.symm_mem.all_to_all_vdev(slot.send, slot.recv, slot.in_splits, slot.out_splits_offsets, group_name)
         return _read(slot.recv.view(cap + 1, width), gather)
-    return _read(_stand_in(src[index], _wait(send), _wait(recv), cap, group_name), gather)
+    return _read(_stand_in(src[index], waited(send), waited(recv), cap, group_name), gather)
 
 
 @ep_exchange.register_fake

@@ -20,6 +20,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_fold.common.tensors import waited
 from titan_fold.moe.args import MoEArgs
 
 
@@ -128,8 +129,7 @@ class _Copies(torch.autograd.Function):
 
 
 def _sum(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    out = funcol.all_reduce(t, "sum", mesh)
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return waited(funcol.all_reduce(t, "sum", mesh))
 
 
 def copies_of(w: torch.Tensor, nominees: torch.Tensor, ep_mesh: DeviceMesh) -> torch.Tensor:

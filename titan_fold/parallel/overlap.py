@@ -71,7 +71,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
-from titan_fold.common.tensors import local
+from titan_fold.common.tensors import local, waited
 from titan_fold.moe import moe_layers
 from titan_fold.moe.router import AddAuxLoss
 from titan_fold.moe.wgrad import WgradQueue
@@ -89,7 +89,7 @@ class Piece:
 
     def backward(self, grads: list) -> list:
         pairs = [
-            (o, _wait(g))
+            (o, waited(g))
             for o, g in zip(self.outputs, grads, strict=True)
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
@@ -102,11 +102,7 @@ def _cut(t):
     # an all-to-all's result is waited for here, where it is first read
     if not isinstance(t, torch.Tensor):
         return t
-    return _wait(t).detach().requires_grad_(t.requires_grad)
-
-
-def _wait(t):
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    return waited(t).detach().requires_grad_(t.requires_grad)
 
 
 class AllToAll:
@@ -117,7 +113,7 @@ class AllToAll:
         self.outputs = [_a2a(t.detach(), recv, send, mesh).requires_grad_(t.requires_grad) for t in sources]
 
     def backward(self, grads: list) -> list:
-        return [None if g is None else _a2a(_wait(g), self.send, self.recv, self.mesh) for g in grads]
+        return [None if g is None else _a2a(waited(g), self.send, self.recv, self.mesh) for g in grads]
 
 
 def _a2a(t, out_splits, in_splits, mesh):
@@ -188,7 +184,7 @@ class MicroBatch:
                 in_grads = piece.backward([grads.pop(id(o), None) for o in piece.outputs])
             for source, g in zip(piece.sources, in_grads, strict=True):
                 if g is not None:
-                    grads[id(source)] = g if id(source) not in grads else _wait(grads[id(source)]) + _wait(g)
+                    grads[id(source)] = g if id(source) not in grads else waited(grads[id(source)]) + waited(g)
             self.pieces[i] = piece.name  # its activations and gradients go now, not at the end
             if i in self.wgrad:
                 pending_wgrad = (piece.name, self.wgrad[i])

@@ -20,6 +20,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.tensors import model_fqn
 from titan_fold.moe import moe_layers
 from titan_fold.parallel.attention import apply_cp, apply_tp
 from titan_fold.parallel.experts import apply_moe
@@ -154,18 +155,13 @@ def apply_moe_recompute(model: nn.Module) -> None:
     logger.info('Recomputing the MoE layers in backward (activation_checkpoint.mode = "moe_layers")')
 
 
-def _plan_fqn(fqn: str) -> str:
-    # the name placement_plan knows: without the wrappers of activation checkpointing and compile
-    return fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def apply_fsdp(model: nn.Module, layout: Layout, plan: dict[str, Placed], job_config) -> None:
     """FSDP2 as the plan says: one unit per MoE layer's routed experts (over edp), per block
     and for the rest (over dp_shard x cp, HSDP with dp_replicate), each parameter sharded on
     its plan's dim; parameters the plan keeps out of FSDP are ignored. Gradients are summed,
     not averaged: the loss is already divided by the global token count.
     """
-    placed = {id(p): plan[_plan_fqn(fqn)] for fqn, p in model.named_parameters()}
+    placed = {id(p): plan[model_fqn(fqn)] for fqn, p in model.named_parameters()}
     outside = {p for p in model.parameters() if not placed[id(p)].fsdp_mesh}
     if len(outside) == len(placed):
         return

@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn as nn
 
-from titan_fold.common.tensors import local
+from titan_fold.common.tensors import local, model_fqn
 from titan_fold.models.groups import uses_muon
 
 GIB = 1024**3
@@ -48,8 +48,7 @@ def parameter_report(model_parts: list[nn.Module], job_config) -> dict:
             shape = tuple(local(p).shape)
             n = math.prod(shape)
             numel += n
-            # the model's own name, without the wrappers of activation checkpointing and compile
-            plain = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            plain = model_fqn(fqn)  # the model's own name
             muon = optimizer == "Muon" and uses_muon(plain, p)
             muon_numel += n if muon else 0
             state_numel += n * (MUON_STATES if muon else states)

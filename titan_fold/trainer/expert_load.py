@@ -19,8 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from titan_fold.common.tensors import model_fqn
 from titan_fold.moe.layer import MoE
-from titan_fold.parallel.parallelize import _plan_fqn
 from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE
 
 HOTTEST = 3
@@ -33,7 +33,7 @@ def _moe_modules(model_parts) -> dict[str, MoE]:
     for part in model_parts:
         for name, module in part.named_modules():
             if isinstance(module, MoE):
-                found[_plan_fqn(name).removesuffix(".moe")] = module
+                found[model_fqn(name).removesuffix(".moe")] = module
     return found
 
 

@@ -27,10 +27,10 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_fold.common.config import ConfigError
-from titan_fold.common.tensors import local
+from titan_fold.common.tensors import local, model_fqn
 from titan_fold.models.groups import matrix_shape, parameter_group, uses_muon
 from titan_fold.parallel.orthogonalize import Orthogonalizer, newton_schulz
-from titan_fold.trainer.optimizer import AdamHyper, _fqn, _placed_like, _state, adam_coefficients, step_parameter
+from titan_fold.trainer.optimizer import AdamHyper, _placed_like, _state, adam_coefficients, step_parameter
 from titan_fold.trainer.optimizer import build_optimizers as build_adam_optimizers
 
 
@@ -143,7 +143,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers, all_params = [], []
         for model in model_parts:
-            named = [(_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
+            named = [(model_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
             self.optimizers.append(Muon(named, **optimizer_kwargs))
             all_params += [p for _, p in named]
         self._validate_length(len(model_parts))

@@ -49,19 +49,12 @@ from torchtitan.components.optimizer import build_optimizers as build_titan_opti
 
 from titan_fold.common.config import ConfigError
 from titan_fold.common.fused import fused
-from titan_fold.common.tensors import local
+from titan_fold.common.tensors import local, model_fqn
 from titan_fold.parallel.clip import divides_by_grad_scale
 
 MASTER_KEY = "master"
-# wrapper names (torch.compile, activation checkpointing, FSDP1) that are no part of a
-# parameter's name in the model's state dict
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 # torch Adam options `_adam_step` does not compute: an optimizer with any of them set steps itself
 _TORCH_ONLY = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-def _fqn(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
 def steps_in_one_pass(opt: torch.optim.Optimizer) -> bool:
@@ -139,7 +132,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
         self.model_parts = model_parts
         self.optimizers, self.params, self.masters, self.names = [], [], [], []
         for model in model_parts:
-            named = [(_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
+            named = [(model_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
             params = [p for _, p in named]
             masters = [torch.empty_like(p, dtype=torch.float32).copy_(p.detach()) for p in params]
             self.optimizers.append(optimizer_cls(masters, **optimizer_kwargs))

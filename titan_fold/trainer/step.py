@@ -17,7 +17,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.saves import maybe_fault
-from titan_fold.common.tensors import to_device
+from titan_fold.common.tensors import model_fqn, to_device
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
@@ -28,7 +28,6 @@ from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, gro
 from titan_fold.parallel.cp_documents import cp_order, cp_shard_documents
 from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
-from titan_fold.parallel.parallelize import _plan_fqn
 from titan_fold.parallel.pipeline import embedding_copies, pipeline_forward_backward, sync_embedding_copies
 from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
 from titan_fold.trainer.phases import StepPhases
@@ -241,7 +240,7 @@ class TrainStep:
         first stage, as in the gradient norm)."""
         skip = {id(p) for p in embedding_copies(self.model_parts)}
         return [
-            (_plan_fqn(name), p)
+            (model_fqn(name), p)
             for part in self.model_parts
             for name, p in part.named_parameters()
             if id(p) not in skip
