@@ -628,6 +628,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        [m.router.expert_bias.zero_() for m in moe_layers(self.model_parts)]\n",
         ("tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank",),
     ),
+    Mutation(
+        "commit_subject_off_by_one",
+        "the commit-msg hook refuses a subject of exactly 72 characters",
+        ".ci/commit_subject.py",
+        "    if len(subject) > LIMIT:",
+        "    if len(subject) >= LIMIT:",
+        ("tests/test_commit_subject.py::test_subject_length_limit",),
+        fast=True,
+    ),
 )
 
 
