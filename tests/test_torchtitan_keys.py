@@ -119,6 +119,7 @@ SET = {
     "parallelism.context_parallel_rotate_method": ["alltoall"],
     "parallelism.context_parallel_load_balancer": ["ptrr"],
     "training.enable_cpu_offload": [],
+    "fault_tolerance.enable": [],
     "validation.enable": [],
     "memory_estimation.enable": [],
     "debug.moe_force_load_balance": [],

@@ -28,7 +28,6 @@ READ: dict[str, tuple[str, ...]] = {
         "metrics.enable_wandb",
     ),
     "titan_fold/trainer/metrics.py": (
-        "fault_tolerance.enable",
         "metrics.log_freq",
         "metrics.enable_tensorboard",
         "metrics.disable_color_printing",
@@ -161,14 +160,6 @@ READ: dict[str, tuple[str, ...]] = {
         "debug.deterministic",
         "debug.deterministic_warn_only",
     ),
-    "torchtitan/components/ft/manager.py": (
-        "fault_tolerance.process_group",
-        "fault_tolerance.process_group_timeout_ms",
-        "fault_tolerance.replica_id",
-        "fault_tolerance.group_size",
-        "fault_tolerance.min_replica_size",
-        "fault_tolerance.semi_sync_method",
-    ),
     "titan_fold/trainer/lock.py": ("job.dump_folder",),
 }
 
@@ -204,6 +195,11 @@ REFUSED = (
         False,
         "titan_fold's FSDP keeps parameters and optimizer states on the device",
     ),
+    Refused(
+        "fault_tolerance.enable",
+        False,
+        "titan_fold builds no fault-tolerance manager (torchft); a stopped run resumes from its last checkpoint",
+    ),
     Refused("validation.enable", False, "titan_fold builds no validator; training loss only"),
     Refused(
         "memory_estimation.enable",
@@ -227,6 +223,17 @@ NO_EFFECT: dict[str, str] = {
         "replaces; moe.overlap_ep_comm chooses titan_fold's overlap"
     ),
     "memory_estimation.disable_fake_mode": "read only with memory_estimation.enable, which is refused",
+    **{
+        f"fault_tolerance.{key}": "read only with fault_tolerance.enable, which is refused"
+        for key in (
+            "process_group",
+            "process_group_timeout_ms",
+            "replica_id",
+            "group_size",
+            "min_replica_size",
+            "semi_sync_method",
+        )
+    },
     "validation.dataset": "read only with validation.enable, which is refused",
     "validation.dataset_path": "read only with validation.enable, which is refused",
     "validation.local_batch_size": "read only with validation.enable, which is refused",

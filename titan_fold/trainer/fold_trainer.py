@@ -249,15 +249,9 @@ class FoldTrainer(TrainStep, Stateful):
 
     def build_model_parts(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The meta model parallelized (under pp: this rank's stages, and the pipeline schedule),
-        then materialized where training.enable_cpu_offload or a seed checkpoint says and
-        initialized. -> the model parts."""
+        then materialized (on the CPU for a seed checkpoint) and initialized. -> the model parts."""
         config, layout, spec = self.job_config, self.parallel_dims, self.train_spec
-        buffer_device = None
-        init_device = self.device.type
-        if config.checkpoint.create_seed_checkpoint:
-            init_device = "cpu"
-        elif config.training.enable_cpu_offload:
-            init_device, buffer_device = "cpu", torch.device(self.device.type)
+        init_device = "cpu" if config.checkpoint.create_seed_checkpoint else self.device.type
         if layout.pp_enabled:
             self.pp_schedule, parts, self.pp_has_first_stage, self.pp_has_last_stage = spec.pipelining_fn(
                 model, layout, config, self.device, self.model_args, spec.parallelize_fn, self.loss_fn
@@ -267,7 +261,7 @@ class FoldTrainer(TrainStep, Stateful):
         for part in parts:
             part.to_empty(device=init_device)
             with torch.no_grad():
-                part.init_weights(buffer_device=buffer_device)
+                part.init_weights()
             part.train()
         return parts
 

@@ -120,8 +120,6 @@ def _metric_logger(job_config, parallel_dims, tag: str | None):
     if not (m.enable_tensorboard or m.enable_wandb) or not (m.save_for_all_ranks or dist.get_rank() == loss_rank):
         return BaseLogger()
     folder = os.path.join(job_config.job.dump_folder, m.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M"))
-    if job_config.fault_tolerance.enable:
-        folder = os.path.join(folder, f"replica_{job_config.fault_tolerance.replica_id}")
     if m.save_for_all_ranks:
         folder = os.path.join(folder, f"rank_{dist.get_rank()}")
     loggers = LoggerContainer()
