@@ -24,6 +24,7 @@ import json
 import math
 
 import numpy as np
+import torch
 
 from titan_fold.data.dataset import DataError
 from titan_fold.data.packing import TokenField
@@ -239,3 +240,14 @@ def rollout_fields(documents: list[RolloutDocument], shape: RoutingShape) -> tup
         for d in documents
     ]
     return tuple(fields), arrays
+
+
+def stand_in_fields(b: int, s: int, shape: RoutingShape) -> dict[str, torch.Tensor]:
+    """A batch's rollout fields [b, s, ...] for a step without data (the dry run's recorded step):
+    log-probabilities 0, advantages 1, each token routed to experts 0..top_k-1."""
+    routed = torch.arange(shape.top_k).expand(b, s, shape.moe_layers, shape.top_k).contiguous()
+    return {
+        LOGPROBS_KEY: torch.zeros(b, s),
+        ADVANTAGES_KEY: torch.ones(b, s),
+        ROUTED_EXPERTS_KEY: routed,
+    }
