@@ -236,7 +236,9 @@ def test_clear_errors(tmp_path):
     def build(jc, dp=1):
         return loaders(jc, dp)
 
-    with pytest.raises(ValueError, match=r"training.dataset = 'c4'.*\['stdlib', 'hf', 'chat_example'\]"):
+    with pytest.raises(
+        ValueError, match=r"training.dataset = 'c4'.*\['stdlib', 'hf', 'chat_example', 'rollouts_example'\]"
+    ):
         build(job("c4"))
     with pytest.raises(ValueError, match="needs training.dataset_path"):
         build(job("hf"))

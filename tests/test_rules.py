@@ -86,6 +86,16 @@ CASES = [
     ),
     ({"mtp.num_layers": 1, **OVERLAP}, "moe.overlap_ep_comm = true with mtp.num_layers = 1"),
     (OVERLAP, "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'selective'"),
+    ({"training.objective": "policy"}, "training.objective = 'policy' with training.dataset_format = 'text'"),
+    (
+        {
+            "training.objective": "policy",
+            "training.dataset_format": "rollouts",
+            "training.document_masking": False,
+            "mtp.num_layers": 1,
+        },
+        "training.objective = 'policy' with mtp.num_layers = 1",
+    ),
     ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
 ]
 

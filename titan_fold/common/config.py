@@ -29,7 +29,7 @@ from torchtitan.config.job_config import Model as TitanModel
 from torchtitan.config.job_config import Parallelism as TitanParallelism
 from torchtitan.config.job_config import Training as TitanTraining
 
-from titan_fold.common.hints import did_you_mean
+from titan_fold.common.hints import did_you_mean, reference_key
 from titan_fold.common.moe_config import MoE
 from titan_fold.common.optimizer_config import Optimizer
 from titan_fold.common.ranges import RANGES
@@ -66,20 +66,38 @@ class Parallelism(TitanParallelism):
 class Training(TitanTraining):
     dataset: str = "stdlib"
     """"stdlib": the embedded byte-level corpus (no download); "hf": `dataset_path` read with HF
-    datasets (a local .jsonl file with dataset_format = "chat"); "chat_example": the embedded
-    example conversations (dataset_format = "chat")."""
-    dataset_format: Literal["text", "chat"] = "text"
+    datasets (a local .jsonl file with dataset_format = "chat" or "rollouts"); "chat_example": the
+    embedded example conversations (dataset_format = "chat"); "rollouts_example": the embedded
+    example rollouts, for the debug flavors (dataset_format = "rollouts")."""
+    dataset_format: Literal["text", "chat", "rollouts"] = "text"
     """"text": documents (a "text" column) concatenated into one stream cut into seq_len windows;
     "chat": conversations, one jsonl record `{"messages": [{"role", "content"}, ...]}` each, rendered
     with the tokenizer folder's chat template, loss on the assistant turns only, whole
-    conversations packed into samples of seq_len tokens (docs/running.md)."""
+    conversations packed into samples of seq_len tokens (docs/running.md); "rollouts": sampled
+    sequences, one jsonl record `{"tokens", "loss_mask", "advantages", "logprobs"}` (and optionally
+    "routed_experts") each, loss on the loss_mask tokens, packed likewise (docs/rl.md)."""
     document_masking: bool | None = None
     """Attention within each document of a sample only, positions restarting at each, no loss on
-    the token that crosses a boundary. None = on for dataset_format = "chat", off for "text"."""
+    the token that crosses a boundary. None = on for dataset_format = "chat" and "rollouts", off
+    for "text"."""
     long_documents: Literal["truncate", "refuse"] = "truncate"
-    """dataset_format = "chat": a conversation longer than seq_len tokens is cut to seq_len
+    """dataset_format = "chat" or "rollouts": a record longer than seq_len tokens is cut to seq_len
     ("truncate", counted in the log and the run summary) or stops the run before training,
     naming the record ("refuse")."""
+    objective: Literal["lm", "policy"] = "lm"
+    """"lm": the language-model loss (cross-entropy summed over the labelled tokens, divided by
+    their global count); "policy": the clipped policy-gradient loss on rollouts against their
+    behaviour log-probabilities (dataset_format = "rollouts"), with the same token normalisation;
+    no reference model (docs/rl.md, "The policy objective")."""
+    policy_clip_low: float = 0.2
+    """objective = "policy": the ratio's lower clip epsilon (r clipped to 1 - policy_clip_low)."""
+    policy_clip_high: float = 0.28
+    """objective = "policy": the ratio's upper clip epsilon (r clipped to 1 + policy_clip_high;
+    DAPO's clip-higher)."""
+    policy_tis_cap: float = 0.0
+    """objective = "policy": truncated importance sampling of the train/inference mismatch, each
+    token's term times min(exp(logp_trainer - logp_behaviour), policy_tis_cap) with the trainer's
+    log-probability detached; 0 = off."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: "stop" the run at that step (exit 3, nothing
     saved from it), or "skip" the step (no optimizer step, counted in metrics.jsonl)."""
@@ -201,6 +219,8 @@ def _check_toml(table: dict, cls: type, prefix: str = "") -> None:
     for key, value in table.items():
         name = f"{prefix}{key}"
         if key not in hints:
+            if refused := reference_key(name):
+                raise ConfigError(refused)
             known = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
             raise ConfigError(
                 f"unknown key '{name}' in the config file (valid here: {known})"

@@ -32,9 +32,10 @@ def _device(c) -> bool:
 
 
 def documents_masked(training) -> bool:
-    """training.document_masking as set, or its default for the dataset format (on for chat)."""
+    """training.document_masking as set, or its default for the dataset format (on for chat and
+    rollouts)."""
     masking = training.document_masking
-    return training.dataset_format == "chat" if masking is None else masking
+    return training.dataset_format in ("chat", "rollouts") if masking is None else masking
 
 
 def _value(c, key: str):
@@ -269,6 +270,16 @@ RULES = (
         lambda c: c.moe.overlap_ep_comm and c.activation_checkpoint.mode != "none",
         "moe.overlap_ep_comm = true with activation_checkpoint.mode = '{activation_checkpoint.mode}': the "
         "overlapped pieces are not recomputed; choose one",
+    ),
+    Rule(
+        lambda c: c.training.objective == "policy" and c.training.dataset_format != "rollouts",
+        "training.objective = 'policy' with training.dataset_format = '{training.dataset_format}': the policy "
+        "loss needs each token's behaviour log-probability and advantage; set training.dataset_format = 'rollouts'",
+    ),
+    Rule(
+        lambda c: c.training.objective == "policy" and c.mtp.num_layers > 0,
+        "training.objective = 'policy' with mtp.num_layers = {mtp.num_layers}: the MTP layers' loss is a "
+        "language-model loss, not the policy's; choose one",
     ),
     Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,

@@ -20,10 +20,15 @@ from titan_fold.common.rules import documents_masked
 from titan_fold.data.chat import chat_template, read_conversations, text_encoder, tokenize_conversation
 from titan_fold.data.dataset import DataError, HFTextCorpus, StdlibCorpus, TokenWindows
 from titan_fold.data.packing import PackedDocuments
+from titan_fold.data.rollouts import RoutingShape, read_rollouts, rollout_fields
 
-DATASETS = ("stdlib", "hf", "chat_example")
-# the embedded example conversations (training.dataset = "chat_example")
+DATASETS = ("stdlib", "hf", "chat_example", "rollouts_example")
+# the embedded example conversations (training.dataset = "chat_example") and rollouts
+# ("rollouts_example", for the debug flavors: 4 MoE layers of 8 experts, top-2)
 CHAT_EXAMPLE = os.path.join(os.path.dirname(__file__), "chat_example.jsonl")
+ROLLOUTS_EXAMPLE = os.path.join(os.path.dirname(__file__), "rollouts_example.jsonl")
+# the formats read from a local .jsonl file of records
+RECORD_FORMATS = ("chat", "rollouts")
 # local file suffix -> datasets' builder
 _FILE_BUILDERS = {
     ".txt": "text",
@@ -174,7 +179,7 @@ def _check_dataset_settings(tr) -> bool:
     path that exists, is readable and is not empty; -> whether the path is local."""
     if tr.dataset not in DATASETS:
         raise DataError(f"training.dataset = '{tr.dataset}' is unknown; valid names: {list(DATASETS)}")
-    embedded = {"stdlib": "text", "chat_example": "chat"}
+    embedded = {"stdlib": "text", "chat_example": "chat", "rollouts_example": "rollouts"}
     if tr.dataset in embedded:
         if tr.dataset_format != embedded[tr.dataset]:
             raise DataError(
@@ -190,9 +195,9 @@ def _check_dataset_settings(tr) -> bool:
     path = tr.dataset_path
     if not path:
         raise DataError("training.dataset = 'hf' needs training.dataset_path (a local file, folder or HF hub name)")
-    if tr.dataset_format == "chat" and not (os.path.isfile(path) and path.lower().endswith(".jsonl")):
+    if tr.dataset_format in RECORD_FORMATS and not (os.path.isfile(path) and path.lower().endswith(".jsonl")):
         raise DataError(
-            f"training.dataset_format = 'chat': training.dataset_path = '{path}' must be a local .jsonl file"
+            f"training.dataset_format = '{tr.dataset_format}': training.dataset_path = '{path}' must be a local .jsonl file"
         )
     if os.path.isfile(path):
         suffix = os.path.splitext(path)[1].lower()
@@ -220,12 +225,21 @@ def _chat_path(tr) -> str:
     return CHAT_EXAMPLE if tr.dataset == "chat_example" else tr.dataset_path
 
 
-def check_dataset(job_config, tokenizer=None) -> str | None:
+def _rollouts_path(tr) -> str:
+    return ROLLOUTS_EXAMPLE if tr.dataset == "rollouts_example" else tr.dataset_path
+
+
+def check_dataset(job_config, tokenizer=None, model_args=None) -> str | None:
     """The dataset settings, and a local dataset opened with text in every record (chat: every
-    record checked, and the tokenizer's chat template found); -> a Hub name, which
-    build_dataset alone reads (a dry run's machine may not reach the Hub)."""
+    record checked, and the tokenizer's chat template found; rollouts: every record checked
+    against model_args); -> a Hub name, which build_dataset alone reads (a dry run's machine
+    may not reach the Hub)."""
     tr = training_settings(job_config)
     local = _check_dataset_settings(tr)
+    if tr.dataset_format == "rollouts":
+        if model_args is not None:
+            read_rollouts(_rollouts_path(tr), RoutingShape.of(model_args))
+        return None
     if tr.dataset_format == "chat":
         read_conversations(_chat_path(tr))
         if tokenizer is not None:
@@ -260,9 +274,41 @@ def build_chat_dataset(tokenizer, job_config) -> PackedDocuments:
     return packed
 
 
-def build_dataset(tokenizer, job_config) -> TokenWindows | PackedDocuments:
+def build_rollouts_dataset(job_config, model_args) -> PackedDocuments:
+    """Every rollout record checked against the model and packed (packing.py) before training
+    starts, with its per-token fields (rollouts.py)."""
+    tr = training_settings(job_config)
+    path, shape = _rollouts_path(tr), RoutingShape.of(model_args)
+    documents = read_rollouts(path, shape)
+    name = "rollouts_example" if tr.dataset == "rollouts_example" else f"training.dataset_path = '{path}'"
+    token_fields, fields = rollout_fields(documents, shape)
+    packed = PackedDocuments(
+        [(d.ids, d.trained) for d in documents],
+        tr.seq_len,
+        tr.long_documents,
+        name,
+        documents_masked(tr),
+        token_fields=token_fields,
+        fields=fields,
+    )
+    if not packed.trained_tokens:
+        raise DataError(f"{name}: no loss_mask token within the first training.seq_len = {tr.seq_len} of any record")
+    cut = f"; {packed.truncated} longer than seq_len {tr.seq_len} cut to it" if packed.truncated else ""
+    routed = ", with routed_experts" if documents[0].routed_experts is not None else ""
+    logger.info(
+        f"dataset {path}: {len(documents):,} rollouts{routed} in {len(packed.packs):,} samples of {tr.seq_len} "
+        f"tokens, {packed.trained_tokens:,} trained (loss_mask) tokens per epoch{cut}"
+    )
+    return packed
+
+
+def build_dataset(tokenizer, job_config, model_args=None) -> TokenWindows | PackedDocuments:
     tr = training_settings(job_config)
     _check_dataset_settings(tr)
+    if tr.dataset_format == "rollouts":
+        if model_args is None:
+            raise ValueError("training.dataset_format = 'rollouts' is checked against the model: pass model_args")
+        return build_rollouts_dataset(job_config, model_args)
     if tr.dataset_format == "chat":
         return build_chat_dataset(tokenizer, job_config)
     corpus: StdlibCorpus | HFTextCorpus
@@ -277,9 +323,11 @@ def build_dataset(tokenizer, job_config) -> TokenWindows | PackedDocuments:
     return windows
 
 
-def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> FoldDataLoader:
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, model_args=None) -> FoldDataLoader:
     """torchtitan TrainSpec.build_dataloader_fn: yields ({"input": [b, s]}, labels [b, s]), with
-    document masking also "document_ids": [b, s]."""
+    document masking also "document_ids": [b, s]; rollouts (checked against model_args) also
+    "behaviour_logprobs", "advantages" [b, s] float32 (of each label's token) and, where the
+    records have them, "routed_experts" [b, s, moe_layers, top_k] int64 (of each input token)."""
     tr = training_settings(job_config)
     b = tr.local_batch_size
     if not 0 <= dp_rank < dp_world_size:
@@ -292,4 +340,5 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
             f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size x "
             f"dp degree = {b} x {dp_world_size}"
         )
-    return FoldDataLoader(build_dataset(tokenizer, job_config), dp_rank, dp_world_size, b, **asdict(tr.dataloader))
+    dataset = build_dataset(tokenizer, job_config, model_args)
+    return FoldDataLoader(dataset, dp_rank, dp_world_size, b, **asdict(tr.dataloader))

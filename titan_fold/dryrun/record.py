@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from titan_fold.common.tensors import local
+from titan_fold.data.rollouts import RoutingShape, stand_in_fields
 from titan_fold.dryrun.measure import _dry_config
 from titan_fold.dryrun.step import StepTrainer
 from titan_fold.dryrun.world import SharedShardingDecisions, init_fake_world
@@ -237,7 +238,10 @@ def step_collectives(config, model_args, world_size: int, rank: int, watch=None)
     observed = watch(trainer, layout, rank) if watch is not None else contextlib.nullcontext()
     with observed, CollectiveRecorder(rank) as recorder:
         try:
-            trainer.train_step(iter([({"input": tokens}, tokens.clone())] * trainer.gradient_accumulation_steps))
+            batch = {"input": tokens}
+            if config.training.dataset_format == "rollouts":  # the policy loss reads them
+                batch |= stand_in_fields(b, S, RoutingShape.of(model_args))
+            trainer.train_step(iter([(batch, tokens.clone())] * trainer.gradient_accumulation_steps))
         except Exception as e:  # where a real run of this layout would fail too
             raise StepFailed(rank, e) from e
     return dict(recorder.calls)

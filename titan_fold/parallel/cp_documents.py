@@ -81,11 +81,17 @@ def cp_shard_documents(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """This cp rank's part of a packed batch under `order` ([b, s], cp_order's).
 
-    tokens, labels, document_ids [b, s] -> tokens_local, labels_local [b, s/cp] (the rank's
-    blocks), and for the model every rank's document ids and token indices [b, s] in the cp
+    tokens, document_ids [b, s], labels [b, s, ...] -> tokens_local [b, s/cp], labels_local
+    [b, s/cp, ...] (the rank's blocks), and for the model every rank's document ids and token indices [b, s] in the cp
     ranks' order (Transformer.forward's document_ids and positions).
     """
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     n = tokens.shape[1] // cp
     mine = order[:, rank * n : (rank + 1) * n]
-    return tokens.gather(1, mine), labels.gather(1, mine), document_ids.gather(1, order), order
+    return tokens.gather(1, mine), take(labels, mine), document_ids.gather(1, order), order
+
+
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [b, s, ...] at the positions index [b, n] of each row -> [b, n, ...]."""
+    index = index.view(*index.shape, *(1,) * (x.dim() - 2)).expand(*index.shape, *x.shape[2:])
+    return x.gather(1, index)

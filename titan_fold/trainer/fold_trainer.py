@@ -68,6 +68,7 @@ from titan_fold.trainer.lock import DumpFolderLock
 from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.muon import MuonOptimizersContainer
 from titan_fold.trainer.phases import StepPhases
+from titan_fold.trainer.policy import PolicyLoss
 from titan_fold.trainer.preflight import preflight
 from titan_fold.trainer.shrink import shrink
 from titan_fold.trainer.signals import PREEMPT, StopRequested, StopSignals, last_complete_checkpoint
@@ -133,19 +134,23 @@ class FoldTrainer(TrainStep, Stateful):
         self.seed()
         self.train_spec = spec = self.build_train_spec()
 
-        # data
+        # data (rollouts are checked against the model's args: its experts and MoE layers)
+        self.model_args = model_args = spec.model_args[job_config.model.flavor]
+        model_args.update_from_config(job_config)
         self.tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn is not None else None
         self.dataloader = (
             spec.build_dataloader_fn(
-                dp_world_size=batch_degree, dp_rank=batch_rank, tokenizer=self.tokenizer, job_config=job_config
+                dp_world_size=batch_degree,
+                dp_rank=batch_rank,
+                tokenizer=self.tokenizer,
+                job_config=job_config,
+                model_args=model_args,
             )
             if spec.build_dataloader_fn is not None
             else None
         )
 
         # model, on the meta device
-        self.model_args = model_args = spec.model_args[job_config.model.flavor]
-        model_args.update_from_config(job_config)
         logger.info(
             f"Building {job_config.model.name} {job_config.model.flavor} with "
             f"{json.dumps(dataclasses.asdict(model_args), indent=2, ensure_ascii=False)}"
@@ -167,6 +172,8 @@ class FoldTrainer(TrainStep, Stateful):
             f"{color.red}size: {n_params:,} total parameters{color.reset}"
         )
         self.loss_fn = spec.build_loss_fn(job_config, parallel_dims=layout)
+        if isinstance(self.loss_fn, PolicyLoss):  # training.objective = "policy": its metrics
+            self.metrics_processor.policy_stats = self.loss_fn.stats
         self.gradient_accumulation_steps = accumulation_steps(job_config, batch_degree)
 
         # parallelize (and split into pipeline stages), then materialize and initialize

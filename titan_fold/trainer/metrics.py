@@ -43,6 +43,7 @@ from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
 from titan_fold.trainer.expert_load import ExpertLoad
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.phases import StepPhases, phases_text
+from titan_fold.trainer.policy import STAT_SUMS, PolicyStats, policy_metrics
 
 GIB = 1024**3
 
@@ -161,8 +162,9 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.jsonl = MetricsFile(job_config.job.dump_folder) if rank == 0 else None
         self.history: list[dict[str, Any]] = []  # per logged step, for summary()
         self.phases: StepPhases | None = None  # metrics.step_phases: the trainer's StepPhases (phases.py)
-        # a logged step's MoE and MTP statistics on their way to the host (stage)
+        # a logged step's MoE, MTP and policy statistics on their way to the host (stage)
         self._staged: tuple[Any, ...] | None = None
+        self.policy_stats: PolicyStats | None = None  # training.objective = "policy": the loss's (policy.py)
         self._expert_load: ExpertLoad | None = None  # metrics.expert_load, made at the first logged step
         self._last_logged_step: int | None = None
         self._first_step = 0  # the step this run started after (0, or the resumed checkpoint's)
@@ -184,13 +186,32 @@ class FoldMetricsProcessor(MetricsProcessor):
         device values, each through copy(t) (HostCopies.copy), which log() reads once they have
         landed, without waiting for the optimizer step."""
         parts = self.model_parts or []
-        self._staged = tuple(v if v is None else copy(v) for v in (moe_stats_values(parts), mtp_stats_values(parts)))
+        values = (moe_stats_values(parts), mtp_stats_values(parts), self._policy_values())
+        self._staged = tuple(v if v is None else copy(v) for v in values)
 
-    def _moe_stats(self) -> dict[str, float | None]:
+    def _policy_values(self) -> torch.Tensor | None:
+        if self.policy_stats is None:
+            return None
+        values = self.policy_stats.values()
+        # a rank that computed no loss (a pipeline stage before the last) adds zeros
+        return values if values is not None else torch.zeros(len(STAT_SUMS) + 1)
+
+    def _policy_metrics(self, values: torch.Tensor) -> dict[str, float | None]:
+        """The policy objective's statistics over every rank's labelled tokens (policy.py): sums
+        summed and the largest ratio's max over the world (tp ranks' copies leave the means as they are)."""
+        if self.policy_stats is None:
+            return {}
+        values = values.to(torch.float64).cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sums, top = values[:-1].to(_comm_device()), values[-1:].to(_comm_device())
+            dist.all_reduce(sums)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            values = torch.cat([sums.cpu(), top.cpu()])
+        return policy_metrics(values.tolist())
+
+    def _moe_stats(self, moe_values, mtp_values) -> dict[str, float | None]:
         parts = self.model_parts or []
         n_moe = float(len(moe_layers(parts)))
-        moe_values, mtp_values = self._staged or (moe_stats_values(parts), mtp_stats_values(parts))
-        self._staged = None
         stats = {**moe_stats_from(moe_values), **mtp_stats_from(mtp_values)}
         keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance", "mtp_loss")
         values = torch.tensor([float(stats.get(k, float("nan"))) for k in keys], dtype=torch.float64)
@@ -224,6 +245,13 @@ class FoldMetricsProcessor(MetricsProcessor):
         memory = self.device_memory_monitor.get_peak_stats()
         extra = dict(extra_metrics or {})
         load = self._load(step)
+        parts = self.model_parts or []
+        moe_values, mtp_values, policy_values = self._staged or (
+            moe_stats_values(parts),
+            mtp_stats_values(parts),
+            self._policy_values(),
+        )
+        self._staged = None
         record = {
             "step": step,
             "loss": global_avg_loss,
@@ -234,7 +262,8 @@ class FoldMetricsProcessor(MetricsProcessor):
             "tflops": flops / 1e12,
             "mfu": None if mfu != mfu else mfu,
             "max_memory_gib": memory.max_reserved_gib,
-            **self._moe_stats(),
+            **self._moe_stats(moe_values, mtp_values),
+            **self._policy_metrics(policy_values),
             "time_per_step_s": time_delta / steps,
             **({"phases": phases} if phases else {}),
             **({"expert_load": load} if load is not None else {}),
@@ -292,6 +321,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             f"drop {r['dropped_token_frac']:.3f}" if r["dropped_token_frac"] is not None else "",
             f"imbalance {r['expert_load_imbalance']:.2f}" if r["expert_load_imbalance"] is not None else "",
             f"mtp {r['mtp_loss']:.4f}" if r["mtp_loss"] is not None else "",
+            _policy_text(r),
             phases_text(r["phases"]) if r.get("phases") else "",
             f"{c.white}elapsed {_hms(now - self.time_start)}  eta {_hms(self._eta(step, now))}{c.reset}",
         ]
@@ -344,6 +374,16 @@ class FoldMetricsProcessor(MetricsProcessor):
 
     def _steps_since_last_log(self, step: int) -> int:
         return step - (self._last_logged_step or 0)
+
+
+def _policy_text(r: dict[str, Any]) -> str:
+    """The policy objective's part of the step line: ratio mean/max, clip fraction, log-prob gap, k3."""
+    if r.get("policy_ratio_mean") is None:
+        return ""
+    return (
+        f"ratio {r['policy_ratio_mean']:.3f}/{r['policy_ratio_max']:.3f}  clip {r['policy_clip_frac']:.3f}  "
+        f"gap {r['logprob_gap']:.2e}  k3 {r['kl_k3']:.2e}"
+    )
 
 
 def _comm_device() -> torch.device:

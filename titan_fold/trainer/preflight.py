@@ -116,7 +116,7 @@ def _check_experts(c: Checked) -> None:
 def _check_paths(c: Checked) -> None:
     config = c.config
     check_initial_hf_load(config, c.model_args)
-    hub = check_dataset(config, c.tokenizer)
+    hub = check_dataset(config, c.tokenizer, c.model_args)
     if hub and c.not_checked is not None:
         c.not_checked.append(
             f"not checked here: training.dataset_path = '{hub}': a Hub dataset, read by a real "

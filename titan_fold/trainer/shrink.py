@@ -24,7 +24,7 @@ from titan_fold.trainer.preflight import check_layout
 
 STEPS = 4
 LOCAL_BATCH = 2  # sequences per rank and micro-batch (pipeline: per stage and micro-batch)
-SEQ_LEN = {"text": 128, "chat": 256}  # a chat sample holds whole conversations
+SEQ_LEN = {"text": 128, "chat": 256, "rollouts": 256}  # a packed sample holds whole records
 # the degrees in the order they are kept, each as large as fits with the ones before it
 ORDER = (
     "context_parallel_degree",

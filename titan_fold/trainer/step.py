@@ -18,6 +18,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.saves import maybe_fault
 from titan_fold.common.tensors import model_fqn, to_device
+from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY, ROUTED_EXPERTS_KEY
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
@@ -31,9 +32,13 @@ from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backwar
 from titan_fold.parallel.pipeline import embedding_copies, pipeline_forward_backward, sync_embedding_copies
 from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
 from titan_fold.trainer.phases import StepPhases
+from titan_fold.trainer.policy import PolicyLoss, policy_target
 
 # the batch's key for the packed samples' order under cp, dealt on the host (_train_step)
 CP_ORDER = "cp_order"
+# the batch's keys the model is not called with: the loss's (loss_target), the masking's, and
+# the rollouts' routing, which moe.routing_replay reads
+NOT_MODEL_INPUTS = ("input", "document_ids", CP_ORDER, LOGPROBS_KEY, ADVANTAGES_KEY, ROUTED_EXPERTS_KEY)
 
 
 class TrainStep:
@@ -63,12 +68,13 @@ class TrainStep:
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
         inputs = input_dict["input"]
-        extra_inputs = {k: v for k, v in input_dict.items() if k not in ("input", "document_ids", CP_ORDER)}
+        extra_inputs = {k: v for k, v in input_dict.items() if k not in NOT_MODEL_INPUTS}
         extra_kwargs = {}
         if "document_ids" in input_dict:  # every pipeline stage masks attention by document
             extra_kwargs["document_ids"] = input_dict["document_ids"]
         layout = self.parallel_dims
         future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
+        labels = self.loss_target(input_dict, labels)
         if CP_ORDER in input_dict:  # packed documents: blocks dealt by their work (cp_documents.py)
             inputs, labels, extra_kwargs["document_ids"], extra_kwargs["positions"] = cp_shard_documents(
                 inputs, labels, input_dict["document_ids"], input_dict[CP_ORDER], layout.attention["cp"]
@@ -81,6 +87,14 @@ class TrainStep:
         if future is not None:
             extra_kwargs["future_tokens"] = future
         return inputs, labels, extra_inputs, extra_kwargs
+
+    def loss_target(self, input_dict, labels):
+        """What the loss receives beside the logits, [b, s, ...]: the labels, and under the policy
+        objective each label's behaviour log-probability and advantage with them (policy.py), so
+        that cp shards them and the pipeline schedule splits them as it does the labels."""
+        if not isinstance(self.loss_fn, PolicyLoss):
+            return labels
+        return policy_target(labels, input_dict[LOGPROBS_KEY], input_dict[ADVANTAGES_KEY])
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.phases is not None:
@@ -186,6 +200,8 @@ class TrainStep:
         every copy to the device is queued behind the work there (common/tensors.py: to_device),
         and the logged values reach the host by copies queued before the update (_logged_values)."""
         self.optimizers.zero_grad()
+        if isinstance(self.loss_fn, PolicyLoss):
+            self.loss_fn.stats.reset()  # the logged statistics are this step's
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         layout = self.parallel_dims
         # the micro-batches stay on the host until their turn; their tokens are counted there

@@ -7,7 +7,6 @@ size: a named one (flavors.py) or `hf`, every size from the config.json at `[mod
 import copy
 from collections.abc import Mapping
 
-from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
@@ -19,6 +18,7 @@ from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 from titan_fold.trainer.metrics import build_metrics_processor
 from titan_fold.trainer.muon import build_optimizers
+from titan_fold.trainer.policy import build_loss
 
 
 class FlavorCopies(Mapping):
@@ -55,7 +55,7 @@ def _train_spec(family: str) -> TrainSpec:
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
+        build_loss_fn=build_loss,
         build_metrics_processor_fn=build_metrics_processor,
         state_dict_adapter=ADAPTERS[family],
     )

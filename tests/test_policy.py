@@ -1,0 +1,115 @@
+"""The policy objective (training.objective = "policy") against a float64 reference written
+here: the clipping on both sides, the mask, the truncated importance sampling cap; and the
+trainer's token normalisation over micro-batches and dp2 against one rank, with its metrics."""
+
+import math
+
+import pytest
+import torch
+from conftest import train_from_seed
+
+from titan_fold.common.config import parse_args
+from titan_fold.data.dataloader import build_dataset
+from titan_fold.models.mtp import IGNORE_INDEX
+from titan_fold.trainer.policy import PolicyLoss, policy_target
+from titan_fold.trainer.preflight import model_args_from_config
+
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+
+
+def reference(logits, labels, behaviour, advantages, tis_cap: float) -> torch.Tensor:
+    """The loss summed over labelled tokens, token by token in float64."""
+    logits = logits.double()
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(labels.shape[0]):
+        for t in range(labels.shape[1]):
+            label = int(labels[i, t])
+            if label == IGNORE_INDEX:
+                continue
+            logp = logits[i, t, label] - torch.logsumexp(logits[i, t], dim=0)
+            r = torch.exp(logp - float(behaviour[i, t]))
+            a = float(advantages[i, t])
+            clipped = min(max(r.item(), 1 - CLIP_LOW), 1 + CLIP_HIGH)
+            # the clipped side is a constant: no gradient where it is the smaller
+            term = -(r * a) if r.item() * a <= clipped * a else torch.tensor(-clipped * a, dtype=torch.float64)
+            if tis_cap:
+                term = term * min(math.exp(logp.item() - float(behaviour[i, t])), tis_cap)
+            total = total + term
+    return total
+
+
+def hand_made_batch():
+    """2 sequences x 6 tokens over a vocabulary of 5: behaviour log-probs put the ratio below
+    1 - clip_low, inside, and above 1 + clip_high, each with a positive and a negative
+    advantage; unlabelled tokens carry advantages and log-probs far off (the mask must drop them)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 5, dtype=torch.float64)
+    labels = torch.tensor([[1, 4, 0, IGNORE_INDEX, 2, 3], [IGNORE_INDEX, 2, 2, 1, 0, IGNORE_INDEX]])
+    logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    log_ratio = torch.tensor([[-0.5, 0.0, 0.6, 0.0, -0.5, 0.6], [0.0, 0.22, -0.1, 0.9, -0.9, 0.0]], dtype=torch.float64)
+    behaviour = logp - log_ratio
+    advantages = torch.tensor([[1.0, -0.7, 1.3, 5.0, -1.1, -0.4], [9.0, 0.8, -1.2, 0.6, 2.0, -7.0]])
+    behaviour[labels == IGNORE_INDEX] = -20.0
+    return logits, labels, behaviour.float(), advantages
+
+
+@pytest.mark.parametrize("tis_cap", [0.0, 1.1])
+def test_objective_matches_float64_reference(tis_cap):
+    logits, labels, behaviour, advantages = hand_made_batch()
+    ratio = torch.exp(torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0] - behaviour)
+    labelled = labels != IGNORE_INDEX
+    # the batch holds every case: clipped below and above, with either sign of advantage, and inside
+    assert (labelled & (ratio < 1 - CLIP_LOW) & (advantages < 0)).any()
+    assert (labelled & (ratio > 1 + CLIP_HIGH) & (advantages > 0)).any()
+    assert (labelled & (ratio < 1 - CLIP_LOW) & (advantages > 0)).any()
+    assert (labelled & (ratio > 1 + CLIP_HIGH) & (advantages < 0)).any()
+    assert (labelled & (ratio > 1 - CLIP_LOW) & (ratio < 1 + CLIP_HIGH)).any()
+    # a ratio between 1 + clip_low and 1 + clip_high: a bug clipping with clip_low on both sides shows
+    assert (labelled & (ratio > 1 + CLIP_LOW) & (ratio < 1 + CLIP_HIGH) & (advantages > 0)).any()
+    if tis_cap:
+        assert (labelled & (ratio > tis_cap)).any() and (labelled & (ratio < tis_cap)).any()
+    ours = logits.float().clone().requires_grad_()
+    loss_fn = PolicyLoss(CLIP_LOW, CLIP_HIGH, tis_cap)
+    loss = loss_fn(ours, policy_target(labels, behaviour, advantages))
+    loss.backward()
+    ref_logits = logits.clone().requires_grad_()
+    want = reference(ref_logits, labels, behaviour, advantages, tis_cap)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.grad.double(), ref_logits.grad, rtol=1e-4, atol=1e-6)
+    # the statistics: over the labelled tokens
+    sums = loss_fn.stats.values()
+    n = int(labelled.sum())
+    r = ratio[labelled]
+    log_ratio = torch.log(r)
+    a = advantages[labelled].double()
+    clipped = (torch.clamp(r, 1 - CLIP_LOW, 1 + CLIP_HIGH) * a) < (r * a)
+    want_stats = [r.sum(), clipped.sum(), log_ratio.abs().sum(), (torch.exp(-log_ratio) + log_ratio - 1).sum(), n]
+    torch.testing.assert_close(sums[:-1].double(), torch.tensor(want_stats, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert sums[-1].item() == pytest.approx(r.max().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_step_is_a_global_token_mean_at_dp2_and_over_micro_batches(tmp_path, seed_checkpoint):
+    """Two steps on the example rollouts from one seed: one rank with one micro-batch of 4
+    samples, and dp2 with 2 micro-batches of 1 sample per rank. The samples hold different
+    numbers of labelled tokens, so a mean per micro-batch or per rank gives another loss; the
+    metrics are reduced over the ranks."""
+    args = ["--training.dataset", "rollouts_example", "--training.dataset_format", "rollouts"]
+    args += ["--training.seq_len", "256", "--training.objective", "policy", "--training.policy_tis_cap", "1.5"]
+    args += ["--training.global_batch_size", "4"]
+    # no aux or z loss: they are means over each micro-batch
+    args += ["--moe.load_balance", "none", "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0"]
+    config = parse_args(["--job.config_file", "debug_moe.toml", *args])
+    ds = build_dataset(None, config, model_args_from_config(config)[1])
+    counts = [int((ds[g][1] != IGNORE_INDEX).sum()) for g in range(4)]
+    assert len(set(counts)) > 1, counts
+    one = train_from_seed(tmp_path / "one", 1, seed_checkpoint, 2, *args, "--training.local_batch_size", "4")
+    dp2 = train_from_seed(tmp_path / "dp2", 2, seed_checkpoint, 2, *args, "--training.local_batch_size", "1")
+    keys = ("loss", "grad_norm", "policy_ratio_mean", "policy_ratio_max", "policy_clip_frac", "logprob_gap", "kl_k3")
+    for ref, got in zip(one, dp2, strict=True):
+        for key in keys:
+            assert math.isfinite(ref[key]), (key, ref)
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, ref["step"], ref[key], got[key])
+    # the seed's weights are far from the behaviour log-probs: the clip stops some tokens' gradient
+    assert 0 < one[-1]["policy_clip_frac"] < 1 and one[-1]["kl_k3"] > 0
