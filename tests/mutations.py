@@ -643,7 +643,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "titan_fold/trainer/step.py",
         "                loss = self.loss_fn(pred, labels) / global_valid_tokens\n",
         "                loss = self.loss_fn(pred, labels) / (labels[..., 0] != IGNORE_INDEX).sum()\n",
-        ("tests/test_policy.py::test_step_is_a_global_token_mean_at_dp2_and_over_micro_batches",),
+        ("tests/test_policy.py::test_step_matches_one_rank_under_dp2_micro_batches_cp2_pp2",),
+    ),
+    Mutation(
+        "policy_ratio_max_summed_over_ranks",
+        "the logged largest ratio summed over the ranks instead of their max",
+        "titan_fold/trainer/metrics.py",
+        "            dist.all_reduce(top, op=dist.ReduceOp.MAX)\n",
+        "            dist.all_reduce(top)\n",
+        ("tests/test_policy.py::test_step_matches_one_rank_under_dp2_micro_batches_cp2_pp2",),
     ),
     Mutation(
         "policy_clip_bounds_swapped",
