@@ -3,7 +3,8 @@ model from the seed checkpoint, streamed on 4 ranks at tp 2 x dp 2 with experts 
 and at pp 2 x dp 2 with experts on ep 2, gives every tensor of `python -m titan_fold.hf export`
 bit for bit, on every rank (dst None) or on rank 0 only (dst 0), while the bytes of gathered
 tensors alive at once on a rank stay within the largest group (one block, the embedding, or the
-norm with the head). save_hub's refusal of a non-empty folder: tests/test_api.py."""
+norm with the head). A model without HF names, and a batch that does not fit the step, are
+refused in one line. save_hub's refusal of a non-empty folder: tests/test_api.py."""
 
 import json
 import os
@@ -15,10 +16,11 @@ import torch
 import torch.distributed as dist
 from launcher import run_ranks
 
+from titan_fold.api import pack_rollouts
 from titan_fold.checkpoint.files import read_hf_folder
+from titan_fold.checkpoint.stream import NotExportable, check_exportable
+from titan_fold.common.errors import UserError
 from titan_fold.hf import main as hf_main
-
-pytestmark = pytest.mark.slow
 
 LAYOUTS = {
     "tp2_dp2_ep2_etp2": [
@@ -121,6 +123,7 @@ def reference(tmp_path_factory, seed_checkpoint) -> str:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_stream_equals_the_hf_export(layout, reference, seed_checkpoint, tmp_path):
     run_ranks(stream_worker, 4, tmp_path, layout, seed_checkpoint, reference)
@@ -136,3 +139,27 @@ def test_stream_equals_the_hf_export(layout, reference, seed_checkpoint, tmp_pat
         assert got["0"]["wrong"] == [], (layout, rank)
         # a rank holds one group's gathered tensors at a time; the meter sees at least the largest tensor
         assert largest_tensor <= got["peak"] <= max(groups.values()), (layout, rank, got["peak"], groups)
+
+
+@pytest.mark.parametrize(
+    "family,mtp_layers,words",
+    [
+        pytest.param("llama3", 0, "model.name = 'llama3': Hugging Face names exist for", id="family"),
+        pytest.param("deepseek_v3", 1, "mtp.num_layers = 1: the weight stream has no", id="mtp"),
+    ],
+)
+def test_a_model_without_hf_names_is_refused_in_one_line(family, mtp_layers, words):
+    check_exportable("deepseek_v3", 0)  # what the stream covers passes
+    with pytest.raises(NotExportable) as e:
+        check_exportable(family, mtp_layers)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+
+
+def test_a_batch_that_does_not_fit_the_step_is_refused():
+    records = [{"tokens": list(range(10)), "loss_mask": [1] * 10}] * 3  # a row of 16 holds one
+    packed = pack_rollouts(records[:2], seq_len=16, local_batch_size=1, microbatches=2)
+    assert [p for p in packed.places] == [(0, 0, 0, 10), (1, 0, 0, 10)]
+    with pytest.raises(UserError, match="3 rollout records pack into 3 rows of training.seq_len = 16 tokens; a step"):
+        pack_rollouts(records, seq_len=16, local_batch_size=1, microbatches=2)
+    with pytest.raises(UserError, match="rollout record 0: tokens"):
+        pack_rollouts([{"tokens": [1, 2], "loss_mask": [1]}], seq_len=16, local_batch_size=1, microbatches=1)

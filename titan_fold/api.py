@@ -206,7 +206,7 @@ class Trainer:
             return {"step": t.step, "skipped": True}
         return {"step": t.step, **t.step_metrics}
 
-    def weights(self, dst: int | None = 0, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dst: int | None = None, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor), one at a time (checkpoint/stream.py): every rank runs
         it to the end; dst None: every rank gets every tensor, a rank: only that one does."""
         t = self.trainer
