@@ -3,7 +3,8 @@ model from the seed checkpoint, streamed on 4 ranks at tp 2 x dp 2 with experts 
 and at pp 2 x dp 2 with experts on ep 2, gives every tensor of `python -m titan_fold.hf export`
 bit for bit, on every rank (dst None) or on rank 0 only (dst 0), while the bytes of gathered
 tensors alive at once on a rank stay within the largest group (one block, the embedding, or the
-norm with the head). A model without HF names, and a batch that does not fit the step, are
+norm with the head). The API's logprobs at the tp layout equal transformers' on the exported
+folder. A model without HF names, and a batch that does not fit the step, are
 refused in one line. save_hub's refusal of a non-empty folder: tests/test_api.py."""
 
 import json
@@ -14,6 +15,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from launcher import run_ranks
 
 from titan_fold.api import pack_rollouts
@@ -33,6 +35,12 @@ LAYOUTS = {
     ],
     "pp2_dp2_ep2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
 }
+
+
+RECORDS = [  # the same on every rank (the batch ranks may differ; the tp ranks may not)
+    {"tokens": [5, 9, 17, 33, 2, 71, 8, 8, 40, 11, 3, 99, 250, 7], "loss_mask": [0] * 5 + [1] * 9},
+    {"tokens": [300, 12, 4, 4, 61, 18, 200, 5, 1, 77, 31, 6, 9, 100, 101, 102], "loss_mask": [0] * 4 + [1] * 12},
+]
 
 
 class GatheredBytes:
@@ -110,6 +118,8 @@ def stream_worker(rank: int, port: int, out_dir: str, layout: str, seed: str, re
             del t  # the consumer holds no tensor past its turn
         report[str(dst)] = {"names": names, "wrong": wrong}
     report["peak"] = meter.peak
+    if trainer.trainer.parallel_dims.pp == 1:
+        report["logprobs"] = [lp.tolist() for lp in trainer.logprobs(RECORDS)]
     trainer.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -131,6 +141,7 @@ def test_stream_equals_the_hf_export(layout, reference, seed_checkpoint, tmp_pat
     groups = group_bytes(want)
     assert len(groups) == 4 + 2  # the debug model's blocks, the embedding, the head
     largest_tensor = max(t.numel() * t.element_size() for t in want.values())
+    hf = None
     for rank in range(4):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sorted(got["None"]["names"]) == sorted(want), (layout, rank)  # every tensor once
@@ -139,6 +150,14 @@ def test_stream_equals_the_hf_export(layout, reference, seed_checkpoint, tmp_pat
         assert got["0"]["wrong"] == [], (layout, rank)
         # a rank holds one group's gathered tensors at a time; the meter sees at least the largest tensor
         assert largest_tensor <= got["peak"] <= max(groups.values()), (layout, rank, got["peak"], groups)
+        if "logprobs" in got:  # the folded model's log-probs, against transformers on the exported folder
+            hf = hf or transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
+            for record, lp in zip(RECORDS, got["logprobs"], strict=True):
+                tokens = torch.tensor(record["tokens"])
+                with torch.no_grad():
+                    logits = hf(tokens[None]).logits[0, :-1]  # [s - 1, vocab]
+                expected = torch.log_softmax(logits.float(), -1).gather(-1, tokens[1:, None]).squeeze(-1)
+                torch.testing.assert_close(torch.tensor(lp[1:]), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
