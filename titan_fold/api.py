@@ -60,7 +60,8 @@ def pack_rollouts(records: Batch, seq_len: int, local_batch_size: int, microbatc
     """Rollout records -> the step's micro-batches of local_batch_size rows of seq_len tokens,
     records packed whole with document masking (data/packing.py), labels on the loss_mask
     tokens; rows left over are padding. The one place a batch is converted: the rollouts reader
-    and the policy objective replace it."""
+    and the policy objective replace it, carrying advantages, behaviour log-probs and
+    routed_experts into the micro-batches."""
     documents = []
     for i, record in enumerate(records):
         tokens, mask = np.asarray(record["tokens"], dtype=np.int64), np.asarray(record["loss_mask"], dtype=bool)
@@ -160,7 +161,8 @@ class Trainer:
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
         """Per record, log p(tokens[t] | tokens[:t]) under the current weights, [len(tokens)]
         float32 on the CPU; position 0 has no context and holds 0. No gradient, no change to the
-        router's statistics (the aux-free bias counts and the logged expert load)."""
+        router's statistics (the aux-free bias counts and the logged expert load). The pass in
+        which routing replay's `recorded` mode records the routing the training forward replays."""
         t = self.trainer
         layout = t.parallel_dims
         if layout.pp > 1 or layout.cp > 1:
