@@ -146,17 +146,21 @@ class HFWeights:
                 del t
 
     def _transfer(self, t, meta: torch.Tensor, src: int, dst: int | None, pp_ranks: list[int]):
-        """One tensor from its stage's rank src (global) of this pp group to the ranks that want it."""
-        if t is None:
+        """One tensor from its stage's rank src (global) of this pp group to the ranks that want it:
+        every rank of the group (dst None), or dst alone; None where it does not go."""
+        rank = dist.get_rank()
+        if dst is not None and (dst not in pp_ranks or dst == src or rank not in (src, dst)):
+            return t if rank == src else None  # already there, or not wanted here
+        if rank == src:
+            t = t.contiguous()
+        else:
             t = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         if dst is None:
             dist.broadcast(t, src=src, group=self.pp_group)
-        elif dst in pp_ranks and dst != src:
-            rank = dist.get_rank()
-            if rank == src:
-                dist.send(t.contiguous(), dst=dst)
-            elif rank == dst:
-                dist.recv(t, src=src)
+        elif rank == src:
+            dist.send(t, dst=dst)
+        else:
+            dist.recv(t, src=src)
         return t
 
 
