@@ -4,9 +4,11 @@ and at pp 2 x dp 2 with experts on ep 2, gives every tensor of `python -m titan_
 bit for bit, on every rank (dst None) or on rank 0 only (dst 0), while the bytes of gathered
 tensors alive at once on a rank stay within the largest group (one block, the embedding, or the
 norm with the head). The API's logprobs at the tp layout equal transformers' on the exported
-folder. A model without HF names, and a batch that does not fit the step, are
-refused in one line. save_hub's refusal of a non-empty folder: tests/test_api.py."""
+folder. In one process, each family's debug model streams what its HF adapter makes of the whole
+state dict. A model without HF names, non-zero aux-free biases where HF has none, and a batch
+that does not fit the step are refused in one line. save_hub's refusal of a non-empty folder: tests/test_api.py."""
 
+import copy
 import json
 import os
 import re
@@ -20,9 +22,11 @@ from launcher import run_ranks
 
 from titan_fold.api import pack_rollouts
 from titan_fold.checkpoint.files import read_hf_folder
-from titan_fold.checkpoint.stream import NotExportable, check_exportable
+from titan_fold.checkpoint.stream import NotExportable, check_exportable, hf_weights
 from titan_fold.common.errors import UserError
 from titan_fold.hf import main as hf_main
+from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.hf_adapter import ADAPTERS
 
 LAYOUTS = {
     "tp2_dp2_ep2_etp2": [
@@ -182,3 +186,30 @@ def test_a_batch_that_does_not_fit_the_step_is_refused():
         pack_rollouts(records, seq_len=16, local_batch_size=1, microbatches=2)
     with pytest.raises(UserError, match="rollout record 0: tokens"):
         pack_rollouts([{"tokens": [1, 2], "loss_mask": [1]}], seq_len=16, local_batch_size=1, microbatches=1)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_every_family_streams_the_adapters_tensors(family):
+    """One process, each family's debug model (DeepSeek's MLA split kv_a rows joined): the stream
+    gives what the HF adapter makes of the whole state dict, tensor for tensor."""
+    args = copy.deepcopy(FLAVORS[family]["debug"])
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    want = ADAPTERS[family](args).to_hf(model.state_dict())
+    got = list(hf_weights([model], args, family))
+    assert sorted(name for name, _ in got) == sorted(want)
+    for name, t in got:
+        assert torch.equal(t, want[name]), name
+
+
+def test_nonzero_router_biases_are_refused_before_any_gather():
+    """A family whose HF model has no aux-free bias: refused, as the HF export refuses it."""
+    args = copy.deepcopy(FLAVORS["qwen3_moe"]["debug"])
+    args.moe.load_balance = "aux_free"
+    model = Transformer(args)
+    model.init_weights()
+    assert list(hf_weights([model], args, "qwen3_moe"))  # zero biases: streamed
+    model.layers["2"].moe.router.expert_bias.fill_(0.1)
+    with pytest.raises(UserError, match=r"aux-free router biases are not zero \(layers.2.moe.router.expert_bias"):
+        hf_weights([model], args, "qwen3_moe")
