@@ -701,6 +701,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if False:\n",
         ("tests/test_rollouts.py::test_each_malformed_record_is_refused_in_one_line",),
     ),
+    Mutation(
+        "stream_gathers_every_layer",
+        "the weight stream keeps every gathered group alive: the whole model gathered at once",
+        "titan_fold/checkpoint/stream.py",
+        "                del native\n",
+        "                self.held = [*getattr(self, 'held', []), native]\n",
+        tuple(
+            f"tests/test_stream.py::test_stream_equals_the_hf_export[{layout}]"
+            for layout in ("pp2_dp2_ep2", "tp2_dp2_ep2_etp2")
+        ),
+    ),
+    Mutation(
+        "stream_skips_later_stages",
+        "the weight stream plans the first pipeline stage's groups only",
+        "titan_fold/checkpoint/stream.py",
+        "        for stage, groups in enumerate(stages):\n",
+        "        for stage, groups in enumerate(stages[:1]):\n",
+        ("tests/test_stream.py::test_stream_equals_the_hf_export[pp2_dp2_ep2]",),
+    ),
+    Mutation(
+        "logprobs_one_position_off",
+        "the API's log-probs read each token's log-prob from the logits at its own position",
+        "titan_fold/api.py",
+        "            rows.append(lp[:, :-1].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())  # [b, s - 1]\n",
+        "            rows.append(lp[:, 1:].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())  # [b, s - 1]\n",
+        ("tests/test_api.py::test_api_at_one_rank",),
+    ),
 )
 
 

@@ -5,6 +5,7 @@ before any tensor is read into the model."""
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -165,6 +166,16 @@ def check_initial_hf_load(config, model_args) -> None:
     check_hf_checkpoint(folder, config.model.name, model_args, config.model.flavor)
 
 
+def nonzero_expert_bias(state_dict: dict[str, Any], family: str) -> str | None:
+    """The first aux-free router bias that is not zero, for a family whose Hugging Face model has
+    no place for it (it would route differently there); None if there is none."""
+    from titan_fold.models.hf_adapter import ADAPTERS
+
+    if getattr(ADAPTERS[family], "exports_expert_bias", False):
+        return None
+    return next((k for k, v in state_dict.items() if k.endswith("router.expert_bias") and torch.count_nonzero(v)), None)
+
+
 def save_model_as_hf(
     state_dict: dict[str, Any],
     folder: str,
@@ -176,10 +187,10 @@ def save_model_as_hf(
     """Our model state dict (plain or DTensor) -> an HF folder that from_pretrained opens."""
     from titan_fold.models.hf_adapter import ADAPTERS, hf_config
 
-    biased = [k for k, v in state_dict.items() if k.endswith("router.expert_bias") and torch.count_nonzero(v)]
-    if biased and not getattr(ADAPTERS[family], "exports_expert_bias", False):
+    biased = nonzero_expert_bias(state_dict, family)
+    if biased:
         raise CheckpointError(
-            f"{folder}: the aux-free router biases are not zero ({biased[0]}, ...): Hugging Face models have no "
+            f"{folder}: the aux-free router biases are not zero ({biased}, ...): Hugging Face models have no "
             "place for them and would route differently; nothing was written"
         )
     config = hf_config(family, model_args)
@@ -195,6 +206,12 @@ def _dtype_name(tensors) -> str:
     return str(max(weights, key=weights.__getitem__) if weights else torch.float32).removeprefix("torch.")
 
 
+def check_out_folder(folder: str) -> None:
+    """Nothing saved is overwritten: a folder that exists must be empty."""
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise CheckpointError(f"{folder}: exists and is not empty; choose a new folder (nothing was written)")
+
+
 def save_hf_folder(
     hf_state_dict: dict[str, torch.Tensor],
     folder: str,
@@ -204,19 +221,40 @@ def save_hf_folder(
 ) -> None:
     """The one HF writer (`python -m titan_fold.hf export` and `--checkpoint.last_save_in_hf`).
 
-    Writes config.json (its torch_dtype / dtype those of the tensors), model.safetensors, or
+    DTensors are gathered one at a time, as their shard is written (a collective: every rank
+    calls this; only ranks with write=True touch the disk), so no rank holds more than one
+    shard. The folder's files: write_hf_folder.
+    """
+    tensors = (
+        (k, (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu").contiguous())
+        for k, t in hf_state_dict.items()
+    )
+    write_hf_folder(hf_state_dict, tensors, folder, config, max_shard_bytes, write)
+
+
+def write_hf_folder(
+    planned: dict[str, torch.Tensor],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    folder: str,
+    config: dict,
+    max_shard_bytes: int = 5 * 2**30,
+    write: bool = True,
+) -> None:
+    """Writes config.json (its torch_dtype / dtype those of the tensors), model.safetensors, or
     model-0000i-of-0000N.safetensors + model.safetensors.index.json when the tensors exceed
     max_shard_bytes, into `folder`.tmp, then renames it to `folder`: a failure leaves no
-    partial folder. DTensors are gathered one shard at a time (a collective: every rank calls
-    this; only ranks with write=True touch the disk), so no rank holds more than one shard.
+    partial folder.
+
+    planned: every tensor's name, shape and dtype (meta tensors will do), in the order
+    `tensors` yields them, whole; the shards are cut from it before any tensor is read. On
+    ranks with write=False, `tensors` is drained (its collectives run) and nothing is written.
     """
     from safetensors.torch import save_file
 
-    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-        raise CheckpointError(f"{folder}: exists and is not empty; nothing was written")
+    check_out_folder(folder)
     shards: list[list[str]] = [[]]
     size = 0
-    for key, t in hf_state_dict.items():
+    for key, t in planned.items():
         nbytes = t.numel() * t.dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
@@ -228,44 +266,46 @@ def save_hf_folder(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    if not write:
+        for _ in tensors:  # this rank's part in the gathers
+            pass
+        return
     tmp = folder.rstrip("/") + ".tmp"
     failed: OSError | None = None  # a failed write stops the writing, not this rank's part in the gathers
-    if write:
-        try:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-        except OSError as e:
-            failed = e
+    try:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    except OSError as e:
+        failed = e
     try:
         for name, keys in zip(names, shards, strict=True):
-            tensors = {}
+            shard = {}
             for k in keys:
-                t = hf_state_dict[k]
-                t = t.full_tensor() if isinstance(t, DTensor) else t
-                tensors[k] = t.detach().to("cpu").contiguous()
-            if write and failed is None:
+                got, t = next(tensors)
+                assert got == k, f"the writer expected {k}, the tensors gave {got}"
+                shard[k] = t.detach().to("cpu").contiguous()
+            if failed is None:
                 try:
-                    save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+                    save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
                 except OSError as e:
                     failed = e
+            del shard
         if failed is not None:
             raise failed
-        if write:
-            dtype = _dtype_name(hf_state_dict.values())
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump({**config, "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
-            if len(shards) > 1:
-                total = sum(t.numel() * t.dtype.itemsize for t in hf_state_dict.values())
-                weight_map = {k: name for name, keys in zip(names, shards, strict=True) for k in keys}
-                with open(os.path.join(tmp, HF_INDEX), "w") as f:
-                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            if os.path.isdir(folder):
-                os.rmdir(folder)  # empty (checked above)
-            os.replace(tmp, folder)
+        dtype = _dtype_name(planned.values())
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({**config, "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
+        if len(shards) > 1:
+            total = sum(t.numel() * t.dtype.itemsize for t in planned.values())
+            weight_map = {k: name for name, keys in zip(names, shards, strict=True) for k in keys}
+            with open(os.path.join(tmp, HF_INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        if os.path.isdir(folder):
+            os.rmdir(folder)  # empty (checked above)
+        os.replace(tmp, folder)
     except BaseException:
-        if write:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -32,12 +32,12 @@ import torch
 
 from titan_fold.checkpoint.files import (
     check_hf_checkpoint,
+    check_out_folder,
     compare_shapes,
     read_hf_folder,
     read_model_tensors,
     save_model_as_hf,
 )
-from titan_fold.checkpoint.manager import CheckpointError
 from titan_fold.checkpoint.options import DTYPE_NAMES
 from titan_fold.common.config import ConfigError
 from titan_fold.models import FLAVORS, Transformer, TransformerArgs
@@ -70,11 +70,6 @@ def model_shapes(args: TransformerArgs) -> dict[str, list[int]]:
     return shapes
 
 
-def check_out_folder(out: str) -> None:
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise CheckpointError(f"{out}: exists and is not empty; choose a new folder (nothing was written)")
-
-
 def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs, flavor: str = "hf") -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -99,6 +94,15 @@ def import_hf(hf_folder: str, out: str, family: str, args: TransformerArgs, flav
         raise
 
 
+def cast_weights(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Our floating weights in `dtype` (export's --dtype); the aux-free router biases stay float32."""
+    if dtype is None:
+        return state_dict
+    return {
+        k: v.to(dtype) if v.is_floating_point() and not k.endswith("expert_bias") else v for k, v in state_dict.items()
+    }
+
+
 def export_hf(
     dcp_folder: str,
     out: str,
@@ -109,9 +113,7 @@ def export_hf(
 ) -> None:
     check_out_folder(out)
     # shapes from the metadata first: a wrong flavor fails before any tensor is read
-    sd = read_model_tensors(dcp_folder, model_shapes(args))
-    if dtype is not None:
-        sd = {k: v.to(dtype) if v.is_floating_point() and not k.endswith("expert_bias") else v for k, v in sd.items()}
+    sd = cast_weights(read_model_tensors(dcp_folder, model_shapes(args)), dtype)
     save_model_as_hf(sd, out, family, args, max_shard_bytes=max_shard_bytes)
 
 

@@ -302,7 +302,7 @@ class FoldTrainer(TrainStep, Stateful):
             else None
         )
         self.stop_signals = stop_signals or StopSignals()
-        self.start_step: int | None = None
+        self.start_step = 0  # start() sets it
         if self.model_args.moe.load_balance == "aux_free":
             # the router bias follows the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -354,6 +354,7 @@ class FoldTrainer(TrainStep, Stateful):
         assert self.dataloader is not None and self.gc_handler is not None
         self.metrics_processor.begin()
         self.checkpointer.load(step=config.checkpoint.load_step)
+        self.start()
         logger.info(f"Training starts at step {self.step + 1}")
         profiling = dict(global_step=self.step, base_folder=config.job.dump_folder)
         with (
@@ -413,13 +414,16 @@ class FoldTrainer(TrainStep, Stateful):
         lengths = document_lengths(ids) if ids is not None else torch.full(labels.shape[:1], labels.shape[1])
         return self.dense_flops_per_token * labels.numel() + self.model_args.attention_flops(int((lengths**2).sum()))
 
+    def start(self) -> None:
+        """Once the checkpoint (if any) is loaded, before the first step: the step it starts from,
+        the weights checked for NaN/Inf, the metrics file from that step on."""
+        self.start_step = self.step
+        self.check_loaded_weights()
+        if self.metrics_processor.jsonl:
+            self.metrics_processor.jsonl.start(self.step)
+
     def should_continue_training(self) -> bool:
         """Called before every step; also where a stop request is agreed on by every rank."""
-        if self.start_step is None:  # the first call: the checkpoint (if any) is loaded
-            self.start_step = self.step
-            self.check_loaded_weights()
-            if self.metrics_processor.jsonl:
-                self.metrics_processor.jsonl.start(self.step)
         if self.step >= self.job_config.training.steps:
             return False
         kind = self.stop_signals.agreed(self.device)

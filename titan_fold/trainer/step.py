@@ -64,6 +64,7 @@ class TrainStep:
     cudagraphs: bool
     step: int
     ntokens_seen: int
+    step_metrics: dict[str, Any]  # a logged step's values, as logged (_train_step)
 
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
@@ -237,7 +238,7 @@ class TrainStep:
             pp_mesh=layout.get_optional_mesh("pp"),
             ep_enabled=layout.ep_enabled,
         )
-        logs = self.metrics_processor.should_log(self.step)
+        logs = self._logs()
         read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
         self.checkpointer.maybe_wait_for_staging()
         before = self._weights() if logs and self.group_grad_norms is not None else None
@@ -248,6 +249,7 @@ class TrainStep:
             extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
             if before is not None:
                 extra.update(self._group_norm_metrics(before))
+            self.step_metrics = {"loss": avg_loss, "max_loss": max_loss, "grad_norm": grad_norm.item(), **extra}
             self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
