@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 from titan_fold.checkpoint.files import check_out_folder, nonzero_expert_bias, write_hf_folder
 from titan_fold.checkpoint.hf import cast_weights
 from titan_fold.common.errors import UserError
+from titan_fold.common.tensors import model_fqn
 from titan_fold.models.hf_adapter import ADAPTERS, hf_config
-from titan_fold.parallel.parallelize import _plan_fqn
 
 _BLOCK = re.compile(r"layers\.(\d+)\.")
 
@@ -86,7 +86,7 @@ class HFWeights:
         self.local: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for part in model_parts:
             for key, value in part.state_dict().items():
-                name = _plan_fqn(key)
+                name = model_fqn(key)
                 self.local.setdefault(group_of(name), {})[name] = value
         self.device = next(iter(next(iter(self.local.values())).values())).device
         self.pp_group = pp_mesh.get_group() if pp_mesh is not None else None
