@@ -678,6 +678,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_policy.py::test_objective_matches_float64_reference[0.0]",),
     ),
     Mutation(
+        "policy_tis_ratio_against_behaviour",
+        "with truncated importance sampling, the clipped ratio still taken against the behaviour policy",
+        "titan_fold/trainer/policy.py",
+        "policy_ratio = torch.exp(logp - logp.detach()) if self.tis_cap > 0 else ratio",
+        "policy_ratio = ratio",
+        ("tests/test_policy.py::test_objective_matches_float64_reference[1.1]",),
+    ),
+    Mutation(
         "policy_tis_weight_not_detached",
         "the truncated importance weight differentiated through the trainer's log-probability",
         "titan_fold/trainer/policy.py",

@@ -27,7 +27,8 @@ def reference(logits, labels, behaviour, advantages, tis_cap: float) -> torch.Te
             if label == IGNORE_INDEX:
                 continue
             logp = logits[i, t, label] - torch.logsumexp(logits[i, t], dim=0)
-            r = torch.exp(logp - float(behaviour[i, t]))
+            # with TIS the clipped ratio is against the trainer's own policy (logp detached)
+            r = torch.exp(logp - (logp.detach() if tis_cap else float(behaviour[i, t])))
             a = float(advantages[i, t])
             clipped = min(max(r.item(), 1 - CLIP_LOW), 1 + CLIP_HIGH)
             # the clipped side is a constant: no gradient where it is the smaller
@@ -83,7 +84,8 @@ def test_objective_matches_float64_reference(tis_cap):
     r = ratio[labelled]
     log_ratio = torch.log(r)
     a = advantages[labelled].double()
-    clipped = (torch.clamp(r, 1 - CLIP_LOW, 1 + CLIP_HIGH) * a) < (r * a)
+    policy_r = torch.ones_like(r) if tis_cap else r
+    clipped = (torch.clamp(policy_r, 1 - CLIP_LOW, 1 + CLIP_HIGH) * a) < (policy_r * a)
     want_stats = [r.sum(), clipped.sum(), log_ratio.abs().sum(), (torch.exp(-log_ratio) + log_ratio - 1).sum(), n]
     torch.testing.assert_close(sums[:-1].double(), torch.tensor(want_stats, dtype=torch.float64), rtol=1e-5, atol=1e-5)
     assert sums[-1].item() == pytest.approx(r.max().item(), rel=1e-5)

@@ -24,6 +24,7 @@ from titan_fold.api import pack_rollouts
 from titan_fold.checkpoint.files import read_hf_folder
 from titan_fold.checkpoint.stream import NotExportable, check_exportable, hf_weights
 from titan_fold.common.errors import UserError
+from titan_fold.data.rollouts import RoutingShape
 from titan_fold.hf import main as hf_main
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS
@@ -179,13 +180,16 @@ def test_a_model_without_hf_names_is_refused_in_one_line(family, mtp_layers, wor
 
 
 def test_a_batch_that_does_not_fit_the_step_is_refused():
-    records = [{"tokens": list(range(10)), "loss_mask": [1] * 10}] * 3  # a row of 16 holds one
-    packed = pack_rollouts(records[:2], seq_len=16, local_batch_size=1, microbatches=2)
+    shape = RoutingShape(vocab_size=100, num_experts=8, top_k=2, moe_layers=2)
+    record = {"tokens": list(range(10)), "loss_mask": [0] + [1] * 9, "advantages": 1.0, "logprobs": [-1.0] * 10}
+    records = [record] * 3  # a row of 16 holds one
+    packed = pack_rollouts(records[:2], shape, seq_len=16, local_batch_size=1, microbatches=2)
     assert [p for p in packed.places] == [(0, 0, 0, 10), (1, 0, 0, 10)]
     with pytest.raises(UserError, match="3 rollout records pack into 3 rows of training.seq_len = 16 tokens; a step"):
-        pack_rollouts(records, seq_len=16, local_batch_size=1, microbatches=2)
-    with pytest.raises(UserError, match="rollout record 0: tokens"):
-        pack_rollouts([{"tokens": [1, 2], "loss_mask": [1]}], seq_len=16, local_batch_size=1, microbatches=1)
+        pack_rollouts(records, shape, seq_len=16, local_batch_size=1, microbatches=2)
+    short = {**record, "loss_mask": [0, 1]}
+    with pytest.raises(UserError, match="rollout record 1: 'loss_mask' has 2 values but 'tokens' has 10"):
+        pack_rollouts([record, short], shape, seq_len=16, local_batch_size=1, microbatches=2)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe"])

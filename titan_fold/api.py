@@ -28,7 +28,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -38,7 +37,9 @@ from titan_fold.checkpoint.stream import save_hub as save_hub_folder
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError
+from titan_fold.data.dataset import DataError
 from titan_fold.data.packing import PackedDocuments
+from titan_fold.data.rollouts import RoutingShape, check_rollout, rollout_fields
 from titan_fold.moe import moe_layers
 from titan_fold.trainer.fold_trainer import FoldTrainer, fit_warmup, lock_dump_folder
 from titan_fold.trainer.logs import setup_logging
@@ -56,19 +57,25 @@ class Packed:
     places: list[tuple[int, int, int, int]]
 
 
-def pack_rollouts(records: Batch, seq_len: int, local_batch_size: int, microbatches: int) -> Packed:
+def pack_rollouts(
+    records: Batch, shape: RoutingShape, seq_len: int, local_batch_size: int, microbatches: int
+) -> Packed:
     """Rollout records -> the step's micro-batches of local_batch_size rows of seq_len tokens,
-    records packed whole with document masking (data/packing.py), labels on the loss_mask
-    tokens; rows left over are padding. The one place a batch is converted: the rollouts reader
-    and the policy objective replace it, carrying advantages, behaviour log-probs and
-    routed_experts into the micro-batches."""
+    each record checked as a rollout file's are (data/rollouts.py, against the model's `shape`)
+    and packed whole with document masking, with its per-token fields (behaviour log-probs,
+    advantages, routed_experts) beside its tokens; rows left over are padding."""
     documents = []
     for i, record in enumerate(records):
-        tokens, mask = np.asarray(record["tokens"], dtype=np.int64), np.asarray(record["loss_mask"], dtype=bool)
-        if tokens.ndim != 1 or tokens.shape != mask.shape:
-            raise UserError(f"rollout record {i}: tokens {tokens.shape} and loss_mask {mask.shape} differ in length")
-        documents.append((tokens, mask))
-    packs = PackedDocuments(documents, seq_len, "refuse", "rollouts")
+        try:
+            documents.append(check_rollout(record, shape))
+        except DataError as e:
+            raise UserError(f"rollout record {i}: {e}") from None
+        if (documents[-1].routed_experts is None) != (documents[0].routed_experts is None):
+            raise UserError(f"rollout record {i}: either every record of a batch has 'routed_experts' or none")
+    token_fields, fields = rollout_fields(documents, shape)
+    packs = PackedDocuments(
+        [(d.ids, d.trained) for d in documents], seq_len, "refuse", "rollouts", token_fields=token_fields, fields=fields
+    )
     rows = local_batch_size * microbatches
     if len(packs.packs) > rows:
         raise UserError(
@@ -76,11 +83,8 @@ def pack_rollouts(records: Batch, seq_len: int, local_batch_size: int, microbatc
             f"tokens; a step on this rank holds {rows} (local_batch_size x gradient accumulation)"
         )
     samples = [packs[g] for g in range(len(packs.packs))]
-    empty = (
-        {"input": torch.zeros(seq_len, dtype=torch.int64), "document_ids": torch.zeros(seq_len, dtype=torch.int64)},
-        torch.full((seq_len,), -100),
-    )
-    samples += [empty] * (rows - len(samples))
+    packs.packs.append([])  # a row of padding alone: no labels, its fields' padding values
+    samples += [packs[len(packs.packs) - 1]] * (rows - len(samples))
     batches = []
     for m in range(microbatches):
         part = samples[m * local_batch_size : (m + 1) * local_batch_size]
@@ -154,7 +158,11 @@ class Trainer:
         t = self.trainer
         config = t.job_config
         return pack_rollouts(
-            batch, config.training.seq_len, config.training.local_batch_size, t.gradient_accumulation_steps
+            batch,
+            RoutingShape.of(t.model_args),
+            config.training.seq_len,
+            config.training.local_batch_size,
+            t.gradient_accumulation_steps,
         )
 
     @torch.no_grad()

@@ -5,12 +5,16 @@ For each labelled token t (the rollout's loss_mask, within its document), with l
 trainer's log-probability of the token, b_t the behaviour policy's (the record's logprobs) and
 A_t its advantage:
 
-    r_t    = exp(logp_t - b_t)
+    policy_tis_cap = 0:   r_t = exp(logp_t - b_t),        w_t = 1
+    policy_tis_cap > 0:   r_t = exp(logp_t - sg(logp_t)),   w_t = min(exp(sg(logp_t) - b_t), tis_cap)
     term_t = -min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
-    w_t    = min(exp(sg(logp_t) - b_t), tis_cap)        (policy_tis_cap > 0; else w_t = 1)
     loss   = sum_t w_t * term_t / (labelled tokens of the global batch)
 
-sg: no gradient. The sum is this function's; the trainer divides it by the global token count
+sg: no gradient. Without truncated importance sampling the clipped ratio is against the
+behaviour policy (the engine's). With it, the ratio is against the trainer's own policy before
+the step's update (the trainer takes one optimizer step per batch, so that is sg(logp_t)), and
+the mismatch between trainer and engine is corrected by the trainer / behaviour probability
+ratio, capped at tis_cap (truncated importance sampling, as verl's and slime's TIS). The sum is this function's; the trainer divides it by the global token count
 as it does the language-model loss (trainer/step.py), so packing, micro-batches and dp do not
 change the loss. No reference model enters it.
 
@@ -94,9 +98,13 @@ class PolicyLoss:
         # 0 where unlabelled: exp stays finite whatever the padding holds
         log_ratio = torch.where(mask, logp - target[..., BEHAVIOUR_LOGPROB], 0.0)
         advantage = target[..., ADVANTAGE]
-        ratio = torch.exp(log_ratio)
-        unclipped = ratio * advantage
-        clipped = torch.clamp(ratio, 1 - self.clip_low, 1 + self.clip_high) * advantage
+        ratio = torch.exp(log_ratio)  # trainer / behaviour
+        # with TIS the clipped ratio is against the trainer's own policy before this step's update
+        # (logp detached: one optimizer step per batch), and the capped trainer / behaviour weight
+        # corrects the mismatch; without it, against the behaviour policy
+        policy_ratio = torch.exp(logp - logp.detach()) if self.tis_cap > 0 else ratio
+        unclipped = policy_ratio * advantage
+        clipped = torch.clamp(policy_ratio, 1 - self.clip_low, 1 + self.clip_high) * advantage
         term = -torch.minimum(unclipped, clipped)
         if self.tis_cap > 0:
             term = term * torch.clamp(torch.exp(log_ratio.detach()), max=self.tis_cap)
