@@ -46,6 +46,8 @@ RECORDS = [  # the same on every rank (the batch ranks may differ; the tp ranks 
     {"tokens": [5, 9, 17, 33, 2, 71, 8, 8, 40, 11, 3, 99, 250, 7], "loss_mask": [0] * 5 + [1] * 9},
     {"tokens": [300, 12, 4, 4, 61, 18, 200, 5, 1, 77, 31, 6, 9, 100, 101, 102], "loss_mask": [0] * 4 + [1] * 12},
 ]
+for record in RECORDS:  # the rollout fields logprobs does not read
+    record.update(advantages=1.0, logprobs=[0.0] * len(record["tokens"]))
 
 
 class GatheredBytes:

@@ -202,9 +202,11 @@ class Trainer:
         return out
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
-        """One optimizer step on the batch -> its metrics: step, loss (the step's, summed over its
-        micro-batches and ranks as logged), max_loss, grad_norm, lr, n_tokens_seen; a step the
-        NaN/Inf guard skipped (training.nonfinite = 'skip') has skipped: True instead."""
+        """One optimizer step on the batch -> its record as metrics.jsonl logs it (docs/metrics.md):
+        step, loss (summed over the step's micro-batches and ranks), grad_norm, lr, tokens/s, the
+        MoE statistics, the policy objective's ratio, clip fraction, log-prob gap and k3, and
+        routing_replay_changed; a step the NaN/Inf guard skipped (training.nonfinite = 'skip')
+        is {"step": N, "skipped": True}."""
         t = self.trainer
         packed = self.pack(batch)
         t.step += 1

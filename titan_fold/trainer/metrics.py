@@ -233,7 +233,8 @@ class FoldMetricsProcessor(MetricsProcessor):
         global_max_loss: float,
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
-    ):
+    ) -> dict[str, Any]:
+        """Logs one step's values (the step line, metrics.jsonl, TensorBoard / W&B) -> its record."""
         phases = self.phases.finish() if self.phases is not None else None
         now = time.perf_counter()
         time_delta = now - self.time_last_log
@@ -295,6 +296,7 @@ class FoldMetricsProcessor(MetricsProcessor):
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+        return record
 
     def _load(self, step: int) -> dict | None:
         """metrics.expert_load's summary (rank 0; every rank takes part in the sum)."""

@@ -64,7 +64,7 @@ class TrainStep:
     cudagraphs: bool
     step: int
     ntokens_seen: int
-    step_metrics: dict[str, Any]  # a logged step's values, as logged (_train_step)
+    step_metrics: dict[str, Any]  # a logged step's record, as logged (_train_step)
 
     def post_dataloading_process(self, input_dict, labels):
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
@@ -249,8 +249,9 @@ class TrainStep:
             extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
             if before is not None:
                 extra.update(self._group_norm_metrics(before))
-            self.step_metrics = {"loss": avg_loss, "max_loss": max_loss, "grad_norm": grad_norm.item(), **extra}
-            self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra)
+            self.step_metrics = self.metrics_processor.log(
+                self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra
+            )
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters by their names in the model (without the wrappers of compile and
