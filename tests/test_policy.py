@@ -100,7 +100,7 @@ def test_step_matches_one_rank_under_dp2_micro_batches_cp2_pp2(tmp_path, seed_ch
     inputs must follow their tokens through cp and reach the last stage; the metrics are
     reduced over the ranks."""
     args = ["--training.dataset", "rollouts_example", "--training.dataset_format", "rollouts"]
-    args += ["--training.seq_len", "256", "--training.objective", "policy", "--training.policy_tis_cap", "1.5"]
+    args += ["--training.seq_len", "256", "--training.objective", "policy"]
     args += ["--training.global_batch_size", "4"]
     # no aux or z loss: they are means over each micro-batch
     args += ["--moe.load_balance", "none", "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0"]
