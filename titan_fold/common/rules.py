@@ -19,6 +19,11 @@ class Rule(NamedTuple):
     message: str
 
 
+def _replayed_with(key: str, off: object) -> Callable[[Any], bool]:
+    """Broken when routing replay is on and `key` is not `off`."""
+    return lambda c: c.moe.routing_replay != "off" and _value(c, key) != off
+
+
 def _muon(c) -> bool:
     return c.optimizer.name == "Muon"
 
@@ -269,6 +274,21 @@ RULES = (
         lambda c: c.moe.overlap_ep_comm and c.activation_checkpoint.mode != "none",
         "moe.overlap_ep_comm = true with activation_checkpoint.mode = '{activation_checkpoint.mode}': the "
         "overlapped pieces are not recomputed; choose one",
+    ),
+    Rule(
+        lambda c: c.moe.routing_replay == "rollout" and c.training.dataset_format != "rollouts",
+        "moe.routing_replay = 'rollout' with training.dataset_format = '{training.dataset_format}': only "
+        "rollout files carry the inference engine's routed_experts; set training.dataset_format = 'rollouts'",
+    ),
+    *(
+        Rule(
+            _replayed_with(key, off),
+            f"moe.routing_replay = '{{moe.routing_replay}}' with {key} = {{{key}}}: {why}; choose one",
+        )
+        for key, off, why in (
+            ("mtp.num_layers", 0, "no engine returns the MTP layers' routing"),
+            ("moe.overlap_ep_comm", False, "the overlapped pieces do not carry the replayed experts"),
+        )
     ),
     Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,
