@@ -86,6 +86,15 @@ CASES = [
     ),
     ({"mtp.num_layers": 1, **OVERLAP}, "moe.overlap_ep_comm = true with mtp.num_layers = 1"),
     (OVERLAP, "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'selective'"),
+    ({"moe.routing_replay": "rollout"}, "moe.routing_replay = 'rollout' with training.dataset_format = 'text'"),
+    (
+        {"moe.routing_replay": "recorded", "mtp.num_layers": 1},
+        "moe.routing_replay = 'recorded' with mtp.num_layers = 1",
+    ),
+    (
+        {"moe.routing_replay": "recorded", **OVERLAP, "activation_checkpoint.mode": "none"},
+        "moe.routing_replay = 'recorded' with moe.overlap_ep_comm = True",
+    ),
     ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
 ]
 
