@@ -234,3 +234,210 @@ def test_rollout_replay_refuses_a_batch_without_ids():
         TrainStep._routed_experts(step, {"input": tokens})
     with pytest.raises(UserError, match=r"\(batch, tokens, MoE layers, top_k\)"):
         TrainStep._routed_experts(step, {"input": tokens, "routed_experts": torch.zeros(B, S, 3, 2, dtype=torch.int64)})
+
+
+# ---------------------------------------------------------------- foldings against one rank
+
+WORLD = 4
+ROWS, SEQ = 4, 32  # the global batch: every case's dp ranks share its rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Folding:
+    """A layout of the 4 ranks (dp = 4 / (tp * cp) takes the rest) and the options on top."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    documents: bool = False  # packed documents, dealt over cp in blocks (cp_documents.py)
+    stages: int = 1  # the model cut into pipeline stages, run back to back on each rank
+    checkpoint: bool = False  # every block recomputed in backward
+    copies: int = 0  # moe.hot_expert_replicas
+
+    def __str__(self) -> str:
+        dims = [f"{n}{v}" for n, v in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep), ("etp", self.etp)) if v > 1]
+        dims.insert(0, f"dp{WORLD // (self.tp * self.cp)}")
+        extra = ["documents"] * self.documents + [f"{self.stages}stages"] * (self.stages > 1)
+        return "_".join(dims + extra + ["ac"] * self.checkpoint + [f"copies{self.copies}"] * bool(self.copies))
+
+
+FOLDINGS = [
+    Folding(ep=2),
+    Folding(ep=2, etp=2),
+    Folding(tp=2, ep=2),
+    Folding(cp=2, ep=2, documents=True),
+    Folding(ep=2, stages=2),
+    Folding(ep=2, etp=2, checkpoint=True),
+    Folding(ep=4, copies=2),
+]
+
+
+def _folding_args(copies: int):
+    args = FLAVORS["qwen2_moe"]["debug"]
+    # balance losses are means over a micro-batch's tokens, which the trainer weighs per rank: off
+    # here (their replayed statistics: the one-rank tests)
+    moe = dataclasses.replace(args.moe, load_balance="none", hot_expert_replicas=copies)
+    return dataclasses.replace(args, moe=moe, n_layers=4)
+
+
+def _stage_parts(model, n: int):
+    if n == 1:
+        return [model]
+    import copy
+
+    first, last = model, copy.deepcopy(model)
+    first.norm, first.output = None, None
+    for i in ("2", "3"):
+        del first.layers[i]
+    last.tok_embeddings, last.embeds_tokens = None, False
+    for i in ("0", "1"):
+        del last.layers[i]
+    return [first, last]
+
+
+def _reference(args, batch):
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    ref.init_weights()
+    with torch.no_grad():
+        for moe in (m for m in ref.modules() if hasattr(m, "router")):
+            moe.router.gate.weight.normal_(0, 0.5)
+    kwargs = {k: batch[k] for k in ("document_ids", "routed_experts") if k in batch}
+    logits = ref(batch["input"], **kwargs)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+    loss = loss / batch["labels"].numel()
+    loss.backward()
+    return ref, loss.item(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _run_folding(folding: Folding, ref, ref_loss, ref_grads, batch, report):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from titan_fold.parallel.attention import apply_cp, apply_tp
+    from titan_fold.parallel.experts import apply_moe
+    from titan_fold.parallel.mesh import Layout
+    from titan_fold.parallel.parallelize import _plan_fqn
+    from titan_fold.parallel.placement import placement_plan
+    from titan_fold.trainer.step import CP_ORDER, TrainStep
+
+    args = ref.args
+    layout = Layout(WORLD, tp=folding.tp, cp=folding.cp, ep=folding.ep, etp=folding.etp)
+    layout.build_mesh("cpu")
+    plan = placement_plan(args, layout)
+    with torch.device("meta"):
+        parts = _stage_parts(Transformer(args), folding.stages)
+    for model in parts:
+        if folding.tp > 1:
+            apply_tp(model, layout.attention["tp"], loss_parallel=False)
+        if folding.cp > 1:
+            apply_cp(model, layout.attention["cp"])
+        apply_moe(model, layout, plan)
+        if folding.checkpoint:
+            for layer_id, block in list(model.layers.named_children()):
+                model.layers.register_module(layer_id, checkpoint_wrapper(block, preserve_rng_state=False))
+        model.to_empty(device="cpu")
+        model.init_weights()
+        full_state = ref.state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                full = full_state[_plan_fqn(name)]
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(
+                        distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                    )
+                else:
+                    p.copy_(full)
+    # this rank's rows of the global batch, then the trainer's own split of tokens and ids
+    dp = WORLD // (folding.tp * folding.cp)
+    dp_mesh = layout.get_optional_mesh("dp_shard")
+    rows = slice(None) if dp_mesh is None else slice(dp_mesh.get_local_rank() * ROWS // dp, None)
+    rows = slice(rows.start, None if rows.start is None else rows.start + ROWS // dp)
+    input_dict = {k: batch[k][rows] for k in ("input", "routed_experts", "document_ids") if k in batch}
+    if folding.documents:
+        from titan_fold.parallel.cp_documents import cp_order
+
+        input_dict[CP_ORDER] = cp_order(input_dict["document_ids"], folding.cp)
+    step = SimpleNamespace(
+        parallel_dims=layout,
+        model_args=dataclasses.replace(args, moe=dataclasses.replace(args.moe, routing_replay="rollout")),
+    )
+    step._routed_experts = lambda d: TrainStep._routed_experts(step, d)
+    inputs, labels, _, kwargs = TrainStep.post_dataloading_process(step, input_dict, batch["labels"][rows])
+    h = inputs
+    for model in parts:
+        h = model(h, **kwargs)
+    loss = (
+        torch.nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten(), reduction="sum") / batch["labels"].numel()
+    )
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    report("loss", abs(total.item() / folding.tp - ref_loss) / abs(ref_loss), 1e-5)
+    named = {_plan_fqn(n): p for model in parts for n, p in model.named_parameters()}
+    assert sorted(named) == sorted(ref_grads)
+    for name, p in named.items():
+        grad = p.grad
+        copies = 1
+        if isinstance(grad, DTensor):
+            copies = grad.device_mesh.size()
+            grad = grad.full_tensor()
+        grad = grad.detach().clone()
+        dist.all_reduce(grad)  # every rank's tokens; a DTensor's full gradient on each of its mesh's ranks
+        err = ((grad / copies - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30)).item()
+        report(("router " if "router.gate" in name else "grad ") + name, err, 1e-5)
+
+
+def _folding_worker(rank: int, port: int, out_dir: str):
+    import json
+    import os
+
+    from launcher import start_rank
+
+    start_rank(rank, port, WORLD)
+    results = []
+    for documents in (False, True):
+        args = _folding_args(0)
+        gen = torch.Generator().manual_seed(7)
+        batch = {
+            "input": torch.randint(0, args.vocab_size, (ROWS, SEQ), generator=gen),
+            "labels": torch.randint(0, args.vocab_size, (ROWS, SEQ), generator=gen),
+        }
+        L, E, k = args.n_moe_layers(), args.moe.num_experts, args.moe.top_k
+        batch["routed_experts"] = torch.rand(ROWS, SEQ, L, E, generator=gen).argsort(-1)[..., :k]
+        if documents:
+            cuts = torch.tensor([5, 20, 23])  # four documents per row, the second one long
+            batch["document_ids"] = (torch.arange(SEQ)[None, :, None] >= cuts).sum(-1).expand(ROWS, -1).clone()
+        for folding in [f for f in FOLDINGS if f.documents == documents]:
+            ref, ref_loss, ref_grads = _reference(_folding_args(folding.copies), batch)
+
+            def report(what, err, tol, case=str(folding)):
+                results.append((case, what, err, tol))
+
+            _run_folding(folding, ref, ref_loss, ref_grads, batch, report)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(results, f)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_folding_replays_as_one_rank(tmp_path):
+    """dp x ep, ep x etp, tp (SP), cp over packed documents, two pipeline stages, activation
+    checkpointing and hot-expert copies, one 4-rank launch: the loss and every gradient of the
+    one-rank model replaying the same (random) ids, fp32."""
+    import json
+
+    from launcher import run_ranks
+
+    run_ranks(_folding_worker, WORLD, tmp_path)
+    bad, cases = [], set()
+    for r in range(WORLD):
+        for case, what, err, tol in json.load(open(tmp_path / f"{r}.json")):
+            cases.add(case)
+            if not err <= tol:
+                bad.append(f"rank {r} {case} {what}: {err:.3g} > {tol}")
+    assert cases == {str(f) for f in FOLDINGS}
+    assert not bad, "\n".join(bad[:30])
