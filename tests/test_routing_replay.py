@@ -441,3 +441,19 @@ def test_every_folding_replays_as_one_rank(tmp_path):
                 bad.append(f"rank {r} {case} {what}: {err:.3g} > {tol}")
     assert cases == {str(f) for f in FOLDINGS}
     assert not bad, "\n".join(bad[:30])
+
+
+@pytest.mark.slow
+def test_replaying_layer_compiles_whole():
+    """An MoE layer replaying ids compiles into one graph (fullgraph) with the eager result, and new
+    ids of the same shape need no recompile."""
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=12, **ROUTERS["groups_drop_and_pad"])
+    moe = make_layer(args, torch.float32)
+    x = torch.randn(B, S, DIM)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    for seed in (1, 2):
+        ids = _random_ids(1, 8, 2, seed)[:, :, 0]
+        with torch._dynamo.config.patch(error_on_recompile=seed > 1):
+            got = compiled(x, routed_experts=ids)
+        torch.testing.assert_close(got, moe(x, routed_experts=ids), rtol=1e-5, atol=1e-6)
