@@ -457,3 +457,19 @@ def test_replaying_layer_compiles_whole():
         with torch._dynamo.config.patch(error_on_recompile=seed > 1):
             got = compiled(x, routed_experts=ids)
         torch.testing.assert_close(got, moe(x, routed_experts=ids), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_recorded_replay_trains_as_off(tmp_path, seed_checkpoint):
+    """The trainer's R2 step (a no-grad record pass, then the training forward replaying it) on one
+    rank: the losses of `off`, and the metric says no routing changed."""
+    from conftest import train_from_seed
+
+    runs = {
+        mode: train_from_seed(tmp_path / mode, 1, seed_checkpoint, 2, "--moe.routing_replay", mode)
+        for mode in ("off", "recorded")
+    }
+    for off, recorded in zip(runs["off"], runs["recorded"], strict=True):
+        assert recorded["loss"] == pytest.approx(off["loss"], rel=1e-6)
+        assert recorded["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5)
+        assert off["routing_replay_changed"] is None and recorded["routing_replay_changed"] == 0.0
