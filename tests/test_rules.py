@@ -93,7 +93,7 @@ CASES = [
     ),
     (
         {"moe.routing_replay": "recorded", **OVERLAP, "activation_checkpoint.mode": "none"},
-        "moe.routing_replay = 'recorded' with moe.overlap_ep_comm = True",
+        "moe.routing_replay = 'recorded' with moe.overlap_ep_comm = true",
     ),
     (
         {"moe.routing_replay": "recorded", "parallelism.pipeline_parallel_degree": 2},

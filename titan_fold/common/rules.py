@@ -283,11 +283,11 @@ RULES = (
     *(
         Rule(
             _replayed_with(key, off),
-            f"moe.routing_replay = '{{moe.routing_replay}}' with {key} = {{{key}}}: {why}; choose one",
+            f"moe.routing_replay = '{{moe.routing_replay}}' with {key} = {value}: {why}; choose one",
         )
-        for key, off, why in (
-            ("mtp.num_layers", 0, "no engine returns the MTP layers' routing"),
-            ("moe.overlap_ep_comm", False, "the overlapped pieces do not carry the replayed experts"),
+        for key, off, value, why in (
+            ("mtp.num_layers", 0, "{mtp.num_layers}", "no engine returns the MTP layers' routing"),
+            ("moe.overlap_ep_comm", False, "true", "the overlapped pieces do not carry the replayed experts"),
         )
     ),
     Rule(

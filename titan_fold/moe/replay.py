@@ -18,7 +18,7 @@ ids, activation checkpointing's recompute gets the same argument and replays the
 """
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,11 +66,7 @@ class Recording:
     """What record_routing yields; `recorded` is set when the block exits."""
 
     tokens: torch.Tensor
-    recorded: RecordedRouting | None = field(default=None)
-
-
-def _n_moe_layers(layers: list[MoE]) -> int:
-    return layers[0].n_moe_layers if layers else 0
+    recorded: RecordedRouting | None = None
 
 
 @contextlib.contextmanager
@@ -94,12 +90,12 @@ def record_routing(model_parts, tokens: torch.Tensor):
 
 def _assemble(layers: list[MoE], tokens: torch.Tensor) -> RecordedRouting:
     calls = [len(moe.recorded or []) for moe in layers]
-    if any(n != 1 for n in calls):
+    if not layers or any(n != 1 for n in calls):
         raise ValueError(f"record_routing: one forward per recording; the MoE layers ran {calls} times")
     first = layers[0].recorded[0]  # type: ignore[index]
     b, s, k = first.shape
     # the layers this rank does not hold: valid, distinct ids, never read
-    routed = torch.arange(k, device=first.device).expand(b, s, _n_moe_layers(layers), k).clone()
+    routed = torch.arange(k, device=first.device).expand(b, s, layers[0].n_moe_layers, k).clone()
     for moe in layers:
         routed[:, :, moe.moe_index] = moe.recorded[0]  # type: ignore[index]
     return RecordedRouting(routed, tokens.detach().clone())
