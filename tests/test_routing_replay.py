@@ -473,3 +473,20 @@ def test_recorded_replay_trains_as_off(tmp_path, seed_checkpoint):
         assert recorded["loss"] == pytest.approx(off["loss"], rel=1e-6)
         assert recorded["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5)
         assert off["routing_replay_changed"] is None and recorded["routing_replay_changed"] == 0.0
+
+
+@pytest.mark.slow
+def test_rollout_replay_without_rollout_data_refused_by_both_runs(tmp_path):
+    """The real run and the dry run refuse `rollout` on data without routed_experts, in the same
+    one line, before any work."""
+    from conftest import forked
+
+    common = ("--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path), "--moe.routing_replay")
+    codes, _, real = forked(1, "titan_fold.train", *common, "rollout")
+    (dry_code,), _, dry = forked(
+        0, "titan_fold.train", *common, "rollout", "--comm.mode", "fake_backend", env={"NGPU": "2"}
+    )
+    lines = [[line for line in err.splitlines() if line.startswith("error: ")] for err in (real, dry)]
+    assert codes == [2] and dry_code == 2, (codes, dry_code)
+    want = "error: moe.routing_replay = 'rollout' with training.dataset_format = 'text'"
+    assert lines[0] == lines[1] and len(lines[0]) == 1 and lines[0][0].startswith(want), lines
