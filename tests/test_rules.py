@@ -95,10 +95,6 @@ CASES = [
         {"moe.routing_replay": "recorded", **OVERLAP, "activation_checkpoint.mode": "none"},
         "moe.routing_replay = 'recorded' with moe.overlap_ep_comm = true",
     ),
-    (
-        {"moe.routing_replay": "recorded", "parallelism.pipeline_parallel_degree": 2},
-        "moe.routing_replay = 'recorded' with parallelism.pipeline_parallel_degree = 2",
-    ),
     ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
 ]
 

@@ -291,12 +291,6 @@ RULES = (
         )
     ),
     Rule(
-        lambda c: c.moe.routing_replay == "recorded" and c.parallelism.pipeline_parallel_degree > 1,
-        "moe.routing_replay = 'recorded' with parallelism.pipeline_parallel_degree = "
-        "{parallelism.pipeline_parallel_degree}: the no-grad record pass does not run through the pipeline "
-        "schedule; replay the engine's ids ('rollout') or choose one",
-    ),
-    Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,
         "checkpoint.initial_load_path = {checkpoint.initial_load_path!r} needs checkpoint.enable "
         "(without it nothing would be loaded and training would start from random weights)",

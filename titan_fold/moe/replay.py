@@ -71,8 +71,9 @@ class Recording:
 
 @contextlib.contextmanager
 def record_routing(model_parts, tokens: torch.Tensor):
-    """Record the experts each MoE layer of model_parts chooses in the one forward run inside the
-    block, on tokens [b, s] (the forward's input), without gradient and in eager mode (the layers
+    """Record the experts each MoE layer of model_parts chooses in the forward run inside the block
+    (one forward, or a pipeline schedule's forward-only pass over the micro-batches), on tokens
+    [b, s] (the forward's input), without gradient and in eager mode (the layers
     append their choice to a list, which a compiled graph would break on): the R2 record pass.
     Nothing is counted in the layers' statistics or expert load."""
     layers = moe_layers(model_parts)
@@ -89,15 +90,17 @@ def record_routing(model_parts, tokens: torch.Tensor):
 
 
 def _assemble(layers: list[MoE], tokens: torch.Tensor) -> RecordedRouting:
+    """Each layer's calls, one per micro-batch in order (a pipeline schedule's, or one forward), put
+    back together along the batch: -> routed_experts [b, s', n_moe_layers, k]."""
     calls = [len(moe.recorded or []) for moe in layers]
-    if not layers or any(n != 1 for n in calls):
-        raise ValueError(f"record_routing: one forward per recording; the MoE layers ran {calls} times")
-    first = layers[0].recorded[0]  # type: ignore[index]
-    b, s, k = first.shape
+    if not layers or len(set(calls)) != 1 or calls[0] == 0:
+        raise ValueError(f"record_routing: every MoE layer must run as often; they ran {calls} times")
+    per_layer = [torch.cat(moe.recorded or [], 0) for moe in layers]  # [b, s', k] each
+    b, s, k = per_layer[0].shape
     # the layers this rank does not hold: valid, distinct ids, never read
-    routed = torch.arange(k, device=first.device).expand(b, s, layers[0].n_moe_layers, k).clone()
-    for moe in layers:
-        routed[:, :, moe.moe_index] = moe.recorded[0]  # type: ignore[index]
+    routed = torch.arange(k, device=per_layer[0].device).expand(b, s, layers[0].n_moe_layers, k).clone()
+    for moe, ids in zip(layers, per_layer, strict=True):
+        routed[:, :, moe.moe_index] = ids
     return RecordedRouting(routed, tokens.detach().clone())
 
 
