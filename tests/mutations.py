@@ -736,6 +736,44 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            rows.append(lp[:, 1:].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())  # [b, s - 1]\n",
         ("tests/test_api.py::test_api_at_one_rank",),
     ),
+    Mutation(
+        "replay_ids_one_layer_off",
+        "routing replay: each MoE layer reads the ids of the layer before it",
+        "titan_fold/models/transformer.py",
+        "routed_experts[:, :, self.moe.moe_index]",
+        "routed_experts[:, :, self.moe.moe_index - 1]",
+        (
+            "tests/test_routing_replay.py::test_replaying_the_routers_choice_equals_off[softmax_aux_loss]",
+            "tests/test_routing_replay.py::test_replaying_the_routers_choice_equals_off[sigmoid_norm_scaled_aux_free]",
+        ),
+    ),
+    Mutation(
+        "replay_ids_not_split_under_cp",
+        "routing replay under cp: the ids of the first s / cp tokens, not of the rank's two chunks",
+        "titan_fold/moe/replay.py",
+        "        routed = routed.index_select(1, cp_index)\n",
+        "        routed = routed[:, : cp_index.numel()]\n",
+        ("tests/test_routing_replay.py::test_the_trainer_splits_the_ids_as_the_tokens[causal]",),
+    ),
+    Mutation(
+        "replay_recompute_reroutes",
+        "routing replay under activation checkpointing: the recompute routes by the router's choice",
+        "titan_fold/models/transformer.py",
+        "        replayed = None if routed_experts is None else",
+        "        replayed = None if routed_experts is None or torch._C._current_graph_task_id() != -1 else",
+        ("tests/test_routing_replay.py::test_recompute_replays_the_same_experts",),
+    ),
+    Mutation(
+        "replay_combine_weights_of_own_choice",
+        "routing replay: the combine weights are the scores at the router's own choice",
+        "titan_fold/moe/router.py",
+        "        experts = replayed\n    probs = scores.gather(-1, experts)  # [T, k]\n",
+        "        own, experts = experts, replayed\n    probs = scores.gather(-1, own if replayed is not None else experts)\n",
+        (
+            "tests/test_routing_replay.py::test_replayed_layer_against_float64_reference[softmax_aux_loss]",
+            "tests/test_routing_replay.py::test_replayed_layer_against_float64_reference[sigmoid_norm_scaled_aux_free]",
+        ),
+    ),
 )
 
 

@@ -286,6 +286,14 @@ REACHES: dict[str, Reach] = {
         2,
         base=EP2,
     ),
+    "moe.routing_replay": Reach(
+        "'recorded' replays the routing the current weights choose, so one step's forward is the same; "
+        "'rollout' replays the data's routed_experts (tests/test_routing_replay.py)",
+        ("--moe.routing_replay", "recorded"),
+        lambda c, m: first_moe(m).args.routing_replay,
+        "recorded",
+        same_forward=True,
+    ),
     "moe.stash_rows": Reach(
         "the static exchange's saved activations in one pool: memory (tests/test_static_exchange.py)",
         ("--moe.stash_rows", "4096"),

@@ -96,6 +96,15 @@ CASES = [
         },
         "training.objective = 'policy' with mtp.num_layers = 1",
     ),
+    ({"moe.routing_replay": "rollout"}, "moe.routing_replay = 'rollout' with training.dataset_format = 'text'"),
+    (
+        {"moe.routing_replay": "recorded", "mtp.num_layers": 1},
+        "moe.routing_replay = 'recorded' with mtp.num_layers = 1",
+    ),
+    (
+        {"moe.routing_replay": "recorded", **OVERLAP, "activation_checkpoint.mode": "none"},
+        "moe.routing_replay = 'recorded' with moe.overlap_ep_comm = true",
+    ),
     ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
 ]
 

@@ -77,3 +77,11 @@ class MoE:
     layers in flight. A step that needs more stops before its optimizer step with one line; 0 = off.
     Not with activation checkpointing nor compile.cudagraphs; under torch.compile the experts run in
     eager mode between the layer's graphs (the stash hooks autograd's saved tensors)."""
+    routing_replay: Literal["off", "rollout", "recorded"] = "off"
+    """Routing replay for RL (docs/routing_replay.md): "off", the router chooses the experts;
+    "rollout" (R3), each MoE layer takes the experts the inference engine chose, the batch's
+    routed_experts (training.dataset_format = "rollouts"); "recorded" (R2), a no-grad forward of the
+    current weights over the micro-batch records the routing and the training forward (and its
+    recompute) replays it. The router still computes its scores: the combine weights are the scores
+    at the replayed experts, normalised and scaled as configured, and the balance statistics, aux
+    losses, aux-free bias and metrics.expert_load count the replayed experts."""

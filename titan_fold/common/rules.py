@@ -19,6 +19,11 @@ class Rule(NamedTuple):
     message: str
 
 
+def _replayed_with(key: str, off: object) -> Callable[[Any], bool]:
+    """Broken when routing replay is on and `key` is not `off`."""
+    return lambda c: c.moe.routing_replay != "off" and _value(c, key) != off
+
+
 def _muon(c) -> bool:
     return c.optimizer.name == "Muon"
 
@@ -280,6 +285,21 @@ RULES = (
         lambda c: c.training.objective == "policy" and c.mtp.num_layers > 0,
         "training.objective = 'policy' with mtp.num_layers = {mtp.num_layers}: the MTP layers' loss is a "
         "language-model loss, not the policy's; choose one",
+    ),
+    Rule(
+        lambda c: c.moe.routing_replay == "rollout" and c.training.dataset_format != "rollouts",
+        "moe.routing_replay = 'rollout' with training.dataset_format = '{training.dataset_format}': only "
+        "rollout files carry the inference engine's routed_experts; set training.dataset_format = 'rollouts'",
+    ),
+    *(
+        Rule(
+            _replayed_with(key, off),
+            f"moe.routing_replay = '{{moe.routing_replay}}' with {key} = {value}: {why}; choose one",
+        )
+        for key, off, value, why in (
+            ("mtp.num_layers", 0, "{mtp.num_layers}", "no engine returns the MTP layers' routing"),
+            ("moe.overlap_ep_comm", False, "true", "the overlapped pieces do not carry the replayed experts"),
+        )
     ),
     Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,

@@ -76,6 +76,10 @@ class TransformerArgs(BaseModelArgs):
             layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0 and layer_id not in self.dense_layers
         )
 
+    def n_moe_layers(self) -> int:
+        """The model's MoE layers (routing replay's routed_experts has one column per layer, in order)."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
     def update_from_config(self, job_config, **kwargs) -> None:
         """Take the job's sequence length and every `[moe]` value the user set (not None).
 

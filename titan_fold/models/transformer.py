@@ -94,16 +94,28 @@ class TransformerBlock(nn.Module):
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args.dim, args.moe)
+            # this layer's place among the model's MoE layers (routed_experts' layer dim): counted
+            # over the whole model, so a pipeline stage's layers read their own columns
+            self.moe.moe_index = sum(args.is_moe_layer(i) for i in range(layer_id))
+            self.moe.n_moe_layers = args.n_moe_layers()
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: DocumentMask | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """routed_experts [b, s', n_moe_layers, k]: the experts to replay (Transformer.forward)."""
         # mask as a keyword: the tp plan lays out the positional inputs only
         h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        if not self.moe_enabled:
+            return h + self.feed_forward(self.ffn_norm(h))
+        replayed = None if routed_experts is None else routed_experts[:, :, self.moe.moe_index]  # [b, s', k]
+        return h + self.moe(self.ffn_norm(h), routed_experts=replayed)
 
     def init_weights(self, init_std: float):
         # Depth-scaled output projections: every block adds to the residual stream, so the
@@ -182,6 +194,7 @@ class Transformer(ModelProtocol):
         positions: torch.Tensor | None = None,
         future_tokens: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] int64 (or hidden states [b, s, dim] on a later pipeline stage).
 
@@ -194,6 +207,10 @@ class Transformer(ModelProtocol):
         document_ids: [b, s] int64, the packed document of each token (training.document_masking):
         attention stays within a document and positions restart at each one (models/documents.py).
         Under cp [b, cp * s]: every cp rank's tokens, rank after rank (parallel/cp_documents.py).
+        routed_experts: [b, s', n_moe_layers, k] int64, the experts each MoE layer takes instead of
+        its router's choice (routing replay, moe/replay.py), n_moe_layers counting the whole model's
+        MoE layers in order; s' the tokens an MoE layer holds (s, or s / tp under sequence parallelism:
+        the trainer splits them as the layers' inputs are, moe/replay.py: shard_routed_experts).
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
         h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # [b, s, dim]
@@ -204,7 +221,7 @@ class Transformer(ModelProtocol):
             positions, mask = document_attention(document_ids, positions, *self.query_part)
         cos, sin = self.rope(h.shape[1], positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask) if routed_experts is None else layer(h, cos, sin, mask, routed_experts)
         out = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return out

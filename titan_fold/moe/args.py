@@ -63,6 +63,9 @@ class MoEArgs:
     stash_rows: int = 0
     # every ep rank runs copies of the call's this many busiest experts (moe/replicas.py); 0 = off
     hot_expert_replicas: int = 0
+    # routing replay (moe/replay.py): "off" the router chooses; "rollout" (R3) and "recorded" (R2)
+    # the layer takes the expert ids it is given, the combine weights the scores at those ids
+    routing_replay: Literal["off", "rollout", "recorded"] = "off"
 
     def routing_problem(self) -> str | None:
         """Why the group-limited routing settings cannot route, naming the `[moe]` key; None if they can."""

@@ -57,11 +57,25 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         # routed assignments per expert since the trainer last read them (metrics.expert_load)
         self.register_buffer("load", torch.zeros(args.num_experts), persistent=False)
+        # routing replay: (routings whose replayed experts differ from the router's own choice,
+        # routings) since the last moe_stats()
+        self.register_buffer("replay_changed", torch.zeros(2), persistent=False)
+        # routing replay's record pass (moe/replay.py: record_routing): the chosen experts of each
+        # call [T, k] are appended here; None = not recording
+        self.recorded: list[torch.Tensor] | None = None
+        # the layer's place among its model's MoE layers, and their number (routed_experts' layer
+        # dim); set by the model's block
+        self.moe_index, self.n_moe_layers = 0, 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, dim] this rank's tokens; routed_experts [b, s, k] int64: the experts to replay
+        for them (moe.routing_replay), None = the router's choice."""
         b, s, dim = x.shape
         tokens = x.reshape(b * s, dim)  # [T, dim]
-        routing = self.router(tokens, s, self.aux_loss_scale, self.seq_mesh)
+        replayed = None if routed_experts is None else routed_experts.reshape(b * s, -1).contiguous()  # [T, k]
+        routing = self.router(tokens, s, self.aux_loss_scale, self.seq_mesh, replayed)
+        if self.recorded is not None:
+            self.recorded.append(routing.experts.detach().view(b, s, -1))
         shared_y = overlap = None
         if self.shared_expert is not None and self.args.shared_expert_overlap:
             # run while the routed tokens are exchanged (Megatron-Core's shared-expert overlap)
@@ -89,7 +103,11 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, routing, keep):
+        if self.recorded is not None:
+            return  # routing replay's record pass: not a training forward, counted nowhere
         # device-side accumulation: no host sync inside forward
+        if routing.changed is not None:
+            self.replay_changed.add_(routing.changed)
         self.stats.add_(routing.record)
         self.load.add_(routing.tokens_per_expert)
         if keep is not None:
@@ -110,6 +128,7 @@ class MoE(nn.Module):
         self.stats.zero_()
         self.tokens_per_expert.zero_()
         self.load.zero_()
+        self.replay_changed.zero_()
 
 
 def moe_layers(model_parts) -> list[MoE]:
@@ -129,29 +148,32 @@ def moe_stashes(model_parts) -> list:
 @torch.no_grad()
 def moe_stats_values(model_parts) -> torch.Tensor | None:
     """The MoE layers' statistics since the last call, then reset, as one tensor on their device
-    (no host sync): [4] = the means of (aux loss, dropped share, load imbalance) over the layers
-    that ran, each layer's over its calls, and the number of layers that ran. None without MoE
-    layers."""
+    (no host sync): [6] = the means of (aux loss, dropped share, load imbalance) over the layers
+    that ran, each layer's over its calls, the number of layers that ran, and the (token, layer)
+    routings routing replay changed and replayed. None without MoE layers."""
     layers = moe_layers(model_parts)
     if not layers:
         return None
     stats = torch.stack([module.stats for module in layers])  # [layers, 4]: three sums and the calls
+    replay = torch.stack([module.replay_changed for module in layers]).sum(0)  # [2]
     for module in layers:
         module.stats.zero_()
+        module.replay_changed.zero_()
     calls = stats[:, 3]
     ran = (calls > 0).to(stats.dtype)
     per_layer = stats[:, :3] / calls.clamp(min=1)[:, None]
-    return torch.cat([(per_layer * ran[:, None]).sum(0) / ran.sum().clamp(min=1), ran.sum()[None]])
+    return torch.cat([(per_layer * ran[:, None]).sum(0) / ran.sum().clamp(min=1), ran.sum()[None], replay])
 
 
 def moe_stats_from(values: torch.Tensor | None) -> dict:
     """moe_stats_values' tensor read on the host: {} where no layer ran."""
     if values is None:
         return {}
-    aux, dropped, imbalance, layers_ran = values.tolist()
+    aux, dropped, imbalance, layers_ran, changed, replayed = values.tolist()
     if not layers_ran:
         return {}
-    return {"moe_aux_loss": aux, "dropped_token_frac": dropped, "expert_load_imbalance": imbalance}
+    replay = {"routing_replay_changed": changed / replayed} if replayed else {}
+    return {"moe_aux_loss": aux, "dropped_token_frac": dropped, "expert_load_imbalance": imbalance, **replay}
 
 
 def moe_stats(model_parts) -> dict:

@@ -27,6 +27,9 @@ class Routing:
     # [4] float32, detached: this call's addition to MoE.stats (balance loss, dropped share 0 (a
     # token-drop dispatcher adds its own), load imbalance max / mean of tokens_per_expert, 1 call)
     record: torch.Tensor
+    # [2] float32, detached, under routing replay: (routings whose replayed experts are not the
+    # router's own top-k set, routings); None without replay
+    changed: torch.Tensor | None = None
 
 
 def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -34,12 +37,22 @@ def _group_sum(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     return t if mesh is None else funcol.all_reduce(t, "sum", mesh)
 
 
-def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: MoEArgs):
+def route(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor,
+    num_seqs: int,
+    args: MoEArgs,
+    replayed: torch.Tensor | None = None,
+):
     """The router's per-token work as one function (compiled on a GPU, the scores and the choice
     one generated kernel, with groups a few; the statistics' reductions over sequences and
     experts several small ones: bench/routing.py counts them): logits [T, E] (float32 or wider)
-    -> (probs [T, k], experts [T, k], score_sums [b, E], counts [b, E], z [] or None), b =
-    num_seqs sequences of T / b tokens each.
+    -> (probs [T, k], experts [T, k], score_sums [b, E], counts [b, E], z [] or None, changed [2]
+    or None), b = num_seqs sequences of T / b tokens each.
+
+    replayed [T, k] int64 (routing replay, moe/replay.py): the experts are these instead of the
+    router's choice, and everything after the choice (combine weights, counts) reads them;
+    changed = (tokens whose replayed set is not the router's own top-k set, tokens).
 
     scores: softmax or sigmoid; the choice adds the aux-free bias (never the combine weights)
     and, with args.num_groups > 1, keeps the experts of the args.group_topk best groups only;
@@ -53,6 +66,11 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     if args.num_groups > 1:
         choice = limit_to_groups(choice, args.num_groups, args.group_topk)
     experts = top_k_indices(choice, k)  # [T, k]
+    changed = None
+    if replayed is not None:
+        differs = (experts.sort(-1).values != replayed.sort(-1).values).any(-1)  # [T]
+        changed = torch.stack([differs.sum(), torch.tensor(differs.numel(), device=differs.device)]).float()
+        experts = replayed
     probs = scores.gather(-1, experts)  # [T, k]
     if args.norm_topk_prob:
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -65,7 +83,7 @@ def route(logits: torch.Tensor, expert_bias: torch.Tensor, num_seqs: int, args: 
     counts = torch.zeros(num_seqs, E, dtype=scores.dtype, device=scores.device)
     counts = counts.scatter_add(1, per_seq, torch.ones_like(per_seq, dtype=scores.dtype))  # [b, E]
     z = torch.logsumexp(logits, dim=-1).square().sum() if args.z_loss_coeff > 0 else None
-    return probs, experts, score_sums, counts, z
+    return probs, experts, score_sums, counts, z, changed
 
 
 def top_k_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
@@ -114,12 +132,19 @@ def losses(
 
 
 def route_whole(
-    logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs, loss_scale: torch.Tensor | float
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor,
+    seq_len: int,
+    args: MoEArgs,
+    loss_scale: torch.Tensor | float,
+    replayed: torch.Tensor | None = None,
 ):
     """route() and losses() of a rank that holds its sequences whole (no seq_mesh): the Routing
     fields from the logits, one function to compile."""
-    probs, experts, score_sums, counts, z = route(logits, expert_bias, logits.shape[0] // seq_len, args)
-    return probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, None)
+    probs, experts, score_sums, counts, z, changed = route(
+        logits, expert_bias, logits.shape[0] // seq_len, args, replayed
+    )
+    return probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, None), changed
 
 
 _COMPILED: dict = {}
@@ -198,24 +223,35 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
 
     def forward(
-        self, x: torch.Tensor, seq_len: int, loss_scale: torch.Tensor | float = 1.0, seq_mesh: DeviceMesh | None = None
+        self,
+        x: torch.Tensor,
+        seq_len: int,
+        loss_scale: torch.Tensor | float = 1.0,
+        seq_mesh: DeviceMesh | None = None,
+        replayed: torch.Tensor | None = None,
     ) -> Routing:
         """x [T, dim] with T = b * seq_len tokens, sequences contiguous. seq_mesh: the ranks
         holding the other parts of these sequences (attention cp x tp, the dispatcher's):
-        the balance and z losses are computed over all of them."""
+        the balance and z losses are computed over all of them. replayed [T, k] int64: the
+        experts to take (routing replay), the combine weights the scores at them."""
         args = self.args
         logits = self.gate(x)  # [T, E]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if seq_mesh is None:
             # on a GPU in eager mode two Triton kernels forward, one backward; else route_whole,
-            # compiled on a GPU
-            whole = fused_route_whole if fused_supported(logits, seq_len) else _compiled_on(x.device, route_whole)
-            return Routing(*whole(logits, self.expert_bias, seq_len, args, loss_scale))
+            # compiled on a GPU. Replayed experts take route_whole: the kernels choose their own.
+            if replayed is None and fused_supported(logits, seq_len):
+                return Routing(*fused_route_whole(logits, self.expert_bias, seq_len, args, loss_scale))
+            whole = _compiled_on(x.device, route_whole)
+            return Routing(*whole(logits, self.expert_bias, seq_len, args, loss_scale, replayed))
         # the statistics' all-reduce over seq_mesh runs between the choice and the losses
-        probs, experts, score_sums, counts, z = _compiled_on(x.device, route)(
-            logits, self.expert_bias, x.shape[0] // seq_len, args
+        probs, experts, score_sums, counts, z, changed = _compiled_on(x.device, route)(
+            logits, self.expert_bias, x.shape[0] // seq_len, args, replayed
         )
-        return Routing(probs, experts, *losses(score_sums, counts, z, seq_len, args, loss_scale, seq_mesh))
+        loss, balance_loss, tokens_per_expert, record = losses(
+            score_sums, counts, z, seq_len, args, loss_scale, seq_mesh
+        )
+        return Routing(probs, experts, loss, balance_loss, tokens_per_expert, record, changed)
 
     def init_weights(self, init_std: float):
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)

@@ -173,8 +173,9 @@ def fused_route_whole(
     logits: torch.Tensor, expert_bias: torch.Tensor, seq_len: int, args: MoEArgs, loss_scale: torch.Tensor | float
 ):
     """route_whole (moe/router.py) of float32 logits [T, E] as Triton kernels: (probs [T, k],
-    experts [T, k], loss, balance_loss, tokens_per_expert [E], record [4]); only where supported()."""
-    return _FusedRoute.apply(logits, expert_bias, loss_scale, seq_len, args)
+    experts [T, k], loss, balance_loss, tokens_per_expert [E], record [4], changed None); only where
+    supported(). The kernels make their own choice: routing replay takes route_whole (Router.forward)."""
+    return (*_FusedRoute.apply(logits, expert_bias, loss_scale, seq_len, args), None)
 
 
 if triton is not None:

@@ -39,8 +39,10 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.errors import UserError
 from titan_fold.common.tensors import local
 from titan_fold.moe import moe_layers
+from titan_fold.moe.replay import ROUTED_EXPERTS, record_routing, replay_routing
 from titan_fold.parallel.mesh import Layout, LayoutError
 from titan_fold.parallel.overlap import overlapped_pipeline
 from titan_fold.parallel.parallelize import fsdp_compute_dtype
@@ -282,9 +284,29 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
     schedule.token_loss.scale = 1.0 / global_valid_tokens
     last = trainer.pp_has_last_stage
     losses: list | None = [] if last else None
+    tokens = inputs
     with trainer.train_context(), trainer.maybe_enable_amp:
         inputs = (inputs,) if trainer.pp_has_first_stage else ()
         extra = extra_inputs if trainer.pp_has_first_stage else {}
+        if trainer.model_args.moe.routing_replay == "recorded":
+            # R2: the schedule's forward-only pass records each stage's layers' routing, which
+            # the training pass replays
+            if not hasattr(schedule, "eval"):
+                raise UserError(
+                    "moe.routing_replay = 'recorded' with parallelism.pipeline_parallel_degree > 1: this "
+                    "torch's pipeline schedules have no forward-only eval(); replay 'rollout' ids or choose one"
+                )
+            with record_routing(trainer.model_parts, tokens) as recording:
+                schedule.eval(
+                    *inputs,
+                    **extra,
+                    **extra_kwargs,
+                    **{AUX_SCALE_KWARG: aux_scale},
+                    target=labels if last else None,
+                    losses=[] if last else None,
+                )
+            assert recording.recorded is not None  # set as the block exits
+            extra_kwargs[ROUTED_EXPERTS] = replay_routing(recording.recorded, tokens)
         schedule.step(
             *inputs,
             **extra,

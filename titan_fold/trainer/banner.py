@@ -48,6 +48,15 @@ def banner(
                 if copies
                 else []
             ),
+            *(
+                [
+                    f"  routing replay (moe.routing_replay = '{replay}'): the MoE layers take the "
+                    + ("data's routed_experts" if replay == "rollout" else "routing a no-grad pass recorded")
+                    + "; the router runs its torch path, not the fused Triton kernels, which choose their own"
+                ]
+                if (replay := model_args.moe.routing_replay) != "off"
+                else []
+            ),
             f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
             f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
             *([f"  optimizer updates (rank 0): {optimizer_split}"] if optimizer_split else []),

@@ -213,12 +213,12 @@ class FoldMetricsProcessor(MetricsProcessor):
         parts = self.model_parts or []
         n_moe = float(len(moe_layers(parts)))
         stats = {**moe_stats_from(moe_values), **mtp_stats_from(mtp_values)}
-        keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance", "mtp_loss")
+        keys = ("moe_aux_loss", "dropped_token_frac", "expert_load_imbalance", "mtp_loss", "routing_replay_changed")
         values = torch.tensor([float(stats.get(k, float("nan"))) for k in keys], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # mean over the ranks that hold MoE layers (NaN marks a rank without any, e.g. a PP
             # stage), each rank's layer mean weighted by its number of layers: the mean over layers
-            weights = torch.tensor([n_moe] * 3 + [1.0], dtype=torch.float64)
+            weights = torch.tensor([n_moe] * 3 + [1.0, n_moe], dtype=torch.float64)
             have = (~values.isnan()).to(torch.float64) * weights
             both = torch.cat([values.nan_to_num(0.0) * have, have]).to(_comm_device())
             dist.all_reduce(both)
@@ -324,6 +324,7 @@ class FoldMetricsProcessor(MetricsProcessor):
             f"imbalance {r['expert_load_imbalance']:.2f}" if r["expert_load_imbalance"] is not None else "",
             f"mtp {r['mtp_loss']:.4f}" if r["mtp_loss"] is not None else "",
             _policy_text(r),
+            f"replay changed {r['routing_replay_changed']:.3f}" if r["routing_replay_changed"] is not None else "",
             phases_text(r["phases"]) if r.get("phases") else "",
             f"{c.white}elapsed {_hms(now - self.time_start)}  eta {_hms(self._eta(step, now))}{c.reset}",
         ]

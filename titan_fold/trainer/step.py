@@ -17,12 +17,20 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.saves import maybe_fault
+from titan_fold.common.errors import UserError
 from titan_fold.common.tensors import model_fqn, to_device
 from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY, ROUTED_EXPERTS_KEY
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
 from titan_fold.moe import moe_layers
+from titan_fold.moe.replay import (
+    ROUTED_EXPERTS,
+    record_routing,
+    replay_routing,
+    routing_problem,
+    shard_routed_experts,
+)
 from titan_fold.moe.wgrad import flush_wgrad
 from titan_fold.parallel.attention import cp_shard
 from titan_fold.parallel.clip import clip_grad_norm_, divides_by_grad_scale, group_norm_values, group_norms
@@ -71,22 +79,30 @@ class TrainStep:
         inputs = input_dict["input"]
         extra_inputs = {k: v for k, v in input_dict.items() if k not in NOT_MODEL_INPUTS}
         extra_kwargs = {}
+        routed = self._routed_experts(input_dict)
         if "document_ids" in input_dict:  # every pipeline stage masks attention by document
             extra_kwargs["document_ids"] = input_dict["document_ids"]
         layout = self.parallel_dims
         future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
         labels = self.loss_target(input_dict, labels)
+        cp_index = None  # the cp rank's token indices, for routed_experts
         if CP_ORDER in input_dict:  # packed documents: blocks dealt by their work (cp_documents.py)
             inputs, labels, extra_kwargs["document_ids"], extra_kwargs["positions"] = cp_shard_documents(
                 inputs, labels, input_dict["document_ids"], input_dict[CP_ORDER], layout.attention["cp"]
             )
+            n, cp_rank = inputs.shape[1], layout.attention["cp"].get_local_rank()
+            cp_index = input_dict[CP_ORDER][:, cp_rank * n : (cp_rank + 1) * n]
         elif layout.cp > 1:
             # load-balanced causal split; the model needs the global positions for RoPE
             inputs, labels, extra_kwargs["positions"] = cp_shard(inputs, labels, layout.attention["cp"])
+            cp_index = extra_kwargs["positions"]
             if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
                 future = future.index_select(1, extra_kwargs["positions"])
         if future is not None:
             extra_kwargs["future_tokens"] = future
+        if routed is not None:  # a kwarg: every pipeline stage's MoE layers read their own columns
+            tp_rank = layout.attention["tp"].get_local_rank() if layout.tp > 1 else 0
+            extra_kwargs[ROUTED_EXPERTS] = shard_routed_experts(routed, cp_index, layout.tp, tp_rank)
         return inputs, labels, extra_inputs, extra_kwargs
 
     def loss_target(self, input_dict, labels):
@@ -96,6 +112,24 @@ class TrainStep:
         if not isinstance(self.loss_fn, PolicyLoss):
             return labels
         return policy_target(labels, input_dict[LOGPROBS_KEY], input_dict[ADVANTAGES_KEY])
+
+    def _routed_experts(self, input_dict) -> torch.Tensor | None:
+        """The batch's routed_experts under moe.routing_replay = "rollout", checked against the batch
+        and the model; None in the other modes (a batch's ids are then not used)."""
+        if self.model_args.moe.routing_replay != "rollout":
+            return None
+        if ROUTED_EXPERTS not in input_dict:
+            raise UserError(
+                "moe.routing_replay = 'rollout': this batch has no routed_experts (its rollout records "
+                "carry none); add them to the records or set moe.routing_replay = 'recorded' or 'off'"
+            )
+        routed = input_dict[ROUTED_EXPERTS]
+        problem = routing_problem(
+            routed, input_dict["input"], self.model_args.n_moe_layers(), self.model_args.moe.top_k
+        )
+        if problem:
+            raise UserError(f"moe.routing_replay = 'rollout': {problem}")
+        return routed
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.phases is not None:
@@ -139,6 +173,14 @@ class TrainStep:
         """The one model part's forward and backward: the loss summed over this micro-batch's
         tokens and divided by the step's (global_valid_tokens) -> that loss."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
+        if self.model_args.moe.routing_replay == "recorded":
+            # R2: a no-grad forward of the current weights records the routing the training
+            # forward (and its recompute) replays
+            with record_routing(self.model_parts, inputs) as recording, self.train_context():
+                with self.maybe_enable_amp:
+                    self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+            assert recording.recorded is not None  # set as the block exits
+            extra_kwargs[ROUTED_EXPERTS] = replay_routing(recording.recorded, inputs)
         with self.train_context():  # loss parallel under tp: the backward too
             with self.maybe_enable_amp:
                 pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
