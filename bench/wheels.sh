@@ -5,7 +5,7 @@
 #
 # The GPU image (python 3.12, torch 2.11) lacks the trainer's torchtitan 0.2.2, tyro, torchdata
 # and datasets (and their few missing dependencies) and the optional QuACK kernels
-# (`moe.grouped_gemm = "quack"`). One of QuACK's wheels, nvidia-cutlass-dsl-libs-cu13, is 92 MB,
+# (`moe.grouped_gemm = "quack"`), and fla-core (Gated DeltaNet on CUDA). One of QuACK's wheels, nvidia-cutlass-dsl-libs-cu13, is 92 MB,
 # over what one device call carries (64 MiB with the repository): it is unpacked, repacked as an
 # xz archive (61 MiB) and split in two, the first 40 MiB in .whl_big/, carried alone in a first
 # call that only copies it to /tmp, the rest with .whl/ in the next call (while the machine is
@@ -45,6 +45,8 @@ download torchtitan==0.2.2 tyro docstring-parser typeguard shtab tomli torchdata
 download quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
   nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 \
   torch-c-dlpack-ext==0.1.5
+# Gated DeltaNet's kernels (the gdn extra)
+download fla-core==0.6.0
 big=$(ls .whl/nvidia_cutlass_dsl_libs_cu13-*.whl)
 tmp=$(mktemp -d)
 python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$big" "$tmp"
