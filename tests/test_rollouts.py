@@ -87,9 +87,9 @@ def test_fields_follow_their_tokens_through_packing(tmp_path):
             routed = np.frombuffer(base64.b64decode(routed), "<i2").reshape(n, 4, 2).tolist()
         assert x[ROUTED_EXPERTS_KEY][span].tolist() == routed  # the routing of each input token
         start += n
-    # padding: no labels, the distinct ids 0..top_k-1 everywhere
+    # padding: no labels, no replayed routing (-1: the router's own choice)
     assert (labels[start:] == IGNORE_INDEX).all()
-    assert (x[ROUTED_EXPERTS_KEY][start:] == torch.tensor([0, 1])).all()
+    assert (x[ROUTED_EXPERTS_KEY][start:] == -1).all()
     assert x[ROUTED_EXPERTS_KEY].dtype == torch.int64 and x[ROUTED_EXPERTS_KEY].shape == (256, 4, 2)
 
 

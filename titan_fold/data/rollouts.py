@@ -223,14 +223,15 @@ LOGPROBS_KEY, ADVANTAGES_KEY, ROUTED_EXPERTS_KEY = "behaviour_logprobs", "advant
 
 def rollout_fields(documents: list[RolloutDocument], shape: RoutingShape) -> tuple[tuple[TokenField, ...], list[dict]]:
     """The token fields (packing.TokenField) of the documents and their arrays, for PackedDocuments:
-    padding has log-probability and advantage 0 and the distinct valid ids 0..top_k-1."""
+    padding has log-probability and advantage 0 and routed_experts -1 (no replayed routing: the
+    router's own choice)."""
     fields = [
         TokenField(LOGPROBS_KEY, 1, np.zeros((), np.float32)),
         TokenField(ADVANTAGES_KEY, 1, np.zeros((), np.float32)),
     ]
     if documents[0].routed_experts is not None:
-        pad = np.broadcast_to(np.arange(shape.top_k, dtype=np.int64), (shape.moe_layers, shape.top_k))
-        fields.append(TokenField(ROUTED_EXPERTS_KEY, 0, np.ascontiguousarray(pad)))
+        pad = np.full((shape.moe_layers, shape.top_k), -1, dtype=np.int64)
+        fields.append(TokenField(ROUTED_EXPERTS_KEY, 0, pad))
     arrays = [
         {
             LOGPROBS_KEY: d.logprobs,

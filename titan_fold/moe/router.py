@@ -68,9 +68,11 @@ def route(
     experts = top_k_indices(choice, k)  # [T, k]
     changed = None
     if replayed is not None:
-        differs = (experts.sort(-1).values != replayed.sort(-1).values).any(-1)  # [T]
-        changed = torch.stack([differs.sum(), torch.tensor(differs.numel(), device=differs.device)]).float()
-        experts = replayed
+        # -1: a token without a replayed routing (a batch's padding) keeps the router's own
+        given = replayed[:, :1] >= 0  # [T, 1]
+        differs = (experts.sort(-1).values != replayed.sort(-1).values).any(-1) & given[:, 0]  # [T]
+        changed = torch.stack([differs.sum(), given.sum()]).float()
+        experts = torch.where(given, replayed, experts)
     probs = scores.gather(-1, experts)  # [T, k]
     if args.norm_topk_prob:
         probs = probs / probs.sum(dim=-1, keepdim=True)
