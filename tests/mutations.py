@@ -686,6 +686,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_policy.py::test_objective_matches_float64_reference[1.1]",),
     ),
     Mutation(
+        "api_recorded_routing_ignored",
+        "the API's train_step records its own routing instead of the logprobs pass's (R2)",
+        "titan_fold/api.py",
+        "        if self._recorded is not None and _same_batch(self._recorded[0], packed):",
+        "        if self._recorded is None and _same_batch(self._recorded[0], packed):",
+        ("tests/test_api.py::test_recorded_replay_takes_the_logprobs_pass_routing",),
+    ),
+    Mutation(
         "policy_tis_weight_not_detached",
         "the truncated importance weight differentiated through the trainer's log-probability",
         "titan_fold/trainer/policy.py",
@@ -767,8 +775,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replay_combine_weights_of_own_choice",
         "routing replay: the combine weights are the scores at the router's own choice",
         "titan_fold/moe/router.py",
-        "        experts = replayed\n    probs = scores.gather(-1, experts)  # [T, k]\n",
-        "        own, experts = experts, replayed\n    probs = scores.gather(-1, own if replayed is not None else experts)\n",
+        "        experts = torch.where(given, replayed, experts)\n    probs = scores.gather(-1, experts)  # [T, k]\n",
+        "        own, experts = experts, torch.where(given, replayed, experts)\n"
+        "    probs = scores.gather(-1, own if replayed is not None else experts)\n",
         (
             "tests/test_routing_replay.py::test_replayed_layer_against_float64_reference[softmax_aux_loss]",
             "tests/test_routing_replay.py::test_replayed_layer_against_float64_reference[sigmoid_norm_scaled_aux_free]",

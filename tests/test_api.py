@@ -2,8 +2,9 @@
 checkpoint: logprobs equal the model's own log-softmax at the tokens, each record run alone;
 train_step's loss is the mean negative log-prob of the loss_mask tokens at the weights before the
 step, and the step changes the weights; save then from_config resumes the same weights and step;
-save_hub refuses a non-empty folder and otherwise writes the streamed tensors. The stream under
-foldings: tests/test_stream.py."""
+save_hub refuses a non-empty folder and otherwise writes the streamed tensors; under recorded
+replay (R2) the step after a logprobs pass replays that pass's routing, even after the routers
+changed. The stream under foldings: tests/test_stream.py."""
 
 import json
 import os
@@ -103,3 +104,23 @@ def api_worker(rank: int, port: int, out_dir: str, seed: str) -> None:
 
 def test_api_at_one_rank(seed_checkpoint, tmp_path):
     run_ranks(api_worker, 1, tmp_path, seed_checkpoint)
+
+
+def recorded_worker(rank: int, port: int, out_dir: str, seed: str) -> None:
+    from titan_fold.api import Trainer
+    from titan_fold.moe import moe_layers
+
+    trainer = Trainer.from_config("debug_moe.toml", [*overrides(out_dir, seed), "--moe.routing_replay", "recorded"])
+    trainer.logprobs(RECORDS)  # records each MoE layer's routing
+    with torch.no_grad():
+        for moe in moe_layers(trainer.trainer.model_parts):
+            moe.router.gate.weight.neg_()  # every router now ranks the experts the other way round
+    replayed = trainer.train_step(RECORDS)  # the logprobs pass's routing, not the routers' new choice
+    fresh = trainer.train_step(RECORDS)  # no logprobs pass before it: the step records its own
+    assert replayed["routing_replay_changed"] > 0.5, replayed
+    assert fresh["routing_replay_changed"] == 0, fresh
+    trainer.close()
+
+
+def test_recorded_replay_takes_the_logprobs_pass_routing(seed_checkpoint, tmp_path):
+    run_ranks(recorded_worker, 1, tmp_path, seed_checkpoint)

@@ -23,6 +23,7 @@ local_batch_size x gradient-accumulation rows. The objective is the trainer's lo
 (training.objective); the language-model loss trains on the loss_mask tokens.
 """
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,9 +42,11 @@ from titan_fold.data.dataset import DataError
 from titan_fold.data.packing import PackedDocuments
 from titan_fold.data.rollouts import RoutingShape, check_rollout, rollout_fields
 from titan_fold.moe import moe_layers
+from titan_fold.moe.replay import record_routing
 from titan_fold.trainer.fold_trainer import FoldTrainer, fit_warmup, lock_dump_folder
 from titan_fold.trainer.logs import setup_logging
 from titan_fold.trainer.preflight import preflight
+from titan_fold.trainer.step import RECORDED_EXPERTS
 
 Batch = Sequence[dict[str, Any]]
 
@@ -114,6 +117,26 @@ def _single_process_env() -> None:
     )
 
 
+@contextlib.contextmanager
+def _statistics_kept(model_parts):
+    """The MoE layers' statistics (aux-free counts, expert load) as they were before the block."""
+    saved = [(m, m.stats.clone(), m.load.clone(), m.tokens_per_expert.clone()) for m in moe_layers(model_parts)]
+    try:
+        yield
+    finally:
+        for m, stats, load, tokens in saved:
+            m.stats.copy_(stats)
+            m.load.copy_(load)
+            m.tokens_per_expert.copy_(tokens)
+
+
+def _same_batch(a: Packed, b: Packed) -> bool:
+    """Whether two packed batches hold the same tokens in the same places."""
+    return len(a.microbatches) == len(b.microbatches) and all(
+        torch.equal(x[0]["input"], y[0]["input"]) for x, y in zip(a.microbatches, b.microbatches, strict=True)
+    )
+
+
 class _RLFoldTrainer(FoldTrainer):
     """FoldTrainer whose every step reads its loss and gradient norm back (step_metrics)."""
 
@@ -126,6 +149,7 @@ class Trainer:
 
     def __init__(self, trainer: FoldTrainer, lock):
         self.trainer, self._lock = trainer, lock
+        self._recorded: tuple[Packed, list] | None = None  # the last logprobs pass's batch and routing (R2)
 
     @classmethod
     def from_config(cls, config: str | JobConfig, overrides: Sequence[str] = ()) -> "Trainer":
@@ -169,8 +193,9 @@ class Trainer:
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
         """Per record, log p(tokens[t] | tokens[:t]) under the current weights, [len(tokens)]
         float32 on the CPU; position 0 has no context and holds 0. No gradient, no change to the
-        router's statistics (the aux-free bias counts and the logged expert load). The pass in
-        which routing replay's `recorded` mode records the routing the training forward replays."""
+        router's statistics (the aux-free bias counts and the logged expert load). Under
+        moe.routing_replay = "recorded" (R2) it records each MoE layer's routing, and the next
+        train_step on the same batch replays it, even if the weights changed in between."""
         t = self.trainer
         layout = t.parallel_dims
         if layout.pp > 1 or layout.cp > 1:
@@ -178,22 +203,25 @@ class Trainer:
                 f"logprobs: pipeline_parallel_degree = {layout.pp} and context_parallel_degree = {layout.cp}: both must be 1 for now"
             )
         packed = self.pack(batch)
-        saved = [(m, m.stats.clone(), m.load.clone(), m.tokens_per_expert.clone()) for m in moe_layers(t.model_parts)]
-        rows = []  # [b, s] per micro-batch
-        for input_dict, labels in packed.microbatches:
-            input_dict = {k: v.to(t.device) for k, v in input_dict.items()}
-            inputs, _, extra_inputs, extra_kwargs = t.post_dataloading_process(input_dict, labels.to(t.device))
-            with t.train_context(), t.maybe_enable_amp:
-                logits = t.model_parts[0](inputs, **extra_inputs, **extra_kwargs)  # [b, s, vocab]
-            if isinstance(logits, DTensor):  # loss parallel: the vocabulary split over tp
-                logits = logits.full_tensor()
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            # logits at t predict token t + 1
-            rows.append(lp[:, :-1].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())  # [b, s - 1]
-        for m, stats, load, tokens in saved:
-            m.stats.copy_(stats)
-            m.load.copy_(load)
-            m.tokens_per_expert.copy_(tokens)
+        record = t.model_args.moe.routing_replay == "recorded"
+        rows, recorded = [], []  # [b, s - 1] per micro-batch; its routing under R2
+        with _statistics_kept(t.model_parts):
+            for input_dict, labels in packed.microbatches:
+                input_dict = {k: v.to(t.device) for k, v in input_dict.items()}
+                inputs, _, extra_inputs, extra_kwargs = t.post_dataloading_process(input_dict, labels.to(t.device))
+                with contextlib.ExitStack() as stack:
+                    recording = stack.enter_context(record_routing(t.model_parts, inputs)) if record else None
+                    stack.enter_context(t.train_context())
+                    stack.enter_context(t.maybe_enable_amp)
+                    logits = t.model_parts[0](inputs, **extra_inputs, **extra_kwargs)  # [b, s, vocab]
+                if recording is not None:
+                    recorded.append(recording.recorded)
+                if isinstance(logits, DTensor):  # loss parallel: the vocabulary split over tp
+                    logits = logits.full_tensor()
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                # logits at t predict token t + 1
+                rows.append(lp[:, :-1].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())
+        self._recorded = (packed, recorded) if record else None
         out = []
         for mb, row, start, n in packed.places:
             lp = torch.zeros(n)
@@ -213,7 +241,15 @@ class Trainer:
         if t.gc_handler is not None:
             t.gc_handler.run(t.step)
         t.step_metrics = {}
-        t.train_step(t.batch_generator(iter(packed.microbatches)))
+        microbatches = packed.microbatches
+        if self._recorded is not None and _same_batch(self._recorded[0], packed):
+            # R2: replay the routing the logprobs pass recorded on this batch
+            microbatches = [
+                ({**inputs, RECORDED_EXPERTS: rec.routed_experts}, labels)
+                for (inputs, labels), rec in zip(microbatches, self._recorded[1], strict=True)
+            ]
+        self._recorded = None
+        t.train_step(t.batch_generator(iter(microbatches)))
         if not t.step_metrics:
             return {"step": t.step, "skipped": True}
         return {"step": t.step, **t.step_metrics}

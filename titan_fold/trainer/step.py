@@ -46,7 +46,18 @@ from titan_fold.trainer.policy import PolicyLoss, policy_target
 CP_ORDER = "cp_order"
 # the batch's keys the model is not called with: the loss's (loss_target), the masking's, and
 # the rollouts' routing, which moe.routing_replay reads
-NOT_MODEL_INPUTS = ("input", "document_ids", CP_ORDER, LOGPROBS_KEY, ADVANTAGES_KEY, ROUTED_EXPERTS_KEY)
+# the routing a recorded-replay step replays, recorded on this rank's part of the micro-batch by
+# an earlier no-grad pass (the Python API's logprobs): [b, s', n_moe_layers, k]
+RECORDED_EXPERTS = "recorded_experts"
+NOT_MODEL_INPUTS = (
+    "input",
+    "document_ids",
+    CP_ORDER,
+    LOGPROBS_KEY,
+    ADVANTAGES_KEY,
+    ROUTED_EXPERTS_KEY,
+    RECORDED_EXPERTS,
+)
 
 
 class TrainStep:
@@ -176,11 +187,14 @@ class TrainStep:
         if self.model_args.moe.routing_replay == "recorded":
             # R2: a no-grad forward of the current weights records the routing the training
             # forward (and its recompute) replays
-            with record_routing(self.model_parts, inputs) as recording, self.train_context():
-                with self.maybe_enable_amp:
-                    self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
-            assert recording.recorded is not None  # set as the block exits
-            extra_kwargs[ROUTED_EXPERTS] = replay_routing(recording.recorded, inputs)
+            if RECORDED_EXPERTS in input_dict:  # recorded by the Python API's logprobs pass (api.py)
+                extra_kwargs[ROUTED_EXPERTS] = input_dict[RECORDED_EXPERTS]
+            else:
+                with record_routing(self.model_parts, inputs) as recording, self.train_context():
+                    with self.maybe_enable_amp:
+                        self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                assert recording.recorded is not None  # set as the block exits
+                extra_kwargs[ROUTED_EXPERTS] = replay_routing(recording.recorded, inputs)
         with self.train_context():  # loss parallel under tp: the backward too
             with self.maybe_enable_amp:
                 pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
