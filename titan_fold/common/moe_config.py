@@ -78,7 +78,7 @@ class MoE:
     Not with activation checkpointing nor compile.cudagraphs; under torch.compile the experts run in
     eager mode between the layer's graphs (the stash hooks autograd's saved tensors)."""
     routing_replay: Literal["off", "rollout", "recorded"] = "off"
-    """Routing replay for RL (docs/routing_replay.md): "off", the router chooses the experts;
+    """Routing replay for RL (docs/rl.md, "Routing replay"): "off", the router chooses the experts;
     "rollout" (R3), each MoE layer takes the experts the inference engine chose, the batch's
     routed_experts (training.dataset_format = "rollouts"); "recorded" (R2), a no-grad forward of the
     current weights over the micro-batch records the routing and the training forward (and its
