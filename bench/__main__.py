@@ -255,6 +255,12 @@ SUITES = {
             ),
         ],
     ),
+    "rl": Suite(
+        "1 GPU: routing replay against a real mismatch: the Qwen3-MoE proxy (Qwen3-30B-A3B widths, 4 layers) "
+        "sampled by transformers in bf16, its log-probs in titan_fold compiled with bf16 weights without and with "
+        "moe.routing_replay = 'rollout', and the policy step's time of each (needs transformers: bench/wheels.sh)",
+        [Step("replay_mismatch", "replay_mismatch", [], 500)],
+    ),
     "deepseek-v3": Suite(
         "1 GPU: the DeepSeek-V3 16B proxy (its widths, 4 layers) in titan_fold and in torchtitan 0.2.2's "
         "deepseek_v3, side by side, eager and compiled",

@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 DOC = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 FULL = os.path.join(os.path.dirname(HERE), "docs", "benchmarks", "results.md")  # every record's tables
+RL_DOC = os.path.join(os.path.dirname(HERE), "docs", "rl.md")  # the rl suite's table
 BEGIN, END = "<!-- REPORT BEGIN: python -m bench.report --write -->", "<!-- REPORT END -->"
 SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "full-depth", "loss-curve", "kernels", "2gpu")
 TOLERANCE = 0.03  # a rerun of a suite on the same kind of machine reproduces each figure within this share
@@ -1036,6 +1037,40 @@ def goals_table(groups: dict[tuple, list[dict]]) -> list[str]:
     return out if len(out) > 2 else []
 
 
+def replay_table(rec: dict) -> list[str]:
+    """bench/replay_mismatch.py (suite rl): the engine's routing and log-probs against titan_fold's,
+    without and with moe.routing_replay = "rollout"."""
+    fig = rec["figures"].get("replay_mismatch")
+    if not fig:
+        return []
+    off, on = fig["off"], fig["rollout"]
+    rows = [
+        "| | off | rollout (R3) |",
+        "|---|---|---|",
+        f"| (token, MoE layer) routings that differ from the engine's | {_pct(fig['routings_differing'])} | 0 |",
+        f"| mean abs log-prob gap, response tokens | {off['logprob_gap']:.4f} | {on['logprob_gap']:.4f} |",
+        f"| k3 KL(engine, trainer), response tokens | {off['kl_k3']:.2e} | {on['kl_k3']:.2e} |",
+        f"| policy step (ms, median) | {off['step_ms']:.1f} | {on['step_ms']:.1f} |",
+    ]
+    same = "yes" if fig["off_same_weights"] and fig["rollout_same_weights"] else "NO"
+    return rows + [
+        "",
+        f"{fig['family']} {fig['proxy']}, {fig['rollouts']} rollouts of {fig['prompt']} + {fig['response']} tokens; "
+        f"replay / off step time {fig['replay_over_off_step_ms']:.3f}; both trainers on the sampled weights: {same}.",
+    ]
+
+
+def rl_report(results: str = RESULTS) -> str:
+    """docs/rl.md's measured table: the latest `rl` record."""
+    recs = [rec for (suite, _, _), group in records(results).items() if suite == "rl" for rec in group]
+    if not recs:
+        return ""
+    rec = max(recs, key=lambda r: r["date_utc"])
+    env = rec["env"]
+    head = f"One {env['device']}, torch {env['torch']}, {rec['date_utc'][:10]} (`{rec['_file']}`):"
+    return "\n".join([head, "", *replay_table(rec)])
+
+
 TABLES = (
     ("MoE layer, forward + backward", layer_table),
     ("MoE layer, GPU time by kernel class (ms)", layer_breakdown_table),
@@ -1052,6 +1087,7 @@ TABLES = (
     ("Host time per call of the eager path's generated kernels", launch_table),
     ("Collectives", collectives_table),
     ("The dry run's CPU time", dry_run_table),
+    ("Routing replay against the engine's mismatch", replay_table),
 )
 
 
@@ -1154,11 +1190,13 @@ def _replace_block(doc: str, tables: str) -> None:
         f.write(head + BEGIN + "\n\n" + tables + "\n" + END + tail)
 
 
-def write_doc(results: str = RESULTS, doc: str = DOC, full: str = FULL) -> None:
+def write_doc(results: str = RESULTS, doc: str = DOC, full: str = FULL, rl_doc: str = RL_DOC) -> None:
     # both texts before either file is opened for writing: a failing record leaves the docs as they were
-    short, tables = summary(results), report(results)
+    short, tables, rl = summary(results), report(results), rl_report(results)
     _replace_block(doc, short)
     _replace_block(full, tables)
+    if rl:
+        _replace_block(rl_doc, rl)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine without network: builds the carry folders beside the repository root.
 #
-#   bash bench/wheels.sh            # -> .whl/ (everything but one big library) and .whl_big/
+#   bash bench/wheels.sh            # -> .whl/ (everything but one big library), .whl_big/ and .whl_rl/
 #
 # The GPU image (python 3.12, torch 2.11) lacks the trainer's torchtitan 0.2.2, tyro, torchdata
 # and datasets (and their few missing dependencies) and the optional QuACK kernels
@@ -22,7 +22,11 @@ set -u
 SITE=/tmp/tf/site-packages
 if [ "${1:-}" = --install ]; then
   mkdir -p "$SITE"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  for dir in .whl .whl_rl; do  # whichever the call carried
+    if [ -d "$dir" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$dir"/*.whl
+    fi
+  done
   # after pip: --upgrade replaces whole top-level folders, and nvidia_cutlass_dsl/ is shared
   if [ -f /tmp/cutlass_cu13.tar.xz.part1 ]; then
     cat /tmp/cutlass_cu13.tar.xz.part1 .whl/cutlass_cu13.tar.xz.part2 | tar xJf - -C "$SITE"
@@ -54,4 +58,13 @@ tar cf - -C "$tmp" . | xz -9e -T2 > "$tmp.tar.xz"
 head -c 40M "$tmp.tar.xz" > .whl_big/cutlass_cu13.tar.xz.part1
 tail -c +$((40 * 1024 * 1024 + 1)) "$tmp.tar.xz" > .whl/cutlass_cu13.tar.xz.part2
 rm -rf "$tmp" "$tmp.tar.xz" "$big"
-du -sh .whl .whl_big
+# the rl suite (bench/replay_mismatch.py) in .whl_rl/, carried alone: the trainer's wheels, fla-core and
+# transformers with what the GPU image lacks of its dependencies (QuACK's left out: one call's size)
+mkdir -p .whl_rl
+cp .whl/torchtitan-*.whl .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl .whl/shtab-*.whl \
+  .whl/tomli-*.whl .whl/torchdata-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl \
+  .whl/fla_core-*.whl .whl_rl/
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+  -d .whl_rl transformers==5.24.0 tokenizers huggingface_hub safetensors regex hf-xet httpx2 httpcore2 h11 anyio \
+  idna click truststore typer shellingham annotated-doc
+du -sh .whl .whl_big .whl_rl
