@@ -265,14 +265,17 @@ def tp_partial_grad(style: ParallelStyle | None, placement: Placement | None) ->
 
 
 # stacked routed experts: (ep placement, etp placement, model-width dim); etp shards the ffn dim
-_EXPERT_RULES = {
+# (GPT-OSS's biases: w13_bias with its pairs; w2_bias whole on every etp rank, added once)
+_EXPERT_RULES: dict[str, tuple[Placement, Placement, int]] = {
     "w13": (Shard(0), Shard(1), 2),  # [E, 2 * ffn, dim]
     "w2": (Shard(0), Shard(2), 1),  # [E, dim, ffn]
+    "w13_bias": (Shard(0), Shard(1), 1),  # [E, 2 * ffn]
+    "w2_bias": (Shard(0), Replicate(), 1),  # [E, dim]
 }
 
 
 def expert_placements(name: str, dims) -> tuple[Placement, ...]:
-    """Placements of the stacked experts.<name> (w13, w2) on mesh dims among "ep", "etp"."""
+    """Placements of the stacked experts.<name> (w13, w2, their biases) on mesh dims among "ep", "etp"."""
     by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[name][:2], strict=True))
     return tuple(by_dim[d] for d in dims)
 
