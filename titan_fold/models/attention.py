@@ -25,6 +25,8 @@ head its query and a gate, out * sigmoid(gate) before wo) and partial rotary (Ro
 The FlexAttention paths are not exercised by the CPU tests.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -72,6 +74,7 @@ def _flex(q, k, v, block_mask, sinks):
     return out * keep.unsqueeze(-1).to(out.dtype)
 
 
+@functools.lru_cache(maxsize=16)  # one per (shape, window) a run uses: built once, not per layer and step
 def _causal_block_mask(s_q: int, s_k: int, window: int | None, device: torch.device):
     def mask_mod(batch, head, q_idx, kv_idx):
         q = q_idx + (s_k - s_q)
@@ -90,14 +93,16 @@ def attend(
     window: int | None = None,
 ) -> torch.Tensor:
     """The inner attention's kernel choice (module docstring). mask None: causal with the last
-    query at the last key (s_q <= s_k), and `window` applied here; a mask holds its own window."""
+    query at the last key (s_q <= s_k: a cp rank's chunk of queries over the keys up to its end),
+    and `window` applied here; a mask holds its own window."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex(q, k, v, mask, sinks)
     if mask is None:
-        if sinks is None and window is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         s_q, s_k = q.shape[2], k.shape[2]
-        if q.is_cuda and flex_attention is not None:
+        # SDPA's is_causal aligns the first query with the first key: only for s_q == s_k
+        if sinks is None and window is None and s_q == s_k:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if (sinks is not None or window is not None) and q.is_cuda and flex_attention is not None:
             return _flex(q, k, v, _causal_block_mask(s_q, s_k, window, q.device), sinks)
         positions = torch.arange(s_k, device=q.device)
         mask = window_allows(positions[s_k - s_q :], positions, window)[None, None]  # [1, 1, s_q, s_k]

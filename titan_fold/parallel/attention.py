@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_fold.common.tensors import local
-from titan_fold.models.attention import attend, window_allows
+from titan_fold.models.attention import attend
 from titan_fold.models.documents import DocumentMask
 from titan_fold.parallel.placement import tp_plan
 
@@ -198,10 +198,9 @@ class ContextParallelAttention(nn.Module):
             v_all = v_all.repeat_interleave(h // v_all.shape[1], dim=1)
         out = []
         for half, g in enumerate(_chunks_of(rank, cp)):
-            keys = (g + 1) * c
-            q_pos = g * c + torch.arange(c, device=q.device)
-            mask = window_allows(q_pos, torch.arange(keys, device=q.device), self.window)  # [c, keys]
-            out.append(attend(q[:, :, half * c : (half + 1) * c], k_all[:, :, :keys], v_all[:, :, :keys], mask, sinks))
+            keys = (g + 1) * c  # the chunk's queries are the last c positions of these keys
+            q_chunk = q[:, :, half * c : (half + 1) * c]
+            out.append(attend(q_chunk, k_all[:, :, :keys], v_all[:, :, :keys], None, sinks, self.window))
         return torch.cat(out, dim=2)  # [b, heads, 2c, head_dim]
 
 
