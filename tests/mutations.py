@@ -368,8 +368,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "document_mask_crosses_documents",
         "the packed documents' mask lets a token see the earlier documents (causal only)",
         "titan_fold/models/documents.py",
-        "    return (same & causal).unsqueeze(1)\n",
-        "    return causal.unsqueeze(1)\n",
+        "    allowed = same & (delta >= 0)\n",
+        "    allowed = delta >= 0\n",
         (
             "tests/test_documents.py::test_positions_and_mask_of_a_packed_row",
             "tests/test_documents.py::test_packed_equals_each_document_alone[qwen3_moe]",
@@ -552,8 +552,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "document_attention_positions_run_on",
         "packed documents' positions run on across the sample (RoPE sees only their differences)",
         "titan_fold/models/documents.py",
-        "        return document_positions(document_ids), document_mask(document_ids)\n",
-        "        return torch.arange(document_ids.shape[1]).expand_as(document_ids), document_mask(document_ids)\n",
+        "        return document_positions(document_ids), document_mask(document_ids, window=window)\n",
+        "        return torch.arange(document_ids.shape[1]).expand_as(document_ids), document_mask(document_ids, window=window)\n",
         tuple(
             f"tests/test_documents.py::test_every_layer_gets_positions_that_restart_in_each_document[{name}]"
             for name in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
@@ -657,16 +657,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "policy_clip_bounds_swapped",
         "the ratio clipped to [1 - clip_high, 1 + clip_low]",
         "titan_fold/trainer/policy.py",
-        "torch.clamp(ratio, 1 - self.clip_low, 1 + self.clip_high)",
-        "torch.clamp(ratio, 1 - self.clip_high, 1 + self.clip_low)",
+        "torch.clamp(policy_ratio, 1 - self.clip_low, 1 + self.clip_high)",
+        "torch.clamp(policy_ratio, 1 - self.clip_high, 1 + self.clip_low)",
         ("tests/test_policy.py::test_objective_matches_float64_reference[0.0]",),
     ),
     Mutation(
         "policy_clip_low_both_sides",
         "the upper clip taken at 1 + clip_low (no clip-higher)",
         "titan_fold/trainer/policy.py",
-        "torch.clamp(ratio, 1 - self.clip_low, 1 + self.clip_high)",
-        "torch.clamp(ratio, 1 - self.clip_low, 1 + self.clip_low)",
+        "torch.clamp(policy_ratio, 1 - self.clip_low, 1 + self.clip_high)",
+        "torch.clamp(policy_ratio, 1 - self.clip_low, 1 + self.clip_low)",
         ("tests/test_policy.py::test_objective_matches_float64_reference[0.0]",),
     ),
     Mutation(
@@ -740,8 +740,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "logprobs_one_position_off",
         "the API's log-probs read each token's log-prob from the logits at its own position",
         "titan_fold/api.py",
-        "            rows.append(lp[:, :-1].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())  # [b, s - 1]\n",
-        "            rows.append(lp[:, 1:].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())  # [b, s - 1]\n",
+        "                rows.append(lp[:, :-1].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())\n",
+        "                rows.append(lp[:, 1:].gather(-1, inputs[:, 1:, None]).squeeze(-1).cpu())\n",
         ("tests/test_api.py::test_api_at_one_rank",),
     ),
     Mutation(
@@ -781,6 +781,64 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             "tests/test_routing_replay.py::test_replayed_layer_against_float64_reference[softmax_aux_loss]",
             "tests/test_routing_replay.py::test_replayed_layer_against_float64_reference[sigmoid_norm_scaled_aux_free]",
+        ),
+    ),
+    Mutation(
+        "sink_dropped_from_the_softmax",
+        "the attention sinks left out of each query's softmax",
+        "titan_fold/models/attention.py",
+        "    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]\n",
+        "    probs = scores.softmax(dim=-1)\n",
+        (
+            "tests/test_variants.py::test_attend_window_and_sinks_limits",
+            "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
+        ),
+    ),
+    Mutation(
+        "window_off_by_one",
+        "a sliding-window query sees window + 1 keys (itself and window earlier ones)",
+        "titan_fold/models/attention.py",
+        "    return allowed if window is None else allowed & (delta < window)\n",
+        "    return allowed if window is None else allowed & (delta <= window)\n",
+        (
+            "tests/test_variants.py::test_attend_window_and_sinks_limits",
+            "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
+        ),
+    ),
+    Mutation(
+        "document_window_off_by_one",
+        "a sliding-window query of a packed document sees window + 1 keys",
+        "titan_fold/models/documents.py",
+        "        allowed = allowed & (delta < window)\n",
+        "        allowed = allowed & (delta <= window)\n",
+        ("tests/test_gpt_oss.py::test_packed_documents_match_each_document_alone",),
+    ),
+    Mutation(
+        "expert_bias_added_on_every_etp_rank",
+        "each etp rank adds the experts' w2 bias to its partial sum: the bias counted etp times",
+        "titan_fold/parallel/experts.py",
+        "        moe.experts.adds_w2_bias = etp_rank == 0  # the etp sum gets w2_bias once\n",
+        "        moe.experts.adds_w2_bias = True\n",
+        ("tests/test_equivalence_gpt_oss.py::test_gpt_oss_layout_matches_one_rank[tp2_cp2_dp2_ep2_etp2]",),
+    ),
+    Mutation(
+        "sliding_layers_counted_as_full",
+        "MFU and the planner count a sliding-window layer's attention as full causal attention",
+        "titan_fold/models/args.py",
+        "        window = self.layer_window(layer_id)\n",
+        "        window = None\n",
+        ("tests/test_variants.py::test_sliding_layers_count_their_window_in_the_flops",),
+        fast=True,
+    ),
+    Mutation(
+        "clamp_limit_ignored",
+        "GPT-OSS's SwiGLU without its clamp: gate and up pass the limit",
+        "titan_fold/moe/activation.py",
+        "    gate = gate.clamp(max=limit)\n    up = up.clamp(min=-limit, max=limit)\n",
+        "",
+        (
+            "tests/test_variants.py::test_clamped_swiglu_with_biases_every_path[True-torch]",
+            "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
         ),
     ),
 )

@@ -80,6 +80,12 @@ def _flavors():
             n_kv_heads=4,
             head_dim=None,
         )
+    # GPT-OSS: sinks sharded with the heads, a sliding layer (window 8 < S) and a full one,
+    # biases on q, k, v, o and the experts
+    args = FLAVORS["gpt_oss"]["debug"]
+    out["gpt_oss"] = dataclasses.replace(
+        args, moe=dataclasses.replace(args.moe, load_balance="none"), n_layers=2, layer_types=args.layer_types[:2]
+    )
     return out
 
 

@@ -166,6 +166,9 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     etp = par.expert_tensor_parallel_degree
     tp = par.tensor_parallel_degree
     args.n_layers = n_layers
+    args.layer_types = args.layer_types[:n_layers]  # each kept layer's own mixer
+    if args.sliding_window:  # a window the short sequence below passes
+        args.sliding_window = min(args.sliding_window, 4)
     if hasattr(args, "kv_lora_rank"):  # MLA: latents and per-head widths of a few units (head_dim 4 below)
         args.q_lora_rank = None if args.q_lora_rank is None else 4
         args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 4, 2, 2, 4

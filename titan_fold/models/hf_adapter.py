@@ -68,6 +68,7 @@ from titan_fold.models.hf_config import (
 from titan_fold.models.hf_deepseek import (
     DeepSeekV3Names,
 )
+from titan_fold.models.hf_gpt_oss import GptOssNames, mxfp4_shapes
 from titan_fold.moe.experts import split_gate_up, stack_gate_up
 
 
@@ -284,9 +285,28 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
         return QuantizedHuggingFaceStorageReader(path=path, target_dtype=torch.float32, block_size=128)
 
 
+class GptOssStateDictAdapter(MoEStateDictAdapter):
+    """Sinks, router and stacked expert names, and MXFP4 experts, are models/hf_gpt_oss.py's."""
+
+    family = "gpt_oss"
+    moe_prefix = "mlp"
+    expert_names: dict[str, str] = {}  # stacked on both sides: GptOssNames moves them
+    moe_layer: dict[str, str] = {}
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return GptOssNames(self._expert_layout).native_to_hf(state_dict, super().to_hf)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return GptOssNames(self._expert_layout).hf_to_native(hf_state_dict, super().from_hf)
+
+    def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
+        return mxfp4_shapes(shapes)
+
+
 ADAPTERS = {
     "qwen2_moe": Qwen2MoEStateDictAdapter,
     "qwen3_moe": Qwen3MoEStateDictAdapter,
     "mixtral": MixtralStateDictAdapter,
     "deepseek_v3": DeepSeekV3StateDictAdapter,
+    "gpt_oss": GptOssStateDictAdapter,
 }

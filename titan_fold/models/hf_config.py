@@ -19,6 +19,7 @@ from titan_fold.models.hf_deepseek import (
     deepseek_compared,
     deepseek_hf_config,
 )
+from titan_fold.models.hf_gpt_oss import gpt_oss_args_from_hf_config, gpt_oss_compared, gpt_oss_hf_config
 from titan_fold.moe import MoEArgs
 
 
@@ -31,6 +32,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # transformers' default rope_theta when a config.json has none
 _DEFAULT_ROPE_THETA = {"qwen2_moe": 10000.0, "qwen3_moe": 10000.0, "mixtral": 1e6}
@@ -264,6 +266,8 @@ def args_from_hf_config(config: dict | str, name: str | None = None) -> tuple[st
 def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
     if family == "deepseek_v3":
         return deepseek_args_from_hf_config(c, _INERT, HFConfigError)
+    if family == "gpt_oss":
+        return gpt_oss_args_from_hf_config(c, _INERT, HFConfigError)
     used = set(_INERT)
 
     def get(key, default=KeyError, *aliases):
@@ -373,6 +377,8 @@ def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
     """The computation-changing values of a model, under their HF names."""
     if family == "deepseek_v3":
         return deepseek_compared(args)
+    if family == "gpt_oss":
+        return gpt_oss_compared(args)
     moe = args.moe
     values = {
         **_sizes(args),
@@ -438,11 +444,12 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
             raise HFConfigError(f"{family}: {ARCHITECTURES[family]} {what}; this model cannot be exported as one")
 
     dtype_name = str(dtype).removeprefix("torch.")
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "gpt_oss"):
+        family_config = deepseek_hf_config if family == "deepseek_v3" else gpt_oss_hf_config
         return {
             "architectures": [ARCHITECTURES[family]],
             "model_type": family,
-            **deepseek_hf_config(args, need),
+            **family_config(args, need),
             "torch_dtype": dtype_name,
             "dtype": dtype_name,
         }

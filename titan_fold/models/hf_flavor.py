@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from titan_fold.common.config import ConfigError
 from titan_fold.models.args import TransformerArgs
 from titan_fold.models.deepseek_v3 import DeepSeekV3Args
+from titan_fold.models.gpt_oss import GptOssArgs
 from titan_fold.models.hf_adapter import args_from_hf_config
 
 
@@ -33,3 +34,12 @@ class HFConfigArgs(TransformerArgs):
 @dataclass
 class DeepSeekV3HFConfigArgs(HFConfigArgs, DeepSeekV3Args):
     """The deepseek_v3 `hf` flavor: every size from `[model] hf_config`, the MLA model's methods."""
+
+
+@dataclass
+class GptOssHFConfigArgs(HFConfigArgs, GptOssArgs):
+    """The gpt_oss `hf` flavor: every size from `[model] hf_config`, GPT-OSS's YaRN tables."""
+
+
+# the `hf` flavor's args class of each family whose model args are not plain TransformerArgs
+HF_ARGS = {"deepseek_v3": DeepSeekV3HFConfigArgs, "gpt_oss": GptOssHFConfigArgs}

@@ -1,6 +1,6 @@
 """The TrainSpecs FoldTrainer builds from: one per model family.
 
-`[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral" or "deepseek_v3"), `[model] flavor` its
+`[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3" or "gpt_oss"), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
 
@@ -13,7 +13,7 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS
-from titan_fold.models.hf_flavor import DeepSeekV3HFConfigArgs, HFConfigArgs
+from titan_fold.models.hf_flavor import HF_ARGS, HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 from titan_fold.trainer.metrics import build_metrics_processor
@@ -48,7 +48,7 @@ class FlavorCopies(Mapping):
 def _train_spec(family: str) -> TrainSpec:
     return TrainSpec(
         model_cls=Transformer,
-        model_args=FlavorCopies(FLAVORS[family], DeepSeekV3HFConfigArgs if family == "deepseek_v3" else HFConfigArgs),
+        model_args=FlavorCopies(FLAVORS[family], HF_ARGS.get(family, HFConfigArgs)),
         parallelize_fn=parallelize,
         pipelining_fn=pipeline,
         build_optimizers_fn=build_optimizers,
