@@ -628,6 +628,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        [m.router.expert_bias.zero_() for m in moe_layers(self.model_parts)]\n",
         ("tests/test_checkpoint.py::test_resume_two_ranks_ep2_on_one_rank",),
     ),
+    Mutation(
+        "gdn_state_not_reset",
+        "the Gated DeltaNet state carried over a document start inside a packed sample",
+        "titan_fold/models/gated_deltanet.py",
+        "    start = F.pad(starts, (0, pad)).view(b, 1, n, chunk)\n",
+        "    start = torch.zeros_like(F.pad(starts, (0, pad))).view(b, 1, n, chunk)\n",
+        (
+            "tests/test_gated_deltanet.py::test_chunked_rule_equals_the_recurrent_definition_in_float64",
+            "tests/test_gated_deltanet.py::test_layer_on_packed_documents_equals_transformers_document_by_document"
+            "[qwen3_5_moe]",
+        ),
+        fast=True,
+    ),
+    Mutation(
+        "gated_norm_sigmoid_gate",
+        "the Gated DeltaNet output's RMSNorm gated by sigmoid(z) instead of silu(z)",
+        "titan_fold/models/gated_deltanet.py",
+        "        return (normed * F.silu(z.float())).to(o.dtype)\n",
+        "        return (normed * torch.sigmoid(z.float())).to(o.dtype)\n",
+        (
+            "tests/test_gated_deltanet.py::test_layer_on_packed_documents_equals_transformers_document_by_document"
+            "[qwen3_next]",
+        ),
+    ),
 )
 
 

@@ -140,7 +140,7 @@ class ShortConvolution(nn.Module):
         return F.silu(y)
 
     def init_weights(self):
-        nn.init.uniform_(self.weight, -self.weight.shape[-1] ** -0.5, self.weight.shape[-1] ** -0.5)
+        nn.init.uniform_(self.weight, -(self.weight.shape[-1] ** -0.5), self.weight.shape[-1] ** -0.5)
 
 
 class Decay(nn.Module):
