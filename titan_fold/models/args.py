@@ -144,3 +144,8 @@ class TransformerArgs(BaseModelArgs):
         keys per query). Packed documents under document masking are the sequences: attention
         does not cross them."""
         return 6 * (self.n_layers + self.mtp_layers) * self.n_heads * self.attention_flops_dim() * sum_squares
+
+    def mixer_flops_per_layer(self, seq_len: int) -> float:
+        """Training FLOPs per token of one layer's token mixer over and above its parameters' (the
+        planner's per-layer count): causal attention's scores, 6 * n_heads * head_dim * seq_len."""
+        return 6 * self.n_heads * self.attention_flops_dim() * seq_len

@@ -222,3 +222,198 @@ def text_config(c: dict) -> dict:
             raise ValueError("model_type = 'qwen3_5_moe' needs a text_config object")
         return {**inner, "tie_word_embeddings": c.get("tie_word_embeddings", inner.get("tie_word_embeddings", False))}
     return c
+
+
+def qwen35_args_from_hf_config(family: str, config: dict, inert: set, error):
+    """Qwen35Args of a qwen3_5_moe (either config) or qwen3_next config.json (dict). error(message)
+    builds the exception raised (hf_config's HFConfigError); each names the field and the rule."""
+    from titan_fold.models.hf_config import hf_dense_layers
+    from titan_fold.models.qwen3_5 import Qwen35Args
+    from titan_fold.moe import MoEArgs
+
+    try:
+        c = text_config(config)
+    except ValueError as e:
+        raise error(str(e)) from None
+    used = (
+        set(inert) | INERT | {"text_config", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
+    )
+
+    def get(key, default=KeyError):
+        used.add(key)
+        if c.get(key) is not None:
+            return c[key]
+        if default is KeyError:
+            raise error(f"{key} is missing")
+        return default
+
+    def need(ok: bool, key: str, rule: str):
+        if not ok:
+            raise error(f"{key} = {c.get(key)!r}: {rule}")
+
+    need(get("hidden_act", "silu") == "silu", "hidden_act", "titan_fold's FFNs are SwiGLU (silu)")
+    need(not get("attention_dropout", 0.0), "attention_dropout", "attention dropout is not implemented")
+    need(not get("attention_bias", False), "attention_bias", "biases on the gated attention are not implemented")
+    need(not get("quantization_config", None), "quantization_config", "quantized checkpoints are not supported")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise error(f"rope_parameters = {rope!r}: expected a JSON object")
+    if unknown := sorted(set(rope) - ROPE_KEYS):
+        raise error(f"rope_parameters: {', '.join(unknown)}: titan_fold implements plain (partial) RoPE")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise error(f"rope_parameters.rope_type = {kind!r}: titan_fold implements plain RoPE only ('default')")
+    n_layers, heads, dim = get("num_hidden_layers"), get("num_attention_heads"), get("hidden_size")
+    layer_types = c.get("layer_types")
+    if layer_types is None:
+        interval = c.get("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    used.add("layer_types")
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise error(f"layer_types = {layer_types!r}: must list one type per layer ({n_layers})")
+    if unknown := sorted(set(layer_types) - {"full_attention", "linear_attention"}):
+        raise error(f"layer_types: {', '.join(map(repr, unknown))}: Qwen3.5 / Qwen3-Next layers are full or linear")
+    num_experts, top_k = get("num_experts"), get("num_experts_per_tok")
+    need(1 <= top_k <= num_experts, "num_experts_per_tok", f"must be in [1, num_experts = {num_experts}]")
+    shared = get("shared_expert_intermediate_size")
+    need(shared >= 1, "shared_expert_intermediate_size", "must be >= 1 (both families have a shared expert)")
+    dense: tuple[int, ...] = ()
+    ffn = 0
+    if family == "qwen3_next":
+        dense = hf_dense_layers(c, n_layers)
+        used.update({"mlp_only_layers", "decoder_sparse_step"})
+        ffn = get("intermediate_size", 0 if not dense else KeyError)
+    norm_topk = bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+    args = Qwen35Args(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=get("num_key_value_heads", heads),
+        head_dim=get("head_dim", 256),
+        vocab_size=get("vocab_size"),
+        norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        partial_rotary_factor=float(factor),
+        max_seq_len=c.get("max_position_embeddings") or 4096,
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        qk_norm=True,
+        attention_output_gate=True,
+        layer_types=tuple(layer_types),
+        ffn_dim=ffn,
+        dense_layers=dense,
+        linear_n_key_heads=get("linear_num_key_heads", 16),
+        linear_n_value_heads=get("linear_num_value_heads", 32),
+        linear_key_head_dim=get("linear_key_head_dim", 128),
+        linear_value_head_dim=get("linear_value_head_dim", 128),
+        linear_conv_kernel=get("linear_conv_kernel_dim", 4),
+        moe=MoEArgs(
+            num_experts=num_experts,
+            top_k=top_k,
+            moe_ffn_dim=get("moe_intermediate_size"),
+            shared_ffn_dim=shared,
+            shared_expert_gate=True,
+            score_func="softmax",
+            norm_topk_prob=norm_topk,
+            aux_loss_coeff=float(c.get("router_aux_loss_coef", 1e-3)),
+        ),
+    )
+    unknown = sorted(set(c) - used)
+    if unknown:
+        print(f"warning: config.json fields titan_fold does not read: {', '.join(unknown)}", file=sys.stderr)
+    if c.get("mtp_num_hidden_layers"):
+        print(
+            f"note: the checkpoint's {c['mtp_num_hidden_layers']} Multi-Token Prediction layer(s) are not imported",
+            file=sys.stderr,
+        )
+    return args
+
+
+def qwen35_compared(family: str, args) -> dict[str, Any]:
+    """The computation-changing values of a qwen3_5_moe / qwen3_next model, under their HF names."""
+    moe = args.moe
+    values = {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "layer_types": list(args.layer_types),
+        "linear_num_key_heads": args.linear_n_key_heads,
+        "linear_num_value_heads": args.linear_n_value_heads,
+        "linear_key_head_dim": args.linear_key_head_dim,
+        "linear_value_head_dim": args.linear_value_head_dim,
+        "linear_conv_kernel_dim": args.linear_conv_kernel,
+        "rope_theta": args.rope_theta,
+        "partial_rotary_factor": args.partial_rotary_factor,
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_ffn_dim,
+        "shared_expert_intermediate_size": moe.shared_ffn_dim,
+        "shared_expert_gate": moe.shared_expert_gate,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "router score function": moe.score_func,
+        "dense layers (mlp_only_layers, decoder_sparse_step)": [
+            i for i in range(args.n_layers) if not args.is_moe_layer(i)
+        ],
+    }
+    if values["dense layers (mlp_only_layers, decoder_sparse_step)"]:
+        values["intermediate_size"] = args.ffn_dim
+    return values
+
+
+def qwen35_hf_config(family: str, args, need) -> dict:
+    """config.json fields of the text model (Qwen3_5MoeForCausalLM / Qwen3NextForCausalLM) with the
+    same computation. need(ok, what) refuses."""
+    moe = args.moe
+    dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
+    need(moe.score_func == "softmax", f"routes with softmax scores, the model has {moe.score_func!r}")
+    need(moe.shared_ffn_dim > 0 and moe.shared_expert_gate, "has a gated shared expert")
+    if family == "qwen3_5_moe":
+        need(moe.norm_topk_prob, "renormalizes the top-k weights")
+        need(not dense, "has no dense layers")
+    config = {
+        "model_type": "qwen3_5_moe_text" if family == "qwen3_5_moe" else family,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "layer_types": list(args.layer_types),
+        "linear_num_key_heads": args.linear_n_key_heads,
+        "linear_num_value_heads": args.linear_n_value_heads,
+        "linear_key_head_dim": args.linear_key_head_dim,
+        "linear_value_head_dim": args.linear_value_head_dim,
+        "linear_conv_kernel_dim": args.linear_conv_kernel,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_ffn_dim,
+        "shared_expert_intermediate_size": moe.shared_ffn_dim,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if family == "qwen3_next":
+        config.update(
+            norm_topk_prob=moe.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=dense,
+            intermediate_size=args.ffn_dim,
+        )
+    return config
