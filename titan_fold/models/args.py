@@ -8,6 +8,7 @@ the trainer asks the model args for them.
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -16,6 +17,9 @@ from titan_fold.moe import MoEArgs
 
 # `[moe]` keys that moved to another key (the config reads them into it, with a notice)
 MOVED_MOE_KEYS = ("static_ep_exchange", "pad_to_capacity")
+
+# a layer's token mixer (transformers' config `layer_types`); transformer.MIXERS builds each
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 @dataclass
@@ -34,6 +38,14 @@ class TransformerArgs(BaseModelArgs):
     out_bias: bool = False  # a bias on wo too (Qwen3's attention_bias puts one on all four)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     max_seq_len: int = 2048  # RoPE table length; the job's training.seq_len replaces it
+
+    # attention variants (models/attention.py)
+    attention_sinks: bool = False  # GPT-OSS: one learned sink logit per head joins the softmax
+    sliding_window: int | None = None  # keys a "sliding_attention" layer's query sees, itself included
+    attention_output_gate: bool = False  # Qwen3.5: wq gives each head a gate, out * sigmoid(gate)
+    partial_rotary_factor: float = 1.0  # RoPE on this share of head_dim (the first dims)
+    # one of LAYER_TYPES per layer (transformers' layer_types); () = every layer full_attention
+    layer_types: tuple[str, ...] = ()
 
     # Layer i is MoE when i >= first_k_dense and i % moe_layer_freq == 0 (Megatron-Core's
     # and DeepSeek's convention; 1 = every layer) and i is not in dense_layers (HF's
@@ -58,6 +70,26 @@ class TransformerArgs(BaseModelArgs):
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.moe_layer_freq < 1:
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
+        self.layer_types = tuple(self.layer_types)
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}")
+        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types: unknown {unknown}; known: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers: set sliding_window")
+
+    def layer_type(self, layer_id: int) -> str:
+        """The token mixer of layer layer_id (an MTP layer's, past n_layers: full_attention)."""
+        return self.layer_types[layer_id] if layer_id < len(self.layer_types) else "full_attention"
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer layer_id's attention, None where it sees every earlier key."""
+        return self.sliding_window if self.layer_type(layer_id) == "sliding_attention" else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones): head_dim x partial_rotary_factor."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def attention_module(self) -> nn.Module | None:
         """The attention of one block; None: transformer.Attention (grouped-query attention)."""
@@ -65,7 +97,7 @@ class TransformerArgs(BaseModelArgs):
 
     def rope_tables(self, device=None):
         """(cos, sin) [max_seq_len, rotated dims], float32, half-split layout."""
-        return rope_cos_sin(self.head_dim, self.max_seq_len, self.rope_theta, device)
+        return rope_cos_sin(self.rotary_dim, self.max_seq_len, self.rope_theta, device)
 
     def attention_flops_dim(self) -> float:
         """Per head: the mean of the q.k and the p.v widths (the attention-score FLOPs' factor)."""
@@ -136,16 +168,28 @@ class TransformerArgs(BaseModelArgs):
         routed = sum(p.numel() for name, p in model.named_parameters() if ".moe.experts." in name)
         embedding = 0 if self.tie_embeddings else model.tok_embeddings.weight.numel()
         active = total - embedding - routed + routed * self.moe.top_k // self.moe.num_experts
-        return total, int(6 * active + self.attention_flops(seq_len**2) / seq_len)
+        return total, int(6 * active + self.attention_flops([seq_len]) / seq_len)
 
-    def attention_flops(self, sum_squares: int) -> float:
-        """Training FLOPs of causal attention over sequences of lengths n_i, given sum_i n_i^2:
+    def attention_flops(self, lengths) -> float:
+        """Training FLOPs of causal attention over sequences of the given lengths n_i (ints, or an
+        int tensor), every layer's mixer_flops summed: with full attention in every layer,
         6 * n_layers * n_heads * head_dim * sum_i n_i^2 (get_nparams_and_flops' count, n_i / 2
         keys per query). Packed documents under document masking are the sequences: attention
         does not cross them."""
-        return 6 * (self.n_layers + self.mtp_layers) * self.n_heads * self.attention_flops_dim() * sum_squares
+        n = torch.as_tensor(lengths, dtype=torch.float64)
+        return sum(self.mixer_flops(i, n) for i in range(self.n_layers + self.mtp_layers))
 
-    def mixer_flops_per_layer(self, seq_len: int) -> float:
-        """Training FLOPs per token of one layer's token mixer over and above its parameters' (the
-        planner's per-layer count): causal attention's scores, 6 * n_heads * head_dim * seq_len."""
-        return 6 * self.n_heads * self.attention_flops_dim() * seq_len
+    def mixer_flops(self, layer_id: int, lengths: torch.Tensor) -> float:
+        """Training FLOPs of layer layer_id's token mixing beyond its parameters (the scores and
+        their products with V) over sequences of lengths n [float64]: 6 * n_heads * head_dim * the
+        (query, key) pairs counted as n^2 (twice the causal n^2 / 2); a sliding window w leaves
+        2 n w - w^2 where n > w (w keys per query past the first w). A family with another mixer
+        (linear attention) counts its own here."""
+        per_pair = 6 * self.n_heads * self.attention_flops_dim()
+        window = self.layer_window(layer_id)
+        pairs = (
+            lengths**2
+            if window is None
+            else torch.where(lengths <= window, lengths**2, 2 * lengths * window - window**2)
+        )
+        return per_pair * float(pairs.sum())

@@ -67,22 +67,24 @@ def _uses_flex(document_ids: torch.Tensor) -> bool:
     return document_ids.is_cuda and flex_attention is not None
 
 
-def _mask_mod(document_ids: torch.Tensor, order: torch.Tensor | None = None, q0: int = 0):
-    """FlexAttention's mask_mod: a query sees the keys of its own document up to itself. order:
-    each token's index in its sample (None: the tokens in the sample's order); q0: the first
-    query's place among the tokens."""
+def _mask_mod(document_ids: torch.Tensor, order: torch.Tensor | None = None, q0: int = 0, window: int | None = None):
+    """FlexAttention's mask_mod: a query sees the keys of its own document up to itself (and,
+    with a window, fewer than `window` tokens back). order: each token's index in its sample
+    (None: the tokens in the sample's order); q0: the first query's place among the tokens."""
     if order is None:
 
         def mask_mod(batch, head, q_idx, kv_idx):
             q = q0 + q_idx
-            return (document_ids[batch, q] == document_ids[batch, kv_idx]) & (kv_idx <= q)
+            allowed = (document_ids[batch, q] == document_ids[batch, kv_idx]) & (kv_idx <= q)
+            return allowed if window is None else allowed & (q - kv_idx < window)
 
     else:
 
         def mask_mod(batch, head, q_idx, kv_idx):
             q = q0 + q_idx
             same = document_ids[batch, q] == document_ids[batch, kv_idx]
-            return same & (order[batch, kv_idx] <= order[batch, q])
+            allowed = same & (order[batch, kv_idx] <= order[batch, q])
+            return allowed if window is None else allowed & (order[batch, q] - order[batch, kv_idx] < window)
 
     return mask_mod
 
@@ -132,9 +134,13 @@ def flex_block_mask(
 
 
 def document_mask(
-    document_ids: torch.Tensor, order: torch.Tensor | None = None, queries: slice | None = None
+    document_ids: torch.Tensor,
+    order: torch.Tensor | None = None,
+    queries: slice | None = None,
+    window: int | None = None,
 ) -> DocumentMask:
-    """The attention mask of the packed samples document_ids [b, s]: causal within each document.
+    """The attention mask of the packed samples document_ids [b, s]: causal within each document,
+    and with a window (sliding-window layers) fewer than `window` tokens back.
 
     order [b, s]: each token's index in its packed sample, where the tokens come in another
     order than the sample's (cp); None: in the sample's. queries: the tokens whose rows the mask
@@ -144,33 +150,42 @@ def document_mask(
     queries = queries or slice(0, s)
     q0, q_len = queries.start, queries.stop - queries.start
     if _uses_flex(document_ids):
-        if s % _BLOCK == 0 and q_len % _BLOCK == 0:
+        if window is None and s % _BLOCK == 0 and q_len % _BLOCK == 0:
             return flex_block_mask(document_ids, order=order, queries=queries)
-        return create_block_mask(_mask_mod(document_ids, order, q0), b, None, q_len, s, device=document_ids.device)
+        mask_mod = _mask_mod(document_ids, order, q0, window)
+        return create_block_mask(mask_mod, b, None, q_len, s, device=document_ids.device)
     if order is None:
         order = torch.arange(s, device=document_ids.device).expand(b, s)
     same = document_ids[:, queries, None] == document_ids[:, None, :]  # [b, q_len, s]
-    causal = order[:, None, :] <= order[:, queries, None]  # [b, q_len, s]
-    return (same & causal).unsqueeze(1)
+    delta = order[:, queries, None] - order[:, None, :]  # [b, q_len, s] query index - key index
+    allowed = same & (delta >= 0)
+    if window is not None:
+        allowed = allowed & (delta < window)
+    return allowed.unsqueeze(1)
 
 
 def document_attention(
-    document_ids: torch.Tensor, order: torch.Tensor | None = None, part: int = 0, parts: int = 1
+    document_ids: torch.Tensor,
+    order: torch.Tensor | None = None,
+    part: int = 0,
+    parts: int = 1,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, DocumentMask]:
     """(positions [b, s/parts], mask) of the queries of part `part` of `parts` equal parts:
-    each token's position within its document (RoPE) and the mask over all s keys.
+    each token's position within its document (RoPE) and the mask over all s keys (with
+    `window`: a sliding-window layer's).
 
     document_ids [b, s] and order [b, s] (each token's index in its packed sample, None: in the
     sample's order) list every part's tokens, part after part, as the cp ranks gather them.
     """
     if order is None:
-        return document_positions(document_ids), document_mask(document_ids)
+        return document_positions(document_ids), document_mask(document_ids, window=window)
     b, s = document_ids.shape
     in_sample = torch.empty_like(document_ids).scatter_(1, order, document_ids)  # [b, s], the sample's order
     positions = document_positions(in_sample).gather(1, order)  # [b, s], the parts' order
     n = s // parts
     queries = slice(part * n, (part + 1) * n)
-    return positions[:, queries], document_mask(document_ids, order, queries)
+    return positions[:, queries], document_mask(document_ids, order, queries, window)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:

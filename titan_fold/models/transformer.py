@@ -3,6 +3,10 @@
     tokens [b, s] -> tok_embeddings -> n_layers x TransformerBlock -> norm -> output -> logits [b, s, vocab]
     block: h = x + attention(attention_norm(x)); out = h + (moe | feed_forward)(ffn_norm(h))
 
+A block's token mixer (`attention`) is the one its layer type names (args.layer_types, MIXERS):
+full attention, sliding-window attention, or a family's own (linear attention). The attention's
+variants (sinks, window, output gate, partial rotary) are models/attention.py's.
+
 Module names follow torchtitan's (tok_embeddings, layers["i"], attention.wq, ...), so its
 parallel plans, activation checkpointing (one TransformerBlock = layers["i"]) and pipeline
 splitting (stages set tok_embeddings / norm / output to None and drop layers) apply as is.
@@ -11,14 +15,16 @@ wq/wk/wv by heads needs no change here.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
+from titan_fold.common.tensors import local
 from titan_fold.models.args import TransformerArgs
-from titan_fold.models.documents import DocumentMask, document_attention, masked_attention
+from titan_fold.models.attention import attend
+from titan_fold.models.documents import DocumentMask, document_attention
 from titan_fold.models.layers import apply_rope_qk, trunc_normal_
 from titan_fold.models.mtp import MultiTokenPrediction
 from titan_fold.moe import FeedForward, MoE
@@ -27,47 +33,86 @@ from titan_fold.moe.router import AddAuxLoss
 
 class CausalSelfAttention(nn.Module):
     """softmax(q k^T / sqrt(head_dim) + causal mask) v on [b, heads, s, head_dim] tensors;
-    with a document mask (models/documents.py), causal within each packed document.
+    with a document mask (models/documents.py), causal within each packed document; with a
+    window, over the last `window` keys; with sinks, each head's sink in the softmax
+    (models/attention.py: the interface and the kernels).
 
     Its own module so context parallelism can swap in a version that gathers K/V over
     the cp ranks and masks by global position; q, k, v arrive after RoPE.
     """
 
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: DocumentMask | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if mask is not None:
-            return masked_attention(q, k, v, mask)
-        # enable_gqa: SDPA broadcasts each K/V head to its group of query heads without a copy
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return attend(q, k, v, mask, sinks, self.window)
+
+
+class Sinks(nn.Module):
+    """GPT-OSS's attention sinks: one logit per head [heads], sharded with the heads under tp."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return local(self.weight)  # [heads this rank holds]
 
 
 class Attention(nn.Module):
-    def __init__(self, args: TransformerArgs):
+    """Grouped-query attention with RoPE, and the variants args turns on: biases, Qwen3's q/k
+    norms, sinks, a sliding window (window), an output gate and partial rotary."""
+
+    def __init__(self, args: TransformerArgs, window: int | None = None):
         super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.head_dim, self.rotary_dim = args.head_dim, args.rotary_dim
+        self.output_gate = args.attention_output_gate
+        # with the output gate, each head's wq rows are its query, then its gate
+        q_width = args.head_dim * (2 if self.output_gate else 1)
+        self.wq = nn.Linear(args.dim, args.n_heads * q_width, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         # Qwen3: each query / key head is RMS-normalized over head_dim (one weight shared by all heads)
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.inner_attention = CausalSelfAttention()
+        self.sinks = Sinks(args.n_heads) if args.attention_sinks else None
+        self.inner_attention = CausalSelfAttention(window)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: the heads this rank holds (all of them without tensor parallelism)
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
+        q = self.wq(x).view(b, s, -1, self.head_dim * (2 if self.output_gate else 1))  # [b, s, heads, q_width]
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)  # [b, s, heads, head_dim] each
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope_qk(q, k, cos, sin, self.q_norm, self.k_norm)
-        out = self.inner_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask
-        )  # [b, heads, s, head_dim]
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        if self.rotary_dim == self.head_dim:
+            q, k = apply_rope_qk(q, k, cos, sin, self.q_norm, self.k_norm)
+        else:  # partial rotary: norms over the whole head, RoPE on its first rotary_dim dims
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            r = self.rotary_dim
+            q_rot, k_rot = apply_rope_qk(q[..., :r], k[..., :r], cos, sin)
+            q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+        sinks = self.sinks() if self.sinks is not None else None
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks).transpose(
+            1, 2
+        )  # [b, s, heads, head_dim]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out.reshape(b, s, -1))
 
     def init_weights(self, init_std: float, out_std: float):
         for linear in (self.wq, self.wk, self.wv):
@@ -81,15 +126,29 @@ class Attention(nn.Module):
             self.q_norm.reset_parameters()
             assert self.k_norm is not None  # built with q_norm
             self.k_norm.reset_parameters()
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks.weight)  # a sink of logit 0: one extra exp(0) in each softmax
+
+
+# The token mixer of each layer type (TransformerArgs.layer_types): (args, layer id) -> the
+# block's `attention` module, called as attention(x, cos, sin, mask=...) -> [b, s, dim]. A family
+# with another mixer (linear attention) adds its builder here.
+MIXERS: dict[str, Callable[[TransformerArgs, int], nn.Module]] = {
+    "full_attention": lambda args, layer_id: args.attention_module() or Attention(args),
+    "sliding_attention": lambda args, layer_id: Attention(args, window=args.layer_window(layer_id)),
+}
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: TransformerArgs):
         super().__init__()
         self.layer_id = layer_id
+        self.layer_type = args.layer_type(layer_id)
+        self.window = args.layer_window(layer_id)  # its mask's window (Transformer.forward)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        attention = args.attention_module()
-        self.attention = Attention(args) if attention is None else attention
+        if self.layer_type not in MIXERS:
+            raise ValueError(f"layer {layer_id}: layer type {self.layer_type!r} has no mixer (transformer.MIXERS)")
+        self.attention = MIXERS[self.layer_type](args, layer_id)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
@@ -197,14 +256,20 @@ class Transformer(ModelProtocol):
         Returns logits [b, s, vocab] (hidden states on a stage without the output head).
         """
         h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # [b, s, dim]
-        mask = None
+        # one mask per window among the layers (full attention: None); the layers' own
+        # causal (and window) masks where there are no documents
+        masks: dict[int | None, DocumentMask | None] = {layer.window: None for layer in self.layers.values()} or {
+            None: None
+        }
         if document_ids is not None:
             if future_tokens is not None:
                 raise ValueError("document_ids: no future tokens (MTP) with packed documents")
-            positions, mask = document_attention(document_ids, positions, *self.query_part)
+            order = positions
+            for window in masks:
+                positions, masks[window] = document_attention(document_ids, order, *self.query_part, window=window)
         cos, sin = self.rope(h.shape[1], positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, masks[layer.window])
         out = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return out

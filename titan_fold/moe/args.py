@@ -7,6 +7,8 @@ flavor fills the shapes. Nothing here knows about parallelism.
 from dataclasses import dataclass
 from typing import Literal
 
+from titan_fold.moe.activation import ExpertActivation
+
 
 @dataclass
 class MoEArgs:
@@ -18,6 +20,11 @@ class MoEArgs:
     # run the shared expert while the routed tokens are exchanged (Megatron-Core's
     # --moe-shared-expert-overlap); False: before the routed experts
     shared_expert_overlap: bool = True
+    # the routed experts' activation of their (gate, up) pairs (moe/activation.py), and biases
+    # on their w13 and w2 (GPT-OSS)
+    activation: ExpertActivation = ExpertActivation()
+    expert_biases: bool = False
+    router_bias: bool = False  # a bias on the router's logits (GPT-OSS)
 
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = False  # renormalize the k chosen probabilities to sum to 1

@@ -37,7 +37,15 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.moe_ffn_dim, args.num_experts, args.expert_fp8, args.grouped_gemm)
+        self.experts = GroupedExperts(
+            dim,
+            args.moe_ffn_dim,
+            args.num_experts,
+            args.expert_fp8,
+            args.grouped_gemm,
+            args.activation,
+            args.expert_biases,
+        )
         if args.delay_wgrad_compute:
             self.experts.wgrad = WgradQueue()
         self.shared_expert = FeedForward(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None

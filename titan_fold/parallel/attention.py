@@ -23,14 +23,14 @@ from types import MethodType
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_fold.common.tensors import local
-from titan_fold.models.documents import DocumentMask, masked_attention
+from titan_fold.models.attention import attend, window_allows
+from titan_fold.models.documents import DocumentMask
 from titan_fold.parallel.placement import tp_plan
 
 # ---------------------------------------------------------------- tensor / sequence parallel
@@ -151,12 +151,14 @@ class ContextParallelAttention(nn.Module):
 
     With a document mask (packed documents, parallel/cp_documents.py) q holds this rank's
     blocks of the sample in their own order: K and V are gathered in the cp ranks' order, which
-    the mask's keys follow, and attended to under it.
+    the mask's keys follow, and attended to under it. A window (sliding-window layers) and sinks
+    go to the same kernels as on one rank (models/attention.py).
     """
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, cp_mesh: DeviceMesh, window: int | None = None):
         super().__init__()
         self.cp_mesh = cp_mesh
+        self.window = window
         # read once, outside forward: plain ints for torch.compile
         self.cp, self.cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
@@ -166,11 +168,16 @@ class ContextParallelAttention(nn.Module):
         return _all_gather(x.permute(2, 0, 1, 3).contiguous(), gather_dim=0, group=self.cp_mesh)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: DocumentMask | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if mask is not None:
             k_all, v_all = (self._gather(x).permute(1, 2, 0, 3) for x in (k, v))  # [b, kv_heads, s, d]
-            return masked_attention(q, k_all, v_all, mask)
+            return attend(q, k_all, v_all, mask, sinks)
         cp, rank = self.cp, self.cp_rank
         b, h, s_local, d = q.shape
         c = s_local // 2
@@ -193,12 +200,8 @@ class ContextParallelAttention(nn.Module):
         for half, g in enumerate(_chunks_of(rank, cp)):
             keys = (g + 1) * c
             q_pos = g * c + torch.arange(c, device=q.device)
-            mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[:, None]  # [c, keys]
-            out.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, half * c : (half + 1) * c], k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask
-                )
-            )
+            mask = window_allows(q_pos, torch.arange(keys, device=q.device), self.window)  # [c, keys]
+            out.append(attend(q[:, :, half * c : (half + 1) * c], k_all[:, :, :keys], v_all[:, :, :keys], mask, sinks))
         return torch.cat(out, dim=2)  # [b, heads, 2c, head_dim]
 
 
@@ -211,4 +214,4 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """
     model.query_part = (cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.transformer_blocks():
-        block.attention.inner_attention = ContextParallelAttention(cp_mesh)
+        block.attention.inner_attention = ContextParallelAttention(cp_mesh, block.attention.inner_attention.window)

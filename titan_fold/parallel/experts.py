@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_fold.moe import MoE, TokenDispatcher, moe_layers
 from titan_fold.moe.quack import varying_rows
@@ -53,8 +53,11 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
         tensor = distribute_tensor(param.data, layout.expert[placed.dims], placed.placements)
         setattr(model.get_submodule(owner_name), name, nn.Parameter(tensor, param.requires_grad))
     stash = None  # moe.stash_rows: one pool for the model part's MoE layers
+    etp_mesh = layout.get_optional_mesh("etp")
+    etp_rank = etp_mesh.get_local_rank() if etp_mesh is not None else 0
     for moe in moe_layers(model):
         set_dispatcher(moe, dispatcher(layout))
+        moe.experts.adds_w2_bias = etp_rank == 0  # the etp sum gets w2_bias once
         if moe.experts.grouped_gemm == "auto" and varying_rows(moe.args, layout.ep, layout.etp):
             moe.experts.grouped_gemm = "torch"  # QuACK would tune its kernels in every call
         if moe.args.stash_rows:
@@ -69,6 +72,8 @@ def expert_slice(
     plan places it: w13 [E, 2 * ffn, dim] -> [E/ep, 2 * ffn/etp, dim]; w2 -> [E/ep, dim, ffn/etp]."""
     meshes = {d: m for d, m in (("ep", ep_mesh), ("etp", etp_mesh)) if m is not None}
     for (d, mesh), placement in zip(meshes.items(), expert_placements(name, meshes), strict=True):
+        if not isinstance(placement, Shard):
+            continue  # whole on every rank of this dim
         if w.shape[placement.dim] % mesh.size():
             raise ValueError(
                 f"experts.{name}: dim {placement.dim} of {tuple(w.shape)} does not split {d} = {mesh.size()} ways"
@@ -89,8 +94,10 @@ def shard_moe(
     dispatches over ep x etp. weights_mesh: None = plain local tensors; else a mesh whose dims
     are among "ep", "etp" (e.g. the expert mesh["ep", "etp"]): the slices become DTensors
     placed as the plan says, so that FSDP2 and DCP see the global shapes."""
-    for name in ("w13", "w2"):
+    for name in ("w13", "w2", "w13_bias", "w2_bias"):
         full = getattr(moe.experts, name)
+        if full is None:  # experts without biases
+            continue
         part = expert_slice(full.detach(), name, ep_mesh, etp_mesh).clone()
         if weights_mesh is not None:
             part = DTensor.from_local(
@@ -98,3 +105,4 @@ def shard_moe(
             )
         setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
     set_dispatcher(moe, TokenDispatcher(ep_mesh, etp_mesh, seq_mesh))
+    moe.experts.adds_w2_bias = etp_mesh is None or etp_mesh.get_local_rank() == 0

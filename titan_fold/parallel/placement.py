@@ -50,7 +50,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -126,6 +134,19 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, TokenwiseReplicate._replicate, self._input, self._output)
 
 
+class HeadShard(ParallelStyle):
+    """A module whose parameters are one value per attention head ([heads, ...]: GPT-OSS's sinks),
+    sharded with the heads, `Shard(0)`; the attention reads this rank's part (its local heads)."""
+
+    @staticmethod
+    def _shard(name, module, mesh):
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._shard)
+
+
 def mla_plan(prefix: str, attention: nn.Module) -> dict[str, ParallelStyle]:
     """Multi-head latent attention on tp: the up-projections (wq or wq_b, wkv_b) colwise by heads,
     wo rowwise; the down-projections to the latents (wq_a, wkv_a), their norms and the rotary
@@ -194,6 +215,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
             for name in ("wq", "wk", "wv"):
                 plan[p + f"attention.{name}"] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=not keep_dtensor)
+        if getattr(block.attention, "sinks", None) is not None:
+            plan[p + "attention.sinks"] = HeadShard()
         if getattr(block.attention, "q_norm", None) is not None:
             # Qwen3's per-head q/k norms: each tp rank normalizes its own heads
             # [b, s, heads/tp, head_dim], so the weight's gradient is a sum over tp
@@ -248,6 +271,8 @@ def tp_placement(style: ParallelStyle, module: nn.Module, param_name: str) -> Pl
         return Shard(1) if embedding else Shard(0)
     if isinstance(style, RowwiseParallel):
         return Shard(0) if embedding else (Shard(1) if param_name == "weight" else Replicate())
+    if isinstance(style, HeadShard):
+        return Shard(0)
     if isinstance(style, (SequenceParallel, TokenwiseReplicate, ReplicateParallel)):
         return Replicate()
     return None  # input/output layouts only: the module's parameters belong to its children
@@ -265,14 +290,17 @@ def tp_partial_grad(style: ParallelStyle | None, placement: Placement | None) ->
 
 
 # stacked routed experts: (ep placement, etp placement, model-width dim); etp shards the ffn dim
-_EXPERT_RULES = {
+# (GPT-OSS's biases: w13_bias with its pairs; w2_bias whole on every etp rank, added once)
+_EXPERT_RULES: dict[str, tuple[Placement, Placement, int]] = {
     "w13": (Shard(0), Shard(1), 2),  # [E, 2 * ffn, dim]
     "w2": (Shard(0), Shard(2), 1),  # [E, dim, ffn]
+    "w13_bias": (Shard(0), Shard(1), 1),  # [E, 2 * ffn]
+    "w2_bias": (Shard(0), Replicate(), 1),  # [E, dim]
 }
 
 
 def expert_placements(name: str, dims) -> tuple[Placement, ...]:
-    """Placements of the stacked experts.<name> (w13, w2) on mesh dims among "ep", "etp"."""
+    """Placements of the stacked experts.<name> (w13, w2, their biases) on mesh dims among "ep", "etp"."""
     by_dim = dict(zip(("ep", "etp"), _EXPERT_RULES[name][:2], strict=True))
     return tuple(by_dim[d] for d in dims)
 

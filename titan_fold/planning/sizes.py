@@ -115,7 +115,8 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
     head = model.output.weight.numel() + model.norm.weight.numel()
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
     total, flops = args.get_nparams_and_flops(model, seq_len)
-    attention = args.mixer_flops_per_layer(seq_len)
+    # per layer and token, the mean over the layers (sliding-window layers count their window)
+    attention = args.attention_flops([seq_len]) / (seq_len * (args.n_layers + args.mtp_layers))
     m = args.moe
     per_layer = {
         "moe": 6 * (tp_sharded["moe"] + replicated["moe"] + experts * m.top_k // m.num_experts) + attention,

@@ -161,7 +161,7 @@ class FoldTrainer(TrainStep, Stateful):
         seq_len = job_config.training.seq_len
         n_params, flops_per_token = model_args.get_nparams_and_flops(model, seq_len)
         # MFU counts each batch's attention as computed (batch_flops): less the full sequence's here
-        self.dense_flops_per_token = flops_per_token - model_args.attention_flops(seq_len**2) / seq_len
+        self.dense_flops_per_token = flops_per_token - model_args.attention_flops([seq_len]) / seq_len
         logger.info(
             f"{color.blue}Model {job_config.model.name} {job_config.model.flavor} "
             f"{color.red}size: {n_params:,} total parameters{color.reset}"
@@ -410,7 +410,7 @@ class FoldTrainer(TrainStep, Stateful):
         attention within each packed document (training.document_masking), else over each sample."""
         ids = input_dict.get("document_ids")
         lengths = document_lengths(ids) if ids is not None else torch.full(labels.shape[:1], labels.shape[1])
-        return self.dense_flops_per_token * labels.numel() + self.model_args.attention_flops(int((lengths**2).sum()))
+        return self.dense_flops_per_token * labels.numel() + self.model_args.attention_flops(lengths)
 
     def should_continue_training(self) -> bool:
         """Called before every step; also where a stop request is agreed on by every rank."""
