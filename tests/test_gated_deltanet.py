@@ -102,7 +102,7 @@ def test_layer_on_packed_documents_equals_transformers_document_by_document(fami
     lengths = [[7, 1, 18, 6], [32]]  # documents of each packed sample, 32 tokens each
     document_ids = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
     x = torch.randn(2, 32, 24, requires_grad=True)
-    out = ours(x, document_positions(document_ids))
+    out = ours(x, mask=document_positions(document_ids))
     weights = torch.randn_like(out)
     (grad_ours,) = torch.autograd.grad((out * weights).sum(), x)
 

@@ -205,10 +205,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dv, args.norm_eps)
         self.wo = nn.Linear(nv * dv, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, dim]; positions [b, s]: each token's place in its packed document (None: one
-        document per sample)."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask=None
+    ) -> torch.Tensor:
+        """x [b, s, dim] -> [b, s, dim], called as every token mixer (cos and sin unused: no RoPE).
+        mask: this mixer's document mask, each token's position in its packed document [b, s]
+        int64 (None: one document per sample)."""
         b, s, _ = x.shape
+        positions = mask
         if positions is None:
             positions = torch.arange(s, device=x.device)
         q = self.conv_q(self.wq(x), positions).view(b, s, -1, self.dk)  # [b, s, Hk, K]

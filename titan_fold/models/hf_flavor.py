@@ -7,6 +7,7 @@ from titan_fold.common.config import ConfigError
 from titan_fold.models.args import TransformerArgs
 from titan_fold.models.deepseek_v3 import DeepSeekV3Args
 from titan_fold.models.hf_adapter import args_from_hf_config
+from titan_fold.models.qwen3_5 import Qwen35Args
 
 
 @dataclass
@@ -33,3 +34,9 @@ class HFConfigArgs(TransformerArgs):
 @dataclass
 class DeepSeekV3HFConfigArgs(HFConfigArgs, DeepSeekV3Args):
     """The deepseek_v3 `hf` flavor: every size from `[model] hf_config`, the MLA model's methods."""
+
+
+@dataclass
+class Qwen35HFConfigArgs(HFConfigArgs, Qwen35Args):
+    """The qwen3_5_moe / qwen3_next `hf` flavor: every size from `[model] hf_config`, the hybrid
+    model's methods (linear attention, zero-centered norms, its FLOP count)."""

@@ -178,8 +178,27 @@ class Qwen35Names:
         return {f"attention.{n}.weight": p.flatten(0, 1) for n, p in zip(names, parts, strict=True)}
 
     def model_view_of_hf_shapes(self, shapes: dict[str, Any]) -> dict[str, Any]:
-        """An HF folder's {key: shape} as this model reads it (skipped tensors left out)."""
-        return {k: s for k, s in shapes.items() if not k.startswith(tuple(SKIPPED_PREFIXES))}
+        """An HF folder's {key: shape} as this model reads it: skipped tensors left out, the text
+        model's prefix model., stacked experts as per-expert tensors."""
+        out = {}
+        for key, shape in shapes.items():
+            if key.startswith(tuple(SKIPPED_PREFIXES)):
+                continue
+            key = key.replace("model.language_model.", "model.", 1)
+            m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", key)
+            if m is None:
+                out[key] = shape
+                continue
+            n, rows, cols = shape
+            for e in range(n):
+                if m.group(2) == "gate_up_proj":
+                    out[f"{m.group(1)}.{e}.gate_proj.weight"] = out[f"{m.group(1)}.{e}.up_proj.weight"] = [
+                        rows // 2,
+                        cols,
+                    ]
+                else:
+                    out[f"{m.group(1)}.{e}.down_proj.weight"] = [rows, cols]
+        return out
 
 
 def _unstack_experts(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The TrainSpecs FoldTrainer builds from: one per model family.
 
-`[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral" or "deepseek_v3"), `[model] flavor` its
+`[model] name` picks the family (models/flavors.py: qwen2_moe, qwen3_moe, mixtral, deepseek_v3,
+qwen3_5_moe, qwen3_next), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
 
@@ -14,7 +15,7 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS
-from titan_fold.models.hf_flavor import DeepSeekV3HFConfigArgs, HFConfigArgs
+from titan_fold.models.hf_flavor import DeepSeekV3HFConfigArgs, HFConfigArgs, Qwen35HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 from titan_fold.trainer.metrics import build_metrics_processor
@@ -45,10 +46,14 @@ class FlavorCopies(Mapping):
         return len(self._flavors) + 1
 
 
+# the `hf` flavor's args class of the families whose args are not TransformerArgs
+HF_ARGS = {"deepseek_v3": DeepSeekV3HFConfigArgs, "qwen3_5_moe": Qwen35HFConfigArgs, "qwen3_next": Qwen35HFConfigArgs}
+
+
 def _train_spec(family: str) -> TrainSpec:
     return TrainSpec(
         model_cls=Transformer,
-        model_args=FlavorCopies(FLAVORS[family], DeepSeekV3HFConfigArgs if family == "deepseek_v3" else HFConfigArgs),
+        model_args=FlavorCopies(FLAVORS[family], HF_ARGS.get(family, HFConfigArgs)),
         parallelize_fn=parallelize,
         pipelining_fn=pipeline,
         build_optimizers_fn=build_optimizers,
