@@ -59,7 +59,7 @@ def random_hf_model(family: str, folder):
     torch.manual_seed(0)
     hf = CASES[family]().eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():  # norms away from their neutral values: a swap would show
+        for p in hf.parameters():  # norms away from their neutral values: a swap would show
             p.copy_(torch.randn_like(p) * 0.2)
     hf.save_pretrained(folder)
     return hf

@@ -276,7 +276,7 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
     if family == "deepseek_v3":
         return deepseek_args_from_hf_config(c, _INERT, HFConfigError)
     if family in QWEN35_FAMILY_OF.values():
-        return qwen35_args_from_hf_config(family, c, _INERT, HFConfigError)
+        return qwen35_args_from_hf_config(family, c, _INERT, HFConfigError, hf_dense_layers)
     used = set(_INERT)
 
     def get(key, default=KeyError, *aliases):

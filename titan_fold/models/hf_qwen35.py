@@ -243,10 +243,10 @@ def text_config(c: dict) -> dict:
     return c
 
 
-def qwen35_args_from_hf_config(family: str, config: dict, inert: set, error):
+def qwen35_args_from_hf_config(family: str, config: dict, inert: set, error, dense_layers):
     """Qwen35Args of a qwen3_5_moe (either config) or qwen3_next config.json (dict). error(message)
-    builds the exception raised (hf_config's HFConfigError); each names the field and the rule."""
-    from titan_fold.models.hf_config import hf_dense_layers
+    builds the exception raised (hf_config's HFConfigError); each names the field and the rule.
+    dense_layers(config, n_layers): hf_config's reading of mlp_only_layers and decoder_sparse_step."""
     from titan_fold.models.qwen3_5 import Qwen35Args
     from titan_fold.moe import MoEArgs
 
@@ -299,7 +299,7 @@ def qwen35_args_from_hf_config(family: str, config: dict, inert: set, error):
     dense: tuple[int, ...] = ()
     ffn = 0
     if family == "qwen3_next":
-        dense = hf_dense_layers(c, n_layers)
+        dense = dense_layers(c, n_layers)
         used.update({"mlp_only_layers", "decoder_sparse_step"})
         ffn = get("intermediate_size", 0 if not dense else KeyError)
     norm_topk = bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True
