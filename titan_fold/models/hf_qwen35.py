@@ -134,8 +134,8 @@ class Qwen35Names:
                 continue
             i, name = m.groups()
             ours = f"layers.{i}."
-            if name.startswith("linear_attn."):
-                native.update({ours + k: v for k, v in self._gdn_from_hf(name, value).items()})
+            if name.startswith("linear_attn.") and (parts := self._gdn_from_hf(name, value)) is not None:
+                native.update({ours + k: v for k, v in parts.items()})
             elif name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
                 rest.update({f"model.layers.{i}.{k}": v for k, v in _unstack_experts(name, value).items()})
             else:
@@ -148,7 +148,7 @@ class Qwen35Names:
                 native[key] = distribute_tensor(native[key].contiguous(), mesh, placements, src_data_rank=None)
         return native
 
-    def _gdn_from_hf(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _gdn_from_hf(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         a = self.args
         q_rows, v_rows = a.linear_n_key_heads * a.linear_key_head_dim, a.linear_n_value_heads * a.linear_value_head_dim
         inverse = {h.removeprefix("linear_attn."): o for o, h in GDN_PLAIN.items()}
@@ -170,11 +170,11 @@ class Qwen35Names:
         if short == "in_proj_qkvz.weight":
             dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
             parts = grouped.split([dk, dk, r * dv, r * dv], 1)
-            names = ("wq", "wk", "wv", "wz")
+            names: tuple[str, ...] = ("wq", "wk", "wv", "wz")
         elif short == "in_proj_ba.weight":
             parts, names = grouped.split([r, r], 1), ("wb", "wa")
         else:
-            return {f"linear_attn.{short}": value}  # unknown: the base adapter names it in its error
+            return None  # not a linear-attention tensor of this family
         return {f"attention.{n}.weight": p.flatten(0, 1) for n, p in zip(names, parts, strict=True)}
 
     def model_view_of_hf_shapes(self, shapes: dict[str, Any]) -> dict[str, Any]:
