@@ -1,7 +1,7 @@
 """Qwen3.5-MoE and Qwen3-Next against transformers: tiny random models imported through `python -m
 titan_fold.hf` give transformers' logits and loss gradients on packed documents (transformers run
 document by document), export gives back the HF tensors bit for bit and a folder from_pretrained
-opens; the Hub's vision-language layout imports its text model."""
+opens; the Hub's vision-language layout imports its text model, offline and as the trainer reads it."""
 
 import json
 
@@ -83,6 +83,13 @@ def test_import_parity_on_packed_documents_and_bit_exact_export(family, tmp_path
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     model.load_state_dict(sd)
     assert [b.layer_type for b in model.layers.values()] == TEXT["layer_types"]
+    # the trainer's checkpoint.initial_load_in_hf: DCP reads the folder itself through the adapter
+    adapter = ADAPTERS[family](args)
+    hf_sd = adapter.to_hf({k: torch.empty_like(v) for k, v in sd.items()})
+    dcp.load(hf_sd, storage_reader=adapter.get_hf_storage_reader(str(tmp_path / "hf")), no_dist=True)
+    read = adapter.from_hf(hf_sd)
+    assert read.keys() == {name for name, _ in model.named_parameters()}
+    assert all(torch.equal(read[k], sd[k]) for k in read)
 
     tokens = torch.randint(0, TEXT["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, TEXT["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
@@ -101,7 +108,6 @@ def test_import_parity_on_packed_documents_and_bit_exact_export(family, tmp_path
     torch.testing.assert_close(ours.detach().flatten(0, 1), torch.cat(theirs).detach(), rtol=0, atol=1e-4)
     assert torch.cat(theirs).std() > 0.1
 
-    adapter = ADAPTERS[family](args)
     grads = adapter.to_hf({name: p.grad for name, p in model.named_parameters()})
     hf_grads = {n.replace("model.language_model.", "model."): p.grad for n, p in hf.named_parameters()}
     for name, grad in hf_grads.items():

@@ -68,7 +68,7 @@ from titan_fold.models.hf_config import (
 from titan_fold.models.hf_deepseek import (
     DeepSeekV3Names,
 )
-from titan_fold.models.hf_qwen35 import Qwen35Names
+from titan_fold.models.hf_qwen35 import Qwen35Names, TextModelReader
 from titan_fold.moe.experts import split_gate_up, stack_gate_up
 
 
@@ -309,6 +309,9 @@ class Qwen35StateDictAdapter(MoEStateDictAdapter):
 
     def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
         return self._names().model_view_of_hf_shapes(shapes)
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        return TextModelReader(path)
 
 
 class Qwen3NextStateDictAdapter(Qwen35StateDictAdapter):

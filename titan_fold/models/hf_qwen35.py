@@ -20,11 +20,14 @@ saves them; import also takes experts stacked as transformers holds them (expert
 experts.down_proj).
 """
 
+import dataclasses
 import re
 import sys
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.hf_storage import _HFStorageInfo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 GDN_PLAIN = {
@@ -199,6 +202,41 @@ class Qwen35Names:
                 else:
                     out[f"{m.group(1)}.{e}.down_proj.weight"] = [rows, cols]
         return out
+
+
+TEXT_PREFIX = "model.language_model."
+
+
+@dataclasses.dataclass
+class _NamedStorageInfo(_HFStorageInfo):
+    name: str = ""  # the tensor's name in its safetensors file
+
+
+class TextModelReader(HuggingFaceStorageReader):
+    """DCP's Hugging Face reader of a vision-language folder's text model under the text model's
+    names (model.X for model.language_model.X), so the trainer's checkpoint.initial_load_in_hf
+    reads the Hub's Qwen3.5 folders as they are; the vision tower and MTP tensors are not asked for."""
+
+    def read_metadata(self):
+        metadata = super().read_metadata()
+
+        def text_name(fqn: str) -> str:
+            return "model." + fqn.removeprefix(TEXT_PREFIX) if fqn.startswith(TEXT_PREFIX) else fqn
+
+        metadata.state_dict_metadata = {text_name(k): v for k, v in metadata.state_dict_metadata.items()}
+        metadata.storage_data = {
+            dataclasses.replace(index, fqn=text_name(index.fqn)): _NamedStorageInfo(
+                info.relative_path, info.shape, info.dtype, name=index.fqn
+            )
+            for index, info in metadata.storage_data.items()
+        }
+        return metadata
+
+    def _process_read_request(self, f, req, planner) -> None:
+        name = self.storage_data[req.storage_index].name  # the file's own name of the tensor
+        super()._process_read_request(
+            f, dataclasses.replace(req, storage_index=dataclasses.replace(req.storage_index, fqn=name)), planner
+        )
 
 
 def _unstack_experts(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
