@@ -13,10 +13,8 @@ import transformers
 
 from titan_fold.checkpoint.files import read_hf_folder
 from titan_fold.hf import main
-from titan_fold.models import Transformer
-from titan_fold.models.hf_adapter import ADAPTERS, args_from_hf_config
-
-pytestmark = pytest.mark.slow  # HF folders written and read: the full suite only
+from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.hf_adapter import ADAPTERS, args_from_hf_config, config_mismatches, hf_config
 
 TEXT = dict(
     hidden_size=32,
@@ -70,6 +68,32 @@ def text_logits(hf, tokens):
     return hf(input_ids=tokens).logits
 
 
+# the flavors' names: total and activated parameters (billions)
+NAMED = {
+    ("qwen3_5_moe", "35B-A3B"): (35, 3),
+    ("qwen3_5_moe", "122B-A10B"): (122, 10),
+    ("qwen3_5_moe", "397B-A17B"): (397, 17),
+    ("qwen3_next", "80B-A3B"): (80, 3),
+}
+
+
+@pytest.mark.parametrize("family, flavor", sorted(NAMED))
+def test_flavor_has_the_sizes_of_its_name_and_writes_its_config(family, flavor):
+    args = FLAVORS[family][flavor]
+    with torch.device("meta"):
+        model = Transformer(args)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
+    active = total - routed + routed * args.moe.top_k // args.moe.num_experts
+    want_total, want_active = NAMED[family, flavor]
+    assert abs(total / 1e9 - want_total) < 0.02 * want_total
+    # the names round the activated count (Qwen3-Next-80B-A3B: 3.9B with the embedding and head)
+    assert 0.9 * want_active <= active / 1e9 < 1.3 * want_active
+    assert config_mismatches(hf_config(family, args), family, args) == []
+    assert args.layer_types.count("full_attention") * 4 == args.n_layers
+
+
+@pytest.mark.slow  # HF folders written and read: the full suite only
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_import_parity_on_packed_documents_and_bit_exact_export(family, tmp_path, capfd):
     hf = random_hf_model(family, tmp_path / "hf")
