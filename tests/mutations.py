@@ -639,7 +639,6 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_gated_deltanet.py::test_layer_on_packed_documents_equals_transformers_document_by_document"
             "[qwen3_5_moe]",
         ),
-        fast=True,
     ),
     Mutation(
         "gated_norm_sigmoid_gate",
