@@ -651,6 +651,64 @@ MUTATIONS: tuple[Mutation, ...] = (
             "[qwen3_next]",
         ),
     ),
+    Mutation(
+        "sink_dropped_from_the_softmax",
+        "the attention sinks left out of each query's softmax",
+        "titan_fold/models/attention.py",
+        "    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]\n",
+        "    probs = scores.softmax(dim=-1)\n",
+        (
+            "tests/test_variants.py::test_attend_window_and_sinks_limits",
+            "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
+        ),
+    ),
+    Mutation(
+        "window_off_by_one",
+        "a sliding-window query sees window + 1 keys (itself and window earlier ones)",
+        "titan_fold/models/attention.py",
+        "    return allowed if window is None else allowed & (delta < window)\n",
+        "    return allowed if window is None else allowed & (delta <= window)\n",
+        (
+            "tests/test_variants.py::test_attend_window_and_sinks_limits",
+            "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
+        ),
+    ),
+    Mutation(
+        "document_window_off_by_one",
+        "a sliding-window query of a packed document sees window + 1 keys",
+        "titan_fold/models/documents.py",
+        "        allowed = allowed & (delta < window)\n",
+        "        allowed = allowed & (delta <= window)\n",
+        ("tests/test_gpt_oss.py::test_packed_documents_match_each_document_alone",),
+    ),
+    Mutation(
+        "expert_bias_added_on_every_etp_rank",
+        "each etp rank adds the experts' w2 bias to its partial sum: the bias counted etp times",
+        "titan_fold/parallel/experts.py",
+        "        moe.experts.adds_w2_bias = etp_rank == 0  # the etp sum gets w2_bias once\n",
+        "        moe.experts.adds_w2_bias = True\n",
+        ("tests/test_equivalence_gpt_oss.py::test_gpt_oss_layout_matches_one_rank[tp2_cp2_dp2_ep2_etp2]",),
+    ),
+    Mutation(
+        "sliding_layers_counted_as_full",
+        "MFU and the planner count a sliding-window layer's attention as full causal attention",
+        "titan_fold/models/args.py",
+        "        window = self.layer_window(layer_id)\n",
+        "        window = None\n",
+        ("tests/test_variants.py::test_sliding_layers_count_their_window_in_the_flops",),
+        fast=True,
+    ),
+    Mutation(
+        "clamp_limit_ignored",
+        "GPT-OSS's SwiGLU without its clamp: gate and up pass the limit",
+        "titan_fold/moe/activation.py",
+        "    gate = gate.clamp(max=limit)\n    up = up.clamp(min=-limit, max=limit)\n",
+        "",
+        (
+            "tests/test_variants.py::test_clamped_swiglu_with_biases_every_path[True-torch]",
+            "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
+        ),
+    ),
 )
 
 

@@ -1,4 +1,4 @@
-"""The published config.json of six Hub models build titan_fold models (the `hf` flavor) on the
+"""The published config.json of eight Hub models build titan_fold models (the `hf` flavor) on the
 meta device with the parameter counts of their model cards, and match the packaged flavors;
 fields that would change the computation are rejected by name."""
 
@@ -23,6 +23,9 @@ PUBLISHED = {
     "Qwen3-235B-A22B": ("qwen3_moe", "235B-A22B", 235.0, 22.0),
     "Mixtral-8x7B-v0.1": ("mixtral", "8x7B", 46.7, 12.9),
     "Mixtral-8x22B-v0.1": ("mixtral", "8x22B", 141.0, 39.0),
+    # the cards' 3.61B / 5.13B activated leave out the 0.58B embedding table
+    "gpt-oss-20b": ("gpt_oss", "20b", 20.91, 3.61 + 0.58),
+    "gpt-oss-120b": ("gpt_oss", "120b", 116.83, 5.13 + 0.58),
 }
 
 

@@ -93,3 +93,13 @@ def test_attend_window_and_sinks_limits():
     torch.testing.assert_close(attend(q, k, v, window=6), causal)
     torch.testing.assert_close(attend(q, k, v, sinks=torch.full((4,), -torch.inf)), causal)
     assert attend(q, k, v, sinks=torch.full((4,), 1e4)).abs().max() < 1e-6
+
+
+def test_sliding_layers_count_their_window_in_the_flops():
+    """Query-key pairs per layer: n^2 with full attention; 2 n w - w^2 past a window w (n^2 within it)."""
+    args = TransformerArgs(
+        dim=64, n_heads=4, n_layers=2, layer_types=("sliding_attention", "full_attention"), sliding_window=8
+    )
+    per_pair = 6 * 4 * 16  # 6 x heads x head_dim
+    sliding = 4**2 + (2 * 20 * 8 - 8**2)
+    assert args.attention_flops([4, 20]) == per_pair * (sliding + 4**2 + 20**2)

@@ -163,6 +163,11 @@ def check_initial_hf_load(config, model_args) -> None:
         return
     folder = ckpt.initial_load_path or config.model.hf_assets_path
     check_hf_checkpoint(folder, config.model.name, model_args, config.model.flavor)
+    if mxfp4 := [k for k in hf_shapes(folder) if k.endswith("_blocks")]:
+        raise CheckpointError(
+            f"{folder}: MXFP4 experts ({mxfp4[0]}, ...) are dequantized by `python -m titan_fold.hf import "
+            f"{folder} DCP_FOLDER` only; import it, then start from --checkpoint.initial_load_path DCP_FOLDER"
+        )
 
 
 def save_model_as_hf(

@@ -170,6 +170,8 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
         args.layer_types = tuple(kinds[i % len(kinds)] for i in range(n_layers))
     if hasattr(args, "linear_key_head_dim"):  # linear attention: the head counts kept, 4 wide each
         args.linear_key_head_dim = args.linear_value_head_dim = 4
+    if args.sliding_window:  # a window the short sequence below passes
+        args.sliding_window = min(args.sliding_window, 4)
     if hasattr(args, "kv_lora_rank"):  # MLA: latents and per-head widths of a few units (head_dim 4 below)
         args.q_lora_rank = None if args.q_lora_rank is None else 4
         args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 4, 2, 2, 4

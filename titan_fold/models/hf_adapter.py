@@ -68,6 +68,7 @@ from titan_fold.models.hf_config import (
 from titan_fold.models.hf_deepseek import (
     DeepSeekV3Names,
 )
+from titan_fold.models.hf_gpt_oss import GptOssNames, mxfp4_shapes
 from titan_fold.models.hf_qwen35 import Qwen35Names, TextModelReader
 from titan_fold.moe.experts import split_gate_up, stack_gate_up
 
@@ -318,6 +319,24 @@ class Qwen3NextStateDictAdapter(Qwen35StateDictAdapter):
     family = "qwen3_next"
 
 
+class GptOssStateDictAdapter(MoEStateDictAdapter):
+    """Sinks, router and stacked expert names, and MXFP4 experts, are models/hf_gpt_oss.py's."""
+
+    family = "gpt_oss"
+    moe_prefix = "mlp"
+    expert_names: dict[str, str] = {}  # stacked on both sides: GptOssNames moves them
+    moe_layer: dict[str, str] = {}
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return GptOssNames(self._expert_layout).native_to_hf(state_dict, super().to_hf)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return GptOssNames(self._expert_layout).hf_to_native(hf_state_dict, super().from_hf)
+
+    def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
+        return mxfp4_shapes(shapes)
+
+
 ADAPTERS = {
     "qwen2_moe": Qwen2MoEStateDictAdapter,
     "qwen3_moe": Qwen3MoEStateDictAdapter,
@@ -325,4 +344,5 @@ ADAPTERS = {
     "deepseek_v3": DeepSeekV3StateDictAdapter,
     "qwen3_5_moe": Qwen35StateDictAdapter,
     "qwen3_next": Qwen3NextStateDictAdapter,
+    "gpt_oss": GptOssStateDictAdapter,
 }

@@ -19,6 +19,7 @@ from titan_fold.models.hf_deepseek import (
     deepseek_compared,
     deepseek_hf_config,
 )
+from titan_fold.models.hf_gpt_oss import gpt_oss_args_from_hf_config, gpt_oss_compared, gpt_oss_hf_config
 from titan_fold.models.hf_qwen35 import (
     FAMILY_OF as QWEN35_FAMILY_OF,
 )
@@ -41,6 +42,7 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # model_type -> family, where they differ (Qwen3.5's vision-language and text-only configs)
 FAMILY_OF = {**{family: family for family in ARCHITECTURES}, **QWEN35_FAMILY_OF}
@@ -277,6 +279,8 @@ def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
         return deepseek_args_from_hf_config(c, _INERT, HFConfigError)
     if family in QWEN35_FAMILY_OF.values():
         return qwen35_args_from_hf_config(family, c, _INERT, HFConfigError, hf_dense_layers)
+    if family == "gpt_oss":
+        return gpt_oss_args_from_hf_config(c, _INERT, HFConfigError)
     used = set(_INERT)
 
     def get(key, default=KeyError, *aliases):
@@ -388,6 +392,8 @@ def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
         return deepseek_compared(args)
     if family in QWEN35_FAMILY_OF.values():
         return qwen35_compared(family, args)
+    if family == "gpt_oss":
+        return gpt_oss_compared(args)
     moe = args.moe
     values = {
         **_sizes(args),
@@ -453,11 +459,12 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
             raise HFConfigError(f"{family}: {ARCHITECTURES[family]} {what}; this model cannot be exported as one")
 
     dtype_name = str(dtype).removeprefix("torch.")
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "gpt_oss"):
+        family_config = deepseek_hf_config if family == "deepseek_v3" else gpt_oss_hf_config
         return {
             "architectures": [ARCHITECTURES[family]],
             "model_type": family,
-            **deepseek_hf_config(args, need),
+            **family_config(args, need),
             "torch_dtype": dtype_name,
             "dtype": dtype_name,
         }

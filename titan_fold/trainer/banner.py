@@ -48,6 +48,12 @@ def banner(
                 if copies
                 else []
             ),
+            *(
+                [f"  routed experts: torch's grouped GEMMs, not QuACK's (QuACK {carry})"]
+                if model_args.moe.grouped_gemm == "auto"
+                and (carry := model_args.moe.activation.quack_problem(model_args.moe.expert_biases))
+                else []
+            ),
             f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
             f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
             *([f"  optimizer updates (rank 0): {optimizer_split}"] if optimizer_split else []),

@@ -103,6 +103,10 @@ def _check_experts(c: Checked) -> None:
     config, moe, layout = c.config, c.model_args.moe, _layout(c)
     if moe.expert_fp8:
         check_expert_fp8(config, c.model_args, layout)
+    if moe.grouped_gemm == "quack" and (carry := moe.activation.quack_problem(moe.expert_biases)):
+        raise ConfigError(
+            f"moe.grouped_gemm = 'quack': QuACK {carry} ({config.model.name}); set moe.grouped_gemm = 'torch' or 'auto'"
+        )
     # a dry run plans for the real GPUs, where QuACK may be installed
     if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
         raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")

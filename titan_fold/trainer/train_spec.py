@@ -1,6 +1,6 @@
 """The TrainSpecs FoldTrainer builds from: one per model family.
 
-`[model] name` picks the family (models/flavors.py: qwen2_moe, qwen3_moe, mixtral, deepseek_v3,
+`[model] name` picks the family (models/flavors.py: qwen2_moe, qwen3_moe, mixtral, deepseek_v3, gpt_oss,
 qwen3_5_moe, qwen3_next), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
@@ -15,7 +15,7 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.models.hf_adapter import ADAPTERS
-from titan_fold.models.hf_flavor import DeepSeekV3HFConfigArgs, HFConfigArgs, Qwen35HFConfigArgs
+from titan_fold.models.hf_flavor import HF_ARGS, HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
 from titan_fold.parallel.pipeline import pipeline
 from titan_fold.trainer.metrics import build_metrics_processor
@@ -44,10 +44,6 @@ class FlavorCopies(Mapping):
 
     def __len__(self) -> int:
         return len(self._flavors) + 1
-
-
-# the `hf` flavor's args class of the families whose args are not TransformerArgs
-HF_ARGS = {"deepseek_v3": DeepSeekV3HFConfigArgs, "qwen3_5_moe": Qwen35HFConfigArgs, "qwen3_next": Qwen35HFConfigArgs}
 
 
 def _train_spec(family: str) -> TrainSpec:
