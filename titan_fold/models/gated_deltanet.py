@@ -98,13 +98,18 @@ def chunk_gated_delta_rule(
     k_write = k * ((last - gamma).exp() * same[..., -1, :].float()).unsqueeze(-1)
     keep = (last.exp() * carry[..., -1:]).unsqueeze(-1)  # [b, H, n, 1, 1]
 
-    state = q.new_zeros(b, h, dk, dv)
+    # the scan over chunks, (b, H) flattened: few ops per chunk (a traced or fake step runs each)
+    def per_chunk(x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [b, H, n, ...] -> n x [b * H, ...]
+        return x.flatten(0, 1).unbind(1)
+
+    state = q.new_zeros(b * h, dk, dv)
     out = []
-    for c in range(n):
-        v_new = u[:, :, c] - w[:, :, c] @ state  # [b, H, C, V]
-        out.append(q_read[:, :, c] @ state + scores[:, :, c] @ v_new)
-        state = state * keep[:, :, c] + k_write[:, :, c].transpose(-1, -2) @ v_new
-    o = torch.stack(out, dim=2).reshape(b, h, n * chunk, dv)[:, :, :s]
+    chunks_of = zip(*map(per_chunk, (u, w, q_read, scores, keep, k_write.transpose(-1, -2))), strict=True)
+    for u_c, w_c, q_c, scores_c, keep_c, k_c in chunks_of:
+        v_new = torch.baddbmm(u_c, w_c, state, alpha=-1)  # [b * H, C, V]
+        out.append(torch.baddbmm(q_c @ state, scores_c, v_new))
+        state = torch.baddbmm(state * keep_c, k_c, v_new)
+    o = torch.stack(out, dim=1).view(b, h, n * chunk, dv)[:, :, :s]
     return o.transpose(1, 2).to(dtype)
 
 
