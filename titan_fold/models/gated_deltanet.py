@@ -95,7 +95,8 @@ def chunk_gated_delta_rule(
     scores = (q @ k.transpose(-1, -2)) * decay  # [b, H, n, C, C]
     q_read = q * (gamma.exp() * carry).unsqueeze(-1)
     last = gamma[..., -1:]
-    k_write = k * ((last - gamma).exp() * same[..., -1, :].float()).unsqueeze(-1)
+    # masked before exp: a key of an earlier document has its own decay sum (last - gamma may overflow)
+    k_write = k * (last - gamma).masked_fill(~same[..., -1, :], float("-inf")).exp().unsqueeze(-1)
     keep = (last.exp() * carry[..., -1:]).unsqueeze(-1)  # [b, H, n, 1, 1]
 
     # the scan over chunks, (b, H) flattened: few ops per chunk (a traced or fake step runs each)
