@@ -165,9 +165,11 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     etp = par.expert_tensor_parallel_degree
     tp = par.tensor_parallel_degree
     args.n_layers = n_layers
-    if args.layer_types:  # every kind of token mixer the model has, among the layers kept
-        kinds = list(dict.fromkeys(args.layer_types))
-        args.layer_types = tuple(kinds[i % len(kinds)] for i in range(n_layers))
+    if args.layer_types:
+        # each kept layer's own mixer, unless that leaves a kind out (Qwen3.5's first layers are all
+        # linear attention): then the kinds in turn
+        kept, kinds = args.layer_types[:n_layers], list(dict.fromkeys(args.layer_types))
+        args.layer_types = kept if set(kept) == set(kinds) else tuple(kinds[i % len(kinds)] for i in range(n_layers))
     if hasattr(args, "linear_key_head_dim"):  # linear attention: the head counts kept, 4 wide each
         args.linear_key_head_dim = args.linear_value_head_dim = 4
     if args.sliding_window:  # a window the short sequence below passes
