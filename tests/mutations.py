@@ -784,6 +784,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "gdn_state_not_reset",
+        "the Gated DeltaNet state carried over a document start inside a packed sample",
+        "titan_fold/models/gated_deltanet.py",
+        "    start = F.pad(starts, (0, pad)).view(b, 1, n, chunk)\n",
+        "    start = torch.zeros_like(F.pad(starts, (0, pad))).view(b, 1, n, chunk)\n",
+        (
+            "tests/test_gated_deltanet.py::test_chunked_rule_equals_the_recurrent_definition_in_float64",
+            "tests/test_gated_deltanet.py::test_layer_on_packed_documents_equals_transformers_document_by_document"
+            "[qwen3_5_moe]",
+        ),
+    ),
+    Mutation(
+        "gated_norm_sigmoid_gate",
+        "the Gated DeltaNet output's RMSNorm gated by sigmoid(z) instead of silu(z)",
+        "titan_fold/models/gated_deltanet.py",
+        "        return (normed * F.silu(z.float())).to(o.dtype)\n",
+        "        return (normed * torch.sigmoid(z.float())).to(o.dtype)\n",
+        (
+            "tests/test_gated_deltanet.py::test_layer_on_packed_documents_equals_transformers_document_by_document"
+            "[qwen3_next]",
+        ),
+    ),
+    Mutation(
         "sink_dropped_from_the_softmax",
         "the attention sinks left out of each query's softmax",
         "titan_fold/models/attention.py",

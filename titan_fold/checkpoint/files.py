@@ -386,15 +386,18 @@ def compare_shapes(where: str, saved: dict[str, list[int]], wanted: dict[str, li
 
 
 def validate_against(
-    checkpoint_id: str, state_dict: dict[str, Any], from_hf_state_dict: dict[str, Any] | None = None
+    checkpoint_id: str, state_dict: dict[str, Any], from_hf_state_dict: dict[str, Any] | None = None, adapter=None
 ) -> None:
     """Compare the checkpoint's tensor shapes with what is about to be loaded into, before any read.
 
     state_dict: the (flattened) states torchtitan passes to dcp.load; for an HF load,
-    from_hf_state_dict is the adapter's to_hf of the model state dict instead.
+    from_hf_state_dict is the adapter's to_hf of the model state dict instead, and the folder's
+    tensors are seen as the adapter reads them (its hf_shapes_for_model).
     """
     if from_hf_state_dict is not None:
         saved = {k: shape for k, (shape, _) in hf_shapes(checkpoint_id).items()}  # every file checked whole
+        if adapter is not None:
+            saved = adapter.hf_shapes_for_model(saved)
         wanted = {k: s for k, v in from_hf_state_dict.items() if (s := _shape(v)) is not None}
         compare_shapes(f"Hugging Face checkpoint {checkpoint_id}", saved, wanted)
         return

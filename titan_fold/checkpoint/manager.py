@@ -261,7 +261,7 @@ class FoldCheckpointManager(CheckpointManager):
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         hf = self.sd_adapter.to_hf(dict(state_dict)) if from_hf else None
-        validate_against(checkpoint_id, state_dict, hf)
+        validate_against(checkpoint_id, state_dict, hf, self.sd_adapter if from_hf else None)
         super().dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
         if LR_SCHEDULER in state_dict:
             self.apply_lr_schedule()

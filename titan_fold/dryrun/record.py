@@ -166,13 +166,19 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     etp = par.expert_tensor_parallel_degree
     tp = par.tensor_parallel_degree
     args.n_layers = n_layers
-    args.layer_types = args.layer_types[:n_layers]  # each kept layer's own mixer
+    if args.layer_types:
+        # each kept layer's own mixer, unless that leaves a kind out (Qwen3.5's first layers are all
+        # linear attention): then the kinds in turn
+        kept, kinds = args.layer_types[:n_layers], list(dict.fromkeys(args.layer_types))
+        args.layer_types = kept if set(kept) == set(kinds) else tuple(kinds[i % len(kinds)] for i in range(n_layers))
+    if hasattr(args, "linear_key_head_dim"):  # linear attention: the head counts kept, 4 wide each
+        args.linear_key_head_dim = args.linear_value_head_dim = 4
     if args.sliding_window:  # a window the short sequence below passes
         args.sliding_window = min(args.sliding_window, 4)
     if hasattr(args, "kv_lora_rank"):  # MLA: latents and per-head widths of a few units (head_dim 4 below)
         args.q_lora_rank = None if args.q_lora_rank is None else 4
         args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 4, 2, 2, 4
-    args.head_dim = 4
+    args.head_dim = max(4, round(2 / args.partial_rotary_factor))  # RoPE on an even number of dims
     args.dim = 4 * args.n_heads
     layout = layout_from_config(config, world_size) if world_size is not None else None
     if layout is not None and args.moe.num_experts // layout.ep < layout.edp:

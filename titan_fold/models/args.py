@@ -197,3 +197,11 @@ class TransformerArgs(BaseModelArgs):
             else torch.where(lengths <= window, lengths**2, 2 * lengths * window - window**2)
         )
         return per_pair * float(pairs.sum())
+
+    def linear_attention_module(self) -> nn.Module:
+        """The token mixer of a "linear_attention" layer (the families that have one say which)."""
+        raise ValueError(f"{type(self).__name__}: layer_types names linear_attention, which this family has not")
+
+    def rms_norm(self, dim: int) -> nn.Module:
+        """The model's RMSNorm over `dim` (the blocks', the final one, the q/k norms)."""
+        return nn.RMSNorm(dim, eps=self.norm_eps)

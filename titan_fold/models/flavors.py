@@ -11,6 +11,7 @@ The `[moe]` section of a job config may override the router settings of any flav
 from titan_fold.models.args import TransformerArgs
 from titan_fold.models.deepseek_v3 import DEEPSEEK_V3
 from titan_fold.models.gpt_oss import GPT_OSS
+from titan_fold.models.qwen3_5 import QWEN3_5_MOE, QWEN3_NEXT
 from titan_fold.moe import MoEArgs
 
 # Qwen2-MoE: qkv bias, a shared expert scaled by sigmoid(x @ w_gate), softmax scores
@@ -187,5 +188,7 @@ FLAVORS = {
     "qwen3_moe": QWEN3_MOE,
     "mixtral": MIXTRAL,
     "deepseek_v3": DEEPSEEK_V3,
+    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_next": QWEN3_NEXT,
     "gpt_oss": GPT_OSS,
 }

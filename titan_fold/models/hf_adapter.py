@@ -1,4 +1,4 @@
-"""Hugging Face <-> titan_fold state dicts, for Qwen2-MoE, Qwen3-MoE, Mixtral and DeepSeek-V3.
+"""Hugging Face <-> titan_fold state dicts, for Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3.5-MoE, Qwen3-Next.
 
 The HF names are those of the checkpoints on the Hub (and of what transformers 5.x
 `save_pretrained` writes, although it fuses experts in memory): one tensor per expert,
@@ -69,6 +69,7 @@ from titan_fold.models.hf_deepseek import (
     DeepSeekV3Names,
 )
 from titan_fold.models.hf_gpt_oss import GptOssNames, mxfp4_shapes
+from titan_fold.models.hf_qwen35 import Qwen35Names, TextModelReader
 from titan_fold.moe.experts import split_gate_up, stack_gate_up
 
 
@@ -285,6 +286,39 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
         return QuantizedHuggingFaceStorageReader(path=path, target_dtype=torch.float32, block_size=128)
 
 
+class Qwen35StateDictAdapter(MoEStateDictAdapter):
+    """Qwen3.5-MoE: the MoE block's names are Qwen2-MoE's; the linear attention's and the
+    vision-language checkpoint's prefixes are models/hf_qwen35.py's."""
+
+    family = "qwen3_5_moe"
+    moe_prefix = "mlp"
+    expert_names = Qwen2MoEStateDictAdapter.expert_names
+    moe_layer = Qwen2MoEStateDictAdapter.moe_layer
+
+    def __init__(self, model_args: TransformerArgs, hf_assets_path: str | None = None):
+        super().__init__(model_args, hf_assets_path)
+        self._fused_layout: dict[str, tuple] = {}
+
+    def _names(self) -> Qwen35Names:
+        return Qwen35Names(self.model_args, self.family, self._fused_layout)
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._names().native_to_hf(state_dict, super().to_hf)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._names().hf_to_native(hf_state_dict, super().from_hf)
+
+    def hf_shapes_for_model(self, shapes: dict[str, Any]) -> dict[str, Any]:
+        return self._names().model_view_of_hf_shapes(shapes)
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        return TextModelReader(path)
+
+
+class Qwen3NextStateDictAdapter(Qwen35StateDictAdapter):
+    family = "qwen3_next"
+
+
 class GptOssStateDictAdapter(MoEStateDictAdapter):
     """Sinks, router and stacked expert names, and MXFP4 experts, are models/hf_gpt_oss.py's."""
 
@@ -308,5 +342,7 @@ ADAPTERS = {
     "qwen3_moe": Qwen3MoEStateDictAdapter,
     "mixtral": MixtralStateDictAdapter,
     "deepseek_v3": DeepSeekV3StateDictAdapter,
+    "qwen3_5_moe": Qwen35StateDictAdapter,
+    "qwen3_next": Qwen3NextStateDictAdapter,
     "gpt_oss": GptOssStateDictAdapter,
 }

@@ -20,6 +20,14 @@ from titan_fold.models.hf_deepseek import (
     deepseek_hf_config,
 )
 from titan_fold.models.hf_gpt_oss import gpt_oss_args_from_hf_config, gpt_oss_compared, gpt_oss_hf_config
+from titan_fold.models.hf_qwen35 import (
+    FAMILY_OF as QWEN35_FAMILY_OF,
+)
+from titan_fold.models.hf_qwen35 import (
+    qwen35_args_from_hf_config,
+    qwen35_compared,
+    qwen35_hf_config,
+)
 from titan_fold.moe import MoEArgs
 
 
@@ -32,8 +40,12 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
+# model_type -> family, where they differ (Qwen3.5's vision-language and text-only configs)
+FAMILY_OF = {**{family: family for family in ARCHITECTURES}, **QWEN35_FAMILY_OF}
 # transformers' default rope_theta when a config.json has none
 _DEFAULT_ROPE_THETA = {"qwen2_moe": 10000.0, "qwen3_moe": 10000.0, "mixtral": 1e6}
 
@@ -159,13 +171,12 @@ def hf_dense_layers(config: dict, n_layers: int) -> tuple[int, ...]:
 
 def _family_of(config: dict, name: str | None, where: str) -> str:
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise HFConfigError(
-            f"{where}: model_type = {model_type!r}; titan_fold builds {', '.join(sorted(ARCHITECTURES))}"
-        )
-    if name is not None and name != model_type:
+    if model_type not in FAMILY_OF:
+        raise HFConfigError(f"{where}: model_type = {model_type!r}; titan_fold builds {', '.join(sorted(FAMILY_OF))}")
+    family = FAMILY_OF[model_type]
+    if name is not None and name != family:
         raise HFConfigError(f"{where}: model_type = {model_type!r} but --model.name is {name!r}")
-    return model_type
+    return family
 
 
 def _integer(low: int):
@@ -266,6 +277,8 @@ def args_from_hf_config(config: dict | str, name: str | None = None) -> tuple[st
 def _args_from_hf_config(family: str, c: dict) -> TransformerArgs:
     if family == "deepseek_v3":
         return deepseek_args_from_hf_config(c, _INERT, HFConfigError)
+    if family in QWEN35_FAMILY_OF.values():
+        return qwen35_args_from_hf_config(family, c, _INERT, HFConfigError, hf_dense_layers)
     if family == "gpt_oss":
         return gpt_oss_args_from_hf_config(c, _INERT, HFConfigError)
     used = set(_INERT)
@@ -377,6 +390,8 @@ def _compared(family: str, args: TransformerArgs) -> dict[str, Any]:
     """The computation-changing values of a model, under their HF names."""
     if family == "deepseek_v3":
         return deepseek_compared(args)
+    if family in QWEN35_FAMILY_OF.values():
+        return qwen35_compared(family, args)
     if family == "gpt_oss":
         return gpt_oss_compared(args)
     moe = args.moe
@@ -450,6 +465,13 @@ def hf_config(family: str, args: TransformerArgs, dtype: torch.dtype = torch.flo
             "architectures": [ARCHITECTURES[family]],
             "model_type": family,
             **family_config(args, need),
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+    if family in QWEN35_FAMILY_OF.values():
+        return {
+            "architectures": [ARCHITECTURES[family]],
+            **qwen35_hf_config(family, args, need),
             "torch_dtype": dtype_name,
             "dtype": dtype_name,
         }

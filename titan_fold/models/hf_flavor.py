@@ -8,6 +8,7 @@ from titan_fold.models.args import TransformerArgs
 from titan_fold.models.deepseek_v3 import DeepSeekV3Args
 from titan_fold.models.gpt_oss import GptOssArgs
 from titan_fold.models.hf_adapter import args_from_hf_config
+from titan_fold.models.qwen3_5 import Qwen35Args
 
 
 @dataclass
@@ -37,9 +38,20 @@ class DeepSeekV3HFConfigArgs(HFConfigArgs, DeepSeekV3Args):
 
 
 @dataclass
+class Qwen35HFConfigArgs(HFConfigArgs, Qwen35Args):
+    """The qwen3_5_moe / qwen3_next `hf` flavor: every size from `[model] hf_config`, the hybrid
+    model's methods (linear attention, zero-centered norms, its FLOP count)."""
+
+
+@dataclass
 class GptOssHFConfigArgs(HFConfigArgs, GptOssArgs):
     """The gpt_oss `hf` flavor: every size from `[model] hf_config`, GPT-OSS's YaRN tables."""
 
 
 # the `hf` flavor's args class of each family whose model args are not plain TransformerArgs
-HF_ARGS = {"deepseek_v3": DeepSeekV3HFConfigArgs, "gpt_oss": GptOssHFConfigArgs}
+HF_ARGS = {
+    "deepseek_v3": DeepSeekV3HFConfigArgs,
+    "gpt_oss": GptOssHFConfigArgs,
+    "qwen3_5_moe": Qwen35HFConfigArgs,
+    "qwen3_next": Qwen35HFConfigArgs,
+}

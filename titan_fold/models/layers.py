@@ -57,7 +57,10 @@ def apply_rope_qk(
         or type(k) is not torch.Tensor
         or cos.requires_grad
         or sin.requires_grad
-        or any(norm.weight is None or isinstance(norm.weight, DTensor) or _hooked(norm) for norm in norms)
+        or any(
+            type(norm) is not nn.RMSNorm or norm.weight is None or isinstance(norm.weight, DTensor) or _hooked(norm)
+            for norm in norms
+        )
     ):
         if norms:
             q, k = norms[0](q), norms[1](k)
@@ -143,3 +146,15 @@ def _rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     gf = grad.float()
     g1, g2 = (gf * sin).chunk(2, dim=-1)
     return (gf * cos + torch.cat([g2, -g1], dim=-1)).type_as(grad)
+
+
+class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight is the scale's offset from 1: x / rms(x) * (1 + weight), in float32
+    (Qwen3-Next's and Qwen3.5's norms; weight decay pulls the scale towards 1, not 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)

@@ -82,8 +82,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         # Qwen3: each query / key head is RMS-normalized over head_dim (one weight shared by all heads)
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.q_norm = args.rms_norm(args.head_dim) if args.qk_norm else None
+        self.k_norm = args.rms_norm(args.head_dim) if args.qk_norm else None
         self.sinks = Sinks(args.n_heads) if args.attention_sinks else None
         self.inner_attention = CausalSelfAttention(window)
 
@@ -136,6 +136,8 @@ class Attention(nn.Module):
 MIXERS: dict[str, Callable[[TransformerArgs, int], nn.Module]] = {
     "full_attention": lambda args, layer_id: args.attention_module() or Attention(args),
     "sliding_attention": lambda args, layer_id: Attention(args, window=args.layer_window(layer_id)),
+    # its mask: each token's position in its packed document (None: one document per sample)
+    "linear_attention": lambda args, layer_id: args.linear_attention_module(),
 }
 
 
@@ -145,11 +147,11 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.layer_type = args.layer_type(layer_id)
         self.window = args.layer_window(layer_id)  # its mask's window (Transformer.forward)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = args.rms_norm(args.dim)
         if self.layer_type not in MIXERS:
             raise ValueError(f"layer {layer_id}: layer type {self.layer_type!r} has no mixer (transformer.MIXERS)")
         self.attention = MIXERS[self.layer_type](args, layer_id)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = args.rms_norm(args.dim)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args.dim, args.moe)
@@ -198,7 +200,7 @@ class Transformer(ModelProtocol):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = args.rms_norm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -285,8 +287,10 @@ class Transformer(ModelProtocol):
             for window in masks:
                 positions, masks[window] = document_attention(document_ids, order, *self.query_part, window=window)
         cos, sin = self.rope(h.shape[1], positions)
+        # a linear-attention layer's document mask: each token's position in its document
+        in_document = positions if document_ids is not None else None
         for layer in self.layers.values():
-            mask = masks[layer.window]
+            mask = in_document if layer.layer_type == "linear_attention" else masks[layer.window]
             h = layer(h, cos, sin, mask) if routed_experts is None else layer(h, cos, sin, mask, routed_experts)
         out = self.norm(h) if self.norm is not None else h
         if self.output is None:

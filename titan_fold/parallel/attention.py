@@ -204,6 +204,14 @@ class ContextParallelAttention(nn.Module):
         return torch.cat(out, dim=2)  # [b, heads, 2c, head_dim]
 
 
+# why context parallelism refuses linear-attention layers (trainer/preflight.py says it first)
+LINEAR_ATTENTION_CP = (
+    "linear attention (Gated DeltaNet) does not take context parallelism: a rank's tokens need the "
+    "recurrent state of every earlier token, held by the cp ranks before it, and titan_fold does not "
+    "pass it between them; set parallelism.context_parallel_degree = 1"
+)
+
+
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Swap every block's inner attention for the context-parallel one (no parameters).
 
@@ -213,4 +221,6 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """
     model.query_part = (cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.transformer_blocks():
+        if block.layer_type == "linear_attention":
+            raise ValueError(LINEAR_ATTENTION_CP)
         block.attention.inner_attention = ContextParallelAttention(cp_mesh, block.attention.inner_attention.window)

@@ -135,8 +135,9 @@ class ReplicateParallel(ParallelStyle):
 
 
 class HeadShard(ParallelStyle):
-    """A module whose parameters are one value per attention head ([heads, ...]: GPT-OSS's sinks),
-    sharded with the heads, `Shard(0)`; the attention reads this rank's part (its local heads)."""
+    """A module whose parameters are one value per attention head ([heads, ...]: GPT-OSS's sinks;
+    Gated DeltaNet's decays, and its convolutions' channels, heads x head dim), sharded with the
+    heads, `Shard(0)`; the attention reads this rank's part (its local heads)."""
 
     @staticmethod
     def _shard(name, module, mesh):
@@ -145,6 +146,17 @@ class HeadShard(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._shard)
+
+
+def linear_attention_plan(prefix: str) -> dict[str, ParallelStyle]:
+    """Gated DeltaNet on tp, by heads: the q, k, v, z, b, a projections colwise (this rank's key
+    heads and the value heads they serve), the convolutions' channels and the decays with them
+    (`HeadShard`), wo rowwise (tp_plan, as every mixer's); the gated norm's weight, one for all
+    heads, replicated, its gradient summed over tp (each rank normalizes its own heads)."""
+    plan: dict[str, ParallelStyle] = {prefix + w: ColwiseParallel() for w in ("wq", "wk", "wv", "wz", "wb", "wa")}
+    plan.update({prefix + m: HeadShard() for m in ("conv_q", "conv_k", "conv_v", "decay")})
+    plan[prefix + "norm"] = TokenwiseReplicate()
+    return plan
 
 
 def mla_plan(prefix: str, attention: nn.Module) -> dict[str, ParallelStyle]:
@@ -211,6 +223,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: boo
         )
         if hasattr(block.attention, "wkv_a"):
             plan.update(mla_plan(p + "attention.", block.attention))
+        elif block.layer_type == "linear_attention":
+            plan.update(linear_attention_plan(p + "attention."))
         else:
             for name in ("wq", "wk", "wv"):
                 plan[p + f"attention.{name}"] = ColwiseParallel()

@@ -75,18 +75,15 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
         model = Transformer(args)
     # any layout with tp > 1 names every parameter's tp placement
     plan = placement_plan(args, Layout(2, tp=2))
+    # summed over the layers of a kind, then the mean per layer: the layers of a kind differ where
+    # their token mixers do (hybrid models: linear and full attention)
     tp_sharded = {"moe": 0, "dense": 0}
     replicated = {"moe": 0, "dense": 0}
     experts = 0
-    seen = set()
     for fqn, placed in plan.items():
         if not fqn.startswith("layers."):
             continue
-        lid, rest = fqn.split(".")[1], fqn.split(".", 2)[2]
-        kind = "moe" if args.is_moe_layer(int(lid)) else "dense"
-        if (kind, rest) in seen:
-            continue  # every layer of a kind has the same parameters
-        seen.add((kind, rest))
+        kind = "moe" if args.is_moe_layer(int(fqn.split(".")[1])) else "dense"
         numel = math.prod(placed.shape)
         if placed.mesh == EXPERT:
             experts += numel
@@ -94,9 +91,14 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
             tp_sharded[kind] += numel
         else:
             replicated[kind] += numel
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    count = {"moe": n_moe, "dense": args.n_layers - n_moe}
+    tp_sharded = {k: v // max(count[k], 1) for k, v in tp_sharded.items()}
+    replicated = {k: v // max(count[k], 1) for k, v in replicated.items()}
+    experts //= max(n_moe, 1)
     muon_params, muon_flops, muon_expert_flops = {"moe": 0, "dense": 0}, {"moe": 0, "dense": 0}, 0
     for fqn, p in model.named_parameters():
-        if not fqn.startswith("layers.") or not uses_muon(fqn, p) or fqn.split(".")[1] != str(_first(args, fqn)):
+        if not fqn.startswith("layers.") or not uses_muon(fqn, p):
             continue
         kind = "moe" if args.is_moe_layer(int(fqn.split(".")[1])) else "dense"
         # one unit per expert of a stack; w13 holds two matrices (gate and up) per expert
@@ -107,7 +109,9 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
         else:
             muon_params[kind] += p.numel()
             muon_flops[kind] += flops
-    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    muon_params = {k: v // max(count[k], 1) for k, v in muon_params.items()}
+    muon_flops = {k: v // max(count[k], 1) for k, v in muon_flops.items()}
+    muon_expert_flops //= max(n_moe, 1)
     head = model.output.weight.numel() + model.norm.weight.numel()
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
     total, flops = args.get_nparams_and_flops(model, seq_len)
@@ -146,10 +150,3 @@ def model_sizes(args: TransformerArgs, seq_len: int, name: str = "") -> ModelSiz
         muon_flops_per_layer=muon_flops,
         muon_expert_flops_per_layer=muon_expert_flops,
     )
-
-
-def _first(args: TransformerArgs, fqn: str) -> int:
-    """The first layer of the kind (MoE or dense) of the layer `fqn` is in: every layer of a kind
-    has the same parameters, so one of each is counted."""
-    kind = args.is_moe_layer(int(fqn.split(".")[1]))
-    return next(i for i in range(args.n_layers) if args.is_moe_layer(i) == kind)

@@ -19,6 +19,7 @@ from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
 from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.moe.quack import quack_problem, varying_rows
+from titan_fold.parallel.attention import LINEAR_ATTENTION_CP
 from titan_fold.parallel.mesh import Layout, LayoutError, model_sizes
 from titan_fold.parallel.overlap import overlap_problem
 from titan_fold.parallel.pipeline import check_pipeline
@@ -224,6 +225,25 @@ CONFIG_KEYS = {
 }
 
 
+def check_linear_attention(config: JobConfig, model_args) -> None:
+    """A model with linear-attention layers: no cp (parallel/attention.py says why), and tp dividing
+    the linear attention's key and value heads (tensor parallelism shards them)."""
+    if "linear_attention" not in model_args.layer_types:
+        return
+    p, name = config.parallelism, f"{config.model.name} {config.model.flavor}"
+    if p.context_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {p.context_parallel_degree} with {name}: {LINEAR_ATTENTION_CP}"
+        )
+    for what in ("linear_n_key_heads", "linear_n_value_heads"):
+        heads = getattr(model_args, what)
+        if heads % p.tensor_parallel_degree:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} with {name}: its linear attention's "
+                f"{heads} {what.removeprefix('linear_n_').replace('_', ' ')} are sharded by tp, which must divide them"
+            )
+
+
 def check_layout(config: JobConfig, world_size: int) -> Layout:
     """The config's degrees, pipeline and MoE settings against the model and the world size."""
     _, model_args = model_args_from_config(config)
@@ -237,6 +257,7 @@ def check_layout(config: JobConfig, world_size: int) -> Layout:
         )
     if problem := moe.routing_problem():
         raise ConfigError(problem)
+    check_linear_attention(config, model_args)
     try:
         sizes = model_sizes(model_args, config.training.seq_len)
         layout = layout_from_config(config, world_size, sizes).validate(**sizes)

@@ -1,6 +1,7 @@
 """The TrainSpecs FoldTrainer builds from: one per model family.
 
-`[model] name` picks the family ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3" or "gpt_oss"), `[model] flavor` its
+`[model] name` picks the family (models/flavors.py: qwen2_moe, qwen3_moe, mixtral, deepseek_v3, gpt_oss,
+qwen3_5_moe, qwen3_next), `[model] flavor` its
 size: a named one (flavors.py) or `hf`, every size from the config.json at `[model] hf_config`.
 """
 
