@@ -1,7 +1,8 @@
 """The gated delta rule on fla's kernels (models/gdn_fla.py) against the recurrent definition in
 float64, on one GPU: the output and the gradients of q, k, v, g and beta, one document per sample
 and documents packed (the state restarts at each start), eager and under torch.compile with
-fullgraph (the custom ops are one opaque call each). On the CPU, `problem` says why it cannot run."""
+fullgraph (the custom ops are one opaque call each). On the CPU, `problem` says why it cannot run,
+and the banner line names the rule a linear-attention model runs and why."""
 
 import pytest
 import torch
@@ -80,3 +81,15 @@ def test_fla_rule_compiles_without_a_graph_break():
 def test_problem_names_the_cpu():
     x = torch.zeros(1, 4, 2, 128)
     assert gdn_fla.problem(x, x) == "fla's kernels need CUDA"
+
+
+def test_banner_names_the_rule_and_why():
+    from titan_fold.models import FLAVORS
+    from titan_fold.trainer.banner import linear_attention_rule
+
+    assert linear_attention_rule(FLAVORS["qwen3_moe"]["debug"]) is None  # no linear-attention layers
+    rule = linear_attention_rule(FLAVORS["qwen3_5_moe"]["debug"])
+    if torch.cuda.is_available():
+        assert rule in ("fla's CUDA kernels",) or rule.startswith("the torch chunked rule (")
+    else:
+        assert rule == "the torch chunked rule (fla's kernels need CUDA)"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_fold.common.tensors import local
+from titan_fold.models import gdn_fla
 from titan_fold.models.layers import trunc_normal_
 
 CHUNK = 64
@@ -115,8 +116,10 @@ def chunk_gated_delta_rule(
 
 
 def gated_delta_rule(q, k, v, g, beta, starts=None, scale=None) -> torch.Tensor:
-    """The rule the layer runs: the torch chunked one (a GPU kernel with its contract would be
-    picked here when present and able)."""
+    """The rule the layer runs: fla's kernels where they can run this call (models/gdn_fla.py:
+    CUDA, fla-core 0.6 installed, head dims they serve), else the torch chunked one."""
+    if gdn_fla.problem(q, v) is None:
+        return gdn_fla.gated_delta_rule(q, k, v, g, beta, starts, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, starts, scale)
 
 

@@ -1,8 +1,11 @@
 """The lines a real run prints once at start: both meshes, experts per rank (and copies of hot
 experts), stages, memory per rank."""
 
+import torch
 import torch.nn as nn
 
+from titan_fold.common.device import device_type
+from titan_fold.models import gdn_fla
 from titan_fold.parallel.mesh import Layout
 from titan_fold.planning.accounting import GIB, parameter_report
 
@@ -17,6 +20,16 @@ def memory_line(model_parts: list[nn.Module], job_config) -> str:
         f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
         f"optimizer {_human(b['optimizer'])} ({job_config.optimizer.name})"
     )
+
+
+def linear_attention_rule(model_args) -> str | None:
+    """Which gated delta rule the model's linear-attention layers run here, with the reason when it
+    is not fla's kernels (models/gated_deltanet.py); None without such layers."""
+    if "linear_attention" not in model_args.layer_types:
+        return None
+    dk, dv = model_args.linear_key_head_dim, model_args.linear_value_head_dim
+    problem = gdn_fla.problem(torch.empty(1, dk, device=device_type()), torch.empty(1, dv, device=device_type()))
+    return "fla's CUDA kernels" if problem is None else f"the torch chunked rule ({problem})"
 
 
 def banner(
@@ -63,6 +76,7 @@ def banner(
                 and (carry := model_args.moe.activation.quack_problem(model_args.moe.expert_biases))
                 else []
             ),
+            *([f"  linear attention (Gated DeltaNet): {rule}"] if (rule := linear_attention_rule(model_args)) else []),
             f"  pipeline stages: {num_stages} ({len(model_parts)} on this rank)",
             f"  memory per rank (rank 0): {memory_line(model_parts, job_config)}",
             *([f"  optimizer updates (rank 0): {optimizer_split}"] if optimizer_split else []),
