@@ -93,14 +93,16 @@ def test_objective_matches_float64_reference(tis_cap):
 
 @pytest.mark.slow
 def test_step_matches_one_rank_under_dp2_micro_batches_cp2_pp2(tmp_path, seed_checkpoint):
-    """Two steps on the example rollouts from one seed: one rank with one micro-batch of 4
-    samples against dp2 with 2 micro-batches of 1 sample per rank, cp2 (packed documents dealt
-    in blocks) and pp2 (1F1B, 2 pipeline micro-batches). The samples hold different numbers of
+    """Two steps on the example rollouts from one seed, their routed experts replayed
+    (moe.routing_replay = "rollout"): one rank with one micro-batch of 4 samples against dp2 x ep2
+    with 2 micro-batches of 1 sample per rank, cp2 (packed documents dealt in blocks, the ids
+    split with their tokens) and pp2 (1F1B, 2 pipeline micro-batches, each stage its own layers'
+    ids). The samples hold different numbers of
     labelled tokens, so a mean per micro-batch or per rank gives another loss; the per-token
     inputs must follow their tokens through cp and reach the last stage; the metrics are
     reduced over the ranks."""
     args = ["--training.dataset", "rollouts_example", "--training.dataset_format", "rollouts"]
-    args += ["--training.seq_len", "256", "--training.objective", "policy"]
+    args += ["--training.seq_len", "256", "--training.objective", "policy", "--moe.routing_replay", "rollout"]
     args += ["--training.global_batch_size", "4"]
     # no aux or z loss: they are means over each micro-batch
     args += ["--moe.load_balance", "none", "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0"]
@@ -111,17 +113,20 @@ def test_step_matches_one_rank_under_dp2_micro_batches_cp2_pp2(tmp_path, seed_ch
     whole = ["--training.local_batch_size", "4"]
     one = train_from_seed(tmp_path / "one", 1, seed_checkpoint, 2, *args, *whole)
     runs = {
-        "dp2": ["--training.local_batch_size", "1"],
+        "dp2_ep2": ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "2"],
         "cp2": [*whole, "--parallelism.context_parallel_degree", "2"],
         "pp2": [*whole, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
         + ["1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"],
     }
     keys = ("loss", "grad_norm", "policy_ratio_mean", "policy_ratio_max", "policy_clip_frac", "logprob_gap", "kl_k3")
+    keys += ("routing_replay_changed",)
     for name, layout in runs.items():
         got = train_from_seed(tmp_path / name, 2, seed_checkpoint, 2, *args, *layout)
         for ref, run in zip(one, got, strict=True):
             for key in keys:
                 assert math.isfinite(ref[key]), (key, ref)
                 assert run[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, key, ref["step"], ref[key])
-    # the seed's weights are far from the behaviour log-probs: the clip stops some tokens' gradient
+    # the seed's weights are far from the behaviour log-probs: the clip stops some tokens' gradient;
+    # the example's routed experts are not the routers' choice: replay changes most routings
     assert 0 < one[-1]["policy_clip_frac"] < 1 and one[-1]["kl_k3"] > 0
+    assert one[-1]["routing_replay_changed"] > 0.5

@@ -217,8 +217,10 @@ class FoldMetricsProcessor(MetricsProcessor):
         values = torch.tensor([float(stats.get(k, float("nan"))) for k in keys], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # mean over the ranks that hold MoE layers (NaN marks a rank without any, e.g. a PP
-            # stage), each rank's layer mean weighted by its number of layers: the mean over layers
-            weights = torch.tensor([n_moe] * 3 + [1.0, n_moe], dtype=torch.float64)
+            # stage), each rank's layer mean weighted by its number of layers: the mean over layers;
+            # replay's share weighted by the rank's replayed routings: the share of all of them
+            replayed = float(moe_values[-1]) if moe_values is not None else 0.0
+            weights = torch.tensor([n_moe] * 3 + [1.0, replayed], dtype=torch.float64)
             have = (~values.isnan()).to(torch.float64) * weights
             both = torch.cat([values.nan_to_num(0.0) * have, have]).to(_comm_device())
             dist.all_reduce(both)
