@@ -489,17 +489,31 @@ def test_recorded_replay_trains_as_off(tmp_path, seed_checkpoint):
 
 
 @pytest.mark.slow
-def test_rollout_replay_without_rollout_data_refused_by_both_runs(tmp_path):
-    """The real run and the dry run refuse `rollout` on data without routed_experts, in the same
-    one line, before any work."""
+@pytest.mark.parametrize("data", ["text", "rollouts_without_ids"])
+def test_rollout_replay_without_rollout_data_refused_by_both_runs(tmp_path, data):
+    """The real run and the dry run refuse `rollout` on data without routed_experts (text, or
+    rollout records that carry none), in the same one line, before any work."""
+    import json
+
     from conftest import forked
 
-    common = ("--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path), "--moe.routing_replay")
-    codes, _, real = forked(1, "titan_fold.train", *common, "rollout")
-    (dry_code,), _, dry = forked(
-        0, "titan_fold.train", *common, "rollout", "--comm.mode", "fake_backend", env={"NGPU": "2"}
-    )
+    from titan_fold.data.dataloader import ROLLOUTS_EXAMPLE
+
+    common = ["--job.config_file", "debug_moe.toml", "--job.dump_folder", str(tmp_path), "--moe.routing_replay"]
+    common.append("rollout")
+    want = "error: moe.routing_replay = 'rollout' with training.dataset_format = 'text'"
+    if data == "rollouts_without_ids":
+        path = tmp_path / "rollouts.jsonl"
+        with open(ROLLOUTS_EXAMPLE) as f, open(path, "w") as out:
+            for line in f:
+                record = json.loads(line)
+                del record["routed_experts"]
+                out.write(json.dumps(record) + "\n")
+        common += ["--training.dataset", "hf", "--training.dataset_path", str(path)]
+        common += ["--training.dataset_format", "rollouts", "--training.seq_len", "256"]
+        want = f"error: moe.routing_replay = 'rollout' with training.dataset_path = '{path}': its records carry no"
+    codes, _, real = forked(1, "titan_fold.train", *common)
+    (dry_code,), _, dry = forked(0, "titan_fold.train", *common, "--comm.mode", "fake_backend", env={"NGPU": "2"})
     lines = [[line for line in err.splitlines() if line.startswith("error: ")] for err in (real, dry)]
     assert codes == [2] and dry_code == 2, (codes, dry_code)
-    want = "error: moe.routing_replay = 'rollout' with training.dataset_format = 'text'"
     assert lines[0] == lines[1] and len(lines[0]) == 1 and lines[0][0].startswith(want), lines

@@ -238,7 +238,12 @@ def check_dataset(job_config, tokenizer=None, model_args=None) -> str | None:
     local = _check_dataset_settings(tr)
     if tr.dataset_format == "rollouts":
         if model_args is not None:
-            read_rollouts(_rollouts_path(tr), RoutingShape.of(model_args))
+            documents = read_rollouts(_rollouts_path(tr), RoutingShape.of(model_args))
+            if model_args.moe.routing_replay == "rollout" and documents[0].routed_experts is None:
+                raise DataError(
+                    f"moe.routing_replay = 'rollout' with training.dataset_path = '{_rollouts_path(tr)}': its "
+                    "records carry no routed_experts to replay; add them, or set moe.routing_replay = 'recorded' or 'off'"
+                )
         return None
     if tr.dataset_format == "chat":
         read_conversations(_chat_path(tr))
