@@ -25,8 +25,6 @@ head its query and a gate, out * sigmoid(gate) before wo) and partial rotary (Ro
 The FlexAttention paths are not exercised by the CPU tests.
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -74,7 +72,8 @@ def _flex(q, k, v, block_mask, sinks):
     return out * keep.unsqueeze(-1).to(out.dtype)
 
 
-@functools.lru_cache(maxsize=16)  # one per (shape, window) a run uses: built once, not per layer and step
+# built per call, not cached: activation checkpointing replays a block's ops in backward and
+# expects the same ones (a cache hit skips create_block_mask's)
 def _causal_block_mask(s_q: int, s_k: int, window: int | None, device: torch.device):
     def mask_mod(batch, head, q_idx, kv_idx):
         q = q_idx + (s_k - s_q)
