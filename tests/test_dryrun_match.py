@@ -6,6 +6,7 @@ checks, and pytest-xdist (`--dist loadfile`) runs them beside the rest."""
 import pytest
 import torch.distributed as dist
 from helpers import WORLD, config
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from titan_fold import dryrun
 
@@ -40,9 +41,12 @@ def test_packaged_config_collectives_match(name):
     assert sum(len(calls) for g in per_group.values() for calls in g.values()) > 0
     # every rank recorded its own sequence, every pp pair its send/recv
     assert set().union(*(g.keys() for g in per_group.values())) == set(range(WORLD[name]))
-    # pp pairs: a ring of pp per pp group under Interleaved1F1B (the packaged schedule), one at pp 2
+    # pp pairs: a ring of pp per pp group under a looped schedule (several stages a rank, as
+    # Interleaved1F1B), a chain of pp - 1 under a single-stage one (1F1B); one pair at pp 2
     pp = c.parallelism.pipeline_parallel_degree
-    assert sum(desc == dryrun.P2P for desc, _ in per_group) == (WORLD[name] if pp > 2 else WORLD[name] // 2) * (pp > 1)
+    looped = issubclass(get_schedule_class(c.parallelism.pipeline_parallel_schedule), PipelineScheduleMulti)
+    pairs = WORLD[name] if looped and pp > 2 else WORLD[name] // pp * (pp - 1)
+    assert sum(desc == dryrun.P2P for desc, _ in per_group) == pairs
 
 
 def test_selective_ac_under_pipeline_schedule():
