@@ -320,10 +320,10 @@ def _run_folding(folding: Folding, ref, ref_loss, ref_grads, batch, report):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from titan_fold.common.tensors import model_fqn
     from titan_fold.parallel.attention import apply_cp, apply_tp
     from titan_fold.parallel.experts import apply_moe
     from titan_fold.parallel.mesh import Layout
-    from titan_fold.parallel.parallelize import _plan_fqn
     from titan_fold.parallel.placement import placement_plan
     from titan_fold.trainer.step import CP_ORDER, TrainStep
 
@@ -347,7 +347,7 @@ def _run_folding(folding: Folding, ref, ref_loss, ref_grads, batch, report):
         full_state = ref.state_dict()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                full = full_state[_plan_fqn(name)]
+                full = full_state[model_fqn(name)]
                 if isinstance(p, DTensor):
                     p.to_local().copy_(
                         distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
@@ -369,6 +369,7 @@ def _run_folding(folding: Folding, ref, ref_loss, ref_grads, batch, report):
         model_args=dataclasses.replace(args, moe=dataclasses.replace(args.moe, routing_replay="rollout")),
     )
     step._routed_experts = lambda d: TrainStep._routed_experts(step, d)
+    step.loss_target = lambda d, labels: labels  # the language-model loss's target
     inputs, labels, _, kwargs = TrainStep.post_dataloading_process(step, input_dict, batch["labels"][rows])
     h = inputs
     for model in parts:
@@ -380,7 +381,7 @@ def _run_folding(folding: Folding, ref, ref_loss, ref_grads, batch, report):
     total = loss.detach().clone()
     dist.all_reduce(total)
     report("loss", abs(total.item() / folding.tp - ref_loss) / abs(ref_loss), 1e-5)
-    named = {_plan_fqn(n): p for model in parts for n, p in model.named_parameters()}
+    named = {model_fqn(n): p for model in parts for n, p in model.named_parameters()}
     assert sorted(named) == sorted(ref_grads)
     for name, p in named.items():
         grad = p.grad
