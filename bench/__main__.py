@@ -261,6 +261,12 @@ SUITES = {
         "moe.routing_replay = 'rollout', and the policy step's time of each (needs transformers: bench/wheels.sh)",
         [Step("replay_mismatch", "replay_mismatch", [], 500)],
     ),
+    "gdn": Suite(
+        "1 GPU: Qwen3.5-35B-A3B's Gated DeltaNet layer beside its gated full-attention layer, forward + backward, "
+        "bf16, compiled, at 4K (batch 2) and 32K (batch 1); the linear attention on fla's kernels (the gdn extra: "
+        "bench/wheels.sh)",
+        [Step("gdn_35b_a3b", "gdn", [], 500)],
+    ),
     "deepseek-v3": Suite(
         "1 GPU: the DeepSeek-V3 16B proxy (its widths, 4 layers) in titan_fold and in torchtitan 0.2.2's "
         "deepseek_v3, side by side, eager and compiled",

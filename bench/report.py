@@ -1060,6 +1060,23 @@ def replay_table(rec: dict) -> list[str]:
     ]
 
 
+def gdn_table(rec: dict) -> list[str]:
+    """bench/gdn.py (suite gdn): Qwen3.5's Gated DeltaNet layer beside its full-attention layer."""
+    fig = next((f for name, f in rec["figures"].items() if name.startswith("gdn") and f), None)
+    if not fig:
+        return []
+    rows = [
+        "| batch x seq | full attention (ms) | Gated DeltaNet (ms) | per token, GDN / full | GDN rule | compiled |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in fig["rows"]:
+        rows.append(
+            f"| {r['batch']} x {r['seq_len']} | {r['full_ms']:.2f} | {r['linear_ms']:.2f} | "
+            f"{r['linear_over_full']:.2f} | {r['rule']} | {'yes' if r['compiled'] else 'no'} |"
+        )
+    return rows
+
+
 def rl_report(results: str = RESULTS) -> str:
     """docs/rl.md's measured table: the latest `rl` record."""
     recs = [rec for (suite, _, _), group in records(results).items() if suite == "rl" for rec in group]
@@ -1088,6 +1105,7 @@ TABLES = (
     ("Collectives", collectives_table),
     ("The dry run's CPU time", dry_run_table),
     ("Routing replay against the engine's mismatch", replay_table),
+    ("Qwen3.5's token mixers, forward + backward", gdn_table),
 )
 
 
