@@ -690,7 +690,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the API's train_step records its own routing instead of the logprobs pass's (R2)",
         "titan_fold/api.py",
         "        if self._recorded is not None and _same_batch(self._recorded[0], packed):",
-        "        if self._recorded is None and _same_batch(self._recorded[0], packed):",
+        "        if self._recorded is not None and not _same_batch(self._recorded[0], packed):",
         ("tests/test_api.py::test_recorded_replay_takes_the_logprobs_pass_routing",),
     ),
     Mutation(
