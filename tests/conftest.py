@@ -54,6 +54,8 @@ LONGEST_FIRST = [
     "test_overlap.py",
     "test_readme_commands.py",
     "test_equivalence.py",
+    "test_equivalence_qwen35.py",
+    "test_equivalence_gpt_oss.py",
     "test_checkpoint.py",
     "test_optimizer.py",
     "test_muon_folding.py",

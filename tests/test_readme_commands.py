@@ -169,7 +169,7 @@ def run(command: str) -> tuple[int, str]:
         assert words[0] in ("python", "python3"), command
         if words[1] == "-c":
             codes, out, err = _python(words[1:], env)
-        elif words[2] == "bench":  # a folder of the repository, not of the package: run from the root
+        elif words[2] == "bench" or words[1].endswith(".py"):  # the repository's, not the package's: from the root
             codes, out, err = _python(words[1:], env, cwd=ROOT)
         else:
             assert words[1] == "-m", command
