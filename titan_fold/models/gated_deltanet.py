@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_fold.common.tensors import local
-from titan_fold.models import gdn_fla
+from titan_fold.models.gdn_fla import gated_delta_rule as fla_gated_delta_rule
+from titan_fold.models.gdn_fla import problem as fla_problem
 from titan_fold.models.layers import trunc_normal_
 
 CHUNK = 64
@@ -118,8 +119,8 @@ def chunk_gated_delta_rule(
 def gated_delta_rule(q, k, v, g, beta, starts=None, scale=None) -> torch.Tensor:
     """The rule the layer runs: fla's kernels where they can run this call (models/gdn_fla.py:
     CUDA, fla-core 0.6 installed, head dims they serve), else the torch chunked one."""
-    if gdn_fla.problem(q, v) is None:
-        return gdn_fla.gated_delta_rule(q, k, v, g, beta, starts, scale)
+    if fla_problem(q, v) is None:
+        return fla_gated_delta_rule(q, k, v, g, beta, starts, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, starts, scale)
 
 
