@@ -387,10 +387,11 @@ def qwen35_args_from_hf_config(family: str, config: dict, inert: set, error, den
     return args
 
 
-def qwen35_compared(family: str, args) -> dict[str, Any]:
-    """The computation-changing values of a qwen3_5_moe / qwen3_next model, under their HF names."""
+def _shapes(args) -> dict[str, Any]:
+    """The widths, layer kinds and expert counts of a qwen3_5_moe / qwen3_next model under their HF
+    names: what config.json writes and a folder is compared on alike."""
     moe = args.moe
-    values = {
+    return {
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
@@ -403,14 +404,22 @@ def qwen35_compared(family: str, args) -> dict[str, Any]:
         "linear_key_head_dim": args.linear_key_head_dim,
         "linear_value_head_dim": args.linear_value_head_dim,
         "linear_conv_kernel_dim": args.linear_conv_kernel,
-        "rope_theta": args.rope_theta,
-        "partial_rotary_factor": args.partial_rotary_factor,
-        "rms_norm_eps": args.norm_eps,
-        "tie_word_embeddings": args.tie_embeddings,
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "moe_intermediate_size": moe.moe_ffn_dim,
         "shared_expert_intermediate_size": moe.shared_ffn_dim,
+    }
+
+
+def qwen35_compared(family: str, args) -> dict[str, Any]:
+    """The computation-changing values of a qwen3_5_moe / qwen3_next model, under their HF names."""
+    moe = args.moe
+    values = {
+        **_shapes(args),
+        "rope_theta": args.rope_theta,
+        "partial_rotary_factor": args.partial_rotary_factor,
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
         "shared_expert_gate": moe.shared_expert_gate,
         "norm_topk_prob": moe.norm_topk_prob,
         "router score function": moe.score_func,
@@ -435,18 +444,7 @@ def qwen35_hf_config(family: str, args, need) -> dict:
         need(not dense, "has no dense layers")
     config = {
         "model_type": "qwen3_5_moe_text" if family == "qwen3_5_moe" else family,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "layer_types": list(args.layer_types),
-        "linear_num_key_heads": args.linear_n_key_heads,
-        "linear_num_value_heads": args.linear_n_value_heads,
-        "linear_key_head_dim": args.linear_key_head_dim,
-        "linear_value_head_dim": args.linear_value_head_dim,
-        "linear_conv_kernel_dim": args.linear_conv_kernel,
+        **_shapes(args),
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "rope_parameters": {
@@ -458,10 +456,6 @@ def qwen35_hf_config(family: str, args, need) -> dict:
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.moe_ffn_dim,
-        "shared_expert_intermediate_size": moe.shared_ffn_dim,
         "router_aux_loss_coef": moe.aux_loss_coeff,
         "initializer_range": 0.02,
         "use_cache": True,
