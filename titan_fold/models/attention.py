@@ -22,7 +22,8 @@ The sliding window: a query at position t sees keys t - window + 1 .. t (transfo
 `sliding_window`, GPT-OSS's 128). The output gate (Qwen3.5's gated attention: wq gives each
 head its query and a gate, out * sigmoid(gate) before wo) and partial rotary (RoPE on the first
 `rotary_dim` of head_dim) live in transformer.Attention, which builds the q, k, v this takes.
-The FlexAttention paths are not exercised by the CPU tests.
+The FlexAttention paths are not exercised by the CPU tests; tests/test_attention_gpu.py checks
+them on a GPU against the math path in float64.
 """
 
 import torch
