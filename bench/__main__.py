@@ -133,6 +133,13 @@ FULL_DEPTH = [
     ("qwen3_30b_a3b_ep16", "qwen3_moe", "30B-A3B-E8", ("uniform",)),
     ("deepseek_v3_16b_ep8", "deepseek_v3", "16B-E8", (None, "uniform")),
 ]
+# (step, family, proxy) of the families suite, each run compiled with bf16 weights
+FAMILY_PROXIES = [
+    ("qwen3_30b_a3b_l12", "qwen3_moe", "30B-A3B-L12"),
+    ("gpt_oss_20b_l6", "gpt_oss", "20b-L6"),
+    ("qwen3_5_35b_a3b_l8", "qwen3_5_moe", "35B-A3B-L8"),
+]
+FAMILY_CASE = "1gpu_bf16params_auxfree_compiled"
 # micro-batches of 2 and 4 sequences; each step is 32 sequences: few steps, the first two left out
 FULL_DEPTH_STEPS = ["--steps", "6", "--warmup-steps", "2"]
 # the fine-grained shapes' eager steps are host-bound: enough repeats that the median is the host's, not a hiccup's
@@ -266,6 +273,18 @@ SUITES = {
         "bf16, compiled, at 4K (batch 2) and 32K (batch 1); the linear attention on fla's kernels (the gdn extra: "
         "bench/wheels.sh)",
         [Step("gdn_35b_a3b", "gdn", [], 500)],
+    ),
+    "families": Suite(
+        "1 GPU: a proxy of each family beside the Qwen3-30B-A3B one (12 layers), compiled, bf16 weights, local "
+        "batch 2 at 4K: GPT-OSS-20B's widths at 6 layers (sliding and full attention with sinks: about the Qwen3 "
+        "proxy's FLOPs per token) and Qwen3.5-35B-A3B's at 8 layers (6 Gated DeltaNet, 2 gated full attention; fla's "
+        "kernels: bench/wheels.sh); MFU in titan_fold's and torchtitan's counts",
+        [
+            Step(
+                name, "train_step", ["--family", family, "--proxy", proxy, "--cases", FAMILY_CASE, "--steps", "15"], 420
+            )
+            for name, family, proxy in FAMILY_PROXIES
+        ],
     ),
     "deepseek-v3": Suite(
         "1 GPU: the DeepSeek-V3 16B proxy (its widths, 4 layers) in titan_fold and in torchtitan 0.2.2's "

@@ -23,7 +23,17 @@ DOC = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 FULL = os.path.join(os.path.dirname(HERE), "docs", "benchmarks", "results.md")  # every record's tables
 RL_DOC = os.path.join(os.path.dirname(HERE), "docs", "rl.md")  # the rl suite's table
 BEGIN, END = "<!-- REPORT BEGIN: python -m bench.report --write -->", "<!-- REPORT END -->"
-SUITE_ORDER = ("layer", "trainer", "vs-torchtitan", "deepseek-v3", "full-depth", "loss-curve", "kernels", "2gpu")
+SUITE_ORDER = (
+    "layer",
+    "trainer",
+    "vs-torchtitan",
+    "deepseek-v3",
+    "families",
+    "full-depth",
+    "loss-curve",
+    "kernels",
+    "2gpu",
+)
 TOLERANCE = 0.03  # a rerun of a suite on the same kind of machine reproduces each figure within this share
 
 

@@ -76,7 +76,9 @@ def register_proxy(family: str, proxy: str) -> None:
     args = FLAVORS[family][base]
     if "layers" in changes:
         vocab = args.vocab_size if base == "debug" else 32768
-        args = dataclasses.replace(args, n_layers=changes["layers"], vocab_size=vocab)
+        # a hybrid family's first n layers keep its pattern of token mixers
+        types = args.layer_types[: changes["layers"]]
+        args = dataclasses.replace(args, n_layers=changes["layers"], vocab_size=vocab, layer_types=types)
     if "experts" in changes:
         if changes["experts"] < args.moe.top_k:
             raise ValueError(f"proxy flavor {proxy!r}: fewer experts than top_k = {args.moe.top_k}")

@@ -223,6 +223,8 @@ def torchtitan_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
     from torchtitan.models.qwen3 import Qwen3Model
 
+    if family in MOE_FORMULA_FAMILIES:
+        return _moe_formula_flops_per_token(family, proxy, seq_len)
     if family == "deepseek_v3":
         args, build = deepseek_v3_args(proxy, seq_len), DeepSeekV3Model
         args.moe_impl = "standard"  # what its update_from_config sets in the trainer
@@ -231,6 +233,32 @@ def torchtitan_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
     with torch.device("meta"):
         model = build(args)
     return args.get_nparams_and_flops(model, seq_len)[1]
+
+
+# families whose torchtitan count is its MoE models' shared formula (models/utils.py
+# get_moe_model_nparams_and_flops) over titan_fold's model: gpt_oss's args call it with q.k plus v
+# (2 x head_dim) for every layer, window or not; torchtitan 0.2.2 has no qwen3_5_moe or qwen3_next,
+# whose linear-attention layers it would count as full attention
+MOE_FORMULA_FAMILIES = ("gpt_oss", "qwen3_5_moe", "qwen3_next")
+
+
+def _moe_formula_flops_per_token(family: str, proxy: str, seq_len: int) -> int:
+    """torchtitan's MoE FLOP formula on the parameters of titan_fold's proxy (their names carry
+    its substrings: embedding, moe.router, moe.experts), on the meta device."""
+    from types import SimpleNamespace
+
+    import torch
+    from torchtitan.models.utils import get_moe_model_nparams_and_flops
+
+    from bench.train_step import register_proxy
+    from titan_fold.models import FLAVORS, Transformer
+
+    register_proxy(family, proxy)
+    ours = dataclasses.replace(FLAVORS[family][proxy], max_seq_len=seq_len)
+    with torch.device("meta"):
+        model = Transformer(ours)
+    args = SimpleNamespace(n_layers=ours.n_layers, n_heads=ours.n_heads, moe_args=ours.moe)
+    return get_moe_model_nparams_and_flops(args, model, 2 * ours.head_dim, seq_len)[1]
 
 
 def _unprofiled(case: str) -> tuple:

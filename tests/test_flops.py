@@ -83,3 +83,24 @@ def test_one_ep_ranks_experts_keep_the_per_token_count():
         assert diff == 6 * 48 * H * (E - 16)
     finally:
         FLAVORS["qwen3_moe"].pop("30B-A3B-E16")
+
+
+def test_torchtitan_formula_on_our_gpt_oss_equals_its_own_model():
+    """Families torchtitan 0.2.2 lacks (Qwen3.5) take its MoE formula over titan_fold's model
+    (bench/vs_torchtitan.py MOE_FORMULA_FAMILIES); on GPT-OSS, which it has, that gives its own
+    model's count at the proxy's widths: the parameter names fall in the same classes."""
+    import torch
+    from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
+
+    from bench.vs_torchtitan import torchtitan_flops_per_token
+
+    register_proxy("gpt_oss", "20b-L6")
+    try:
+        proxy = FLAVORS["gpt_oss"]["20b-L6"]
+        assert proxy.layer_types == ("sliding_attention", "full_attention") * 3
+        theirs = dataclasses.replace(gptoss_configs["20b"], n_layers=6, vocab_size=32768)
+        with torch.device("meta"):
+            model = GptOssModel(theirs)
+        assert torchtitan_flops_per_token("gpt_oss", "20b-L6", SEQ) == theirs.get_nparams_and_flops(model, SEQ)[1]
+    finally:
+        FLAVORS["gpt_oss"].pop("20b-L6")
