@@ -525,16 +525,19 @@ def test_refused_with_the_key(args, match):
         check_layout(parse_args(["--job.config_file", "debug_moe.toml", "--training.local_batch_size", "2", *args]), 4)
 
 
-# (config, world size, overrides): qwen2.toml at pp 1 (dp_shard 32 x tp 2, ep 4 x edp 16) and at
-# pp 2 with its Interleaved1F1B (dp_shard 16 x tp 2, ep 4 x edp 8); mixtral_8x22b.toml at pp 2 1F1B
-# (dp_shard 32 x tp 2, ep 8 x edp 8; 1F1B needs at least pp micro-batches). pp 2: every rank's
-# step runs 2 pp pipeline micro-batches, pp 4 would take minutes here
+# (config, world size, overrides): the packaged layouts at a quarter of their world, every group
+# kind kept (dp_shard and edp shrink, -1 in the files), global batches cut alike so that each rank
+# runs the micro-batches it runs at the full world. qwen2.toml at pp 1 (dp_shard 8 x tp 2, ep 4 x
+# edp 4) and at pp 2 with its Interleaved1F1B (dp_shard 4 x tp 2, ep 4 x edp 2); mixtral_8x22b.toml
+# at pp 2 1F1B (dp_shard 8 x tp 2, ep 8 x edp 2; 1F1B needs at least pp micro-batches). pp 2:
+# every rank's step runs 2 pp pipeline micro-batches, pp 4 would take minutes here
+QUARTER = ("--training.global_batch_size", "64")
 DRY_RUNS = {
-    "qwen2_pp1": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "1")),
-    "qwen2_pp2_Interleaved1F1B": ("qwen2.toml", 64, ("--parallelism.pipeline_parallel_degree", "2")),
+    "qwen2_pp1": ("qwen2.toml", 16, ("--parallelism.pipeline_parallel_degree", "1", *QUARTER)),
+    "qwen2_pp2_Interleaved1F1B": ("qwen2.toml", 16, ("--parallelism.pipeline_parallel_degree", "2", *QUARTER)),
     "mixtral_pp2_1F1B": (
         "mixtral_8x22b.toml",
-        128,
+        32,
         (
             "--parallelism.pipeline_parallel_degree",
             "2",
@@ -542,6 +545,7 @@ DRY_RUNS = {
             "1F1B",
             "--training.local_batch_size",
             "4",
+            *QUARTER,
         ),
     ),
 }
