@@ -158,7 +158,26 @@ def _dry_config(job_config):
     return config
 
 
-def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: bool = True, progress=None) -> dict:
+def step_key(parts: list[nn.Module], stages: list) -> tuple:
+    """What a rank's fake-tensor step depends on beyond the layout's degrees (its batch and
+    sequence shard are every rank's): its stages and every parameter's local shape and dtype."""
+    return tuple(stages), tuple(
+        (name, tuple(local(p).shape), p.dtype) for part in parts for name, p in part.named_parameters()
+    )
+
+
+def simulate_rank(
+    job_config,
+    world_size: int,
+    rank: int,
+    model_args,
+    measure: bool = True,
+    progress=None,
+    measured: dict | None = None,
+) -> dict:
+    """One rank built on the meta device and counted, and with `measure` its fake-tensor step.
+    measured: step_key -> (rank, activations) of the ranks stepped so far in this dry run; a rank
+    of the same key takes that rank's activations (one step per distinct rank, not per rank)."""
 
     t0 = time.process_time()
     init_fake_world(world_size, rank)
@@ -190,12 +209,18 @@ def simulate_rank(job_config, world_size: int, rank: int, model_args, measure: b
         }
     report["moe_layers"] = sum(1 for part in parts for b in part.layers.values() if b.moe_enabled)
     report["dense_layers"] = sum(1 for part in parts for b in part.layers.values() if not b.moe_enabled)
-    if measure:
+    key = step_key(parts, stages) if measure and measured is not None else None
+    if key is not None and key in measured:
+        first, activations = measured[key]
+        report["activations"] = {**activations, "as_rank": first}
+    elif measure:
         try:
             report["activations"] = {
                 "source": "fake-tensor step",
                 **fake_step(parts, stages, layout, config, model_args),
             }
+            if key is not None:
+                measured[key] = (rank, report["activations"])
         except Exception as e:  # reported; the cost model's estimate stands in
             report["activations"] = {
                 "source": "cost model estimate (the fake-tensor step failed: "

@@ -70,8 +70,9 @@ def dry_run(
     }
     if job_config.compile.enable:
         warnings.append("compile.enable: the dry run builds and measures the eager model")
+    measured: dict = {}  # ranks alike in stages and local shapes step once
     for r in ranks:
-        rep = simulate_rank(job_config, world_size, r, model_args, progress=progress)
+        rep = simulate_rank(job_config, world_size, r, model_args, progress=progress, measured=measured)
         rep["compare"] = compare(rep, est, info, layout)
         report["ranks"].append(rep)
     progress(f"memory measured on {len(ranks)} rank{'s' if len(ranks) > 1 else ''}")
@@ -183,7 +184,9 @@ def format_report(report: dict) -> str:
             )
         if "per_microbatch" in acts:
             lines.append(
-                f"  activations: {acts['source']}, {acts['per_microbatch'] / GIB:.2f} GiB per micro-batch; "
+                f"  activations: {acts['source']}"
+                + (f" (rank {acts['as_rank']}'s: the same stages and local shapes)" if "as_rank" in acts else "")
+                + f", {acts['per_microbatch'] / GIB:.2f} GiB per micro-batch; "
                 f"peak of forward + backward {acts['peak'] / GIB:.2f} GiB"
             )
         else:
