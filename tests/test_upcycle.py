@@ -66,6 +66,14 @@ def test_refuses_granular_without_renormalization():
         upcycle_state_dict(dense_model(args).state_dict(), args, granularity=2)
 
 
+def test_refuses_experts_no_dense_model_has():
+    """GPT-OSS's experts (clamped SwiGLU with biases) are no copy of a dense SwiGLU FFN."""
+    from titan_fold.checkpoint.upcycle import check_granularity
+
+    with pytest.raises(ValueError, match="clamped_swiglu with biases"):
+        check_granularity(FLAVORS["gpt_oss"]["debug"], 1, 0.0)
+
+
 def test_wrong_width_is_rejected():
     args = moe_args("mixtral", moe_ffn_dim=32)  # 128 / 32 = 4, not 2
     with pytest.raises(ValueError, match="moe_ffn_dim 32 x granularity 2"):

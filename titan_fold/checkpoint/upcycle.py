@@ -52,6 +52,7 @@ import torch
 
 from titan_fold.common.errors import UserError
 from titan_fold.models import Transformer, TransformerArgs
+from titan_fold.moe.activation import ExpertActivation
 from titan_fold.moe.experts import stack_gate_up
 
 
@@ -128,6 +129,12 @@ def upcycle_state_dict(
 
 def check_granularity(args: TransformerArgs, granularity: int, router_std: float) -> None:
     moe = args.moe
+    if moe.activation != ExpertActivation() or moe.expert_biases:
+        # the dense twin's FFN is plain SwiGLU without biases: copies of it would not be these experts
+        raise UpcycleError(
+            f"upcycling copies a plain SwiGLU FFN into every expert; this model's experts run "
+            f"{moe.activation.name}{' with biases' if moe.expert_biases else ''} (GPT-OSS), which no dense model has"
+        )
     if granularity < 1:
         raise UpcycleError(f"--granularity {granularity}: must be >= 1")
     if moe.num_experts % granularity or moe.top_k % granularity:
