@@ -249,6 +249,7 @@ WORLD = {
     "qwen3_5_397b_a17b.toml": 256,
     "debug_gpt_oss.toml": 2,
     "sft_gpt_oss_20b.toml": 8,
+    "gpt_oss_120b.toml": 128,
 }
 # the paper's 1024-GPU layouts: Table 5's folded Mixtral-8x22B at 128K (cp8 tp8 ep8 pp8 etp1,
 # global batch 128), its unfolded MCore row (cp16 tp4 ep8 pp8, etp = tp), and the packaged
