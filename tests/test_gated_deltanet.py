@@ -120,3 +120,46 @@ def test_layer_on_packed_documents_equals_transformers_document_by_document(fami
     torch.testing.assert_close(out, reference, rtol=0, atol=1e-5)
     torch.testing.assert_close(grad_ours, grad_ref, rtol=1e-4, atol=1e-5)
     assert reference.std() > 0.01
+
+
+def test_fake_tensors_take_the_rule_as_one_op():
+    """The dry run's fake-tensor step runs the rule as one op (forward and backward), not the
+    chunk loop's hundreds of calls; the op's body computes what the rule computes, gradients too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titan_fold.models.gated_deltanet import _rule, gated_delta_rule
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def inputs(b=2, s=96, h=4, d=16):
+        gen = torch.Generator().manual_seed(0)
+        q, k = (F.normalize(torch.randn(b, s, h, d, generator=gen, dtype=torch.float64), dim=-1) for _ in "qk")
+        v = torch.randn(b, s, h, d, generator=gen, dtype=torch.float64)
+        g = -torch.rand(b, s, h, generator=gen, dtype=torch.float64) * 0.2
+        beta = torch.rand(b, s, h, generator=gen, dtype=torch.float64)
+        return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+    starts = torch.zeros(2, 96, dtype=torch.bool)
+    starts[0, 40] = True
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as the dry run's step
+        fake = inputs()
+        with Ops() as ops:
+            gated_delta_rule(*fake, starts).sum().backward()
+    rule_ops = [n for n in ops.names if "gated_delta_rule" in n]
+    aten = [n for n in ops.names if n.startswith("aten.")]  # the loss and autograd's own; the loop: hundreds
+    assert len(rule_ops) == 2 and len(aten) < 20, ops.names
+
+    real, ref = inputs(), inputs()
+    weight = torch.randn(2, 96, 4, 16, dtype=torch.float64)
+    (_rule(*real, starts, 0.25) * weight).sum().backward()
+    (chunk_gated_delta_rule(*ref, starts, scale=0.25) * weight).sum().backward()
+    for got, want in zip(real, ref, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)

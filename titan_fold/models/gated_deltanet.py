@@ -13,14 +13,14 @@ and the state both restart at every document (the positions within each document
 
 `chunk_gated_delta_rule` is the rule on chunks of C tokens (the WY form of DeltaNet): within a
 chunk, a triangular solve and matmuls; between chunks, one state update. It is pure torch and
-static in shape (compiles with a Python loop over the chunks, unrolled). A GPU kernel with the
-same contract (fla's `chunk_gated_delta_rule` takes cu_seqlens for the same boundaries) would be
-chosen beside it, behind a check, in `gated_delta_rule`.
+static in shape (compiles with a Python loop over the chunks, unrolled). `gated_delta_rule` picks
+fla's kernels with the same contract where they run (models/gdn_fla.py), else this rule.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from titan_fold.common.tensors import local
 from titan_fold.models.gdn_fla import gated_delta_rule as fla_gated_delta_rule
@@ -116,11 +116,71 @@ def chunk_gated_delta_rule(
     return o.transpose(1, 2).to(dtype)
 
 
+@torch.library.custom_op("titan_fold::chunk_gated_delta_rule", mutates_args=())
+def _rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    starts: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    return chunk_gated_delta_rule(q, k, v, g, beta, starts, scale)
+
+
+@_rule.register_fake
+def _(q, k, v, g, beta, starts, scale):
+    return torch.empty_like(v)
+
+
+@torch.library.custom_op("titan_fold::chunk_gated_delta_rule_bwd", mutates_args=())
+def _rule_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    starts: torch.Tensor | None,
+    scale: float,
+    do: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule recomputed and differentiated: dq, dk, dv, dg, dbeta (torch.func.vjp: an op's body
+    runs beneath autograd). Only fake tensors take this op (gated_delta_rule)."""
+    _, vjp = torch.func.vjp(lambda *x: chunk_gated_delta_rule(*x, starts, scale), q, k, v, g, beta)
+    return vjp(do)
+
+
+@_rule_bwd.register_fake
+def _(q, k, v, g, beta, starts, scale, do):
+    return tuple(torch.empty_like(t) for t in (q, k, v, g, beta))
+
+
+def _rule_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6])
+    ctx.scale = inputs[6]
+
+
+def _rule_grads(ctx, do):
+    *tensors, starts = ctx.saved_tensors
+    return *_rule_bwd(*tensors, starts, ctx.scale, do), None, None
+
+
+_rule.register_autograd(_rule_grads, setup_context=_rule_setup)
+
+
 def gated_delta_rule(q, k, v, g, beta, starts=None, scale=None) -> torch.Tensor:
-    """The rule the layer runs: fla's kernels where they can run this call (models/gdn_fla.py:
-    CUDA, fla-core 0.6 installed, head dims they serve), else the torch chunked one."""
+    """The rule the layer runs:
+    - fla's kernels where they can run this call (models/gdn_fla.py: CUDA, fla-core 0.6
+      installed, head dims they serve);
+    - else the torch chunked rule, as written; on fake tensors outside a compiled block (the dry
+      run's step: shapes and memory only) as one op that keeps its inputs for backward, as fla's
+      does, rather than the hundreds of calls of the chunk loop."""
     if fla_problem(q, v) is None:
         return fla_gated_delta_rule(q, k, v, g, beta, starts, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if not torch.compiler.is_compiling() and is_fake(q):
+        return _rule(q, k, v, g, beta, starts, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, starts, scale)
 
 
