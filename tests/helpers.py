@@ -246,6 +246,7 @@ WORLD = {
     "deepseek_v3_16b.toml": 8,
     "deepseek_v3_671b.toml": 1024,
     "debug_qwen3_5_moe.toml": 2,
+    "sft_qwen3_5_35b_a3b.toml": 8,
     "qwen3_5_397b_a17b.toml": 256,
     "debug_gpt_oss.toml": 2,
     "sft_gpt_oss_20b.toml": 8,
