@@ -120,6 +120,8 @@ SET = {
     "parallelism.context_parallel_load_balancer": ["ptrr"],
     "training.enable_cpu_offload": [],
     "fault_tolerance.enable": [],
+    "quantize.grouped_mm.float8.fqns": ["experts"],
+    "quantize.grouped_mm.mx.fqns": ["experts"],
     "validation.enable": [],
     "memory_estimation.enable": [],
     "debug.moe_force_load_balance": [],
@@ -136,3 +138,26 @@ def test_refused_key_is_one_line_naming_it(refused):
     assert message.startswith(f"{refused.key} = ") and refused.instead in message and "\n" not in message
     if isinstance(refused.default, str):  # a flag's or an unset key's default is the bare command's
         parse_args([f"--{refused.key}", refused.default])
+
+
+@pytest.mark.parametrize("converter", torchtitan_keys.REFUSED_CONVERTERS)
+def test_refused_converter_is_one_line_naming_the_route(converter):
+    """torchtitan's grouped-GEMM converters are refused by name in model.converters, naming
+    moe.expert_fp8; its Linear converters stay read."""
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model.converters", f"quantize.linear.float8,{converter}"])
+    message = str(e.value)
+    assert message.startswith("model.converters = ") and "moe.expert_fp8" in message and "\n" not in message
+    assert repr(converter) in message
+    assert parse_args(["--model.converters", "quantize.linear.float8"]).model.converters == ["quantize.linear.float8"]
+
+
+def test_fault_tolerance_keys_are_refused_or_inert():
+    """fault_tolerance.enable is refused; every other fault_tolerance key torchtitan reads only
+    with it (its FTManager and metrics logger), so each is listed as of no effect for that reason."""
+    refused = {r.key for r in torchtitan_keys.REFUSED}
+    ft = [k for k in keys(TitanJobConfig) if k.startswith("fault_tolerance.")]
+    assert "fault_tolerance.enable" in refused
+    inert = {k: why for k, why in torchtitan_keys.NO_EFFECT.items() if k.startswith("fault_tolerance.")}
+    assert sorted(inert) == sorted(k for k in ft if k != "fault_tolerance.enable")
+    assert all("fault_tolerance.enable, which is refused" in why for why in inert.values())

@@ -141,14 +141,11 @@ READ: dict[str, tuple[str, ...]] = {
         "quantize.linear.float8.recipe_name",
         "quantize.linear.float8.filter_fqns",
         "quantize.linear.float8.emulate",
-        "quantize.grouped_mm.float8.fqns",
     ),
     "torchtitan/components/quantization/mx.py": (
         "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
         "quantize.linear.mx.recipe_name",
         "quantize.linear.mx.filter_fqns",
-        "quantize.grouped_mm.mx.recipe_name",
-        "quantize.grouped_mm.mx.fqns",
     ),
     "torchtitan/distributed/utils.py": (
         "comm.init_timeout_seconds",
@@ -172,6 +169,10 @@ class Refused(NamedTuple):
     default: Any
     instead: str
 
+
+EXPERT_FP8 = (
+    "torchtitan's grouped-GEMM converters are a second FP8 route for the experts; moe.expert_fp8 is titan_fold's"
+)
 
 REFUSED = (
     Refused(
@@ -200,6 +201,8 @@ REFUSED = (
         False,
         "titan_fold builds no fault-tolerance manager (torchft); a stopped run resumes from its last checkpoint",
     ),
+    Refused("quantize.grouped_mm.float8.fqns", [], EXPERT_FP8),
+    Refused("quantize.grouped_mm.mx.fqns", [], EXPERT_FP8),
     Refused("validation.enable", False, "titan_fold builds no validator; training loss only"),
     Refused(
         "memory_estimation.enable",
@@ -234,6 +237,7 @@ NO_EFFECT: dict[str, str] = {
             "semi_sync_method",
         )
     },
+    "quantize.grouped_mm.mx.recipe_name": "read only by the quantize.grouped_mm.mx converter, which is refused",
     "validation.dataset": "read only with validation.enable, which is refused",
     "validation.dataset_path": "read only with validation.enable, which is refused",
     "validation.local_batch_size": "read only with validation.enable, which is refused",
@@ -252,8 +256,22 @@ def read_where() -> dict[str, str]:
     return {key: where for where, keys in READ.items() for key in keys}
 
 
+# model.converters' entries refused (the others are read) -> what to use instead
+REFUSED_CONVERTERS: dict[str, str] = {
+    "quantize.grouped_mm.float8": EXPERT_FP8,
+    "quantize.grouped_mm.mx": EXPERT_FP8,
+}
+
+
 def refusal(config) -> str | None:
-    """The line for the first refused key set to another value than its default, or None."""
+    """The line for the first refused key set to another value than its default, or for a
+    refused model.converters entry; None when there is none."""
+    for converter in config.model.converters:
+        if converter in REFUSED_CONVERTERS:
+            return (
+                f"model.converters = {config.model.converters!r}: {converter!r} is not used by titan_fold "
+                f"({REFUSED_CONVERTERS[converter]}); leave it out"
+            )
     for key, default, instead in REFUSED:
         value = config
         for part in key.split("."):
@@ -268,6 +286,10 @@ def table() -> str:
     rows = [(key, f"read: {where}") for key, where in read_where().items()]
     rows += [(r.key, f"refused unless {r.default!r}: {r.instead}") for r in REFUSED]
     rows += [(key, f"no effect: {why}") for key, why in NO_EFFECT.items()]
+    rows = [
+        (key, what + (f"; refused entries: {', '.join(REFUSED_CONVERTERS)}" if key == "model.converters" else ""))
+        for key, what in rows
+    ]
     width = max(len(key) for key, _ in rows)
     return "\n".join(f"{key:<{width}}  {what}" for key, what in sorted(rows))
 
