@@ -864,6 +864,15 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
         ),
     ),
+    Mutation(
+        "private_call_outside_compat",
+        "a private torch call (torch._check) inlined in a layer instead of taken from compat",
+        "titan_fold/moe/counts.py",
+        "    check(n >= 0)\n",
+        "    torch._check(n >= 0)\n",
+        ("tests/test_compat.py::test_private_names_are_used_from_compat_only",),
+        fast=True,
+    ),
 )
 
 
