@@ -6,7 +6,8 @@ torchtitan's JobConfig has a key this table does not name; docs/configuration.md
 
 from typing import Any, NamedTuple
 
-# where each read key is read -> the keys (a torchtitan path is relative to torchtitan's package)
+# where each read key is read -> the keys (a library's path is relative to site-packages); a key is
+# listed with a file seen reading it (tests/test_torchtitan_keys.py traces a run's reads)
 READ: dict[str, tuple[str, ...]] = {
     "torchtitan/config/manager.py": (
         "job.config_file",
@@ -23,19 +24,18 @@ READ: dict[str, tuple[str, ...]] = {
         "profiling.enable_memory_snapshot",
         "profiling.save_memory_snapshot_folder",
     ),
-    "torchtitan/components/metrics.py": (
-        "metrics.save_for_all_ranks",
-        "metrics.enable_wandb",
-    ),
+    "torchtitan/components/metrics.py": ("metrics.log_freq",),
     "titan_fold/trainer/metrics.py": (
-        "metrics.log_freq",
         "metrics.enable_tensorboard",
         "metrics.disable_color_printing",
         "metrics.save_tb_folder",
     ),
     "titan_fold/trainer/train_spec.py": ("compile.components",),
     "titan_fold/data/tokenizer.py": ("model.hf_assets_path",),
-    "torchtitan/protocols/model_converter.py": ("model.converters", "model.print_after_conversion"),
+    "torchtitan/protocols/model_converter.py": (
+        "model.converters",
+        "model.print_after_conversion",
+    ),
     "torchtitan/components/optimizer.py": (
         "optimizer.name",
         "optimizer.lr",
@@ -58,14 +58,11 @@ READ: dict[str, tuple[str, ...]] = {
         "training.dataset_path",
         "training.local_batch_size",
         "training.seq_len",
-    ),
-    # titan_fold/data/dataloader.py passes training.dataloader on to these
-    "torchtitan/components/dataloader.py": (
         "training.dataloader.num_workers",
         "training.dataloader.persistent_workers",
+        "training.dataloader.pin_memory",
         "training.dataloader.prefetch_factor",
     ),
-    "torchdata/stateful_dataloader/stateful_dataloader.py": ("training.dataloader.pin_memory",),
     "titan_fold/trainer/preflight.py": (
         "model.name",
         "model.flavor",
@@ -85,18 +82,21 @@ READ: dict[str, tuple[str, ...]] = {
         "comm.train_timeout_seconds",
         "experimental.custom_import",
         "training.gc_debug",
+        "checkpoint.load_step",
+        "comm.mode",
+        "job.dump_folder",
+        "training.dtype",
+        "training.mixed_precision_param",
+        "training.gc_freq",
     ),
     "titan_fold/trainer/step.py": ("training.max_norm",),
     "titan_fold/parallel/parallelize.py": (
-        "training.dtype",
-        "training.mixed_precision_param",
         "parallelism.fsdp_reshard_after_forward",
         "parallelism.disable_loss_parallel",
         "activation_checkpoint.mode",
         "compile.enable",
         "compile.backend",
     ),
-    "titan_fold/trainer/logs.py": ("training.gc_freq",),
     "titan_fold/parallel/pipeline.py": (
         "parallelism.module_fqns_per_model_part",
         "parallelism.pipeline_parallel_first_stage_less_layers",
@@ -120,7 +120,6 @@ READ: dict[str, tuple[str, ...]] = {
         "checkpoint.export_dtype",
         "checkpoint.async_mode",
         "checkpoint.keep_latest_k",
-        "checkpoint.load_step",
         "checkpoint.exclude_from_loading",
         "checkpoint.enable_first_step_checkpoint",
         "checkpoint.load_only",
@@ -148,16 +147,20 @@ READ: dict[str, tuple[str, ...]] = {
         "quantize.linear.mx.filter_fqns",
     ),
     "torchtitan/distributed/utils.py": (
-        "comm.init_timeout_seconds",
-        "comm.trace_buf_size",
-        "comm.save_traces_folder",
-        "comm.save_traces_file_prefix",
-        "comm.mode",
         "debug.seed",
         "debug.deterministic",
         "debug.deterministic_warn_only",
     ),
-    "titan_fold/trainer/lock.py": ("job.dump_folder",),
+    "titan_fold/trainer/world.py": (
+        "comm.init_timeout_seconds",
+        "comm.trace_buf_size",
+        "comm.save_traces_folder",
+        "comm.save_traces_file_prefix",
+    ),
+    "titan_fold/compat/titan.py": (
+        "metrics.enable_wandb",
+        "metrics.save_for_all_ranks",
+    ),
 }
 
 
