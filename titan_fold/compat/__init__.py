@@ -4,8 +4,8 @@ naming the behaviour of torch 2.13 / torchtitan 0.2.2 it adapts. Callers use the
 here; tests/test_compat.py fails, naming file:line, on a private name used anywhere else.
 
     titan.py        torchtitan's underscore methods (checkpoint manager, optimizers container,
-                    ParallelDims' validation hook) and its code adapted here (metric loggers,
-                    process-group timeouts)
+                    ParallelDims' validation hook) and its code adapted here (the metrics
+                    processor's state, metric loggers, process-group timeouts)
     ops.py          torch's underscore ops and module internals (grouped GEMMs, foreach ops,
                     torch._check, dynamo marks, fake tensors, module hooks, wrapper names)
     distributed.py  torch.distributed's private modules and methods (functional collectives,

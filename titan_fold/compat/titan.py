@@ -1,12 +1,20 @@
 """torchtitan 0.2.2's private API, behind public names, and the torchtitan code titan_fold adapts."""
 
 import os
+import time
 from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.metrics import BaseLogger, LoggerContainer, TensorBoardLogger, WandBLogger
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    TensorBoardLogger,
+    WandBLogger,
+)
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
@@ -54,6 +62,26 @@ class ParallelDimsHooks(ParallelDims):
 
     def validate_degrees(self) -> None:
         raise NotImplementedError
+
+
+# why: adapted from torchtitan 0.2.2's MetricsProcessor.__init__, whose memory monitor needs a GPU
+# and whose peak flops are made up without one: the state its methods (should_log, log) read
+class MetricsProcessorHooks(MetricsProcessor):
+    def init_state(self, job_config, parallel_dims, logger, memory_monitor, peak_flops: float) -> None:
+        """torchtitan's counters and loggers; the trainer sets optimizers, lr_schedulers and
+        model_parts once built."""
+        self.logger = logger
+        self.parallel_dims = parallel_dims
+        self.job_config = job_config
+        self.device_memory_monitor = memory_monitor
+        self.device_memory_monitor.reset_peak_stats()
+        self.gpu_peak_flops = peak_flops
+        self.ntokens_since_last_log = 0
+        self.data_loading_times: list[float] = []
+        self.time_last_log = time.perf_counter()
+        self.optimizers: OptimizersContainer | None = None
+        self.lr_schedulers: LRSchedulersContainer | None = None
+        self.model_parts: list[torch.nn.Module] | None = None
 
 
 # why: adapted from torchtitan 0.2.2's components/metrics._build_metric_logger: the rank that holds
