@@ -864,6 +864,23 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_gpt_oss.py::test_logits_and_loss_gradient_match_transformers",
         ),
     ),
+    Mutation(
+        "private_call_outside_compat",
+        "a private torch call (torch._check) inlined in a layer instead of taken from compat",
+        "titan_fold/moe/counts.py",
+        "    check(n >= 0)\n",
+        "    torch._check(n >= 0)\n",
+        ("tests/test_compat.py::test_private_names_are_used_from_compat_only",),
+        fast=True,
+    ),
+    Mutation(
+        "key_table_names_a_file_that_does_not_read",
+        "comm.trace_buf_size listed as read by torchtitan's distributed utils, which names it but is not run",
+        "titan_fold/common/torchtitan_keys.py",
+        '        "debug.deterministic_warn_only",\n    ),\n    "titan_fold/trainer/world.py": (\n        "comm.init_timeout_seconds",\n        "comm.trace_buf_size",\n',
+        '        "debug.deterministic_warn_only",\n        "comm.trace_buf_size",\n    ),\n    "titan_fold/trainer/world.py": (\n        "comm.init_timeout_seconds",\n',
+        ("tests/test_torchtitan_keys.py::test_read_keys_are_read_where_the_table_says",),
+    ),
 )
 
 

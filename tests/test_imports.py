@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "titan_fold"
 
 # lowest first: a package may import from itself and from the packages before it; the
 # top-level modules (the commands users run) may import from any
-LAYERS = ["common", "moe", "models", "data", "parallel", "checkpoint", "planning", "trainer", "dryrun"]
+LAYERS = ["compat", "common", "moe", "models", "data", "parallel", "checkpoint", "planning", "trainer", "dryrun"]
 COMMANDS = "commands"
 MAX_LINES = 600
 

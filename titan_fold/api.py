@@ -275,7 +275,7 @@ class Trainer:
         if not t.checkpointer.enable:
             raise UserError("save: checkpoint.enable is off; turn it on to save and resume")
         t.checkpointer.save_now(t.step)
-        return t.checkpointer._create_checkpoint_id(t.step)
+        return t.checkpointer.checkpoint_id(t.step)
 
     def close(self) -> None:
         """Ends the run: the checkpoint manager and metrics closed, the process group destroyed,

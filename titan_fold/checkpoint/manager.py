@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, TRAIN_STATE, AsyncMode, CheckpointManager
+from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, TRAIN_STATE, AsyncMode
 from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.files import save_model_as_hf, validate_against
 from titan_fold.checkpoint.saves import SaveFault, agree, failing_save, fault
 from titan_fold.checkpoint.trusted import CheckpointError, read_metadata
+from titan_fold.compat.titan import CheckpointManagerHooks
 
 
 def complete(folder: str) -> bool:
@@ -114,7 +115,7 @@ def saved_position(folder: str, step: int) -> dict[str, int]:
 # ---------------------------------------------------------------- the trainer's manager
 
 
-class FoldCheckpointManager(CheckpointManager):
+class FoldCheckpointManager(CheckpointManagerHooks):
     """torchtitan's CheckpointManager, checking shapes before DCP reads, and saving the RNG state.
 
     FoldTrainer builds it (trainer/fold_trainer.py: build_checkpointer).
@@ -131,7 +132,7 @@ class FoldCheckpointManager(CheckpointManager):
 
     def describe_save(self, step: int, last_step: bool) -> str:
         """The folder of a save and, unless it is a full DCP checkpoint, what it holds."""
-        path = self._create_checkpoint_id(step)
+        path = self.checkpoint_id(step)
         if last_step and self.last_save_in_hf:
             return f"{path} (Hugging Face safetensors: checkpoint.last_save_in_hf)"
         if last_step and self.last_save_model_only and step > 0:
@@ -144,10 +145,10 @@ class FoldCheckpointManager(CheckpointManager):
     def save(self, curr_step: int, last_step: bool = False) -> None:
         """torchtitan's save; one line per save in place of its four. A save that fails for want
         of storage fails on every rank with SaveError."""
-        if not self._should_save(curr_step, last_step):
+        if not self.should_save(curr_step, last_step):
             return super().save(curr_step, last_step)
         begin = time.monotonic()
-        with failing_save(self._create_checkpoint_id(curr_step)):
+        with failing_save(self.checkpoint_id(curr_step)):
             super().save(curr_step, last_step)
         self.last_saved = (curr_step, last_step)
         logger.info(f"checkpoint {self.describe_save(curr_step, last_step)} saved in {time.monotonic() - begin:.2f} s")
@@ -185,17 +186,17 @@ class FoldCheckpointManager(CheckpointManager):
         which may be model-only (checkpoint.last_save_model_only): these are the calls its save
         makes for an interval step, after any asynchronous save still running."""
         self.wait_for_async_save()
-        with failing_save(self._create_checkpoint_id(step)):
+        with failing_save(self.checkpoint_id(step)):
             self.dcp_save(
-                self._flattened_model_states_sd(),
-                checkpoint_id=self._create_checkpoint_id(step),
+                self.flattened_model_states_sd(),
+                checkpoint_id=self.checkpoint_id(step),
                 async_mode=AsyncMode.DISABLED,
             )
 
     def wait_for_async_save(self) -> None:
         """Returns when the asynchronous save in flight, if any, has finished (it runs collectives
         on a process group of its own, which must end before the process does)."""
-        self._async_wait()
+        self.async_wait()
 
     def _save_settings(self, checkpoint_id: str) -> None:
         # written before DCP's files: the .metadata that completes the checkpoint comes last
@@ -217,8 +218,8 @@ class FoldCheckpointManager(CheckpointManager):
         only (checkpoint.last_save_model_only, the default for the last step) goes on from
         step N with a fresh optimizer state (load_weights_only) where torchtitan's would fail."""
         if self.enable and os.path.isdir(self.folder):
-            found = self._find_load_step() if step == -1 else step
-            checkpoint_id = self._create_checkpoint_id(found)
+            found = self.find_load_step() if step == -1 else step
+            checkpoint_id = self.checkpoint_id(found)
             if found > 0 and weights_only(checkpoint_id):
                 self.load_weights_only(found, checkpoint_id)
                 return True
@@ -231,7 +232,7 @@ class FoldCheckpointManager(CheckpointManager):
         logger.info(f"Loading the checkpoint from {checkpoint_id}.")
         hf = not os.path.isfile(os.path.join(checkpoint_id, ".metadata"))
         self.dcp_load(
-            self._states_to_load(model_only=True), checkpoint_id=checkpoint_id, from_hf=hf, from_quantized=False
+            self.states_to_load(model_only=True), checkpoint_id=checkpoint_id, from_hf=hf, from_quantized=False
         )
         self.states[TRAIN_STATE].load_state_dict({"step": step, "ntokens_seen": position["train_state.ntokens_seen"]})
         dataloader = self.states[DATALOADER]

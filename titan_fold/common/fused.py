@@ -8,7 +8,9 @@ on the CPU, and inside an enclosing torch.compile (which fuses it there), fn run
 """
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from titan_fold.compat.distributed import AsyncCollectiveTensor
+from titan_fold.compat.ops import maybe_mark_dynamic
 
 _COMPILED: dict = {}
 
@@ -38,7 +40,7 @@ def fused(fn):
                 t = t.detach()
                 if t.dim():
                     few_rows = few_rows or t.shape[0] < 2
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                    maybe_mark_dynamic(t, 0)
             passed.append(t)
         run = fn if few_rows else compiled
         if torch.is_autocast_enabled("cuda"):

@@ -1,12 +1,10 @@
 """Tensor helpers every layer of the package uses."""
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-# wrapper names (torch.compile, activation checkpointing, FSDP1) that are no part of a
-# parameter's name in the model's state dict
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+from titan_fold.compat.distributed import AsyncCollectiveTensor
+from titan_fold.compat.ops import WRAPPER_ATTRIBUTES
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -39,4 +37,4 @@ def waited(t: torch.Tensor) -> torch.Tensor:
 def model_fqn(name: str) -> str:
     """A parameter or module name without the wrappers of compile and activation checkpointing:
     the name the model's state dict and the placement plan know."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)

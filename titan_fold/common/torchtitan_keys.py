@@ -6,7 +6,8 @@ torchtitan's JobConfig has a key this table does not name; docs/configuration.md
 
 from typing import Any, NamedTuple
 
-# where each read key is read -> the keys (a torchtitan path is relative to torchtitan's package)
+# where each read key is read -> the keys (a library's path is relative to site-packages); a key is
+# listed with a file seen reading it (tests/test_torchtitan_keys.py traces a run's reads)
 READ: dict[str, tuple[str, ...]] = {
     "torchtitan/config/manager.py": (
         "job.config_file",
@@ -23,19 +24,18 @@ READ: dict[str, tuple[str, ...]] = {
         "profiling.enable_memory_snapshot",
         "profiling.save_memory_snapshot_folder",
     ),
-    "torchtitan/components/metrics.py": (
-        "metrics.save_for_all_ranks",
-        "metrics.enable_wandb",
-    ),
+    "torchtitan/components/metrics.py": ("metrics.log_freq",),
     "titan_fold/trainer/metrics.py": (
-        "metrics.log_freq",
         "metrics.enable_tensorboard",
         "metrics.disable_color_printing",
         "metrics.save_tb_folder",
     ),
     "titan_fold/trainer/train_spec.py": ("compile.components",),
     "titan_fold/data/tokenizer.py": ("model.hf_assets_path",),
-    "torchtitan/protocols/model_converter.py": ("model.converters", "model.print_after_conversion"),
+    "torchtitan/protocols/model_converter.py": (
+        "model.converters",
+        "model.print_after_conversion",
+    ),
     "torchtitan/components/optimizer.py": (
         "optimizer.name",
         "optimizer.lr",
@@ -58,14 +58,11 @@ READ: dict[str, tuple[str, ...]] = {
         "training.dataset_path",
         "training.local_batch_size",
         "training.seq_len",
-    ),
-    # titan_fold/data/dataloader.py passes training.dataloader on to these
-    "torchtitan/components/dataloader.py": (
         "training.dataloader.num_workers",
         "training.dataloader.persistent_workers",
+        "training.dataloader.pin_memory",
         "training.dataloader.prefetch_factor",
     ),
-    "torchdata/stateful_dataloader/stateful_dataloader.py": ("training.dataloader.pin_memory",),
     "titan_fold/trainer/preflight.py": (
         "model.name",
         "model.flavor",
@@ -85,18 +82,21 @@ READ: dict[str, tuple[str, ...]] = {
         "comm.train_timeout_seconds",
         "experimental.custom_import",
         "training.gc_debug",
+        "checkpoint.load_step",
+        "comm.mode",
+        "job.dump_folder",
+        "training.dtype",
+        "training.mixed_precision_param",
+        "training.gc_freq",
     ),
     "titan_fold/trainer/step.py": ("training.max_norm",),
     "titan_fold/parallel/parallelize.py": (
-        "training.dtype",
-        "training.mixed_precision_param",
         "parallelism.fsdp_reshard_after_forward",
         "parallelism.disable_loss_parallel",
         "activation_checkpoint.mode",
         "compile.enable",
         "compile.backend",
     ),
-    "titan_fold/trainer/logs.py": ("training.gc_freq",),
     "titan_fold/parallel/pipeline.py": (
         "parallelism.module_fqns_per_model_part",
         "parallelism.pipeline_parallel_first_stage_less_layers",
@@ -120,7 +120,6 @@ READ: dict[str, tuple[str, ...]] = {
         "checkpoint.export_dtype",
         "checkpoint.async_mode",
         "checkpoint.keep_latest_k",
-        "checkpoint.load_step",
         "checkpoint.exclude_from_loading",
         "checkpoint.enable_first_step_checkpoint",
         "checkpoint.load_only",
@@ -141,26 +140,27 @@ READ: dict[str, tuple[str, ...]] = {
         "quantize.linear.float8.recipe_name",
         "quantize.linear.float8.filter_fqns",
         "quantize.linear.float8.emulate",
-        "quantize.grouped_mm.float8.fqns",
     ),
     "torchtitan/components/quantization/mx.py": (
         "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
         "quantize.linear.mx.recipe_name",
         "quantize.linear.mx.filter_fqns",
-        "quantize.grouped_mm.mx.recipe_name",
-        "quantize.grouped_mm.mx.fqns",
     ),
     "torchtitan/distributed/utils.py": (
-        "comm.init_timeout_seconds",
-        "comm.trace_buf_size",
-        "comm.save_traces_folder",
-        "comm.save_traces_file_prefix",
-        "comm.mode",
         "debug.seed",
         "debug.deterministic",
         "debug.deterministic_warn_only",
     ),
-    "titan_fold/trainer/lock.py": ("job.dump_folder",),
+    "titan_fold/trainer/world.py": (
+        "comm.init_timeout_seconds",
+        "comm.trace_buf_size",
+        "comm.save_traces_folder",
+        "comm.save_traces_file_prefix",
+    ),
+    "titan_fold/compat/titan.py": (
+        "metrics.enable_wandb",
+        "metrics.save_for_all_ranks",
+    ),
 }
 
 
@@ -172,6 +172,10 @@ class Refused(NamedTuple):
     default: Any
     instead: str
 
+
+EXPERT_FP8 = (
+    "torchtitan's grouped-GEMM converters are a second FP8 route for the experts; moe.expert_fp8 is titan_fold's"
+)
 
 REFUSED = (
     Refused(
@@ -200,6 +204,8 @@ REFUSED = (
         False,
         "titan_fold builds no fault-tolerance manager (torchft); a stopped run resumes from its last checkpoint",
     ),
+    Refused("quantize.grouped_mm.float8.fqns", [], EXPERT_FP8),
+    Refused("quantize.grouped_mm.mx.fqns", [], EXPERT_FP8),
     Refused("validation.enable", False, "titan_fold builds no validator; training loss only"),
     Refused(
         "memory_estimation.enable",
@@ -234,6 +240,7 @@ NO_EFFECT: dict[str, str] = {
             "semi_sync_method",
         )
     },
+    "quantize.grouped_mm.mx.recipe_name": "read only by the quantize.grouped_mm.mx converter, which is refused",
     "validation.dataset": "read only with validation.enable, which is refused",
     "validation.dataset_path": "read only with validation.enable, which is refused",
     "validation.local_batch_size": "read only with validation.enable, which is refused",
@@ -252,8 +259,22 @@ def read_where() -> dict[str, str]:
     return {key: where for where, keys in READ.items() for key in keys}
 
 
+# model.converters' entries refused (the others are read) -> what to use instead
+REFUSED_CONVERTERS: dict[str, str] = {
+    "quantize.grouped_mm.float8": EXPERT_FP8,
+    "quantize.grouped_mm.mx": EXPERT_FP8,
+}
+
+
 def refusal(config) -> str | None:
-    """The line for the first refused key set to another value than its default, or None."""
+    """The line for the first refused key set to another value than its default, or for a
+    refused model.converters entry; None when there is none."""
+    for converter in config.model.converters:
+        if converter in REFUSED_CONVERTERS:
+            return (
+                f"model.converters = {config.model.converters!r}: {converter!r} is not used by titan_fold "
+                f"({REFUSED_CONVERTERS[converter]}); leave it out"
+            )
     for key, default, instead in REFUSED:
         value = config
         for part in key.split("."):
@@ -268,6 +289,10 @@ def table() -> str:
     rows = [(key, f"read: {where}") for key, where in read_where().items()]
     rows += [(r.key, f"refused unless {r.default!r}: {r.instead}") for r in REFUSED]
     rows += [(key, f"no effect: {why}") for key, why in NO_EFFECT.items()]
+    rows = [
+        (key, what + (f"; refused entries: {', '.join(REFUSED_CONVERTERS)}" if key == "model.converters" else ""))
+        for key, what in rows
+    ]
     width = max(len(key) for key, _ in rows)
     return "\n".join(f"{key:<{width}}  {what}" for key, what in sorted(rows))
 

@@ -39,13 +39,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from titan_fold.common.tensors import model_fqn
+from titan_fold.compat.dispatch import (
+    FakeTensor,
+    TorchDispatchMode,
+    is_boxed_group,
+    local_tensor,
+    op_name,
+    op_schema_arguments,
+    storage_key,
+    tree_leaves,
+)
+from titan_fold.compat.distributed import AsyncCollectiveTensor, resolve_process_group
+from titan_fold.compat.ops import own_parameters
 from titan_fold.dryrun.copies import CopyGradients
 from titan_fold.dryrun.record import record_collectives, shrunk_config
 from titan_fold.parallel.mesh import Layout
@@ -91,7 +99,7 @@ def constant_of(fqn: str, numel: int, group: int) -> float:
 
 def _local(t):
     if isinstance(t, DTensor):
-        return t._local_tensor
+        return local_tensor(t)
     if isinstance(t, AsyncCollectiveTensor):
         return t.elem
     return t
@@ -102,7 +110,7 @@ def _key(t) -> int | None:
     if not isinstance(t, torch.Tensor) or isinstance(t, (FakeTensor, DTensor)) or t.is_meta:
         return None
     try:
-        return t.untyped_storage()._cdata
+        return storage_key(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -150,7 +158,7 @@ class GradientTracer(TorchDispatchMode):
             return func(*args, **kwargs)
         if DTensor in types:
             return NotImplemented  # let DTensor run, its local ops and collectives seen here
-        op = str(func.overloadpacket._qualified_op_name).replace("::", ".")
+        op = op_name(func)
         if op.startswith(_NAMESPACES) and op.split(".", 1)[1] not in _SKIP:
             return self._collective(op.split(".", 1)[1], func, args, kwargs, names)
         out = func(*args, **kwargs)
@@ -162,7 +170,7 @@ class GradientTracer(TorchDispatchMode):
     @staticmethod
     def _written(func, args, kwargs) -> list:
         out = []
-        for i, a in enumerate(func._schema.arguments):
+        for i, a in enumerate(op_schema_arguments(func)):
             if a.alias_info is not None and a.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(a.name)
                 out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
@@ -175,10 +183,10 @@ class GradientTracer(TorchDispatchMode):
                 strs.append(a)
             elif isinstance(a, dist.ProcessGroup):
                 group = a
-            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            elif is_boxed_group(a):
                 group = dist.ProcessGroup.unbox(a)
         if group is None and strs:
-            group = dist.distributed_c10d._resolve_process_group(strs[-1])
+            group = resolve_process_group(strs[-1])
         out = func(*args, **kwargs)
         if group is None:
             return out
@@ -242,7 +250,7 @@ class GradientWatch:
     def __enter__(self):
         for part in self.trainer.model_parts:
             for module in part.modules():
-                if module._parameters:
+                if own_parameters(module):
                     self.handles.append(module.register_forward_pre_hook(self._hook_leaves))
         self.copies.install(self.trainer.model_parts, self.names, [fqn for fqn, _ in self.params])
         self.clip = self.trainer.clip_grad_norm
@@ -260,7 +268,7 @@ class GradientWatch:
     def _hook_leaves(self, module, args) -> None:
         # at forward: FSDP2 has put its unsharded parameters (the autograd leaves) in place
         prefix = self.names[id(module)]
-        for name, p in module._parameters.items():
+        for name, p in own_parameters(module).items():
             if p is None or not p.requires_grad or id(p) in self.hooked:
                 continue
             self.hooked.add(id(p))

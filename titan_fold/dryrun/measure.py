@@ -8,11 +8,10 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_fold.common.tensors import local
+from titan_fold.compat.dispatch import FakeTensorMode, TorchDispatchMode, storage_key, tree_leaves
 from titan_fold.dryrun.fake_counts import use_fake_counts
 from titan_fold.dryrun.world import coordinates, init_fake_world
 from titan_fold.parallel.mesh import Layout
@@ -43,7 +42,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = local(t).untyped_storage()
-                key = st._cdata
+                key = storage_key(st)
                 if key not in self.sizes:
                     self.sizes[key] = st.nbytes()
                     self.live += self.sizes[key]
@@ -52,7 +51,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def bytes_of(self, tensors) -> int:
-        keys = {local(t).untyped_storage()._cdata for t in tensors}
+        keys = {storage_key(local(t).untyped_storage()) for t in tensors}
         return sum(self.sizes.get(k, 0) for k in keys)
 
 
@@ -63,7 +62,6 @@ def fake_step(model_parts: list[nn.Module], stages: list, layout: Layout, job_co
         "peak": most bytes alive during forward + backward (activations, gathered parameters,
         gradients), "unsharded": gathered parameters still held after forward}.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.parallel import loss_parallel
 
     tr = job_config.training

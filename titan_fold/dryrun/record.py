@@ -11,10 +11,10 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from titan_fold.common.tensors import local
+from titan_fold.compat.dispatch import TorchDispatchMode, is_boxed_group, op_name, tree_leaves, wait_tensor
+from titan_fold.compat.distributed import resolve_process_group
 from titan_fold.data.rollouts import RoutingShape, stand_in_fields
 from titan_fold.dryrun.measure import _dry_config
 from titan_fold.dryrun.step import StepTrainer
@@ -45,7 +45,7 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
+        name = op_name(func)
         recorded = name.startswith(self.PREFIXES) and not any(s in name for s in self.SKIP)
         if recorded:
             self._record(name, func, args, kwargs)
@@ -59,7 +59,7 @@ class CollectiveRecorder(TorchDispatchMode):
             # of "unwaited collective calls" at exit
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    torch.ops._c10d_functional.wait_tensor(t)
+                    wait_tensor(t)
         return out
 
     def _record(self, name, func, args, kwargs):
@@ -69,7 +69,7 @@ class CollectiveRecorder(TorchDispatchMode):
                 group = a
             elif isinstance(a, dist.ProcessGroup):
                 group = a
-            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            elif is_boxed_group(a):
                 group = dist.ProcessGroup.unbox(a)  # c10d ops (FSDP2, pipelining) carry the group boxed
             elif isinstance(a, torch.Tensor):
                 shapes.append((tuple(local(a).shape), str(a.dtype).removeprefix("torch.")))
@@ -78,7 +78,7 @@ class CollectiveRecorder(TorchDispatchMode):
         if group is None:
             return
         if isinstance(group, str):
-            group = dist.distributed_c10d._resolve_process_group(group)
+            group = resolve_process_group(group)
         ranks = tuple(dist.get_process_group_ranks(group))
         if len(ranks) < 2:
             return

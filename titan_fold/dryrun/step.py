@@ -9,11 +9,11 @@ import types
 
 import torch
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import NoColor
 
 from titan_fold.common.tensors import local
+from titan_fold.compat.dispatch import reparametrize_module
 from titan_fold.dryrun.fake_counts import use_fake_counts
 from titan_fold.parallel.mesh import Layout
 from titan_fold.trainer.fold_trainer import FoldTrainer
@@ -68,7 +68,7 @@ def init_by_shard(model_cls: type[nn.Module]) -> type[nn.Module]:
 
     def init_weights(self, *args, **kwargs):
         shards = {name: local(p) for name, p in self.named_parameters()}
-        with _reparametrize_module(self, shards):
+        with reparametrize_module(self, shards):
             model_cls.init_weights(self, *args, **kwargs)
 
     return type(model_cls.__name__, (model_cls,), {"init_weights": init_weights})

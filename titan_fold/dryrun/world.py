@@ -3,12 +3,16 @@
 import contextlib
 import dataclasses
 
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_leaves
 
+from titan_fold.compat.dispatch import (
+    clear_dtensor_caches,
+    dtensor_spec_class,
+    fake_store,
+    op_schema_classes,
+    sharding_propagator,
+    tree_leaves,
+)
 from titan_fold.parallel.mesh import ATTENTION_DIMS, EXPERT_DIMS, Layout
 
 
@@ -17,27 +21,13 @@ def init_fake_world(world_size: int, rank: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _forget_dtensor_decisions()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
 
 
 def _forget_dtensor_decisions() -> None:
     # DTensor caches sharding and redistribution decisions keyed by mesh *value*; the next
     # simulated rank's meshes equal the last one's by value but hold other process groups
-    from torch.distributed.tensor import _redistribute
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for cached in (
-        prop.propagate_op_sharding,
-        getattr(prop, "_propagate_tensor_meta_cached", None),
-        getattr(_redistribute, "_gen_transform_infos", None),
-    ):
-        clear = getattr(cached, "cache_clear", None)
-        if clear is not None:
-            clear()
-    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
-        _redistribute.clear_redistribute_planner_cache()
-    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's
-        torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_dtensor_caches()
 
 
 class SharedShardingDecisions:
@@ -69,7 +59,7 @@ class SharedShardingDecisions:
     @staticmethod
     @contextlib.contextmanager
     def installed():
-        prop = DTensor._op_dispatcher.sharding_propagator
+        prop = sharding_propagator()
         prop.propagate_op_sharding_non_cached = SharedShardingDecisions(prop.propagate_op_sharding_non_cached)
         try:
             yield
@@ -81,8 +71,8 @@ def _rebind(x, meshes: dict):
     """x with every DTensorSpec's mesh replaced through `meshes` (id -> mesh); the rest (the
     placements included: a _MaskPartial carries the embedding's mask from its op to the
     reduction, as in one process) shared."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+    DTensorSpec = dtensor_spec_class()
+    OpSchema, OutputSharding = op_schema_classes()
 
     if isinstance(x, DTensorSpec):
         return dataclasses.replace(x, mesh=meshes.get(id(x.mesh), x.mesh))
@@ -102,8 +92,7 @@ def _rebind(x, meshes: dict):
 
 
 def _meshes(op_schema) -> list:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
+    DTensorSpec = dtensor_spec_class()
     return [a.mesh for a in tree_leaves((op_schema.args_schema, op_schema.kwargs_schema)) if isinstance(a, DTensorSpec)]
 
 

@@ -26,9 +26,9 @@ import sys
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.hf_storage import _HFStorageInfo
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_fold.compat.distributed import HFStorageInfo, HFStorageReaderHooks
 
 GDN_PLAIN = {
     "attention.decay.A_log": "linear_attn.A_log",
@@ -208,11 +208,11 @@ TEXT_PREFIX = "model.language_model."
 
 
 @dataclasses.dataclass
-class _NamedStorageInfo(_HFStorageInfo):
+class _NamedStorageInfo(HFStorageInfo):
     name: str = ""  # the tensor's name in its safetensors file
 
 
-class TextModelReader(HuggingFaceStorageReader):
+class TextModelReader(HFStorageReaderHooks):
     """DCP's Hugging Face reader of a vision-language folder's text model under the text model's
     names (model.X for model.language_model.X), so the trainer's checkpoint.initial_load_in_hf
     reads the Hub's Qwen3.5 folders as they are; the vision tower and MTP tensors are not asked for."""
@@ -232,9 +232,9 @@ class TextModelReader(HuggingFaceStorageReader):
         }
         return metadata
 
-    def _process_read_request(self, f, req, planner) -> None:
+    def read_request(self, f, req, planner) -> None:
         name = self.storage_data[req.storage_index].name  # the file's own name of the tensor
-        super()._process_read_request(
+        super().read_request(
             f, dataclasses.replace(req, storage_index=dataclasses.replace(req.storage_index, fqn=name)), planner
         )
 

@@ -6,6 +6,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_fold.common.fused import fused
+from titan_fold.compat.ops import has_hooks
 
 
 def trunc_normal_(weight: torch.Tensor, std: float):
@@ -74,9 +75,7 @@ def apply_rope_qk(
 def _hooked(module: nn.Module) -> bool:
     """Whether a call of module runs hooks registered on it (a parallel plan's, a dry run's): it
     is then called, not bypassed by reading its weight."""
-    return bool(
-        module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
-    )
+    return has_hooks(module)
 
 
 class _RopeQK(torch.autograd.Function):

@@ -8,9 +8,10 @@ holds one as `counts`; whoever builds the layer may hand it another with the sam
 the values: dryrun/fake_counts.py)."""
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_fold.compat.distributed import funcol
+from titan_fold.compat.ops import check
 from titan_fold.moe.replicas import copies_of
 
 
@@ -23,9 +24,9 @@ def gather_even(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 def host_rows(n: int, upper: int | None) -> int:
     """A row count read from the device, as torch.compile must know it (an unbacked size)."""
-    torch._check(n >= 0)
+    check(n >= 0)
     if upper is not None:
-        torch._check(n <= upper)
+        check(n <= upper)
     return n
 
 

@@ -28,12 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.common.fused import fused
 from titan_fold.common.tensors import cast, waited
+from titan_fold.compat.distributed import funcol
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.counts import ExchangedCounts, host_rows
 from titan_fold.moe.exchange import Route, exchange, resolve

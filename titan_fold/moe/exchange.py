@@ -23,21 +23,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from titan_fold.common.fused import fused
 from titan_fold.common.tensors import waited
+from titan_fold.compat.distributed import funcol, is_nvshmem_available, resolve_process_group, symmetric_memory
 
 Exchange = Literal["auto", "exact", "static", "device"]
 
 
 def nvshmem_available() -> bool:
     if not torch.cuda.is_available():
-        return False
-    try:
-        from torch.distributed._symmetric_memory import is_nvshmem_available
-    except ImportError:
         return False
     return is_nvshmem_available()
 
@@ -70,10 +65,9 @@ class _Ring:
     slot is free again once the next call has passed it: two are enough."""
 
     def __init__(self, cap: int, width: int, dtype: torch.dtype, device: torch.device, group_name: str):
-        import torch.distributed._symmetric_memory as symm_mem
-
+        symm_mem = symmetric_memory()
         symm_mem.set_backend("NVSHMEM")
-        W = dist.distributed_c10d._resolve_process_group(group_name).size()
+        W = resolve_process_group(group_name).size()
         self.cap, self.width, self.turn = cap, width, 0
         self.slots = []
         for _ in range(2):

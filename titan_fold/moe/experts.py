@@ -23,11 +23,11 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_fold.common.tensors import local
+from titan_fold.compat.ops import grouped_mm, has_grouped_mm, is_fake
 from titan_fold.moe.activation import SWIGLU, ExpertActivation
 from titan_fold.moe.fp8 import fp8_grouped_linear
 from titan_fold.moe.quack import Gather, offsets, quack_experts, use_quack
@@ -45,7 +45,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
     # CPU eager takes fp32 and bf16; compiled graphs, fake tensors (the dry run's step) and
     # CUDA take bf16 (the meta kernel's rule); rows must be 16-byte aligned
-    if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 or (ffn_dim * x.element_size()) % 16:
+    if not has_grouped_mm() or (x.shape[-1] * x.element_size()) % 16 or (ffn_dim * x.element_size()) % 16:
         return False
     if x.dtype == torch.bfloat16:
         return True
@@ -240,7 +240,7 @@ def _swiglu_padded(x, w13, w2, p, prob_before_w2, act=_PLAIN):
 
 
 def _bf16_grouped_linear(x, w, offs):
-    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    return grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 
 def _swiglu_grouped(x, counts, w13, w2, p, prob_before_w2, act=_PLAIN, linear=_bf16_grouped_linear):

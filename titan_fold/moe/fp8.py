@@ -15,6 +15,10 @@ refuses the option there (`fp8_problem`).
 
 import torch
 
+from titan_fold.compat.ops import grouped_mm as compat_grouped_mm
+from titan_fold.compat.ops import has_grouped_mm
+from titan_fold.compat.ops import scaled_grouped_mm as compat_scaled_grouped_mm
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # the scaled grouped GEMM wants 16-byte rows of fp8 operands
@@ -25,7 +29,7 @@ def fp8_problem(dim: int, ffn_local: int, capability: tuple[int, int] | None) ->
     """Why FP8 experts cannot run here (a rule for the config error), or None."""
     if capability is None:
         return "needs a CUDA GPU"
-    if capability < (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
+    if capability < (9, 0) or not has_grouped_mm(scaled=True):
         return f"needs an sm90 (Hopper) GPU or newer with torch._scaled_grouped_mm; this GPU is sm{capability[0]}{capability[1]}"
     if dim % ALIGN or ffn_local % ALIGN:
         return (
@@ -79,7 +83,7 @@ def _scaled_grouped_mm_cuda(
 ) -> torch.Tensor:
     # an op of its own, so that torch.compile passes the operands in these layouts: A row-major,
     # B as [E, K, N] column-major (the transpose of the contiguous [E, N, K])
-    return torch._scaled_grouped_mm(
+    return compat_scaled_grouped_mm(
         a_q, b_q.transpose(-2, -1), a_s, b_s, offs=offs, out_dtype=out_dtype, use_fast_accum=True
     )
 
@@ -93,7 +97,7 @@ def _(a_q, a_s, b_q, b_s, offs, out_dtype):
 def _weight_grad_cuda(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # g.T as a column-major view: the groups run along its strided dimension (a compiled graph
     # that made it row-major would need 16-byte aligned groups)
-    return torch._grouped_mm(g.t(), x, offs=offs)
+    return compat_grouped_mm(g.t(), x, offs=offs)
 
 
 @_weight_grad_cuda.register_fake
@@ -121,7 +125,7 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.
     if g.is_cuda:
         return _weight_grad_cuda(g, x.contiguous(), offs)
     if g.dtype == torch.float32:
-        return torch._grouped_mm(g.t(), x, offs=offs)
+        return compat_grouped_mm(g.t(), x, offs=offs)
     out, start = [], 0
     for end in offs.tolist():
         out.append(g[start:end].T @ x[start:end])

@@ -17,10 +17,10 @@ that the most loaded rank carries as few rows as it can. No host sync: the plan 
 from dataclasses import replace
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.common.tensors import waited
+from titan_fold.compat.distributed import funcol
 from titan_fold.moe.args import MoEArgs
 
 

@@ -8,10 +8,11 @@ reference without a float32 bottleneck).
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_fold.compat.distributed import funcol
+from titan_fold.compat.ops import maybe_mark_dynamic
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.router_triton import fused_route_whole
 from titan_fold.moe.router_triton import supported as fused_supported
@@ -166,7 +167,7 @@ def _compiled_on(device: torch.device, fn):
         compiled = torch.compile(fn)
 
         def call(logits, *args):
-            torch._dynamo.maybe_mark_dynamic(logits, 0)
+            maybe_mark_dynamic(logits, 0)
             return compiled(logits, *args)
 
         _COMPILED[fn] = call

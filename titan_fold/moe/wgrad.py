@@ -23,8 +23,8 @@ forward used it (its cast, DTensor.to_local), so parameter gradients accumulate 
 from collections.abc import Callable
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
+from titan_fold.compat.ops import grouped_mm, has_grouped_mm, is_fake
 from titan_fold.moe.fp8 import _weight_grad, fp8_grouped_linear
 from titan_fold.moe.quack import grouped_dgrad as quack_dgrad
 from titan_fold.moe.quack import grouped_linear as quack_linear
@@ -78,7 +78,7 @@ def _grouped_ok(x: torch.Tensor, *widths: int) -> bool:
     # bf16 anywhere (CUDA, CPU eager, fake tensors), fp32 in CPU eager; 16-byte aligned rows
     fp32_ok = x.dtype == torch.float32 and not x.is_cuda and not is_fake(x)
     return (
-        hasattr(torch, "_grouped_mm")
+        has_grouped_mm()
         and (x.dtype == torch.bfloat16 or fp32_ok)
         and all((n * x.element_size()) % 16 == 0 for n in widths)
     )
@@ -89,7 +89,7 @@ def _weight_grad_of(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> 
     if grad.is_cuda:
         return _weight_grad(grad, x, offs)
     if _grouped_ok(x, grad.shape[1], x.shape[1]):
-        return torch._grouped_mm(grad.t(), x, offs=offs)
+        return grouped_mm(grad.t(), x, offs=offs)
     out, start = [], 0
     for end in offs.tolist():
         out.append(grad[start:end].T @ x[start:end])
@@ -100,7 +100,7 @@ def _weight_grad_of(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [M, K] rows grouped by offs, w [E, N, K] -> [M, N] (no autograd)."""
     if _grouped_ok(x, x.shape[1], w.shape[1]):
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        return grouped_mm(x, w.transpose(1, 2), offs=offs)
     out, start = [], 0
     for e, end in enumerate(offs.tolist()):
         out.append(x[start:end] @ w[e].T)

@@ -22,13 +22,13 @@ The residual stream stays a DTensor between blocks, so the model's own `h.shape[
 from types import MethodType
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_fold.common.tensors import local
+from titan_fold.compat.distributed import funcol
 from titan_fold.models.attention import attend
 from titan_fold.models.documents import DocumentMask
 from titan_fold.parallel.placement import tp_plan

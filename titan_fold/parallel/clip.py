@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from titan_fold.compat.distributed import flatten_mesh
+
 
 @torch.no_grad()
 def clip_grad_norm_(
@@ -113,7 +115,7 @@ def full_norm(norm: DTensor, norm_type: float) -> torch.Tensor:
     partial = [name for name, p in zip(norm.device_mesh.mesh_dim_names, norm.placements, strict=True) if p.is_partial()]
     if len(partial) < 2:
         return norm.full_tensor()
-    group = norm.device_mesh[tuple(partial)]._flatten().get_group()
+    group = flatten_mesh(norm.device_mesh[tuple(partial)]).get_group()
     local = norm.to_local()
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

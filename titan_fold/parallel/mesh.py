@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torchtitan.distributed.parallel_dims import ParallelDims
 
 from titan_fold.common.errors import UserError
+from titan_fold.compat.distributed import flatten_mesh, unflatten_mesh
+from titan_fold.compat.titan import ParallelDimsHooks
 
 __all__ = ["Layout", "LayoutError", "ATTENTION_DIMS", "EXPERT_DIMS", "FLATTENED", "divisors", "fits", "model_sizes"]
 
@@ -57,7 +58,7 @@ def _fmt(values: list[int]) -> str:
 
 
 @dataclass(init=False)
-class Layout(ParallelDims):
+class Layout(ParallelDimsHooks):
     """Degrees of both meshes; `edp` (and `dp_shard`) -1 means derived from world_size."""
 
     edp: int = -1
@@ -90,11 +91,11 @@ class Layout(ParallelDims):
         self._attention: DeviceMesh | None = None
         self._expert: DeviceMesh | None = None
         self._multi: dict[tuple[str, ...], DeviceMesh] = {}
-        self.__post_init__()  # ParallelDims.__post_init__ -> self._validate()
+        self.__post_init__()  # ParallelDims.__post_init__ -> validate_degrees()
 
     # ---- validation (pure arithmetic, no process group) ----
 
-    def _validate(self):
+    def validate_degrees(self) -> None:
         w = self.world_size
         if not isinstance(w, int) or w < 1:
             raise LayoutError(f"world_size must be an integer >= 1, got {w!r}")
@@ -269,7 +270,7 @@ class Layout(ParallelDims):
         self._meshes.update({n: self._expert[n] for n in EXPERT_DIMS if n != "pp"})
         for name, (mesh, dims) in FLATTENED.items():
             size = math.prod(getattr(self, d) for d in dims)
-            self._meshes[name] = meshes[mesh][dims]._flatten(name, "fake" if size == 1 else None)
+            self._meshes[name] = flatten_mesh(meshes[mesh][dims], name, "fake" if size == 1 else None)
         self._multi = {}
         self._world_mesh = self._attention
         self._validate_meshes()
@@ -345,7 +346,7 @@ class Layout(ParallelDims):
                     f"shard experts over 'edp' alone"
                 )
             sizes = (self.dp_replicate, self.edp // self.dp_replicate)
-            return self._meshes["edp"]._unflatten(0, sizes, ("dp_replicate", "efsdp"))
+            return unflatten_mesh(self._meshes["edp"], 0, sizes, ("dp_replicate", "efsdp"))
         for mesh in (self._attention, self._expert):
             assert mesh is not None, "build_mesh() first"
             dims = mesh.mesh_dim_names
@@ -361,8 +362,8 @@ class Layout(ParallelDims):
             ):
                 break
             known = [f for f, (_, fdims) in FLATTENED.items() if list(fdims) == expanded]
-            span = self._meshes[known[0]] if known else mesh[tuple(expanded)]._flatten("_".join(expanded))
-            return span._unflatten(0, tuple(self.size(n) for n in names), names)
+            span = self._meshes[known[0]] if known else flatten_mesh(mesh[tuple(expanded)], "_".join(expanded))
+            return unflatten_mesh(span, 0, tuple(self.size(n) for n in names), names)
         raise ValueError(f"Mesh dims {names} do not form one contiguous span of the attention or expert mesh")
 
     def __repr__(self) -> str:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from titan_fold.compat.distributed import flatten_mesh
 from titan_fold.models.groups import from_matrices, matrices, matrix_shape
 
 
@@ -191,7 +192,7 @@ def assign_owners(entries: list[Entry], ranks: Callable[[Entry], list[int]]) -> 
 
 
 def _group(mesh: DeviceMesh):
-    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+    return mesh.get_group() if mesh.ndim == 1 else flatten_mesh(mesh).get_group()
 
 
 class Orthogonalizer:

@@ -57,7 +57,6 @@ from collections.abc import Iterator
 from types import MethodType
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.pipelining.schedules import (
@@ -65,13 +64,23 @@ from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     OVERLAP_F_B,
     ScheduleInterleaved1F1B,
-    _Action,
-    _PipelineScheduleRuntime,
-    _wait_batch_p2p,
 )
 from torch.distributed.tensor import DTensor
 
 from titan_fold.common.tensors import local, waited
+from titan_fold.compat.distributed import funcol
+from titan_fold.compat.pipelining import (
+    Action,
+    PipelineScheduleRuntime,
+    assert_unsharded,
+    prepare_with_comms,
+    received_activations,
+    received_grads,
+    record_loss,
+    schedule_loss_fn,
+    schedule_stages,
+    wait_batch_p2p,
+)
 from titan_fold.moe import moe_layers
 from titan_fold.moe.router import AddAuxLoss
 from titan_fold.moe.wgrad import WgradQueue
@@ -325,15 +334,15 @@ class OverlapSchedule:
         return mb.output.detach()
 
 
-def one_f_one_b(rank: int, pp: int, n: int) -> list[_Action]:
+def one_f_one_b(rank: int, pp: int, n: int) -> list[Action]:
     """Schedule1F1B's compute actions on one pp rank (stage = rank): pp - rank forwards,
     then a backward and a forward in turn, then the last backwards."""
     warmup = min(n, pp - rank)
-    actions = [_Action(rank, FORWARD, i) for i in range(warmup)]
+    actions = [Action(rank, FORWARD, i) for i in range(warmup)]
     for j in range(n):
-        actions.append(_Action(rank, FULL_BACKWARD, j))
+        actions.append(Action(rank, FULL_BACKWARD, j))
         if warmup + j < n:
-            actions.append(_Action(rank, FORWARD, warmup + j))
+            actions.append(Action(rank, FORWARD, warmup + j))
     return actions
 
 
@@ -345,7 +354,7 @@ def pair_steady_state(actions: list) -> list:
     for a in actions:
         b = out[-1] if out else None
         if a is not None and a.computation_type == FORWARD and b is not None and b.computation_type == FULL_BACKWARD:
-            out[-1] = _Action(-1, OVERLAP_F_B, None, (a, b))
+            out[-1] = Action(-1, OVERLAP_F_B, None, (a, b))
         else:
             out.append(a)
     return out
@@ -361,11 +370,11 @@ def overlapped_pipeline(cls: type, stages: list, n_microbatches: int, loss_fn, p
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         order = schedule.pipeline_order
     else:
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule = PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         pp = stages[0].group_size
         order = {r: one_f_one_b(r, pp, n_microbatches) for r in range(pp)}
     schedule.pipeline_order = {r: pair_steady_state(actions) for r, actions in order.items()}
-    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    prepare_with_comms(schedule, schedule.pipeline_order)
     run = StagePieces(schedule, dict(zip((s.stage_index for s in stages), pre_forward, strict=True)))
     for kind in (FORWARD, FULL_BACKWARD, OVERLAP_F_B):
         schedule.register_custom_function(kind, run)
@@ -381,7 +390,7 @@ class StagePieces:
 
     def __init__(self, schedule, pre_forward: dict):
         self.schedule, self.pre_forward = schedule, pre_forward
-        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        self.stages = {stage.stage_index: stage for stage in schedule_stages(schedule)}
         self.micro_batches: dict[tuple[int, int], MicroBatch] = {}  # (stage, micro-batch) -> forward done
         for stage in self.stages.values():
             prepare(stage.submod)
@@ -398,19 +407,19 @@ class StagePieces:
 
     def forward(self, s: int, i: int, ctx) -> Iterator[None]:
         stage, schedule = self.stages[s], self.schedule
-        schedule._assert_unsharded(stage)
+        assert_unsharded(schedule, stage)
         if stage.is_first:
             args = ctx.arg_mbs[i]
         else:  # loop placement: the previous stage is on another pp rank
-            _wait_batch_p2p(schedule.fwd_recv_ops.pop((s, i)))
-            args = stage._retrieve_recv_activations(i)
+            wait_batch_p2p(schedule.fwd_recv_ops.pop((s, i)))
+            args = received_activations(stage, i)
         args, kwargs = self.pre_forward[s](stage.submod, args, dict(ctx.kwarg_mbs[i]))
         last = stage.is_last
         mb = MicroBatch(
             stage.submod,
             args[0],
             ctx.target_mbs[i] if last else None,
-            schedule._loss_fn if last else None,
+            schedule_loss_fn(schedule) if last else None,
             kwargs.get("positions"),
             i,
         )
@@ -418,15 +427,15 @@ class StagePieces:
         self.micro_batches[s, i] = mb
         stage.fwd_cache[i] = ((mb.output,), list(args))
         if last:
-            schedule._internal_losses.append(mb.output)
+            record_loss(schedule, mb.output)
 
     def backward(self, s: int, j: int) -> Iterator[None]:
         stage, schedule = self.stages[s], self.schedule
-        schedule._assert_unsharded(stage)
+        assert_unsharded(schedule, stage)
         grad = None
         if not stage.is_last:
-            _wait_batch_p2p(schedule.bwd_recv_ops.pop((s, j)))
-            (grad,) = stage._retrieve_recv_grads(j)
+            wait_batch_p2p(schedule.bwd_recv_ops.pop((s, j)))
+            (grad,) = received_grads(stage, j)
         if isinstance(stage.submod, FSDPModule):
             # as the stage's own backward: the schedule's REDUCE_GRAD reduces after the last one
             stage.submod.set_is_last_backward(False)

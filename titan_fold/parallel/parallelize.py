@@ -12,15 +12,16 @@ import gc
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
 from titan_fold.common.tensors import model_fqn
+from titan_fold.compat.dispatch import TorchDispatchMode, disable_current_modes
+from titan_fold.compat.distributed import CheckpointWrapper, checkpoint_wrapped, checkpoint_wrapper
+from titan_fold.compat.ops import mark_static_address
 from titan_fold.moe import moe_layers
 from titan_fold.parallel.attention import apply_cp, apply_tp
 from titan_fold.parallel.experts import apply_moe
@@ -70,7 +71,7 @@ def mark_static_buffers(model_parts) -> None:
     (its backward then copies every saved activation into its graph's inputs)."""
     for moe in moe_layers(model_parts):
         for buffer in moe.buffers():
-            torch._dynamo.mark_static_address(buffer, guard=False)
+            mark_static_address(buffer)
 
 
 def release_cuda_graphs(job_config) -> None:
@@ -101,7 +102,7 @@ class _ProfilerRangesBeneath(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "profiler":
-            with _disable_current_modes():
+            with disable_current_modes():
                 return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
@@ -139,7 +140,7 @@ def keep_profiler_ranges_out_of_sac(model: nn.Module) -> None:
         kwargs = dict(block.checkpoint_fn.keywords)
         kwargs.pop("use_reentrant")  # checkpoint_wrapper sets it (NO_REENTRANT)
         kwargs["context_fn"] = _profiler_ranges_beneath(kwargs["context_fn"])
-        model.layers.register_module(layer_id, checkpoint_wrapper(block._checkpoint_wrapped_module, **kwargs))
+        model.layers.register_module(layer_id, checkpoint_wrapper(checkpoint_wrapped(block), **kwargs))
 
 
 def apply_moe_recompute(model: nn.Module) -> None:

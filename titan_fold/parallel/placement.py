@@ -68,14 +68,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from titan_fold.compat.distributed import ParallelStyleHooks, StridedShard
 from titan_fold.parallel.mesh import Layout
 
 ATTENTION, EXPERT = "attention", "expert"
 
 
-class TokenwiseReplicate(ParallelStyle):
+class TokenwiseReplicate(ParallelStyleHooks):
     """A module with replicated weights applied row by row to this rank's tokens [T_local, dim].
 
     For the router gate and shared_expert_gate under sequence parallelism: inputs become
@@ -100,11 +100,11 @@ class TokenwiseReplicate(ParallelStyle):
     def _output(module, output, mesh):
         return output.to_local()
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._replicate, self._input, self._output)
 
 
-class ReplicateParallel(ParallelStyle):
+class ReplicateParallel(ParallelStyleHooks):
     """A module with replicated weights that every tp rank applies to the same tokens (the
     attention's input, already gathered over the sequence); returns a plain tensor.
 
@@ -130,11 +130,11 @@ class ReplicateParallel(ParallelStyle):
     def _output(self, module, output, mesh):
         return output.to_local(grad_placements=[Partial()] if self.partial_grad else None)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, TokenwiseReplicate._replicate, self._input, self._output)
 
 
-class HeadShard(ParallelStyle):
+class HeadShard(ParallelStyleHooks):
     """A module whose parameters are one value per attention head ([heads, ...]: GPT-OSS's sinks;
     Gated DeltaNet's decays, and its convolutions' channels, heads x head dim), sharded with the
     heads, `Shard(0)`; the attention reads this rank's part (its local heads)."""
@@ -144,7 +144,7 @@ class HeadShard(ParallelStyle):
         for p_name, param in list(module.named_parameters(recurse=False)):
             module.register_parameter(p_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._shard)
 
 
@@ -356,7 +356,7 @@ class Placed:
             for d, p in zip(self.dims, self.placements, strict=True)
             if isinstance(p, Shard) and p.dim == self.fsdp_dim
         )
-        shard = _StridedShard(self.fsdp_dim, split_factor=split) if split > 1 else Shard(self.fsdp_dim)
+        shard = StridedShard(self.fsdp_dim, split_factor=split) if split > 1 else Shard(self.fsdp_dim)
         fsdp = (Replicate(),) * (len(self.fsdp_mesh) - 1) + (shard,)
         return self.fsdp_mesh + self.dims, fsdp + self.placements
 

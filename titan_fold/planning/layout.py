@@ -52,9 +52,9 @@ def build_layout(args: argparse.Namespace, model_args=None) -> Layout:
     if model_args is not None:
         layout.validate_model(model_args, getattr(args, "seq_len", None))
     if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from titan_fold.compat.dispatch import fake_store
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world_size)
     layout.build_mesh("cpu")
     return layout
 

@@ -20,24 +20,17 @@ import os
 import resource
 import sys
 import time
-from datetime import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import (
-    BaseLogger,
     DeviceMemoryMonitor,
-    LoggerContainer,
-    MetricsProcessor,
-    TensorBoardLogger,
-    WandBLogger,
 )
-from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from titan_fold.compat.titan import MetricsProcessorHooks, metric_logger
 from titan_fold.models.mtp import mtp_stats_from, mtp_stats_values
 from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
 from titan_fold.trainer.expert_load import ExpertLoad
@@ -111,49 +104,16 @@ def _hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _metric_logger(job_config, parallel_dims, tag: str | None):
-    """TensorBoard and W&B as metrics.enable_tensorboard / enable_wandb ask, on the rank that
-    holds the loss (the first of the last pipeline stage; every rank with save_for_all_ranks),
-    in job.dump_folder / metrics.save_tb_folder / the start time."""
-    m = job_config.metrics
-    last_stage = parallel_dims.pp_enabled and job_config.parallelism.pipeline_parallel_schedule != "ZBVZeroBubble"
-    loss_rank = parallel_dims.world_size // parallel_dims.pp * (parallel_dims.pp - 1) if last_stage else 0
-    if not (m.enable_tensorboard or m.enable_wandb) or not (m.save_for_all_ranks or dist.get_rank() == loss_rank):
-        return BaseLogger()
-    folder = os.path.join(job_config.job.dump_folder, m.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M"))
-    if m.save_for_all_ranks:
-        folder = os.path.join(folder, f"rank_{dist.get_rank()}")
-    loggers = LoggerContainer()
-    if m.enable_wandb:
-        try:
-            loggers.add_logger(WandBLogger(folder, job_config, tag))
-        except Exception as e:  # a run goes on without W&B (as torchtitan's)
-            logger.error(f"Failed to create WandB logger: {e}")
-    if m.enable_tensorboard:
-        loggers.add_logger(TensorBoardLogger(folder, tag))
-    return loggers
-
-
-class FoldMetricsProcessor(MetricsProcessor):
+class FoldMetricsProcessor(MetricsProcessorHooks):
     """torchtitan's MetricsProcessor, built here: its memory monitor works on the CPU too, and
     no peak flops are made up where there is no GPU."""
 
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
-        self.logger = _metric_logger(job_config, parallel_dims, tag)
-        self.parallel_dims = parallel_dims
-        self.job_config = job_config
-        self.device_memory_monitor = _memory_monitor()
-        self.device_memory_monitor.reset_peak_stats()
-        name = self.device_memory_monitor.device_name
-        self.gpu_peak_flops = peak_flops(name)  # NaN on the CPU: no MFU
-        self.ntokens_since_last_log = 0
+        loggers = metric_logger(job_config, parallel_dims, tag)
+        monitor = _memory_monitor()
+        # torchtitan's state (compat.titan); peak flops NaN on the CPU: no MFU
+        self.init_state(job_config, parallel_dims, loggers, monitor, peak_flops(monitor.device_name))
         self.flops_since_last_log = 0.0  # the batches' training FLOPs (the trainer's batch_flops)
-        self.data_loading_times: list[float] = []
-        self.time_last_log = time.perf_counter()
-        # set by the trainer once built
-        self.optimizers: OptimizersContainer | None = None
-        self.lr_schedulers: LRSchedulersContainer | None = None
-        self.model_parts: list[torch.nn.Module] | None = None
         # the trainer colours its lines with this too; escape codes only on a terminal
         colour = sys.stdout.isatty() and not job_config.metrics.disable_color_printing
         self.color = utils.Color() if colour else utils.NoColor()

@@ -28,6 +28,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_fold.common.config import ConfigError
 from titan_fold.common.tensors import local, model_fqn
+from titan_fold.compat.titan import OptimizersContainerHooks
 from titan_fold.models.groups import matrix_shape, parameter_group, uses_muon
 from titan_fold.parallel.orthogonalize import Orthogonalizer, newton_schulz
 from titan_fold.trainer.optimizer import AdamHyper, _placed_like, _state, adam_coefficients, step_parameter
@@ -135,7 +136,7 @@ class Muon(torch.optim.Optimizer):
             w.add_(out.to(w.dtype), alpha=-lr * scale)
 
 
-class MuonOptimizersContainer(OptimizersContainer):
+class MuonOptimizersContainer(OptimizersContainerHooks):
     """torchtitan's container of one optimizer per model part, each a `Muon` over the part's
     named parameters; torchtitan's state_dict (flattened, by parameter name) and hooks."""
 
@@ -146,8 +147,7 @@ class MuonOptimizersContainer(OptimizersContainer):
             named = [(model_fqn(n), p) for n, p in model.named_parameters() if p.requires_grad]
             self.optimizers.append(Muon(named, **optimizer_kwargs))
             all_params += [p for _, p in named]
-        self._validate_length(len(model_parts))
-        self._post_init(all_params, optimizer_kwargs)
+        self.finish_init(len(model_parts), all_params, optimizer_kwargs)
 
     def split(self) -> str:
         """One line: how many parameters (and elements) each update takes, by parameter group."""

@@ -38,7 +38,6 @@ plus one).
 """
 
 from dataclasses import dataclass
-from types import MethodType
 from typing import Any
 
 import torch
@@ -50,6 +49,9 @@ from torchtitan.components.optimizer import build_optimizers as build_titan_opti
 from titan_fold.common.config import ConfigError
 from titan_fold.common.fused import fused
 from titan_fold.common.tensors import local, model_fqn
+from titan_fold.compat.distributed import swap_step
+from titan_fold.compat.ops import foreach_add_, foreach_copy_, foreach_sub_
+from titan_fold.compat.titan import OptimizersContainerHooks
 from titan_fold.parallel.clip import divides_by_grad_scale
 
 MASTER_KEY = "master"
@@ -69,7 +71,7 @@ def steps_in_one_pass(opt: torch.optim.Optimizer) -> bool:
     )
 
 
-class AdamOptimizersContainer(OptimizersContainer):
+class AdamOptimizersContainer(OptimizersContainerHooks):
     """torchtitan's optimizers (one torch Adam / AdamW per model part), stepped by `_adam_step`
     one parameter at a time; their states, state_dict and load_state_dict are torch's."""
 
@@ -92,7 +94,7 @@ class AdamOptimizersContainer(OptimizersContainer):
             def step(opt, closure=None, params=params, scalars=scalars):
                 _update(opt, params, scalars)
 
-            opt.step = MethodType(step, opt)
+            swap_step(opt, step)
 
 
 def _update(opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: torch.Tensor) -> None:
@@ -144,8 +146,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
         # the parameters after this: the masters copy them again at the first step unless a
         # checkpoint of this optimizer was loaded
         self._masters_loaded = False
-        self._validate_length(len(model_parts))
-        self._post_init([m for masters in self.masters for m in masters], optimizer_kwargs)
+        self.finish_init(len(model_parts), [m for masters in self.masters for m in masters], optimizer_kwargs)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -168,7 +169,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
     @torch.no_grad()
     def _copy(dst_parts, src_parts) -> None:
         for dst, src in zip(dst_parts, src_parts, strict=True):
-            torch._foreach_copy_([local(t) for t in dst], [local(t) for t in src])
+            foreach_copy_([local(t) for t in dst], [local(t) for t in src])
 
     def state_dict(self) -> dict[str, Any]:
         out = {}
@@ -209,10 +210,10 @@ def adam_coefficients(
     none where found_inf [] is nonzero) and returns each one's `_adam_step` coefficients [4],
     computed once per parameter rather than for every element inside its update. scalars [2]:
     the learning rate and the reciprocal of the clip's grad_scale."""
-    torch._foreach_add_(steps, 1)
+    foreach_add_(steps, 1)
     coefs = fused(_coefficients)(torch.stack(steps), scalars, beta1, beta2, weight_decay).unbind(0)
     if found_inf is not None:  # torch's fused Adam counts a skipped step and takes it back the same way
-        torch._foreach_sub_(steps, [found_inf] * len(steps))
+        foreach_sub_(steps, [found_inf] * len(steps))
     return coefs
 
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
@@ -19,6 +18,7 @@ from torchtitan.tools.logging import logger
 from titan_fold.checkpoint.saves import maybe_fault
 from titan_fold.common.errors import UserError
 from titan_fold.common.tensors import model_fqn, to_device
+from titan_fold.compat.distributed import funcol
 from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY, ROUTED_EXPERTS_KEY
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group

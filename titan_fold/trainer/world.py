@@ -20,6 +20,7 @@ from torchtitan.tools.logging import logger
 
 from titan_fold.common.config import JobConfig
 from titan_fold.common.device import device_type
+from titan_fold.compat.titan import set_pg_timeouts
 from titan_fold.parallel.mesh import Layout
 from titan_fold.trainer.preflight import layout_from_config
 
@@ -56,18 +57,10 @@ class World:
         return dist.Backend.default_device_backend_map[self.device.type]
 
     def set_pg_timeouts(self, timeout: timedelta, layout: Layout) -> None:
-        """Every group of the layout, and the world's, waits `timeout` from now on. All ranks
-        meet at a barrier first: a slow rank still under the long first-step timeout would
-        otherwise see a fast one time out under the short one."""
-        logger.info(f"Synchronizing and adjusting timeout for all ProcessGroups to {timeout}")
-        if self.device.type == "cuda":
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-            torch.cuda.synchronize()
-        else:
-            dist.barrier()
+        """Every group of the layout, and the world's, waits `timeout` from now on (after a
+        barrier of all ranks: compat.titan.set_pg_timeouts)."""
         groups = [mesh.get_group() for mesh in layout.get_all_one_dimensional_meshes().values()] + [None]
-        for group in groups:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        set_pg_timeouts(timeout, groups, self.device)
 
 
 def init_process_group(comm_config, base_folder: str, backend: str) -> int:
