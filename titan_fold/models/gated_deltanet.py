@@ -20,9 +20,9 @@ fla's kernels with the same contract where they run (models/gdn_fla.py), else th
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from titan_fold.common.tensors import local
+from titan_fold.compat.ops import is_fake
 from titan_fold.models.gdn_fla import gated_delta_rule as fla_gated_delta_rule
 from titan_fold.models.gdn_fla import problem as fla_problem
 from titan_fold.models.layers import trunc_normal_
