@@ -207,7 +207,9 @@ def simulate_rank(
         }
     report["moe_layers"] = sum(1 for part in parts for b in part.layers.values() if b.moe_enabled)
     report["dense_layers"] = sum(1 for part in parts for b in part.layers.values() if not b.moe_enabled)
-    key = step_key(parts, stages) if measure and measured is not None else None
+    if measured is None:
+        measured = {}  # this rank alone
+    key = step_key(parts, stages) if measure else None
     if key is not None and key in measured:
         first, activations = measured[key]
         report["activations"] = {**activations, "as_rank": first}

@@ -147,7 +147,11 @@ def _rule_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule recomputed and differentiated: dq, dk, dv, dg, dbeta (torch.func.vjp: an op's body
     runs beneath autograd). Only fake tensors take this op (gated_delta_rule)."""
-    _, vjp = torch.func.vjp(lambda *x: chunk_gated_delta_rule(*x, starts, scale), q, k, v, g, beta)
+
+    def rule(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, starts, scale)
+
+    _, vjp = torch.func.vjp(rule, q, k, v, g, beta)
     return vjp(do)
 
 
