@@ -17,7 +17,9 @@ def moe_args(family: str, **moe_changes):
 
 def dense_model(args, seed=0):
     torch.manual_seed(seed)
-    dense = Transformer(dataclasses.replace(args, first_k_dense=args.n_layers))  # every layer a SwiGLU of ffn_dim
+    # every layer a SwiGLU of ffn_dim (a flavor without dense layers: of the experts' width)
+    ffn_dim = args.ffn_dim or args.moe.moe_ffn_dim
+    dense = Transformer(dataclasses.replace(args, first_k_dense=args.n_layers, ffn_dim=ffn_dim))
     dense.init_weights()
     with torch.no_grad():  # norms away from 1, so that a norm left out would show
         for name, p in dense.named_parameters():
@@ -41,6 +43,8 @@ CASES = {
     "mixtral_granular_2": ("mixtral", dict(num_experts=16, top_k=4, moe_ffn_dim=64), 2, 0.02),
     # 4 copies x 4 segments = 16 experts of 32, top-8 (= 2 whole copies)
     "mixtral_granular_4": ("mixtral", dict(num_experts=16, top_k=8, moe_ffn_dim=32), 4, 0.02),
+    # Qwen3.5-MoE: linear-attention layers copied as they are, renormalized top-k, gated shared expert
+    "qwen3_5_plain": ("qwen3_5_moe", {}, 1, 0.02),
 }
 
 
