@@ -72,10 +72,14 @@ def test_refuses_granular_without_renormalization():
 
 def test_refuses_experts_no_dense_model_has():
     """GPT-OSS's experts (clamped SwiGLU with biases) are no copy of a dense SwiGLU FFN."""
-    from titan_fold.checkpoint.upcycle import check_granularity
+    from titan_fold.checkpoint.upcycle import UpcycleError, check_upcycle
 
-    with pytest.raises(ValueError, match="clamped_swiglu with biases"):
-        check_granularity(FLAVORS["gpt_oss"]["debug"], 1, 0.0)
+    refused = None
+    try:
+        check_upcycle(FLAVORS["gpt_oss"]["debug"], 1, 0.0)
+    except UpcycleError as e:
+        refused = str(e)
+    assert refused is not None and "clamped_swiglu with biases" in refused, refused
 
 
 def test_wrong_width_is_rejected():

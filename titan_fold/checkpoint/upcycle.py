@@ -88,7 +88,7 @@ def upcycle_state_dict(
 ) -> dict[str, torch.Tensor]:
     """MoE model state dict (of `args`) from a dense one whose layers have feed_forward.w1/w2/w3."""
     moe, G = args.moe, granularity
-    check_granularity(args, G, router_std)
+    check_upcycle(args, G, router_std)
     scale = expert_scale(args, G, router_std)
     torch.manual_seed(seed)
     model = Transformer(args)
@@ -127,7 +127,9 @@ def upcycle_state_dict(
     return out
 
 
-def check_granularity(args: TransformerArgs, granularity: int, router_std: float) -> None:
+def check_upcycle(args: TransformerArgs, granularity: int, router_std: float) -> None:
+    """The refusals before any tensor is read: experts that are no copy of a dense FFN, the
+    granularity, the router's std."""
     moe = args.moe
     if moe.activation != ExpertActivation() or moe.expert_biases:
         # the dense twin's FFN is plain SwiGLU without biases: copies of it would not be these experts
@@ -185,7 +187,7 @@ def run(a: argparse.Namespace) -> None:
 
     family, args = resolve_model(a.name, a.flavor, a.hf_config)
     router_std = a.router_std if a.router_std is not None else default_router_std(args)
-    check_granularity(args, a.granularity, router_std)
+    check_upcycle(args, a.granularity, router_std)
     expert_scale(args, a.granularity, router_std)
     check_out_folder(a.out)
     dense = read_dense(a.dense, a.hf, family, args, a.granularity)
