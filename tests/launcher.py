@@ -21,7 +21,9 @@ Ranks are never forked from the test process itself: after earlier tests it hold
 that need threads a forked child does not have. A trainer's process group left in reference
 cycles, collected in the child, joins its TCPStore's event-loop thread and waits forever;
 a lock held by another thread at the fork stays held. A launch that outlives its timeout
-has each rank's Python stacks written to its stderr (faulthandler, SIGABRT), then is killed.
+has each rank's Python stacks written (faulthandler, SIGABRT), then is killed. Each rank that a
+signal ended (that SIGABRT, a crash's SIGSEGV) gets a line naming it and its stacks at the end of
+the launch's stderr, where a failure's message quotes it.
 
 A worker's rank that fails a test's assertion (tests/outcomes/failures.py) exits ASSERTION_FAILED;
 run_ranks then raises AssertionError, and RanksFailed for any other failure (an exception, a
@@ -172,7 +174,9 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
     sys.stdin = open(os.devnull)
-    faulthandler.enable()  # SIGABRT (a launch past its timeout): the Python stacks into stderr
+    # a fatal signal (SIGSEGV, or SIGABRT at a launch's timeout) writes the rank's Python stacks
+    # into its own file, which _launch appends to stderr after the launch, one rank at a time
+    faulthandler.enable(open(_stacks_file(request["attempt"], rank), "w"), all_threads=True)
     import torch
 
     # a fresh process's RNG states, not the zygote's (identical in every rank); Python's
@@ -199,6 +203,21 @@ def _rank(rank: int, nproc: int, port: int, request: dict) -> int:
         failures.note_exception(e)
         return ASSERTION_FAILED if request["call"] and failures.is_test_assertion(e) else 1
     return 0
+
+
+def _stacks_file(attempt: str, rank: int) -> str:
+    return os.path.join(attempt, f"stacks{rank}.txt")
+
+
+def _report_signals(request: dict, codes: list[int]) -> None:
+    """For each rank a signal ended: a line naming the rank and the signal, then the stacks its
+    faulthandler wrote, at the end of the launch's stderr (where a failure's message quotes it)."""
+    with open(request["stderr"], "a") as err:
+        for rank, code in enumerate(codes):
+            if code < 0:
+                # without faulthandler's list of extension modules, a long line of no use here
+                stacks = open(_stacks_file(request["attempt"], rank)).read().split("\nExtension modules:")[0]
+                err.write(f"rank {rank} ended by {signal.Signals(-code).name}\n{stacks}")
 
 
 def _launch(request: dict) -> list[int]:
@@ -243,8 +262,10 @@ def _launch(request: dict) -> list[int]:
             _signal([p for p in pids if p not in codes], signal.SIGKILL)
             deadline = stop_at = float("inf")
         time.sleep(0.05)
+    exit_codes = [codes[p] for p in pids]
+    _report_signals(request, exit_codes)
     shutil.rmtree(request["attempt"], ignore_errors=True)
-    return [codes[p] for p in pids]
+    return exit_codes
 
 
 def _signal(pids, sig):

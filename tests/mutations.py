@@ -888,6 +888,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "crashed_rank_unnamed",
+        "a rank that a signal ended leaves no line and no stacks in the launch's stderr",
+        "tests/launcher.py",
+        "    _report_signals(request, exit_codes)\n",
+        "",
+        ("tests/test_launcher.py::test_crashed_rank_is_named_with_its_stack",),
+    ),
+    Mutation(
         "clamp_limit_ignored",
         "GPT-OSS's SwiGLU without its clamp: gate and up pass the limit",
         "titan_fold/moe/activation.py",

@@ -1,10 +1,12 @@
 """tests/launcher.py, which most trainer tests launch through: every rank gets its own RANK,
 a failure reaches the test as torchrun reports it, a dead rank does not hang the launch, a
-hung one is killed at the timeout with its stack on record, and a worker's rank that fails a
-test's assertion is told apart from one that crashes."""
+hung one is killed at the timeout with its stack on record, a rank that crashes in native code
+is named with its stack, and a worker's rank that fails a test's assertion is told apart from
+one that crashes."""
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -51,6 +53,13 @@ def _hang_on_rank_1(rank, port, out_dir):
         time.sleep(600)  # a rank stuck, as in a lock a forked child inherited held
 
 
+def _segfault_on_rank_1(rank, port, out_dir):
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # a read of address 0, as a native bug would do
+
+
 def _fail_on_rank_1(rank, port, out_dir, how):
     if rank == 1:
         if how == "assert":
@@ -86,3 +95,13 @@ def test_hung_rank_is_killed_with_its_stack(tmp_path):
     message = str(failure.value)
     assert f"exit codes [0, -{int(signal.SIGABRT)}]" in message, message
     assert "in _hang_on_rank_1" in message, message  # faulthandler's dump of the hung rank
+
+
+def test_crashed_rank_is_named_with_its_stack(tmp_path):
+    with pytest.raises(RanksFailed) as failure:
+        run_ranks(_segfault_on_rank_1, 2, tmp_path)
+    message = str(failure.value)
+    # rank 0 exits 0, unless it is stopped (SIGTERM) once rank 1 has failed
+    assert re.search(rf"exit codes \[(0|-15), -{int(signal.SIGSEGV)}\]", message), message
+    assert "rank 1 ended by SIGSEGV" in message, message
+    assert "in _segfault_on_rank_1" in message, message  # the crashed rank's own stack
