@@ -437,19 +437,25 @@ def _node_stats(groups: torch.Tensor, gpus_per_node: int) -> tuple[int, float]:
     crossing = int((nodes.amin(1) != nodes.amax(1)).sum())
     if not crossing:
         return 0, 0.0
-    same = (nodes[:, :, None] == nodes[:, None, :]).sum((1, 2))  # [groups] ordered pairs on one node
+    # members per node, not member pairs: a group's size is up to the world's
+    per_node = torch.zeros(len(nodes), int(nodes.max()) + 1, dtype=nodes.dtype).scatter_add_(
+        1, nodes, torch.ones_like(nodes)
+    )  # [groups, nodes]
+    same = (per_node * per_node).sum(1)  # [groups] ordered pairs on one node, each member with itself too
     return crossing, float(((size * size - same) / (size * (size - 1))).max())
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Groups spanning two dims of one row-major mesh, from each dim's groups [groups, size]: a
-    rank's group is every sum of a member of its a-group and a member of its b-group, less itself."""
-    of_a, of_b = torch.empty(a.numel(), a.shape[1], dtype=a.dtype), torch.empty(b.numel(), b.shape[1], dtype=b.dtype)
-    of_a[a] = a[:, None, :].expand(-1, a.shape[1], -1)  # [rank, |a|]: the rank's a-group
-    of_b[b] = b[:, None, :].expand(-1, b.shape[1], -1)
+    rank's group is every sum of a member of its a-group and a member of its b-group, less itself,
+    so its smallest member is the smallest of its a-group's b-groups' smallest members."""
+    lowest_b = torch.empty(b.numel(), dtype=b.dtype)
+    lowest_b[b] = b.amin(1, keepdim=True).expand_as(b)  # [rank] smallest member of its b-group
+    group = torch.empty(a.numel(), dtype=a.dtype)
+    group[a] = lowest_b[a].amin(1, keepdim=True).expand_as(a)  # [rank] smallest member of its group
     rank = torch.arange(a.numel())
-    members = (of_a[:, :, None] + of_b[:, None, :] - rank[:, None, None]).flatten(1).sort(1).values  # [rank, |a| |b|]
-    return members[members[:, 0] == rank]  # each group once, from its smallest rank: in row order
+    # each group's members in order, the groups in the order of their smallest ranks
+    return rank[torch.argsort(group * a.numel() + rank)].view(-1, a.shape[1] * b.shape[1])
 
 
 def group_rows(m: Mapping, legacy: bool = False) -> dict[str, torch.Tensor]:
