@@ -8,18 +8,26 @@ before the update is queued (_train_step).
 """
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed.utils import TrainContext
+from torchtitan.protocols.model_converter import ModelConvertersContainer
 from torchtitan.tools.logging import logger
 
+from titan_fold.checkpoint.manager import FoldCheckpointManager
 from titan_fold.checkpoint.saves import maybe_fault
+from titan_fold.common.config import JobConfig
 from titan_fold.common.errors import UserError
 from titan_fold.common.tensors import model_fqn, to_device
 from titan_fold.compat.distributed import funcol
 from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY, ROUTED_EXPERTS_KEY
+from titan_fold.models.args import TransformerArgs
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
@@ -39,6 +47,7 @@ from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
 from titan_fold.parallel.pipeline import embedding_copies, pipeline_forward_backward, sync_embedding_copies
 from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
+from titan_fold.trainer.metrics import FoldMetricsProcessor
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.policy import PolicyLoss, policy_target
 
@@ -63,23 +72,26 @@ NOT_MODEL_INPUTS = (
 class TrainStep:
     """The step's methods, over what FoldTrainer built."""
 
-    job_config: Any
+    job_config: JobConfig
     parallel_dims: Layout
     device: torch.device
-    model_args: Any
+    model_args: TransformerArgs
     model_parts: list[torch.nn.Module]
-    loss_fn: Callable
-    optimizers: Any
-    lr_schedulers: Any
-    checkpointer: Any
-    metrics_processor: Any
+    model_converters: ModelConvertersContainer
+    loss_fn: Callable[..., torch.Tensor]
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    checkpointer: FoldCheckpointManager
+    metrics_processor: FoldMetricsProcessor
     guard: NonFiniteGuard
-    train_context: Callable
-    maybe_enable_amp: Any
+    train_context: TrainContext
+    maybe_enable_amp: AbstractContextManager
     gradient_accumulation_steps: int
     overlap: OverlapSchedule | None
+    expert_bias_update: Callable[[], None] | None  # moe.load_balance = "aux_free" (_update)
     phases: StepPhases | None
     _forward_phase: str  # the phase a micro-batch's forward starts (phases.py), set with phases
+    group_grad_norms: torch.Tensor | None  # metrics.group_grad_norms: from the clip to the log
     cudagraphs: bool
     step: int
     ntokens_seen: int
@@ -298,8 +310,7 @@ class TrainStep:
         read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
         self.checkpointer.maybe_wait_for_staging()
         before = self._weights() if logs and self.group_grad_norms is not None else None
-        self.optimizers.step()
-        self.lr_schedulers.step()
+        self._update(logs)
         if read is not None:  # logged: the guard's wait, once the update was queued, has brought the values
             avg_loss, max_loss, ntokens_seen = read()
             extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
@@ -308,6 +319,29 @@ class TrainStep:
             self.step_metrics = self.metrics_processor.log(
                 self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra
             )
+
+    def _update(self, logs: bool) -> None:
+        """The optimizers' step and what surrounds it, in this order: the NaN/Inf guard's verdict
+        (guard.py: handed to fused optimizers as found_inf, else read and acted on here), a logged
+        step's MoE statistics staged beside it, the step, the model converters' work after it
+        (float8's amax and scale of every parameter, in one all-reduce), the verdict read and
+        acted on (a stop or skip raises before the router bias and the lr schedule move), the
+        aux-free router bias, the lr schedule."""
+        # one profiler range: bench/trace_summary.py counts the kernels in it as the optimizer's
+        with torch.profiler.record_function(f"Optimizer.step#{type(self).__name__}._update"):
+            self.guard.before_optimizer_step()
+            if logs:  # queued before the optimizer's kernels; the guard's wait brings them (host_copies.py)
+                self.metrics_processor.stage(self.guard.copies.copy)
+            if self.phases is not None:
+                self.phases.mark("optimizer")
+            self.optimizers.step()
+            self.model_converters.post_optimizer_hook(self.model_parts)
+            self.guard.after_optimizer_step()
+            if self.expert_bias_update is not None:
+                self.expert_bias_update()
+            if self.phases is not None:
+                self.phases.mark("rest")
+        self.lr_schedulers.step()
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters by their names in the model (without the wrappers of compile and
