@@ -232,7 +232,7 @@ class FoldTrainer(TrainStep, Stateful):
     def build_train_spec(self) -> train_spec_module.TrainSpec:
         return train_spec_module.get_train_spec(self.job_config.model.name)
 
-    def build_checkpointer(self):
+    def build_checkpointer(self) -> FoldCheckpointManager:
         spec, config = self.train_spec, self.job_config
         return FoldCheckpointManager(
             dataloader=self.dataloader,

@@ -162,7 +162,7 @@ def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def check_weights(model_parts, where: str) -> None:
+def check_weights(model_parts: list[torch.nn.Module], where: str) -> None:
     """Refuse weights with NaN/Inf (a diverged run's checkpoint, flipped bits) by the tensor's name."""
     bad = ""
     for part in model_parts:

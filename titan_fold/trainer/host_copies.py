@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 
 class HostCopies:
-    def __init__(self):
-        self._event = None  # recorded after the latest copy
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None  # recorded after the latest copy
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """t's value in pinned host memory, readable after the next wait(). A tensor that is not

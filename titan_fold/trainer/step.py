@@ -7,7 +7,7 @@ attributes annotated below) and runs them in its loop. Nothing in a step waits f
 before the update is queued (_train_step).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -97,7 +97,9 @@ class TrainStep:
     ntokens_seen: int
     step_metrics: dict[str, Any]  # a logged step's record, as logged (_train_step)
 
-    def post_dataloading_process(self, input_dict, labels):
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
         inputs = input_dict["input"]
         extra_inputs = {k: v for k, v in input_dict.items() if k not in NOT_MODEL_INPUTS}
@@ -128,7 +130,7 @@ class TrainStep:
             extra_kwargs[ROUTED_EXPERTS] = shard_routed_experts(routed, cp_index, layout.tp, tp_rank)
         return inputs, labels, extra_inputs, extra_kwargs
 
-    def loss_target(self, input_dict, labels):
+    def loss_target(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         """What the loss receives beside the logits, [b, s, ...]: the labels, and under the policy
         objective each label's behaviour log-probability and advantage with them (policy.py), so
         that cp shards them and the pipeline schedule splits them as it does the labels."""
@@ -136,7 +138,7 @@ class TrainStep:
             return labels
         return policy_target(labels, input_dict[LOGPROBS_KEY], input_dict[ADVANTAGES_KEY])
 
-    def _routed_experts(self, input_dict) -> torch.Tensor | None:
+    def _routed_experts(self, input_dict: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The batch's routed_experts under moe.routing_replay = "rollout", checked against the batch
         and the model; None in the other modes (a batch's ids are then not used)."""
         if self.model_args.moe.routing_replay != "rollout":
@@ -154,7 +156,9 @@ class TrainStep:
             raise UserError(f"moe.routing_replay = 'rollout': {problem}")
         return routed
 
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         if self.phases is not None:
             self.phases.mark(self._forward_phase)
         loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
@@ -168,7 +172,9 @@ class TrainStep:
     def _logs(self) -> bool:
         return self.metrics_processor.should_log(self.step)
 
-    def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
+    def _forward_backward(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         for mtp in mtp_modules(self.model_parts):
             # a token sum like the LM loss: one scale for every micro-batch of the step
             mtp.loss_scale = (1.0 / torch.as_tensor(global_valid_tokens, dtype=torch.float32)).to(mtp.loss_scale.device)
@@ -192,7 +198,9 @@ class TrainStep:
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 
-    def _one_part_forward_backward(self, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+    def _one_part_forward_backward(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """The one model part's forward and backward: the loss summed over this micro-batch's
         tokens and divided by the step's (global_valid_tokens) -> that loss."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
@@ -215,7 +223,7 @@ class TrainStep:
             loss.backward()
         return loss
 
-    def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
+    def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter], *args: Any, **kwargs: Any) -> torch.Tensor:
         """The step's clipping (_train_step, as torchtitan's clip_grad_norm_): gradients on two
         meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
         handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
@@ -238,7 +246,7 @@ class TrainStep:
         self.guard.observe_grad_norm(norm)
         return self.guard.copies.copy(norm) if self._logs() else norm  # read with .item() at a logged step
 
-    def train_step(self, data_iterator):
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         self.guard.step = self.step
         if self.phases is not None and self.metrics_processor.should_log(self.step):
             self.phases.start()
@@ -259,7 +267,7 @@ class TrainStep:
                     {"step": self.step, "skipped": e.what, "skipped_steps": self.guard.skipped}
                 )
 
-    def _train_step(self, data_iterator):
+    def _train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
         update is queued. torchtitan moves the batches and their token count with blocking copies
         and sums the count over the batch ranks on the host, and under dp or cp reads the logged
@@ -355,14 +363,16 @@ class TrainStep:
             if id(p) not in skip
         ]
 
-    def _group_norms(self, tensors) -> torch.Tensor:
+    def _group_norms(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
         return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
 
     def _weights(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """Each parameter with a copy of its weights, before the optimizer step."""
         return [(name, p, p.detach().clone()) for name, p in self._named_parameters()]
 
-    def _group_norm_metrics(self, before) -> dict[str, dict[str, float]]:
+    def _group_norm_metrics(
+        self, before: list[tuple[str, torch.nn.Parameter, torch.Tensor]]
+    ) -> dict[str, dict[str, float]]:
         """metrics.group_grad_norms: each group's gradient norm (before clipping) and the norm of
         its update (the weights after the optimizer step less those before)."""
         updates = self._group_norms((name, p.detach() - weights) for name, p, weights in before)
@@ -382,7 +392,7 @@ class TrainStep:
         mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
         if mesh is None:
 
-            def read():  # the losses are host copies already (forward_backward_step)
+            def read() -> tuple[float, float, int]:  # the losses are host copies already (forward_backward_step)
                 loss = torch.stack(losses).sum().item()
                 return loss, loss, self.ntokens_seen
 
