@@ -309,6 +309,59 @@ def test_guard_gives_no_verdict_to_optimizers_stepped_in_backward():
         guard.before_optimizer_step()
 
 
+def test_skipped_step_moves_neither_router_bias_nor_lr():
+    """training.nonfinite = "skip" over fused AdamW, in the trainer's order (TrainStep._update):
+    the verdict is read after the optimizer's kernels are queued, and a skipped step leaves the
+    weights, the aux-free router bias and the lr schedule as they were; the next, finite, step
+    moves all three."""
+    import functools
+    import types
+
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.config import LRScheduler
+
+    from titan_fold.moe import MoE, MoEArgs, update_expert_bias
+    from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
+    from titan_fold.trainer.step import TrainStep
+
+    torch.manual_seed(0)
+    moe = MoE(32, MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=16, load_balance="aux_free"))
+    moe.init_weights(0.02)
+    opt = build(moe, "fused", master_weights=False)
+    guard = NonFiniteGuard("skip", torch.device("cpu"))
+    guard.watch(opt)
+    assert guard.optimizers  # the verdict reaches the optimizers as found_inf: no wait before the step
+    trainer = types.SimpleNamespace(
+        guard=guard,
+        phases=None,
+        optimizers=opt,
+        model_parts=[moe],
+        model_converters=types.SimpleNamespace(post_optimizer_hook=lambda parts: None),
+        expert_bias_update=functools.partial(update_expert_bias, [moe]),
+        lr_schedulers=build_lr_schedulers(opt, LRScheduler(warmup_steps=4, decay_ratio=None), training_steps=10),
+    )
+
+    def state():
+        lr = trainer.lr_schedulers.schedulers[0].get_last_lr()[0]
+        return [t.detach().clone() for t in (*moe.parameters(), moe.router.expert_bias)], lr
+
+    for finite in (False, True):
+        moe(torch.randn(2, 8, 32)).square().sum().backward()  # an uneven expert load
+        guard.observe_loss(torch.tensor(1.0 if finite else float("nan")))
+        guard.observe_grad_norm(torch.tensor(1.0))
+        (*before, bias), lr = state()
+        if finite:
+            TrainStep._update(trainer, False)
+        else:
+            with pytest.raises(SkippedStep):
+                TrainStep._update(trainer, False)
+        (*after, bias_after), lr_after = state()
+        weights_moved = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        moved = (weights_moved, not torch.equal(bias, bias_after), lr_after != lr)
+        assert moved == (finite,) * 3, f"(weights, bias, lr) moved at a {'finite' if finite else 'skipped'} step"
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("master_weights", [False, True])
 def test_lr_schedulers_see_the_step(master_weights):
     """torchtitan's LR schedulers over the one-pass containers: each scheduler sees its
