@@ -638,6 +638,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "expert_bias_before_verdict",
+        "the aux-free router bias updated before the guard's verdict is read: a skipped step moves it",
+        "titan_fold/trainer/step.py",
+        "            self.guard.after_optimizer_step()\n"
+        "            if self.expert_bias_update is not None:\n"
+        "                self.expert_bias_update()\n",
+        "            if self.expert_bias_update is not None:\n"
+        "                self.expert_bias_update()\n"
+        "            self.guard.after_optimizer_step()\n",
+        ("tests/test_optimizer.py::test_skipped_step_moves_neither_router_bias_nor_lr",),
+    ),
+    Mutation(
         "policy_loss_per_micro_batch",
         "the loss of each micro-batch divided by its own labelled tokens, not the global batch's",
         "titan_fold/trainer/step.py",

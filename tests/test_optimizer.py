@@ -2,6 +2,7 @@
 AdamW and torch's fused AdamW, with and without fp32 master weights; the masters under FSDP2
 on both meshes against the one-rank run."""
 
+import contextlib
 import copy
 import shutil
 import warnings
@@ -225,8 +226,8 @@ def test_one_pass_skips_parameters_without_gradient():
 
 @pytest.mark.parametrize("master_weights", [False, True])
 def test_step_hooks_run_once_per_step(master_weights):
-    """The trainer's NaN guard and aux-free bias update are step hooks of the container: they
-    run once per step, with both containers' classes in use (torch wraps each class's step)."""
+    """Step hooks registered on a container run once per step, as torch's Optimizer promises,
+    with both containers' classes in use (torch wraps each class's step)."""
     model = make_model()
     opt = build(model, "fused", master_weights=master_weights)
     build(make_model(), "fused", master_weights=not master_weights)
@@ -246,7 +247,8 @@ def test_guard_keeps_the_weights_of_a_nonfinite_step(policy, implementation, mas
     skip: SkippedStep) and the step leaves every weight, moment, master and step count as it was:
     a third step then gives what the same step gives right after step 1, bit for bit. A fused
     step (titan_fold's one pass) is queued behind the verdict with no host read before it and
-    the post-hook raises; torch's for-loop step takes no verdict, and its pre-hook raises."""
+    the check after it raises; torch's for-loop step takes no verdict, and the check before it
+    raises."""
     from host_sync import no_host_sync
 
     from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard, SkippedStep
@@ -255,19 +257,17 @@ def test_guard_keeps_the_weights_of_a_nonfinite_step(policy, implementation, mas
         model = make_model()
         opt = build(model, implementation, master_weights)
         guard = NonFiniteGuard(policy, torch.device("cpu"))
-        hooks = []
-        pre, post = guard.before_optimizer_step, guard.after_optimizer_step
-
-        def checked_pre(*args):
-            hooks.append("pre")
-            if implementation == "fused":
-                with no_host_sync():
-                    return pre(*args)
-            return pre(*args)
-
-        guard.before_optimizer_step = checked_pre
-        guard.after_optimizer_step = lambda *args: (hooks.append("post"), post(*args))
         guard.watch(opt)
+        checks = []
+
+        def guarded_step():  # as the trainer's step (TrainStep._update)
+            checks.append("before")
+            with no_host_sync() if implementation == "fused" else contextlib.nullcontext():
+                guard.before_optimizer_step()
+            opt.step()
+            checks.append("after")
+            guard.after_optimizer_step()
+
         steps = [1, "nan", 3] if nan_step else [1, 3]
         for step in steps:
             grads = grads_for(model, 2 if step == "nan" else step)
@@ -279,12 +279,12 @@ def test_guard_keeps_the_weights_of_a_nonfinite_step(policy, implementation, mas
             guard.observe_loss(torch.tensor(1.0))
             guard.observe_grad_norm(norm)
             if step == "nan":
-                hooks.clear()
+                checks.clear()
                 with pytest.raises(NonFiniteError if policy == "stop" else SkippedStep):
-                    opt.step()
-                assert hooks == (["pre", "post"] if implementation == "fused" else ["pre"])
+                    guarded_step()
+                assert checks == (["before", "after"] if implementation == "fused" else ["before"])
             else:
-                opt.step()
+                guarded_step()
         state = [t.clone() for o in opt.optimizers for s in o.state.values() for t in s.values()]
         return [p.detach().clone() for p in model.parameters()] + state
 
@@ -293,8 +293,8 @@ def test_guard_keeps_the_weights_of_a_nonfinite_step(policy, implementation, mas
 
 
 def test_guard_gives_no_verdict_to_optimizers_stepped_in_backward():
-    """early_step_in_backward: the optimizers step inside backward, before the guard's hooks, so
-    they get no found_inf (it would skip the next step's update); the pre-hook decides."""
+    """early_step_in_backward: the optimizers step inside backward, before the guard's check, so
+    they get no found_inf (it would skip the next step's update); the check before the step decides."""
     from torchtitan.components.optimizer import OptimizersInBackwardContainer
 
     from titan_fold.trainer.guard import NonFiniteError, NonFiniteGuard
@@ -307,6 +307,59 @@ def test_guard_gives_no_verdict_to_optimizers_stepped_in_backward():
     guard.observe_loss(torch.tensor(float("nan")))
     with pytest.raises(NonFiniteError):
         guard.before_optimizer_step()
+
+
+def test_skipped_step_moves_neither_router_bias_nor_lr():
+    """training.nonfinite = "skip" over fused AdamW, in the trainer's order (TrainStep._update):
+    the verdict is read after the optimizer's kernels are queued, and a skipped step leaves the
+    weights, the aux-free router bias and the lr schedule as they were; the next, finite, step
+    moves all three."""
+    import functools
+    import types
+
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.config import LRScheduler
+
+    from titan_fold.moe import MoE, MoEArgs, update_expert_bias
+    from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
+    from titan_fold.trainer.step import TrainStep
+
+    torch.manual_seed(0)
+    moe = MoE(32, MoEArgs(num_experts=4, top_k=2, moe_ffn_dim=16, load_balance="aux_free"))
+    moe.init_weights(0.02)
+    opt = build(moe, "fused", master_weights=False)
+    guard = NonFiniteGuard("skip", torch.device("cpu"))
+    guard.watch(opt)
+    assert guard.optimizers  # the verdict reaches the optimizers as found_inf: no wait before the step
+    trainer = types.SimpleNamespace(
+        guard=guard,
+        phases=None,
+        optimizers=opt,
+        model_parts=[moe],
+        model_converters=types.SimpleNamespace(post_optimizer_hook=lambda parts: None),
+        expert_bias_update=functools.partial(update_expert_bias, [moe]),
+        lr_schedulers=build_lr_schedulers(opt, LRScheduler(warmup_steps=4, decay_ratio=None), training_steps=10),
+    )
+
+    def state():
+        lr = trainer.lr_schedulers.schedulers[0].get_last_lr()[0]
+        return [t.detach().clone() for t in (*moe.parameters(), moe.router.expert_bias)], lr
+
+    for finite in (False, True):
+        moe(torch.randn(2, 8, 32)).square().sum().backward()  # an uneven expert load
+        guard.observe_loss(torch.tensor(1.0 if finite else float("nan")))
+        guard.observe_grad_norm(torch.tensor(1.0))
+        (*before, bias), lr = state()
+        if finite:
+            TrainStep._update(trainer, False)
+        else:
+            with pytest.raises(SkippedStep):
+                TrainStep._update(trainer, False)
+        (*after, bias_after), lr_after = state()
+        weights_moved = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        moved = (weights_moved, not torch.equal(bias, bias_after), lr_after != lr)
+        assert moved == (finite,) * 3, f"(weights, bias, lr) moved at a {'finite' if finite else 'skipped'} step"
+        opt.zero_grad()
 
 
 @pytest.mark.parametrize("master_weights", [False, True])

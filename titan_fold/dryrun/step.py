@@ -26,9 +26,9 @@ class VerdictFreeGuard(NonFiniteGuard):
     group no reduced value is a real number (with torch 2.11 the gradient norm comes out
     NaN or Inf): its verdict is ignored."""
 
-    def before_optimizer_step(self, *hook_args) -> None:
+    def before_optimizer_step(self) -> None:
         try:
-            super().before_optimizer_step(*hook_args)
+            super().before_optimizer_step()
         except (NonFiniteError, SkippedStep, StashOverflow):
             pass
 
@@ -79,8 +79,8 @@ class StepTrainer(FoldTrainer):
     through its seams: the World of the given layout on the CPU; the train spec with the given
     (shrunk) model args and no tokenizer, dataloader, state-dict adapter or metrics files; no
     checkpoint manager, garbage-collection handler or seeding; the guard's verdict ignored; the
-    MoE layers' counts made up (fake_counts.py). The model, optimizers, lr schedulers, hooks and
-    train context are a real run's; under PP the real run's schedule issues the send/recv."""
+    MoE layers' counts made up (fake_counts.py). The model, optimizers, lr schedulers, the step's
+    order and train context are a real run's; under PP the real run's schedule issues the send/recv."""
 
     guard_class = VerdictFreeGuard
 

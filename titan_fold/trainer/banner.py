@@ -4,8 +4,10 @@ experts), stages, memory per rank."""
 import torch
 import torch.nn as nn
 
+from titan_fold.common.config import JobConfig
 from titan_fold.common.device import device_type
 from titan_fold.models import gdn_fla
+from titan_fold.models.args import TransformerArgs
 from titan_fold.parallel.mesh import Layout
 from titan_fold.planning.accounting import GIB, parameter_report
 
@@ -14,7 +16,7 @@ def _human(b: float) -> str:
     return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.2f} MiB"
 
 
-def memory_line(model_parts: list[nn.Module], job_config) -> str:
+def memory_line(model_parts: list[nn.Module], job_config: JobConfig) -> str:
     b = parameter_report(model_parts, job_config)["bytes"]
     return (
         f"params {_human(b['params'])}, grads {_human(b['grads'])}, "
@@ -22,7 +24,7 @@ def memory_line(model_parts: list[nn.Module], job_config) -> str:
     )
 
 
-def linear_attention_rule(model_args) -> str | None:
+def linear_attention_rule(model_args: TransformerArgs) -> str | None:
     """Which gated delta rule the model's linear-attention layers run here, with the reason when it
     is not fla's kernels (models/gated_deltanet.py); None without such layers."""
     if "linear_attention" not in model_args.layer_types:
@@ -34,9 +36,9 @@ def linear_attention_rule(model_args) -> str | None:
 
 def banner(
     layout: Layout,
-    model_args,
+    model_args: TransformerArgs,
     model_parts: list[nn.Module],
-    job_config,
+    job_config: JobConfig,
     num_stages: int = 1,
     optimizer_split: str | None = None,
 ) -> str:

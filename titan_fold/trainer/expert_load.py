@@ -26,7 +26,7 @@ from titan_fold.trainer.metrics_file import EXPERT_LOAD_FILE
 HOTTEST = 3
 
 
-def _moe_modules(model_parts) -> dict[str, MoE]:
+def _moe_modules(model_parts: list[torch.nn.Module]) -> dict[str, MoE]:
     """{layer name (the module path before ".moe", without the wrappers of compile and activation
     checkpointing): its MoE} of this rank's model parts."""
     found = {}
@@ -37,7 +37,7 @@ def _moe_modules(model_parts) -> dict[str, MoE]:
     return found
 
 
-def _layer_key(name: str):
+def _layer_key(name: str) -> tuple[int, int, str]:
     # "layers.12" after "layers.3"; other names (MTP's) after every numbered layer
     head, _, tail = name.rpartition(".")
     return (0, int(tail), "") if head == "layers" and tail.isdigit() else (1, 0, name)
@@ -46,7 +46,9 @@ def _layer_key(name: str):
 class ExpertLoad:
     """Collects and writes the per-expert load at logged steps (every rank calls `collect`)."""
 
-    def __init__(self, model_parts, dump_folder: str, ep: int, tensorboard_folder: str | None):
+    def __init__(
+        self, model_parts: list[torch.nn.Module], dump_folder: str, ep: int, tensorboard_folder: str | None
+    ) -> None:
         self.model_parts, self.ep = model_parts, ep
         self.names: list[str] | None = None  # every MoE layer of the model, in layer order
         rank = dist.get_rank() if dist.is_initialized() else 0

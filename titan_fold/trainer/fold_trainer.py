@@ -8,7 +8,7 @@ FoldTrainer builds a run from torchtitan's components and runs it, in this order
             (parallel/parallelize.py), then materialized and initialized; the metrics
             (metrics.py); optimizers and lr schedulers (muon.py, optimizer.py, torchtitan's
             lr scheduler); the checkpoint manager (checkpoint/manager.py); the NaN/Inf guard
-            (guard.py) and the step's hooks
+            (guard.py) and the rest of what the step uses
     step    TrainStep.train_step (step.py)
     loop    FoldTrainer.train: load, then step, save, profile until training.steps, a stop
             signal (signals.py) or the end of the data
@@ -24,6 +24,7 @@ the dump folder is locked (lock.py). The dry run builds this same trainer throug
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import logging
@@ -157,8 +158,8 @@ class FoldTrainer(TrainStep, Stateful):
         )
         with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
             model = spec.model_cls(model_args)
-        model_converters = build_model_converters(job_config, layout)
-        model_converters.convert(model)
+        self.model_converters = build_model_converters(job_config, layout)
+        self.model_converters.convert(model)
 
         # metrics
         self.metrics_processor = spec.build_metrics_processor_fn(job_config, layout, model_args)
@@ -189,10 +190,6 @@ class FoldTrainer(TrainStep, Stateful):
         self.lr_schedulers = spec.build_lr_schedulers_fn(
             self.optimizers, job_config.lr_scheduler, job_config.training.steps
         )
-        # e.g. float8's amax and scale of every parameter, in one all-reduce after the step
-        self.optimizers.register_step_post_hook(
-            lambda *args, **kwargs: model_converters.post_optimizer_hook(self.model_parts)
-        )
         self.metrics_processor.optimizers = self.optimizers
         self.metrics_processor.model_parts = self.model_parts
 
@@ -209,7 +206,7 @@ class FoldTrainer(TrainStep, Stateful):
             layout.tp_enabled and not job_config.parallelism.disable_loss_parallel
         )
         self.maybe_enable_amp = maybe_enable_amp(layout, job_config.training.mixed_precision_param, self.device.type)
-        self.build_step_hooks(stop_signals)
+        self.build_step_parts(stop_signals)
         logger.info(
             f"Trainer is initialized with local batch size {job_config.training.local_batch_size}, "
             f"global batch size {job_config.training.local_batch_size * batch_degree * self.gradient_accumulation_steps}, "
@@ -235,7 +232,7 @@ class FoldTrainer(TrainStep, Stateful):
     def build_train_spec(self) -> train_spec_module.TrainSpec:
         return train_spec_module.get_train_spec(self.job_config.model.name)
 
-    def build_checkpointer(self):
+    def build_checkpointer(self) -> FoldCheckpointManager:
         spec, config = self.train_spec, self.job_config
         return FoldCheckpointManager(
             dataloader=self.dataloader,
@@ -272,18 +269,12 @@ class FoldTrainer(TrainStep, Stateful):
             part.train()
         return parts
 
-    def build_step_hooks(self, stop_signals: StopSignals | None) -> None:
-        """The guard, the optimizer's hooks and what the step reads besides the model."""
+    def build_step_parts(self, stop_signals: StopSignals | None) -> None:
+        """The guard and what else the step uses besides the model and the optimizers."""
         config = self.job_config
         # NaN/Inf in the loss or gradient norm: stop or skip with the weights untouched (guard.py)
         self.guard = self.guard_class(config.training.nonfinite, self.device)
         self.guard.watch(self.optimizers)
-        # a logged step's values reach the host beside the guard's verdict (host_copies.py): the
-        # MoE statistics queued here, before the optimizer's kernels; the loss and the gradient
-        # norm where they are computed
-        self.optimizers.register_step_pre_hook(
-            lambda *args, **kwargs: self.metrics_processor.stage(self.guard.copies.copy) if self._logs() else None
-        )
         self.cudagraphs = cuda_graphs(config)
         if self.cudagraphs:
             mark_static_buffers(self.model_parts)
@@ -303,6 +294,7 @@ class FoldTrainer(TrainStep, Stateful):
         )
         self.stop_signals = stop_signals or StopSignals()
         self.start_step = 0  # start() sets it
+        self.expert_bias_update = None
         if self.model_args.moe.load_balance == "aux_free":
             # the router bias follows the expert load of every token this stage routed
             stage_mesh = self.parallel_dims.get_optional_mesh("stage")
@@ -313,9 +305,7 @@ class FoldTrainer(TrainStep, Stateful):
                     torch.distributed.all_reduce(t, group=group)
                 return t
 
-            self.optimizers.register_step_post_hook(
-                lambda *args, **kwargs: update_expert_bias(self.model_parts, all_reduce)
-            )
+            self.expert_bias_update = functools.partial(update_expert_bias, self.model_parts, all_reduce)
         # metrics.group_grad_norms: a logged step's norms per parameter group (step.py)
         self.group_grad_norms = None
         # metrics.step_phases: host and GPU time per phase of each logged step (phases.py)
@@ -324,16 +314,13 @@ class FoldTrainer(TrainStep, Stateful):
             self._mark_phases(self.phases)
 
     def _mark_phases(self, phases: StepPhases) -> None:
-        """The phase boundaries this class does not mark in its own methods, as hooks: the model's
-        forward ends (where forward and backward do not interleave), the optimizers' step starts
-        and ends (after the guard's and the aux-free bias's hooks)."""
+        """The one phase boundary the step's methods do not mark, as a hook: the model's forward
+        ends (where forward and backward do not interleave)."""
         interleaved = self.parallel_dims.pp_enabled or self.overlap is not None
         self._forward_phase = "forward_backward" if interleaved else "forward"
         if not interleaved:
             for part in self.model_parts:
                 part.register_forward_hook(lambda *args: phases.mark("backward"))
-        self.optimizers.register_step_pre_hook(lambda *args, **kwargs: phases.mark("optimizer"))
-        self.optimizers.register_step_post_hook(lambda *args, **kwargs: phases.mark("rest"))
         self.metrics_processor.phases = phases
 
     def banner(self) -> str:

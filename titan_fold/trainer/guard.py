@@ -11,15 +11,16 @@ NaN or Inf. Then, by `training.nonfinite`:
 - "skip": the optimizer step (and the lr schedule's step) is skipped on every rank, a
   warning is printed and metrics.jsonl gets `{"step": n, "skipped": "loss is nan", "skipped_steps": k}`.
 
-The check is an optimizer step pre-hook, fed by the trainer with each micro-batch's loss and
-the clipped norm. Its cost is one 3-element all-reduce per step, and no wait for the device
+The trainer feeds the guard each micro-batch's loss and the clipped norm, and calls
+`before_optimizer_step` and `after_optimizer_step` around the optimizers' step (step.py:
+TrainStep._update). Its cost is one 3-element all-reduce per step, and no wait for the device
 where every optimizer is a fused Adam / AdamW (titan_fold's one-pass step included): the
-pre-hook hands them the verdict as GradScaler's `found_inf` (a device tensor: nonzero, and
-their step leaves the weights, moments and step counts as they were), the optimizer step is
-queued behind it, and a post-hook reads the verdict once the device has computed it, while
-the device runs the optimizer. It raises there, before the learning-rate schedule steps.
-Other optimizers take no `found_inf`: the pre-hook waits for the verdict and raises before
-their step. The third element is the MoE stash's verdict (`moe.stash_rows`, moe/stash.py):
+check before the step hands them the verdict as GradScaler's `found_inf` (a device tensor:
+nonzero, and their step leaves the weights, moments and step counts as they were), the
+optimizer step is queued behind it, and the call after it reads the verdict once the device
+has computed it, while the device runs the optimizer. It raises there, before the aux-free
+router bias and the learning-rate schedule step. Other optimizers take no `found_inf`: the
+check before the step waits for the verdict and raises before their step. The third element is the MoE stash's verdict (`moe.stash_rows`, moe/stash.py):
 the most rows the layers needed, where more than the pool holds; then every rank raises
 StashOverflow (one line naming the key), whatever the policy: the step's saved activations
 were overwritten.
@@ -68,7 +69,7 @@ class StashOverflow(ConfigError):
 
 
 class SkippedStep(Exception):
-    """Raised from the optimizer's pre-hook to skip the step ("skip" policy)."""
+    """Raised around the optimizer step to skip it ("skip" policy)."""
 
     def __init__(self, what: str):
         super().__init__(what)
@@ -90,20 +91,18 @@ class NonFiniteGuard:
         self.stash_rows = 0  # moe.stash_rows, for the message
         # the torch optimizers handed the verdict as found_inf (`watch`)
         self.optimizers: list[torch.optim.Optimizer] = []
-        # the verdict's codes on their way to the host, beside the trainer's logged values; the
-        # post-hook waits for them all
+        # the verdict's codes on their way to the host, beside the trainer's logged values;
+        # after_optimizer_step waits for them all
         self.copies = HostCopies()
         self._verdict = None
 
     def watch(self, optimizers: OptimizersContainer) -> None:
-        """Guard a torchtitan OptimizersContainer's steps: the checks run as its step hooks. Its
-        optimizers take the verdict where its step is theirs (not early_step_in_backward's) and
-        every one is a fused Adam / AdamW (they take GradScaler's found_inf beside its grad_scale)."""
+        """Guard a torchtitan OptimizersContainer's steps. Its optimizers take the verdict where its
+        step is theirs (not early_step_in_backward's) and every one is a fused Adam / AdamW (they
+        take GradScaler's found_inf beside its grad_scale)."""
         steps_here = type(optimizers) is OptimizersContainer or isinstance(optimizers, AdamOptimizersContainer)
         if steps_here and all(divides_by_grad_scale(opt) for opt in optimizers.optimizers):
             self.optimizers = list(optimizers.optimizers)
-        optimizers.register_step_pre_hook(self.before_optimizer_step)
-        optimizers.register_step_post_hook(self.after_optimizer_step)
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         code = _code(_value(loss).detach().float())
@@ -113,9 +112,9 @@ class NonFiniteGuard:
         """The gradient norm of this step, as the clipping computed it."""
         self._grad_norm = _value(norm)
 
-    def before_optimizer_step(self, *_hook_args) -> None:
-        """Optimizer step pre-hook: the verdict of every rank alike, handed to the optimizers as
-        found_inf (the post-hook reads it), or read now and acted on (stop, skip or go on)."""
+    def before_optimizer_step(self) -> None:
+        """The verdict of every rank alike, handed to the optimizers as found_inf
+        (after_optimizer_step reads it), or read now and acted on (stop, skip or go on)."""
         loss_code = self._loss_code if self._loss_code is not None else torch.tensor(FINITE)
         norm = self._grad_norm if self._grad_norm is not None else torch.zeros(())
         self._loss_code = self._grad_norm = None
@@ -136,8 +135,8 @@ class NonFiniteGuard:
             opt.found_inf = found_inf
         self._verdict = self.copies.copy(codes)
 
-    def after_optimizer_step(self, *_hook_args) -> None:
-        """Optimizer step post-hook: the verdict the step was queued behind, acted on."""
+    def after_optimizer_step(self) -> None:
+        """The verdict the optimizer step was queued behind, acted on."""
         self.copies.wait()  # the optimizer's kernels are queued: the device stays busy meanwhile
         if self._verdict is None:
             return
@@ -163,7 +162,7 @@ def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def check_weights(model_parts, where: str) -> None:
+def check_weights(model_parts: list[torch.nn.Module], where: str) -> None:
     """Refuse weights with NaN/Inf (a diverged run's checkpoint, flipped bits) by the tensor's name."""
     bad = ""
     for part in model_parts:

@@ -4,8 +4,8 @@
 update, and the device then idles while the host prepares the next step. HostCopies queues a
 value's copy into pinned host memory where the value is computed (the loss after backward, the
 gradient norm after clipping, the MoE statistics before the optimizer step), and one wait after
-the optimizer's kernels are queued (the guard's post-hook) ends when the device reaches the
-copies, while it still runs the update.
+the optimizer's kernels are queued (the guard's after_optimizer_step) ends when the device
+reaches the copies, while it still runs the update.
 """
 
 import torch
@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 
 class HostCopies:
-    def __init__(self):
-        self._event = None  # recorded after the latest copy
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None  # recorded after the latest copy
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """t's value in pinned host memory, readable after the next wait(). A tensor that is not

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import warnings
+from typing import TextIO
 
 from torchtitan.config.job_config import Model as TitanModel
 from torchtitan.tools.logging import logger
@@ -69,15 +70,15 @@ class _StdoutHandler(logging.StreamHandler):
     """Writes to sys.stdout as it is when a line is logged, not when the handler was made
     (a caller that swaps sys.stdout, as pytest's capture does, may close the old one)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(sys.stdout)
 
     @property
-    def stream(self):
+    def stream(self) -> TextIO:
         return sys.stdout
 
     @stream.setter
-    def stream(self, value):
+    def stream(self, value: TextIO) -> None:
         pass
 
 

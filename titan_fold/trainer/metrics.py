@@ -20,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,9 +31,12 @@ from torchtitan.components.metrics import (
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from titan_fold.common.config import JobConfig
 from titan_fold.compat.titan import MetricsProcessorHooks, metric_logger
+from titan_fold.models.args import TransformerArgs
 from titan_fold.models.mtp import mtp_stats_from, mtp_stats_values
 from titan_fold.moe import moe_layers, moe_stats_from, moe_stats_values
+from titan_fold.parallel.mesh import Layout
 from titan_fold.trainer.expert_load import ExpertLoad
 from titan_fold.trainer.metrics_file import METRICS_FILE, MetricsFile
 from titan_fold.trainer.phases import StepPhases, phases_text
@@ -69,7 +73,7 @@ class HostMemoryMonitor:
     def get_peak_gib(self) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
 
-    def get_peak_stats(self):
+    def get_peak_stats(self) -> "_Peak":
         return _Peak(self.get_peak_gib(), _host_memory_gib())
 
     def reset_peak_stats(self) -> None:
@@ -83,7 +87,7 @@ class _Peak:
         self.num_alloc_retries = self.num_ooms = 0
 
 
-def _memory_monitor():
+def _memory_monitor() -> DeviceMemoryMonitor | HostMemoryMonitor:
     """torchtitan's monitor of the current GPU, or the host's peak RSS."""
     if torch.cuda.is_available():
         monitor = DeviceMemoryMonitor(f"cuda:{torch.cuda.current_device()}")
@@ -108,7 +112,7 @@ class FoldMetricsProcessor(MetricsProcessorHooks):
     """torchtitan's MetricsProcessor, built here: its memory monitor works on the CPU too, and
     no peak flops are made up where there is no GPU."""
 
-    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+    def __init__(self, job_config: JobConfig, parallel_dims: Layout, tag: str | None = None) -> None:
         loggers = metric_logger(job_config, parallel_dims, tag)
         monitor = _memory_monitor()
         # torchtitan's state (compat.titan); peak flops NaN on the CPU: no MFU
@@ -141,7 +145,7 @@ class FoldMetricsProcessor(MetricsProcessorHooks):
             self._last_logged_step = self._first_step = step - 1
         return super().should_log(step) or step in (self._first_step + 1, self.job_config.training.steps)
 
-    def stage(self, copy) -> None:
+    def stage(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """At a logged step, before the optimizer's kernels are queued: the MoE and MTP statistics'
         device values, each through copy(t) (HostCopies.copy), which log() reads once they have
         landed, without waiting for the optimizer step."""
@@ -169,7 +173,7 @@ class FoldMetricsProcessor(MetricsProcessorHooks):
             values = torch.cat([sums.cpu(), top.cpu()])
         return policy_metrics(values.tolist())
 
-    def _moe_stats(self, moe_values, mtp_values) -> dict[str, float | None]:
+    def _moe_stats(self, moe_values: torch.Tensor | None, mtp_values: torch.Tensor | None) -> dict[str, float | None]:
         parts = self.model_parts or []
         n_moe = float(len(moe_layers(parts)))
         stats = {**moe_stats_from(moe_values), **mtp_stats_from(mtp_values)}
@@ -355,5 +359,7 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None) -> FoldMetricsProcessor:
+def build_metrics_processor(
+    job_config: JobConfig, parallel_dims: Layout, model_args: TransformerArgs | None = None, tag: str | None = None
+) -> FoldMetricsProcessor:
     return FoldMetricsProcessor(job_config, parallel_dims, tag)

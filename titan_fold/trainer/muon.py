@@ -20,13 +20,17 @@ sends the shards back.
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torchtitan.components.ft import FTManager
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed import ParallelDims
 
 from titan_fold.common.config import ConfigError
+from titan_fold.common.optimizer_config import Optimizer as OptimizerConfig
 from titan_fold.common.tensors import local, model_fqn
 from titan_fold.compat.titan import OptimizersContainerHooks
 from titan_fold.models.groups import matrix_shape, parameter_group, uses_muon
@@ -85,7 +89,7 @@ class Muon(torch.optim.Optimizer):
         self._orthogonalizer: Orthogonalizer | None = None
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         for group in self.param_groups:
             (self._muon_step if group["muon"] else self._adamw_step)(group)
 
@@ -167,7 +171,7 @@ class MuonOptimizersContainer(OptimizersContainerHooks):
         )
 
 
-def muon_kwargs(optimizer_config) -> dict[str, Any]:
+def muon_kwargs(optimizer_config: OptimizerConfig) -> dict[str, Any]:
     c = optimizer_config
     return dict(
         lr=c.lr,
@@ -183,7 +187,12 @@ def muon_kwargs(optimizer_config) -> dict[str, Any]:
     )
 
 
-def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
+def build_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config: OptimizerConfig,
+    parallel_dims: ParallelDims | None,
+    ft_manager: FTManager | None = None,
+) -> OptimizersContainer:
     """TrainSpec.build_optimizers_fn: with `optimizer.name = "Muon"` a MuonOptimizersContainer,
     else trainer/optimizer.py's Adam / AdamW."""
     if optimizer_config.name != "Muon":

@@ -37,17 +37,21 @@ layout of `torch.distributed.checkpoint.state_dict` (the keys a run without mast
 plus one).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torchtitan.components.ft import FTManager
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as build_titan_optimizers
+from torchtitan.distributed import ParallelDims
 
 from titan_fold.common.config import ConfigError
 from titan_fold.common.fused import fused
+from titan_fold.common.optimizer_config import Optimizer as OptimizerConfig
 from titan_fold.common.tensors import local, model_fqn
 from titan_fold.compat.distributed import swap_step
 from titan_fold.compat.ops import foreach_add_, foreach_copy_, foreach_sub_
@@ -91,7 +95,12 @@ class AdamOptimizersContainer(OptimizersContainerHooks):
             scalars = torch.zeros(2, dtype=torch.float32, device=local(params[0]).device)
 
             # a function, not a partial: the schedulers rebind the method's __func__
-            def step(opt, closure=None, params=params, scalars=scalars):
+            def step(
+                opt: torch.optim.Optimizer,
+                closure: Callable[[], float] | None = None,
+                params: list[torch.Tensor] = params,
+                scalars: torch.Tensor = scalars,
+            ) -> None:
                 _update(opt, params, scalars)
 
             swap_step(opt, step)
@@ -159,7 +168,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
             for p in params:
                 p.grad = None
 
-    def zero_grad(self, *args, **kwargs) -> None:
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         for params, opt in zip(self.params, self.optimizers, strict=True):
             for p in params:
                 p.grad = None
@@ -167,7 +176,7 @@ class MasterWeightOptimizersContainer(AdamOptimizersContainer):
 
     @staticmethod
     @torch.no_grad()
-    def _copy(dst_parts, src_parts) -> None:
+    def _copy(dst_parts: list[list[torch.Tensor]], src_parts: list[list[torch.Tensor]]) -> None:
         for dst, src in zip(dst_parts, src_parts, strict=True):
             foreach_copy_([local(t) for t in dst], [local(t) for t in src])
 
@@ -241,7 +250,16 @@ class AdamHyper:
         return cls(beta1, beta2, group["eps"], group["weight_decay"], decoupled)
 
 
-def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, hyper: AdamHyper, found_inf=None) -> None:
+def adam_update(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    master: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    coef: torch.Tensor,
+    hyper: AdamHyper,
+    found_inf: torch.Tensor | None = None,
+) -> None:
     """`_adam_step` of one parameter's flat [n] tensors (master: [n] or None) through fused():
     the first n // ROW * ROW elements viewed [rows, ROW] where that makes two rows or more
     (fused() runs one row op by op, as any size under 2), the rest as they are."""
@@ -262,7 +280,14 @@ def adam_update(weight, grad, master, exp_avg, exp_avg_sq, coef, hyper: AdamHype
             )
 
 
-def step_parameter(p, optimized, state: dict[str, Any], coef, hyper: AdamHyper, found_inf=None) -> None:
+def step_parameter(
+    p: torch.Tensor,
+    optimized: torch.Tensor,
+    state: dict[str, Any],
+    coef: torch.Tensor,
+    hyper: AdamHyper,
+    found_inf: torch.Tensor | None = None,
+) -> None:
     """One Adam update of parameter `p` (plain or DTensor) from its gradient and `state`'s
     moments; `optimized` is the optimizer's tensor: `p` itself, or p's fp32 master."""
     master = None if optimized is p else local(optimized).view(-1)
@@ -278,7 +303,9 @@ def step_parameter(p, optimized, state: dict[str, Any], coef, hyper: AdamHyper, 
     )
 
 
-def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
+def _coefficients(
+    steps: torch.Tensor, scalars: torch.Tensor, beta1: float, beta2: float, weight_decay: float
+) -> torch.Tensor:
     """[n] step counts -> [n, 4]: torch's fused Adam's step size lr / (1 - beta1^t) and
     sqrt(1 - beta2^t), AdamW's decay factor 1 - lr * weight_decay and the gradient's factor
     1 / grad_scale (4 columns: each row 16-byte aligned, as generated kernels assume)."""
@@ -290,18 +317,18 @@ def _coefficients(steps, scalars, beta1: float, beta2: float, weight_decay: floa
 
 
 def _adam_step(
-    weight,
-    grad,
-    master,
-    exp_avg,
-    exp_avg_sq,
-    coef,
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    master: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    coef: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
     decoupled: bool,
-    found_inf=None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """torch.optim.AdamW's update (decoupled=True; Adam's L2 decay otherwise) of one parameter
     [n], in place, from its gradient [n] (any float dtype). With a master [n] (fp32) the
@@ -330,7 +357,7 @@ def _adam_step(
     weight.copy_(w)
 
 
-def _adam_step_rows(*args) -> None:
+def _adam_step_rows(*args: Any) -> None:
     """_adam_step over [rows, ROW] views, as a function of its own: torch.compile counts its
     compiles (one per set of dtypes and arguments) against a recompile limit of their own
     instead of doubling _adam_step's."""
@@ -366,7 +393,12 @@ def _state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tenso
     return state
 
 
-def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
+def build_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config: OptimizerConfig,
+    parallel_dims: ParallelDims | None,
+    ft_manager: FTManager | None = None,
+) -> OptimizersContainer:
     """torchtitan's optimizers, stepped by `_adam_step` where torchtitan builds the plain
     container of fused Adam / AdamW; with `optimizer.master_weights` the same optimizer class
     and settings over fp32 masters (trainer/muon.py's build_optimizers, for TrainSpec)."""

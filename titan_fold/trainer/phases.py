@@ -16,8 +16,8 @@ The phases, each summed over the step's micro-batches:
             micro-batches (moe.overlap_ep_comm) interleave forward and backward
   backward  the loss and backward
   clip      the gradient norm (the NaN/Inf guard's check of it included)
-  optimizer the optimizers' step (the guard's reading of its verdict and the aux-free expert
-            bias's update included: hooks of the step that run before this one's)
+  optimizer the optimizers' step, the model converters' work after it, the guard's reading of
+            its verdict and the aux-free expert bias's update (step.py: TrainStep._update)
   rest      what follows until the step is logged: learning-rate schedule, the loss's reduction
 """
 

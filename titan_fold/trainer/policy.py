@@ -23,10 +23,15 @@ the label id, b_t and A_t. cp shards it and the pipeline schedule splits it as t
 only the stage that computes the loss reads it.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
+
+from titan_fold.common.config import JobConfig
 
 # the target's channels
 LABEL, BEHAVIOUR_LOGPROB, ADVANTAGE = 0, 1, 2
@@ -47,7 +52,7 @@ class PolicyStats:
     the tokens whose gradient the clip stops, |logp - b|, the k3 estimate exp(b - logp) - (b -
     logp) - 1, the token count; and the largest ratio."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sums: torch.Tensor | None = None  # [len(STAT_SUMS)] float32
         self.max_ratio: torch.Tensor | None = None  # []
 
@@ -55,7 +60,7 @@ class PolicyStats:
         self.sums = self.max_ratio = None
 
     @torch.no_grad()
-    def add(self, mask, ratio, clipped, log_ratio) -> None:
+    def add(self, mask: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, log_ratio: torch.Tensor) -> None:
         """Tensors [b, s]: mask (labelled), ratio r, clipped (bool), log_ratio logp - b."""
         m = mask.float()
         sums = torch.stack(
@@ -112,7 +117,7 @@ class PolicyLoss:
         return torch.where(mask, term, 0.0).sum()
 
 
-def build_loss(job_config, **kwargs):
+def build_loss(job_config: JobConfig, **kwargs: Any) -> Callable[..., torch.Tensor]:
     """TrainSpec.build_loss_fn: the policy loss for training.objective = "policy", else
     torchtitan's cross-entropy (summed; the trainer divides by the global token count)."""
     from torchtitan.components.loss import build_cross_entropy_loss

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 import torch
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 from torchtitan.tools.logging import logger
 
 from titan_fold.checkpoint.files import check_initial_hf_load
@@ -17,6 +17,7 @@ from titan_fold.common.storage import StorageError, folder_problem
 from titan_fold.common.values import no_config_file
 from titan_fold.data.dataloader import check_dataset
 from titan_fold.models import FLAVORS
+from titan_fold.models.args import TransformerArgs
 from titan_fold.moe.fp8 import fp8_problem
 from titan_fold.moe.quack import quack_problem, varying_rows
 from titan_fold.parallel.attention import LINEAR_ATTENTION_CP
@@ -43,7 +44,7 @@ def layout_from_config(config: JobConfig, world_size: int, model: dict | None = 
     )
 
 
-def model_args_from_config(config: JobConfig):
+def model_args_from_config(config: JobConfig) -> tuple[TrainSpec, TransformerArgs]:
     register_train_specs()
     name, flavor = config.model.name, config.model.flavor
     if name not in FLAVORS and not config.job.config_file:  # torchtitan's default model.name
@@ -199,7 +200,7 @@ def preflight(config: JobConfig, world_size: int, not_checked: list[str] | None 
     return _layout(checked)
 
 
-def check_expert_fp8(config: JobConfig, model_args, layout: Layout) -> None:
+def check_expert_fp8(config: JobConfig, model_args: TransformerArgs, layout: Layout) -> None:
     # a dry run plans for the real GPUs: only the shape rule applies on its host
     capability: tuple[int, int] | None
     if config.comm.mode == "fake_backend":
@@ -225,7 +226,7 @@ CONFIG_KEYS = {
 }
 
 
-def check_linear_attention(config: JobConfig, model_args) -> None:
+def check_linear_attention(config: JobConfig, model_args: TransformerArgs) -> None:
     """A model with linear-attention layers: no cp (parallel/attention.py says why), and tp dividing
     the linear attention's key and value heads (tensor parallelism shards them)."""
     if "linear_attention" not in model_args.layer_types:

@@ -19,6 +19,7 @@ that is running when a signal arrives is never cut: the handler returns and the 
 
 import os
 import signal
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from titan_fold.trainer.host_copies import HostCopies
 
 NONE, INTERRUPT, PREEMPT = 0, 1, 2  # MAX keeps the stronger request
 EXIT_CODES = {INTERRUPT: 130, PREEMPT: 143}
-_KIND = {signal.SIGINT: INTERRUPT, signal.SIGTERM: PREEMPT, signal.SIGUSR1: PREEMPT}
+_KIND: dict[int, int] = {signal.SIGINT: INTERRUPT, signal.SIGTERM: PREEMPT, signal.SIGUSR1: PREEMPT}
 
 
 class StopRequested(BaseException):
@@ -41,16 +42,16 @@ class StopRequested(BaseException):
 
 
 class StopSignals:
-    def __init__(self):
+    def __init__(self) -> None:
         self.kind = NONE
         self.name = ""
-        self._pending = None  # (HostCopies, the previous call's agreed request)
+        self._pending: tuple[HostCopies, torch.Tensor] | None = None  # the previous call's agreed request
 
     def install(self) -> None:
         for sig in _KIND:
             signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if _KIND[signum] >= self.kind:
             self.kind, self.name = _KIND[signum], signal.Signals(signum).name
 

@@ -7,19 +7,27 @@ attributes annotated below) and runs them in its loop. Nothing in a step waits f
 before the update is queued (_train_step).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed.utils import TrainContext
+from torchtitan.protocols.model_converter import ModelConvertersContainer
 from torchtitan.tools.logging import logger
 
+from titan_fold.checkpoint.manager import FoldCheckpointManager
 from titan_fold.checkpoint.saves import maybe_fault
+from titan_fold.common.config import JobConfig
 from titan_fold.common.errors import UserError
 from titan_fold.common.tensors import model_fqn, to_device
 from titan_fold.compat.distributed import funcol
 from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY, ROUTED_EXPERTS_KEY
+from titan_fold.models.args import TransformerArgs
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
 from titan_fold.models.mtp import future_tokens, mtp_modules
@@ -39,6 +47,7 @@ from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.overlap import OverlapSchedule, overlap_forward_backward
 from titan_fold.parallel.pipeline import embedding_copies, pipeline_forward_backward, sync_embedding_copies
 from titan_fold.trainer.guard import NonFiniteGuard, SkippedStep
+from titan_fold.trainer.metrics import FoldMetricsProcessor
 from titan_fold.trainer.phases import StepPhases
 from titan_fold.trainer.policy import PolicyLoss, policy_target
 
@@ -63,29 +72,34 @@ NOT_MODEL_INPUTS = (
 class TrainStep:
     """The step's methods, over what FoldTrainer built."""
 
-    job_config: Any
+    job_config: JobConfig
     parallel_dims: Layout
     device: torch.device
-    model_args: Any
+    model_args: TransformerArgs
     model_parts: list[torch.nn.Module]
-    loss_fn: Callable
-    optimizers: Any
-    lr_schedulers: Any
-    checkpointer: Any
-    metrics_processor: Any
+    model_converters: ModelConvertersContainer
+    loss_fn: Callable[..., torch.Tensor]
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    checkpointer: FoldCheckpointManager
+    metrics_processor: FoldMetricsProcessor
     guard: NonFiniteGuard
-    train_context: Callable
-    maybe_enable_amp: Any
+    train_context: TrainContext
+    maybe_enable_amp: AbstractContextManager
     gradient_accumulation_steps: int
     overlap: OverlapSchedule | None
+    expert_bias_update: Callable[[], None] | None  # moe.load_balance = "aux_free" (_update)
     phases: StepPhases | None
     _forward_phase: str  # the phase a micro-batch's forward starts (phases.py), set with phases
+    group_grad_norms: torch.Tensor | None  # metrics.group_grad_norms: from the clip to the log
     cudagraphs: bool
     step: int
     ntokens_seen: int
     step_metrics: dict[str, Any]  # a logged step's record, as logged (_train_step)
 
-    def post_dataloading_process(self, input_dict, labels):
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         # torchtitan's version would apply torch's context_parallel; ours shards the batch
         inputs = input_dict["input"]
         extra_inputs = {k: v for k, v in input_dict.items() if k not in NOT_MODEL_INPUTS}
@@ -116,7 +130,7 @@ class TrainStep:
             extra_kwargs[ROUTED_EXPERTS] = shard_routed_experts(routed, cp_index, layout.tp, tp_rank)
         return inputs, labels, extra_inputs, extra_kwargs
 
-    def loss_target(self, input_dict, labels):
+    def loss_target(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         """What the loss receives beside the logits, [b, s, ...]: the labels, and under the policy
         objective each label's behaviour log-probability and advantage with them (policy.py), so
         that cp shards them and the pipeline schedule splits them as it does the labels."""
@@ -124,7 +138,7 @@ class TrainStep:
             return labels
         return policy_target(labels, input_dict[LOGPROBS_KEY], input_dict[ADVANTAGES_KEY])
 
-    def _routed_experts(self, input_dict) -> torch.Tensor | None:
+    def _routed_experts(self, input_dict: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The batch's routed_experts under moe.routing_replay = "rollout", checked against the batch
         and the model; None in the other modes (a batch's ids are then not used)."""
         if self.model_args.moe.routing_replay != "rollout":
@@ -142,7 +156,9 @@ class TrainStep:
             raise UserError(f"moe.routing_replay = 'rollout': {problem}")
         return routed
 
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         if self.phases is not None:
             self.phases.mark(self._forward_phase)
         loss = self._forward_backward(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
@@ -156,7 +172,9 @@ class TrainStep:
     def _logs(self) -> bool:
         return self.metrics_processor.should_log(self.step)
 
-    def _forward_backward(self, *, input_dict, labels, global_valid_tokens):
+    def _forward_backward(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         for mtp in mtp_modules(self.model_parts):
             # a token sum like the LM loss: one scale for every micro-batch of the step
             mtp.loss_scale = (1.0 / torch.as_tensor(global_valid_tokens, dtype=torch.float32)).to(mtp.loss_scale.device)
@@ -180,7 +198,9 @@ class TrainStep:
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 
-    def _one_part_forward_backward(self, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+    def _one_part_forward_backward(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """The one model part's forward and backward: the loss summed over this micro-batch's
         tokens and divided by the step's (global_valid_tokens) -> that loss."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
@@ -203,7 +223,7 @@ class TrainStep:
             loss.backward()
         return loss
 
-    def clip_grad_norm(self, parameters, *args, **kwargs) -> torch.Tensor:
+    def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter], *args: Any, **kwargs: Any) -> torch.Tensor:
         """The step's clipping (_train_step, as torchtitan's clip_grad_norm_): gradients on two
         meshes, the coefficient applied by fused optimizers (parallel/clip.py); the norm is
         handed to the NaN/Inf guard. Under pp with MTP layers the last stage's embedding copy
@@ -226,7 +246,7 @@ class TrainStep:
         self.guard.observe_grad_norm(norm)
         return self.guard.copies.copy(norm) if self._logs() else norm  # read with .item() at a logged step
 
-    def train_step(self, data_iterator):
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         self.guard.step = self.step
         if self.phases is not None and self.metrics_processor.should_log(self.step):
             self.phases.start()
@@ -247,7 +267,7 @@ class TrainStep:
                     {"step": self.step, "skipped": e.what, "skipped_steps": self.guard.skipped}
                 )
 
-    def _train_step(self, data_iterator):
+    def _train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         """torchtitan's Trainer.train_step with nothing in it that waits for the device before the
         update is queued. torchtitan moves the batches and their token count with blocking copies
         and sums the count over the batch ranks on the host, and under dp or cp reads the logged
@@ -298,8 +318,7 @@ class TrainStep:
         read = self._logged_values(losses, global_valid_tokens, local_valid_tokens) if logs else None
         self.checkpointer.maybe_wait_for_staging()
         before = self._weights() if logs and self.group_grad_norms is not None else None
-        self.optimizers.step()
-        self.lr_schedulers.step()
+        self._update(logs)
         if read is not None:  # logged: the guard's wait, once the update was queued, has brought the values
             avg_loss, max_loss, ntokens_seen = read()
             extra = {"n_tokens_seen": ntokens_seen, "lr": lr}
@@ -308,6 +327,29 @@ class TrainStep:
             self.step_metrics = self.metrics_processor.log(
                 self.step, avg_loss, max_loss, grad_norm.item(), extra_metrics=extra
             )
+
+    def _update(self, logs: bool) -> None:
+        """The optimizers' step and what surrounds it, in this order: the NaN/Inf guard's verdict
+        (guard.py: handed to fused optimizers as found_inf, else read and acted on here), a logged
+        step's MoE statistics staged beside it, the step, the model converters' work after it
+        (float8's amax and scale of every parameter, in one all-reduce), the verdict read and
+        acted on (a stop or skip raises before the router bias and the lr schedule move), the
+        aux-free router bias, the lr schedule."""
+        # one profiler range: bench/trace_summary.py counts the kernels in it as the optimizer's
+        with torch.profiler.record_function(f"Optimizer.step#{type(self).__name__}._update"):
+            self.guard.before_optimizer_step()
+            if logs:  # queued before the optimizer's kernels; the guard's wait brings them (host_copies.py)
+                self.metrics_processor.stage(self.guard.copies.copy)
+            if self.phases is not None:
+                self.phases.mark("optimizer")
+            self.optimizers.step()
+            self.model_converters.post_optimizer_hook(self.model_parts)
+            self.guard.after_optimizer_step()
+            if self.expert_bias_update is not None:
+                self.expert_bias_update()
+            if self.phases is not None:
+                self.phases.mark("rest")
+        self.lr_schedulers.step()
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters by their names in the model (without the wrappers of compile and
@@ -321,14 +363,16 @@ class TrainStep:
             if id(p) not in skip
         ]
 
-    def _group_norms(self, tensors) -> torch.Tensor:
+    def _group_norms(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
         return group_norms(tensors, GROUPS, parameter_group, self.device, self.parallel_dims.get_optional_mesh("pp"))
 
     def _weights(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """Each parameter with a copy of its weights, before the optimizer step."""
         return [(name, p, p.detach().clone()) for name, p in self._named_parameters()]
 
-    def _group_norm_metrics(self, before) -> dict[str, dict[str, float]]:
+    def _group_norm_metrics(
+        self, before: list[tuple[str, torch.nn.Parameter, torch.Tensor]]
+    ) -> dict[str, dict[str, float]]:
         """metrics.group_grad_norms: each group's gradient norm (before clipping) and the norm of
         its update (the weights after the optimizer step less those before)."""
         updates = self._group_norms((name, p.detach() - weights) for name, p, weights in before)
@@ -348,7 +392,7 @@ class TrainStep:
         mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
         if mesh is None:
 
-            def read():  # the losses are host copies already (forward_backward_step)
+            def read() -> tuple[float, float, int]:  # the losses are host copies already (forward_backward_step)
                 loss = torch.stack(losses).sum().item()
                 return loss, loss, self.ntokens_seen
 

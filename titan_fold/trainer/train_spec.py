@@ -6,13 +6,14 @@ size: a named one (flavors.py) or `hf`, every size from the config.json at `[mod
 """
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from titan_fold.data import build_dataloader, build_tokenizer
 from titan_fold.models import FLAVORS, Transformer
+from titan_fold.models.args import TransformerArgs
 from titan_fold.models.hf_adapter import ADAPTERS
 from titan_fold.models.hf_flavor import HF_ARGS, HFConfigArgs
 from titan_fold.parallel.parallelize import parallelize
@@ -22,7 +23,7 @@ from titan_fold.trainer.muon import build_optimizers
 from titan_fold.trainer.policy import build_loss
 
 
-class FlavorCopies(Mapping):
+class FlavorCopies(Mapping[str, TransformerArgs]):
     """A family's flavors, plus `hf`, that hand out copies.
 
     FoldTrainer calls update_from_config on the args it looks up; a copy keeps
@@ -30,16 +31,16 @@ class FlavorCopies(Mapping):
     entry is filled from `[model] hf_config` by that same update_from_config.
     """
 
-    def __init__(self, flavors: dict, hf_args=HFConfigArgs):
+    def __init__(self, flavors: dict[str, TransformerArgs], hf_args: type[TransformerArgs] = HFConfigArgs):
         self._flavors = flavors
         self._hf_args = hf_args
 
-    def __getitem__(self, flavor: str):
+    def __getitem__(self, flavor: str) -> TransformerArgs:
         if flavor == "hf":
             return self._hf_args()
         return copy.deepcopy(self._flavors[flavor])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter([*self._flavors, "hf"])
 
     def __len__(self) -> int:

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.config import TORCH_DTYPE_MAP, Comm
 from torchtitan.tools.logging import logger
 
 from titan_fold.common.config import JobConfig
@@ -63,7 +63,7 @@ class World:
         set_pg_timeouts(timeout, groups, self.device)
 
 
-def init_process_group(comm_config, base_folder: str, backend: str) -> int:
+def init_process_group(comm_config: Comm, base_folder: str, backend: str) -> int:
     """The world's process group over `backend` (comm.init_timeout_seconds; NCCL's flight
     recorder as comm.trace_buf_size asks, dumped under job.dump_folder) -> world size. A
     process whose group is up already (a second trainer in one process) keeps it."""
@@ -84,7 +84,9 @@ def init_process_group(comm_config, base_folder: str, backend: str) -> int:
     return dist.get_world_size()
 
 
-def maybe_enable_amp(parallel_dims, mixed_precision_param: str, device_type: str):
+def maybe_enable_amp(
+    parallel_dims: Layout, mixed_precision_param: str, device_type: str
+) -> contextlib.AbstractContextManager:
     """Compute in `training.mixed_precision_param` in every layout: FSDP2 casts where it wraps
     the model (any dp or cp), autocast everywhere else. torchtitan 0.2.2 computes tp or pp
     layouts without data parallelism in fp32, e.g. the folded tp 2 x ep 2 on 2 GPUs."""
