@@ -1,12 +1,10 @@
-"""Shared helpers for tests that launch the trainer on several CPU ranks."""
+"""The suite's pytest hooks (the install check, the skip policy, the order of the longest files)
+and the fixtures shared by the folding tests: the debug model's seed checkpoint and its one-rank
+reference run. Helpers that test files import are in tests/helpers.py."""
 
 import importlib.util
-import json
 import os
-import pathlib
-import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -15,7 +13,6 @@ import pytest
 # other's busy ones; two dry runs side by side took 244 s each that way, 31 s on one thread each
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from launcher import ZYGOTE, RanksFailed  # noqa: E402
 
 # what the suite needs beyond pytest: the install README gives (pip install -e ".[test]")
 NEEDED = ("torch", "torchtitan", "titan_fold", "transformers")
@@ -125,95 +122,11 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
 
 
-def forked(
-    nproc: int, module: str, *args: str, env: dict | None = None, timeout: float = 900
-) -> tuple[list[int], str, str]:
-    """`python -m MODULE ARGS` on NPROC ranks with torchrun's environment (0: one plain process),
-    forked from one process that imported the trainer once per session (tests/launcher.py);
-    -> every rank's exit code, stdout, stderr."""
-    with tempfile.TemporaryDirectory() as logs:
-        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
-        codes = ZYGOTE.launch(nproc, list(args), str(out), str(err), env=env, timeout=timeout, module=module)
-        return codes, out.read_text(errors="replace"), err.read_text(errors="replace")
-
-
-def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
-    """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`,
-    the ranks forked (`forked`); torchrun itself: test_checkpoint.py's fault test and
-    test_reliability.py's signal tests. A failed run raises RanksFailed: a crash, not a wrong value."""
-    codes, out, err = forked(nproc, "titan_fold.train", "--job.config_file", config, *args)
-    if any(codes):
-        raise RanksFailed(f"exit codes {codes}\n{out[-3000:]}{err[-6000:]}")
-
-
-def python_m(module: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` as one process in this test's working folder: its exit code,
-    stdout and stderr, as subprocess.run(capture_output=True, text=True) gives them, without
-    the fresh interpreter's seconds of imports (`forked`)."""
-    (code,), out, err = forked(0, module, *args, env=env, timeout=timeout)
-    return subprocess.CompletedProcess(["python", "-m", module, *args], code, out, err)
-
-
-def read_metrics(folder) -> list[dict]:
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def train_from_seed(
-    folder, nproc: int, seed_checkpoint: str, steps: int, *args: str, config: str = "debug_moe.toml"
-) -> list[dict]:
-    """Train `steps` steps from the seed checkpoint, logging every step with each parameter
-    group's norms; -> the metrics."""
-    torchrun(
-        nproc,
-        "--job.dump_folder",
-        str(folder),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path",
-        seed_checkpoint,
-        "--checkpoint.interval",
-        "1000",
-        "--training.steps",
-        str(steps),
-        "--metrics.log_freq",
-        "1",
-        "--metrics.group_grad_norms",
-        *args,
-        config=config,
-    )
-    return read_metrics(folder)
-
-
-# a folding changes where each parameter group's work runs: each group is compared on its own,
-# relative to its own norm (the routed experts' is about 1e-3 of the total in the debug model)
-GROUP_METRICS = ("group_grad_norms", "group_update_norms")
-
-
-def assert_matches_one_rank(
-    reference: list[dict],
-    got: list[dict],
-    name: str,
-    keys: tuple[str, ...] = ("loss", "grad_norm", "moe_aux_loss"),
-    rel: float = 1e-4,
-    abs: float = 1e-7,
-) -> None:
-    """Every step of `got` as the one-rank `reference`: the logged `keys`, and the gradient norm
-    and update norm of every parameter group (train_from_seed logs them)."""
-    assert len(got) == len(reference) > 0, name
-    for ref, run in zip(reference, got, strict=True):
-        for key in keys:
-            assert run[key] == pytest.approx(ref[key], rel=rel, abs=abs), (name, key, ref["step"])
-        # the groups part the parameters: their squares add up to the total
-        assert sum(v**2 for v in run["group_grad_norms"].values()) == pytest.approx(run["grad_norm"] ** 2, rel=1e-4)
-        for metric in GROUP_METRICS:
-            assert set(run[metric]) == set(ref[metric]), (name, metric, ref["step"])
-            for group, value in ref[metric].items():
-                assert run[metric][group] == pytest.approx(value, rel=rel), (name, metric, group, ref["step"])
-
-
 @pytest.fixture(scope="session")
 def seed_checkpoint(tmp_path_factory) -> str:
     """Initial weights of the debug model, made once on one rank (torchtitan's seed flow)."""
+    from helpers import torchrun  # not at the top: the install check runs before torch is imported
+
     root = tmp_path_factory.mktemp("seed")
     torchrun(1, "--job.dump_folder", str(root), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
     return str(root / "checkpoint" / "step-0")
@@ -224,6 +137,8 @@ def one_rank_reference(tmp_path_factory, seed_checkpoint) -> list[dict]:
     """5 steps on one rank from the seed checkpoint: the global batch of 8 sequences in 8
     micro-batches of one (so each MoE aux loss is a mean over one sequence, as in the
     folded runs that compare against it)."""
+    from helpers import train_from_seed
+
     return train_from_seed(
         tmp_path_factory.mktemp("ref"),
         1,

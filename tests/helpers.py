@@ -1,14 +1,21 @@
 """Helpers shared by the test files: builders, references and configs (no tests here).
 
-A test file imports from this module (or conftest, launcher, host_sync), never from another
-test file."""
+A test file imports from this module (or launcher, host_sync), never from another test file
+nor from conftest."""
 
 import itertools
+import json
 import math
+import os
+import pathlib
+import subprocess
+import tempfile
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
+from launcher import ZYGOTE, RanksFailed
 
 from titan_fold.common.config import parse_args
 from titan_fold.moe import MoE
@@ -411,3 +418,90 @@ def router_biases(checkpoint) -> dict[str, torch.Tensor]:
     assert state, "no router bias in the checkpoint"
     dcp.load(state, checkpoint_id=str(checkpoint))
     return state
+
+
+# --- runs of the trainer and of the CLIs, forked from the launcher's zygote (tests/launcher.py)
+def forked(
+    nproc: int, module: str, *args: str, env: dict | None = None, timeout: float = 900
+) -> tuple[list[int], str, str]:
+    """`python -m MODULE ARGS` on NPROC ranks with torchrun's environment (0: one plain process),
+    forked from one process that imported the trainer once per session (tests/launcher.py);
+    -> every rank's exit code, stdout, stderr."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = pathlib.Path(logs, "stdout"), pathlib.Path(logs, "stderr")
+        codes = ZYGOTE.launch(nproc, list(args), str(out), str(err), env=env, timeout=timeout, module=module)
+        return codes, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+def torchrun(nproc: int, *args: str, config: str = "debug_moe.toml") -> None:
+    """`torchrun --standalone --nproc_per_node NPROC -m titan_fold.train --job.config_file CONFIG ARGS`,
+    the ranks forked (`forked`); torchrun itself: test_checkpoint.py's fault test and
+    test_reliability.py's signal tests. A failed run raises RanksFailed: a crash, not a wrong value."""
+    codes, out, err = forked(nproc, "titan_fold.train", "--job.config_file", config, *args)
+    if any(codes):
+        raise RanksFailed(f"exit codes {codes}\n{out[-3000:]}{err[-6000:]}")
+
+
+def python_m(module: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` as one process in this test's working folder: its exit code,
+    stdout and stderr, as subprocess.run(capture_output=True, text=True) gives them, without
+    the fresh interpreter's seconds of imports (`forked`)."""
+    (code,), out, err = forked(0, module, *args, env=env, timeout=timeout)
+    return subprocess.CompletedProcess(["python", "-m", module, *args], code, out, err)
+
+
+def read_metrics(folder) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_from_seed(
+    folder, nproc: int, seed_checkpoint: str, steps: int, *args: str, config: str = "debug_moe.toml"
+) -> list[dict]:
+    """Train `steps` steps from the seed checkpoint, logging every step with each parameter
+    group's norms; -> the metrics."""
+    torchrun(
+        nproc,
+        "--job.dump_folder",
+        str(folder),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        seed_checkpoint,
+        "--checkpoint.interval",
+        "1000",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.group_grad_norms",
+        *args,
+        config=config,
+    )
+    return read_metrics(folder)
+
+
+# a folding changes where each parameter group's work runs: each group is compared on its own,
+# relative to its own norm (the routed experts' is about 1e-3 of the total in the debug model)
+GROUP_METRICS = ("group_grad_norms", "group_update_norms")
+
+
+def assert_matches_one_rank(
+    reference: list[dict],
+    got: list[dict],
+    name: str,
+    keys: tuple[str, ...] = ("loss", "grad_norm", "moe_aux_loss"),
+    rel: float = 1e-4,
+    abs: float = 1e-7,
+) -> None:
+    """Every step of `got` as the one-rank `reference`: the logged `keys`, and the gradient norm
+    and update norm of every parameter group (train_from_seed logs them)."""
+    assert len(got) == len(reference) > 0, name
+    for ref, run in zip(reference, got, strict=True):
+        for key in keys:
+            assert run[key] == pytest.approx(ref[key], rel=rel, abs=abs), (name, key, ref["step"])
+        # the groups part the parameters: their squares add up to the total
+        assert sum(v**2 for v in run["group_grad_norms"].values()) == pytest.approx(run["grad_norm"] ** 2, rel=1e-4)
+        for metric in GROUP_METRICS:
+            assert set(run[metric]) == set(ref[metric]), (name, metric, ref["step"])
+            for group, value in ref[metric].items():
+                assert run[metric][group] == pytest.approx(value, rel=rel), (name, metric, group, ref["step"])

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import forked
+from helpers import forked
 
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.ranges import RANGES

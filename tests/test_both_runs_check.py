@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import forked
+from helpers import forked
 
 from titan_fold.checkpoint.manager import SETTINGS_FILE
 from titan_fold.checkpoint.settings import run_settings

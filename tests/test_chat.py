@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import torchrun, train_from_seed
+from helpers import torchrun, train_from_seed
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtitan.protocols.train_spec import get_train_spec
 

@@ -31,8 +31,7 @@ import sys
 
 import pytest
 import torch
-from conftest import forked, read_metrics, torchrun
-from helpers import checkpointed_run, router_biases
+from helpers import checkpointed_run, forked, read_metrics, router_biases, torchrun
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from titan_fold.checkpoint.files import validate_against

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch.distributed as dist
-from conftest import python_m
+from helpers import python_m
 
 from titan_fold.common.config import parse_args
 from titan_fold.models import FLAVORS, TransformerArgs

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import assert_matches_one_rank, torchrun, train_from_seed
+from helpers import assert_matches_one_rank, torchrun, train_from_seed
 from launcher import end_rank_checks, fork_ranks, run_checks, start_rank
 
 from titan_fold.models.documents import document_attention, document_mask, document_positions

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
-from conftest import python_m
+from helpers import python_m
 from host_sync import no_host_sync
 from safetensors.torch import load_file, save_file
 
@@ -409,7 +409,7 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     """`--checkpoint.initial_load_in_hf` and `--checkpoint.last_save_in_hf` on 2 ranks, MLA on tp 2
     (wkv_a and wk_rope cut out of kv_a_proj_with_mqa as DTensors) and experts on ep 2: with lr 0
     the exported folder holds the imported tensors, e_score_correction_bias included."""
-    from conftest import torchrun
+    from helpers import torchrun
 
     random_hf_model(BASE, tmp_path / "hf")
     torchrun(
@@ -450,7 +450,7 @@ def test_trainer_loads_fp8_folder(tmp_path):
     """`--checkpoint.initial_load_in_hf_quantized`: the trainer reads the FP8 folder through
     torch's quantized HF reader (dequantized per 128 x 128 block, float32), under tp 2; with lr 0
     the exported weights are the dequantized ones."""
-    from conftest import torchrun
+    from helpers import torchrun
 
     config = {
         **BASE,

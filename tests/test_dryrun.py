@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import python_m
-from helpers import PAPER_1024, WORLD, config
+from helpers import PAPER_1024, WORLD, config, python_m
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_fold import dryrun

@@ -8,8 +8,7 @@ The one-rank run accumulates 8 micro-batches per step.
 """
 
 import pytest
-from conftest import assert_matches_one_rank, train_from_seed
-from helpers import BATCH, STEPS, degrees
+from helpers import BATCH, STEPS, assert_matches_one_rank, degrees, train_from_seed
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 

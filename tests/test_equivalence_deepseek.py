@@ -16,8 +16,7 @@ lost update) is a whole step off, where the losses it moves stay near their tole
 
 import pytest
 import torch
-from conftest import assert_matches_one_rank, torchrun, train_from_seed
-from helpers import BATCH, STEPS, degrees, router_biases
+from helpers import BATCH, STEPS, assert_matches_one_rank, degrees, router_biases, torchrun, train_from_seed
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 

@@ -12,8 +12,7 @@ Two folded launches cover the five foldings.
 """
 
 import pytest
-from conftest import assert_matches_one_rank, torchrun, train_from_seed
-from helpers import BATCH, STEPS, degrees
+from helpers import BATCH, STEPS, assert_matches_one_rank, degrees, torchrun, train_from_seed
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only
 

@@ -10,8 +10,7 @@ parallelism is refused for these models (test_context_parallelism_is_refused).
 """
 
 import pytest
-from conftest import assert_matches_one_rank, torchrun, train_from_seed
-from helpers import BATCH, STEPS, degrees
+from helpers import BATCH, STEPS, assert_matches_one_rank, degrees, torchrun, train_from_seed
 
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.trainer.preflight import check_layout

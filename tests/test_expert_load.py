@@ -8,7 +8,7 @@ counts say; TensorBoard gets the histograms; the plot draws the heat maps."""
 import json
 
 import torch
-from conftest import python_m, train_from_seed
+from helpers import python_m, train_from_seed
 
 from titan_fold.trainer.expert_load import summary
 

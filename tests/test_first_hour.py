@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import python_m, read_metrics, torchrun
+from helpers import python_m, read_metrics, torchrun
 
 import titan_fold
 

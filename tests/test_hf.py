@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
-from conftest import python_m
+from helpers import python_m
 from safetensors.torch import load_file
 
 from titan_fold.checkpoint.files import read_hf_folder
@@ -523,7 +523,7 @@ def test_trainer_imports_and_exports_hf(tmp_path):
     """`--model.flavor hf`, `--checkpoint.initial_load_in_hf`, then `--checkpoint.last_save_in_hf`
     on 2 ranks, attention on tp=2 and experts on ep=2 (DTensors everywhere, q/k norms under
     tp): with lr 0 the exported folder holds the imported tensors and opens in transformers."""
-    from conftest import forked
+    from helpers import forked
 
     qwen3_folder = tmp_path / "hf"
     random_hf_model("qwen3_moe", TRAINER_CONFIG, qwen3_folder)
@@ -603,7 +603,7 @@ def test_trainer_qwen3_tp2_matches_one_rank(tmp_path):
     """qwen3_moe from an HF folder trains to the same losses and gradient norms on one rank and
     on tp 2 x ep 2 (the q/k norm weights see only their rank's heads: their gradients are
     summed over tp)."""
-    from conftest import read_metrics, torchrun
+    from helpers import read_metrics, torchrun
 
     folder = tmp_path / "hf"
     random_hf_model("qwen3_moe", TRAINER_CONFIG, folder)

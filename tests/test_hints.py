@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import python_m
+from helpers import python_m
 from torchtitan.config.job_config import Comm as TitanComm
 
 from titan_fold.common.config import (

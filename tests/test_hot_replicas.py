@@ -130,7 +130,7 @@ def test_the_key_reaches_the_layers():
 
 
 def test_layout_shows_the_copies_and_refuses_a_negative_count():
-    from conftest import python_m
+    from helpers import python_m
 
     args = ("--world-size", "4", "--ep", "2", "--model", "qwen2_moe/debug", "--placements", "--hot-expert-replicas")
     shown = python_m("titan_fold.layout", *args, "2")

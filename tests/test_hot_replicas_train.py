@@ -19,8 +19,7 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_matches_one_rank, read_metrics, torchrun
-from helpers import checkpointed_run
+from helpers import assert_matches_one_rank, checkpointed_run, read_metrics, torchrun
 from launcher import run_ranks
 
 from titan_fold.checkpoint.trusted import read_metadata

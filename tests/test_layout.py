@@ -7,8 +7,7 @@ from dataclasses import asdict
 
 import pytest
 import torch.distributed as dist
-from conftest import python_m
-from helpers import Degrees, reference
+from helpers import Degrees, python_m, reference
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_fold import layout as layout_command

@@ -7,7 +7,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from conftest import python_m
+from helpers import python_m
 
 from titan_fold.models import FLAVORS
 from titan_fold.moe.replicas import oracle_max_load

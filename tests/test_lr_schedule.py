@@ -7,7 +7,7 @@ Every other lr check compares two runs of one config, which a schedule wrong in 
 import shutil
 
 import pytest
-from conftest import forked, read_metrics
+from helpers import forked, read_metrics
 
 pytestmark = pytest.mark.slow  # trainer runs
 

@@ -20,8 +20,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_matches_one_rank, torchrun, train_from_seed
-from helpers import BATCH, degrees
+from helpers import BATCH, assert_matches_one_rank, degrees, torchrun, train_from_seed
 from launcher import end_rank_checks, fork_ranks, run_checks, start_rank
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -503,7 +503,7 @@ def test_debug_model_loss_matches_the_autocast_recipe(tmp_path, seed_checkpoint)
     """bf16 weights with fp32 masters against bf16 autocast over fp32 weights, from the same
     seed checkpoint, 100 steps of the debug model: the mean loss of the last 25 steps differs
     by no more than the autocast recipe's own from another seed checkpoint (run-to-run noise)."""
-    from conftest import torchrun, train_from_seed
+    from helpers import torchrun, train_from_seed
 
     batch = ("--training.local_batch_size", "4", "--training.global_batch_size", "4")
     autocast = ("--training.mixed_precision_param", "bfloat16", *batch)
@@ -574,7 +574,7 @@ SHARDED_RUN = (
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory, seed_checkpoint):
     """One rank and FSDP2 on both meshes, from the same seed checkpoint and global batches."""
-    from conftest import train_from_seed
+    from helpers import train_from_seed
 
     root = tmp_path_factory.mktemp("masters")
     one = train_from_seed(root / "one", 1, seed_checkpoint, SHARDED_STEPS, *SHARDED_RUN)
@@ -650,7 +650,7 @@ def test_fsdp2_masters_resume_on_both_meshes(sharded_runs, seed_checkpoint, tmp_
     shards of the masters (not copies of the bf16 weights, which lack the updates below a
     bf16 ulp), so steps 3 and 4 and the masters at step 4 equal the uninterrupted run's bit
     for bit."""
-    from conftest import train_from_seed
+    from helpers import train_from_seed
 
     root, _, sharded = sharded_runs
     shutil.copytree(root / "sharded" / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")

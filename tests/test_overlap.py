@@ -22,7 +22,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_matches_one_rank, train_from_seed
+from helpers import assert_matches_one_rank, train_from_seed
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 
 pytestmark = pytest.mark.slow  # minutes or forked ranks: the full suite only

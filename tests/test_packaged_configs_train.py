@@ -10,7 +10,7 @@ import json
 import math
 
 import pytest
-from conftest import forked, read_metrics
+from helpers import forked, read_metrics
 
 from titan_fold.common.config import parse_args
 from titan_fold.common.values import PACKAGED_CONFIGS

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import assert_matches_one_rank, train_from_seed
+from helpers import assert_matches_one_rank, train_from_seed
 
 from titan_fold.models import FLAVORS, Transformer
 from titan_fold.moe import MoE

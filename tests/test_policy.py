@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import train_from_seed
+from helpers import train_from_seed
 
 from titan_fold.common.config import parse_args
 from titan_fold.data.dataloader import build_dataset

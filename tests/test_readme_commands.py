@@ -32,7 +32,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 import pytest
-from conftest import forked
+from helpers import forked
 
 from titan_fold.run import split_args
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import forked, python_m
+from helpers import forked, python_m
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 

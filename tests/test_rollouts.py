@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import python_m
+from helpers import python_m
 
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.data.dataloader import ROLLOUTS_EXAMPLE, build_dataset, check_dataset

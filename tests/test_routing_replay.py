@@ -470,7 +470,7 @@ def test_recorded_replay_trains_as_off(tmp_path, seed_checkpoint):
     """The trainer's R2 step (a no-grad record pass, then the training forward replaying it), on one
     rank and through a 2-stage pipeline: the losses of `off` on one rank, and the metric says no
     routing changed."""
-    from conftest import train_from_seed
+    from helpers import train_from_seed
 
     batch = ("--training.local_batch_size", "2", "--training.global_batch_size", "2")
     pp2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1")
@@ -496,7 +496,7 @@ def test_rollout_replay_without_rollout_data_refused_by_both_runs(tmp_path, data
     rollout records that carry none), in the same one line, before any work."""
     import json
 
-    from conftest import forked
+    from helpers import forked
 
     from titan_fold.data.dataloader import ROLLOUTS_EXAMPLE
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ALLOWED_SKIPS
+from conftest import ALLOWED_SKIPS  # the module under test: its skip policy
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

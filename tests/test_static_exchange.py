@@ -24,8 +24,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import forked
-from helpers import DIM, make_layer
+from helpers import DIM, forked, make_layer
 from host_sync import HostSync, no_host_sync
 from launcher import end_rank_checks, expert_meshes, fork_ranks, run_checks, start_rank
 

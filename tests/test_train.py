@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import assert_matches_one_rank, forked, read_metrics, train_from_seed
+from helpers import assert_matches_one_rank, forked, read_metrics, train_from_seed
 
 from titan_fold.common.config import ConfigError, parse_args
 from titan_fold.parallel.mesh import LayoutError

@@ -14,7 +14,7 @@ import torchtitan.components.checkpoint as tt_checkpoint
 import torchtitan.components.metrics as tt_metrics
 import torchtitan.distributed.utils as tt_dist_utils
 import torchtitan.tools.utils as tt_utils
-from conftest import read_metrics
+from helpers import read_metrics
 from torchtitan.train import Trainer
 
 from titan_fold.common.config import parse_args

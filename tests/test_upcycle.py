@@ -116,7 +116,7 @@ def test_cli_dense_dcp_to_moe_dcp(tmp_path):
 
 
 def cli(*args: str):
-    from conftest import python_m
+    from helpers import python_m
 
     return python_m("titan_fold.upcycle", *args)
 
