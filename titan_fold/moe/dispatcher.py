@@ -20,8 +20,9 @@ Forward of one layer (rank r, N = T * top_k assignments):
 
 Where rows are placed, how big the collectives are and how the arrivals are grouped is the
 dispatcher's exchange (moe/exchange.py), chosen once when it is built; the device exchange runs
-the whole call its own way. All collectives are functional and autograd-aware: backward mirrors forward (all-to-all
-reversed, all-gather <-> reduce-scatter) without hand-written communication code.
+the call after routing its own way. All collectives are functional and autograd-aware:
+backward mirrors forward (all-to-all reversed, all-gather <-> reduce-scatter) without
+hand-written communication code.
 Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
 """
 
@@ -159,7 +160,8 @@ class Plan:
 
 
 class TokenDispatcher(nn.Module):
-    """ep_mesh, etp_mesh: 1-D meshes of the expert mapping (None = degree 1).
+    """args: the layer's settings; with ep and etp they pick the exchange (moe/exchange.py: choose).
+    ep_mesh, etp_mesh: 1-D meshes of the expert mapping (None = degree 1).
     seq_mesh: 1-D mesh of the ranks holding the other parts of this rank's sequences
     (attention cp x tp), read by the router's aux-loss statistics and full_sequence dropping.
     seq_positions: where each rank's tokens sit in the whole sequence (cp's load-balanced

@@ -223,6 +223,8 @@ def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name:
 
 @dataclass
 class Splits:
+    """The collectives' split sizes on the host; None: equal splits (fixed blocks)."""
+
     send: list[int] | None  # rows to each ep rank
     recv: list[int] | None  # rows from each ep rank
     gather: list[int] | None  # rows of each etp rank after its all-to-all
