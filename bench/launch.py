@@ -29,11 +29,11 @@ from bench.common import host_us, script_parser, write_result  # noqa: E402
 from titan_fold.common.fused import fused  # noqa: E402
 from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
-from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
 from titan_fold.moe.quack import _down_forward, _varlen_m, offsets, quack, quack_problem  # noqa: E402
 from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
 from titan_fold.moe.router_triton import fused_route_whole  # noqa: E402
 from titan_fold.moe.router_triton import supported as fused_supported  # noqa: E402
+from titan_fold.moe.rows import _sum_by_token  # noqa: E402
 from titan_fold.moe.swiglu import _pairs_prob_forward  # noqa: E402
 from titan_fold.trainer.optimizer import AdamHyper, adam_update  # noqa: E402
 

@@ -173,7 +173,7 @@ def check_case(case: Case, ep_mesh, etp_mesh, mode="static"):
 def check_no_host_sync(ep_mesh, etp_mesh, mode="static"):
     """Forward and backward of the whole static or device layer (shared expert, aux loss, the
     stash with static) read nothing on the host; the exact exchange does (its split sizes)."""
-    from titan_fold.moe import MoEArgs
+    from titan_fold.moe import MoEArgs, TokenDispatcher
     from titan_fold.moe.stash import Stash
     from titan_fold.parallel.experts import shard_moe
 
@@ -196,6 +196,7 @@ def check_no_host_sync(ep_mesh, etp_mesh, mode="static"):
     assert x.grad is not None and all(p.grad is not None for p in moe.parameters())
     assert mode != "static" or moe.dispatcher.stash.pools, "nothing was stashed"
     moe.args.exchange = "exact"
+    moe.dispatcher = TokenDispatcher(moe.args, ep_mesh, etp_mesh)  # the exchange is chosen when it is built
     try:
         with no_host_sync():
             moe(x)

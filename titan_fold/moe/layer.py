@@ -52,7 +52,7 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
         # one rank holding every expert and whole sequences; the parallelize step replaces it
         # by one built for the layout (parallel/experts.py)
-        self.dispatcher = TokenDispatcher()
+        self.dispatcher = TokenDispatcher(args)
         # the ranks holding the other parts of this rank's sequences (attention cp x tp), over
         # which the router's aux-loss statistics are summed; set with the dispatcher
         self.seq_mesh: DeviceMesh | None = None
