@@ -12,7 +12,7 @@ step makes per layer or per parameter: the SwiGLU times the routing weight and t
 (common/fused.py's fused()), the q / k norms with RoPE, the router's choice with its losses and
 statistics (moe/router.py's route_whole compiled with its backward, and on a GPU its Triton
 kernels, moe/router_triton.py) and one parameter's Adam
-step (trainer/optimizer.py). Where QuACK runs (moe.grouped_gemm = "quack"), also one routed
+step (trainer/optimizer.py). Where QuACK runs (moe.expert_kernels = "quack"), also one routed
 varlen-M GEMM: torch._grouped_mm, QuACK's gemm (its general path: it replays only plain calls),
 moe/quack.py's replay of the launch QuACK resolved, and the down projection's op through the
 dispatcher against the direct call eager code makes.

@@ -935,6 +935,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         '        "debug.deterministic_warn_only",\n        "comm.trace_buf_size",\n    ),\n    "titan_fold/trainer/world.py": (\n        "comm.init_timeout_seconds",\n',
         ("tests/test_torchtitan_keys.py::test_read_keys_are_read_where_the_table_says",),
     ),
+    Mutation(
+        "moved_overlap_flag_drops_the_split",
+        'moe.overlap_ep_comm = true read as ep_overlap = "batch" beside delay_wgrad_compute = true: the split lost',
+        "titan_fold/common/rules.py",
+        '{"off": "batch", "wgrad": "batch_wgrad"}',
+        '{"off": "batch", "wgrad": "batch"}',
+        ("tests/test_config.py::test_moved_speed_keys_read_as_choices[both]",),
+    ),
 )
 
 
