@@ -164,7 +164,7 @@ class Suite:
 
 SUITES = {
     "layer": Suite(
-        "1 GPU: one MoE layer forward + backward at every shape of bench/moe_layer.py with moe.grouped_gemm torch "
+        "1 GPU: one MoE layer forward + backward at every shape of bench/moe_layer.py with moe.expert_kernels torch "
         "and quack, each beside the dense GEMM rate: the fine-grained shapes eager, compiled and captured in a CUDA "
         "graph, the coarse ones eager; profiled eager and captured steps at Qwen3-30B-A3B shapes (kernel classes, "
         "the GPU's idle time)",
@@ -301,7 +301,7 @@ SUITES = {
         ],
     ),
     "loss-curve": Suite(
-        "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.grouped_gemm torch, then quack, then each again "
+        "1 GPU: the Qwen3-30B-A3B proxy 200 steps with moe.expert_kernels torch, then quack, then each again "
         "(compiled): the two paths' difference beside each path's run-to-run spread; with the aux-free bias "
         "(the trainer suite's balancing) and with the aux loss",
         [

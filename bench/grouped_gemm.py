@@ -48,7 +48,7 @@ The bound: titan_fold runs the routed experts as six grouped GEMMs per step, up 
 Each GEMM is timed alone, repeated on the same operands (at the four shapes every operand
 is larger than the GPU's L2 cache), with the kernel PyTorch picks for these layouts.
 
---impl quack: the same six products as moe.grouped_gemm = "quack" runs them (moe/quack.py, each
+--impl quack: the same six products as moe.expert_kernels = "quack" runs them (moe/quack.py, each
 call alone on its own operands): up fwd gathers the tokens' rows itself (x [tokens, dim] and the
 row index) and applies the SwiGLU times the routing weight in its epilogue, down dgrad applies
 the SwiGLU's backward in its epilogue (gemm_dgated), the wgrads are varlen-K. Those two carry

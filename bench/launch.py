@@ -12,7 +12,7 @@ step makes per layer or per parameter: the SwiGLU times the routing weight and t
 (common/fused.py's fused()), the q / k norms with RoPE, the router's choice with its losses and
 statistics (moe/router.py's route_whole compiled with its backward, and on a GPU its Triton
 kernels, moe/router_triton.py) and one parameter's Adam
-step (trainer/optimizer.py). Where QuACK runs (moe.grouped_gemm = "quack"), also one routed
+step (trainer/optimizer.py). Where QuACK runs (moe.expert_kernels = "quack"), also one routed
 varlen-M GEMM: torch._grouped_mm, QuACK's gemm (its general path: it replays only plain calls),
 moe/quack.py's replay of the launch QuACK resolved, and the down projection's op through the
 dispatcher against the direct call eager code makes.
@@ -29,11 +29,11 @@ from bench.common import host_us, script_parser, write_result  # noqa: E402
 from titan_fold.common.fused import fused  # noqa: E402
 from titan_fold.models.layers import apply_rope_qk  # noqa: E402
 from titan_fold.moe.args import MoEArgs  # noqa: E402
-from titan_fold.moe.dispatcher import _sum_by_token  # noqa: E402
 from titan_fold.moe.quack import _down_forward, _varlen_m, offsets, quack, quack_problem  # noqa: E402
 from titan_fold.moe.router import _compiled_on, route_whole  # noqa: E402
 from titan_fold.moe.router_triton import fused_route_whole  # noqa: E402
 from titan_fold.moe.router_triton import supported as fused_supported  # noqa: E402
+from titan_fold.moe.rows import _sum_by_token  # noqa: E402
 from titan_fold.moe.swiglu import _pairs_prob_forward  # noqa: E402
 from titan_fold.trainer.optimizer import AdamHyper, adam_update  # noqa: E402
 

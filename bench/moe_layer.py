@@ -88,8 +88,7 @@ def build_layer(shape: dict, capacity_factor, device, dtype, impl: str = "titan_
         shared_expert_gate=shape["gate"],
         norm_topk_prob=shape["norm_topk"],
         capacity_factor=capacity_factor,
-        expert_fp8=impl == "titan_fold_fp8",
-        grouped_gemm="quack" if impl == "titan_fold_quack" else "torch",
+        expert_kernels={"titan_fold_fp8": "fp8", "titan_fold_quack": "quack"}.get(impl, "torch"),
     )
     torch.manual_seed(0)
     layer = MoE(shape["dim"], args).to(device=device, dtype=dtype)
@@ -443,9 +442,9 @@ def parse(argv=None):
     p.add_argument(
         "--impl",
         default="titan_fold",
-        help="comma list of titan_fold (moe.grouped_gemm = torch) | "
-        "titan_fold_quack (moe.grouped_gemm = quack) | titan_fold_fp8 (routed experts "
-        "in FP8, moe.expert_fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
+        help="comma list of titan_fold (moe.expert_kernels = torch) | "
+        "titan_fold_quack (moe.expert_kernels = quack) | titan_fold_fp8 (routed experts "
+        "in FP8, moe.expert_kernels = fp8) | torchtitan (torchtitan 0.2.2's MoE layer at the same shape, dropless, "
         "one GPU), each timed in this process",
     )
     p.add_argument("--modes", default="dropless,cf1.0")

@@ -1,4 +1,4 @@
-"""The order of the overlapped micro-batches' pieces (moe.overlap_ep_comm), from a torch profiler
+"""The order of the overlapped micro-batches' pieces (moe.ep_overlap = "batch_wgrad"), from a torch profiler
 trace on CPU ranks (gloo): `python bench/overlap_trace.py [--out DIR] [--trace FILE]`.
 
 Two gloo ranks run one training step's worth of gradient accumulation (2 micro-batches) of a
@@ -34,7 +34,7 @@ def build(ep_mesh):
 
     args = FLAVORS["qwen2_moe"]["debug"]
     args = dataclasses.replace(
-        args, n_layers=3, first_k_dense=1, moe=dataclasses.replace(args.moe, delay_wgrad_compute=True)
+        args, n_layers=3, first_k_dense=1, moe=dataclasses.replace(args.moe, ep_overlap="batch_wgrad")
     )
     torch.manual_seed(0)
     model = Transformer(args)

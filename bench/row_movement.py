@@ -17,7 +17,6 @@ side with CUDA events (median after warm-up):
 Outputs and input gradients are checked against indexing.
 """
 
-import contextlib
 import os
 import sys
 
@@ -26,9 +25,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
 from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
-from titan_fold.moe.dispatcher import _Combine, _Dispatch, _inverse, group_by  # noqa: E402
+from titan_fold.moe.dispatcher import group_by  # noqa: E402
+from titan_fold.moe.rows import _Combine, _Dispatch, _inverse, _sum_by_token  # noqa: E402
 
 SHAPES = {  # tokens per rank, hidden, top-k, experts
     "qwen2_57b_a14b": (8192, 3584, 8, 64),
@@ -38,23 +37,13 @@ SHAPES = {  # tokens per rank, hidden, top-k, experts
 }
 
 
-# the alternatives replace the dispatcher's sum over k inside its own _Dispatch / _Combine
+# the alternatives to the dispatcher's sum over k, passed to its own _Dispatch / _Combine
 def _embedding_bag(rows, slot, k, dropped):
     return F.embedding_bag(slot.view(-1, k), rows, mode="sum")
 
 
 def _gather_sum(rows, slot, k, dropped):
     return rows[slot].view(-1, k, rows.shape[-1]).sum(1, dtype=rows.dtype)
-
-
-@contextlib.contextmanager
-def _summing_with(sum_fn):
-    own = dispatcher_mod._sum_by_token
-    dispatcher_mod._sum_by_token = sum_fn or own
-    try:
-        yield
-    finally:
-        dispatcher_mod._sum_by_token = own
 
 
 def ways(token_of_row, slot, k):
@@ -65,23 +54,25 @@ def ways(token_of_row, slot, k):
         rows = x[token_of_row] * 2
         return rows.new_zeros(T, x.shape[-1]).index_add(0, token_of_row, rows)
 
-    def gathers(x):
-        rows = _Dispatch.apply(x, token_of_row, slot, k, False) * 2
-        return _Combine.apply(rows, token_of_row, slot, k, False)
+    def gathers(total=_sum_by_token):
+        def run(x):
+            rows = _Dispatch.apply(x, token_of_row, slot, k, False, total) * 2
+            return _Combine.apply(rows, token_of_row, slot, k, False, total)
 
-    def fwd_bwd(fn, sum_fn=None):
+        return run
+
+    def fwd_bwd(fn):
         def run(x, gy):
-            with _summing_with(sum_fn):
-                y = fn(x)
-                return y, torch.autograd.grad(y, x, gy)[0]
+            y = fn(x)
+            return y, torch.autograd.grad(y, x, gy)[0]
 
         return run
 
     return {
         "indexing": fwd_bwd(indexing),
-        "embedding_bag": fwd_bwd(gathers, _embedding_bag),
-        "gather_sum": fwd_bwd(gathers, _gather_sum),
-        "dispatcher": fwd_bwd(gathers),
+        "embedding_bag": fwd_bwd(gathers(_embedding_bag)),
+        "gather_sum": fwd_bwd(gathers(_gather_sum)),
+        "dispatcher": fwd_bwd(gathers()),
     }
 
 

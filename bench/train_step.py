@@ -8,10 +8,10 @@
     python bench/train_step.py --cases 1gpu_masters_b4 --gpus 0   # bf16 weights, fp32 masters in the optimizer
     python bench/train_step.py --cases 1gpu_bf16params,1gpu_bf16params_fp8 --steps 200 --gpus 0  # FP8 experts
     python bench/train_step.py --cases 1gpu_bf16params_auxfree --family qwen3_moe --proxy 30B-A3B-L12 --gpus 0
-    (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_fp8), _b<N> local
+    (modifiers, see parse_case: _compiled, _bf16params, _masters, _fp8 (moe.expert_kernels = "fp8"), _b<N> local
     batch N, _ga<N> N micro-batches per optimizer step, _profile traces step 10 and sums its kernels
     by class, _auxloss/_seqaux/_auxfree/_lbnone the moe.load_balance, _static / _device moe.exchange, _muon optimizer.name = "Muon",
-    _overlap moe.overlap_ep_comm, _delaywgrad moe.delay_wgrad_compute, _docs training.document_masking,
+    _overlap moe.ep_overlap = "batch", _delaywgrad its "wgrad", _docs training.document_masking,
     _stash<N> moe.stash_rows = N, _cudagraphs compile.cudagraphs, _phases metrics.step_phases)
     python bench/train_step.py --smoke                            # CPU, tiny proxy (tests)
 
@@ -106,9 +106,9 @@ def parse_case(case: str) -> tuple[str, dict]:
     eager (the default), compiled, bf16params (bf16 weights, training.dtype), masters (bf16
     weights and fp32 master weights in the optimizer, optimizer.master_weights), b<N> (local
     batch N), ga<N> (N micro-batches per optimizer step), profile (trace step 10), fp8 (routed
-    experts in FP8, moe.expert_fp8), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
-    quack (moe.grouped_gemm), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), overlap (moe.overlap_ep_comm),
-    delaywgrad (moe.delay_wgrad_compute), docs (training.document_masking: attention within each
+    experts in FP8, moe.expert_kernels = "fp8"), auxloss / seqaux / auxfree / lbnone (moe.load_balance), torchgemm /
+    quack (moe.expert_kernels), cudagraphs (compile.cudagraphs), static / device (moe.exchange), muon (optimizer.name), overlap (moe.ep_overlap = "batch"),
+    delaywgrad (moe.ep_overlap "wgrad"; with overlap "batch_wgrad"), docs (training.document_masking: attention within each
     packed document), skew / uniform (each token's experts drawn from a fixed load:
     bench/forced_routing.py), replicas<N> (moe.hot_expert_replicas = N), expertload (metrics.expert_load:
     each layer's tokens per expert, expert_load.jsonl in the run folder), stash<N>
@@ -253,20 +253,17 @@ def case_plan(case: str, a) -> tuple[int, list[str]]:
         args += ["--training.dtype", "bfloat16"]
     if mods["masters"]:
         args += ["--optimizer.master_weights"]
-    if mods["fp8"]:
-        args += ["--moe.expert_fp8"]
-    if mods["grouped_gemm"]:
-        args += ["--moe.grouped_gemm", mods["grouped_gemm"]]
+    if kernels := "fp8" if mods["fp8"] else mods["grouped_gemm"]:
+        args += ["--moe.expert_kernels", kernels]
     if mods["cudagraphs"]:
         args += ["--compile.cudagraphs"]
     if mods["exchange"]:
         args += ["--moe.exchange", mods["exchange"]]
     if mods["muon"]:
         args += ["--optimizer.name", "Muon"]
-    if mods["overlap"]:
-        args += ["--moe.overlap_ep_comm"]
-    if mods["delaywgrad"]:
-        args += ["--moe.delay_wgrad_compute"]
+    if mods["overlap"] or mods["delaywgrad"]:
+        overlap = ("batch" if mods["overlap"] else "") + ("_wgrad" if mods["delaywgrad"] else "")
+        args += ["--moe.ep_overlap", overlap.lstrip("_")]
     if mods["docs"]:
         args += ["--training.document_masking", "True"]
     if mods["stash"]:

@@ -5,7 +5,7 @@
 #
 # The GPU image (python 3.12, torch 2.11) lacks the trainer's torchtitan 0.2.2, tyro, torchdata
 # and datasets (and their few missing dependencies) and the optional QuACK kernels
-# (`moe.grouped_gemm = "quack"`), and fla-core (Gated DeltaNet on CUDA). One of QuACK's wheels, nvidia-cutlass-dsl-libs-cu13, is 92 MB,
+# (`moe.expert_kernels = "quack"`), and fla-core (Gated DeltaNet on CUDA). One of QuACK's wheels, nvidia-cutlass-dsl-libs-cu13, is 92 MB,
 # over what one device call carries (64 MiB with the repository): it is unpacked, repacked as an
 # xz archive (61 MiB) and split in two, the first 40 MiB in .whl_big/, carried alone in a first
 # call that only copies it to /tmp, the rest with .whl/ in the next call (while the machine is
@@ -45,7 +45,7 @@ download() {
 mkdir -p .whl .whl_big
 # the trainer
 download torchtitan==0.2.2 tyro docstring-parser typeguard shtab tomli torchdata datasets==3.6.0 dill==0.3.8 multiprocess==0.70.16
-# QuACK (moe.grouped_gemm = "quack")
+# QuACK (moe.expert_kernels = "quack")
 download quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
   nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 \
   torch-c-dlpack-ext==0.1.5

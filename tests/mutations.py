@@ -210,9 +210,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "static_exchange_reads_padding",
         "the static exchange counts each block's padding rows as its last expert's",
-        "titan_fold/moe/dispatcher.py",
-        "            expert_of_row = torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding\n",
-        "            expert_of_row = torch.searchsorted(ends, within, right=True).clamp(max=E_loc - 1).flatten()\n",
+        "titan_fold/moe/exchange.py",
+        "        return torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding\n",
+        "        return torch.searchsorted(ends, within, right=True).clamp(max=rows_of_source.shape[1] - 1).flatten()\n",
         ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",),
     ),
     Mutation(
@@ -437,7 +437,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "device_exchange_arrivals_off_by_one",
         "the device exchange groups its arrivals by expert one row off at each block's end",
-        "titan_fold/moe/dispatcher.py",
+        "titan_fold/moe/rows.py",
         "chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=True)",
         "chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=False)",
         ("tests/test_static_exchange.py::test_static_exchange_matches_exact_and_one_rank",),
@@ -934,6 +934,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         '        "debug.deterministic_warn_only",\n    ),\n    "titan_fold/trainer/world.py": (\n        "comm.init_timeout_seconds",\n        "comm.trace_buf_size",\n',
         '        "debug.deterministic_warn_only",\n        "comm.trace_buf_size",\n    ),\n    "titan_fold/trainer/world.py": (\n        "comm.init_timeout_seconds",\n',
         ("tests/test_torchtitan_keys.py::test_read_keys_are_read_where_the_table_says",),
+    ),
+    Mutation(
+        "moved_overlap_flag_drops_the_split",
+        'moe.overlap_ep_comm = true read as ep_overlap = "batch" beside delay_wgrad_compute = true: the split lost',
+        "titan_fold/common/rules.py",
+        '{"off": "batch", "wgrad": "batch_wgrad"}',
+        '{"off": "batch", "wgrad": "batch"}',
+        ("tests/test_config.py::test_moved_speed_keys_read_as_choices[both]",),
     ),
 )
 

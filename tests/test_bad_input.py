@@ -127,11 +127,13 @@ def test_out_of_range_key_is_one_line_in_both_runs(tmp_path, key, value):
 
 def test_grouped_gemm_converter_is_one_line_in_both_runs(tmp_path):
     """torchtitan's FP8 grouped-GEMM converter, a second FP8 route for the experts, is refused
-    while the config is read: one line naming moe.expert_fp8, before any process group."""
+    while the config is read: one line naming moe.expert_kernels, before any process group."""
     runs = both_runs(
         tmp_path, "--job.config_file", "debug_moe.toml", "--model.converters", "quantize.grouped_mm.float8"
     )
-    assert_one_line(runs, r"error: model\.converters = \['quantize\.grouped_mm\.float8'\]: .*moe\.expert_fp8.*")
+    assert_one_line(
+        runs, r"error: model\.converters = \['quantize\.grouped_mm\.float8'\]: .*moe\.expert_kernels = 'fp8'.*"
+    )
     assert not (tmp_path / "real").exists()
 
 

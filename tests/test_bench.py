@@ -168,9 +168,6 @@ def test_row_movement_smoke(tmp_path):
         row[f"{w}_ms"] > 0 for w in ("indexing", "embedding_bag", "gather_sum", "dispatcher")
     )
     assert json.load(open(tmp_path / "row_movement.json"))["figures"]["rows"][0]["top_k"] == 2
-    from titan_fold.moe import dispatcher
-
-    assert dispatcher._sum_by_token.__module__ == "titan_fold.moe.dispatcher"  # the swapped-in sums are undone
 
 
 def test_log_flags(tmp_path):
@@ -295,9 +292,11 @@ def test_train_step_summary_and_plans():
     with pytest.raises(ValueError, match="must start with"):
         train_step.case_plan("dp4_ep2", A)
     _, args = train_step.case_plan("dp2_ep2_ga2_overlap_delaywgrad", A)
-    assert "--moe.overlap_ep_comm" in args and "--moe.delay_wgrad_compute" in args
+    assert get("--moe.ep_overlap") == "batch_wgrad"
+    _, args = train_step.case_plan("dp2_ep2_ga2_delaywgrad", A)
+    assert get("--moe.ep_overlap") == "wgrad"
     _, args = train_step.case_plan("dp2_ep2_ga2", A)
-    assert "--moe.overlap_ep_comm" not in args and "--moe.delay_wgrad_compute" not in args
+    assert "--moe.ep_overlap" not in args
     _, args = train_step.case_plan("dp2_ep2_compiled_static_stash4096", A)
     assert get("--moe.exchange") == "static" and get("--moe.stash_rows") == "4096"
     nproc, args = train_step.case_plan("cp2_ep2_docs", A)

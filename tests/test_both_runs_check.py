@@ -45,7 +45,7 @@ def tokenizer_of_600_tokens(folder) -> tuple[str, ...]:
 FAILING = {
     "layout": ("--parallelism.expert_parallel_degree", "3"),
     "batch": ("--training.global_batch_size", "3"),
-    "experts": ("--moe.grouped_gemm", "quack", "--parallelism.expert_parallel_degree", "2"),
+    "experts": ("--moe.expert_kernels", "quack", "--parallelism.expert_parallel_degree", "2"),
     "paths": ("--checkpoint.initial_load_path", "/nonexistent/step-1"),
     "resume": resume_with_other_seq_len,
     "tokenizer": tokenizer_of_600_tokens,
@@ -53,7 +53,7 @@ FAILING = {
 # a check that reads the host: a real run on this CPU machine refuses QuACK for want of it, the
 # dry run plans for the cluster's GPUs (where it may be installed) and refuses it for the rows
 # that vary under dropless ep 2
-HOST_DEPENDENT = {"experts": "moe.grouped_gemm = 'quack' "}
+HOST_DEPENDENT = {"experts": "moe.expert_kernels = 'quack' "}
 
 
 def error_lines(text: str) -> list[str]:

@@ -292,7 +292,7 @@ def test_step_loss_is_a_token_mean_and_matches_one_rank(tmp_path):
     "key, value",
     [
         ("--mtp.num_layers", "1"),
-        ("--moe.overlap_ep_comm", None),
+        ("--moe.ep_overlap", "batch"),
     ],
 )
 def test_what_packed_documents_do_not_take_is_refused(tmp_path, key, value):

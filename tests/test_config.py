@@ -99,8 +99,16 @@ def test_missing_file_names_it():
             "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = 2 and expert_parallel_degree = 1",
         ),
         (
-            '[moe]\nexchange = "device"\noverlap_ep_comm = true\n',
-            "moe.overlap_ep_comm = true with moe.exchange = 'device'",
+            '[moe]\nexchange = "device"\noverlap_ep_comm = true\n',  # the moved key, read as ep_overlap = "batch"
+            "moe.ep_overlap = 'batch' with moe.exchange = 'device'",
+        ),
+        (
+            '[moe]\nexpert_kernels = "torch"\ngrouped_gemm = "quack"\n',
+            "moe.grouped_gemm = 'quack' with moe.expert_kernels = 'torch': the old key moved to moe.expert_kernels",
+        ),
+        (
+            '[moe]\ngrouped_gemm = "quack"\nexpert_fp8 = true\n',
+            "moe.expert_fp8 = true with moe.expert_kernels = 'quack': the old key moved to moe.expert_kernels",
         ),
         (
             '[moe]\nexchange = "device"\n[compile]\nenable = true\ncudagraphs = true\n',
@@ -213,6 +221,37 @@ def test_token_drop_reaches_the_model(capsys, args, token_drop, moe_args, notice
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")] == notice
     _, model_args = model_args_from_config(config)
     assert (model_args.moe.capacity_factor, model_args.moe.pad_to_capacity) == moe_args
+
+
+@pytest.mark.parametrize(
+    "args,kernels,ep_overlap",
+    [
+        pytest.param(["--moe.grouped_gemm", "quack"], "quack", "off", id="grouped-gemm"),
+        pytest.param(["--moe.expert_fp8"], "fp8", "off", id="expert-fp8"),
+        pytest.param(["--moe.grouped_gemm", "torch", "--moe.expert_fp8"], "fp8", "off", id="fp8-on-torch"),
+        pytest.param(["--moe.delay_wgrad_compute"], "auto", "wgrad", id="delay-wgrad"),
+        pytest.param(["--moe.overlap_ep_comm"], "auto", "batch", id="overlap"),
+        pytest.param(["--moe.overlap_ep_comm", "--moe.delay_wgrad_compute"], "auto", "batch_wgrad", id="both"),
+    ],
+)
+def test_moved_speed_keys_read_as_choices(capsys, args, kernels, ep_overlap):
+    """The old flags still work as moe.expert_kernels and moe.ep_overlap, each with a one-line notice
+    naming its new key; every combination they allowed is one value."""
+    base = ["--job.config_file", "debug_moe.toml", "--parallelism.expert_parallel_degree", "2"]
+    config = parse_args([*base, "--training.mixed_precision_param", "bfloat16", *args])
+    moe = config.moe
+    assert (moe.expert_kernels, moe.ep_overlap) == (kernels, ep_overlap)
+    assert (moe.grouped_gemm, moe.expert_fp8, moe.delay_wgrad_compute, moe.overlap_ep_comm) == (
+        None,
+        False,
+        False,
+        False,
+    )
+    notice = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    new = "moe.expert_kernels" if kernels != "auto" else "moe.ep_overlap"
+    moved = {f"notice: {a.removeprefix('--')} moved to {new}" for a in args if a.startswith("--moe.")}
+    assert {line.partition(";")[0] for line in notice} == moved and len(notice) == len(moved), notice
+    assert notice[-1].endswith(f'read as {new} = "{kernels if kernels != "auto" else ep_overlap}"'), notice
 
 
 def test_moved_recompute_key_reads_as_mode(capsys):

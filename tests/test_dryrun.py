@@ -213,16 +213,16 @@ def test_mismatched_dispatcher_is_caught(monkeypatch):
     from titan_fold.parallel import experts
 
     class SkipsOneExchange(disp.TokenDispatcher):
-        def _splits(self, counts, E_loc, device, rows):
+        def _splits(self, counts, E_loc, rows):
             if dist.get_rank() == 3 and self.etp > 1:
                 etp_mesh, self.etp_mesh = self.etp_mesh, None
                 etp, self.etp = self.etp, 1
                 try:
-                    sp, rows_of_source = super()._splits(counts, E_loc, device, rows)
+                    sp, rows_of_source = super()._splits(counts, E_loc, rows)
                 finally:
                     self.etp_mesh, self.etp = etp_mesh, etp
-                return disp._Splits(sp.send, sp.recv, [sum(sp.recv)] * etp), rows_of_source.repeat(etp, 1)
-            return super()._splits(counts, E_loc, device, rows)
+                return disp.Splits(sp.send, sp.recv, [sum(sp.recv)] * etp), rows_of_source.repeat(etp, 1)
+            return super()._splits(counts, E_loc, rows)
 
     c = config(
         "debug_moe.toml",

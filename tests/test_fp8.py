@@ -94,7 +94,7 @@ def test_moe_layer_fp8_close_to_bf16():
     layers = []
     for fp8 in (False, True):
         torch.manual_seed(0)
-        layer = MoE(64, MoEArgs(**{**args.__dict__, "expert_fp8": fp8}))
+        layer = MoE(64, MoEArgs(**{**args.__dict__, "expert_kernels": "fp8" if fp8 else "auto"}))
         layer.init_weights(0.02)
         layers.append(layer)
     x = torch.randn(2, 16, 64)
@@ -115,11 +115,18 @@ def test_fp8_rules():
     assert fp8_problem(2048, 768, (9, 0)) is None
     with pytest.raises(
         ConfigError,
-        match=r"^moe.expert_fp8 = true with training.dtype = 'float32' and "
+        match=r"^moe.expert_kernels = 'fp8' with training.dtype = 'float32' and "
         r"training.mixed_precision_param = 'float32'",
     ):
         parse_args(
-            ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "float32"]
+            [
+                "--job.config_file",
+                "debug_moe.toml",
+                "--moe.expert_kernels",
+                "fp8",
+                "--training.mixed_precision_param",
+                "float32",
+            ]
         )
 
 
@@ -129,9 +136,16 @@ def test_trainer_refuses_fp8_without_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine checks the CPU's refusal too
 
     config = parse_args(
-        ["--job.config_file", "debug_moe.toml", "--moe.expert_fp8", "--training.mixed_precision_param", "bfloat16"]
+        [
+            "--job.config_file",
+            "debug_moe.toml",
+            "--moe.expert_kernels",
+            "fp8",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        ]
     )
-    with pytest.raises(ConfigError, match=r"^moe.expert_fp8 = true: needs a CUDA GPU$"):
+    with pytest.raises(ConfigError, match=r"^moe.expert_kernels = 'fp8': needs a CUDA GPU$"):
         preflight(config, 1)
 
 
@@ -142,7 +156,8 @@ def test_dry_run_checks_only_the_shapes():
     base = [
         "--job.config_file",
         "debug_moe.toml",
-        "--moe.expert_fp8",
+        "--moe.expert_kernels",
+        "fp8",
         "--training.mixed_precision_param",
         "bfloat16",
         "--comm.mode",
@@ -162,7 +177,7 @@ def test_dry_run_checks_only_the_shapes():
     )
     with pytest.raises(
         ConfigError,
-        match=r"^moe.expert_fp8 = true: the model width \(\d+\) and each expert's width "
+        match=r"^moe.expert_kernels = 'fp8': the model width \(\d+\) and each expert's width "
         r"per etp rank \(\d+\) must be multiples of 16$",
     ):
         preflight(config, 4)

@@ -307,12 +307,12 @@ def test_host_sync_check_fails_on_a_sync(tensors, error):
 def test_grouped_gemm_choice_on_cpu():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert not use_quack("auto", x, 32) and not use_quack("torch", x, 32)
-    with pytest.raises(RuntimeError, match="moe.grouped_gemm = 'quack' runs on CUDA tensors only"):
+    with pytest.raises(RuntimeError, match="moe.expert_kernels = 'quack' runs on CUDA tensors only"):
         use_quack("quack", x, 32)
 
 
 def test_quack_check_leaves_no_graph_break(monkeypatch):
-    """The machine check behind moe.grouped_gemm = "auto" runs once, outside the traced graph: on a
+    """The machine check behind moe.expert_kernels = "auto" runs once, outside the traced graph: on a
     GPU it queries the device in a way dynamo cannot trace, and a break there split every compiled
     MoE layer (and kept its buffers' updates out of CUDA graphs)."""
     import titan_fold.moe.quack as quack_module
@@ -340,8 +340,8 @@ def test_grouped_gemm_config_rule(monkeypatch):
     # as on a machine without a GPU, where QuACK cannot run (a GPU machine checks the refusal too)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(quack, "_PROBLEMS", {})
-    with pytest.raises(ConfigError, match="moe.grouped_gemm = 'quack' needs"):
-        preflight(parse_args(["--job.config_file", "debug_moe.toml", "--moe.grouped_gemm", "quack"]), 1)
+    with pytest.raises(ConfigError, match="moe.expert_kernels = 'quack' needs"):
+        preflight(parse_args(["--job.config_file", "debug_moe.toml", "--moe.expert_kernels", "quack"]), 1)
 
 
 def test_quack_only_where_the_row_count_is_fixed():
@@ -356,17 +356,17 @@ def test_quack_only_where_the_row_count_is_fixed():
     from titan_fold.trainer.preflight import preflight
 
     # a dry run's plan (fake backend): QuACK's machine check is left to the GPUs, the row rule is not
-    base = ["--job.config_file", "debug_moe.toml", "--moe.grouped_gemm", "quack", "--comm.mode", "fake_backend"]
+    base = ["--job.config_file", "debug_moe.toml", "--moe.expert_kernels", "quack", "--comm.mode", "fake_backend"]
     ep2 = ["--parallelism.expert_parallel_degree", "2"]
     with pytest.raises(
         ConfigError,
-        match=r"^moe.grouped_gemm = 'quack' with the exact exchange over "
+        match=r"^moe.expert_kernels = 'quack' with the exact exchange over "
         r"parallelism.expert_parallel_degree x expert_tensor_parallel_degree = 2 x 1",
     ):
         preflight(parse_args(base + ep2), 2)
     with pytest.raises(
         ConfigError,
-        match=r"^moe.grouped_gemm = 'quack' with moe.token_drop = 'drop' \(moe.capacity_factor = 1.0, unpadded\)",
+        match=r"^moe.expert_kernels = 'quack' with moe.token_drop = 'drop' \(moe.capacity_factor = 1.0, unpadded\)",
     ):
         preflight(parse_args(base + ["--moe.capacity_factor", "1.0"]), 1)
     fixed = [
@@ -655,7 +655,7 @@ def _run_experts(case, grouped_gemm, rows_in, prob_before_w2):
 def test_quack_experts_match_float64(rows_in, prob_before_w2):
     """Forward and every gradient (tokens, probabilities, w13, w2) of the QuACK experts, with
     the gather fused, on given rows, or on given rows with the weight gradients queued apart
-    (moe.delay_wgrad_compute) and run after backward, against float64 per-expert GEMMs; two
+    (moe.ep_overlap = "wgrad") and run after backward, against float64 per-expert GEMMs; two
     experts get no row."""
     E = 8
     case, want = _experts_case(300, 4, E, 256, 128, prob_before_w2, idle_experts=2)
@@ -799,7 +799,7 @@ def test_quack_configs_chosen_once_per_signature_from_the_sweep(monkeypatch):
 
 
 def _qwen3_like(grouped_gemm):
-    return MoEArgs(num_experts=16, top_k=4, moe_ffn_dim=128, norm_topk_prob=True, grouped_gemm=grouped_gemm)
+    return MoEArgs(num_experts=16, top_k=4, moe_ffn_dim=128, norm_topk_prob=True, expert_kernels=grouped_gemm)
 
 
 @needs_quack

@@ -375,7 +375,7 @@ def test_fused_kernels_match_float64(device, rows):
     each on CUDA, plain ops on the CPU), against float64 autograd of the unfused formula; two row
     counts share one compile."""
     from titan_fold.common.fused import fused
-    from titan_fold.moe.dispatcher import _sum_by_token
+    from titan_fold.moe.rows import _sum_by_token
     from titan_fold.moe.swiglu import swiglu, swiglu_pairs
 
     g = torch.Generator().manual_seed(rows)

@@ -1,5 +1,5 @@
-"""Two micro-batches overlapped layer by layer (moe.overlap_ep_comm, parallel/overlap.py), and
-the trainer with it and with the weight-gradient split (moe.delay_wgrad_compute).
+"""Two micro-batches overlapped layer by layer (moe.ep_overlap = "batch", parallel/overlap.py), and
+the trainer with it and with the weight-gradient split (its "wgrad" values).
 
 On 4 gloo ranks in fp32, a small Qwen2-MoE (a dense first layer, shared expert with gate,
 aux and z losses) whose experts are spread over ep 2 (edp 2), ep 4 and ep 2 x etp 2: the
@@ -38,7 +38,7 @@ def build(ep_mesh, etp_mesh, delay, n_layers=3):
     from titan_fold.parallel.experts import shard_moe
 
     args = FLAVORS["qwen2_moe"]["debug"]
-    moe_args = dataclasses.replace(args.moe, z_loss_coeff=1e-3, delay_wgrad_compute=delay)
+    moe_args = dataclasses.replace(args.moe, z_loss_coeff=1e-3, ep_overlap="batch_wgrad" if delay else "batch")
     args = dataclasses.replace(args, n_layers=n_layers, first_k_dense=1, moe=moe_args)
     torch.manual_seed(0)
     model = Transformer(args)
@@ -308,7 +308,8 @@ TRAINER_RUNS = {
         (
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "wgrad",
             "--activation_checkpoint.mode",
             "moe_layers",
         ),
@@ -325,7 +326,8 @@ TRAINER_RUNS = {
             "1",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "wgrad",
         ),
     ),
     "delay_pp2_cp2_ep2_Interleaved1F1B": (
@@ -343,15 +345,16 @@ TRAINER_RUNS = {
             "2",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "wgrad",
         ),
     ),
     # FSDP2 over edp 2: W before the experts unit's reduce-scatter
-    "delay_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute")),
+    "delay_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.ep_overlap", "wgrad")),
     # the overlap, FSDP2 over dp 2 for the dense layers
     "overlap_dp2_ep2": (
         2,
-        ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--moe.delay_wgrad_compute"),
+        ("--parallelism.expert_parallel_degree", "2", "--moe.ep_overlap", "batch_wgrad"),
     ),
     # sequence parallel attention, the MoE on each tp rank's tokens
     "overlap_tp2_ep2": (
@@ -361,8 +364,8 @@ TRAINER_RUNS = {
             "2",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.overlap_ep_comm",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "batch_wgrad",
         ),
     ),
     "overlap_dp4_ep2_etp2": (
@@ -372,11 +375,11 @@ TRAINER_RUNS = {
             "2",
             "--parallelism.expert_tensor_parallel_degree",
             "2",
-            "--moe.overlap_ep_comm",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "batch_wgrad",
         ),
     ),
-    "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm")),
+    "overlap_dp4_ep2_edp2": (4, ("--parallelism.expert_parallel_degree", "2", "--moe.ep_overlap", "batch")),
     # under the pipeline schedules: each steady-state (backward, forward) pair overlapped, FSDP2
     # over dp 2 for the dense layers of each stage
     "overlap_pp2_dp2_ep2_1F1B": (
@@ -390,8 +393,8 @@ TRAINER_RUNS = {
             "1",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.overlap_ep_comm",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "batch_wgrad",
         ),
     ),
     "overlap_pp2_cp2_ep2_Interleaved1F1B": (
@@ -409,7 +412,8 @@ TRAINER_RUNS = {
             "2",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.overlap_ep_comm",
+            "--moe.ep_overlap",
+            "batch",
         ),
     ),
     # FSDP2 over edp 2 for the experts too (attention pp2 dp4, experts pp2 ep2 edp2); 2 pipeline
@@ -425,8 +429,8 @@ TRAINER_RUNS = {
             "1",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.overlap_ep_comm",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "batch_wgrad",
         ),
     ),
     # cp's load-balanced chunks: the pieces take the global positions for RoPE
@@ -437,8 +441,8 @@ TRAINER_RUNS = {
             "2",
             "--parallelism.expert_parallel_degree",
             "2",
-            "--moe.overlap_ep_comm",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "batch_wgrad",
         ),
     ),
 }
@@ -465,17 +469,37 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("--moe.delay_wgrad_compute",), "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree > 1"),
-        (("--moe.overlap_ep_comm",), "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree > 1"),
         (
-            ("--parallelism.expert_parallel_degree", "2", "--moe.overlap_ep_comm", "--training.global_batch_size", "4"),
-            "moe.overlap_ep_comm = true needs at least 2 micro-batches per step",
+            (
+                "--moe.ep_overlap",
+                "wgrad",
+            ),
+            "moe.ep_overlap = 'wgrad' needs parallelism.expert_parallel_degree > 1",
+        ),
+        (
+            (
+                "--moe.ep_overlap",
+                "batch",
+            ),
+            "moe.ep_overlap = 'batch' needs parallelism.expert_parallel_degree > 1",
         ),
         (
             (
                 "--parallelism.expert_parallel_degree",
                 "2",
-                "--moe.overlap_ep_comm",
+                "--moe.ep_overlap",
+                "batch",
+                "--training.global_batch_size",
+                "4",
+            ),
+            "moe.ep_overlap = 'batch' needs at least 2 micro-batches per step",
+        ),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--moe.ep_overlap",
+                "batch",
                 "--parallelism.pipeline_parallel_degree",
                 "2",
                 "--training.local_batch_size",
@@ -483,13 +507,14 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
                 "--parallelism.pipeline_parallel_schedule",
                 "GPipe",
             ),
-            "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'",
+            "moe.ep_overlap = 'batch' with parallelism.pipeline_parallel_schedule = 'GPipe'",
         ),
         (
             (
                 "--parallelism.expert_parallel_degree",
                 "2",
-                "--moe.overlap_ep_comm",
+                "--moe.ep_overlap",
+                "batch",
                 "--parallelism.pipeline_parallel_degree",
                 "2",
                 "--training.local_batch_size",
@@ -497,23 +522,24 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
                 "--activation_checkpoint.mode",
                 "full",
             ),
-            "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'",
+            "moe.ep_overlap = 'batch' with activation_checkpoint.mode = 'full'",
         ),
         (
-            ("--parallelism.expert_parallel_degree", "2", "--moe.delay_wgrad_compute", "--compile.enable"),
-            "moe.delay_wgrad_compute = true with compile.enable",
+            ("--parallelism.expert_parallel_degree", "2", "--moe.ep_overlap", "wgrad", "--compile.enable"),
+            "moe.ep_overlap = 'wgrad' with compile.enable",
         ),
         (
             (
                 "--parallelism.expert_parallel_degree",
                 "2",
-                "--moe.overlap_ep_comm",
+                "--moe.ep_overlap",
+                "batch",
                 "--training.global_batch_size",
                 "16",
                 "--activation_checkpoint.mode",
                 "full",
             ),
-            "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'full'",
+            "moe.ep_overlap = 'batch' with activation_checkpoint.mode = 'full'",
         ),
     ],
 )
@@ -568,8 +594,8 @@ def test_dry_run_collectives_match_with_overlap(name):
             "--activation_checkpoint.mode",
             "none",
             "--compile.no-enable",
-            "--moe.overlap_ep_comm",
-            "--moe.delay_wgrad_compute",
+            "--moe.ep_overlap",
+            "batch_wgrad",
         )
         _, args, _ = dryrun.check_config(c, world)
         per_group = dryrun.record_collectives(c, world, args)

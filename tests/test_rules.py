@@ -7,7 +7,7 @@ from titan_fold.common.config import JobConfig
 from titan_fold.common.rules import RULES, broken_rule, move_keys
 
 EP2 = {"parallelism.expert_parallel_degree": 2}
-OVERLAP = {"moe.overlap_ep_comm": True, **EP2}
+OVERLAP = {"moe.ep_overlap": "batch", **EP2}
 
 # (the keys set on the default config, the start of the broken rule's line)
 CASES = [
@@ -31,13 +31,11 @@ CASES = [
         {"moe.exchange": "device", "compile.enable": True, "compile.cudagraphs": True},
         "compile.cudagraphs = true with moe.exchange = 'device'",
     ),
-    ({"moe.exchange": "device", "moe.overlap_ep_comm": True}, "moe.overlap_ep_comm = true with moe.exchange"),
-    ({"moe.exchange": "device", "moe.delay_wgrad_compute": True}, "moe.delay_wgrad_compute = true with moe.exchange"),
+    ({"moe.exchange": "device", "moe.ep_overlap": "wgrad"}, "moe.ep_overlap = 'wgrad' with moe.exchange"),
     ({"moe.hot_expert_replicas": 2, "moe.exchange": "static"}, "moe.hot_expert_replicas = 2 with moe.exchange ="),
     ({"moe.hot_expert_replicas": 2, "moe.capacity_factor": 1.0}, "moe.hot_expert_replicas = 2 with moe.capacity"),
-    ({"moe.hot_expert_replicas": 2, **OVERLAP}, "moe.hot_expert_replicas = 2 with moe.overlap_ep_comm"),
-    ({"moe.hot_expert_replicas": 2, "moe.delay_wgrad_compute": True}, "moe.hot_expert_replicas = 2 with moe.delay"),
-    ({"moe.hot_expert_replicas": 2, "moe.expert_fp8": True}, "moe.hot_expert_replicas = 2 with moe.expert_fp8"),
+    ({"moe.hot_expert_replicas": 2, **OVERLAP}, "moe.hot_expert_replicas = 2 with moe.ep_overlap = 'batch'"),
+    ({"moe.hot_expert_replicas": 2, "moe.expert_kernels": "fp8"}, "moe.hot_expert_replicas = 2 with moe.expert_kern"),
     (
         {"moe.hot_expert_replicas": 2, "compile.enable": True, "compile.cudagraphs": True},
         "moe.hot_expert_replicas = 2 with compile.cudagraphs",
@@ -56,15 +54,15 @@ CASES = [
         "moe.stash_rows = 100 with compile.cudagraphs",
     ),
     ({"compile.enable": True, "compile.cudagraphs": True, **EP2}, "compile.cudagraphs = true with dropless routing"),
-    ({"moe.expert_fp8": True, "training.mixed_precision_param": "float32"}, "moe.expert_fp8 = true with"),
+    ({"moe.expert_kernels": "fp8", "training.mixed_precision_param": "float32"}, "moe.expert_kernels = 'fp8' with"),
     (
         {"optimizer.master_weights": True, "optimizer.early_step_in_backward": True, "training.dtype": "bfloat16"},
         "optimizer.master_weights = true with optimizer.early_step_in_backward",
     ),
     ({"training.dataset_format": "chat", "mtp.num_layers": 1}, "training.document_masking with mtp.num_layers = 1"),
     (
-        {"training.document_masking": True, "moe.overlap_ep_comm": True},
-        "training.document_masking with moe.overlap_ep_comm = True",
+        {"training.document_masking": True, "moe.ep_overlap": "batch_wgrad"},
+        "training.document_masking with moe.ep_overlap = 'batch_wgrad'",
     ),
     (
         {
@@ -76,16 +74,14 @@ CASES = [
         },
         "moe.drop_scope = 'full_sequence' with training.document_masking under parallelism.context_parallel_degree = 2",
     ),
-    ({"moe.delay_wgrad_compute": True}, "moe.delay_wgrad_compute = true needs parallelism.expert_parallel_degree"),
-    ({"moe.delay_wgrad_compute": True, "compile.enable": True, **EP2}, "moe.delay_wgrad_compute = true with compile"),
-    ({"moe.overlap_ep_comm": True}, "moe.overlap_ep_comm = true needs parallelism.expert_parallel_degree"),
-    ({"compile.enable": True, **OVERLAP}, "moe.overlap_ep_comm = true with compile.enable"),
+    ({"moe.ep_overlap": "wgrad"}, "moe.ep_overlap = 'wgrad' needs parallelism.expert_parallel_degree"),
+    ({"moe.ep_overlap": "wgrad", "compile.enable": True, **EP2}, "moe.ep_overlap = 'wgrad' with compile"),
     (
         {"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "GPipe", **OVERLAP},
-        "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = 'GPipe'",
+        "moe.ep_overlap = 'batch' with parallelism.pipeline_parallel_schedule = 'GPipe'",
     ),
-    ({"mtp.num_layers": 1, **OVERLAP}, "moe.overlap_ep_comm = true with mtp.num_layers = 1"),
-    (OVERLAP, "moe.overlap_ep_comm = true with activation_checkpoint.mode = 'selective'"),
+    ({"mtp.num_layers": 1, **OVERLAP}, "moe.ep_overlap = 'batch' with mtp.num_layers = 1"),
+    (OVERLAP, "moe.ep_overlap = 'batch' with activation_checkpoint.mode = 'selective'"),
     ({"training.objective": "policy"}, "training.objective = 'policy' with training.dataset_format = 'text'"),
     (
         {
@@ -103,7 +99,7 @@ CASES = [
     ),
     (
         {"moe.routing_replay": "recorded", **OVERLAP, "activation_checkpoint.mode": "none"},
-        "moe.routing_replay = 'recorded' with moe.overlap_ep_comm = true",
+        "moe.routing_replay = 'recorded' with moe.ep_overlap = 'batch'",
     ),
     ({"checkpoint.initial_load_path": "seed"}, "checkpoint.initial_load_path = 'seed' needs checkpoint.enable"),
 ]

@@ -283,11 +283,11 @@ def test_refused_key_is_one_line_naming_it(refused):
 @pytest.mark.parametrize("converter", torchtitan_keys.REFUSED_CONVERTERS)
 def test_refused_converter_is_one_line_naming_the_route(converter):
     """torchtitan's grouped-GEMM converters are refused by name in model.converters, naming
-    moe.expert_fp8; its Linear converters stay read."""
+    moe.expert_kernels = "fp8"; its Linear converters stay read."""
     with pytest.raises(ConfigError) as e:
         parse_args(["--model.converters", f"quantize.linear.float8,{converter}"])
     message = str(e.value)
-    assert message.startswith("model.converters = ") and "moe.expert_fp8" in message and "\n" not in message
+    assert message.startswith("model.converters = ") and "moe.expert_kernels = 'fp8'" in message and "\n" not in message
     assert repr(converter) in message
     assert parse_args(["--model.converters", "quantize.linear.float8"]).model.converters == ["quantize.linear.float8"]
 

@@ -29,7 +29,7 @@ def reference_experts(x, counts, w13, w2, b13, b2, p, alpha, limit):
 def test_clamped_swiglu_with_biases_every_path(path, prob_before_w2):
     torch.manual_seed(0)
     E, dim, ffn, C = 4, 8, 16, 6
-    experts = GroupedExperts(dim, ffn, E, grouped_gemm="torch", activation=CLAMPED, bias=True)
+    experts = GroupedExperts(dim, ffn, E, "torch", activation=CLAMPED, bias=True)
     with torch.no_grad():  # weights large enough that gate and up pass the limit 7 both ways
         for p in experts.parameters():
             p.normal_(0, 2.0)

@@ -1,4 +1,4 @@
-"""The experts' weight gradients apart from their input gradients (moe.delay_wgrad_compute).
+"""The experts' weight gradients apart from their input gradients (moe.ep_overlap = "wgrad").
 
 On 4 gloo ranks in fp32: an MoE layer with the split gives the same output, input gradient
 and every parameter gradient as the same layer without it, over ep 2 (edp 2), ep 4 and
@@ -51,7 +51,9 @@ def run(layer_args, delay, mesh, ep_mesh, etp_mesh, recompute, fsdp, microbatche
     from titan_fold.moe.wgrad import flush_wgrad
     from titan_fold.parallel.experts import shard_moe
 
-    args = MoEArgs(**{"num_experts": 8, "top_k": 2, "moe_ffn_dim": FFN, "delay_wgrad_compute": delay, **layer_args})
+    args = MoEArgs(
+        **{"num_experts": 8, "top_k": 2, "moe_ffn_dim": FFN, "ep_overlap": "wgrad" if delay else "off", **layer_args}
+    )
     moe = make_layer(args, torch.float32)
     weights_mesh = mesh["ep", "etp"] if etp_mesh is not None else mesh["ep"]
     shard_moe(moe, ep_mesh, etp_mesh, weights_mesh=weights_mesh)
@@ -149,7 +151,7 @@ def test_experts_split_equals_joint_backward(fp8, counts):
     x0, p0, g = torch.randn(rows, 32), torch.rand(rows), torch.randn(rows, 32)
     results = []
     for split in (False, True):
-        experts = GroupedExperts(32, 16, 4, fp8=fp8)
+        experts = GroupedExperts(32, 16, 4, "fp8" if fp8 else "auto")
         torch.manual_seed(1)
         experts.init_weights(0.1)
         experts.wgrad = WgradQueue() if split else None

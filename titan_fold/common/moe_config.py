@@ -3,6 +3,19 @@
 from dataclasses import dataclass
 from typing import Literal
 
+ExpertKernels = Literal["auto", "torch", "quack", "fp8"]
+EpOverlap = Literal["off", "wgrad", "batch", "batch_wgrad"]
+
+
+def batch_overlap(ep_overlap: str) -> bool:
+    """moe.ep_overlap interleaves two micro-batches ("batch", "batch_wgrad")."""
+    return ep_overlap.startswith("batch")
+
+
+def split_wgrad(ep_overlap: str) -> bool:
+    """moe.ep_overlap computes the experts' weight gradients apart ("wgrad", "batch_wgrad")."""
+    return ep_overlap.endswith("wgrad")
+
 
 @dataclass
 class MoE:
@@ -36,25 +49,33 @@ class MoE:
     """Run the shared expert while the routed tokens' all-to-all is in flight (default true)."""
     aux_loss_coeff: float | None = None
     z_loss_coeff: float | None = None
-    expert_fp8: bool = False
-    """The routed experts' forward and input-gradient grouped GEMMs in FP8 (float8_e4m3fn, one
-    fp32 scale per row; weight gradient in bf16): sm90+ GPUs, bf16 compute (docs/benchmarks.md
-    says at which shapes it pays)."""
+    expert_kernels: ExpertKernels = "auto"
+    """The routed experts' grouped GEMMs (docs/moe.md, "What each option costs"): "torch"
+    (torch._grouped_mm); "quack" (QuACK's kernels on sm90+ GPUs, the rows' gather fused:
+    `pip install -e ".[quack]"`); "fp8" (forward and input-gradient GEMMs in float8_e4m3fn with one
+    fp32 scale per row, weight gradients in bf16, on torch's kernels: sm90+ GPUs, bf16 compute;
+    docs/benchmarks.md says at which shapes it pays); "auto" (default): QuACK where it is installed
+    and the GPU, dtype and rows suit it, else torch; never "fp8"."""
     grouped_gemm: Literal["auto", "torch", "quack"] | None = None
-    """The routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (QuACK's kernels on
-    sm90+ GPUs, the rows' gather fused: `pip install -e ".[quack]"`), or "auto" (default: QuACK where
-    it is installed and the GPU and dtype suit it, else torch)."""
+    """Moved: `grouped_gemm = X` is `expert_kernels = X` (accepted with a notice)."""
+    expert_fp8: bool = False
+    """Moved: `expert_fp8 = true` is `expert_kernels = "fp8"` (accepted with a notice)."""
+    ep_overlap: EpOverlap = "off"
+    """What runs under the expert all-to-alls (needs expert_parallel_degree > 1; docs/moe.md, "What
+    each option costs"): "off"; "wgrad": the routed experts' weight gradients computed apart from
+    their input gradients, in backward while the dispatch all-to-all's gradients travel
+    (Megatron-Core's --delay-wgrad-compute); "batch": two micro-batches interleaved layer by layer,
+    one's forward beside the other's backward, so that each one's all-to-alls run under the other's
+    compute (Megatron-Core's --overlap-moe-expert-parallel-comm; needs >= 2 micro-batches, under
+    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state); "batch_wgrad":
+    "batch" with the weight gradients split, filling the slot after the other's dispatch. Each is
+    measured slower than "off" on the 2-GPU runs."""
     delay_wgrad_compute: bool = False
-    """Compute the routed experts' weight gradients apart from their input gradients: in backward
-    while the dispatch all-to-all's gradients travel (Megatron-Core's --delay-wgrad-compute);
-    needs expert_parallel_degree > 1. Measured slower than without it on the 2-GPU runs (docs/moe.md,
-    "What each option costs")."""
+    """Moved: `delay_wgrad_compute = true` is `ep_overlap = "wgrad"` ("batch_wgrad" with the batch
+    overlap; accepted with a notice)."""
     overlap_ep_comm: bool = False
-    """Interleave two micro-batches layer by layer, one's forward beside the other's backward, so
-    that the expert all-to-alls of each run under the other's compute (Megatron-Core's
-    --overlap-moe-expert-parallel-comm); needs expert_parallel_degree > 1 and >= 2 micro-batches; under
-    pipeline parallelism the pairs of the 1F1B / Interleaved1F1B steady state. Measured slower than
-    without it on the 2-GPU runs (docs/moe.md, "What each option costs")."""
+    """Moved: `overlap_ep_comm = true` is `ep_overlap = "batch"` ("batch_wgrad" with the split weight
+    gradients; accepted with a notice)."""
     exchange: Literal["auto", "exact", "static", "device"] = "auto"
     """The routed tokens' exchange over expert_parallel_degree x expert_tensor_parallel_degree
     (docs/moe.md, "Exchanges"): "exact" moves the real rows and reads the split sizes on the host

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from titan_fold.common.moe_config import batch_overlap
+
 
 class Rule(NamedTuple):
     """`broken(config)`: the config breaks the rule; `message`: the error line, `{section.key}`
@@ -19,9 +21,9 @@ class Rule(NamedTuple):
     message: str
 
 
-def _replayed_with(key: str, off: object) -> Callable[[Any], bool]:
-    """Broken when routing replay is on and `key` is not `off`."""
-    return lambda c: c.moe.routing_replay != "off" and _value(c, key) != off
+def _replayed_with(on: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """Broken when routing replay is on and `on` holds."""
+    return lambda c: c.moe.routing_replay != "off" and on(c)
 
 
 def _muon(c) -> bool:
@@ -43,14 +45,9 @@ def documents_masked(training) -> bool:
     return training.dataset_format in ("chat", "rollouts") if masking is None else masking
 
 
-def _value(c, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(c, section), name)
-
-
-def _masked_with(key: str, off: object) -> Callable[[Any], bool]:
-    """Broken when packed documents are masked and `key` is not `off`."""
-    return lambda c: documents_masked(c.training) and _value(c, key) != off
+def _masked_with(on: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """Broken when packed documents are masked and `on` holds."""
+    return lambda c: documents_masked(c.training) and on(c)
 
 
 def _over_ranks(c) -> bool:
@@ -79,20 +76,12 @@ def _overlap_schedule_missing(c) -> bool:
     return c.parallelism.pipeline_parallel_degree > 1 and schedule not in [s.lower() for s in OVERLAP_SCHEDULES]
 
 
-def _hides_all_to_all(key: str) -> tuple[Rule, Rule]:
-    """moe.delay_wgrad_compute's and moe.overlap_ep_comm's rules: an all-to-all to hide, no compile."""
-    return (
-        Rule(
-            lambda c: getattr(c.moe, key) and c.parallelism.expert_parallel_degree == 1,
-            f"moe.{key} = true needs parallelism.expert_parallel_degree > 1: it hides the expert "
-            "all-to-all, and ep = 1 has none",
-        ),
-        Rule(
-            lambda c: getattr(c.moe, key) and _compiled(c),
-            f"moe.{key} = true with compile.enable: its work runs between the pieces of a block, "
-            "outside one compiled graph; choose one",
-        ),
-    )
+def _overlapped(c) -> bool:
+    return c.moe.ep_overlap != "off"
+
+
+def _batched(c) -> bool:
+    return batch_overlap(c.moe.ep_overlap)
 
 
 RULES = (
@@ -165,12 +154,9 @@ RULES = (
         "exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs",
     ),
     Rule(
-        lambda c: _device(c) and c.moe.overlap_ep_comm,
-        "moe.overlap_ep_comm = true with moe.exchange = 'device': not built for the device exchange; choose one",
-    ),
-    Rule(
-        lambda c: _device(c) and c.moe.delay_wgrad_compute,
-        "moe.delay_wgrad_compute = true with moe.exchange = 'device': not built for the device exchange; choose one",
+        lambda c: _device(c) and _overlapped(c),
+        "moe.ep_overlap = '{moe.ep_overlap}' with moe.exchange = 'device': not built for the device exchange; "
+        "choose one",
     ),
     *(
         _with_copies(key, on, why)
@@ -185,13 +171,16 @@ RULES = (
                 lambda c: not _dropless(c),
                 "copies are for dropless routing (a capacity is per expert, and a copy would split it); choose one",
             ),
-            ("moe.overlap_ep_comm = true", lambda c: c.moe.overlap_ep_comm, "not built for the overlap; choose one"),
             (
-                "moe.delay_wgrad_compute = true",
-                lambda c: c.moe.delay_wgrad_compute,
-                "not built for the delayed weight gradients; choose one",
+                "moe.ep_overlap = '{moe.ep_overlap}'",
+                _overlapped,
+                "not built for the overlap nor the split weight gradients; choose one",
             ),
-            ("moe.expert_fp8 = true", lambda c: c.moe.expert_fp8, "not built for FP8 experts; choose one"),
+            (
+                "moe.expert_kernels = 'fp8'",
+                lambda c: c.moe.expert_kernels == "fp8",
+                "not built for FP8 experts; choose one",
+            ),
             (
                 "compile.cudagraphs = true",
                 lambda c: c.compile.cudagraphs,
@@ -228,8 +217,10 @@ RULES = (
         "(a graph per shape); set moe.exchange = 'static'",
     ),
     Rule(
-        lambda c: c.moe.expert_fp8 and "bfloat16" not in (c.training.dtype, c.training.mixed_precision_param),
-        "moe.expert_fp8 = true with training.dtype = '{training.dtype}' and training.mixed_precision_param = "
+        lambda c: (
+            c.moe.expert_kernels == "fp8" and "bfloat16" not in (c.training.dtype, c.training.mixed_precision_param)
+        ),
+        "moe.expert_kernels = 'fp8' with training.dtype = '{training.dtype}' and training.mixed_precision_param = "
         "'{training.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'",
     ),
     Rule(
@@ -238,13 +229,13 @@ RULES = (
     ),
     *(
         Rule(
-            _masked_with(key, off),
-            f"training.document_masking with {key} = {{{key}}}: {why} does not take packed documents yet; "
+            _masked_with(on),
+            f"training.document_masking with {key}: {why} does not take packed documents yet; "
             "set training.document_masking = false",
         )
-        for key, off, why in (
-            ("mtp.num_layers", 0, "Multi-Token Prediction"),
-            ("moe.overlap_ep_comm", False, "the overlapped micro-batch schedule"),
+        for key, on, why in (
+            ("mtp.num_layers = {mtp.num_layers}", lambda c: c.mtp.num_layers > 0, "Multi-Token Prediction"),
+            ("moe.ep_overlap = '{moe.ep_overlap}'", _batched, "the overlapped micro-batch schedule"),
         )
     ),
     Rule(
@@ -258,22 +249,30 @@ RULES = (
         "reads each sequence in the two-chunk cp order, and packed documents are dealt in blocks of "
         "their own; set moe.drop_scope = 'sub_sequence' or training.document_masking = false",
     ),
-    *_hides_all_to_all("delay_wgrad_compute"),
-    *_hides_all_to_all("overlap_ep_comm"),
     Rule(
-        lambda c: c.moe.overlap_ep_comm and _overlap_schedule_missing(c),
-        "moe.overlap_ep_comm = true with parallelism.pipeline_parallel_schedule = "
+        lambda c: _overlapped(c) and c.parallelism.expert_parallel_degree == 1,
+        "moe.ep_overlap = '{moe.ep_overlap}' needs parallelism.expert_parallel_degree > 1: it hides the expert "
+        "all-to-all, and ep = 1 has none",
+    ),
+    Rule(
+        lambda c: _overlapped(c) and _compiled(c),
+        "moe.ep_overlap = '{moe.ep_overlap}' with compile.enable: its work runs between the pieces of a block, "
+        "outside one compiled graph; choose one",
+    ),
+    Rule(
+        lambda c: _batched(c) and _overlap_schedule_missing(c),
+        "moe.ep_overlap = '{moe.ep_overlap}' with parallelism.pipeline_parallel_schedule = "
         "{parallelism.pipeline_parallel_schedule!r}: it pairs the backward and forward of a 1F1B steady "
         f"state; choose {' or '.join(OVERLAP_SCHEDULES)}",
     ),
     Rule(
-        lambda c: c.moe.overlap_ep_comm and c.mtp.num_layers > 0,
-        "moe.overlap_ep_comm = true with mtp.num_layers = {mtp.num_layers}: the overlapped schedule runs "
+        lambda c: _batched(c) and c.mtp.num_layers > 0,
+        "moe.ep_overlap = '{moe.ep_overlap}' with mtp.num_layers = {mtp.num_layers}: the overlapped schedule runs "
         "the main model's blocks only; choose one",
     ),
     Rule(
-        lambda c: c.moe.overlap_ep_comm and c.activation_checkpoint.mode != "none",
-        "moe.overlap_ep_comm = true with activation_checkpoint.mode = '{activation_checkpoint.mode}': the "
+        lambda c: _batched(c) and c.activation_checkpoint.mode != "none",
+        "moe.ep_overlap = '{moe.ep_overlap}' with activation_checkpoint.mode = '{activation_checkpoint.mode}': the "
         "overlapped pieces are not recomputed; choose one",
     ),
     Rule(
@@ -293,12 +292,20 @@ RULES = (
     ),
     *(
         Rule(
-            _replayed_with(key, off),
-            f"moe.routing_replay = '{{moe.routing_replay}}' with {key} = {value}: {why}; choose one",
+            _replayed_with(on),
+            f"moe.routing_replay = '{{moe.routing_replay}}' with {key}: {why}; choose one",
         )
-        for key, off, value, why in (
-            ("mtp.num_layers", 0, "{mtp.num_layers}", "no engine returns the MTP layers' routing"),
-            ("moe.overlap_ep_comm", False, "true", "the overlapped pieces do not carry the replayed experts"),
+        for key, on, why in (
+            (
+                "mtp.num_layers = {mtp.num_layers}",
+                lambda c: c.mtp.num_layers > 0,
+                "no engine returns the MTP layers' routing",
+            ),
+            (
+                "moe.ep_overlap = '{moe.ep_overlap}'",
+                _batched,
+                "the overlapped pieces do not carry the replayed experts",
+            ),
         )
     ),
     Rule(
@@ -309,45 +316,67 @@ RULES = (
 )
 
 
+OWN = object()  # in Moved.reads: the old key's own value
+
+
 class Moved(NamedTuple):
-    """`section.old = true` is read as `section.new = value`, with a one-line notice, where
-    `new` is `unset` (the value the old key went with) or `value` already."""
+    """`section.old`, set, is read as `section.new = reads[now]`, `now` being new's value, with a
+    one-line notice; a `now` not in `reads` (nor the value read) is refused: both set apart."""
 
     section: str
     old: str
     new: str
-    value: str
-    unset: str | None
+    reads: dict[Any, Any]
+
+
+def _moved(section: str, old: str, new: str, value: str, *unset: str | None) -> Moved:
+    """`section.old = true` read as `section.new = value`, where new is one of `unset` (the values
+    the old key went with)."""
+    return Moved(section, old, new, dict.fromkeys(unset, value))
 
 
 MOVED = (
-    Moved("moe", "static_ep_exchange", "exchange", "static", "auto"),
-    Moved("moe", "pad_to_capacity", "token_drop", "drop_and_pad", None),
-    Moved("activation_checkpoint", "moe_layer_recompute", "mode", "moe_layers", "none"),
+    _moved("moe", "static_ep_exchange", "exchange", "static", "auto"),
+    _moved("moe", "pad_to_capacity", "token_drop", "drop_and_pad", None),
+    _moved("activation_checkpoint", "moe_layer_recompute", "mode", "moe_layers", "none"),
+    Moved("moe", "grouped_gemm", "expert_kernels", {"auto": OWN}),
+    _moved("moe", "expert_fp8", "expert_kernels", "fp8", "auto", "torch"),  # FP8 ran on torch's kernels
+    _moved("moe", "delay_wgrad_compute", "ep_overlap", "wgrad", "off"),
+    Moved("moe", "overlap_ep_comm", "ep_overlap", {"off": "batch", "wgrad": "batch_wgrad"}),
 )
 
 
-def _fields(config) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+def _shown(value) -> str:
+    return "true" if value is True else repr(value)
 
 
 def move_keys(config) -> str | None:
-    """Read each moved key set to true as its new key (a notice on stderr, the old key reset);
-    -> the error line where both are set apart, else None."""
-    for section, old, new, value, unset in MOVED:
+    """Read each moved key that is set as its new key (a notice on stderr, the old key reset to
+    its default); -> the error line where both are set apart, else None."""
+    for section, old, new, reads in MOVED:
         owner = getattr(config, section)
-        if not getattr(owner, old):
+        was = getattr(owner, old)
+        if was is None or was is False:
             continue
-        old, new, now = f"{section}.{old}", f"{section}.{new}", getattr(owner, new)
-        if now not in (unset, value):
-            return f"{old} = true with {new} = {now!r}: the old key moved to {new}; set only {new}"
-        print(f'notice: {old} moved to {new}; read as {new} = "{value}"', file=sys.stderr)
-        setattr(owner, new.partition(".")[2], value)
-        setattr(owner, old.partition(".")[2], False)
+        now = getattr(owner, new)
+        read = {key: was if value is OWN else value for key, value in reads.items()}
+        value = read.get(now, now)
+        if value not in read.values():
+            return (
+                f"{section}.{old} = {_shown(was)} with {section}.{new} = {now!r}: the old key moved to "
+                f"{section}.{new}; set only {section}.{new}"
+            )
+        print(f'notice: {section}.{old} moved to {section}.{new}; read as {section}.{new} = "{value}"', file=sys.stderr)
+        setattr(owner, new, value)
+        setattr(owner, old, next(f.default for f in dataclasses.fields(owner) if f.name == old))
     moe = config.moe
     if moe.token_drop is None:  # unset: token drop where a capacity factor is given
         moe.token_drop = "dropless" if moe.capacity_factor is None else "drop"
     return None
+
+
+def _fields(config) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def broken_rule(config) -> str | None:
@@ -358,12 +387,19 @@ def broken_rule(config) -> str | None:
     return None
 
 
+def _read_as(m: Moved) -> str:
+    key = f"{m.section}.{m.new}"
+    if OWN in m.reads.values():
+        return f"X  is read as  {key} = X"
+    first, *more = m.reads.items()
+    also = "".join(f'; "{v}" where {key} = "{k}"' for k, v in more if v != first[1])
+    return f'true  is read as  {key} = "{first[1]}"{also}'
+
+
 def table() -> str:
     """The rules' messages, `{KEY}` for a value from the config, then the moved keys."""
     lines = [re.sub(r"\{([\w.]+)(![rs])?\}", r"<\1>", rule.message) for rule in RULES]
-    lines += [
-        f'{m.section}.{m.old} = true  is read as  {m.section}.{m.new} = "{m.value}" (with a notice)' for m in MOVED
-    ]
+    lines += [f"{m.section}.{m.old} = {_read_as(m)} (with a notice)" for m in MOVED]
     return "\n".join(lines)
 
 

@@ -173,9 +173,7 @@ class Refused(NamedTuple):
     instead: str
 
 
-EXPERT_FP8 = (
-    "torchtitan's grouped-GEMM converters are a second FP8 route for the experts; moe.expert_fp8 is titan_fold's"
-)
+EXPERT_FP8 = "torchtitan's grouped-GEMM converters are a second FP8 route for the experts; moe.expert_kernels = 'fp8' is titan_fold's"
 
 REFUSED = (
     Refused(
@@ -226,7 +224,7 @@ NO_EFFECT: dict[str, str] = {
     "training.mixed_precision_reduce": "its one value, 'float32', is the dtype titan_fold's FSDP reduces in",
     "parallelism.pipeline_parallel_expert_parallel_overlap": (
         "read by torchtitan's DualPipeV pipelining, which titan_fold's pipeline (parallel/pipeline.py) "
-        "replaces; moe.overlap_ep_comm chooses titan_fold's overlap"
+        "replaces; moe.ep_overlap chooses titan_fold's overlap"
     ),
     "memory_estimation.disable_fake_mode": "read only with memory_estimation.enable, which is refused",
     **{

@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from titan_fold.common.moe_config import batch_overlap
 from titan_fold.common.tensors import local
 from titan_fold.compat.dispatch import TorchDispatchMode, is_boxed_group, op_name, tree_leaves, wait_tensor
 from titan_fold.compat.distributed import resolve_process_group
@@ -153,7 +154,7 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
     widths of a few units, as few layers as the pipeline split allows; one gradient
     accumulation step, the shortest valid sequence. With the world size, a width FSDP2
     shards the experts on (fewer experts per rank than edp ranks) splits edp ways, and
-    moe.overlap_ep_comm gets its pair of micro-batches (under pp: a pipeline steady state)."""
+    moe.ep_overlap's batch overlap gets its pair of micro-batches (under pp: a pipeline steady state)."""
 
     config = _dry_config(job_config)
     par, tr = config.parallelism, config.training
@@ -198,11 +199,11 @@ def shrunk_config(job_config, model_args, world_size: int | None = None):
         else None
     )
     tr.global_batch_size = -1 if dp is None else tr.local_batch_size * dp
-    if layout is not None and args.moe.overlap_ep_comm and layout.pp > 1:
+    if layout is not None and batch_overlap(args.moe.ep_overlap) and layout.pp > 1:
         # 2 pp pipeline micro-batches: (backward, forward) pairs on every pp rank of either schedule
         tr.local_batch_size = 2 * layout.pp * par.pipeline_parallel_microbatch_size
         tr.global_batch_size = tr.local_batch_size * layout.dp
-    elif layout is not None and args.moe.overlap_ep_comm:  # micro-batches overlapped in pairs: a step of two
+    elif layout is not None and batch_overlap(args.moe.ep_overlap):  # micro-batches overlapped in pairs: a step of two
         tr.global_batch_size = 2 * tr.local_batch_size * layout.dp
     return config, args
 

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_fold.common.rules import MOVED
 from titan_fold.models.layers import rope_cos_sin
 from titan_fold.moe import MoEArgs
 
 # `[moe]` keys that moved to another key (the config reads them into it, with a notice)
-MOVED_MOE_KEYS = ("static_ep_exchange", "pad_to_capacity")
+MOVED_MOE_KEYS = tuple(m.old for m in MOVED if m.section == "moe")
 
 # a layer's token mixer (transformers' config `layer_types`); transformer.MIXERS builds each
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")

@@ -7,6 +7,7 @@ flavor fills the shapes. Nothing here knows about parallelism.
 from dataclasses import dataclass
 from typing import Literal
 
+from titan_fold.common.moe_config import EpOverlap, ExpertKernels
 from titan_fold.moe.activation import ExpertActivation
 
 
@@ -50,17 +51,12 @@ class MoEArgs:
     # multiply the routing probability into the activation before w2, so the router's
     # gradient needs no saved expert output (as Megatron-Core does); False = after w2
     prob_before_w2: bool = True
-    # routed experts' forward and input-gradient GEMMs in rowwise-scaled FP8 (moe/fp8.py)
-    expert_fp8: bool = False
-    # routed experts' grouped GEMMs: "torch" (torch._grouped_mm), "quack" (moe/quack.py: QuACK's
-    # kernels, the gather fused), "auto": QuACK where installed and the rows suit it
-    grouped_gemm: Literal["auto", "torch", "quack"] = "auto"
-    # the experts' weight gradients computed apart from their input gradients, later in
-    # backward (moe/wgrad.py; Megatron-Core's --delay-wgrad-compute)
-    delay_wgrad_compute: bool = False
-    # two micro-batches' forward and backward interleaved layer by layer, so that each one's
-    # expert all-to-alls run beside the other's compute (parallel/overlap.py)
-    overlap_ep_comm: bool = False
+    # the routed experts' grouped GEMMs (moe/experts.py): "torch", "quack" (moe/quack.py), "fp8"
+    # (moe/fp8.py), "auto": QuACK where installed and the rows suit it, else torch
+    expert_kernels: ExpertKernels = "auto"
+    # what runs under the expert all-to-alls: "wgrad" the experts' weight gradients apart from their
+    # input gradients (moe/wgrad.py), "batch" two micro-batches interleaved (parallel/overlap.py), both
+    ep_overlap: EpOverlap = "off"
     # the exchange over ep x etp (moe/exchange.py): "exact" (split sizes read on the host),
     # "static" (dropless: every peer gets a worst-case block of rows, no host sync; ep x the
     # bytes sent), "device" (dropless over ep: the real rows, split sizes on the device), "auto"

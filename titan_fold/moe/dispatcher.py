@@ -18,8 +18,11 @@ Forward of one layer (rank r, N = T * top_k assignments):
     all-to-all-v     over ep, back
     combine          gather each token's rows and sum them (the probability is already applied)
 
-All collectives are functional and autograd-aware: backward mirrors forward (all-to-all
-reversed, all-gather <-> reduce-scatter) without hand-written communication code.
+Where rows are placed, how big the collectives are and how the arrivals are grouped is the
+dispatcher's exchange (moe/exchange.py), chosen once when it is built; the device exchange runs
+the call after routing its own way. All collectives are functional and autograd-aware:
+backward mirrors forward (all-to-all reversed, all-gather <-> reduce-scatter) without
+hand-written communication code.
 Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
 """
 
@@ -31,15 +34,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_fold.common.fused import fused
-from titan_fold.common.tensors import cast, waited
+from titan_fold.common.tensors import waited
 from titan_fold.compat.distributed import funcol
 from titan_fold.moe.args import MoEArgs
-from titan_fold.moe.counts import ExchangedCounts, host_rows
-from titan_fold.moe.exchange import Route, exchange, resolve
+from titan_fold.moe.counts import ExchangedCounts
+from titan_fold.moe.exchange import DeviceExchange, ExactExchange, Splits, choose
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
 from titan_fold.moe.quack import Gather
 from titan_fold.moe.replicas import plan_copies
+from titan_fold.moe.rows import _Combine, _Dispatch, _inverse, _PermuteRows, _sum_rows
 from titan_fold.moe.stash import Stash
 
 
@@ -87,94 +90,6 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
     return keep.view_as(experts)
 
 
-# ---- row movement whose backward is a gather too -------------------------------------------
-# x[idx] differentiates into an atomic (sort-based on CUDA) scatter-add, and index_add is an
-# atomic scatter-add itself; both are several times slower than a gather. The permutations
-# here are known in both directions, so forward and backward are gathers (and one sum over
-# the k rows of each token, accumulated in float; its dtype is pinned, since autocast would
-# otherwise return float32 and turn the whole residual stream float32). On a GPU the gather
-# and the sum over k are one kernel (fused): the [T*k, dim] gathered rows never reach memory.
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(perm).scatter(0, perm, torch.arange(perm.numel(), device=perm.device))
-
-
-class _PermuteRows(torch.autograd.Function):
-    """x[perm] for a permutation perm, inv = its inverse."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inv):
-        ctx.save_for_backward(inv)
-        return x[perm]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inv,) = ctx.saved_tensors
-        return grad[inv], None, None
-
-
-def _sum_by_token(rows: torch.Tensor, slot: torch.Tensor, k: int, dropped: bool) -> torch.Tensor:
-    """rows [R, dim], slot [T*k]: the row of each assignment -> [T, dim].
-
-    dropped: some assignments have no row (slot R); they read an appended zero row.
-    k gathers of [T, dim] added up in float: fused, one pointwise kernel reads each token's
-    k rows, coalesced along dim (a gather of [T*k, dim] then a sum over k, fused as a
-    reduction over k, ran at a quarter of the memory bandwidth)."""
-    if dropped:
-        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
-    slot = slot.view(-1, k)  # [T, k]
-    total = cast(rows[slot[:, 0]], torch.promote_types(rows.dtype, torch.float32))
-    for j in range(1, k):
-        total = total + rows[slot[:, j]]
-    return cast(total, rows.dtype)
-
-
-def _fixed_rows(slot: torch.Tensor, R: int, weights: torch.Tensor, k: int):
-    """slot [N]: each assignment's row among R fixed rows (R: dropped, no row) -> (token_of_row [R],
-    weight_of_row [R]). Empty rows point at assignment N: token 0 with weight 0, so they add nothing."""
-    N = slot.numel()
-    assign = torch.full((R + 1,), N, dtype=torch.int64, device=slot.device)
-    assign = assign.scatter(0, slot, torch.arange(N, device=slot.device))[:R]  # [R]
-    token_of_row = torch.where(assign < N, assign // k, 0)
-    weight_of_row = torch.cat([weights, weights.new_zeros(1)])[assign]
-    return token_of_row, weight_of_row
-
-
-def _sum_rows(rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
-    # the backward of a gather fused into the experts (no dropped rows)
-    return fused(_sum_by_token)(rows, slot, k, False)
-
-
-class _Dispatch(torch.autograd.Function):
-    """x [T, dim] -> rows [R, dim] = x[token_of_row]; backward sums each token's rows."""
-
-    @staticmethod
-    def forward(ctx, x, token_of_row, slot, k, dropped):
-        ctx.save_for_backward(slot)
-        ctx.k, ctx.dropped = k, dropped
-        return x[token_of_row]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (slot,) = ctx.saved_tensors
-        return fused(_sum_by_token)(grad, slot, ctx.k, ctx.dropped), None, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """rows [R, dim] -> y [T, dim], each token the sum of its rows; the adjoint of _Dispatch."""
-
-    @staticmethod
-    def forward(ctx, rows, token_of_row, slot, k, dropped):
-        ctx.save_for_backward(token_of_row)
-        return fused(_sum_by_token)(rows, slot, k, dropped)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (token_of_row,) = ctx.saved_tensors
-        return grad[token_of_row], None, None, None, None
-
-
 # ---- collectives over a 1-D mesh; None means degree 1 (identity) -------------------------
 
 
@@ -208,19 +123,6 @@ class _AllToAllThen(torch.autograd.Function):
         return waited(grad_x), None, None, None, None
 
 
-def _by_expert(blocks: torch.Tensor, rows: int, zero_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [S, E_loc]: rows that arrived from each source for each local expert, source after
-    source and by expert within a source, in a buffer of `rows` rows (padding after the real ones)
-    -> (perm [rows]: the arrival row of each position grouped by local expert, sources in order
-    within an expert, padding last reading `zero_row`; inv [rows]: each arrival row's position)."""
-    S, E_loc = blocks.shape
-    ends = blocks.flatten().cumsum(0)  # [S * E_loc]
-    chunk = torch.searchsorted(ends, torch.arange(rows, device=blocks.device), right=True)  # [rows]
-    expert_of_row = torch.where(chunk < S * E_loc, chunk % E_loc, E_loc)  # E_loc = padding
-    perm = torch.sort(expert_of_row, stable=True).indices  # [rows] grouped position -> arrival row
-    return torch.where(perm < ends[-1], perm, zero_row), _inverse(perm)
-
-
 def _all_gather_v(x: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.Tensor:
     """[n_me, ...] -> [sum(sizes), ...], rank order; sizes None = all equal."""
     if mesh is None:
@@ -243,13 +145,6 @@ def _reduce_scatter_v(y: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.
 
 
 @dataclass
-class _Splits:
-    send: list[int] | None  # rows to each ep rank
-    recv: list[int] | None  # rows from each ep rank
-    gather: list[int] | None  # rows of each etp rank after its all-to-all
-
-
-@dataclass
 class Plan:
     """Where one layer call's rows go and come back: what permute decided for the later phases."""
 
@@ -258,15 +153,15 @@ class Plan:
     k: int
     keep: torch.Tensor | None  # [T, k] kept assignments (token drop)
     rows_per_expert: torch.Tensor | int  # [E] rows for each expert, or C (padded)
-    splits: _Splits | None = None  # with an exchange: sizes of its collectives
+    splits: Splits | None = None  # with an exchange: sizes of its collectives
     rows_of_source: torch.Tensor | None = None  # [etp*ep, E_loc] rows each source sends each local expert
-    padding: bool = False  # static exchange: each source's block ends in rows that carry nothing
     # moe.hot_expert_replicas: (local experts' weight [E_loc, ...], its name) -> with the copies [P_loc, ...]
     copies: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
 
 class TokenDispatcher(nn.Module):
-    """ep_mesh, etp_mesh: 1-D meshes of the expert mapping (None = degree 1).
+    """args: the layer's settings; with ep and etp they pick the exchange (moe/exchange.py: choose).
+    ep_mesh, etp_mesh: 1-D meshes of the expert mapping (None = degree 1).
     seq_mesh: 1-D mesh of the ranks holding the other parts of this rank's sequences
     (attention cp x tp), read by the router's aux-loss statistics and full_sequence dropping.
     seq_positions: where each rank's tokens sit in the whole sequence (cp's load-balanced
@@ -274,6 +169,7 @@ class TokenDispatcher(nn.Module):
 
     def __init__(
         self,
+        args: MoEArgs,
         ep_mesh: DeviceMesh | None = None,
         etp_mesh: DeviceMesh | None = None,
         seq_mesh: DeviceMesh | None = None,
@@ -282,6 +178,8 @@ class TokenDispatcher(nn.Module):
         super().__init__()
         self.ep_mesh, self.etp_mesh, self.seq_mesh = ep_mesh, etp_mesh, seq_mesh
         self.ep, self.etp = _size(ep_mesh), _size(etp_mesh)
+        # how the rows travel (moe/exchange.py): from moe.exchange, token drop and ep x etp
+        self.exchange = choose(args, self.ep, self.etp)
         # the device exchange's ops name their process group
         self.ep_group_name = ep_mesh.get_group().group_name if ep_mesh is not None else ""
         self.etp_group_name = etp_mesh.get_group().group_name if etp_mesh is not None else ""
@@ -342,8 +240,9 @@ class TokenDispatcher(nn.Module):
         # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
         # half the bytes, and the gradient's sum over k sees the dtype the combine sees
         x = x.to(compute_dtype(x))
-        if resolve(args.exchange, self.ep, self.etp) == "device":
-            y, overlapped = self._device_forward(x, probs, experts_idx, experts, args, overlap)
+        if isinstance(self.exchange, DeviceExchange):
+            order, counts, _ = group_by(experts_idx.flatten(), args.num_experts, positions=False)  # counts [E]
+            y, overlapped = self.exchange.forward(self, x, probs, order, counts, experts, args, overlap)
             return y, None, overlapped
         copies = None
         if args.hot_expert_replicas and self.ep > 1:
@@ -383,129 +282,32 @@ class TokenDispatcher(nn.Module):
         send and their weights).
         gather_rows False (one rank, dropless): x itself in place of x_rows."""
         T, k = experts_idx.shape
-        E, N = args.num_experts, T * k
+        E = args.num_experts
         keep, cap = self.keep_mask(probs, experts_idx, num_seqs, args)
 
         key = experts_idx.flatten()  # [N] destination expert of each assignment
         if keep is not None:
             key = torch.where(keep.flatten(), key, E)  # dropped -> an extra last group
-        static = keep is None and resolve(args.exchange, self.ep, self.etp) == "static"
-        padded = keep is not None and args.pad_to_capacity
-        order, counts, pos = group_by(key, E + 1, positions=static or padded)
+        exchange = self.exchange
+        assert isinstance(exchange, ExactExchange)  # the device exchange runs its own forward
+        order, counts, pos = group_by(key, E + 1, positions=exchange.positions)
         counts = counts[:E]  # [E] kept rows per expert
-        weights = probs.flatten()  # [N]
-
-        if padded:
-            # static shapes: expert e owns rows [e*C, (e+1)*C)
-            C = min(cap, T)  # one expert cannot get more than T of this rank's assignments
-            slot = torch.where(key < E, key * C + pos, E * C)  # [N]; dropped -> a spare slot
-            token_of_row, weight_of_row = _fixed_rows(slot, E * C, weights, k)
-            rows_per_expert = C
-        elif static:
-            # static shapes, dropless: ep peer d owns rows [d*B, (d+1)*B), its rows by expert
-            # first, padding after; B is the most rows one peer can get from this rank
-            E_loc = E // self.ep
-            B = T * min(k, E_loc)  # a token's k experts are distinct: at most E_loc on one peer
-            per_peer = counts.view(self.ep, E_loc)
-            before = (per_peer.cumsum(1) - per_peer).flatten()  # [E] rows of the peer's earlier experts
-            slot = (key // E_loc) * B + before[key] + pos  # [N]
-            token_of_row, weight_of_row = _fixed_rows(slot, self.ep * B, weights, k)
-            rows_per_expert = counts
-        else:
-            token_of_row = order // k  # [N], dropped rows last
-            slot = _inverse(order)  # [N] row of each assignment
-            weight_of_row = _PermuteRows.apply(weights, order, slot)  # backward a gather, not a scatter-add
-            rows_per_expert = counts
-
+        token_of_row, slot, weight_of_row, rows_per_expert = exchange.place(
+            self, key, order, counts, pos, probs.flatten(), T, k, cap
+        )
         dropped = keep is not None
         x = x.to(compute_dtype(x))
-        plan = Plan(token_of_row, slot, k, keep, rows_per_expert, padding=static)
+        plan = Plan(token_of_row, slot, k, keep, rows_per_expert)
         if not gather_rows:
             return plan, x, weight_of_row
         x_rows = _Dispatch.apply(x, token_of_row, slot, k, dropped)  # [R, dim]
-        if self.ep * self.etp == 1:
-            if dropped and not args.pad_to_capacity:
-                n = host_rows(int(counts.sum()), N)  # dynamic shapes: the layer's one host sync
-                x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]
-            return plan, x_rows, weight_of_row
         E_loc = E // self.ep
-        # no read of experts.w13 here: under FSDP2 it is still sharded until experts() runs
-        if static:  # every split a fixed block: the counts stay on the device
-            sources = self.counts.sources(self, rows_per_expert, N)
-            plan.splits, plan.rows_of_source = _Splits(None, None, None), sources.view(self.etp * self.ep, E_loc)
-        else:
-            plan.splits, plan.rows_of_source = self._splits(rows_per_expert, E_loc, x_rows.device, x_rows.shape[0])
-        if plan.splits.send is not None:
-            n = host_rows(sum(plan.splits.send), x_rows.shape[0])
+        plan.splits, plan.rows_of_source, n = exchange.sizes(
+            self, rows_per_expert, E_loc, x_rows.shape[0], dropped, x_rows.device
+        )
+        if n is not None:
             x_rows, weight_of_row = x_rows[:n], weight_of_row[:n]  # cut the dropped rows off
         return plan, x_rows, weight_of_row
-
-    def _device_forward(
-        self,
-        x: torch.Tensor,
-        probs: torch.Tensor,
-        experts_idx: torch.Tensor,
-        experts: GroupedExperts,
-        args: MoEArgs,
-        overlap=None,
-    ):
-        """Dropless over ep (and etp) with the split sizes on the device (moe.exchange =
-        "device", moe/exchange.py): rows arrive already grouped by local expert, in a buffer of
-        the most rows this rank can receive, real rows first; no host sync. -> (y [T, dim], overlap())."""
-        T, k = experts_idx.shape
-        E, N, ep = args.num_experts, T * k, self.ep
-        E_loc = E // ep
-        order, counts, _ = group_by(experts_idx.flatten(), E, positions=False)  # counts [E]
-        token_of_row = order // k  # [N] rows by destination expert, so by ep rank
-        slot = _inverse(order)  # [N] row of each assignment
-        send = counts.view(ep, E_loc).sum(1)  # [ep] rows to each ep rank
-        # [etp, ep, E_loc]: rows each (etp, ep) source sends each local expert
-        every = self.counts.sources(self, counts, N).view(self.etp, ep, E_loc)
-        sources = every[0 if self.etp_mesh is None else self.etp_mesh.get_local_rank()]  # [ep, E_loc] this rank's
-        recv = sources.sum(1)  # [ep]
-        R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
-        cap = max(R, N)
-        perm, inv = _by_expert(sources, R, cap)
-        g = self.ep_group_name
-        there, back = Route(token_of_row, send, recv, perm), Route(inv, recv, send, slot.view(T, k))
-        x_sorted = exchange(x, there, back, cap, g)  # [R, dim]
-        w_sorted = exchange(
-            probs.flatten(), Route(order, send, recv, perm), Route(inv, recv, send, slot.view(N, 1)), cap, g
-        )
-        overlapped = overlap() if overlap is not None else None
-        # no masks: the padding rows came in as zeros, their outputs are never sent, and their
-        # gradients come back as zeros (the zero row)
-        if self.etp > 1:
-            y_sorted = self._device_etp(x_sorted, w_sorted, every.sum(1), experts, args)
-        else:
-            y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
-        y = exchange(y_sorted, back, there, cap, g)  # [T, dim]
-        return y, overlapped
-
-    def _device_etp(self, x_sorted, w_sorted, per_rank, experts: GroupedExperts, args: MoEArgs):
-        """The device exchange's etp part: x_sorted [R, dim], w_sorted [R] (this rank's arrivals
-        by local expert, real rows first), per_rank [etp, E_loc] (each etp rank's rows per local
-        expert) -> the experts' output rows [R, dim], summed over etp. The all-gather-v and the
-        reduce-scatter-v are the exchange's op over the etp group (each rank's real rows to every
-        peer, the partial outputs back and summed), into buffers of etp x R rows."""
-        assert self.etp_mesh is not None  # etp > 1
-        etp, R = self.etp, x_sorted.shape[0]
-        dev, cap = x_sorted.device, etp * R
-        rows = per_rank.sum(1)  # [etp] real rows of each etp rank
-        me = rows[self.etp_mesh.get_local_rank()]
-        # each etp rank's real rows are by expert: the gathered buffer is (etp rank, expert) blocks
-        perm, inv = _by_expert(per_rank, cap, cap)
-        spread = torch.arange(cap, device=dev) % me.clamp(min=1)  # [cap] rows 0 .. me-1 for every peer
-        local = torch.arange(R, device=dev)[:, None]  # [R, 1]
-        mine = torch.arange(etp, device=dev)[None, :] * me + local  # [R, etp] my row from each peer
-        mine = torch.where(local < me, mine, cap)
-        g = self.etp_group_name
-        same = me.expand(etp).contiguous()
-        gather, scatter = Route(spread, same, rows, perm), Route(inv, rows, same, mine)
-        x_grouped = exchange(x_sorted, gather, scatter, cap, g)  # [etp * R, dim] by expert
-        w_grouped = exchange(w_sorted, gather, scatter, cap, g)
-        y_grouped = experts(x_grouped, per_rank.sum(0), w_grouped, args.prob_before_w2)
-        return exchange(y_grouped, scatter, gather, cap, g)  # [R, dim] summed over etp
 
     def compute(
         self, x_in: torch.Tensor, w_in: torch.Tensor, plan: "Plan", experts: GroupedExperts, args: MoEArgs
@@ -518,49 +320,18 @@ class TokenDispatcher(nn.Module):
         w_all = _all_gather_v(w_in, sp.gather, self.etp_mesh)
 
         # group rows by local expert (stable: keeps source order inside an expert), padding last
-        S, E_loc = rows_of_source.shape
-        R_all = x_all.shape[0]
-        if sp.recv is None:  # every source sent a block of B rows: its rows by expert, then padding
-            B = R_all // S
-            ends = rows_of_source.cumsum(1)  # [S, E_loc] end of each expert's rows in its block
-            within = torch.arange(B, device=x_all.device).expand(S, B).contiguous()
-            expert_of_row = torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding
-        else:
-            expert_of_row = torch.arange(E_loc, device=x_all.device).repeat(S)
-            expert_of_row = expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=R_all)
+        exchange = self.exchange
+        assert isinstance(exchange, ExactExchange)  # the device exchange runs its own forward
+        expert_of_row = exchange.expert_of_row(rows_of_source, x_all.shape[0])  # [R_all]
         perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
         inv = _inverse(perm)
         counts = plan.rows_per_expert
+        S = rows_of_source.shape[0]
         local_counts = S * counts if isinstance(counts, int) else rows_of_source.sum(0)  # [E_loc]
         x_sorted, w_sorted = _PermuteRows.apply(x_all, perm, inv), w_all[perm]
-        if plan.padding:
-            y_sorted = self._padded_experts(x_sorted, w_sorted, local_counts, experts, args)
-        else:
-            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2, copies=plan.copies)
+        y_sorted = exchange.experts(self, experts, x_sorted, local_counts, w_sorted, args, plan.copies)
         y_all = _PermuteRows.apply(y_sorted, inv, perm)  # back to arrival order
         return _reduce_scatter_v(y_all, sp.gather, self.etp_mesh)  # [sum(recv), dim] summed over etp
-
-    def _padded_experts(
-        self,
-        x_sorted: torch.Tensor,
-        w_sorted: torch.Tensor,
-        local_counts: torch.Tensor,
-        experts: GroupedExperts,
-        args: MoEArgs,
-    ) -> torch.Tensor:
-        """The experts over rows by local expert that end in padding (the static exchange):
-        x_sorted [R_all, dim], w_sorted [R_all], local_counts [E_loc] summing to the V real rows.
-        The experts skip the rows past the last group and leave their outputs and input gradients
-        undefined (uninitialized memory): zeros in both directions instead."""
-        R_all = x_sorted.shape[0]
-        V = local_counts.sum()
-        valid = torch.arange(R_all, device=x_sorted.device) < V  # [R_all]
-        x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
-        if self.stash is not None:  # what the experts save for backward: the V real rows only
-            y_sorted = self.stash.call(V, R_all, experts, x_sorted, local_counts, w_sorted, args.prob_before_w2)
-        else:
-            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
-        return torch.where(valid[:, None], y_sorted, 0)
 
     def unpermute(self, y_rows: torch.Tensor, plan: "Plan") -> torch.Tensor:
         """The experts' rows back on this rank [R, dim] -> y [T, dim], each token the sum of its rows."""
@@ -571,21 +342,18 @@ class TokenDispatcher(nn.Module):
         # in the experts' dtype (bf16 under autocast)
         return _Combine.apply(y_rows, plan.token_of_row[:R], slot, plan.k, dropped)
 
-    def _splits(self, counts: torch.Tensor | int, E_loc: int, device: torch.device, rows: int):
-        """Exchange counts and bring the split sizes to the host: the layer's one sync.
-        rows: this rank's routed rows (the sum of counts without drops).
+    def _splits(self, counts: torch.Tensor, E_loc: int, rows: int):
+        """The exact exchange's sizes: exchange counts [E] and bring the split sizes to the host,
+        the layer's one sync. rows: this rank's routed rows (the sum of counts without drops).
 
-        -> (_Splits, rows_of_source [etp*ep, E_loc] on device: rows each (etp, ep) source
+        -> (Splits, rows_of_source [etp*ep, E_loc] on device: rows each (etp, ep) source
         sends to each local expert)."""
         ep, etp = self.ep, self.etp
-        if isinstance(counts, int):  # padded: every split is E_loc * C rows
-            full = torch.full((etp * ep, E_loc), counts, dtype=torch.int64, device=device)
-            return _Splits(None, None, None), full
         gathered = self.counts.sources(self, counts, rows)
         sent, got = self.counts.on_host(self, counts, gathered, rows)
         block = lambda flat, i: sum(flat[i * E_loc : (i + 1) * E_loc])  # noqa: E731
         me = 0 if self.etp_mesh is None else self.etp_mesh.get_local_rank()
-        splits = _Splits(
+        splits = Splits(
             send=[block(sent, d) for d in range(ep)],
             recv=[block(got, me * ep + s) for s in range(ep)],
             gather=[sum(block(got, j * ep + s) for s in range(ep)) for j in range(etp)],

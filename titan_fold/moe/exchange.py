@@ -1,8 +1,19 @@
-"""The EP exchange with its split sizes on the device (`moe.exchange = "device"`).
+"""The EP exchanges: how the routed rows of one layer call travel between the ep x etp ranks
+and back, one object per `moe.exchange`, chosen once when the dispatcher is built (`choose`).
+
+    exact    split sizes brought to the host (the layer's one sync); dropped rows cut off first
+    padded   token drop with padding: every expert gets C rows, so every split is known
+    static   dropless: every peer gets a worst-case block of rows, padding last; no host sync
+    device   dropless: only the real rows move, their split sizes stay on the device
+
+The dispatcher (moe/dispatcher.py) routes, asks its exchange where each row goes (`place`) and
+how big the collectives are (`sizes`), groups the arrivals by local expert (`expert_of_row`),
+runs the experts through it (`experts`) and combines. The device exchange runs the whole call
+(`DeviceExchange.forward`) with one op:
 
 The exact exchange brings every layer's split sizes to the host before its all-to-all (a
-device-to-host copy and a wait); the static one sends each peer a worst-case block. This one
-moves only the real rows, and nothing leaves the device: on a GPU with NVSHMEM, symmetric
+device-to-host copy and a wait); the static one sends each peer a worst-case block. The device
+one moves only the real rows, and nothing leaves the device: on a GPU with NVSHMEM, symmetric
 memory's `all_to_all_vdev` reads the sizes on the device; elsewhere (CPU, gloo, the dry run) a
 stand-in with the same contract reads them on the host, so CI tests the code around the op.
 
@@ -20,15 +31,14 @@ mirror make an autograd pair: the gradient takes the mirror route back.
 """
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from titan_fold.common.fused import fused
 from titan_fold.common.tensors import waited
 from titan_fold.compat.distributed import funcol, is_nvshmem_available, resolve_process_group, symmetric_memory
-
-Exchange = Literal["auto", "exact", "static", "device"]
+from titan_fold.moe.args import MoEArgs
+from titan_fold.moe.counts import host_rows
+from titan_fold.moe.rows import _by_expert, _fixed_rows, _inverse, _PermuteRows, _sum_rows
 
 
 def nvshmem_available() -> bool:
@@ -101,18 +111,11 @@ def _ring(group_name: str, dtype: torch.dtype, width: int, cap: int, device: tor
 
 
 def _read(recv: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
-    """recv [cap + 1, dim] -> recv[gather] ([r, dim]) or, gather [T, k], each token's k rows summed."""
+    """recv [cap + 1, dim] -> recv[gather] ([r, dim]) or, gather [T, k], each token's k rows
+    summed in float, as the exact exchange's combine sums them."""
     if gather.dim() == 1:
         return recv[gather]
-    return fused(_sum_rows)(recv, gather)
-
-
-def _sum_rows(recv: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
-    # in float, as the exact exchange's combine sums: the k rows of a token in one kernel
-    total = recv[gather[:, 0]].to(torch.promote_types(recv.dtype, torch.float32))
-    for j in range(1, gather.shape[1]):
-        total = total + recv[gather[:, j]]
-    return total.to(recv.dtype)
+    return _sum_rows(recv, gather.flatten(), gather.shape[1])
 
 
 def _stand_in(rows: torch.Tensor, send: torch.Tensor, got: torch.Tensor, cap: int, group_name: str) -> torch.Tensor:
@@ -211,3 +214,190 @@ def exchange(src: torch.Tensor, there: Route, back: Route, cap: int, group_name:
         group_name,
     )
     return out[:, 0] if flat else out
+
+
+# ---- the exchanges --------------------------------------------------------------------------
+# Each method takes the dispatcher `d` asking (its meshes, degrees, counts and stash), as
+# moe/counts.py's methods do. Shapes: N = T * k assignments, R rows sent, E_loc local experts.
+
+
+@dataclass
+class Splits:
+    """The collectives' split sizes on the host; None: equal splits (fixed blocks)."""
+
+    send: list[int] | None  # rows to each ep rank
+    recv: list[int] | None  # rows from each ep rank
+    gather: list[int] | None  # rows of each etp rank after its all-to-all
+
+
+class ExactExchange:
+    """moe.exchange = "exact": the rows grouped by destination expert, dropped ones last and cut
+    off before they travel; the split sizes reach the host. The subclasses change where rows
+    are placed and how big the collectives are."""
+
+    positions = False  # place() reads each assignment's position within its group
+
+    def place(self, d, key, order, counts, pos, weights, T: int, k: int, cap):
+        """key [N] destination expert of each assignment (E: dropped), order [N] the assignments
+        grouped by key, counts [E] kept rows per expert, pos [N] or None, weights [N] -> (token_of_row
+        [R], slot [N]: row of each assignment, weight_of_row [R], rows_per_expert [E] or C)."""
+        slot = _inverse(order)  # [N] row of each assignment
+        weight_of_row = _PermuteRows.apply(weights, order, slot)  # backward a gather, not a scatter-add
+        return order // k, slot, weight_of_row, counts
+
+    def sizes(self, d, rows_per_expert, E_loc: int, rows: int, dropped: bool, device: torch.device):
+        """-> (Splits or None, rows_of_source [etp*ep, E_loc] or None, the rows to send: None = all).
+        None and None with ep x etp = 1: nothing travels."""
+        if d.ep * d.etp == 1:
+            # dynamic shapes: the layer's one host sync
+            return None, None, host_rows(int(rows_per_expert.sum()), rows) if dropped else None
+        # no read of experts.w13 here: under FSDP2 it is still sharded until experts() runs
+        splits, rows_of_source = d._splits(rows_per_expert, E_loc, rows)
+        return splits, rows_of_source, host_rows(sum(splits.send), rows)  # the dropped rows cut off
+
+    def expert_of_row(self, rows_of_source: torch.Tensor, R_all: int) -> torch.Tensor:
+        """rows_of_source [S, E_loc] -> [R_all] local expert of each arrival (by source, then expert)."""
+        S, E_loc = rows_of_source.shape
+        expert_of_row = torch.arange(E_loc, device=rows_of_source.device).repeat(S)
+        return expert_of_row.repeat_interleave(rows_of_source.flatten(), output_size=R_all)
+
+    def experts(self, d, experts, x_sorted, local_counts, w_sorted, args: MoEArgs, copies=None):
+        """The experts over the arrivals grouped by local expert: x_sorted [R_all, dim], w_sorted [R_all]."""
+        return experts(x_sorted, local_counts, w_sorted, args.prob_before_w2, copies=copies)
+
+
+class PaddedExchange(ExactExchange):
+    """Token drop padded to capacity: expert e owns rows [e*C, (e+1)*C) on every source, so every
+    split is E_loc * C rows and nothing reaches the host."""
+
+    positions = True
+
+    def place(self, d, key, order, counts, pos, weights, T: int, k: int, cap):
+        E = counts.numel()
+        C = min(cap, T)  # one expert cannot get more than T of this rank's assignments
+        slot = torch.where(key < E, key * C + pos, E * C)  # [N]; dropped -> a spare slot
+        token_of_row, weight_of_row = _fixed_rows(slot, E * C, weights, k)
+        return token_of_row, slot, weight_of_row, C
+
+    def sizes(self, d, rows_per_expert, E_loc: int, rows: int, dropped: bool, device: torch.device):
+        if d.ep * d.etp == 1:
+            return None, None, None
+        full = torch.full((d.etp * d.ep, E_loc), rows_per_expert, dtype=torch.int64, device=device)
+        return Splits(None, None, None), full, None
+
+    def expert_of_row(self, rows_of_source: torch.Tensor, R_all: int) -> torch.Tensor:
+        # every source sent a block of B rows: its rows by expert, then padding
+        S = rows_of_source.shape[0]
+        B = R_all // S
+        ends = rows_of_source.cumsum(1)  # [S, E_loc] end of each expert's rows in its block
+        within = torch.arange(B, device=rows_of_source.device).expand(S, B).contiguous()
+        return torch.searchsorted(ends, within, right=True).flatten()  # [R_all], E_loc = padding
+
+
+class StaticExchange(PaddedExchange):
+    """moe.exchange = "static", dropless: ep peer p owns rows [p*B, (p+1)*B) of the rows sent,
+    its rows by expert first, padding after; B is the most rows one peer can get from this rank.
+    The counts stay on the device."""
+
+    def place(self, d, key, order, counts, pos, weights, T: int, k: int, cap):
+        E_loc = counts.numel() // d.ep
+        B = T * min(k, E_loc)  # a token's k experts are distinct: at most E_loc on one peer
+        per_peer = counts.view(d.ep, E_loc)
+        before = (per_peer.cumsum(1) - per_peer).flatten()  # [E] rows of the peer's earlier experts
+        slot = (key // E_loc) * B + before[key] + pos  # [N]
+        token_of_row, weight_of_row = _fixed_rows(slot, d.ep * B, weights, k)
+        return token_of_row, slot, weight_of_row, counts
+
+    def sizes(self, d, rows_per_expert, E_loc: int, rows: int, dropped: bool, device: torch.device):
+        sources = d.counts.sources(d, rows_per_expert, rows)  # every split a fixed block
+        return Splits(None, None, None), sources.view(d.etp * d.ep, E_loc), None
+
+    def experts(self, d, experts, x_sorted, local_counts, w_sorted, args: MoEArgs, copies=None):
+        """Rows by local expert that end in padding: local_counts [E_loc] sum to the V real rows.
+        The experts skip the rows past the last group and leave their outputs and input gradients
+        undefined (uninitialized memory): zeros in both directions instead."""
+        R_all = x_sorted.shape[0]
+        V = local_counts.sum()
+        valid = torch.arange(R_all, device=x_sorted.device) < V  # [R_all]
+        x_sorted, w_sorted = torch.where(valid[:, None], x_sorted, 0), torch.where(valid, w_sorted, 0)
+        if d.stash is not None:  # what the experts save for backward: the V real rows only
+            y_sorted = d.stash.call(V, R_all, experts, x_sorted, local_counts, w_sorted, args.prob_before_w2)
+        else:
+            y_sorted = experts(x_sorted, local_counts, w_sorted, args.prob_before_w2)
+        return torch.where(valid[:, None], y_sorted, 0)
+
+
+class DeviceExchange:
+    """moe.exchange = "device", dropless over ep (and etp): rows arrive already grouped by local
+    expert, in a buffer of the most rows this rank can receive, real rows first; no host sync.
+    It runs the whole layer call (`forward`): ep_exchange gathers, sends and sums by itself."""
+
+    def forward(self, d, x, probs, order, counts, experts, args: MoEArgs, overlap=None):
+        """x [T, dim], probs [T, k], order [N] assignments grouped by expert, counts [E] ->
+        (y [T, dim], overlap() or None)."""
+        T, k = probs.shape
+        N, ep = T * k, d.ep
+        E_loc = counts.numel() // ep
+        token_of_row = order // k  # [N] rows by destination expert, so by ep rank
+        slot = _inverse(order)  # [N] row of each assignment
+        send = counts.view(ep, E_loc).sum(1)  # [ep] rows to each ep rank
+        # [etp, ep, E_loc]: rows each (etp, ep) source sends each local expert
+        every = d.counts.sources(d, counts, N).view(d.etp, ep, E_loc)
+        sources = every[0 if d.etp_mesh is None else d.etp_mesh.get_local_rank()]  # [ep, E_loc] this rank's
+        recv = sources.sum(1)  # [ep]
+        R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
+        cap = max(R, N)
+        perm, inv = _by_expert(sources, R, cap)
+        g = d.ep_group_name
+        there, back = Route(token_of_row, send, recv, perm), Route(inv, recv, send, slot.view(T, k))
+        x_sorted = exchange(x, there, back, cap, g)  # [R, dim]
+        w_sorted = exchange(
+            probs.flatten(), Route(order, send, recv, perm), Route(inv, recv, send, slot.view(N, 1)), cap, g
+        )
+        overlapped = overlap() if overlap is not None else None
+        # no masks: the padding rows came in as zeros, their outputs are never sent, and their
+        # gradients come back as zeros (the zero row)
+        if d.etp > 1:
+            y_sorted = self._etp(d, x_sorted, w_sorted, every.sum(1), experts, args)
+        else:
+            y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
+        y = exchange(y_sorted, back, there, cap, g)  # [T, dim]
+        return y, overlapped
+
+    def _etp(self, d, x_sorted, w_sorted, per_rank, experts, args: MoEArgs):
+        """The etp part: x_sorted [R, dim], w_sorted [R] (this rank's arrivals by local expert,
+        real rows first), per_rank [etp, E_loc] (each etp rank's rows per local expert) -> the
+        experts' output rows [R, dim], summed over etp. The all-gather-v and the reduce-scatter-v
+        are ep_exchange over the etp group (each rank's real rows to every peer, the partial
+        outputs back and summed), into buffers of etp x R rows."""
+        assert d.etp_mesh is not None  # etp > 1
+        etp, R = d.etp, x_sorted.shape[0]
+        dev, cap = x_sorted.device, etp * R
+        rows = per_rank.sum(1)  # [etp] real rows of each etp rank
+        me = rows[d.etp_mesh.get_local_rank()]
+        # each etp rank's real rows are by expert: the gathered buffer is (etp rank, expert) blocks
+        perm, inv = _by_expert(per_rank, cap, cap)
+        spread = torch.arange(cap, device=dev) % me.clamp(min=1)  # [cap] rows 0 .. me-1 for every peer
+        local = torch.arange(R, device=dev)[:, None]  # [R, 1]
+        mine = torch.arange(etp, device=dev)[None, :] * me + local  # [R, etp] my row from each peer
+        mine = torch.where(local < me, mine, cap)
+        g = d.etp_group_name
+        same = me.expand(etp).contiguous()
+        gather, scatter = Route(spread, same, rows, perm), Route(inv, rows, same, mine)
+        x_grouped = exchange(x_sorted, gather, scatter, cap, g)  # [etp * R, dim] by expert
+        w_grouped = exchange(w_sorted, gather, scatter, cap, g)
+        y_grouped = experts(x_grouped, per_rank.sum(0), w_grouped, args.prob_before_w2)
+        return exchange(y_grouped, scatter, gather, cap, g)  # [R, dim] summed over etp
+
+
+def choose(args: MoEArgs, ep: int, etp: int) -> ExactExchange | DeviceExchange:
+    """The exchange a dispatcher over ep x etp runs for these settings (the rules in
+    common/rules.py refuse static and device with token drop)."""
+    choice = resolve(args.exchange, ep, etp)
+    if choice == "device":
+        return DeviceExchange()
+    if args.capacity_factor is not None and args.pad_to_capacity:
+        return PaddedExchange()
+    if choice == "static" and args.capacity_factor is None:
+        return StaticExchange()
+    return ExactExchange()

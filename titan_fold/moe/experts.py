@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_fold.common.moe_config import ExpertKernels
 from titan_fold.common.tensors import local
 from titan_fold.compat.ops import grouped_mm, has_grouped_mm, is_fake
 from titan_fold.moe.activation import SWIGLU, ExpertActivation
@@ -58,14 +59,14 @@ class GroupedExperts(nn.Module):
         dim: int,
         ffn_dim: int,
         num_experts: int,
-        fp8: bool = False,
-        grouped_gemm: str = "auto",
+        kernels: ExpertKernels = "auto",
         activation: ExpertActivation = SWIGLU,
         bias: bool = False,
     ):
         super().__init__()
-        self.fp8 = fp8  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
-        self.grouped_gemm = grouped_gemm  # "torch" | "quack" | "auto" (moe/quack.py)
+        self.fp8 = kernels == "fp8"  # forward and input-gradient GEMMs in FP8 (moe/fp8.py)
+        # the bf16 GEMMs: "torch" | "quack" | "auto" (moe/quack.py); FP8 runs on torch's
+        self.grouped_gemm = "torch" if self.fp8 else kernels
         self.activation = activation
         # a WgradQueue: weight gradients computed apart from input gradients (moe/wgrad.py)
         self.wgrad: WgradQueue | None = None
@@ -82,7 +83,7 @@ class GroupedExperts(nn.Module):
         if self.quack_problem is None:
             return use_quack(self.grouped_gemm, x, ffn)
         if self.grouped_gemm == "quack":
-            raise RuntimeError(f"moe.grouped_gemm = 'quack' {self.quack_problem}")
+            raise RuntimeError(f"moe.expert_kernels = 'quack' {self.quack_problem}")
         return False
 
     def fuses_gather(self, x: torch.Tensor) -> bool:

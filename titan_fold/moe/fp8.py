@@ -1,4 +1,4 @@
-"""FP8 routed experts (`moe.expert_fp8`): rowwise-scaled float8 grouped GEMMs.
+"""FP8 routed experts (`moe.expert_kernels = "fp8"`): rowwise-scaled float8 grouped GEMMs.
 
 Each grouped GEMM y = x @ w[e].T of the experts runs forward and input-gradient in
 float8_e4m3fn with one fp32 scale per row of each operand along the contracted dimension

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_fold.common.moe_config import split_wgrad
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.dispatcher import TokenDispatcher
 from titan_fold.moe.experts import GroupedExperts
@@ -41,18 +42,17 @@ class MoE(nn.Module):
             dim,
             args.moe_ffn_dim,
             args.num_experts,
-            args.expert_fp8,
-            args.grouped_gemm,
+            args.expert_kernels,
             args.activation,
             args.expert_biases,
         )
-        if args.delay_wgrad_compute:
+        if split_wgrad(args.ep_overlap):
             self.experts.wgrad = WgradQueue()
         self.shared_expert = FeedForward(dim, args.shared_ffn_dim) if args.shared_ffn_dim > 0 else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
         # one rank holding every expert and whole sequences; the parallelize step replaces it
         # by one built for the layout (parallel/experts.py)
-        self.dispatcher = TokenDispatcher()
+        self.dispatcher = TokenDispatcher(args)
         # the ranks holding the other parts of this rank's sequences (attention cp x tp), over
         # which the router's aux-loss statistics are summed; set with the dispatcher
         self.seq_mesh: DeviceMesh | None = None

@@ -1,4 +1,4 @@
-"""Routed experts on QuACK's grouped GEMMs (`moe.grouped_gemm = "quack"`): sm90+ GPUs, bf16.
+"""Routed experts on QuACK's grouped GEMMs (`moe.expert_kernels = "quack"`): sm90+ GPUs, bf16.
 
 QuACK (`pip install -e ".[quack]"`, CuTe-DSL kernels) runs grouped GEMMs whose group offsets
 live on the device: varlen-M (`cu_seqlens_m`, one group of rows per expert) for the forward and
@@ -181,7 +181,7 @@ def use_quack(choice: str, x: torch.Tensor, ffn: int) -> bool:
     else:
         problem = quack_problem(x.device.index)
     if problem is not None and choice == "quack":
-        raise RuntimeError(f"moe.grouped_gemm = 'quack' {problem}")
+        raise RuntimeError(f"moe.expert_kernels = 'quack' {problem}")
     return problem is None
 
 

@@ -1,14 +1,14 @@
-"""Routed experts' weight gradients apart from their input gradients (`moe.delay_wgrad_compute`).
+"""Routed experts' weight gradients apart from their input gradients (`moe.ep_overlap = "wgrad"` or "batch_wgrad").
 
 The backward of a grouped GEMM y = x @ w[e].T is two GEMMs: dX = dY @ w[e], which the
 dispatch all-to-all of the layer's backward waits for, and dW[e] = dY_e^T @ x_e, which
 nothing in the layer waits for. With the split on, backward computes dX at once and puts
 the dW work into the layer's `WgradQueue`; `flush()` runs it later:
 
-- alone (`delay_wgrad_compute`): in the backward of the layer's dispatch all-to-all, after
+- alone ("wgrad"): in the backward of the layer's dispatch all-to-all, after
   the all-to-all is issued and before its result is read, so that on a GPU the weight
   GEMMs run while the tokens' gradients travel (Megatron-Core's --delay-wgrad-compute);
-- in the two-micro-batch schedule (`overlap_ep_comm`, parallel/overlap.py): where the
+- in the two-micro-batch schedule ("batch_wgrad", parallel/overlap.py): where the
   schedule puts it, beside the other micro-batch's forward;
 - with FSDP2 over the experts (edp > 1): at the experts unit's input in backward, so that
   the unit's reduce-scatter, which runs when the gradients reach that input, sums the

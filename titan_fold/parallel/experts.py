@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from titan_fold.moe import MoE, TokenDispatcher, moe_layers
+from titan_fold.moe import MoE, MoEArgs, TokenDispatcher, moe_layers
 from titan_fold.moe.quack import varying_rows
 from titan_fold.moe.stash import Stash
 from titan_fold.parallel.attention import sequence_positions
@@ -24,9 +24,10 @@ from titan_fold.parallel.mesh import Layout
 from titan_fold.parallel.placement import EXPERT, Placed, expert_placements
 
 
-def dispatcher(layout: Layout) -> TokenDispatcher:
-    """The dispatcher of an MoE layer under `layout`: all its groups at once."""
+def dispatcher(layout: Layout, args: MoEArgs) -> TokenDispatcher:
+    """The dispatcher of an MoE layer under `layout`: all its groups, and its exchange, at once."""
     return TokenDispatcher(
+        args,
         ep_mesh=layout.get_optional_mesh("ep"),
         etp_mesh=layout.get_optional_mesh("etp"),
         # aux-loss statistics and full-sequence drop decisions over whole sequences,
@@ -56,7 +57,7 @@ def apply_moe(model: nn.Module, layout: Layout, plan: dict[str, Placed]) -> None
     etp_mesh = layout.get_optional_mesh("etp")
     etp_rank = etp_mesh.get_local_rank() if etp_mesh is not None else 0
     for moe in moe_layers(model):
-        set_dispatcher(moe, dispatcher(layout))
+        set_dispatcher(moe, dispatcher(layout, moe.args))
         moe.experts.adds_w2_bias = etp_rank == 0  # the etp sum gets w2_bias once
         if moe.experts.grouped_gemm == "auto" and varying_rows(moe.args, layout.ep, layout.etp):
             moe.experts.grouped_gemm = "torch"  # QuACK would tune its kernels in every call
@@ -104,5 +105,5 @@ def shard_moe(
                 part, weights_mesh, expert_placements(name, weights_mesh.mesh_dim_names), run_check=False
             )
         setattr(moe.experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
-    set_dispatcher(moe, TokenDispatcher(ep_mesh, etp_mesh, seq_mesh))
+    set_dispatcher(moe, TokenDispatcher(moe.args, ep_mesh, etp_mesh, seq_mesh))
     moe.experts.adds_w2_bias = etp_mesh is None or etp_mesh.get_local_rank() == 0

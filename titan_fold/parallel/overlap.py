@@ -1,4 +1,4 @@
-"""Batch-level overlap of the expert all-to-alls (`moe.overlap_ep_comm`, Megatron-Core's
+"""Batch-level overlap of the expert all-to-alls (`moe.ep_overlap = "batch"`, Megatron-Core's
 --overlap-moe-expert-parallel-comm): the forward of one micro-batch and the backward of the
 previous one, interleaved layer by layer, so that each one's all-to-alls run under the
 other's compute.
@@ -29,7 +29,7 @@ MoE layers (B's layer l, A's layer m, m counting down):
     A: experts weight gradients (W), attention backward | under B's combine a2a
     B: post forward ...
 
-With moe.delay_wgrad_compute the experts' weight gradients are split from their input
+With moe.ep_overlap = "batch_wgrad" the experts' weight gradients are split from their input
 gradients (moe/wgrad.py), so that the dispatch backward a2a waits only for dX and W fills
 the next slot; without it W runs with dX. With FSDP2 over the experts (edp > 1) W runs
 before the unit's reduce-scatter instead (moe/wgrad.py).
@@ -67,6 +67,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_fold.common.moe_config import batch_overlap
 from titan_fold.common.tensors import local, waited
 from titan_fold.compat.distributed import funcol
 from titan_fold.compat.pipelining import (
@@ -456,19 +457,19 @@ def micro_batches(config, layout) -> int:
 
 
 def overlap_problem(config, layout) -> str | None:
-    """Why moe.overlap_ep_comm cannot apply with this layout's data parallelism, or None (the
+    """Why moe.ep_overlap's batch overlap cannot apply with this layout's data parallelism, or None (the
     rules that need no layout are common/rules.py's)."""
-    if config.moe.overlap_ep_comm and layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
+    if batch_overlap(config.moe.ep_overlap) and layout.pp == 1 and (n := micro_batches(config, layout)) < 2:
         tr = config.training
         return (
-            f"moe.overlap_ep_comm = true needs at least 2 micro-batches per step; training.global_batch_size "
+            f"moe.ep_overlap = '{config.moe.ep_overlap}' needs at least 2 micro-batches per step; training.global_batch_size "
             f"{tr.global_batch_size} / (training.local_batch_size {tr.local_batch_size} x dp {layout.dp}) = {n}"
         )
     return None
 
 
 def overlap_forward_backward(trainer, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
-    """FoldTrainer.forward_backward_step with moe.overlap_ep_comm: this micro-batch's forward
+    """FoldTrainer.forward_backward_step with moe.ep_overlap's batch overlap: this micro-batch's forward
     beside the previous one's backward; -> its loss sum / global tokens."""
     from torchtitan.components.loss import IGNORE_INDEX
 

@@ -40,6 +40,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from titan_fold.common.errors import UserError
+from titan_fold.common.moe_config import batch_overlap
 from titan_fold.common.tensors import local
 from titan_fold.moe import moe_layers
 from titan_fold.moe.replay import ROUTED_EXPERTS, record_routing, replay_routing
@@ -256,7 +257,7 @@ def pipeline(model: nn.Module, layout: Layout, job_config, device: torch.device,
         )
         logger.info(f"Pipeline stage {s} of {num_stages} on pp rank {pp_rank}: {all_fqns[s]}")
     token_loss = TokenNormalizedLoss(loss_fn)
-    if model_args.moe.overlap_ep_comm:  # the steady state's pairs overlapped (parallel/overlap.py)
+    if batch_overlap(model_args.moe.ep_overlap):  # the steady state's pairs overlapped (parallel/overlap.py)
         schedule = overlapped_pipeline(cls, stages, n_microbatches, token_loss, [h.pre_forward for h in hooks])
     else:
         single = issubclass(cls, PipelineScheduleSingle)

@@ -430,17 +430,13 @@ def comm_volumes(sizes: ModelSizes, m: Mapping, work: Workload) -> dict[str, Gro
 
 
 def _node_stats(groups: torch.Tensor, gpus_per_node: int) -> tuple[int, float]:
-    """groups [groups, size] -> (groups spanning more than one node, the largest share of a
-    group's ordered member pairs that sit on different nodes)."""
-    nodes = groups // gpus_per_node
-    size = nodes.shape[1]
+    """groups [groups, size] -> (groups spanning more than one node, largest share of a group's pairs off-node)."""
+    nodes, size = groups // gpus_per_node, groups.shape[1]
     crossing = int((nodes.amin(1) != nodes.amax(1)).sum())
     if not crossing:
         return 0, 0.0
-    # members per node, not member pairs: a group's size is up to the world's
-    per_node = torch.zeros(len(nodes), int(nodes.max()) + 1, dtype=nodes.dtype).scatter_add_(
-        1, nodes, torch.ones_like(nodes)
-    )  # [groups, nodes]
+    # [groups, nodes] members per node, not member pairs: a group's size is up to the world's
+    per_node = nodes.new_zeros(len(nodes), int(nodes.max()) + 1).scatter_add_(1, nodes, torch.ones_like(nodes))
     same = (per_node * per_node).sum(1)  # [groups] ordered pairs on one node, each member with itself too
     return crossing, float(((size * size - same) / (size * (size - 1))).max())
 
@@ -448,13 +444,11 @@ def _node_stats(groups: torch.Tensor, gpus_per_node: int) -> tuple[int, float]:
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Groups spanning two dims of one row-major mesh, from each dim's groups [groups, size]: a
     rank's group is every sum of a member of its a-group and a member of its b-group, less itself,
-    so its smallest member is the smallest of its a-group's b-groups' smallest members."""
-    lowest_b = torch.empty(b.numel(), dtype=b.dtype)
+    so its smallest member is the smallest of its a-group's b-groups' smallest members. -> The
+    groups in the order of their smallest ranks, each one's members in order."""
+    rank, lowest_b, group = torch.arange(a.numel()), torch.empty_like(b.flatten()), torch.empty_like(a.flatten())
     lowest_b[b] = b.amin(1, keepdim=True).expand_as(b)  # [rank] smallest member of its b-group
-    group = torch.empty(a.numel(), dtype=a.dtype)
     group[a] = lowest_b[a].amin(1, keepdim=True).expand_as(a)  # [rank] smallest member of its group
-    rank = torch.arange(a.numel())
-    # each group's members in order, the groups in the order of their smallest ranks
     return rank[torch.argsort(group * a.numel() + rank)].view(-1, a.shape[1] * b.shape[1])
 
 

@@ -74,7 +74,7 @@ def banner(
             ),
             *(
                 [f"  routed experts: torch's grouped GEMMs, not QuACK's (QuACK {carry})"]
-                if model_args.moe.grouped_gemm == "auto"
+                if model_args.moe.expert_kernels == "auto"
                 and (carry := model_args.moe.activation.quack_problem(model_args.moe.expert_biases))
                 else []
             ),

@@ -56,6 +56,7 @@ from titan_fold.checkpoint.settings import run_settings
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError, is_first_rank, report
+from titan_fold.common.moe_config import batch_overlap
 from titan_fold.common.storage import StorageError, storage_problem, write_cause
 from titan_fold.models.documents import document_lengths
 from titan_fold.moe import update_expert_bias
@@ -283,13 +284,13 @@ class FoldTrainer(TrainStep, Stateful):
         if self.model_args.mtp_layers and self.parallel_dims.pp > 1:
             # the last stage's embedding copy starts as the first stage's (a checkpoint loads both)
             sync_embedding_copies(self.model_parts, self.parallel_dims.get_mesh("pp"), "weights")
-        # moe.overlap_ep_comm: micro-batches overlapped in pairs (parallel/overlap.py); under pp the
+        # moe.ep_overlap "batch": micro-batches overlapped in pairs (parallel/overlap.py); under pp the
         # pipeline schedule pairs them (pipeline.py)
         self.overlap = (
             OverlapSchedule(
                 self.model_parts[0], self.gradient_accumulation_steps, self.train_context, lambda: self.maybe_enable_amp
             )
-            if self.model_args.moe.overlap_ep_comm and not self.parallel_dims.pp_enabled
+            if batch_overlap(self.model_args.moe.ep_overlap) and not self.parallel_dims.pp_enabled
             else None
         )
         self.stop_signals = stop_signals or StopSignals()

@@ -13,7 +13,7 @@ The phases, each summed over the step's micro-batches:
   data      the step's batches loaded and each moved to the device (and what runs between the
             last micro-batch's backward and the clip)
   forward   the model's forward; `forward_backward` where a pipeline schedule or overlapped
-            micro-batches (moe.overlap_ep_comm) interleave forward and backward
+            micro-batches (moe.ep_overlap "batch") interleave forward and backward
   backward  the loss and backward
   clip      the gradient norm (the NaN/Inf guard's check of it included)
   optimizer the optimizers' step, the model converters' work after it, the guard's reading of

@@ -102,20 +102,21 @@ def _check_tokenizer(c: Checked) -> None:
 
 def _check_experts(c: Checked) -> None:
     config, moe, layout = c.config, c.model_args.moe, _layout(c)
-    if moe.expert_fp8:
+    if moe.expert_kernels == "fp8":
         check_expert_fp8(config, c.model_args, layout)
-    if moe.grouped_gemm == "quack" and (carry := moe.activation.quack_problem(moe.expert_biases)):
+    if moe.expert_kernels == "quack" and (carry := moe.activation.quack_problem(moe.expert_biases)):
         raise ConfigError(
-            f"moe.grouped_gemm = 'quack': QuACK {carry} ({config.model.name}); set moe.grouped_gemm = 'torch' or 'auto'"
+            f"moe.expert_kernels = 'quack': QuACK {carry} ({config.model.name}); "
+            "set moe.expert_kernels = 'torch' or 'auto'"
         )
     # a dry run plans for the real GPUs, where QuACK may be installed
-    if config.moe.grouped_gemm == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
-        raise ConfigError(f"moe.grouped_gemm = 'quack' {problem}")
-    if moe.grouped_gemm == "quack" and (varying := varying_rows(moe, layout.ep, layout.etp)):
+    if moe.expert_kernels == "quack" and config.comm.mode != "fake_backend" and (problem := quack_problem()):
+        raise ConfigError(f"moe.expert_kernels = 'quack' {problem}")
+    if moe.expert_kernels == "quack" and (varying := varying_rows(moe, layout.ep, layout.etp)):
         raise ConfigError(
-            f"moe.grouped_gemm = 'quack' with {varying}: the experts' row count changes in every "
+            f"moe.expert_kernels = 'quack' with {varying}: the experts' row count changes in every "
             "layer and step, and QuACK tunes its kernels for each new count; set "
-            "moe.grouped_gemm = 'torch' (or 'auto', which picks it here)"
+            "moe.expert_kernels = 'torch' (or 'auto', which picks it here)"
         )
 
 
@@ -209,7 +210,7 @@ def check_expert_fp8(config: JobConfig, model_args: TransformerArgs, layout: Lay
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     problem = fp8_problem(model_args.dim, model_args.moe.moe_ffn_dim // layout.etp, capability)
     if problem:
-        raise ConfigError(f"moe.expert_fp8 = true: {problem}")
+        raise ConfigError(f"moe.expert_kernels = 'fp8': {problem}")
 
 
 # the names LayoutError messages give the degrees (as `name(value)`) -> the job config keys

@@ -194,7 +194,7 @@ class TrainStep:
             for moe in moe_layers(self.model_parts):
                 moe.aux_loss_scale.fill_(scale)
             loss = self._one_part_forward_backward(input_dict, labels, global_valid_tokens)
-        flush_wgrad(self.model_parts)  # weight gradients still queued (moe.delay_wgrad_compute)
+        flush_wgrad(self.model_parts)  # weight gradients still queued (moe.ep_overlap "wgrad" or "batch_wgrad")
         maybe_fault(self.step)  # tests: a rank killed in the middle of a step
         return loss
 
