@@ -943,6 +943,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         '{"off": "batch", "wgrad": "batch"}',
         ("tests/test_config.py::test_moved_speed_keys_read_as_choices[both]",),
     ),
+    Mutation(
+        "limits_refuse_without_the_feature",
+        "a feature's limits refuse their settings where the feature is off (moe.stash_rows = 0 refused beside "
+        "moe.exchange = 'auto')",
+        "titan_fold/common/rules.py",
+        "return lambda c: self.on(c) and is_set(c)",
+        "return lambda c: is_set(c)",
+        ("tests/test_rules.py::test_default_config_breaks_no_rule",),
+    ),
+    Mutation(
+        "limits_name_their_first_setting",
+        "a feature's limits always name the first setting it is refused with, not the one that is set",
+        "titan_fold/common/rules.py",
+        'f"{self.feature} with {setting}: {self.runs_with}"',
+        'f"{self.feature} with {self.refused[0][0]}: {self.runs_with}"',
+        ("tests/test_rules.py::test_rule_met_first[moe.hot_expert_replicas = 2 with moe.capacity]",),
+    ),
 )
 
 

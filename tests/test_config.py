@@ -112,7 +112,7 @@ def test_missing_file_names_it():
         ),
         (
             '[moe]\nexchange = "device"\n[compile]\nenable = true\ncudagraphs = true\n',
-            "compile.cudagraphs = true with moe.exchange = 'device'",
+            "moe.exchange = 'device' with compile.cudagraphs = true",
         ),
         ('[moe]\nexchange = "fast"\n', "moe.exchange"),
         (
@@ -131,15 +131,15 @@ def test_missing_file_names_it():
             "[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
             "compile.cudagraphs = true with dropless routing .*; set moe.exchange = 'static'",
         ),
-        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.exchange = 'static'"),
+        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100 with moe.exchange = 'auto'"),
         (
             "[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
-            "moe.stash_rows = 100 with activation checkpointing",
+            "moe.stash_rows = 100 with activation_checkpoint.mode = 'selective'",
         ),
         (
             '[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
             "moe_layer_recompute = true\n",
-            "moe.stash_rows = 100 with activation checkpointing",
+            "moe.stash_rows = 100 with activation_checkpoint.mode = 'moe_layers'",
         ),
         (
             '[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
