@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_fold.common.moe_config import MovedMoEKeys
 from titan_fold.models.layers import rope_cos_sin
 from titan_fold.moe import MoEArgs
 
@@ -110,11 +111,12 @@ class TransformerArgs(BaseModelArgs):
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Take the job's sequence length and every `[moe]` key the layer has that is set (not
-        None): the flavor's keys the user set, and the job's keys (common/moe_config.py).
+        """Take the job's sequence length and every `[moe]` value that is set (not None): the
+        flavor's keys the user set, and the job's keys (common/moe_config.py); the moved keys were
+        read into their new keys (common/rules.py).
 
         This changes self: the train specs hand out copies of the flavors (FlavorCopies),
-        so FLAVORS stays untouched.
+        so FLAVORS stays untouched. A `[moe]` key that MoEArgs does not have raises TypeError.
         """
         seq_len, model = job_config.training.seq_len, getattr(job_config, "model", None)
         # the model's own context length, before the job's replaces it, unless the job raises it
@@ -133,11 +135,11 @@ class TransformerArgs(BaseModelArgs):
             self.mtp_layers, self.mtp_loss_scaling_factor = mtp.num_layers, mtp.loss_scaling_factor
         moe_config = getattr(job_config, "moe", None)
         if moe_config is not None:
-            layer_keys = {f.name for f in dataclasses.fields(self.moe)}  # all but the moved keys
+            moved = {f.name for f in dataclasses.fields(MovedMoEKeys)}  # read into their new keys
             overrides = {
                 f.name: getattr(moe_config, f.name)
                 for f in dataclasses.fields(moe_config)
-                if f.name in layer_keys and getattr(moe_config, f.name) is not None
+                if f.name not in moved and getattr(moe_config, f.name) is not None
             }
             self.moe = dataclasses.replace(self.moe, **overrides)
 
