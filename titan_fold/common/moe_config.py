@@ -109,9 +109,10 @@ class MoEKeys:
     losses, aux-free bias and metrics.expert_load count the replayed experts."""
 
 
-# keys of the job alone, which no flavor sets: the section keeps the layer's default, and the
-# rules (common/rules.py) read them as they are; every other key of MoEKeys is unset in the
-# section (None) unless the user sets it, the flavor's value kept
+# keys of the job alone (speed, exchange, replay), which no flavor sets: the section keeps the
+# layer's default, which the rules (common/rules.py) read. Every other key of MoEKeys is unset
+# in the section (None) until the user sets it: the flavor's value stays, and the rules tell
+# unset from set (token_drop unset follows capacity_factor; drop_policy set needs token drop)
 JOB_KEYS = ("expert_kernels", "ep_overlap", "exchange", "hot_expert_replicas", "stash_rows", "routing_replay")
 
 
