@@ -7,9 +7,15 @@ sets (not in JOB_KEYS) is `T | None = None` there, unset keeping the flavor's va
 JOB_KEYS keeps the layer's default. The keys that moved (`MovedMoEKeys`) are the section's only.
 """
 
+import ast
 import dataclasses
+import inspect
+import itertools
+import json
+import textwrap
+import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Union, cast, get_args, get_origin
 
 ExpertKernels = Literal["auto", "torch", "quack", "fp8"]
 EpOverlap = Literal["off", "wgrad", "batch", "batch_wgrad"]
@@ -153,3 +159,43 @@ if TYPE_CHECKING:  # the type checker's view of the derived class
 
 else:
     MoE = section()
+
+
+def _described(cls: type) -> dict[str, str]:
+    """Each field of `cls` (its own, not inherited) -> its docstring, read from the source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    text = {}
+    for field, doc in itertools.pairwise(body.body):
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name):
+            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+                text[field.target.id] = inspect.cleandoc(doc.value.value)
+    return text
+
+
+def _toml(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value)
+
+
+def _values(kind: Any) -> str:
+    if get_origin(kind) is Literal:
+        return " | ".join(map(_toml, get_args(kind)))
+    if get_origin(kind) in (Union, types.UnionType):
+        return " | ".join(map(_values, get_args(kind)))
+    return "unset" if kind is type(None) else kind.__name__
+
+
+def keys() -> str:
+    """The `[moe]` keys with their values, defaults and help text (docs/configuration.md quotes it)."""
+    lines = []
+    for cls in (MoEKeys, MovedMoEKeys):
+        text = _described(cls)
+        for f in dataclasses.fields(cls):
+            flavor = cls is MoEKeys and f.name not in JOB_KEYS
+            default = "unset: the flavor's value" if flavor else f"default {_toml(f.default)}"
+            lines += [f"{f.name}: {_values(f.type)}; {default}", *(f"    {line}" for line in text[f.name].splitlines())]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(keys())
