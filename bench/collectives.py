@@ -6,7 +6,7 @@
 For each size (the row payloads of the benchmark shapes: tokens x top_k rows of dim bf16,
 plus a sweep) it times, with CUDA events and the median after warm-up:
   raw_all_to_all       dist.all_to_all_single, even splits
-  dispatcher_a2a_even  titan_fold.moe.dispatcher._a2a (functional, autograd-aware), even splits
+  dispatcher_a2a_even  titan_fold.moe.rows._a2a (functional, autograd-aware), even splits
   dispatcher_a2a_uneven  the same with the 55/45 split a skewed routing gives
   raw_all_gather       dist.all_gather_into_tensor of the same output bytes
   dispatcher_all_gather_v  dispatcher._all_gather_v (all_to_all of a repeated chunk: gloo has
@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
+import titan_fold.moe.rows as rows_mod  # noqa: E402
 from bench.common import median, script_parser, time_ms, write_result  # noqa: E402
 
 # rows of a rank's send buffer (tokens 8192 x top_k) and the hidden size, per benchmark shape
@@ -58,9 +59,9 @@ def bench_payload(name, rows, dim, mesh, device, a) -> dict:
     gathered = torch.empty(rows // world * world, dim, device=device, dtype=x.dtype)
     cases = {
         "raw_all_to_all": (lambda: dist.all_to_all_single(out, x), nbytes * (world - 1) / world),
-        "dispatcher_a2a_even": (lambda: wait(dispatcher_mod._a2a(x, even, even, mesh)), nbytes * (world - 1) / world),
+        "dispatcher_a2a_even": (lambda: wait(rows_mod._a2a(x, even, even, mesh)), nbytes * (world - 1) / world),
         "dispatcher_a2a_uneven": (
-            lambda: wait(dispatcher_mod._a2a(x, recv_skew, skew, mesh)),
+            lambda: wait(rows_mod._a2a(x, recv_skew, skew, mesh)),
             (nbytes / rows) * (rows - skew[rank]),
         ),
         "raw_all_gather": (lambda: dist.all_gather_into_tensor(gathered, half), half.numel() * 2 * (world - 1)),

@@ -154,7 +154,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "group_offsets_off_by_one",
         "each expert's row offsets searched after its rows: counts and starts off by one expert",
-        "titan_fold/moe/dispatcher.py",
+        "titan_fold/moe/rows.py",
         "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow))  # [G + 1]\n",
         "    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow), right=True)\n",
         (

@@ -173,7 +173,7 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
     """The shared expert runs after the tokens' all-to-all is issued and before the routed
     experts read them (functional collectives wait at first use); with the overlap off it
     runs first. Both give the same output."""
-    import titan_fold.moe.dispatcher as dispatcher_mod
+    import titan_fold.moe.exchange as exchange_mod
     from titan_fold.moe import MoE, MoEArgs
     from titan_fold.parallel.experts import shard_moe
 
@@ -184,7 +184,7 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
     moe.to(device)
     shard_moe(moe, ep_mesh, etp_mesh)
     x = torch.randn(2, S_LOC, DIM, device=device)
-    events, a2a = [], dispatcher_mod._a2a
+    events, a2a = [], exchange_mod._a2a
 
     def recorded_a2a(*a, **kw):
         events.append("all_to_all")
@@ -192,7 +192,7 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
 
     moe.experts.register_forward_pre_hook(lambda *_: events.append("experts"))
     moe.shared_expert.register_forward_pre_hook(lambda *_: events.append("shared"))
-    dispatcher_mod._a2a = recorded_a2a
+    exchange_mod._a2a = recorded_a2a
     outputs, orders = [], []
     try:
         for overlap in (True, False):
@@ -201,7 +201,7 @@ def check_shared_expert_overlap(ep_mesh, etp_mesh, device):
             outputs.append(moe(x))
             orders.append(list(events))
     finally:
-        dispatcher_mod._a2a = a2a
+        exchange_mod._a2a = a2a
     # tokens and weights out, shared expert, routed experts, results back
     assert orders[0] == ["all_to_all", "all_to_all", "shared", "experts", "all_to_all"], orders[0]
     assert orders[1] == ["shared", "all_to_all", "all_to_all", "experts", "all_to_all"], orders[1]

@@ -400,8 +400,8 @@ def test_quack_experts_wiring_matches_float64(monkeypatch, gathered, prob_before
     probabilities, w13 and w2 equal float64 autograd of the per-expert loop (moe/experts.py's
     fallback), rows gathered from the tokens in place or given; one expert gets no row."""
     import titan_fold.moe.quack as qm
-    from titan_fold.moe.dispatcher import _Dispatch, _sum_rows
     from titan_fold.moe.experts import _swiglu_loop
+    from titan_fold.moe.rows import _Dispatch, _sum_rows
 
     calls = []
     monkeypatch.setattr(qm, "_PLANS", {})
@@ -624,8 +624,8 @@ def _run_experts(case, grouped_gemm, rows_in, prob_before_w2):
     """GroupedExperts forward and backward on a case of _experts_case through grouped_gemm's GEMMs,
     the rows gathered in the layer (the dispatcher's, or QuACK's fused gather), given, or given with
     the weight gradients queued apart and flushed after backward -> the output and gradients by name."""
-    from titan_fold.moe.dispatcher import _Dispatch, _sum_rows
     from titan_fold.moe.quack import Gather
+    from titan_fold.moe.rows import _Dispatch, _sum_rows
     from titan_fold.moe.wgrad import WgradQueue
 
     mod, k = case["mod"], case["k"]

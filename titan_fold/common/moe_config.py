@@ -114,6 +114,14 @@ class MoEKeys:
     at the replayed experts, normalised and scaled as configured, and the balance statistics, aux
     losses, aux-free bias and metrics.expert_load count the replayed experts."""
 
+    def exchange_over(self, ep: int, etp: int) -> str:
+        """The exchange a layer over ep x etp runs: "auto" is "exact" (the device exchange is not
+        measured faster on the configurations lent so far: docs/moe.md); with ep x etp = 1
+        nothing travels, and every choice runs the exact exchange's single-rank code."""
+        if ep * etp == 1:
+            return "exact"
+        return "exact" if self.exchange == "auto" else self.exchange
+
 
 # keys of the job alone (speed, exchange, replay), which no flavor sets: the section keeps the
 # layer's default, which the rules (common/rules.py) read. Every other key of MoEKeys is unset

@@ -34,44 +34,18 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_fold.common.tensors import waited
 from titan_fold.compat.distributed import funcol
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.counts import ExchangedCounts
-from titan_fold.moe.exchange import DeviceExchange, ExactExchange, Splits, choose
+from titan_fold.moe.exchange import ExactExchange, Splits, choose
 from titan_fold.moe.experts import GroupedExperts, compute_dtype
-from titan_fold.moe.quack import Gather
-from titan_fold.moe.replicas import plan_copies
-from titan_fold.moe.rows import _Combine, _Dispatch, _inverse, _PermuteRows, _sum_rows
+from titan_fold.moe.rows import _Combine, _Dispatch, _inverse, _PermuteRows, group_by
 from titan_fold.moe.stash import Stash
 
 
 def capacity(num_tokens: int, factor: float, args: MoEArgs) -> int:
     """The most assignments an expert keeps of num_tokens * top_k, at capacity factor `factor`."""
     return math.ceil(num_tokens * args.top_k * factor / args.num_experts)
-
-
-def group_by(key: torch.Tensor, num_groups: int, positions: bool = True):
-    """key [N] int64 in [0, num_groups) -> (order [N], counts [num_groups], pos [N], or None
-    without positions: in eager mode each op costs the host a launch).
-
-    order lists the items grouped by key, stable (original order within a group);
-    pos[i] is item i's position inside its group.
-    """
-    n = key.numel()
-    # sorted as the narrowest integers that hold every group: a radix sort takes a pass per key
-    # byte (bench/routing.py times it); stable: same order
-    narrow = next((t for t in (torch.uint8, torch.int16, torch.int32) if num_groups <= torch.iinfo(t).max), key.dtype)
-    sorted_key, order = torch.sort(key.to(narrow), stable=True)
-    # group boundaries by binary search in the sorted keys: a counting index_add of int64 becomes
-    # a sort-based index_put under torch.compile
-    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow))  # [G + 1]
-    counts, starts = bounds.diff(), bounds[:-1]
-    if not positions:
-        return order, counts, None
-    rank_in_group = torch.arange(n, device=key.device) - starts[sorted_key.long()]
-    pos = torch.empty_like(key).scatter(0, order, rank_in_group)
-    return order, counts, pos
 
 
 def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, cap: int, policy: str) -> torch.Tensor:
@@ -95,32 +69,6 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
 
 def _size(mesh: DeviceMesh | None) -> int:
     return 1 if mesh is None else mesh.size()
-
-
-def _a2a(x: torch.Tensor, out_splits, in_splits, mesh: DeviceMesh | None, then: Callable | None = None) -> torch.Tensor:
-    """then: work run in backward after the reverse all-to-all is issued, before it is waited for."""
-    if mesh is None:
-        return x
-    if then is not None:
-        return _AllToAllThen.apply(x, out_splits, in_splits, mesh, then)
-    return funcol.all_to_all_single_autograd(x, out_splits, in_splits, mesh)
-
-
-class _AllToAllThen(torch.autograd.Function):
-    """all_to_all_single whose backward runs `then()` while the gradients travel; forward
-    waits at first use, as the autograd version does (the shared expert runs meanwhile)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, mesh, then):
-        ctx.splits, ctx.mesh, ctx.then = (out_splits, in_splits), mesh, then
-        return funcol.all_to_all_single(x, out_splits, in_splits, mesh)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        grad_x = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.mesh)  # issued
-        ctx.then()
-        return waited(grad_x), None, None, None, None
 
 
 def _all_gather_v(x: torch.Tensor, sizes, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -157,6 +105,8 @@ class Plan:
     rows_of_source: torch.Tensor | None = None  # [etp*ep, E_loc] rows each source sends each local expert
     # moe.hot_expert_replicas: (local experts' weight [E_loc, ...], its name) -> with the copies [P_loc, ...]
     copies: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+    args: MoEArgs | None = None  # the layer's settings for this call (with copies: their experts too)
+    in_place: bool = False  # one rank: the experts read each row from x
 
 
 class TokenDispatcher(nn.Module):
@@ -234,40 +184,21 @@ class TokenDispatcher(nn.Module):
         overlap: work that does not depend on the routed experts (the shared expert), run
         while the tokens are on their way: after the EP all-to-all is issued and before its
         result is read (functional collectives wait at first use), so that on a GPU its
-        kernels run beside the exchange; without an exchange, after the experts.
+        kernels run beside the exchange; without an exchange, before the experts.
 
-        The phases (permute, dispatch, compute, combine, unpermute) are methods of their own:
-        the two-micro-batch schedule (parallel/overlap.py) runs them apart."""
+        The dispatcher's exchange (moe/exchange.py) runs the phases: route (the rows grouped by
+        destination), send, compute, back. The exact exchanges route with permute, compute with
+        compute and bring the rows back with unpermute, methods of their own that the
+        two-micro-batch schedule (parallel/overlap.py) runs apart."""
         # rows travel in the experts' dtype (bf16 under autocast over an fp32 residual stream):
         # half the bytes, and the gradient's sum over k sees the dtype the combine sees
         x = x.to(compute_dtype(x))
-        if isinstance(self.exchange, DeviceExchange):
-            order, counts, _ = group_by(experts_idx.flatten(), args.num_experts, positions=False)  # counts [E]
-            y, overlapped = self.exchange.forward(self, x, probs, order, counts, experts, args, overlap)
-            return y, None, overlapped
-        copies = None
-        if args.hot_expert_replicas and self.ep > 1:
-            experts_idx, args, copies = plan_copies(self, experts_idx, args)
-        # one rank, dropless: experts that can read each row from x in place get x itself
-        fused_gather = self.ep * self.etp == 1 and args.token_drop == "dropless" and experts.fuses_gather(x)
-        plan, x_rows, w_rows = self.permute(x, probs, experts_idx, args, num_seqs, gather_rows=not fused_gather)
-        plan.copies = copies
-        if self.ep * self.etp == 1:
-            gather = Gather(plan.token_of_row, plan.slot, plan.k, _sum_rows) if fused_gather else None
-            y_rows = experts(x_rows, plan.rows_per_expert, w_rows, args.prob_before_w2, gather)
-            overlapped = overlap() if overlap is not None else None
-        else:
-            wgrad = experts.wgrad
-            flush = wgrad.flush if wgrad is not None and wgrad.flush_in_dispatch else None
-            sp = plan.splits
-            assert sp is not None  # permute sets the splits whenever ep x etp > 1
-            # backward: the experts' weight gradients run while the tokens' gradients travel
-            x_in = _a2a(x_rows, sp.recv, sp.send, self.ep_mesh, then=flush)
-            w_in = _a2a(w_rows, sp.recv, sp.send, self.ep_mesh)
-            overlapped = overlap() if overlap is not None else None
-            y_in = self.compute(x_in, w_in, plan, experts, args)
-            y_rows = _a2a(y_in, sp.send, sp.recv, self.ep_mesh)  # [sum(send), dim]
-        return self.unpermute(y_rows, plan), plan.keep, overlapped
+        exchange = self.exchange
+        plan, x_rows, w_rows = exchange.route(self, x, probs, experts_idx, experts, args, num_seqs)
+        x_in, w_in = exchange.send(self, x_rows, w_rows, plan, experts)
+        overlapped = overlap() if overlap is not None else None  # while the rows travel
+        y_in = exchange.compute(self, x_in, w_in, plan, experts)
+        return exchange.back(self, y_in, plan), plan.keep, overlapped
 
     def permute(
         self,
@@ -290,7 +221,7 @@ class TokenDispatcher(nn.Module):
         if keep is not None:
             key = torch.where(keep.flatten(), key, E)  # dropped -> an extra last group
         exchange = self.exchange
-        assert isinstance(exchange, ExactExchange)  # the device exchange runs its own forward
+        assert isinstance(exchange, ExactExchange)  # the device exchange places rows its own way
         order, counts, pos = group_by(key, E + 1, positions=exchange.positions)
         counts = counts[:E]  # [E] kept rows per expert
         token_of_row, slot, weight_of_row, rows_per_expert = exchange.place(
@@ -322,7 +253,7 @@ class TokenDispatcher(nn.Module):
 
         # group rows by local expert (stable: keeps source order inside an expert), padding last
         exchange = self.exchange
-        assert isinstance(exchange, ExactExchange)  # the device exchange runs its own forward
+        assert isinstance(exchange, ExactExchange)  # the device exchange computes its own way
         expert_of_row = exchange.expert_of_row(rows_of_source, x_all.shape[0])  # [R_all]
         perm = torch.sort(expert_of_row, stable=True).indices  # [R_all]
         inv = _inverse(perm)

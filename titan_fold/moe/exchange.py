@@ -38,21 +38,15 @@ from titan_fold.common.tensors import waited
 from titan_fold.compat.distributed import funcol, is_nvshmem_available, resolve_process_group, symmetric_memory
 from titan_fold.moe.args import MoEArgs
 from titan_fold.moe.counts import host_rows
-from titan_fold.moe.rows import _by_expert, _fixed_rows, _inverse, _PermuteRows, _sum_rows
+from titan_fold.moe.quack import Gather
+from titan_fold.moe.replicas import plan_copies
+from titan_fold.moe.rows import _a2a, _by_expert, _fixed_rows, _inverse, _PermuteRows, _sum_rows, group_by
 
 
 def nvshmem_available() -> bool:
     if not torch.cuda.is_available():
         return False
     return is_nvshmem_available()
-
-
-def resolve(choice: str, ep: int, etp: int) -> str:
-    """moe.exchange -> the exchange a layer over ep x etp runs: "auto" is "exact" (the device
-    exchange is not measured faster on the configurations lent so far: docs/moe.md)."""
-    if ep * etp == 1:
-        return "exact"  # no exchange: every variant is the same single-rank code
-    return "exact" if choice == "auto" else choice
 
 
 # ---- symmetric buffers ----------------------------------------------------------------------
@@ -237,6 +231,44 @@ class ExactExchange:
 
     positions = False  # place() reads each assignment's position within its group
 
+    # the layer call's phases, in the order TokenDispatcher.forward runs them
+    def route(self, d, x, probs, experts_idx, experts, args: MoEArgs, num_seqs: int):
+        """x [T, dim], probs/experts_idx [T, k] -> (plan, x_rows [R, dim], w_rows [R]): the rows to
+        send, grouped by destination (the dispatcher's permute)."""
+        copies = None
+        if args.hot_expert_replicas and d.ep > 1:
+            experts_idx, args, copies = plan_copies(d, experts_idx, args)
+        # one rank, dropless: experts that can read each row from x in place get x itself
+        in_place = d.ep * d.etp == 1 and args.token_drop == "dropless" and experts.fuses_gather(x)
+        plan, x_rows, w_rows = d.permute(x, probs, experts_idx, args, num_seqs, gather_rows=not in_place)
+        plan.copies, plan.args, plan.in_place = copies, args, in_place
+        return plan, x_rows, w_rows
+
+    def send(self, d, x_rows, w_rows, plan, experts):
+        """The rows to their experts' ep ranks -> (x_in, w_in); with ep x etp = 1 the rows as they are."""
+        sp = plan.splits
+        if sp is None:
+            return x_rows, w_rows
+        wgrad = experts.wgrad
+        # backward: the experts' weight gradients run while the tokens' gradients travel
+        flush = wgrad.flush if wgrad is not None and wgrad.flush_in_dispatch else None
+        return _a2a(x_rows, sp.recv, sp.send, d.ep_mesh, then=flush), _a2a(w_rows, sp.recv, sp.send, d.ep_mesh)
+
+    def compute(self, d, x_in, w_in, plan, experts):
+        """The rows that arrived -> the experts' output rows, to send back."""
+        if plan.splits is None:  # one rank: the rows are grouped by expert already (or read from x)
+            gather = Gather(plan.token_of_row, plan.slot, plan.k, _sum_rows) if plan.in_place else None
+            return experts(x_in, plan.rows_per_expert, w_in, plan.args.prob_before_w2, gather)
+        return d.compute(x_in, w_in, plan, experts, plan.args)
+
+    def back(self, d, y_in, plan) -> torch.Tensor:
+        """The output rows back to their tokens' ranks -> y [T, dim], each token the sum of its rows."""
+        sp = plan.splits
+        y_rows = y_in if sp is None else _a2a(y_in, sp.send, sp.recv, d.ep_mesh)  # [sum(send), dim]
+        return d.unpermute(y_rows, plan)
+
+    # how the rows are placed and sized (the dispatcher's permute and compute call these)
+
     def place(self, d, key, order, counts, pos, weights, T: int, k: int, cap):
         """key [N] destination expert of each assignment (E: dropped), order [N] the assignments
         grouped by key, counts [E] kept rows per expert, pos [N] or None, weights [N] -> (token_of_row
@@ -327,16 +359,33 @@ class StaticExchange(PaddedExchange):
         return torch.where(valid[:, None], y_sorted, 0)
 
 
+@dataclass
+class DevicePlan:
+    """Where the device exchange sends one layer call's rows (x's Routes; w's, the same rows'
+    weights) and what each rank gets."""
+
+    there: Route
+    back: Route
+    w_there: Route
+    w_back: Route
+    sources: torch.Tensor  # [ep, E_loc] rows each ep source sends this rank's experts
+    every: torch.Tensor  # [etp, ep, E_loc] the same for every etp rank
+    cap: int  # rows of the receive buffers
+    args: MoEArgs
+    keep: None = None  # dropless
+
+
 class DeviceExchange:
     """moe.exchange = "device", dropless over ep (and etp): rows arrive already grouped by local
     expert, in a buffer of the most rows this rank can receive, real rows first; no host sync.
-    It runs the whole layer call (`forward`): ep_exchange gathers, sends and sums by itself."""
+    ep_exchange gathers, sends and sums by itself: no permute nor combine of the dispatcher's."""
 
-    def forward(self, d, x, probs, order, counts, experts, args: MoEArgs, overlap=None):
-        """x [T, dim], probs [T, k], order [N] assignments grouped by expert, counts [E] ->
-        (y [T, dim], overlap() or None)."""
+    def route(self, d, x, probs, experts_idx, experts, args: MoEArgs, num_seqs: int):
+        """x [T, dim], probs/experts_idx [T, k] -> (plan, x, w [T*k]): x and the weights as they
+        are, the plan saying where each row goes."""
         T, k = probs.shape
         N, ep = T * k, d.ep
+        order, counts, _ = group_by(experts_idx.flatten(), args.num_experts, positions=False)  # counts [E]
         E_loc = counts.numel() // ep
         token_of_row = order // k  # [N] rows by destination expert, so by ep rank
         slot = _inverse(order)  # [N] row of each assignment
@@ -348,21 +397,33 @@ class DeviceExchange:
         R = ep * T * min(k, E_loc)  # the most rows this rank can get: a token's k experts are distinct
         cap = max(R, N)
         perm, inv = _by_expert(sources, R, cap)
-        g = d.ep_group_name
-        there, back = Route(token_of_row, send, recv, perm), Route(inv, recv, send, slot.view(T, k))
-        x_sorted = exchange(x, there, back, cap, g)  # [R, dim]
-        w_sorted = exchange(
-            probs.flatten(), Route(order, send, recv, perm), Route(inv, recv, send, slot.view(N, 1)), cap, g
+        plan = DevicePlan(
+            there=Route(token_of_row, send, recv, perm),
+            back=Route(inv, recv, send, slot.view(T, k)),
+            w_there=Route(order, send, recv, perm),
+            w_back=Route(inv, recv, send, slot.view(N, 1)),
+            sources=sources,
+            every=every,
+            cap=cap,
+            args=args,
         )
-        overlapped = overlap() if overlap is not None else None
+        return plan, x, probs.flatten()
+
+    def send(self, d, x, w, plan: DevicePlan, experts):
+        """-> (x_sorted [R, dim], w_sorted [R]): the rows by local expert, padding last."""
+        g = d.ep_group_name
+        return exchange(x, plan.there, plan.back, plan.cap, g), exchange(w, plan.w_there, plan.w_back, plan.cap, g)
+
+    def compute(self, d, x_sorted, w_sorted, plan: DevicePlan, experts):
         # no masks: the padding rows came in as zeros, their outputs are never sent, and their
         # gradients come back as zeros (the zero row)
         if d.etp > 1:
-            y_sorted = self._etp(d, x_sorted, w_sorted, every.sum(1), experts, args)
-        else:
-            y_sorted = experts(x_sorted, sources.sum(0), w_sorted, args.prob_before_w2)  # [R, dim]
-        y = exchange(y_sorted, back, there, cap, g)  # [T, dim]
-        return y, overlapped
+            return self._etp(d, x_sorted, w_sorted, plan.every.sum(1), experts, plan.args)
+        return experts(x_sorted, plan.sources.sum(0), w_sorted, plan.args.prob_before_w2)  # [R, dim]
+
+    def back(self, d, y_sorted, plan: DevicePlan) -> torch.Tensor:
+        """-> y [T, dim], each token the sum of its rows."""
+        return exchange(y_sorted, plan.back, plan.there, plan.cap, d.ep_group_name)
 
     def _etp(self, d, x_sorted, w_sorted, per_rank, experts, args: MoEArgs):
         """The etp part: x_sorted [R, dim], w_sorted [R] (this rank's arrivals by local expert,
@@ -393,7 +454,7 @@ class DeviceExchange:
 def choose(args: MoEArgs, ep: int, etp: int) -> ExactExchange | DeviceExchange:
     """The exchange a dispatcher over ep x etp runs for these settings (the rules in
     common/rules.py refuse static and device with token drop)."""
-    choice = resolve(args.exchange, ep, etp)
+    choice = args.exchange_over(ep, etp)
     if choice == "device":
         return DeviceExchange()
     if args.token_drop == "drop_and_pad":

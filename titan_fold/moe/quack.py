@@ -45,8 +45,6 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from titan_fold.moe.exchange import resolve
-
 CHOICES = ("auto", "torch", "quack")
 
 
@@ -152,7 +150,7 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
         return f"moe.token_drop = 'drop' (moe.capacity_factor = {args.capacity_factor}, unpadded)"
     if args.token_drop == "drop_and_pad":
         return None
-    if ep * etp > 1 and resolve(args.exchange, ep, etp) == "exact":
+    if ep * etp > 1 and args.exchange_over(ep, etp) == "exact":
         return (
             f"the exact exchange over parallelism.expert_parallel_degree x expert_tensor_parallel_degree = "
             f"{ep} x {etp} (moe.exchange = {args.exchange!r})"

@@ -1,5 +1,5 @@
-"""Row movement whose backward is a gather too: the pieces the dispatcher and the exchanges
-(moe/exchange.py) place rows with.
+"""Row movement whose backward is a gather too, the grouping of assignments by expert and the
+ep all-to-all: the pieces the dispatcher and the exchanges (moe/exchange.py) move rows with.
 
 x[idx] differentiates into an atomic (sort-based on CUDA) scatter-add, and index_add is an
 atomic scatter-add itself; both are several times slower than a gather. The permutations here
@@ -12,9 +12,11 @@ one kernel (fused): the [T*k, dim] gathered rows never reach memory.
 from collections.abc import Callable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_fold.common.fused import fused
-from titan_fold.common.tensors import cast
+from titan_fold.common.tensors import cast, waited
+from titan_fold.compat.distributed import funcol
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -111,3 +113,52 @@ def _by_expert(blocks: torch.Tensor, rows: int, zero_row: int) -> tuple[torch.Te
     expert_of_row = torch.where(chunk < S * E_loc, chunk % E_loc, E_loc)  # E_loc = padding
     perm = torch.sort(expert_of_row, stable=True).indices  # [rows] grouped position -> arrival row
     return torch.where(perm < ends[-1], perm, zero_row), _inverse(perm)
+
+
+def group_by(key: torch.Tensor, num_groups: int, positions: bool = True):
+    """key [N] int64 in [0, num_groups) -> (order [N], counts [num_groups], pos [N], or None
+    without positions: in eager mode each op costs the host a launch).
+
+    order lists the items grouped by key, stable (original order within a group);
+    pos[i] is item i's position inside its group.
+    """
+    n = key.numel()
+    # sorted as the narrowest integers that hold every group: a radix sort takes a pass per key
+    # byte (bench/routing.py times it); stable: same order
+    narrow = next((t for t in (torch.uint8, torch.int16, torch.int32) if num_groups <= torch.iinfo(t).max), key.dtype)
+    sorted_key, order = torch.sort(key.to(narrow), stable=True)
+    # group boundaries by binary search in the sorted keys: a counting index_add of int64 becomes
+    # a sort-based index_put under torch.compile
+    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=narrow))  # [G + 1]
+    counts, starts = bounds.diff(), bounds[:-1]
+    if not positions:
+        return order, counts, None
+    rank_in_group = torch.arange(n, device=key.device) - starts[sorted_key.long()]
+    pos = torch.empty_like(key).scatter(0, order, rank_in_group)
+    return order, counts, pos
+
+
+def _a2a(x: torch.Tensor, out_splits, in_splits, mesh: DeviceMesh | None, then: Callable | None = None) -> torch.Tensor:
+    """then: work run in backward after the reverse all-to-all is issued, before it is waited for."""
+    if mesh is None:
+        return x
+    if then is not None:
+        return _AllToAllThen.apply(x, out_splits, in_splits, mesh, then)
+    return funcol.all_to_all_single_autograd(x, out_splits, in_splits, mesh)
+
+
+class _AllToAllThen(torch.autograd.Function):
+    """all_to_all_single whose backward runs `then()` while the gradients travel; forward
+    waits at first use, as the autograd version does (the shared expert runs meanwhile)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, mesh, then):
+        ctx.splits, ctx.mesh, ctx.then = (out_splits, in_splits), mesh, then
+        return funcol.all_to_all_single(x, out_splits, in_splits, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_x = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.mesh)  # issued
+        ctx.then()
+        return waited(grad_x), None, None, None, None
