@@ -65,7 +65,7 @@ CASES = [
     ({"training.dataset_format": "chat", "mtp.num_layers": 1}, "training.document_masking with mtp.num_layers = 1"),
     (
         {"training.document_masking": True, "moe.ep_overlap": "batch_wgrad"},
-        "moe.ep_overlap = 'batch_wgrad' with training.document_masking",
+        "training.document_masking with moe.ep_overlap = 'batch_wgrad'",
     ),
     (
         {

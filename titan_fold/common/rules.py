@@ -214,10 +214,16 @@ RULES: tuple[Rule | Limits, ...] = (
         "moe.expert_kernels = 'fp8' with training.dtype = '{training.dtype}' and training.mixed_precision_param = "
         "'{training.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'",
     ),
-    Rule(
-        _masked_with(lambda c: c.mtp.num_layers > 0),
-        "training.document_masking with mtp.num_layers = {mtp.num_layers}: Multi-Token Prediction does not "
-        "take packed documents yet; set training.document_masking = false",
+    *(
+        Rule(
+            _masked_with(on),
+            f"training.document_masking with {key}: {why} does not take packed documents yet; "
+            "set training.document_masking = false",
+        )
+        for key, on, why in (
+            ("mtp.num_layers = {mtp.num_layers}", lambda c: c.mtp.num_layers > 0, "Multi-Token Prediction"),
+            ("moe.ep_overlap = '{moe.ep_overlap}'", _batched, "the overlapped micro-batch schedule"),
+        )
     ),
     Rule(
         lambda c: (
@@ -234,7 +240,6 @@ RULES: tuple[Rule | Limits, ...] = (
         "moe.ep_overlap = '{moe.ep_overlap}'",
         _overlapped,
         (
-            ("training.document_masking", lambda c: _batched(c) and documents_masked(c.training)),
             ("moe.exchange = 'device'", _device),
             ("parallelism.expert_parallel_degree = 1", lambda c: c.parallelism.expert_parallel_degree == 1),
             ("compile.enable", _compiled),
@@ -252,7 +257,7 @@ RULES: tuple[Rule | Limits, ...] = (
         "it hides the expert all-to-all of ep > 1 behind work run between the pieces of eager blocks "
         "(not one compiled graph), with the exact or static exchange; 'batch' and 'batch_wgrad' pair the "
         f"backward and forward of a {' or '.join(OVERLAP_SCHEDULES)} steady state and run the main model's "
-        "blocks only, not recomputed, without packed documents nor replayed experts",
+        "blocks only, not recomputed, without replayed experts",
     ),
     Rule(
         lambda c: c.training.objective == "policy" and c.training.dataset_format != "rollouts",
