@@ -186,8 +186,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "mtp_target_offset",
         "the MTP layer's targets one token too far ahead (future_tokens)",
         "titan_fold/models/mtp.py",
-        "        pad = torch.full_like(labels[:, :j], IGNORE_INDEX)\n        columns.append(torch.cat([labels[:, j:], pad], dim=1))\n",
-        "        pad = torch.full_like(labels[:, :j + 1], IGNORE_INDEX)\n        columns.append(torch.cat([labels[:, j + 1:], pad], dim=1))\n",
+        "shifted(labels, k + 1)], dim=-1)",
+        "shifted(labels, k + 2)], dim=-1)",
         ("tests/test_deepseek_v3.py::test_mtp_loss_against_a_written_out_computation",),
     ),
     Mutation(

@@ -281,11 +281,6 @@ RULES = (
         "loss needs each token's behaviour log-probability and advantage; set training.dataset_format = 'rollouts'",
     ),
     Rule(
-        lambda c: c.training.objective == "policy" and c.mtp.num_layers > 0,
-        "training.objective = 'policy' with mtp.num_layers = {mtp.num_layers}: the MTP layers' loss is a "
-        "language-model loss, not the policy's; choose one",
-    ),
-    Rule(
         lambda c: c.moe.routing_replay == "rollout" and c.training.dataset_format != "rollouts",
         "moe.routing_replay = 'rollout' with training.dataset_format = '{training.dataset_format}': only "
         "rollout files carry the inference engine's routed_experts; set training.dataset_format = 'rollouts'",
@@ -296,11 +291,6 @@ RULES = (
             f"moe.routing_replay = '{{moe.routing_replay}}' with {key}: {why}; choose one",
         )
         for key, on, why in (
-            (
-                "mtp.num_layers = {mtp.num_layers}",
-                lambda c: c.mtp.num_layers > 0,
-                "no engine returns the MTP layers' routing",
-            ),
             (
                 "moe.ep_overlap = '{moe.ep_overlap}'",
                 _batched,
