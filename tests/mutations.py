@@ -760,8 +760,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replay_ids_one_layer_off",
         "routing replay: each MoE layer reads the ids of the layer before it",
         "titan_fold/models/transformer.py",
-        "routed_experts[:, :, self.moe.moe_index]",
-        "routed_experts[:, :, self.moe.moe_index - 1]",
+        "routed_experts[:, :, index]",
+        "routed_experts[:, :, index - 1]",
         (
             "tests/test_routing_replay.py::test_replaying_the_routers_choice_equals_off[softmax_aux_loss]",
             "tests/test_routing_replay.py::test_replaying_the_routers_choice_equals_off[sigmoid_norm_scaled_aux_free]",
@@ -811,8 +811,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replay_recompute_reroutes",
         "routing replay under activation checkpointing: the recompute routes by the router's choice",
         "titan_fold/models/transformer.py",
-        "        replayed = None if routed_experts is None else",
-        "        replayed = None if routed_experts is None or torch._C._current_graph_task_id() != -1 else",
+        "        replayed = None if routed_experts is None or index is None else",
+        "        replayed = None if routed_experts is None or index is None or torch._C._current_graph_task_id() != -1 else",
         ("tests/test_routing_replay.py::test_recompute_replays_the_same_experts",),
     ),
     Mutation(
