@@ -803,7 +803,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "api_packs_with_document_masking_always",
         "the Python API packs rollouts with document masking whatever training.document_masking says",
         "titan_fold/api.py",
-        "            document_masking=documents_masked(config.training),\n",
+        "            document_masking=config.training.document_masking is not False,\n",
         "            document_masking=True,\n",
         ("tests/test_api.py::test_a_step_packs_as_the_run_masks_documents[off]",),
     ),

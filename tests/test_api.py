@@ -108,16 +108,15 @@ def test_api_at_one_rank(seed_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("masking", [None, False], ids=["default", "off"])
 def test_a_step_packs_as_the_run_masks_documents(masking):
-    """Trainer.pack follows training.document_masking (on for rollouts unless set false, as with MTP
-    layers): the same rows and labels, document_ids only with masking."""
+    """Trainer.pack follows training.document_masking (on unless set false, as with MTP layers,
+    whatever training.dataset_format says): the same rows and labels, document_ids only with masking."""
     from types import SimpleNamespace
 
     from titan_fold.api import Trainer
     from titan_fold.common.config import parse_args
     from titan_fold.models import FLAVORS
 
-    args = ["--job.config_file", "debug_moe.toml", "--training.dataset_format", "rollouts"]
-    args += ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+    args = ["--job.config_file", "debug_moe.toml", "--training.seq_len", "32", "--training.local_batch_size", "2"]
     if masking is not None:
         args += ["--training.document_masking", str(masking).lower(), "--mtp.num_layers", "1"]
     config = parse_args(args)

@@ -38,7 +38,6 @@ from titan_fold.checkpoint.stream import save_hub as save_hub_folder
 from titan_fold.common.config import JobConfig, parse_args
 from titan_fold.common.device import device_type
 from titan_fold.common.errors import UserError
-from titan_fold.common.rules import documents_masked
 from titan_fold.data.dataset import DataError
 from titan_fold.data.packing import PackedDocuments
 from titan_fold.data.rollouts import RoutingShape, check_rollout, rollout_fields
@@ -201,7 +200,8 @@ class Trainer:
             config.training.seq_len,
             config.training.local_batch_size,
             t.gradient_accumulation_steps,
-            document_masking=documents_masked(config.training),
+            # the records are rollouts whatever training.dataset_format says: masked unless set false
+            document_masking=config.training.document_masking is not False,
         )
 
     @torch.no_grad()
