@@ -800,14 +800,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_routing_replay.py::test_recorded_step_with_mtp_routes_its_layers_by_their_routers",),
     ),
     Mutation(
-        "api_packs_with_document_masking_always",
-        "the Python API packs rollouts with document masking whatever training.document_masking says",
-        "titan_fold/api.py",
-        "            document_masking=config.training.document_masking is not False,\n",
-        "            document_masking=True,\n",
-        ("tests/test_api.py::test_a_step_packs_as_the_run_masks_documents[off]",),
-    ),
-    Mutation(
         "replay_ids_not_split_under_cp",
         "routing replay under cp: the ids of the first s / cp tokens, not of the rank's two chunks",
         "titan_fold/moe/replay.py",

@@ -106,27 +106,6 @@ def test_api_at_one_rank(seed_checkpoint, tmp_path):
     run_ranks(api_worker, 1, tmp_path, seed_checkpoint)
 
 
-@pytest.mark.parametrize("masking", [None, False], ids=["default", "off"])
-def test_a_step_packs_as_the_run_masks_documents(masking):
-    """Trainer.pack follows training.document_masking (on unless set false, as with MTP layers,
-    whatever training.dataset_format says): the same rows and labels, document_ids only with masking."""
-    from types import SimpleNamespace
-
-    from titan_fold.api import Trainer
-    from titan_fold.common.config import parse_args
-    from titan_fold.models import FLAVORS
-
-    args = ["--job.config_file", "debug_moe.toml", "--training.seq_len", "32", "--training.local_batch_size", "2"]
-    if masking is not None:
-        args += ["--training.document_masking", str(masking).lower(), "--mtp.num_layers", "1"]
-    config = parse_args(args)
-    step = SimpleNamespace(job_config=config, model_args=FLAVORS["qwen2_moe"]["debug"], gradient_accumulation_steps=1)
-    ((inputs, labels),) = Trainer.pack(SimpleNamespace(trainer=step), RECORDS).microbatches
-    assert inputs["input"].shape == labels.shape == (2, 32)
-    assert ("document_ids" in inputs) == (masking is None)
-    assert int((labels != -100).sum()) == sum(sum(r["loss_mask"]) for r in RECORDS)
-
-
 def recorded_worker(rank: int, port: int, out_dir: str, seed: str) -> None:
     from titan_fold.api import Trainer
     from titan_fold.moe import moe_layers

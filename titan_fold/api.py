@@ -62,18 +62,12 @@ class Packed:
 
 
 def pack_rollouts(
-    records: Batch,
-    shape: RoutingShape,
-    seq_len: int,
-    local_batch_size: int,
-    microbatches: int,
-    document_masking: bool = True,
+    records: Batch, shape: RoutingShape, seq_len: int, local_batch_size: int, microbatches: int
 ) -> Packed:
     """Rollout records -> the step's micro-batches of local_batch_size rows of seq_len tokens,
     each record checked as a rollout file's are (data/rollouts.py, against the model's `shape`)
-    and packed whole, with document masking unless `document_masking` is False (the run's
-    training.document_masking: MTP layers take no packed documents), with its per-token fields
-    (behaviour log-probs, advantages, routed_experts) beside its tokens; rows left over are padding."""
+    and packed whole with document masking, with its per-token fields (behaviour log-probs,
+    advantages, routed_experts) beside its tokens; rows left over are padding."""
     documents = []
     for i, record in enumerate(records):
         try:
@@ -84,13 +78,7 @@ def pack_rollouts(
             raise UserError(f"rollout record {i}: either every record of a batch has 'routed_experts' or none")
     token_fields, fields = rollout_fields(documents, shape)
     packs = PackedDocuments(
-        [(d.ids, d.trained) for d in documents],
-        seq_len,
-        "refuse",
-        "rollouts",
-        document_masking,
-        token_fields=token_fields,
-        fields=fields,
+        [(d.ids, d.trained) for d in documents], seq_len, "refuse", "rollouts", token_fields=token_fields, fields=fields
     )
     rows = local_batch_size * microbatches
     if len(packs.packs) > rows:
@@ -200,8 +188,6 @@ class Trainer:
             config.training.seq_len,
             config.training.local_batch_size,
             t.gradient_accumulation_steps,
-            # the records are rollouts whatever training.dataset_format says: masked unless set false
-            document_masking=config.training.document_masking is not False,
         )
 
     @torch.no_grad()
