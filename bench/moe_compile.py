@@ -30,9 +30,9 @@ PRESETS = {
 }
 
 MODES = {
-    "dropless": dict(capacity_factor=None, pad_to_capacity=False),
-    "drop": dict(capacity_factor=1.0, pad_to_capacity=False),
-    "pad": dict(capacity_factor=1.0, pad_to_capacity=True),
+    "dropless": dict(token_drop="dropless", capacity_factor=None),
+    "drop": dict(token_drop="drop", capacity_factor=1.0),
+    "pad": dict(token_drop="drop_and_pad", capacity_factor=1.0),
 }
 
 

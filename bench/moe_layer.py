@@ -87,6 +87,7 @@ def build_layer(shape: dict, capacity_factor, device, dtype, impl: str = "titan_
         shared_ffn_dim=shape["shared_ffn"],
         shared_expert_gate=shape["gate"],
         norm_topk_prob=shape["norm_topk"],
+        token_drop="dropless" if capacity_factor is None else "drop",
         capacity_factor=capacity_factor,
         expert_kernels={"titan_fold_fp8": "fp8", "titan_fold_quack": "quack"}.get(impl, "torch"),
     )

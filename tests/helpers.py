@@ -363,7 +363,7 @@ def reference_moe(x, gate, w13, w2, args, bias=None, chunks=1, full_tokens=None)
         _, c, p = route_token(gate @ x[t], args, bias)
         chosen.append(c)
         probs.append(p)
-    if args.capacity_factor is None:
+    if args.token_drop == "dropless":
         kept = {(t, j) for t in range(T) for j in range(args.top_k)}
     else:
         kept = set()

@@ -598,9 +598,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "moe_key_not_passed",
         "moe.routed_scaling_factor left out of the [moe] values the model takes",
         "titan_fold/models/args.py",
-        'f.name not in (*MOVED_MOE_KEYS, "token_drop")',
-        'f.name not in (*MOVED_MOE_KEYS, "token_drop", "routed_scaling_factor")',
+        "            moved = {f.name for f in dataclasses.fields(MovedMoEKeys)}",
+        '            moved = {f.name for f in dataclasses.fields(MovedMoEKeys)} | {"routed_scaling_factor"}',
         ("tests/test_keys_reach.py::test_the_key_changes_what_it_configures[moe.routed_scaling_factor]",),
+    ),
+    Mutation(
+        "moe_key_described_twice",
+        "moe.stash_rows declared again on MoEArgs, with its own text and another default than [moe]'s",
+        "titan_fold/moe/args.py",
+        '    num_experts: int = 8\n    """Routed experts."""\n',
+        '    num_experts: int = 8\n    """Routed experts."""\n    stash_rows: int = 1024\n    """Rows of the stash."""\n',
+        ("tests/test_config.py::test_each_moe_key_is_described_once",),
     ),
     Mutation(
         "muon_ns_steps_not_passed",
@@ -974,6 +982,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         '{"off": "batch", "wgrad": "batch_wgrad"}',
         '{"off": "batch", "wgrad": "batch"}',
         ("tests/test_config.py::test_moved_speed_keys_read_as_choices[both]",),
+    ),
+    Mutation(
+        "limits_refuse_without_the_feature",
+        "a feature's limits refuse their settings where the feature is off (moe.stash_rows = 0 refused beside "
+        "moe.exchange = 'auto')",
+        "titan_fold/common/rules.py",
+        "return lambda c: self.on(c) and is_set(c)",
+        "return lambda c: is_set(c)",
+        ("tests/test_rules.py::test_default_config_breaks_no_rule",),
+    ),
+    Mutation(
+        "limits_name_their_first_setting",
+        "a feature's limits always name the first setting it is refused with, not the one that is set",
+        "titan_fold/common/rules.py",
+        'f"{self.feature} with {setting}: {self.runs_with}"',
+        'f"{self.feature} with {self.refused[0][0]}: {self.runs_with}"',
+        ("tests/test_rules.py::test_rule_met_first[moe.hot_expert_replicas = 2 with moe.capacity]",),
     ),
 )
 

@@ -112,7 +112,7 @@ def test_missing_file_names_it():
         ),
         (
             '[moe]\nexchange = "device"\n[compile]\nenable = true\ncudagraphs = true\n',
-            "compile.cudagraphs = true with moe.exchange = 'device'",
+            "moe.exchange = 'device' with compile.cudagraphs = true",
         ),
         ('[moe]\nexchange = "fast"\n', "moe.exchange"),
         (
@@ -131,15 +131,15 @@ def test_missing_file_names_it():
             "[compile]\nenable = true\ncudagraphs = true\n[parallelism]\nexpert_parallel_degree = 2\n",
             "compile.cudagraphs = true with dropless routing .*; set moe.exchange = 'static'",
         ),
-        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100: must be >= 0, and > 0 only with moe.exchange = 'static'"),
+        ("[moe]\nstash_rows = 100\n", "moe.stash_rows = 100 with moe.exchange = 'auto'"),
         (
             "[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n",  # activation checkpointing: selective
-            "moe.stash_rows = 100 with activation checkpointing",
+            "moe.stash_rows = 100 with activation_checkpoint.mode = 'selective'",
         ),
         (
             '[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
             "moe_layer_recompute = true\n",
-            "moe.stash_rows = 100 with activation checkpointing",
+            "moe.stash_rows = 100 with activation_checkpoint.mode = 'moe_layers'",
         ),
         (
             '[moe]\nstatic_ep_exchange = true\nstash_rows = 100\n[activation_checkpoint]\nmode = "none"\n'
@@ -193,19 +193,19 @@ def test_moved_static_key_reads_as_exchange(capsys):
 @pytest.mark.parametrize(
     "args,token_drop,moe_args,notice",
     [
-        pytest.param([], "dropless", (None, False), [], id="unset-dropless"),
-        pytest.param(["--moe.capacity_factor", "1.5"], "drop", (1.5, False), [], id="capacity-drops"),
+        pytest.param([], "dropless", (None, "dropless"), [], id="unset-dropless"),
+        pytest.param(["--moe.capacity_factor", "1.5"], "drop", (1.5, "drop"), [], id="capacity-drops"),
         pytest.param(
             ["--moe.capacity_factor", "1.5", "--moe.token_drop", "drop_and_pad"],
             "drop_and_pad",
-            (1.5, True),
+            (1.5, "drop_and_pad"),
             [],
             id="drop-and-pad",
         ),
         pytest.param(
             ["--moe.capacity_factor", "1.5", "--moe.pad_to_capacity", "True"],
             "drop_and_pad",
-            (1.5, True),
+            (1.5, "drop_and_pad"),
             ['notice: moe.pad_to_capacity moved to moe.token_drop; read as moe.token_drop = "drop_and_pad"'],
             id="moved-pad-key",
         ),
@@ -213,14 +213,14 @@ def test_moved_static_key_reads_as_exchange(capsys):
 )
 def test_token_drop_reaches_the_model(capsys, args, token_drop, moe_args, notice):
     """moe.token_drop is one choice; unset, capacity_factor decides; the old pad_to_capacity = true
-    reads as "drop_and_pad" with a one-line notice. The model's MoEArgs get capacity and padding."""
+    reads as "drop_and_pad" with a one-line notice. The model's MoEArgs get the capacity and the choice."""
     from titan_fold.trainer.preflight import model_args_from_config
 
     config = parse_args(["--job.config_file", "debug_moe.toml", *args])
     assert config.moe.token_drop == token_drop and not config.moe.pad_to_capacity
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")] == notice
     _, model_args = model_args_from_config(config)
-    assert (model_args.moe.capacity_factor, model_args.moe.pad_to_capacity) == moe_args
+    assert (model_args.moe.capacity_factor, model_args.moe.token_drop) == moe_args
 
 
 @pytest.mark.parametrize(
@@ -297,3 +297,53 @@ def test_packaged_configs_fit_their_world(name, world):
 
     layout = check_layout(parse_args(["--job.config_file", name]), world)
     assert layout.world_size == world and layout.ep > 1
+
+
+def _described(cls) -> tuple[dict[str, str], list[str]]:
+    """The field docstrings written in cls's own body (name -> text), and its comments."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    body = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)).body
+    docs = {
+        field.target.id: text.value.value
+        for field, text in zip(body, body[1:], strict=False)
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+        if isinstance(text, ast.Expr) and isinstance(text.value, ast.Constant) and isinstance(text.value.value, str)
+    }
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return docs, [t.string for t in tokens if t.type == tokenize.COMMENT]
+
+
+def test_each_moe_key_is_described_once():
+    """[moe] and the layer's MoEArgs are one description: every field of the section and of MoEArgs
+    has one docstring, on one class, and no comment beside it; the section's keys are MoEArgs'
+    (the moved keys aside) with its types, unset (None) where a flavor may set them and with the
+    layer's defaults for the job's keys (JOB_KEYS)."""
+    import dataclasses
+
+    from titan_fold.common.moe_config import JOB_KEYS, MoE, MovedMoEKeys
+    from titan_fold.common.rules import MOVED
+    from titan_fold.moe import MoEArgs
+
+    classes = list(dict.fromkeys(c for c in (*MoE.__mro__, *MoEArgs.__mro__) if c is not object))
+    described = {cls: _described(cls) for cls in classes}
+    assert {cls.__name__: comments for cls, (_, comments) in described.items() if comments} == {}
+    names = dict.fromkeys(f.name for cls in (MoE, MoEArgs) for f in dataclasses.fields(cls))
+    where = {name: [cls.__name__ for cls in classes if name in described[cls][0]] for name in names}
+    assert {name: on for name, on in where.items() if len(on) != 1} == {}
+
+    moved = {f.name for f in dataclasses.fields(MovedMoEKeys)}
+    assert moved == {m.old for m in MOVED if m.section == "moe"}
+    layer = {f.name: f for f in dataclasses.fields(MoEArgs)}
+    assert set(JOB_KEYS) <= set(layer)
+    for key in dataclasses.fields(MoE):
+        if key.name in moved:
+            continue
+        field = layer[key.name]
+        want = (field.type, field.default) if key.name in JOB_KEYS else (field.type | None, None)
+        assert (key.type, key.default) == want, key.name

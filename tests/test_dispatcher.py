@@ -87,7 +87,7 @@ def run_case(case_id, case, ep_mesh, etp_mesh, seq_meshes, weights_mesh, device)
         moe_ffn_dim=FFN,
         capacity_factor=cf,
         drop_policy=case.drop_policy,
-        pad_to_capacity=case.pad,
+        token_drop="dropless" if cf is None else "drop_and_pad" if case.pad else "drop",
         drop_scope="full_sequence" if n > 1 else "sub_sequence",
         load_balance="none",
         prob_before_w2=case.prob_before_w2,

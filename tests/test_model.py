@@ -301,12 +301,15 @@ def test_update_from_config():
     @dataclasses.dataclass
     class MoESection:
         top_k: int | None = None
+        token_drop: str | None = None
         capacity_factor: float | None = None
         load_balance: str | None = None
 
     flavor = FLAVORS["qwen2_moe"]["debug"]
     args = dataclasses.replace(flavor)
-    job = SimpleNamespace(training=SimpleNamespace(seq_len=96), moe=MoESection(top_k=4, capacity_factor=1.5))
+    job = SimpleNamespace(
+        training=SimpleNamespace(seq_len=96), moe=MoESection(top_k=4, token_drop="drop", capacity_factor=1.5)
+    )
     args.update_from_config(job)
     assert args.max_seq_len == 96
     assert (args.moe.top_k, args.moe.capacity_factor, args.moe.load_balance) == (4, 1.5, flavor.moe.load_balance)

@@ -25,11 +25,11 @@ def _fwd_bwd(module, x):
 
 
 @pytest.mark.parametrize(
-    "capacity_factor,pad,dtype",
-    [(1.0, True, torch.float32), (None, False, torch.bfloat16)],
-    ids=["pad_to_capacity_fp32", "dropless_bf16"],
+    "capacity_factor,token_drop,dtype",
+    [(1.0, "drop_and_pad", torch.float32), (None, "dropless", torch.bfloat16)],
+    ids=["drop_and_pad_fp32", "dropless_bf16"],
 )
-def test_fullgraph_compile(capacity_factor, pad, dtype):
+def test_fullgraph_compile(capacity_factor, token_drop, dtype):
     """Padded: every shape static. Dropless: sizes from device counts are unbacked
     symbols (fullgraph turns scalar capture on). No graph break, no recompile for new data."""
     args = MoEArgs(
@@ -38,8 +38,8 @@ def test_fullgraph_compile(capacity_factor, pad, dtype):
         moe_ffn_dim=32,
         shared_ffn_dim=16,
         shared_expert_gate=True,
+        token_drop=token_drop,
         capacity_factor=capacity_factor,
-        pad_to_capacity=pad,
         z_loss_coeff=1e-3,
     )
     moe, x = _layer_and_input(args, dtype)

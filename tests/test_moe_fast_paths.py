@@ -301,7 +301,7 @@ def test_host_sync_check_fails_on_a_sync(tensors, error):
     """The check above can fail: token drop without padding cuts the dropped rows off, a size
     read from the device."""
     with pytest.raises(error):
-        _layer_step(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, capacity_factor=1.0), tensors)
+        _layer_step(MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=32, token_drop="drop", capacity_factor=1.0), tensors)
 
 
 def test_grouped_gemm_choice_on_cpu():

@@ -68,6 +68,7 @@ def test_layer_matches_reference(dtype, prob_before_w2, top_k, num_experts, capa
         num_experts=num_experts,
         top_k=top_k,
         moe_ffn_dim=FFN,
+        token_drop="dropless" if capacity_factor is None else "drop",
         capacity_factor=capacity_factor,
         drop_policy=drop_policy,
         load_balance="none",
@@ -115,7 +116,7 @@ def test_moe_stats_leave_out_idle_layers_in_one_read():
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
-    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, capacity_factor=1.0, load_balance="none")
+    args = MoEArgs(num_experts=8, top_k=2, moe_ffn_dim=FFN, token_drop="drop", capacity_factor=1.0, load_balance="none")
     ran, idle = make_layer(args, torch.float32), make_layer(args, torch.float32, seed=1)
     with torch.no_grad():
         ran(make_input(torch.float32))
@@ -133,11 +134,12 @@ def test_moe_stats_leave_out_idle_layers_in_one_read():
 
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_pad_to_capacity_equals_unpadded(drop_policy, dtype):
+def test_drop_and_pad_equals_drop(drop_policy, dtype):
     args = MoEArgs(
         num_experts=8,
         top_k=2,
         moe_ffn_dim=FFN,
+        token_drop="drop",
         capacity_factor=1.0,
         drop_policy=drop_policy,
         load_balance="aux_loss",
@@ -145,8 +147,8 @@ def test_pad_to_capacity_equals_unpadded(drop_policy, dtype):
         shared_expert_gate=True,
     )
     results = []
-    for pad in (False, True):
-        moe = make_layer(replace(args, pad_to_capacity=pad), dtype, skew=2.0)
+    for token_drop in ("drop", "drop_and_pad"):
+        moe = make_layer(replace(args, token_drop=token_drop), dtype, skew=2.0)
         results.append(run_layer(moe, make_input(dtype, skew=2.0)))
     (y0, gx0, g0, _), (y1, gx1, g1, _) = results
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)

@@ -474,14 +474,14 @@ def test_trainer_matches_one_rank(name, one_rank_reference, tmp_path, seed_check
                 "--moe.ep_overlap",
                 "wgrad",
             ),
-            "moe.ep_overlap = 'wgrad' needs parallelism.expert_parallel_degree > 1",
+            "moe.ep_overlap = 'wgrad' with parallelism.expert_parallel_degree = 1",
         ),
         (
             (
                 "--moe.ep_overlap",
                 "batch",
             ),
-            "moe.ep_overlap = 'batch' needs parallelism.expert_parallel_degree > 1",
+            "moe.ep_overlap = 'batch' with parallelism.expert_parallel_degree = 1",
         ),
         (
             (

@@ -32,7 +32,7 @@ ROUTERS = {
     "sigmoid_norm_scaled_aux_free": dict(
         score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, load_balance="aux_free"
     ),
-    "groups_drop_and_pad": dict(num_groups=4, group_topk=2, capacity_factor=1.0, pad_to_capacity=True),
+    "groups_drop_and_pad": dict(num_groups=4, group_topk=2, token_drop="drop_and_pad", capacity_factor=1.0),
 }
 
 

@@ -33,7 +33,7 @@ class Case:
 
 CASES = [
     Case("dropless"),
-    Case("drop_padded", layer_args=dict(capacity_factor=1.0, pad_to_capacity=True)),
+    Case("drop_padded", layer_args=dict(token_drop="drop_and_pad", capacity_factor=1.0)),
     Case("shared_expert_prob_after_w2", layer_args=dict(shared_ffn_dim=FFN, prob_before_w2=False)),
     Case("recompute", recompute=True),
     Case("fsdp_edp", fsdp=True),

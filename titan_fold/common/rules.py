@@ -20,10 +20,28 @@ class Rule(NamedTuple):
     broken: Callable[[Any], bool]
     message: str
 
+    def rules(self) -> tuple["Rule", ...]:
+        return (self,)
 
-def _replayed_with(on: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """Broken when routing replay is on and `on` holds."""
-    return lambda c: c.moe.routing_replay != "off" and on(c)
+
+class Limits(NamedTuple):
+    """One feature's limits in one rule: where `on(config)` holds, the first of `refused` that
+    is set gives the line `<feature> with <setting>: <runs_with>`, which says all the feature
+    runs with (`{section.key}` fields filled from the config)."""
+
+    feature: str
+    on: Callable[[Any], bool]
+    refused: tuple[tuple[str, Callable[[Any], bool]], ...]
+    runs_with: str
+
+    def rules(self) -> tuple[Rule, ...]:
+        return tuple(
+            Rule(self._refuses(is_set), f"{self.feature} with {setting}: {self.runs_with}")
+            for setting, is_set in self.refused
+        )
+
+    def _refuses(self, is_set: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        return lambda c: self.on(c) and is_set(c)
 
 
 def _muon(c) -> bool:
@@ -54,14 +72,6 @@ def _over_ranks(c) -> bool:
     return c.parallelism.expert_parallel_degree * c.parallelism.expert_tensor_parallel_degree > 1
 
 
-def _with_copies(key: str, on: Callable[[Any], bool], why: str) -> Rule:
-    """A rule refusing moe.hot_expert_replicas with `key` (as written in the message) where `on`."""
-    return Rule(
-        lambda c: c.moe.hot_expert_replicas > 0 and on(c),
-        f"moe.hot_expert_replicas = {{moe.hot_expert_replicas}} with {key}: {why}",
-    )
-
-
 # the pipeline schedules parallel/overlap.py's overlapped_pipeline runs, by their
 # parallelism.pipeline_parallel_schedule names
 OVERLAP_SCHEDULES = ("1F1B", "Interleaved1F1B")
@@ -84,7 +94,7 @@ def _batched(c) -> bool:
     return batch_overlap(c.moe.ep_overlap)
 
 
-RULES = (
+RULES: tuple[Rule | Limits, ...] = (
     Rule(
         lambda c: c.moe.token_drop != "dropless" and c.moe.capacity_factor is None,
         "moe.token_drop = {moe.token_drop!r} needs moe.capacity_factor (capacity = ceil(tokens * top_k * "
@@ -111,20 +121,23 @@ RULES = (
         lambda c: bool(c.model.hf_config) and c.model.flavor != "hf",
         "model.hf_config is read only with model.flavor = 'hf' (flavor is {model.flavor!r})",
     ),
-    Rule(
-        lambda c: _muon(c) and c.optimizer.master_weights,
-        "optimizer.name = 'Muon' with optimizer.master_weights = true: Muon steps whole matrices after "
-        "backward, in the parameters' dtype; choose one",
+    Limits(
+        "optimizer.name = 'Muon'",
+        _muon,
+        (
+            ("optimizer.master_weights = true", lambda c: c.optimizer.master_weights),
+            ("optimizer.early_step_in_backward = true", lambda c: c.optimizer.early_step_in_backward),
+        ),
+        "Muon steps whole matrices after backward, in the parameters' dtype; choose one",
     ),
-    Rule(
-        lambda c: _muon(c) and c.optimizer.early_step_in_backward,
-        "optimizer.name = 'Muon' with optimizer.early_step_in_backward = true: Muon steps whole matrices "
-        "after backward, in the parameters' dtype; choose one",
-    ),
-    Rule(
-        lambda c: c.optimizer.master_weights and c.training.dtype != "bfloat16",
-        "optimizer.master_weights = true with training.dtype = '{training.dtype}': master weights "
-        "are for bf16 model parameters; set training.dtype = 'bfloat16'",
+    Limits(
+        "optimizer.master_weights = true",
+        lambda c: c.optimizer.master_weights,
+        (
+            ("training.dtype = '{training.dtype}'", lambda c: c.training.dtype != "bfloat16"),
+            ("optimizer.early_step_in_backward = true", lambda c: c.optimizer.early_step_in_backward),
+        ),
+        "master weights are for bf16 model parameters (training.dtype = 'bfloat16'), stepped after backward",
     ),
     Rule(
         lambda c: c.compile.cudagraphs and not c.compile.enable,
@@ -135,80 +148,53 @@ RULES = (
         "moe.exchange = 'static' with moe.capacity_factor = {moe.capacity_factor}: it is for dropless "
         "routing; token drop has moe.token_drop = 'drop_and_pad' for static shapes",
     ),
-    Rule(
-        lambda c: (
-            _device(c) and c.parallelism.expert_parallel_degree == 1 and c.parallelism.expert_tensor_parallel_degree > 1
+    Limits(
+        "moe.exchange = 'device'",
+        _device,
+        (
+            (
+                "parallelism.expert_tensor_parallel_degree = {parallelism.expert_tensor_parallel_degree} and "
+                "expert_parallel_degree = 1",
+                lambda c: c.parallelism.expert_parallel_degree == 1 and c.parallelism.expert_tensor_parallel_degree > 1,
+            ),
+            ("moe.capacity_factor = {moe.capacity_factor}", lambda c: not _dropless(c)),
+            ("compile.cudagraphs = true", lambda c: c.compile.cudagraphs),
         ),
-        "moe.exchange = 'device' with parallelism.expert_tensor_parallel_degree = "
-        "{parallelism.expert_tensor_parallel_degree} and expert_parallel_degree = 1: the device exchange "
-        "starts with the ep all-to-all; use moe.exchange = 'exact' or 'static' without ep",
+        "the device exchange is for dropless routing over ep > 1 (it starts with the ep all-to-all), "
+        "without CUDA graphs (their trees refuse its op); token drop has moe.token_drop = 'drop_and_pad', "
+        "CUDA graphs moe.exchange = 'static'",
     ),
-    Rule(
-        lambda c: _device(c) and not _dropless(c),
-        "moe.exchange = 'device' with moe.capacity_factor = {moe.capacity_factor}: it is for dropless "
-        "routing; token drop has moe.token_drop = 'drop_and_pad' for static shapes",
+    Limits(
+        "moe.hot_expert_replicas = {moe.hot_expert_replicas}",
+        lambda c: c.moe.hot_expert_replicas > 0,
+        (
+            ("moe.exchange = '{moe.exchange}'", lambda c: c.moe.exchange in ("static", "device")),
+            ("moe.capacity_factor = {moe.capacity_factor}", lambda c: not _dropless(c)),
+            ("moe.ep_overlap = '{moe.ep_overlap}'", _overlapped),
+            ("moe.expert_kernels = 'fp8'", lambda c: c.moe.expert_kernels == "fp8"),
+            ("compile.cudagraphs = true", lambda c: c.compile.cudagraphs),
+            ("parallelism.expert_parallel_degree = 1", lambda c: c.parallelism.expert_parallel_degree == 1),
+        ),
+        "the copies spread the busiest experts' rows over ep > 1 ranks, planned on the exact exchange's "
+        "sizes on the host, for dropless routing (a capacity is per expert, and a copy would split it); they "
+        "run with moe.exchange = 'exact' or 'auto', moe.ep_overlap = 'off', torch's or QuACK's expert kernels "
+        "and no CUDA graphs",
     ),
-    Rule(
-        lambda c: _device(c) and c.compile.cudagraphs,
-        "compile.cudagraphs = true with moe.exchange = 'device': CUDA graph trees refuse the device "
-        "exchange's op (tensors left in their pool); use moe.exchange = 'static' for CUDA graphs",
-    ),
-    Rule(
-        lambda c: _device(c) and _overlapped(c),
-        "moe.ep_overlap = '{moe.ep_overlap}' with moe.exchange = 'device': not built for the device exchange; "
-        "choose one",
-    ),
-    *(
-        _with_copies(key, on, why)
-        for key, on, why in (
+    Limits(
+        "moe.stash_rows = {moe.stash_rows}",
+        lambda c: c.moe.stash_rows > 0,
+        (
+            ("moe.exchange = '{moe.exchange}'", lambda c: c.moe.exchange != "static"),
             (
-                "moe.exchange = '{moe.exchange}'",
-                lambda c: c.moe.exchange in ("static", "device"),
-                "the copies are planned for the exact exchange; set moe.exchange = 'exact' or 'auto'",
+                "activation_checkpoint.mode = '{activation_checkpoint.mode}'",
+                lambda c: c.activation_checkpoint.mode != "none",
             ),
-            (
-                "moe.capacity_factor = {moe.capacity_factor}",
-                lambda c: not _dropless(c),
-                "copies are for dropless routing (a capacity is per expert, and a copy would split it); choose one",
-            ),
-            (
-                "moe.ep_overlap = '{moe.ep_overlap}'",
-                _overlapped,
-                "not built for the overlap nor the split weight gradients; choose one",
-            ),
-            (
-                "moe.expert_kernels = 'fp8'",
-                lambda c: c.moe.expert_kernels == "fp8",
-                "not built for FP8 experts; choose one",
-            ),
-            (
-                "compile.cudagraphs = true",
-                lambda c: c.compile.cudagraphs,
-                "the copies need the exact exchange, whose sizes reach the host (a graph per shape); choose one",
-            ),
-        )
-    ),
-    Rule(
-        lambda c: c.moe.hot_expert_replicas > 0 and c.parallelism.expert_parallel_degree == 1,
-        "moe.hot_expert_replicas = {moe.hot_expert_replicas} needs parallelism.expert_parallel_degree > 1: the "
-        "copies spread the busiest experts' rows over the ep ranks, and ep = 1 has one",
-    ),
-    Rule(
-        lambda c: c.moe.stash_rows > 0 and c.moe.exchange != "static",
-        "moe.stash_rows = {moe.stash_rows}: must be >= 0, and > 0 only with moe.exchange = 'static' "
-        "(it stashes that exchange's real rows)",
-    ),
-    Rule(
-        lambda c: c.moe.stash_rows > 0 and c.activation_checkpoint.mode != "none",
-        "moe.stash_rows = {moe.stash_rows} with activation checkpointing: the experts' saved tensors "
-        "are recomputed, not stashed; choose one",
-    ),
-    Rule(
-        lambda c: c.moe.stash_rows > 0 and c.compile.cudagraphs,
-        "moe.stash_rows = {moe.stash_rows} with compile.cudagraphs = true: the stash runs the experts in "
-        "eager mode between the layer's graphs, and CUDA graph trees then record the graphs again in "
-        "most steps (the parameters FSDP2 gathers move with the eager experts' allocations), slower "
-        "than compile.enable alone; choose one",
+            ("compile.cudagraphs = true", lambda c: c.compile.cudagraphs),
+        ),
+        "the stash keeps the static exchange's real rows of the tensors the experts save for backward, so "
+        "it runs with moe.exchange = 'static' and activation_checkpoint.mode = 'none' (recomputed tensors "
+        "are not saved), and without CUDA graphs (the experts run eagerly between the layer's graphs, and "
+        "the graph trees would record again in most steps)",
     ),
     Rule(
         lambda c: c.compile.cudagraphs and _over_ranks(c) and _dropless(c) and c.moe.exchange in ("auto", "exact"),
@@ -224,19 +210,9 @@ RULES = (
         "'{training.mixed_precision_param}': FP8 experts take bf16 activations; set either to 'bfloat16'",
     ),
     Rule(
-        lambda c: c.optimizer.master_weights and c.optimizer.early_step_in_backward,
-        "optimizer.master_weights = true with optimizer.early_step_in_backward: choose one",
-    ),
-    *(
-        Rule(
-            _masked_with(on),
-            f"training.document_masking with {key}: {why} does not take packed documents yet; "
-            "set training.document_masking = false",
-        )
-        for key, on, why in (
-            ("mtp.num_layers = {mtp.num_layers}", lambda c: c.mtp.num_layers > 0, "Multi-Token Prediction"),
-            ("moe.ep_overlap = '{moe.ep_overlap}'", _batched, "the overlapped micro-batch schedule"),
-        )
+        _masked_with(lambda c: c.mtp.num_layers > 0),
+        "training.document_masking with mtp.num_layers = {mtp.num_layers}: Multi-Token Prediction does not "
+        "take packed documents yet; set training.document_masking = false",
     ),
     Rule(
         lambda c: (
@@ -249,31 +225,29 @@ RULES = (
         "reads each sequence in the two-chunk cp order, and packed documents are dealt in blocks of "
         "their own; set moe.drop_scope = 'sub_sequence' or training.document_masking = false",
     ),
-    Rule(
-        lambda c: _overlapped(c) and c.parallelism.expert_parallel_degree == 1,
-        "moe.ep_overlap = '{moe.ep_overlap}' needs parallelism.expert_parallel_degree > 1: it hides the expert "
-        "all-to-all, and ep = 1 has none",
-    ),
-    Rule(
-        lambda c: _overlapped(c) and _compiled(c),
-        "moe.ep_overlap = '{moe.ep_overlap}' with compile.enable: its work runs between the pieces of a block, "
-        "outside one compiled graph; choose one",
-    ),
-    Rule(
-        lambda c: _batched(c) and _overlap_schedule_missing(c),
-        "moe.ep_overlap = '{moe.ep_overlap}' with parallelism.pipeline_parallel_schedule = "
-        "{parallelism.pipeline_parallel_schedule!r}: it pairs the backward and forward of a 1F1B steady "
-        f"state; choose {' or '.join(OVERLAP_SCHEDULES)}",
-    ),
-    Rule(
-        lambda c: _batched(c) and c.mtp.num_layers > 0,
-        "moe.ep_overlap = '{moe.ep_overlap}' with mtp.num_layers = {mtp.num_layers}: the overlapped schedule runs "
-        "the main model's blocks only; choose one",
-    ),
-    Rule(
-        lambda c: _batched(c) and c.activation_checkpoint.mode != "none",
-        "moe.ep_overlap = '{moe.ep_overlap}' with activation_checkpoint.mode = '{activation_checkpoint.mode}': the "
-        "overlapped pieces are not recomputed; choose one",
+    Limits(
+        "moe.ep_overlap = '{moe.ep_overlap}'",
+        _overlapped,
+        (
+            ("training.document_masking", lambda c: _batched(c) and documents_masked(c.training)),
+            ("moe.exchange = 'device'", _device),
+            ("parallelism.expert_parallel_degree = 1", lambda c: c.parallelism.expert_parallel_degree == 1),
+            ("compile.enable", _compiled),
+            (
+                "parallelism.pipeline_parallel_schedule = {parallelism.pipeline_parallel_schedule!r}",
+                lambda c: _batched(c) and _overlap_schedule_missing(c),
+            ),
+            ("mtp.num_layers = {mtp.num_layers}", lambda c: _batched(c) and c.mtp.num_layers > 0),
+            (
+                "activation_checkpoint.mode = '{activation_checkpoint.mode}'",
+                lambda c: _batched(c) and c.activation_checkpoint.mode != "none",
+            ),
+            ("moe.routing_replay = '{moe.routing_replay}'", lambda c: _batched(c) and c.moe.routing_replay != "off"),
+        ),
+        "it hides the expert all-to-all of ep > 1 behind work run between the pieces of eager blocks "
+        "(not one compiled graph), with the exact or static exchange; 'batch' and 'batch_wgrad' pair the "
+        f"backward and forward of a {' or '.join(OVERLAP_SCHEDULES)} steady state and run the main model's "
+        "blocks only, not recomputed, without packed documents nor replayed experts",
     ),
     Rule(
         lambda c: c.training.objective == "policy" and c.training.dataset_format != "rollouts",
@@ -285,26 +259,12 @@ RULES = (
         "moe.routing_replay = 'rollout' with training.dataset_format = '{training.dataset_format}': only "
         "rollout files carry the inference engine's routed_experts; set training.dataset_format = 'rollouts'",
     ),
-    *(
-        Rule(
-            _replayed_with(on),
-            f"moe.routing_replay = '{{moe.routing_replay}}' with {key}: {why}; choose one",
-        )
-        for key, on, why in (
-            (
-                "moe.ep_overlap = '{moe.ep_overlap}'",
-                _batched,
-                "the overlapped pieces do not carry the replayed experts",
-            ),
-        )
-    ),
     Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,
         "checkpoint.initial_load_path = {checkpoint.initial_load_path!r} needs checkpoint.enable "
         "(without it nothing would be loaded and training would start from random weights)",
     ),
 )
-
 
 OWN = object()  # in Moved.reads: the old key's own value
 
@@ -369,9 +329,14 @@ def _fields(config) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
+def rule_list() -> list[Rule]:
+    """Every rule, in the order they are checked."""
+    return [rule for entry in RULES for rule in entry.rules()]
+
+
 def broken_rule(config) -> str | None:
     """The first rule the config breaks, as its error line; None if it breaks none."""
-    for rule in RULES:
+    for rule in rule_list():
         if rule.broken(config):
             return rule.message.format(**_fields(config))
     return None
@@ -386,9 +351,20 @@ def _read_as(m: Moved) -> str:
     return f'true  is read as  {key} = "{first[1]}"{also}'
 
 
+def _template(message: str) -> str:
+    return re.sub(r"\{([\w.]+)(![rs])?\}", r"<\1>", message)
+
+
 def table() -> str:
-    """The rules' messages, `{KEY}` for a value from the config, then the moved keys."""
-    lines = [re.sub(r"\{([\w.]+)(![rs])?\}", r"<\1>", rule.message) for rule in RULES]
+    """The rules' messages, `<KEY>` for a value from the config (a feature's limits in one line,
+    the settings it is refused with joined by |), then the moved keys."""
+    lines = []
+    for entry in RULES:
+        if isinstance(entry, Limits):
+            settings = " | ".join(setting for setting, _ in entry.refused)
+            lines.append(_template(f"{entry.feature} with {settings}: {entry.runs_with}"))
+        else:
+            lines.append(_template(entry.message))
     lines += [f"{m.section}.{m.old} = {_read_as(m)} (with a notice)" for m in MOVED]
     return "\n".join(lines)
 

@@ -12,12 +12,9 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
-from titan_fold.common.rules import MOVED
+from titan_fold.common.moe_config import MovedMoEKeys
 from titan_fold.models.layers import rope_cos_sin
 from titan_fold.moe import MoEArgs
-
-# `[moe]` keys that moved to another key (the config reads them into it, with a notice)
-MOVED_MOE_KEYS = tuple(m.old for m in MOVED if m.section == "moe")
 
 # a layer's token mixer (transformers' config `layer_types`); transformer.MIXERS builds each
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
@@ -114,7 +111,9 @@ class TransformerArgs(BaseModelArgs):
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Take the job's sequence length and every `[moe]` value the user set (not None).
+        """Take the job's sequence length and every `[moe]` value that is set (not None): the
+        flavor's keys the user set, and the job's keys (common/moe_config.py); the moved keys were
+        read into their new keys (common/rules.py).
 
         This changes self: the train specs hand out copies of the flavors (FlavorCopies),
         so FLAVORS stays untouched. A `[moe]` key that MoEArgs does not have raises TypeError.
@@ -136,16 +135,12 @@ class TransformerArgs(BaseModelArgs):
             self.mtp_layers, self.mtp_loss_scaling_factor = mtp.num_layers, mtp.loss_scaling_factor
         moe_config = getattr(job_config, "moe", None)
         if moe_config is not None:
+            moved = {f.name for f in dataclasses.fields(MovedMoEKeys)}  # read into their new keys
             overrides = {
                 f.name: getattr(moe_config, f.name)
                 for f in dataclasses.fields(moe_config)
-                if getattr(moe_config, f.name) is not None and f.name not in (*MOVED_MOE_KEYS, "token_drop")
+                if f.name not in moved and getattr(moe_config, f.name) is not None
             }
-            token_drop = getattr(moe_config, "token_drop", None)
-            if token_drop is not None:  # MoEArgs: capacity_factor None = dropless, pad_to_capacity
-                overrides["pad_to_capacity"] = token_drop == "drop_and_pad"
-                if token_drop == "dropless":
-                    overrides["capacity_factor"] = None
             self.moe = dataclasses.replace(self.moe, **overrides)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

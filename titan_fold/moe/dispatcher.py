@@ -194,8 +194,9 @@ class TokenDispatcher(nn.Module):
     def keep_mask(self, probs, experts, num_seqs: int, args: MoEArgs):
         """-> (keep [T, k] bool, capacity) or (None, None) when dropless."""
         factor, seq_mesh = args.capacity_factor, self.seq_mesh
-        if factor is None:
+        if args.token_drop == "dropless":
             return None, None
+        assert factor is not None  # MoEArgs refuses token drop without a capacity factor
         T, k = experts.shape
         if args.drop_scope == "sub_sequence" or seq_mesh is None or seq_mesh.size() == 1:
             cap = capacity(T, factor, args)
@@ -248,7 +249,7 @@ class TokenDispatcher(nn.Module):
         if args.hot_expert_replicas and self.ep > 1:
             experts_idx, args, copies = plan_copies(self, experts_idx, args)
         # one rank, dropless: experts that can read each row from x in place get x itself
-        fused_gather = self.ep * self.etp == 1 and args.capacity_factor is None and experts.fuses_gather(x)
+        fused_gather = self.ep * self.etp == 1 and args.token_drop == "dropless" and experts.fuses_gather(x)
         plan, x_rows, w_rows = self.permute(x, probs, experts_idx, args, num_seqs, gather_rows=not fused_gather)
         plan.copies = copies
         if self.ep * self.etp == 1:

@@ -396,8 +396,8 @@ def choose(args: MoEArgs, ep: int, etp: int) -> ExactExchange | DeviceExchange:
     choice = resolve(args.exchange, ep, etp)
     if choice == "device":
         return DeviceExchange()
-    if args.capacity_factor is not None and args.pad_to_capacity:
+    if args.token_drop == "drop_and_pad":
         return PaddedExchange()
-    if choice == "static" and args.capacity_factor is None:
+    if choice == "static" and args.token_drop == "dropless":
         return StaticExchange()
     return ExactExchange()

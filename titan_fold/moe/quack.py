@@ -148,12 +148,10 @@ def varying_rows(args, ep: int, etp: int) -> str | None:
     degrees (the setting, for messages), or None where the count is fixed. QuACK tunes its kernels
     for every new count (its autotuner keys on the operands' shapes): there it would tune in every
     layer and step, so "auto" takes torch's GEMMs and "quack" is refused."""
-    if args.capacity_factor is not None:
-        return (
-            None
-            if args.pad_to_capacity
-            else f"moe.token_drop = 'drop' (moe.capacity_factor = {args.capacity_factor}, unpadded)"
-        )
+    if args.token_drop == "drop":
+        return f"moe.token_drop = 'drop' (moe.capacity_factor = {args.capacity_factor}, unpadded)"
+    if args.token_drop == "drop_and_pad":
+        return None
     if ep * etp > 1 and resolve(args.exchange, ep, etp) == "exact":
         return (
             f"the exact exchange over parallelism.expert_parallel_degree x expert_tensor_parallel_degree = "
