@@ -505,3 +505,29 @@ def assert_matches_one_rank(
             assert set(run[metric]) == set(ref[metric]), (name, metric, ref["step"])
             for group, value in ref[metric].items():
                 assert run[metric][group] == pytest.approx(value, rel=rel), (name, metric, group, ref["step"])
+
+
+def one_rank_step(model, loss_fn):
+    """A TrainStep over one rank's one model part, eager, without a trainer: its
+    _forward_backward(input_dict=, labels=, global_valid_tokens=) runs the trainer's micro-batch
+    (the MTP layers' scale, the aux losses' scale, the batch's split, R2's record pass, the loss)."""
+    import contextlib
+    import functools
+    from types import SimpleNamespace
+
+    from titan_fold.trainer.step import TrainStep
+
+    step = SimpleNamespace(
+        parallel_dims=SimpleNamespace(pp_enabled=False, cp=1, tp=1),
+        overlap=None,
+        model_parts=[model],
+        model_args=model.args,
+        loss_fn=loss_fn,
+        train_context=contextlib.nullcontext,
+        maybe_enable_amp=contextlib.nullcontext(),
+        step=1,
+    )
+    for name in ("post_dataloading_process", "loss_target", "_routed_experts", "_one_part_forward_backward"):
+        setattr(step, name, functools.partial(getattr(TrainStep, name), step))
+    step.forward_backward = functools.partial(TrainStep._forward_backward, step)
+    return step

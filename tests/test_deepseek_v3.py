@@ -368,8 +368,9 @@ def test_mtp_loss_against_a_written_out_computation():
     model.init_weights()
     seq = tokens(args.vocab_size, s=33)
     inputs, labels = seq[:, :-1], seq[:, 1:]
-    future = future_tokens(labels, 1)
-    assert torch.equal(future[:, :-1, 1], seq[:, 2:]) and (future[:, -1, 1] == IGNORE_INDEX).all()
+    future = future_tokens(inputs, labels, 1)
+    assert torch.equal(future[:, :, 0, 0], seq[:, 1:])  # the MTP layer's input: the next token
+    assert torch.equal(future[:, :-1, 0, 1], seq[:, 2:]) and (future[:, -1, 0, 1] == IGNORE_INDEX).all()
     model.mtp.loss_scale.fill_(1 / 50)
     h = {}
     model.norm.register_forward_hook(lambda m, a, o: h.setdefault("h", a[0]))

@@ -365,7 +365,7 @@ def forward_of(model: torch.nn.Module) -> torch.Tensor:
     from titan_fold.models.mtp import future_tokens
 
     tokens, labels = torch.randint(0, model.args.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(1))
-    future = future_tokens(labels, model.args.mtp_layers) if model.args.mtp_layers else None
+    future = future_tokens(tokens, labels, model.args.mtp_layers) if model.args.mtp_layers else None
     logits = model(tokens, future_tokens=future)
     F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
     return logits.detach()

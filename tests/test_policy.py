@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from helpers import train_from_seed
+import torch.nn.functional as F
+from helpers import one_rank_step, train_from_seed
 
 from titan_fold.common.config import parse_args
 from titan_fold.data.dataloader import build_dataset
@@ -130,3 +131,81 @@ def test_step_matches_one_rank_under_dp2_micro_batches_cp2_pp2(tmp_path, seed_ch
     # the example's routed experts are not the routers' choice: replay changes most routings
     assert 0 < one[-1]["policy_clip_frac"] < 1 and one[-1]["kl_k3"] > 0
     assert one[-1]["routing_replay_changed"] > 0.5
+
+
+def _rollout_batch(vocab: int, b: int = 2, s: int = 16, prompts: tuple[int, ...] = (5, 9)):
+    """b rollouts of s tokens, each a prompt (unlabelled) then its response; behaviour log-probs
+    and advantages per token."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (b, s), generator=gen)
+    trained = torch.arange(s)[None] >= torch.tensor(prompts)[:, None]  # [b, s] the response
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    labels[:, :-1] = torch.where(trained[:, 1:], tokens[:, 1:], IGNORE_INDEX)
+    behaviour = -torch.rand(b, s, generator=gen) * 8
+    advantages = torch.randn(b, s, generator=gen)
+    return tokens, labels, behaviour, advantages
+
+
+def test_policy_step_with_mtp_and_replay_against_float64_reference():
+    """The trainer's micro-batch (TrainStep._forward_backward) under the policy objective with one
+    MTP layer and the rollouts' routing replayed (moe.routing_replay = "rollout"), fp32, against a
+    float64 reference written here: gradients of (policy loss + mtp.loss_scaling_factor x the MTP
+    layer's cross-entropy over the labelled tokens two ahead) / the labelled tokens, the MTP layer
+    reading every token ahead (the prompt too) and routing by its own router, the main MoE layers by
+    the replayed ids; mtp_loss the mean of that cross-entropy; routing_replay_changed counting the
+    main layers only."""
+    import copy
+    import dataclasses
+
+    from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY
+    from titan_fold.models import FLAVORS, Transformer
+    from titan_fold.models.mtp import mtp_stats_from, mtp_stats_values
+    from titan_fold.moe.layer import moe_stats_from, moe_stats_values
+
+    args = FLAVORS["deepseek_v3"]["debug"]  # layer 0 dense, 1-3 MoE; the MTP layer's block MoE
+    moe = dataclasses.replace(args.moe, routing_replay="rollout", load_balance="none")
+    args = dataclasses.replace(args, moe=moe, mtp_layers=1, mtp_loss_scaling_factor=0.3)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        for m in (m for m in model.modules() if hasattr(m, "router")):
+            m.router.gate.weight.normal_(0, 0.5)  # decided routing, not near-ties
+    ref = copy.deepcopy(model).double()
+    tokens, labels, behaviour, advantages = _rollout_batch(args.vocab_size)
+    b, s = tokens.shape
+    L, E, k = args.n_moe_layers(), args.moe.num_experts, args.moe.top_k
+    routed = torch.rand(b, s, L, E, generator=torch.Generator().manual_seed(4)).argsort(-1)[..., :k]
+    n = int((labels != IGNORE_INDEX).sum())
+
+    batch = {"input": tokens, "routed_experts": routed, LOGPROBS_KEY: behaviour, ADVANTAGES_KEY: advantages}
+    step = one_rank_step(model, PolicyLoss(CLIP_LOW, CLIP_HIGH))
+    loss = step.forward_backward(input_dict=batch, labels=labels, global_valid_tokens=torch.tensor(float(n)))
+    mtp_loss = mtp_stats_from(mtp_stats_values(model))["mtp_loss"]
+    moe_stats = moe_stats_values(model)
+
+    # the reference: the main model replaying the ids; the MTP layer written out, its router choosing
+    hidden = []  # the last layer's output, the MTP layer's input h
+    ref.norm.register_forward_hook(lambda m, a, o: hidden.append(a[0]))
+    logits = ref(tokens, routed_experts=routed)  # [b, s, vocab]
+    layer = ref.mtp.layers["0"]
+    ahead = tokens[:, 1:]  # the MTP layer's input at i < s - 1: token i + 1, trained or not
+    x = layer.eh_proj(torch.cat([layer.enorm(ref.tok_embeddings(ahead)), layer.hnorm(hidden[0][:, :-1])], -1))
+    x = layer.block(x, ref.rope_cos[: s - 1], ref.rope_sin[: s - 1])  # no replayed ids: its router
+    mtp_targets = labels[:, 1:]  # token i + 2 where it is trained (the policy's tokens)
+    mtp_ce = F.cross_entropy(
+        ref.output(layer.norm(x)).flatten(0, 1), mtp_targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    policy = reference(logits, labels, behaviour, advantages, 0.0)
+    (policy / n + 0.3 * mtp_ce / n).backward()
+
+    assert loss.item() == pytest.approx(policy.item() / n, rel=1e-5)
+    assert mtp_loss == pytest.approx(mtp_ce.item() / int((mtp_targets != IGNORE_INDEX).sum()), rel=1e-5)
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        err = (p.grad.double() - want[name].grad).norm() / want[name].grad.norm().clamp_min(1e-30)
+        assert err < 1e-4, (name, err.item())
+    # every (token, main MoE layer) replayed, the MTP layer's not counted
+    assert moe_stats is not None and moe_stats[-1].item() == b * s * L
+    assert 0.5 < moe_stats_from(moe_stats)["routing_replay_changed"] < 1

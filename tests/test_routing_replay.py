@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import DIM, expert_ffn, make_layer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -180,6 +181,57 @@ def test_recorded_routing_survives_an_optimizer_step():
     assert sum(m.replay_changed[0] for m in moes) > 0
     with pytest.raises(ValueError, match="recorded on other tokens"):
         replay_routing(recording.recorded, torch.roll(tokens, 1, dims=1))
+
+
+def test_recorded_step_with_mtp_routes_its_layers_by_their_routers():
+    """The trainer's R2 micro-batch (TrainStep._forward_backward: the record pass, then the
+    training forward) on a model with two MTP layers equals `off`'s: gradients, the MTP loss, every
+    MoE layer's load counted once (the record pass runs neither the MTP layers nor their statistics);
+    the record covers the main MoE layers, each replayed routing counted in replay_changed."""
+    import copy
+
+    from helpers import one_rank_step
+
+    from titan_fold.models.mtp import IGNORE_INDEX, mtp_stats_values
+
+    def lm_loss(pred, labels):
+        return F.cross_entropy(pred.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    args = FLAVORS["deepseek_v3"]["debug"]  # layer 0 dense, 1-3 MoE; the MTP layers' blocks MoE
+    args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, load_balance="none"), mtp_layers=2)
+    torch.manual_seed(0)
+    off = Transformer(args)
+    off.init_weights()
+    with torch.no_grad():
+        for moe in (m for m in off.modules() if hasattr(m, "router")):
+            moe.router.gate.weight.normal_(0, 0.5)
+    recorded = copy.deepcopy(off)
+    # the trainer's choice (its model_args)
+    recorded.args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, routing_replay="recorded"))
+    tokens = torch.randint(0, args.vocab_size, (B, S + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    runs = []
+    for model in (off, recorded):
+        one_rank_step(model, lm_loss).forward_backward(
+            input_dict={"input": inputs}, labels=labels, global_valid_tokens=torch.tensor(float(B * S))
+        )
+        moes = [m for m in model.modules() if hasattr(m, "router")]
+        runs.append(
+            (
+                {n: p.grad for n, p in model.named_parameters()},
+                mtp_stats_values(model),
+                [m.load.clone() for m in moes],
+                sum(m.replay_changed for m in moes),
+            )
+        )
+    (grads, mtp, loads, _), (replayed_grads, replayed_mtp, replayed_loads, changed) = runs
+    assert len(loads) == args.n_moe_layers() + 2
+    for name, grad in grads.items():
+        torch.testing.assert_close(replayed_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    assert mtp is not None and mtp[1].item() == 1 and torch.equal(replayed_mtp, mtp)
+    for load, replayed_load in zip(loads, replayed_loads, strict=True):
+        assert load.sum().item() == B * S * args.moe.top_k and torch.equal(replayed_load, load)
+    assert changed.tolist() == [0, B * S * args.n_moe_layers()]
 
 
 class _Mesh:

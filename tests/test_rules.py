@@ -86,20 +86,7 @@ CASES = [
     ({"mtp.num_layers": 1, **OVERLAP}, "moe.ep_overlap = 'batch' with mtp.num_layers = 1"),
     (OVERLAP, "moe.ep_overlap = 'batch' with activation_checkpoint.mode = 'selective'"),
     ({"training.objective": "policy"}, "training.objective = 'policy' with training.dataset_format = 'text'"),
-    (
-        {
-            "training.objective": "policy",
-            "training.dataset_format": "rollouts",
-            "training.document_masking": False,
-            "mtp.num_layers": 1,
-        },
-        "training.objective = 'policy' with mtp.num_layers = 1",
-    ),
     ({"moe.routing_replay": "rollout"}, "moe.routing_replay = 'rollout' with training.dataset_format = 'text'"),
-    (
-        {"moe.routing_replay": "recorded", "mtp.num_layers": 1},
-        "moe.routing_replay = 'recorded' with mtp.num_layers = 1",
-    ),
     (
         {"moe.routing_replay": "recorded", **OVERLAP, "activation_checkpoint.mode": "none"},
         "moe.ep_overlap = 'batch' with moe.routing_replay = 'recorded'",
@@ -131,6 +118,29 @@ def test_default_config_breaks_no_rule():
 @pytest.mark.parametrize("keys,line", CASES, ids=[line for _, line in CASES])
 def test_rule_met_first(keys, line):
     assert broken_rule(config_with(keys)).startswith(line)
+
+
+# combinations no rule refuses (each once was refused)
+ACCEPTED = {
+    "policy_with_mtp": {
+        "training.objective": "policy",
+        "training.dataset_format": "rollouts",
+        "training.document_masking": False,
+        "mtp.num_layers": 1,
+    },
+    "rollout_replay_with_mtp": {
+        "moe.routing_replay": "rollout",
+        "training.dataset_format": "rollouts",
+        "training.document_masking": False,
+        "mtp.num_layers": 2,
+    },
+    "recorded_replay_with_mtp": {"moe.routing_replay": "recorded", "mtp.num_layers": 1},
+}
+
+
+@pytest.mark.parametrize("keys", ACCEPTED.values(), ids=list(ACCEPTED))
+def test_combination_accepted(keys):
+    assert broken_rule(config_with(keys)) is None
 
 
 def test_every_rule_has_its_case():

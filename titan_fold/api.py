@@ -41,6 +41,7 @@ from titan_fold.common.errors import UserError
 from titan_fold.data.dataset import DataError
 from titan_fold.data.packing import PackedDocuments
 from titan_fold.data.rollouts import RoutingShape, check_rollout, rollout_fields
+from titan_fold.models.mtp import without_mtp
 from titan_fold.moe import moe_layers
 from titan_fold.moe.replay import record_routing
 from titan_fold.trainer.fold_trainer import FoldTrainer, fit_warmup, lock_dump_folder
@@ -213,7 +214,7 @@ class Trainer:
                     recording = stack.enter_context(record_routing(t.model_parts, inputs)) if record else None
                     stack.enter_context(t.train_context())
                     stack.enter_context(t.maybe_enable_amp)
-                    logits = t.model_parts[0](inputs, **extra_inputs, **extra_kwargs)  # [b, s, vocab]
+                    logits = t.model_parts[0](inputs, **extra_inputs, **without_mtp(extra_kwargs))  # [b, s, vocab]
                 if recording is not None:
                     recorded.append(recording.recorded)
                 if isinstance(logits, DTensor):  # loss parallel: the vocabulary split over tp

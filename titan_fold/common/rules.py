@@ -44,11 +44,6 @@ class Limits(NamedTuple):
         return lambda c: self.on(c) and is_set(c)
 
 
-def _replayed_with(on: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """Broken when routing replay is on and `on` holds."""
-    return lambda c: c.moe.routing_replay != "off" and on(c)
-
-
 def _muon(c) -> bool:
     return c.optimizer.name == "Muon"
 
@@ -265,19 +260,9 @@ RULES: tuple[Rule | Limits, ...] = (
         "loss needs each token's behaviour log-probability and advantage; set training.dataset_format = 'rollouts'",
     ),
     Rule(
-        lambda c: c.training.objective == "policy" and c.mtp.num_layers > 0,
-        "training.objective = 'policy' with mtp.num_layers = {mtp.num_layers}: the MTP layers' loss is a "
-        "language-model loss, not the policy's; choose one",
-    ),
-    Rule(
         lambda c: c.moe.routing_replay == "rollout" and c.training.dataset_format != "rollouts",
         "moe.routing_replay = 'rollout' with training.dataset_format = '{training.dataset_format}': only "
         "rollout files carry the inference engine's routed_experts; set training.dataset_format = 'rollouts'",
-    ),
-    Rule(
-        _replayed_with(lambda c: c.mtp.num_layers > 0),
-        "moe.routing_replay = '{moe.routing_replay}' with mtp.num_layers = {mtp.num_layers}: no engine returns "
-        "the MTP layers' routing; choose one",
     ),
     Rule(
         lambda c: bool(c.checkpoint.initial_load_path) and not c.checkpoint.enable,

@@ -5,12 +5,15 @@ after the last layer, the k-th predicting the token k + 1 positions ahead.
         h = eh_proj([enorm(embed(t_{i+k})) ; hnorm(h)])     [b, s, 2 dim] -> [b, s, dim]
         h = block(h)                                         one transformer block (MoE or dense,
                                                               as layer n_layers + k - 1 would be)
-        logits = output(norm(h)), target t_{i+k+1}
+        logits = output(norm(h)), target t_{i+k+1} where it is trained (future_tokens)
 
-The embedding and the output head are the main model's (shared, passed in). The loss of
-layer k is its cross-entropy sum over valid targets times `loss_scale` (1 / the step's global
-token count, set by the trainer, as for the main loss) times mtp_loss_scaling_factor /
-mtp_layers; the model adds it to backward. `stats` keeps (sum of the per-layer mean losses,
+The embedding and the output head are the main model's (shared, passed in). The targets are
+the tokens the main loss counts (its labels: under the policy objective the rollouts' response
+tokens), the inputs every token. The loss of layer k is its cross-entropy sum over valid targets
+times `loss_scale` (1 / the step's global token count, set by the trainer, as for the main loss)
+times mtp_loss_scaling_factor / mtp_layers; the model adds it to backward. The blocks' MoE layers
+route by their own routers: routing replay's ids cover the main model's MoE layers only (they
+have no column in routed_experts, moe/replay.py). `stats` keeps (sum of the per-layer mean losses,
 calls) for the `mtp_loss` metric (mtp_stats_values, mtp_stats_from).
 """
 
@@ -24,6 +27,7 @@ from torch import nn
 from titan_fold.models.layers import trunc_normal_
 
 IGNORE_INDEX = -100  # torchtitan's, for labels past the end of a sequence
+FUTURE_TOKENS = "future_tokens"  # the model's keyword for the MTP layers' tokens (future_tokens())
 
 
 class MTPLayer(nn.Module):
@@ -67,11 +71,12 @@ class MultiTokenPrediction(nn.Module):
         head: nn.Module,
     ) -> torch.Tensor:
         """h [b, s, dim]: the main model's last hidden state (before its final norm);
-        future_tokens [b, s, mtp_layers + 1]. Returns the scaled loss (a scalar with gradient)."""
+        future_tokens [b, s, mtp_layers, 2]: each layer's input token and target (future_tokens()).
+        Returns the scaled loss (a scalar with gradient)."""
         total = torch.zeros((), device=h.device)
         means = []
         for k, layer in enumerate(self.layers.values()):
-            inputs, targets = future_tokens[..., k], future_tokens[..., k + 1]  # [b, s]
+            inputs, targets = future_tokens[..., k, 0], future_tokens[..., k, 1]  # [b, s]
             e = embed(inputs.clamp(min=0))  # past the end: any token, its positions have no target
             h = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(h)], dim=-1))
             h = layer.block(h, cos, sin)
@@ -95,14 +100,29 @@ class MultiTokenPrediction(nn.Module):
         self.stats.zero_()
 
 
-def future_tokens(labels: torch.Tensor, mtp_layers: int) -> torch.Tensor:
-    """[b, s] labels (the next token of each input) -> [b, s, mtp_layers + 1]: column j holds
-    the token j + 1 positions after the input, IGNORE_INDEX past the end of the sequence."""
-    columns = [labels]
-    for j in range(1, mtp_layers + 1):
-        pad = torch.full_like(labels[:, :j], IGNORE_INDEX)
-        columns.append(torch.cat([labels[:, j:], pad], dim=1))
-    return torch.stack(columns, dim=-1)
+def future_tokens(inputs: torch.Tensor, labels: torch.Tensor, mtp_layers: int) -> torch.Tensor:
+    """inputs [b, s] and their labels [b, s] (the next token where it is trained, else IGNORE_INDEX)
+    -> [b, s, mtp_layers, 2]: MTP layer k's (input, target) at each position, k from 0:
+
+        [..., k, 0]  the token k + 1 positions after the input, trained or not (a response's
+                     MTP layers see its prompt as the main model does)
+        [..., k, 1]  the label k + 1 positions after: the token k + 2 after where it is trained
+
+    IGNORE_INDEX past the end of the sequence. Without masked labels, [..., k, 0] is [..., k - 1, 1]."""
+    ahead = torch.cat([inputs[:, 1:], labels[:, -1:]], dim=1)  # [b, s] the next token (the last: its label)
+
+    def shifted(x: torch.Tensor, j: int) -> torch.Tensor:  # x[:, i + j] at i, IGNORE_INDEX past the end
+        return torch.cat([x[:, j:], torch.full_like(x[:, :j], IGNORE_INDEX)], dim=1)
+
+    layers = [torch.stack([shifted(ahead, k), shifted(labels, k + 1)], dim=-1) for k in range(mtp_layers)]
+    return torch.stack(layers, dim=2)
+
+
+def without_mtp(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model's keywords less the MTP layers' tokens: a pass that reads only the main model
+    (routing replay's record pass, the Python API's log-probs) does not run the MTP layers, so
+    their loss and statistics are counted once per step."""
+    return {k: v for k, v in kwargs.items() if k != FUTURE_TOKENS}
 
 
 def mtp_modules(model_parts) -> list[MultiTokenPrediction]:

@@ -156,8 +156,10 @@ class TransformerBlock(nn.Module):
         if self.moe_enabled:
             self.moe = MoE(args.dim, args.moe)
             # this layer's place among the model's MoE layers (routed_experts' layer dim): counted
-            # over the whole model, so a pipeline stage's layers read their own columns
-            self.moe.moe_index = sum(args.is_moe_layer(i) for i in range(layer_id))
+            # over the whole model, so a pipeline stage's layers read their own columns. None in
+            # an MTP layer's block (layer_id >= n_layers): no column, its router chooses
+            main = layer_id < args.n_layers
+            self.moe.moe_index = sum(args.is_moe_layer(i) for i in range(layer_id)) if main else None
             self.moe.n_moe_layers = args.n_moe_layers()
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
@@ -175,7 +177,8 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         if not self.moe_enabled:
             return h + self.feed_forward(self.ffn_norm(h))
-        replayed = None if routed_experts is None else routed_experts[:, :, self.moe.moe_index]  # [b, s', k]
+        index = self.moe.moe_index
+        replayed = None if routed_experts is None or index is None else routed_experts[:, :, index]  # [b, s', k]
         return h + self.moe(self.ffn_norm(h), routed_experts=replayed)
 
     def init_weights(self, init_std: float):

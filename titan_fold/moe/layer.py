@@ -72,8 +72,10 @@ class MoE(nn.Module):
         # call [T, k] are appended here; None = not recording
         self.recorded: list[torch.Tensor] | None = None
         # the layer's place among its model's MoE layers, and their number (routed_experts' layer
-        # dim); set by the model's block
-        self.moe_index, self.n_moe_layers = 0, 1
+        # dim); set by the model's block. None: routing replay does not cover the layer (an MTP
+        # layer's), its router always chooses
+        self.moe_index: int | None = 0
+        self.n_moe_layers = 1
 
     def forward(self, x: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """x [b, s, dim] this rank's tokens; routed_experts [b, s, k] int64: the experts to replay

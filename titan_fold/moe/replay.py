@@ -12,7 +12,8 @@ aux-free bias and metrics.expert_load count the replayed experts (moe/router.py:
 Data flow. The ids follow the tokens: `shard_routed_experts` splits them as the trainer splits the
 batch (cp's two chunks, or packed documents' blocks in cp_order; then sequence parallelism's tp
 pieces), the model hands each MoE layer its own column (`MoE.moe_index`, the layer's place among
-the whole model's MoE layers, so a pipeline stage reads its own layers'), and the dispatcher moves
+the main model's MoE layers, so a pipeline stage reads its own layers'; the MTP layers' MoE layers
+have none and route by their routers: replayed_layers), and the dispatcher moves
 them as any choice: capacity drops after the replay, hot-expert copies map the replayed logical
 ids, activation checkpointing's recompute gets the same argument and replays the same ids.
 """
@@ -69,6 +70,13 @@ class Recording:
     recorded: RecordedRouting | None = None
 
 
+def replayed_layers(model_parts) -> list[MoE]:
+    """The MoE layers routing replay covers, those with a column in routed_experts: the main
+    model's. An MTP layer's (moe_index None) routes by its router in every mode: no engine returns
+    its routing, and R2 neither records nor replays it."""
+    return [moe for moe in moe_layers(model_parts) if moe.moe_index is not None]
+
+
 @contextlib.contextmanager
 def record_routing(model_parts, tokens: torch.Tensor):
     """Record the experts each MoE layer of model_parts chooses in the forward run inside the block
@@ -76,7 +84,7 @@ def record_routing(model_parts, tokens: torch.Tensor):
     [b, s] (the forward's input), without gradient and in eager mode (the layers
     append their choice to a list, which a compiled graph would break on): the R2 record pass.
     Nothing is counted in the layers' statistics or expert load."""
-    layers = moe_layers(model_parts)
+    layers = replayed_layers(model_parts)
     for moe in layers:
         moe.recorded = []
     recording = Recording(tokens)

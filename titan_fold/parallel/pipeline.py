@@ -42,6 +42,7 @@ from torchtitan.tools.logging import logger
 from titan_fold.common.errors import UserError
 from titan_fold.common.moe_config import batch_overlap
 from titan_fold.common.tensors import local
+from titan_fold.models.mtp import without_mtp
 from titan_fold.moe import moe_layers
 from titan_fold.moe.replay import ROUTED_EXPERTS, record_routing, replay_routing
 from titan_fold.parallel.mesh import Layout, LayoutError
@@ -301,7 +302,7 @@ def pipeline_forward_backward(trainer, *, input_dict, labels, global_valid_token
                 schedule.eval(
                     *inputs,
                     **extra,
-                    **extra_kwargs,
+                    **without_mtp(extra_kwargs),
                     **{AUX_SCALE_KWARG: aux_scale},
                     target=labels if last else None,
                     losses=[] if last else None,

@@ -16,7 +16,9 @@ the step's update (the trainer takes one optimizer step per batch, so that is sg
 the mismatch between trainer and engine is corrected by the trainer / behaviour probability
 ratio, capped at tis_cap (truncated importance sampling, as verl's and slime's TIS). The sum is this function's; the trainer divides it by the global token count
 as it does the language-model loss (trainer/step.py), so packing, micro-batches and dp do not
-change the loss. No reference model enters it.
+change the loss. No reference model enters it. With MTP layers (mtp.num_layers) their
+language-model loss on the same labelled tokens enters backward beside it, scaled as in
+pre-training (models/mtp.py); it reads the labels only, not b_t or A_t.
 
 The per-token inputs travel in the loss's target, one float tensor [b, s, 3] (policy_target):
 the label id, b_t and A_t. cp shards it and the pipeline schedule splits it as the labels, and

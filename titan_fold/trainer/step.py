@@ -30,7 +30,7 @@ from titan_fold.data.rollouts import ADVANTAGES_KEY, LOGPROBS_KEY, ROUTED_EXPERT
 from titan_fold.models.args import TransformerArgs
 from titan_fold.models.documents import one_document
 from titan_fold.models.groups import GROUPS, parameter_group
-from titan_fold.models.mtp import future_tokens, mtp_modules
+from titan_fold.models.mtp import FUTURE_TOKENS, future_tokens, mtp_modules, without_mtp
 from titan_fold.moe import moe_layers
 from titan_fold.moe.replay import (
     ROUTED_EXPERTS,
@@ -108,7 +108,9 @@ class TrainStep:
         if "document_ids" in input_dict:  # every pipeline stage masks attention by document
             extra_kwargs["document_ids"] = input_dict["document_ids"]
         layout = self.parallel_dims
-        future = future_tokens(labels, self.model_args.mtp_layers) if self.model_args.mtp_layers else None
+        mtp_layers = self.model_args.mtp_layers
+        # taken before the loss target: the MTP layers' targets are the labels (the policy's too)
+        future = future_tokens(inputs, labels, mtp_layers) if mtp_layers else None
         labels = self.loss_target(input_dict, labels)
         cp_index = None  # the cp rank's token indices, for routed_experts
         if CP_ORDER in input_dict:  # packed documents: blocks dealt by their work (cp_documents.py)
@@ -124,7 +126,7 @@ class TrainStep:
             if future is not None:  # taken before the split: tokens ahead may sit in another rank's chunk
                 future = future.index_select(1, extra_kwargs["positions"])
         if future is not None:
-            extra_kwargs["future_tokens"] = future
+            extra_kwargs[FUTURE_TOKENS] = future
         if routed is not None:  # a kwarg: every pipeline stage's MoE layers read their own columns
             tp_rank = layout.attention["tp"].get_local_rank() if layout.tp > 1 else 0
             extra_kwargs[ROUTED_EXPERTS] = shard_routed_experts(routed, cp_index, layout.tp, tp_rank)
@@ -212,7 +214,7 @@ class TrainStep:
             else:
                 with record_routing(self.model_parts, inputs) as recording, self.train_context():
                     with self.maybe_enable_amp:
-                        self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                        self.model_parts[0](inputs, **extra_inputs, **without_mtp(extra_kwargs))
                 assert recording.recorded is not None  # set as the block exits
                 extra_kwargs[ROUTED_EXPERTS] = replay_routing(recording.recorded, inputs)
         with self.train_context():  # loss parallel under tp: the backward too
