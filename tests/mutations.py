@@ -993,6 +993,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_rules.py::test_default_config_breaks_no_rule",),
     ),
     Mutation(
+        "one_of_names_the_pair_backwards",
+        "settings that are one decision name the later one first (optimizer.master_weights = true with "
+        "optimizer.name = 'Muon')",
+        "titan_fold/common/rules.py",
+        'f"{first} with {second}: {self.why}"',
+        'f"{second} with {first}: {self.why}"',
+        ("tests/test_rules.py::test_rule_met_first[optimizer.name = 'Muon' with optimizer.master]",),
+    ),
+    Mutation(
         "limits_name_their_first_setting",
         "a feature's limits always name the first setting it is refused with, not the one that is set",
         "titan_fold/common/rules.py",

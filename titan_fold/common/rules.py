@@ -2,9 +2,11 @@
 keys read as their new ones: config.validate applies both before any process starts;
 docs/configuration.md prints them (`python -m titan_fold.common.rules`). Rules that need the
 world size, the model or the machine (degrees, the GPU, files) are checked at launch
-(trainer/preflight.py)."""
+(trainer/preflight.py). A feature's limits are one row (`Limits`: the settings it is refused
+with, and all it runs with), and so are settings that are one decision (`OneOf`)."""
 
 import dataclasses
+import itertools
 import re
 import sys
 from collections.abc import Callable
@@ -42,6 +44,21 @@ class Limits(NamedTuple):
 
     def _refuses(self, is_set: Callable[[Any], bool]) -> Callable[[Any], bool]:
         return lambda c: self.on(c) and is_set(c)
+
+
+class OneOf(NamedTuple):
+    """Settings that are one decision: any two set give the line `<first> with <second>: <why>`."""
+
+    settings: tuple[tuple[str, Callable[[Any], bool]], ...]
+    why: str
+
+    def rules(self) -> tuple[Rule, ...]:
+        pairs = itertools.combinations(self.settings, 2)
+        return tuple(Rule(self._both(a, b), f"{first} with {second}: {self.why}") for (first, a), (second, b) in pairs)
+
+    @staticmethod
+    def _both(a: Callable[[Any], bool], b: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        return lambda c: a(c) and b(c)
 
 
 def _muon(c) -> bool:
@@ -94,7 +111,7 @@ def _batched(c) -> bool:
     return batch_overlap(c.moe.ep_overlap)
 
 
-RULES: tuple[Rule | Limits, ...] = (
+RULES: tuple[Rule | Limits | OneOf, ...] = (
     Rule(
         lambda c: c.moe.token_drop != "dropless" and c.moe.capacity_factor is None,
         "moe.token_drop = {moe.token_drop!r} needs moe.capacity_factor (capacity = ceil(tokens * top_k * "
@@ -121,23 +138,20 @@ RULES: tuple[Rule | Limits, ...] = (
         lambda c: bool(c.model.hf_config) and c.model.flavor != "hf",
         "model.hf_config is read only with model.flavor = 'hf' (flavor is {model.flavor!r})",
     ),
-    Limits(
-        "optimizer.name = 'Muon'",
-        _muon,
+    OneOf(
         (
+            ("optimizer.name = 'Muon'", _muon),
             ("optimizer.master_weights = true", lambda c: c.optimizer.master_weights),
             ("optimizer.early_step_in_backward = true", lambda c: c.optimizer.early_step_in_backward),
         ),
-        "Muon steps whole matrices after backward, in the parameters' dtype; choose one",
+        "each is a way to step the parameters (Muon: whole matrices after backward, in the parameters' "
+        "dtype; master weights: fp32 copies after backward; the early step: each parameter in backward, "
+        "as its gradient arrives); choose one",
     ),
-    Limits(
-        "optimizer.master_weights = true",
-        lambda c: c.optimizer.master_weights,
-        (
-            ("training.dtype = '{training.dtype}'", lambda c: c.training.dtype != "bfloat16"),
-            ("optimizer.early_step_in_backward = true", lambda c: c.optimizer.early_step_in_backward),
-        ),
-        "master weights are for bf16 model parameters (training.dtype = 'bfloat16'), stepped after backward",
+    Rule(
+        lambda c: c.optimizer.master_weights and c.training.dtype != "bfloat16",
+        "optimizer.master_weights = true with training.dtype = '{training.dtype}': master weights "
+        "are for bf16 model parameters; set training.dtype = 'bfloat16'",
     ),
     Rule(
         lambda c: c.compile.cudagraphs and not c.compile.enable,
@@ -368,6 +382,9 @@ def table() -> str:
         if isinstance(entry, Limits):
             settings = " | ".join(setting for setting, _ in entry.refused)
             lines.append(_template(f"{entry.feature} with {settings}: {entry.runs_with}"))
+        elif isinstance(entry, OneOf):
+            settings = " | ".join(setting for setting, _ in entry.settings)
+            lines.append(_template(f"at most one of {settings}: {entry.why}"))
         else:
             lines.append(_template(entry.message))
     lines += [f"{m.section}.{m.old} = {_read_as(m)} (with a notice)" for m in MOVED]
