@@ -47,6 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import titan_fold.moe.dispatcher as dispatcher_mod  # noqa: E402
+import titan_fold.moe.exchange as exchange_mod  # noqa: E402
 from bench.common import (  # noqa: E402
     copy_tbps,
     dense_gemm_tflops,
@@ -164,11 +165,12 @@ class RankShareRouter(torch.nn.Module):
 
 # ---- breakdown ------------------------------------------------------------------------------
 
-_WRAPPED = {  # module-level functions of the dispatcher, each timed as one part
-    "group_by": "moe::permute_sort",
-    "_a2a": "moe::all_to_all",
-    "_all_gather_v": "moe::all_gather_v",
-    "_reduce_scatter_v": "moe::reduce_scatter_v",
+_WRAPPED = {  # module-level functions of the dispatcher and its exchanges, each timed as one part
+    (dispatcher_mod, "group_by"): "moe::permute_sort",
+    (exchange_mod, "group_by"): "moe::permute_sort",
+    (exchange_mod, "_a2a"): "moe::all_to_all",
+    (dispatcher_mod, "_all_gather_v"): "moe::all_gather_v",
+    (dispatcher_mod, "_reduce_scatter_v"): "moe::reduce_scatter_v",
 }
 
 
@@ -177,7 +179,7 @@ def annotated(layer: MoE):
     """Name the parts of the layer's forward with profiler ranges (eager only)."""
     from torch.profiler import record_function
 
-    originals = {fn: getattr(dispatcher_mod, fn) for fn in _WRAPPED}
+    originals = {(module, fn): getattr(module, fn) for module, fn in _WRAPPED}
     original_splits = dispatcher_mod.TokenDispatcher._splits
 
     def wrap(fn, label):
@@ -187,8 +189,8 @@ def annotated(layer: MoE):
 
         return inner
 
-    for fn, label in _WRAPPED.items():
-        setattr(dispatcher_mod, fn, wrap(originals[fn], label))
+    for (module, fn), label in _WRAPPED.items():
+        setattr(module, fn, wrap(originals[module, fn], label))
     dispatcher_mod.TokenDispatcher._splits = wrap(original_splits, "moe::count_exchange")
     handles, stack = [], []
     parts = {
@@ -216,8 +218,8 @@ def annotated(layer: MoE):
     finally:
         for h in handles:
             h.remove()
-        for fn in _WRAPPED:
-            setattr(dispatcher_mod, fn, originals[fn])
+        for module, fn in _WRAPPED:
+            setattr(module, fn, originals[module, fn])
         dispatcher_mod.TokenDispatcher._splits = original_splits
 
 

@@ -460,9 +460,9 @@ def test_copies_gradient_counted_twice(monkeypatch):
 @pytest.mark.slow
 def test_copies_the_layer_never_made(monkeypatch):
     """The plan gives the expert weights copies, but the layer routes without them."""
-    from titan_fold.moe import dispatcher
+    from titan_fold.moe import exchange
 
-    monkeypatch.setattr(dispatcher, "plan_copies", lambda d, experts_idx, args: (experts_idx, args, None))
+    monkeypatch.setattr(exchange, "plan_copies", lambda d, experts_idx, args: (experts_idx, args, None))
     found = bad(run("debug_moe.toml", 4, *COPIES, ranks=(0,)))
     assert set(found) == COPIED
     assert found["layers.1.moe.experts.w2 copies"][0] == "the plan has copies summed over ep, the layer made none"
