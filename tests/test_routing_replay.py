@@ -199,12 +199,7 @@ def test_recorded_step_with_mtp_routes_its_layers_by_their_routers():
 
     args = FLAVORS["deepseek_v3"]["debug"]  # layer 0 dense, 1-3 MoE; the MTP layers' blocks MoE
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, load_balance="none"), mtp_layers=2)
-    torch.manual_seed(0)
-    off = Transformer(args)
-    off.init_weights()
-    with torch.no_grad():
-        for moe in (m for m in off.modules() if hasattr(m, "router")):
-            moe.router.gate.weight.normal_(0, 0.5)
+    off = _sharp_router_model(args)
     recorded = copy.deepcopy(off)
     # the trainer's choice (its model_args)
     recorded.args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, routing_replay="recorded"))
@@ -353,13 +348,20 @@ def _stage_parts(model, n: int):
     return [first, last]
 
 
-def _reference(args, batch):
+def _sharp_router_model(args):
+    """The model of args, seed 0, its routers' weights drawn wide (N(0, 0.5)) so that the
+    experts' scores are far apart: a change of routing shows in the outputs."""
     torch.manual_seed(0)
-    ref = Transformer(args)
-    ref.init_weights()
+    model = Transformer(args)
+    model.init_weights()
     with torch.no_grad():
-        for moe in (m for m in ref.modules() if hasattr(m, "router")):
+        for moe in (m for m in model.modules() if hasattr(m, "router")):
             moe.router.gate.weight.normal_(0, 0.5)
+    return model
+
+
+def _reference(args, batch):
+    ref = _sharp_router_model(args)
     kwargs = {k: batch[k] for k in ("document_ids", "routed_experts") if k in batch}
     logits = ref(batch["input"], **kwargs)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
