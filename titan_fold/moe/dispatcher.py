@@ -19,8 +19,9 @@ Forward of one layer (rank r, N = T * top_k assignments):
     combine          gather each token's rows and sum them (the probability is already applied)
 
 Where rows are placed, how big the collectives are and how the arrivals are grouped is the
-dispatcher's exchange (moe/exchange.py), chosen once when it is built; the device exchange runs
-the call after routing its own way. All collectives are functional and autograd-aware:
+dispatcher's exchange (moe/exchange.py), chosen once when it is built; forward runs its phases
+(route, send, compute, back). The device exchange moves rows with its own op, without the
+permute and combine above. All collectives are functional and autograd-aware:
 backward mirrors forward (all-to-all reversed, all-gather <-> reduce-scatter) without
 hand-written communication code.
 Gloo has no uneven all-gather, so all-gather-v and reduce-scatter-v are all-to-alls.
